@@ -1,0 +1,365 @@
+"""Comparing a legacy result with an upstream result, leaf by leaf.
+
+Both outputs are flattened with torch's pytree (dataclasses are opened too) into pairs of leaves
+named by their path. Structure, Python types, tensor metadata and aliasing are checked on the host;
+tensor values are reduced on the tensors' own device to a few statistics per leaf, and all leaves'
+statistics travel to the host together in one ``.tolist()``: one host synchronisation per comparison.
+
+On the CPU large tensors are processed in cache-sized chunks, so that the dozen elementwise steps
+below stream each element through memory once instead of allocating a dozen full-size temporaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_iter
+
+from shadow import tolerance as tol
+from shadow.observation import MISMATCH_REASONS, bounded
+
+#: Elements per chunk by device type. Accelerators take whole tensors: their kernels are fast and each
+#: chunk would cost a dozen launches; the CPU profits from staying in cache.
+_CHUNK = {"cpu": 1 << 18}
+_WHOLE = 1 << 62
+
+_HALF_TYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """The verdict on one pair of outputs."""
+
+    outcome: str  # "match" (bitwise equal), "close" (within tolerance) or "mismatch"
+    reasons: tuple[str, ...] = ()
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    mismatched: int = 0
+    numel: int = 0
+    detail: str = ""
+
+
+# --------------------------------------------------------------------------- structure
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def _flatten(obj: Any, prefix: str = "") -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """(leaves by path, container specs by path) of a nested output."""
+    pairs, spec = tree_flatten_with_path(obj, is_leaf=_is_dataclass_instance)
+    leaves: dict[str, Any] = {}
+    specs: list[tuple[str, Any]] = [(prefix, spec)]
+    for key_path, leaf in pairs:
+        path = prefix + keystr(key_path)
+        if _is_dataclass_instance(leaf):
+            specs.append((path, type(leaf)))
+            fields = {f.name: getattr(leaf, f.name) for f in dataclasses.fields(leaf)}
+            sub_leaves, sub_specs = _flatten(fields, path)
+            leaves.update(sub_leaves)
+            specs.extend(sub_specs)
+        else:
+            leaves[path] = leaf
+    return leaves, specs
+
+
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (t.device, ptr) if ptr else None
+
+
+def _alias_map(inputs: Any) -> dict[tuple, int]:
+    keys: dict[tuple, int] = {}
+    for index, leaf in enumerate(x for x in tree_iter(inputs) if isinstance(x, torch.Tensor)):
+        key = _storage_key(leaf)
+        if key is not None:
+            keys.setdefault(key, index)
+    return keys
+
+
+# --------------------------------------------------------------------------- values
+
+
+def _compute_dtype(first: torch.dtype, second: torch.dtype) -> torch.dtype:
+    """float32 for everything but float64 (NPUs have no float64: never upcast half types to it)."""
+    return torch.float64 if torch.float64 in (first, second) else torch.float32
+
+
+def _bits(value: torch.Tensor) -> torch.Tensor:
+    """A 0-d float32/float64 tensor reinterpreted as an int64 tensor, to travel with the counts."""
+    if value.dtype == torch.float64:
+        return value.view(torch.int64)
+    return value.view(torch.int32).to(torch.int64)
+
+
+def _unbits(value: int, compute: torch.dtype) -> float:
+    if compute == torch.float64:
+        return struct.unpack("<d", struct.pack("<q", value))[0]
+    return struct.unpack("<f", struct.pack("<i", value))[0]
+
+
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    t = t.detach().reshape(-1)
+    return torch.view_as_real(t).reshape(-1) if t.is_complex() else t
+
+
+def _int_view(t: torch.Tensor) -> torch.Tensor | None:
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
+    return t.view(width) if width is not None and t.dtype != torch.bool else t
+
+
+def _chunk_stats(
+    a: torch.Tensor, b: torch.Tensor, tolerance: tol.Tolerance, compute: torch.dtype, same_dtype: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For one chunk: int64[3] (bitwise differing, out of tolerance, NaN/inf disagreements),
+    float[2] (max abs error, max rel error over finite elements) and the out-of-tolerance mask."""
+    if same_dtype:
+        bitdiff = (_int_view(a) != _int_view(b)).sum()
+    else:
+        bitdiff = torch.tensor(a.numel(), device=a.device)
+    if not (a.is_floating_point() or b.is_floating_point()):
+        bad = a != b
+        diff = (a.to(compute) - b.to(compute)).abs_()
+        absa = a.to(compute).abs_()
+        nonfinite = torch.zeros((), dtype=torch.int64, device=a.device)
+    else:
+        a, b = a.to(compute), b.to(compute)
+        diff = torch.sub(a, b).abs_()  # NaN where either side is NaN or both are the same infinity
+        absa = a.abs()
+        close = torch.sub(diff, absa, alpha=tolerance.rtol) <= tolerance.atol  # False on NaN and inf
+        close |= a == b  # equal infinities
+        if tolerance.equal_nan:
+            close |= a.isnan() & b.isnan()
+        bad = close.logical_not_()
+        finite = diff.isfinite()
+        nonfinite = (bad & finite.logical_not()).sum()
+        diff.nan_to_num_(0.0, 0.0, 0.0)
+    rel = torch.div(diff, absa).nan_to_num_(0.0, math.inf, math.inf)
+    counts = torch.stack([bitdiff.to(torch.int64), bad.sum(), nonfinite])
+    errors = torch.stack([diff.max(), rel.max()])
+    return counts, errors, bad
+
+
+def _value_stats(
+    legacy: torch.Tensor, upstream: torch.Tensor, tolerance: tol.Tolerance
+) -> tuple[torch.Tensor, torch.dtype]:
+    """int64[8] on the tensors' device: bitwise differing, out of tolerance, NaN/inf disagreements,
+    first out-of-tolerance flat index (-1 if none), then as float bits: max abs error, max rel error,
+    legacy and upstream value at that index."""
+    compute = _compute_dtype(legacy.dtype, upstream.dtype)
+    a, b = _as_real(legacy), _as_real(upstream)
+    same_dtype = legacy.dtype == upstream.dtype
+    n = a.numel()
+    chunk = _CHUNK.get(a.device.type, _WHOLE)
+    counts, errors, firsts = [], [], []
+    for start in range(0, n, chunk):
+        c, e, bad = _chunk_stats(a[start : start + chunk], b[start : start + chunk], tolerance, compute, same_dtype)
+        counts.append(c)
+        errors.append(e)
+        firsts.append(torch.where(bad.any(), bad.to(torch.uint8).argmax() + start, n))
+    first = torch.stack(firsts).min()
+    at = first.clamp(max=n - 1)
+    total = torch.stack(counts).sum(0)
+    worst = torch.stack(errors).amax(0)
+    legacy_value, upstream_value = a[at].to(compute), b[at].to(compute)
+    stats = torch.cat(
+        [
+            total,
+            torch.where(first < n, first, -1).reshape(1),
+            torch.stack([_bits(worst[0]), _bits(worst[1]), _bits(legacy_value), _bits(upstream_value)]),
+        ]
+    )
+    return stats, compute
+
+
+# --------------------------------------------------------------------------- the walk
+
+
+@dataclasses.dataclass
+class _LeafReport:
+    path: str
+    reasons: list[str]
+    notes: list[str]
+    shape: tuple[int, ...] = ()
+    numel: int = 0
+    stats: torch.Tensor | None = None
+    compute: torch.dtype = torch.float32
+    tolerance: tol.Tolerance = tol.EXACT
+    bitwise_equal: bool = True
+
+
+def _check_tensor(
+    path: str,
+    legacy: torch.Tensor,
+    upstream: torch.Tensor,
+    spec: tol.ToleranceSpec,
+    exact: bool,
+) -> _LeafReport:
+    report = _LeafReport(path, [], [], tuple(legacy.shape), legacy.numel())
+    if type(legacy) is not type(upstream) or legacy.layout != upstream.layout:
+        report.reasons.append("type")
+        report.notes.append(
+            f"{type(legacy).__name__}/{legacy.layout} vs {type(upstream).__name__}/{upstream.layout}"
+        )
+    if legacy.dtype != upstream.dtype:
+        report.reasons.append("dtype")
+        report.notes.append(f"dtype {legacy.dtype} vs {upstream.dtype}")
+    if legacy.shape != upstream.shape:
+        report.reasons.append("shape")
+        report.notes.append(f"shape {tuple(legacy.shape)} vs {tuple(upstream.shape)}")
+    if legacy.device != upstream.device:
+        report.reasons.append("device")
+        report.notes.append(f"device {legacy.device} vs {upstream.device}")
+    comparable = (
+        legacy.shape == upstream.shape
+        and legacy.device == upstream.device
+        and legacy.device.type != "meta"
+        and legacy.numel() > 0
+        and (legacy.is_complex() == upstream.is_complex())
+    )
+    report.bitwise_equal = not report.reasons
+    if comparable:
+        report.tolerance = tol.EXACT if exact else tol.for_pair(spec, legacy.dtype, upstream.dtype)
+        report.stats, report.compute = _value_stats(legacy, upstream, report.tolerance)
+    return report
+
+
+def _check_object(path: str, legacy: Any, upstream: Any) -> _LeafReport:
+    report = _LeafReport(path, [], [])
+    if type(legacy) is not type(upstream):
+        report.reasons.append("type")
+        report.notes.append(f"type {type(legacy).__name__} vs {type(upstream).__name__}")
+        return report
+    try:
+        equal = legacy == upstream
+        equal = bool(equal) or (isinstance(legacy, float) and math.isnan(legacy) and math.isnan(upstream))
+    except Exception as exc:  # an __eq__ that raises or returns something without truth value
+        equal = False
+        report.notes.append(f"== raised {type(exc).__name__}")
+    if not equal:
+        report.reasons.append("value")
+        report.notes.append(f"{bounded(repr(legacy), 80)} vs {bounded(repr(upstream), 80)}")
+    report.bitwise_equal = equal
+    return report
+
+
+def _unravel(index: int, shape: Sequence[int]) -> tuple[int, ...]:
+    out = []
+    for size in reversed(shape or (1,)):
+        out.append(index % size if size else 0)
+        index = index // size if size else 0
+    return tuple(reversed(out))
+
+
+def compare(
+    legacy: Any,
+    upstream: Any,
+    *,
+    tolerance: tol.ToleranceSpec = None,
+    exact: bool = False,
+    legacy_inputs: Any = (),
+    upstream_inputs: Any = (),
+) -> Comparison:
+    """Compare two outputs of the same call.
+
+    ``tolerance`` applies to floating leaves (per dtype defaults of assert_close when None);
+    ``exact`` demands bitwise equality everywhere. Inputs, when given, let the comparison check that
+    each output aliases the same input on both sides (or none).
+    """
+    legacy_leaves, legacy_specs = _flatten(legacy)
+    upstream_leaves, upstream_specs = _flatten(upstream)
+    reasons: set[str] = set()
+    notes: list[str] = []
+    if legacy_specs != upstream_specs:
+        reasons.add("structure")
+        only_legacy = sorted(set(legacy_leaves) - set(upstream_leaves))
+        only_upstream = sorted(set(upstream_leaves) - set(legacy_leaves))
+        described = ", ".join(
+            [f"only legacy has {p or 'output'}" for p in only_legacy[:2]]
+            + [f"only upstream has {p or 'output'}" for p in only_upstream[:2]]
+        )
+        notes.append(f"structure differs: {described or 'container types differ'}")
+
+    legacy_alias = _alias_map(legacy_inputs)
+    upstream_alias = _alias_map(upstream_inputs)
+    reports: list[_LeafReport] = []
+    for path, a in legacy_leaves.items():
+        if path not in upstream_leaves:
+            continue
+        b = upstream_leaves[path]
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            report = _check_tensor(path, a, b, tolerance, exact)
+            aliases = legacy_alias.get(_storage_key(a)), upstream_alias.get(_storage_key(b))
+            if aliases[0] != aliases[1]:
+                report.reasons.append("alias")
+                report.notes.append("aliases input {} vs {}".format(*("no" if x is None else x for x in aliases)))
+                report.bitwise_equal = False
+        else:
+            report = _check_object(path, a, b)
+        reports.append(report)
+
+    with_stats = [r for r in reports if r.stats is not None]
+    if with_stats:
+        home = with_stats[0].stats.device
+        values = torch.cat([r.stats.to(home) for r in with_stats]).tolist()  # the one host sync
+    else:
+        values = []
+
+    max_abs = max_rel = 0.0
+    mismatched = 0
+    for i, report in enumerate(with_stats):
+        bitdiff, bad, nonfinite, first, abs_bits, rel_bits, at_legacy, at_upstream = values[8 * i : 8 * i + 8]
+        leaf_abs, leaf_rel = _unbits(abs_bits, report.compute), _unbits(rel_bits, report.compute)
+        max_abs, max_rel = max(max_abs, leaf_abs), max(max_rel, leaf_rel)
+        bad = bitdiff if exact else bad
+        mismatched += bad
+        report.bitwise_equal = report.bitwise_equal and bitdiff == 0
+        if nonfinite:
+            report.reasons.append("nan")
+            report.notes.append(f"NaN/inf differ at {nonfinite} positions")
+        if bad and "nan" not in report.reasons:
+            report.reasons.append("value")
+        if bad:
+            where = _unravel(first, report.shape) if first >= 0 else "?"
+            report.notes.append(
+                f"{bad} / {report.numel} elements differ ({100.0 * bad / max(report.numel, 1):.3g}%), "
+                f"first at index {where}: legacy {_unbits(at_legacy, report.compute):.9g}, "
+                f"upstream {_unbits(at_upstream, report.compute):.9g}; greatest abs diff {leaf_abs:.3g}, "
+                f"rel diff {leaf_rel:.3g} (rtol {report.tolerance.rtol:g}, atol {report.tolerance.atol:g})"
+            )
+
+    numel = sum(r.numel for r in reports)
+    for report in reports:
+        reasons.update(report.reasons)
+        if report.notes:
+            notes.append(f"{report.path or 'output'}: " + "; ".join(report.notes))
+    if reasons:
+        outcome = "mismatch"
+    elif all(r.bitwise_equal for r in reports):
+        outcome = "match"
+    else:
+        outcome = "close"
+    return Comparison(
+        outcome=outcome,
+        reasons=_ordered(reasons),
+        max_abs_error=max_abs,
+        max_rel_error=max_rel,
+        mismatched=mismatched,
+        numel=numel,
+        detail=bounded(" | ".join(notes)),
+    )
+
+
+def _ordered(reasons: Iterable[str]) -> tuple[str, ...]:
+    present = set(reasons)
+    return tuple(r for r in MISMATCH_REASONS if r in present)

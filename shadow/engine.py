@@ -1,0 +1,292 @@
+"""The wrapper engine: one :class:`Shadow` per installed target.
+
+Data flows one way: call -> sampler -> legacy (returned to the caller), then on sampled calls the
+isolated upstream run -> comparator -> :class:`Observation` -> exporters. Everything on the shadow side
+runs inside :meth:`Shadow._observe` and :meth:`Shadow._publish`, the two places where failures are
+caught, counted and logged (at most once a minute per target and kind).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from shadow import _compile, _fork
+from shadow.compare import compare
+from shadow.isolation import Isolation
+from shadow.observation import Observation, TargetStats, bounded
+from shadow.sampler import Gate, Sampler
+from shadow.targets import Target
+from shadow.tolerance import ToleranceSpec
+
+log = logging.getLogger("shadow")
+
+_LOG_INTERVAL_SECONDS = 60.0
+
+# Per thread: True while this thread runs the shadow side of a call.
+_local = threading.local()
+
+
+def _make_wrapper(legacy: Callable, arrive: Callable[[tuple, dict], Any]) -> tuple[Callable, Callable[[Gate], None]]:
+    """The function installed in legacy's place, and the setter that hands it a new gate.
+
+    The unsampled path is ``next(gate, False)`` and the legacy call: nothing else runs there.
+    """
+    gate = itertools.repeat(True, 0)
+
+    def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
+        if next(gate, False):
+            return legacy(*args, **kwargs)
+        return arrive(args, kwargs)
+
+    def set_gate(new_gate: Gate) -> None:
+        nonlocal gate
+        gate = new_gate
+
+    for name in ("__name__", "__qualname__", "__doc__"):
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(shadow_wrapper, name, getattr(legacy, name))
+    shadow_wrapper.__wrapped__ = legacy  # type: ignore[attr-defined]
+    return shadow_wrapper, set_gate
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _free_after_oom() -> None:
+    with contextlib.suppress(Exception):
+        if torch.accelerator.current_accelerator() is not None:
+            torch.accelerator.empty_cache()
+
+
+def _autocast_state() -> str:
+    accelerator = torch.accelerator.current_accelerator()
+    device_types = ["cpu"] + ([accelerator.type] if accelerator is not None else [])
+    return ", ".join(
+        f"{t}={'on/' + str(torch.get_autocast_dtype(t)).removeprefix('torch.') if torch.is_autocast_enabled(t) else 'off'}"
+        for t in device_types
+    )
+
+
+class Shadow:
+    """One installed target: its wrapper, sampler, counts and exporters."""
+
+    def __init__(
+        self,
+        target: Target,
+        sample_rate: float,
+        tolerance: ToleranceSpec,
+        exporters: Sequence[Any],
+        seed: int | None,
+    ) -> None:
+        self.target = target
+        self.legacy = target.resolve_legacy()
+        self.tolerance = tolerance if tolerance is not None else target.tolerance
+        self.exporters = tuple(exporters)
+        self._lock = threading.Lock()
+        self._outcomes: collections.Counter[str] = collections.Counter()
+        self._reasons: collections.Counter[str] = collections.Counter()
+        self._last_logged: dict[str, float] = {}
+        self.wrapper, set_gate = _make_wrapper(self.legacy, self._arrive)
+        self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
+        self.sampler = Sampler(sample_rate, seed, target.name, set_gate)
+        _compile.trace_as_legacy(self.wrapper, self.legacy)
+        _fork.register(self)
+
+    # ------------------------------------------------------------------ the call
+
+    def _arrive(self, args: tuple, kwargs: dict) -> Any:
+        """A call found the gate closed: maybe the sampled one."""
+        with self._lock:
+            sampled = self.sampler.arrive()
+        if not sampled:
+            return self.legacy(*args, **kwargs)
+        skip = self._skip_reason()
+        if skip is not None:
+            self._publish(Observation(self.target.name, "skipped", (skip,), timestamp=time.time()))
+            return self.legacy(*args, **kwargs)
+        return self._shadowed_call(args, kwargs)
+
+    @staticmethod
+    def _skip_reason() -> str | None:
+        if getattr(_local, "active", False):
+            return "reentrant"
+        if torch.compiler.is_compiling():
+            return "compiling"
+        return None
+
+    def _shadowed_call(self, args: tuple, kwargs: dict) -> Any:
+        prepared = self._prepare(args, kwargs)
+        start = time.perf_counter()
+        try:
+            result = self.legacy(*args, **kwargs)
+        except Exception as exc:
+            self._shadow(prepared, args, kwargs, time.perf_counter() - start, legacy_error=exc)
+            raise
+        self._shadow(prepared, args, kwargs, time.perf_counter() - start, result=result)
+        return result
+
+    # ------------------------------------------------------------------ the shadow side
+
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Isolation | None, str, str] | BaseException:
+        """What the upstream run needs, taken before legacy runs; an exception if that failed."""
+        try:
+            isolation = Isolation(args, kwargs) if self.target.isolate else None
+            signature = self.target.signature(args, kwargs) if self.target.signature else "call"
+            return isolation, bounded(str(signature), 64), _autocast_state()
+        except Exception as exc:
+            return exc
+
+    def _shadow(
+        self,
+        prepared: tuple | BaseException,
+        args: tuple,
+        kwargs: dict,
+        legacy_seconds: float,
+        result: Any = None,
+        legacy_error: BaseException | None = None,
+    ) -> None:
+        _local.active = True
+        try:
+            observation = self._observe(prepared, args, kwargs, legacy_seconds, result, legacy_error)
+        except Exception as exc:  # a fault of this tool, never the caller's problem
+            self._log_limited("comparator", "shadow side failed: %r", exc)
+            observation = Observation(self.target.name, "skipped", ("comparator",), detail=bounded(repr(exc)))
+        finally:
+            _local.active = False
+        self._publish(observation)
+
+    def _observe(
+        self,
+        prepared: tuple | BaseException,
+        args: tuple,
+        kwargs: dict,
+        legacy_seconds: float,
+        result: Any,
+        legacy_error: BaseException | None,
+    ) -> Observation:
+        now = time.time()
+        if isinstance(prepared, BaseException):
+            reason = "oom" if _is_oom(prepared) else "comparator"
+            if reason == "oom":
+                _free_after_oom()
+            return Observation(self.target.name, "skipped", (reason,), detail=bounded(repr(prepared)), timestamp=now)
+        isolation, signature, autocast_before = prepared
+        common = {"target": self.target.name, "signature": signature, "legacy_seconds": legacy_seconds, "timestamp": now}
+
+        up_args, up_kwargs = (isolation.args, isolation.kwargs) if isolation is not None else (args, kwargs)
+        context = isolation.upstream_run() if isolation is not None else torch.no_grad()
+        upstream_error: BaseException | None = None
+        upstream_result: Any = None
+        start = time.perf_counter()
+        try:
+            with context:
+                autocast_upstream = _autocast_state()
+                upstream_result = self.target.upstream(*up_args, **up_kwargs)
+        except Exception as exc:
+            upstream_error = exc
+        upstream_seconds = time.perf_counter() - start
+        common["upstream_seconds"] = upstream_seconds
+
+        if upstream_error is not None and legacy_error is None and _is_oom(upstream_error):
+            del upstream_error, isolation, prepared, up_args, up_kwargs, context
+            _free_after_oom()
+            return Observation(outcome="skipped", reasons=("oom",), **common)
+        if legacy_error is not None or upstream_error is not None:
+            return self._compare_errors(legacy_error, upstream_error, common)
+
+        start = time.perf_counter()
+        comparison = compare(
+            result,
+            upstream_result,
+            tolerance=self.tolerance,
+            exact=self.target.exact,
+            legacy_inputs=(args, kwargs),
+            upstream_inputs=(up_args, up_kwargs),
+        )
+        compare_seconds = time.perf_counter() - start
+        detail = comparison.detail
+        if comparison.outcome == "mismatch":
+            detail = bounded(f"{detail} | autocast legacy: {autocast_before}; upstream: {autocast_upstream}")
+        return Observation(
+            outcome=comparison.outcome,
+            reasons=comparison.reasons,
+            max_abs_error=comparison.max_abs_error,
+            max_rel_error=comparison.max_rel_error,
+            mismatched=comparison.mismatched,
+            numel=comparison.numel,
+            compare_seconds=compare_seconds,
+            detail=detail,
+            **common,
+        )
+
+    @staticmethod
+    def _compare_errors(
+        legacy_error: BaseException | None, upstream_error: BaseException | None, common: dict
+    ) -> Observation:
+        def describe(side: str, exc: BaseException | None) -> str:
+            return f"{side} returned normally" if exc is None else f"{side} raised {type(exc).__name__}: {exc}"
+
+        detail = bounded(f"{describe('legacy', legacy_error)}; {describe('upstream', upstream_error)}")
+        if type(legacy_error) is type(upstream_error):
+            same_text = str(legacy_error) == str(upstream_error)
+            return Observation(outcome="match" if same_text else "close", detail=detail, **common)
+        return Observation(outcome="error", reasons=("exception",), detail=detail, **common)
+
+    def _publish(self, observation: Observation) -> None:
+        with self._lock:
+            self._outcomes[observation.outcome] += 1
+            self._reasons.update(observation.reasons)
+        for exporter in self.exporters:
+            try:
+                exporter.export(observation)
+            except Exception as exc:
+                with self._lock:
+                    self._reasons["export"] += 1
+                self._log_limited(f"export:{id(exporter)}", "exporter %r failed: %r", exporter, exc)
+
+    def _log_limited(self, kind: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        last = self._last_logged.get(kind)
+        if last is None or now - last >= _LOG_INTERVAL_SECONDS:
+            self._last_logged[kind] = now
+            log.warning("npu-shadow [%s]: " + message, self.target.name, *args)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def stats(self) -> TargetStats:
+        """A consistent snapshot of this target's counts."""
+        with self._lock:
+            outcomes = dict(self._outcomes)
+            return TargetStats(
+                calls=self.sampler.calls(),
+                sampled=sum(outcomes.values()),
+                match=outcomes.get("match", 0),
+                close=outcomes.get("close", 0),
+                mismatch=outcomes.get("mismatch", 0),
+                error=outcomes.get("error", 0),
+                skipped=outcomes.get("skipped", 0),
+                by_reason=dict(self._reasons),
+            )
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's lock may have been held by another thread at fork time, and the parent's counts
+        # belong to the parent: the child starts clean.
+        self._lock = threading.Lock()
+        self._outcomes.clear()
+        self._reasons.clear()
+
+
+def shadow_of(obj: Any) -> Shadow | None:
+    """The Shadow behind an installed wrapper, if ``obj`` is one."""
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    return getattr(obj, "__npu_shadow__", None)

@@ -1,0 +1,97 @@
+"""Keeping the upstream run from changing anything the training job can see.
+
+Only sampled calls of targets that ask for it pay for this. Before legacy runs we take the RNG
+states, clones of every module buffer reachable from the arguments and clones of the tensor
+arguments. The upstream run then starts from exactly what legacy started from, runs on its own
+tensors (the module's buffers are swapped for clones in the module's ``_buffers`` dicts, so the
+originals are never written and their autograd version counters never move), builds no autograd
+graph, and afterwards every generator is put back where legacy left it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_iter, tree_map_only
+
+
+def _accelerator_rng_module() -> Any | None:
+    """The device module (torch.cuda, torch.npu, ...) whose generators may have been used, if any."""
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if accelerator is None:
+        return None
+    module = torch.get_device_module(accelerator.type)
+    is_initialized = getattr(module, "is_initialized", None)
+    if is_initialized is not None and not is_initialized():
+        return None  # no generator of this device was ever used; don't initialise the device for it
+    return module
+
+
+class RngSnapshot:
+    """The state of every generator a forward can draw from: Python, NumPy, torch CPU, accelerators."""
+
+    __slots__ = ("_accelerator", "_cpu", "_devices", "_numpy", "_python")
+
+    def __init__(self) -> None:
+        self._python = random.getstate()
+        self._numpy = np.random.get_state()
+        self._cpu = torch.get_rng_state()
+        self._accelerator = _accelerator_rng_module()
+        self._devices = self._accelerator.get_rng_state_all() if self._accelerator is not None else None
+
+    def restore(self) -> None:
+        random.setstate(self._python)
+        np.random.set_state(self._numpy)
+        torch.set_rng_state(self._cpu)
+        if self._accelerator is not None:
+            self._accelerator.set_rng_state_all(self._devices)
+
+
+def find_modules(tree: Any) -> list[torch.nn.Module]:
+    """Every distinct nn.Module among the leaves of ``tree`` (lists of replicas included)."""
+    seen: dict[int, torch.nn.Module] = {}
+    for leaf in tree_iter(tree):
+        if isinstance(leaf, torch.nn.Module):
+            seen.setdefault(id(leaf), leaf)
+    return list(seen.values())
+
+
+def clone_tensors(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by a detached clone (same device, dtype and strides)."""
+    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)
+
+
+class Isolation:
+    """Taken before legacy runs; :meth:`upstream_run` then gives the upstream side its own world."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self.rng_before = RngSnapshot()
+        clones: dict[int, torch.Tensor] = {}  # tied buffers stay tied in the upstream run
+        self._buffer_swaps: list[tuple[dict, str, torch.Tensor]] = []
+        for root in find_modules((args, kwargs)):
+            for module in root.modules():
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        clone = clones.setdefault(id(buffer), buffer.detach().clone())
+                        self._buffer_swaps.append((module._buffers, name, clone))
+        self.args, self.kwargs = clone_tensors((args, kwargs))
+
+    @contextlib.contextmanager
+    def upstream_run(self) -> Iterator[None]:
+        """Run the body as the upstream side: legacy's starting state, no graph, nothing leaks out."""
+        rng_after_legacy = RngSnapshot()
+        originals = [(buffers, name, buffers[name]) for buffers, name, _ in self._buffer_swaps]
+        try:
+            self.rng_before.restore()
+            for buffers, name, clone in self._buffer_swaps:
+                buffers[name] = clone
+            with torch.no_grad():
+                yield
+        finally:
+            for buffers, name, original in originals:
+                buffers[name] = original
+            rng_after_legacy.restore()

@@ -1,0 +1,186 @@
+"""``shadow.install()`` and the :class:`Monitor` it returns.
+
+Every argument is checked before anything is patched, so a wrong configuration fails at start-up with
+a message that names the setting and what it accepts, and never leaves half a monitor installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from shadow import targets as builtin
+from shadow import tolerance as tol
+from shadow.engine import Shadow, shadow_of
+from shadow.observation import TargetStats
+from shadow.targets import Target
+
+log = logging.getLogger("shadow")
+
+_logged_nothing_to_shadow = False
+
+
+class Monitor:
+    """The installed shadows. A context manager: leaving it uninstalls."""
+
+    def __init__(self, shadows: Sequence[Shadow]) -> None:
+        self._shadows = list(shadows)
+        self._restore: list[tuple[Any, str, bool, Any]] = []
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """Names of the installed targets."""
+        return tuple(s.target.name for s in self._shadows)
+
+    def stats(self) -> dict[str, TargetStats]:
+        """{target name: counts so far}."""
+        return {s.target.name: s.stats() for s in self._shadows}
+
+    def shadow(self, name: str) -> Shadow:
+        """The engine of one installed target."""
+        for s in self._shadows:
+            if s.target.name == name:
+                return s
+        raise KeyError(f"{name!r} is not installed; installed: {list(self.targets)}")
+
+    def _patch(self) -> None:
+        for s in self._shadows:
+            owner, attribute = s.target.owner, s.target.attribute
+            had_own = attribute in vars(owner)
+            raw = vars(owner)[attribute] if had_own else None
+            self._restore.append((owner, attribute, had_own, raw))
+            setattr(owner, attribute, staticmethod(s.wrapper) if isinstance(raw, staticmethod) else s.wrapper)
+
+    def uninstall(self) -> None:
+        """Put back exactly the objects that were there before install (safe to call twice)."""
+        while self._restore:
+            owner, attribute, had_own, raw = self._restore.pop()
+            if had_own:
+                setattr(owner, attribute, raw)
+            else:
+                delattr(owner, attribute)
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._restore)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
+
+    def __repr__(self) -> str:
+        return f"<shadow.Monitor targets={list(self.targets)} installed={self.installed}>"
+
+
+def _resolve_targets(targets: Iterable[str | Target] | None) -> list[Target]:
+    global _logged_nothing_to_shadow
+    if targets is None:
+        active = builtin.active_builtins()
+        if not active and not _logged_nothing_to_shadow:
+            _logged_nothing_to_shadow = True
+            log.info("npu-shadow: no torch_npu patch is active in this process; nothing to shadow")
+        for name, origin in active.items():
+            if origin == "reference":
+                log.info("npu-shadow: %s shadows shadow.reference's legacy (a rehearsal, not torch_npu)", name)
+        return [builtin.BUILTINS[name]() for name in active]
+    if isinstance(targets, (str, Target)):
+        targets = [targets]
+    resolved = []
+    for item in targets:
+        if isinstance(item, Target):
+            resolved.append(item)
+        elif isinstance(item, str) and item in builtin.BUILTINS:
+            resolved.append(builtin.BUILTINS[item]())
+        else:
+            raise ValueError(
+                f"targets: unknown target {item!r}; allowed: built-in names {sorted(builtin.BUILTINS)} "
+                "or shadow.Target objects"
+            )
+    return resolved
+
+
+def _check_rate(value: Any, setting: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{setting}: expected a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _per_target(setting: str, value: Any, names: list[str], is_table: bool) -> dict[str, Any]:
+    """Spread a value or a {target name: value} table over the targets, rejecting unknown names."""
+    if not is_table:
+        return dict.fromkeys(names, value)
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ValueError(f"{setting}: unknown target(s) {unknown}; installed targets are {names}")
+    return {name: value.get(name) for name in names}
+
+
+def install(
+    targets: Iterable[str | Target] | None = None,
+    sample_rate: float | Mapping[str, float] = 0.01,
+    tolerance: tol.ToleranceSpec | Mapping[str, tol.ToleranceSpec] = None,
+    exporters: Sequence[Any] = (),
+    seed: int | None = None,
+) -> Monitor:
+    """Shadow the given targets (by default every built-in whose legacy patch is active).
+
+    ``sample_rate``: the fraction of calls shadowed, one float or {target name: float} (absent
+    names: 0.01). ``tolerance``: one Tolerance, a {torch.dtype: Tolerance} table, or
+    {target name: either}. ``exporters``: objects with ``export(observation)``. ``seed``: makes the
+    choice of sampled calls reproducible. Raises ValueError on any bad argument, before patching.
+    """
+    resolved = _resolve_targets(targets)
+    names = [t.name for t in resolved]
+
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"targets: {duplicates} given more than once")
+    places = [(id(t.owner), t.attribute) for t in resolved]
+    for target in resolved:
+        if places.count((id(target.owner), target.attribute)) > 1:
+            raise ValueError(f"targets: more than one target wraps {target.where}")
+        existing = shadow_of(getattr(target.owner, target.attribute, None))
+        if existing is not None:
+            raise ValueError(
+                f"{target.where} is already shadowed (target {existing.target.name!r}); "
+                "uninstall that monitor first"
+            )
+        if target.legacy is None and isinstance(vars(target.owner).get(target.attribute), classmethod):
+            raise ValueError(f"{target.where}: classmethods cannot be shadowed")
+
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed: expected an int or None, got {seed!r}")
+
+    rate_table = isinstance(sample_rate, Mapping)
+    rates = _per_target("sample_rate", sample_rate, names, rate_table)
+    rates = {
+        name: _check_rate(0.01 if rate is None else rate, f"sample_rate[{name!r}]" if rate_table else "sample_rate")
+        for name, rate in rates.items()
+    }
+
+    tolerance_table = isinstance(tolerance, Mapping) and bool(tolerance) and all(isinstance(k, str) for k in tolerance)
+    if isinstance(tolerance, Mapping) and not tolerance_table and any(isinstance(k, str) for k in tolerance):
+        raise ValueError("tolerance: a table is keyed either by target names or by torch.dtype, not both")
+    tolerances = _per_target("tolerance", tolerance, names, tolerance_table)
+    for name, spec in tolerances.items():
+        tol.validate(spec, f"tolerance[{name!r}]" if tolerance_table else "tolerance")
+
+    exporters = tuple(exporters)
+    for exporter in exporters:
+        if not callable(getattr(exporter, "export", None)):
+            raise ValueError(f"exporters: {exporter!r} has no export(observation) method")
+
+    shadows = [Shadow(t, rates[t.name], tolerances[t.name], exporters, seed) for t in resolved]
+    monitor = Monitor(shadows)
+    try:
+        monitor._patch()
+    except Exception:
+        monitor.uninstall()
+        raise
+    log.debug("npu-shadow installed %s with torch %s", monitor.targets, torch.__version__)
+    return monitor

@@ -1,0 +1,81 @@
+"""The result objects that flow from the engine to exporters: frozen, cheap to copy, easy to test."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import Mapping
+
+#: Outcome of one sampled call.
+#: match: bitwise equal; close: within tolerance; mismatch: outside it; error: exactly one side raised
+#: (or the two raised different exception types); skipped: sampled but not compared.
+OUTCOMES = ("match", "close", "mismatch", "error", "skipped")
+
+#: Reasons a comparison did not match.
+MISMATCH_REASONS = ("structure", "type", "dtype", "shape", "device", "alias", "nan", "value", "exception")
+
+#: Reasons a sampled call was not compared.
+#: "comparator" is a fault of this tool (counted, logged, never raised); "budget" is reserved.
+SKIP_REASONS = ("oom", "reentrant", "compiling", "budget", "comparator")
+
+#: Reasons that show a difference in kind, not in degree: no tolerance can make them pass.
+HARD_REASONS = frozenset({"structure", "type", "dtype", "shape", "device", "nan", "exception"})
+
+DETAIL_LIMIT = 600
+
+
+def bounded(text: str, limit: int = DETAIL_LIMIT) -> str:
+    """Cut ``text`` to ``limit`` characters, marking the cut."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What one sampled call showed. Exporters receive these; they are never mutated."""
+
+    target: str
+    outcome: str
+    reasons: tuple[str, ...] = ()
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    mismatched: int = 0
+    numel: int = 0
+    legacy_seconds: float = 0.0
+    upstream_seconds: float = 0.0
+    compare_seconds: float = 0.0
+    signature: str = "call"
+    detail: str = ""
+    timestamp: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome {self.outcome!r} is not one of {OUTCOMES}")
+
+    @property
+    def shadow_seconds(self) -> float:
+        """Time the shadow side cost the caller: the upstream run plus the comparison."""
+        return self.upstream_seconds + self.compare_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetStats:
+    """Counts for one installed target since it was installed.
+
+    ``sampled == match + close + mismatch + error + skipped`` always holds for a consistent snapshot.
+    ``by_reason`` counts each reason of each observation (an observation may carry several), plus
+    ``export`` for exporter failures, which do not change an observation's outcome.
+    """
+
+    calls: int = 0
+    sampled: int = 0
+    match: int = 0
+    close: int = 0
+    mismatch: int = 0
+    error: int = 0
+    skipped: int = 0
+    by_reason: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def compared(self) -> int:
+        """Sampled calls that were actually compared."""
+        return self.match + self.close + self.mismatch + self.error

@@ -1,0 +1,198 @@
+"""What can be shadowed: the ``Target`` description and the three built-in targets.
+
+A built-in target's legacy is whatever is installed when the monitor installs (torch_npu's patch on an
+NPU host, :mod:`shadow.reference`'s in a rehearsal); its upstream is torch's own implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Sequence
+
+import torch
+
+from shadow import reference
+from shadow.tolerance import ToleranceSpec
+
+Signature = Callable[[tuple, dict], str]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Target:
+    """A patch pair: ``owner.attribute`` (legacy) shadowed by ``upstream``.
+
+    ``upstream`` takes the same arguments as the wrapped attribute. ``legacy=None`` means whatever is
+    installed on ``owner.attribute`` at install time. ``exact`` demands bitwise equal results.
+    ``isolate``: give the upstream run its own RNG state, module buffers and input clones (needed
+    whenever a module or RNG is involved; only pure functions should turn it off).
+    ``signature`` classifies a call into a small fixed set of code paths; ``risky_signatures`` are
+    ``fnmatch`` patterns of the paths where legacy and upstream differ, which a verdict should see.
+    """
+
+    name: str
+    owner: Any
+    attribute: str
+    upstream: Callable
+    legacy: Callable | None = None
+    tolerance: ToleranceSpec = None
+    exact: bool = False
+    isolate: bool = True
+    signature: Signature | None = None
+    risky_signatures: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Target.name must be a non-empty string, got {self.name!r}")
+        if not callable(self.upstream):
+            raise ValueError(f"Target {self.name!r}: upstream must be callable, got {self.upstream!r}")
+        if self.legacy is not None and not callable(self.legacy):
+            raise ValueError(f"Target {self.name!r}: legacy must be callable or None, got {self.legacy!r}")
+        if not hasattr(self.owner, self.attribute) and self.legacy is None:
+            raise ValueError(f"Target {self.name!r}: {self.owner!r} has no attribute {self.attribute!r}")
+
+    @property
+    def where(self) -> str:
+        """``module.Class.attribute`` for messages."""
+        owner = getattr(self.owner, "__qualname__", None) or getattr(self.owner, "__name__", repr(self.owner))
+        module = getattr(self.owner, "__module__", None)
+        prefix = f"{module}.{owner}" if module and module != owner else owner
+        return f"{prefix}.{self.attribute}"
+
+    def resolve_legacy(self) -> Callable:
+        """The legacy callable: the one given, or what is installed on owner.attribute now."""
+        return self.legacy if self.legacy is not None else getattr(self.owner, self.attribute)
+
+
+# --------------------------------------------------------------------------- signatures
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
+def tensor_type_signature(args: tuple, kwargs: dict) -> str:
+    """``<argument kind>/<source device type>/<blocking|nonblocking>``."""
+    tensor, dtype = args[0], _arg(args, kwargs, 1, "dtype")
+    nonblocking = _arg(args, kwargs, 2, "non_blocking", False)
+    if dtype is None:
+        kind = "none"
+    elif isinstance(dtype, torch.dtype):
+        kind = "dtype"
+    elif isinstance(dtype, str):
+        kind = "npu_name" if reference.npu_type_dtype(dtype) is not None else "name"
+    elif isinstance(dtype, type):
+        kind = "npu_class" if reference.npu_type_dtype(dtype) is not None else "class"
+    else:
+        kind = "other"
+    device = getattr(getattr(tensor, "device", None), "type", "none")
+    return f"{kind}/{device}/{'nonblocking' if nonblocking else 'blocking'}"
+
+
+def _dp_signature(replicas: int) -> str:
+    accelerator = torch.accelerator.current_accelerator()
+    device_type = accelerator.type if accelerator is not None else "cpu"
+    grad = "on" if torch.is_grad_enabled() else "off"
+    autocast = "on" if torch.is_autocast_enabled(device_type) else "off"
+    count = str(replicas) if replicas <= 16 else "17+"
+    return f"replicas={count}/grad={grad}/autocast={autocast}"
+
+
+def parallel_apply_signature(args: tuple, kwargs: dict) -> str:
+    """``replicas=<n>/grad=<on|off>/autocast=<on|off>`` of a ``DataParallel.parallel_apply`` call."""
+    return _dp_signature(len(_arg(args, kwargs, 1, "replicas", ())))
+
+
+def data_parallel_signature(args: tuple, kwargs: dict) -> str:
+    """The same classification for a ``data_parallel(module, inputs, device_ids, ...)`` call."""
+    device_ids = _arg(args, kwargs, 2, "device_ids")
+    if device_ids is None:
+        device_ids = range(torch.accelerator.device_count() or 1)
+    return _dp_signature(len(device_ids))
+
+
+# --------------------------------------------------------------------------- built-ins
+
+
+def _torch_parallel_apply() -> Callable:
+    return importlib.import_module("torch.nn.parallel.parallel_apply").parallel_apply
+
+
+def _torch_data_parallel() -> Callable:
+    # The package attribute torch.nn.parallel.data_parallel is the (possibly patched) function that
+    # hides the submodule of the same name; the submodule keeps upstream's function.
+    return importlib.import_module("torch.nn.parallel.data_parallel").data_parallel
+
+
+def tensor_type() -> Target:
+    """``torch.Tensor.type`` against ``torch._C.TensorBase.type``; casts must be bitwise identical."""
+    return Target(
+        name="tensor_type",
+        owner=torch.Tensor,
+        attribute="type",
+        upstream=torch._C.TensorBase.type,
+        exact=True,
+        isolate=False,
+        signature=tensor_type_signature,
+        risky_signatures=("npu_name/*", "npu_class/*"),
+    )
+
+
+def parallel_apply(apply: Callable | None = None) -> Target:
+    """``DataParallel.parallel_apply`` against torch's module-level ``parallel_apply``.
+
+    ``apply`` replaces torch's function (with the same signature), e.g. by one that runs on the CPU.
+    """
+    apply = apply or _torch_parallel_apply()
+
+    def upstream_parallel_apply(self: torch.nn.DataParallel, replicas: Sequence, inputs: Sequence, kwargs: Any) -> list:
+        return apply(replicas, inputs, kwargs, self.device_ids[: len(replicas)])
+
+    return Target(
+        name="parallel_apply",
+        owner=torch.nn.DataParallel,
+        attribute="parallel_apply",
+        upstream=upstream_parallel_apply,
+        signature=parallel_apply_signature,
+        risky_signatures=("*/autocast=on",),
+    )
+
+
+def data_parallel(function: Callable | None = None) -> Target:
+    """``torch.nn.parallel.data_parallel`` against the submodule's upstream function (or ``function``)."""
+    return Target(
+        name="data_parallel",
+        owner=importlib.import_module("torch.nn.parallel"),
+        attribute="data_parallel",
+        upstream=function or _torch_data_parallel(),
+        signature=data_parallel_signature,
+        risky_signatures=("*/autocast=on",),
+    )
+
+
+BUILTINS: dict[str, Callable[[], Target]] = {
+    "parallel_apply": parallel_apply,
+    "data_parallel": data_parallel,
+    "tensor_type": tensor_type,
+}
+
+
+def patch_origin(obj: Any) -> str | None:
+    """'torch_npu' or 'reference' when ``obj`` is one of those legacy patches, else None."""
+    module = getattr(obj, "__module__", None) or ""
+    if module == "torch_npu" or module.startswith("torch_npu."):
+        return "torch_npu"
+    if module == reference.__name__:
+        return "reference"
+    return None
+
+
+def active_builtins() -> dict[str, str]:
+    """{built-in target name: patch origin} for every built-in whose legacy patch is installed now."""
+    active = {}
+    for name, factory in BUILTINS.items():
+        target = factory()
+        origin = patch_origin(getattr(target.owner, target.attribute, None))
+        if origin is not None:
+            active[name] = origin
+    return active
