@@ -121,61 +121,61 @@ def _int_view(t: torch.Tensor) -> torch.Tensor | None:
 def _chunk_stats(
     a: torch.Tensor, b: torch.Tensor, tolerance: tol.Tolerance, compute: torch.dtype, same_dtype: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For one chunk: int64[3] (bitwise differing, out of tolerance, NaN/inf disagreements),
-    float[2] (max abs error, max rel error over finite elements) and the out-of-tolerance mask."""
+    """For one flat chunk: int64[3] (bitwise differing, out of tolerance, out of tolerance with a NaN
+    or inf involved), float[3] (max abs error and max rel error over finite elements, worst excess
+    over the tolerance) and the index of the element with the worst excess."""
+    n = a.numel()
     if same_dtype:
-        bitdiff = (_int_view(a) != _int_view(b)).sum()
+        bitdiff = torch.count_nonzero(_int_view(a) != _int_view(b))
     else:
-        bitdiff = torch.tensor(a.numel(), device=a.device)
-    if not (a.is_floating_point() or b.is_floating_point()):
-        bad = a != b
-        diff = (a.to(compute) - b.to(compute)).abs_()
-        absa = a.to(compute).abs_()
-        nonfinite = torch.zeros((), dtype=torch.int64, device=a.device)
-    else:
-        a, b = a.to(compute), b.to(compute)
-        diff = torch.sub(a, b).abs_()  # NaN where either side is NaN or both are the same infinity
-        absa = a.abs()
-        close = torch.sub(diff, absa, alpha=tolerance.rtol) <= tolerance.atol  # False on NaN and inf
-        close |= a == b  # equal infinities
-        if tolerance.equal_nan:
-            close |= a.isnan() & b.isnan()
-        bad = close.logical_not_()
-        finite = diff.isfinite()
-        nonfinite = (bad & finite.logical_not()).sum()
-        diff.nan_to_num_(0.0, 0.0, 0.0)
+        bitdiff = torch.tensor(n, device=a.device)
+    a, b = a.to(compute), b.to(compute)
+    diff = torch.sub(a, b).abs_()  # NaN where either side is NaN or both are the same infinity
+    absa = a.abs()
+    excess = torch.sub(diff, absa, alpha=tolerance.rtol)  # > atol: out of tolerance; NaN on NaN
+    close = excess <= tolerance.atol
+    close |= a == b  # equal infinities
+    if tolerance.equal_nan:
+        close |= (a != a) & (b != b)
+    bad = n - torch.count_nonzero(close)
+    excess.masked_fill_(close, -math.inf).nan_to_num_(math.inf, math.inf, -math.inf)  # NaN is worst
+    worst, index = excess.max(dim=0)
+    finite = diff < math.inf
+    nonfinite_bad = n - torch.count_nonzero(close.logical_or_(finite))
+    diff.nan_to_num_(0.0, 0.0, 0.0)
     rel = torch.div(diff, absa).nan_to_num_(0.0, math.inf, math.inf)
-    counts = torch.stack([bitdiff.to(torch.int64), bad.sum(), nonfinite])
-    errors = torch.stack([diff.max(), rel.max()])
-    return counts, errors, bad
+    counts = torch.stack([bitdiff, bad, nonfinite_bad])
+    errors = torch.stack([diff.max(), rel.max(), worst])
+    return counts, errors, index
 
 
 def _value_stats(
     legacy: torch.Tensor, upstream: torch.Tensor, tolerance: tol.Tolerance
 ) -> tuple[torch.Tensor, torch.dtype]:
     """int64[8] on the tensors' device: bitwise differing, out of tolerance, NaN/inf disagreements,
-    first out-of-tolerance flat index (-1 if none), then as float bits: max abs error, max rel error,
-    legacy and upstream value at that index."""
+    flat index of the element furthest out of tolerance (-1 if none), then as float bits: max abs
+    error, max rel error, legacy and upstream value at that index."""
     compute = _compute_dtype(legacy.dtype, upstream.dtype)
     a, b = _as_real(legacy), _as_real(upstream)
     same_dtype = legacy.dtype == upstream.dtype
     n = a.numel()
     chunk = _CHUNK.get(a.device.type, _WHOLE)
-    counts, errors, firsts = [], [], []
+    counts, errors, indices = [], [], []
     for start in range(0, n, chunk):
-        c, e, bad = _chunk_stats(a[start : start + chunk], b[start : start + chunk], tolerance, compute, same_dtype)
+        c, e, i = _chunk_stats(a[start : start + chunk], b[start : start + chunk], tolerance, compute, same_dtype)
         counts.append(c)
         errors.append(e)
-        firsts.append(torch.where(bad.any(), bad.to(torch.uint8).argmax() + start, n))
-    first = torch.stack(firsts).min()
-    at = first.clamp(max=n - 1)
+        indices.append(i + start)
     total = torch.stack(counts).sum(0)
-    worst = torch.stack(errors).amax(0)
+    errors_by_chunk = torch.stack(errors)
+    worst = errors_by_chunk.amax(0)
+    at = torch.stack(indices)[errors_by_chunk[:, 2].argmax()]
+    first = torch.where(total[1] > 0, at, -1)
     legacy_value, upstream_value = a[at].to(compute), b[at].to(compute)
     stats = torch.cat(
         [
             total,
-            torch.where(first < n, first, -1).reshape(1),
+            first.reshape(1),
             torch.stack([_bits(worst[0]), _bits(worst[1]), _bits(legacy_value), _bits(upstream_value)]),
         ]
     )
@@ -327,13 +327,13 @@ def compare(
         if nonfinite:
             report.reasons.append("nan")
             report.notes.append(f"NaN/inf differ at {nonfinite} positions")
-        if bad and "nan" not in report.reasons:
+        if bad > nonfinite:
             report.reasons.append("value")
         if bad:
             where = _unravel(first, report.shape) if first >= 0 else "?"
             report.notes.append(
                 f"{bad} / {report.numel} elements differ ({100.0 * bad / max(report.numel, 1):.3g}%), "
-                f"first at index {where}: legacy {_unbits(at_legacy, report.compute):.9g}, "
+                f"worst at index {where}: legacy {_unbits(at_legacy, report.compute):.9g}, "
                 f"upstream {_unbits(at_upstream, report.compute):.9g}; greatest abs diff {leaf_abs:.3g}, "
                 f"rel diff {leaf_rel:.3g} (rtol {report.tolerance.rtol:g}, atol {report.tolerance.atol:g})"
             )

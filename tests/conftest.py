@@ -1,0 +1,44 @@
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(__file__)
+FAKE_TORCH_NPU = os.path.join(HERE, "fake_torch_npu")
+sys.path.insert(0, HERE)  # for `import standins`
+
+
+def _patched_objects():
+    parallel = importlib.import_module("torch.nn.parallel")
+    return (
+        vars(torch.Tensor).get("type"),
+        vars(torch.Tensor).get("type_raw"),
+        torch.nn.DataParallel.parallel_apply,
+        parallel.data_parallel,
+    )
+
+
+@pytest.fixture(autouse=True)
+def torch_left_as_found():
+    """Every test must leave torch's patched attributes exactly as it found them."""
+    before = _patched_objects()
+    yield
+    after = _patched_objects()
+    assert all(a is b for a, b in zip(before, after)), "a test left torch patched"
+
+
+@pytest.fixture
+def fake_torch_npu():
+    """Import a fake torch_npu that patches torch like the real one; undo it afterwards."""
+    sys.path.insert(0, FAKE_TORCH_NPU)
+    try:
+        module = importlib.import_module("torch_npu")
+        yield module
+    finally:
+        if "torch_npu" in sys.modules:
+            sys.modules["torch_npu"]._unpatch()
+        for name in [n for n in sys.modules if n == "torch_npu" or n.startswith("torch_npu.")]:
+            del sys.modules[name]
+        sys.path.remove(FAKE_TORCH_NPU)

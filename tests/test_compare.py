@@ -1,0 +1,183 @@
+import collections
+import dataclasses
+
+import pytest
+import torch
+
+from shadow import Tolerance
+from shadow.compare import compare
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+@dataclasses.dataclass
+class Result:
+    logits: torch.Tensor
+    label: str
+
+
+def test_bitwise_equal_is_match():
+    x = torch.randn(100)
+    assert compare(x, x.clone()).outcome == "match"
+
+
+def test_within_tolerance_is_close_and_reports_errors():
+    x = torch.ones(1000)
+    y = x + 1e-6
+    result = compare(x, y)
+    assert result.outcome == "close"
+    assert result.reasons == ()
+    assert result.max_abs_error == pytest.approx(1e-6, rel=0.2)
+    assert result.numel == 1000
+
+
+@pytest.mark.parametrize(
+    "dtype, rtol, atol",
+    [(torch.float16, 1e-3, 1e-5), (torch.bfloat16, 1.6e-2, 1e-5), (torch.float32, 1.3e-6, 1e-5), (torch.float64, 1e-7, 1e-7)],
+)
+def test_default_tolerances_are_assert_close_defaults(dtype, rtol, atol):
+    legacy = torch.full((4,), 100.0, dtype=dtype)
+    inside = legacy + (atol + rtol * 100.0) * 0.5
+    outside = legacy.to(torch.float64) + (atol + rtol * 100.0) * 4
+    assert compare(legacy, inside.to(dtype)).outcome in ("match", "close")
+    result = compare(legacy, outside.to(dtype))
+    assert result.outcome == "mismatch" and result.reasons == ("value",)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(outside.to(dtype), legacy)
+
+
+def test_value_mismatch_says_where_and_by_how_much():
+    legacy = torch.zeros(3, 4)
+    upstream = legacy.clone()
+    upstream[1, 2] = 0.5
+    result = compare(legacy, upstream)
+    assert result.outcome == "mismatch" and result.reasons == ("value",)
+    assert result.mismatched == 1
+    assert result.max_abs_error == 0.5
+    assert "(1, 2)" in result.detail and "legacy 0" in result.detail and "upstream 0.5" in result.detail
+    assert "1 / 12 elements" in result.detail
+
+
+def test_integers_compare_exactly():
+    legacy = torch.arange(10)
+    assert compare(legacy, legacy.clone()).outcome == "match"
+    result = compare(legacy, legacy + torch.eye(10, dtype=torch.long)[3])
+    assert result.reasons == ("value",) and result.mismatched == 1
+
+
+def test_nan_positions_must_agree():
+    legacy = torch.tensor([1.0, float("nan"), 3.0])
+    assert compare(legacy, legacy.clone()).outcome == "match"
+    moved = torch.tensor([float("nan"), 2.0, 3.0])
+    result = compare(legacy, moved)
+    assert "nan" in result.reasons
+    assert compare(legacy, legacy.clone(), tolerance=Tolerance(1e-3, 1e-3, equal_nan=False)).reasons == ("nan",)
+
+
+def test_infinities_must_agree_in_sign():
+    legacy = torch.tensor([float("inf"), 1.0])
+    assert compare(legacy, legacy.clone()).outcome == "match"
+    assert "nan" in compare(legacy, torch.tensor([float("-inf"), 1.0])).reasons
+    assert "nan" in compare(legacy, torch.tensor([1e30, 1.0])).reasons
+
+
+def test_metadata_mismatches():
+    x = torch.ones(2, 3)
+    assert compare(x, x.half()).reasons == ("dtype",)
+    assert compare(x, torch.ones(3, 2)).reasons == ("shape",)
+    assert compare(x, x.to("meta")).reasons == ("device",)
+    assert compare(x, x.to_sparse()).reasons == ("type",)
+    assert compare(x, torch.nn.Parameter(x.clone())).reasons == ("type",)
+
+
+def test_dtype_mismatch_still_reports_values():
+    x = torch.tensor([1.0001, 2.0])
+    result = compare(x, x.half())
+    assert result.reasons == ("dtype",)
+    assert result.max_abs_error > 0
+    assert "float32 vs torch.float16" in result.detail
+
+
+def test_structure_of_nested_outputs():
+    x = torch.ones(2)
+    assert compare((x, [x, {"a": x}]), (x, [x, {"a": x}])).outcome == "match"
+    result = compare((x, [x, {"a": x}]), (x, [x, {"b": x}]))
+    assert result.reasons == ("structure",)
+    assert "only legacy has" in result.detail
+    assert compare((x, x), [x, x]).reasons == ("structure",)
+    assert compare(Pair(x, x), (x, x)).reasons == ("structure",)
+
+
+def test_dataclasses_are_opened():
+    x = torch.ones(2)
+    assert compare(Result(x, "a"), Result(x.clone(), "a")).outcome == "match"
+    result = compare(Result(x, "a"), Result(x + 1, "a"))
+    assert result.reasons == ("value",)
+    assert "logits" in result.detail
+    assert compare(Result(x, "a"), Result(x, "b")).reasons == ("value",)
+
+
+def test_non_tensor_leaves():
+    assert compare("torch.FloatTensor", "torch.FloatTensor").outcome == "match"
+    assert compare("torch.FloatTensor", "torch.HalfTensor").reasons == ("value",)
+    assert compare(1, 1.0).reasons == ("type",)
+    assert compare(torch.ones(1), [1.0]).reasons == ("structure",)
+    assert compare(float("nan"), float("nan")).outcome == "match"
+
+
+def test_aliasing_is_compared_against_each_sides_inputs():
+    legacy_input, upstream_input = torch.ones(3), torch.ones(3)
+    same = compare(legacy_input, upstream_input, legacy_inputs=(legacy_input,), upstream_inputs=(upstream_input,))
+    assert same.outcome == "match"
+    result = compare(
+        legacy_input, upstream_input.clone(), legacy_inputs=(legacy_input,), upstream_inputs=(upstream_input,)
+    )
+    assert result.reasons == ("alias",)
+    view = compare(
+        legacy_input[1:], upstream_input[1:], legacy_inputs=(legacy_input,), upstream_inputs=(upstream_input,)
+    )
+    assert view.outcome == "match"
+
+
+def test_exact_mode_rejects_anything_not_bitwise_equal():
+    x = torch.tensor([0.0, 1.0])
+    assert compare(x, torch.tensor([-0.0, 1.0])).outcome == "close"
+    assert compare(x, torch.tensor([-0.0, 1.0]), exact=True).reasons == ("value",)
+
+
+def test_complex_and_bool():
+    c = torch.randn(4, dtype=torch.complex64)
+    assert compare(c, c.clone()).outcome == "match"
+    assert compare(c, c + 1j).reasons == ("value",)
+    b = torch.tensor([True, False])
+    assert compare(b, b.clone()).outcome == "match"
+    assert compare(b, ~b).reasons == ("value",)
+
+
+def test_large_tensors_are_chunked_and_still_find_the_worst_element():
+    legacy = torch.randn(3 * (1 << 18) + 5)
+    upstream = legacy.clone()
+    upstream[-2] += 1.0
+    upstream[(1 << 18) + 1] += 0.25
+    result = compare(legacy, upstream)
+    assert result.mismatched == 2
+    assert result.max_abs_error == pytest.approx(1.0, rel=1e-6)
+    assert f"({legacy.numel() - 2},)" in result.detail
+
+
+def test_one_host_synchronisation_for_many_leaves(monkeypatch):
+    syncs = []
+    for name in ("tolist", "item", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, _name=name, **kwargs):
+            syncs.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    legacy = {"a": torch.randn(5), "b": [torch.randn(3, 3), torch.arange(4)], "c": torch.randn(2).half()}
+    upstream = {"a": legacy["a"] + 1, "b": [legacy["b"][0].clone(), torch.arange(4)], "c": legacy["c"].clone()}
+    result = compare(legacy, upstream)
+    monkeypatch.undo()
+    assert result.reasons == ("value",)
+    assert syncs == ["tolist"]

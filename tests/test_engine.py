@@ -1,0 +1,211 @@
+"""The engine through custom targets: detection, failures on either side, isolation, exporters."""
+
+import types
+
+import pytest
+import torch
+
+import shadow
+from shadow import Target
+
+
+class RecordingExporter:
+    def __init__(self):
+        self.observations = []
+
+    def export(self, observation):
+        self.observations.append(observation)
+
+
+class FailingExporter:
+    def export(self, observation):
+        raise OSError("disk full")
+
+
+def scale(x):
+    return x * 2
+
+
+def make_ops(legacy=scale):
+    return types.SimpleNamespace(op=legacy)
+
+
+def run_target(upstream, legacy=scale, calls=1, inputs=None, **target_kwargs):
+    ops = make_ops(legacy)
+    recorder = RecordingExporter()
+    target = Target("op", ops, "op", upstream, **target_kwargs)
+    with shadow.install([target], sample_rate=1.0, exporters=[recorder]) as monitor:
+        results = [ops.op(inputs if inputs is not None else torch.arange(6.0)) for _ in range(calls)]
+    assert ops.op is legacy
+    return results, recorder.observations, monitor.stats()["op"]
+
+
+FAULTS = {
+    "dtype": lambda x: scale(x).half(),
+    "shape": lambda x: scale(x)[:-1],
+    "device": lambda x: scale(x).to("meta"),
+    "value": lambda x: scale(x) + 0.5,
+    "nan": lambda x: scale(x).index_fill(0, torch.tensor([2]), float("nan")),
+    "structure": lambda x: (scale(x),),
+    "type": lambda x: scale(x).tolist(),
+    "exception": lambda x: 1 / 0,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FAULTS))
+def test_each_injected_fault_is_reported_with_its_reason(kind):
+    results, observations, stats = run_target(FAULTS[kind])
+    assert torch.equal(results[0], torch.arange(6.0) * 2)  # the caller always gets legacy's result
+    (observation,) = observations
+    expected_outcome = "error" if kind == "exception" else "mismatch"
+    assert observation.outcome == expected_outcome
+    if kind == "type":
+        assert observation.reasons == ("structure",)  # a tensor became a list: the trees differ
+    else:
+        assert kind in observation.reasons
+    assert observation.detail
+    assert stats.sampled == 1 and getattr(stats, expected_outcome) == 1
+
+
+def test_alias_fault_is_reported():
+    def identity(x):
+        return x
+
+    _, observations, _ = run_target(lambda x: x.clone(), legacy=identity)
+    assert observations[0].reasons == ("alias",)
+    _, observations, _ = run_target(identity, legacy=identity)
+    assert observations[0].outcome == "match"
+
+
+def test_identical_implementations_never_mismatch_over_random_calls():
+    generator = torch.Generator().manual_seed(0)
+    dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
+
+    def legacy(x, k):
+        return {"y": (x * k + 1).to(x.dtype), "n": x.shape[0]}
+
+    def upstream(x, k):
+        return {"y": (x * k + 1).to(x.dtype), "n": x.shape[0]}
+
+    ops = types.SimpleNamespace(op=legacy)
+    with shadow.install([Target("op", ops, "op", upstream)], sample_rate=1.0) as monitor:
+        for i in range(1000):
+            n = int(torch.randint(1, 64, (1,), generator=generator))
+            x = (torch.randn(n, generator=generator) * 10).to(dtypes[i % len(dtypes)])
+            ops.op(x, i % 7)
+    stats = monitor.stats()["op"]
+    assert stats.sampled == 1000 and stats.match == 1000
+    assert stats.mismatch == stats.error == stats.skipped == 0
+
+
+def test_upstream_raising_never_reaches_the_caller():
+    results, observations, stats = run_target(FAULTS["exception"], calls=3)
+    assert all(torch.equal(r, torch.arange(6.0) * 2) for r in results)
+    assert stats.error == 3 and stats.by_reason == {"exception": 3}
+    assert "ZeroDivisionError" in observations[0].detail
+
+
+def test_legacy_raising_reaches_the_caller_unchanged():
+    class Boom(RuntimeError):
+        pass
+
+    error = Boom("legacy says no")
+
+    def legacy(x):
+        raise error
+
+    ops = make_ops(legacy)
+    recorder = RecordingExporter()
+    with shadow.install([Target("op", ops, "op", scale)], sample_rate=1.0, exporters=[recorder]):
+        with pytest.raises(Boom) as caught:
+            ops.op(torch.ones(1))
+    assert caught.value is error and str(caught.value) == "legacy says no"
+    assert recorder.observations[0].outcome == "error"
+
+    # Both sides raising the same way is agreement, and still the legacy exception reaches the caller.
+    with shadow.install([Target("op", ops, "op", legacy)], sample_rate=1.0, exporters=[recorder]):
+        with pytest.raises(Boom):
+            ops.op(torch.ones(1))
+    assert recorder.observations[-1].outcome == "match"
+
+
+def test_comparator_and_exporter_failures_are_counted_and_swallowed(monkeypatch, caplog):
+    import shadow.engine
+
+    def broken_compare(*args, **kwargs):
+        raise RuntimeError("comparator bug")
+
+    monkeypatch.setattr(shadow.engine, "compare", broken_compare)
+    ops = make_ops()
+    with shadow.install([Target("op", ops, "op", scale)], sample_rate=1.0, exporters=[FailingExporter()]) as monitor:
+        out = [ops.op(torch.ones(2)) for _ in range(5)]
+    assert all(torch.equal(o, torch.full((2,), 2.0)) for o in out)
+    stats = monitor.stats()["op"]
+    assert stats.skipped == 5 and stats.by_reason["comparator"] == 5 and stats.by_reason["export"] == 5
+    # logged, but at most once a minute per kind
+    assert sum("comparator bug" in r.getMessage() for r in caplog.records) == 1
+    assert sum("disk full" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_upstream_out_of_memory_is_skipped_as_oom():
+    def oom(x):
+        raise torch.OutOfMemoryError("out of memory: tried to allocate 1 TiB")
+
+    _, observations, stats = run_target(oom)
+    assert observations[0].outcome == "skipped" and observations[0].reasons == ("oom",)
+    assert stats.skipped == 1 and stats.error == 0
+
+
+def test_reentrant_calls_are_not_shadowed_again():
+    ops = types.SimpleNamespace()
+
+    def legacy(x, depth=0):
+        return x + (ops.op(x, depth - 1) if depth > 0 else 0)
+
+    ops.op = legacy
+    with shadow.install([Target("op", ops, "op", legacy)], sample_rate=1.0) as monitor:
+        ops.op(torch.ones(1), 1)
+    stats = monitor.stats()["op"]
+    # outer call shadowed; the inner call made by legacy is a real call (compared too), the inner call
+    # made by the upstream run is reentrant
+    assert stats.calls == 3 and stats.match == 2 and stats.skipped == 1
+    assert stats.by_reason == {"reentrant": 1}
+
+
+def test_upstream_sees_legacy_inputs_before_in_place_changes_and_no_graph():
+    seen = {}
+
+    def legacy(x):
+        x.add_(1)
+        return x * 2
+
+    def upstream(x):
+        seen["input"] = x.clone()
+        seen["grad_enabled"] = torch.is_grad_enabled()
+        return (x + 1) * 2
+
+    ops = make_ops(legacy)
+    x = torch.zeros(3)
+    with shadow.install([Target("op", ops, "op", upstream)], sample_rate=1.0) as monitor:
+        ops.op(x)
+    assert torch.equal(seen["input"], torch.zeros(3))
+    assert seen["grad_enabled"] is False
+    assert torch.equal(x, torch.ones(3))  # legacy's in-place change, exactly once
+    assert monitor.stats()["op"].match == 1
+
+
+def test_rng_is_replayed_for_upstream_and_left_where_legacy_left_it():
+    def legacy(x):
+        return torch.nn.functional.dropout(x, 0.5, training=True)
+
+    torch.manual_seed(0)
+    expected = legacy(torch.ones(100))
+    expected_state = torch.get_rng_state()
+
+    ops = make_ops(legacy)
+    torch.manual_seed(0)
+    with shadow.install([Target("op", ops, "op", legacy)], sample_rate=1.0) as monitor:
+        got = ops.op(torch.ones(100))
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.get_rng_state(), expected_state)
+    assert monitor.stats()["op"].match == 1  # same mask on both sides
