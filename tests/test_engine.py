@@ -209,3 +209,34 @@ def test_rng_is_replayed_for_upstream_and_left_where_legacy_left_it():
     assert torch.equal(got, expected)
     assert torch.equal(torch.get_rng_state(), expected_state)
     assert monitor.stats()["op"].match == 1  # same mask on both sides
+
+
+def test_upstream_drawing_more_random_numbers_leaves_every_generator_where_legacy_left_it():
+    import random
+
+    import numpy as np
+
+    def legacy(x):
+        return x + torch.rand(1)
+
+    def upstream(x):
+        out = x + torch.rand(1)
+        random.random()
+        np.random.rand(3)
+        torch.rand(1000)
+        return out
+
+    def states():
+        return torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    legacy(torch.zeros(1))
+    expected = states()
+
+    ops = make_ops(legacy)
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    with shadow.install([Target("op", ops, "op", upstream)], sample_rate=1.0) as monitor:
+        ops.op(torch.zeros(1))
+    got = states()
+    assert torch.equal(got[0], expected[0]) and got[1] == expected[1] and (got[2] == expected[2]).all()
+    assert monitor.stats()["op"].match == 1  # upstream's torch.rand(1) drew the same number as legacy's
