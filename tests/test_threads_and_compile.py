@@ -1,0 +1,100 @@
+"""Thread safety of the wrapper, and torch.compile seeing legacy alone."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import torch
+
+import shadow
+
+THREADS, CALLS = 8, 10_000
+
+
+def test_eight_threads_hammering_type_count_exactly(fake_torch_npu):
+    errors = []
+    barrier = threading.Barrier(THREADS)
+    monitor = shadow.install(["tensor_type"], sample_rate=0.05, seed=5)
+
+    def hammer(i):
+        x = torch.ones(2)
+        try:
+            barrier.wait()
+            for n in range(CALLS):
+                out = x.type(torch.float64 if n % 2 else "torch.FloatTensor")
+                assert out.dtype == (torch.float64 if n % 2 else torch.float32)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(THREADS)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        stats = monitor.stats()["tensor_type"]
+        monitor.uninstall()
+    assert errors == []
+    assert stats.calls == THREADS * CALLS
+    assert stats.sampled == stats.match + stats.close + stats.mismatch + stats.error + stats.skipped
+    assert stats.match == stats.sampled > 0.02 * THREADS * CALLS
+    assert stats.mismatch == stats.error == stats.skipped == 0
+
+
+COMPILE_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch_npu  # the fake: patches Tensor.type
+import shadow
+
+monitor = None
+if sys.argv[2] == "shadowed":
+    monitor = shadow.install(["tensor_type"], sample_rate=1.0)
+    assert "torch._dynamo" not in sys.modules  # installing must not pay for importing dynamo
+
+from torch._dynamo.utils import counters
+
+def step(x):
+    y = (x * 2).type(torch.float16)
+    z = y.type("torch.npu.FloatTensor")
+    return z + 1, z.type()
+
+compiled = torch.compile(step, backend="eager")
+outs = [compiled(torch.full((3,), float(i))) for i in range(10)]
+eager = [step(torch.full((3,), float(i))) for i in range(10)]
+assert all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(outs, eager))
+print(json.dumps({
+    "graphs": counters["stats"]["unique_graphs"],
+    "frames": counters["stats"]["calls_captured"],
+    "breaks": sum(counters["graph_break"].values()),
+    "stats": {k: vars(v) for k, v in monitor.stats().items()} if monitor else None,
+}, default=dict))
+"""
+
+
+def run_compile(mode):
+    fake = os.path.join(os.path.dirname(__file__), "fake_torch_npu")
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT, fake, mode], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_compiled_code_sees_legacy_alone():
+    legacy = run_compile("legacy")
+    shadowed = run_compile("shadowed")
+    assert (shadowed["graphs"], shadowed["frames"], shadowed["breaks"]) == (
+        legacy["graphs"],
+        legacy["frames"],
+        legacy["breaks"],
+    )
+    stats = shadowed["stats"]["tensor_type"]
+    # Calls that reach the wrapper while dynamo traces are never shadowed ("compiling"); the rest are
+    # eager calls (the 30 of the eager loop, and what dynamo left to run eagerly), all compared.
+    assert stats["calls"] >= 30 and stats["sampled"] == stats["calls"]
+    assert stats["skipped"] == stats["by_reason"].get("compiling", 0)
