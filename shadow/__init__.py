@@ -9,7 +9,14 @@
 from shadow.compare import Comparison, compare
 from shadow.engine import Shadow
 from shadow.monitor import Monitor, install
-from shadow.observation import HARD_REASONS, MISMATCH_REASONS, OUTCOMES, SKIP_REASONS, Observation, TargetStats
+from shadow.observation import (
+    HARD_REASONS,
+    MISMATCH_REASONS,
+    OUTCOMES,
+    SKIP_REASONS,
+    Observation,
+    TargetStats,
+)
 from shadow.targets import BUILTINS, Target
 from shadow.tolerance import Tolerance
 

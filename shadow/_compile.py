@@ -15,7 +15,8 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("shadow")
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_iter
@@ -113,7 +114,7 @@ def _as_real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t).reshape(-1) if t.is_complex() else t
 
 
-def _int_view(t: torch.Tensor) -> torch.Tensor | None:
+def _int_view(t: torch.Tensor) -> torch.Tensor:
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
     return t.view(width) if width is not None and t.dtype != torch.bool else t
 
@@ -125,10 +126,7 @@ def _chunk_stats(
     or inf involved), float[3] (max abs error and max rel error over finite elements, worst excess
     over the tolerance) and the index of the element with the worst excess."""
     n = a.numel()
-    if same_dtype:
-        bitdiff = torch.count_nonzero(_int_view(a) != _int_view(b))
-    else:
-        bitdiff = torch.tensor(n, device=a.device)
+    bitdiff = torch.count_nonzero(_int_view(a) != _int_view(b)) if same_dtype else torch.tensor(n, device=a.device)
     a, b = a.to(compute), b.to(compute)
     diff = torch.sub(a, b).abs_()  # NaN where either side is NaN or both are the same infinity
     absa = a.abs()
@@ -208,9 +206,7 @@ def _check_tensor(
     report = _LeafReport(path, [], [], tuple(legacy.shape), legacy.numel())
     if type(legacy) is not type(upstream) or legacy.layout != upstream.layout:
         report.reasons.append("type")
-        report.notes.append(
-            f"{type(legacy).__name__}/{legacy.layout} vs {type(upstream).__name__}/{upstream.layout}"
-        )
+        report.notes.append(f"{type(legacy).__name__}/{legacy.layout} vs {type(upstream).__name__}/{upstream.layout}")
     if legacy.dtype != upstream.dtype:
         report.reasons.append("dtype")
         report.notes.append(f"dtype {legacy.dtype} vs {upstream.dtype}")

@@ -14,7 +14,8 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -70,10 +71,13 @@ def _free_after_oom() -> None:
 def _autocast_state() -> str:
     accelerator = torch.accelerator.current_accelerator()
     device_types = ["cpu"] + ([accelerator.type] if accelerator is not None else [])
-    return ", ".join(
-        f"{t}={'on/' + str(torch.get_autocast_dtype(t)).removeprefix('torch.') if torch.is_autocast_enabled(t) else 'off'}"
-        for t in device_types
-    )
+
+    def state(device_type: str) -> str:
+        if not torch.is_autocast_enabled(device_type):
+            return "off"
+        return "on/" + str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+
+    return ", ".join(f"{t}={state(t)}" for t in device_types)
 
 
 class Shadow:
@@ -180,7 +184,12 @@ class Shadow:
                 _free_after_oom()
             return Observation(self.target.name, "skipped", (reason,), detail=bounded(repr(prepared)), timestamp=now)
         isolation, signature, autocast_before = prepared
-        common = {"target": self.target.name, "signature": signature, "legacy_seconds": legacy_seconds, "timestamp": now}
+        common = {
+            "target": self.target.name,
+            "signature": signature,
+            "legacy_seconds": legacy_seconds,
+            "timestamp": now,
+        }
 
         up_args, up_kwargs = (isolation.args, isolation.kwargs) if isolation is not None else (args, kwargs)
         context = isolation.upstream_run() if isolation is not None else torch.no_grad()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import numbers
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -147,8 +148,7 @@ def install(
         existing = shadow_of(getattr(target.owner, target.attribute, None))
         if existing is not None:
             raise ValueError(
-                f"{target.where} is already shadowed (target {existing.target.name!r}); "
-                "uninstall that monitor first"
+                f"{target.where} is already shadowed (target {existing.target.name!r}); uninstall that monitor first"
             )
         if target.legacy is None and isinstance(vars(target.owner).get(target.attribute), classmethod):
             raise ValueError(f"{target.where}: classmethods cannot be shadowed")

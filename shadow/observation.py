@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
 #: Outcome of one sampled call.
 #: match: bitwise equal; close: within tolerance; mismatch: outside it; error: exactly one side raised

@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -40,9 +41,7 @@ _NPU_TYPES = {
 
 #: 'torch.npu.FloatTensor', 'torch_npu.npu.FloatTensor', ... -> dtype
 NPU_TYPE_NAMES: dict[str, torch.dtype] = {
-    f"{prefix}.{name}": dtype
-    for prefix in ("torch.npu", "torch_npu.npu")
-    for name, dtype in _NPU_TYPES.items()
+    f"{prefix}.{name}": dtype for prefix in ("torch.npu", "torch_npu.npu") for name, dtype in _NPU_TYPES.items()
 }
 
 
@@ -103,8 +102,9 @@ def parallel_apply(
     def worker(i: int, module: torch.nn.Module, input: Any, kwargs: dict, device: Any) -> None:
         torch.set_grad_enabled(grad_enabled)
         try:
-            with _device_context(accelerator, device, input), torch.autocast(
-                device_type, dtype=autocast_dtype, enabled=autocast_enabled
+            with (
+                _device_context(accelerator, device, input),
+                torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled),
             ):
                 if not isinstance(input, (list, tuple)):
                     input = (input,)

@@ -18,7 +18,7 @@ import operator
 import os
 import random
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from shadow import _fork
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Union
+from collections.abc import Mapping
 
 import torch
 
@@ -43,7 +43,7 @@ DEFAULTS: Mapping[torch.dtype, Tolerance] = {
 }
 
 #: What a user may pass for one target: one Tolerance for every dtype, or a per-dtype table.
-ToleranceSpec = Union[Tolerance, Mapping[torch.dtype, Tolerance], None]
+ToleranceSpec = Tolerance | Mapping[torch.dtype, Tolerance] | None
 
 
 def validate(spec: object, where: str) -> None:
@@ -54,13 +54,10 @@ def validate(spec: object, where: str) -> None:
         for key, value in spec.items():
             if not isinstance(key, torch.dtype) or not isinstance(value, Tolerance):
                 raise ValueError(
-                    f"{where}: a tolerance table maps torch.dtype to shadow.Tolerance, "
-                    f"got {key!r}: {value!r}"
+                    f"{where}: a tolerance table maps torch.dtype to shadow.Tolerance, got {key!r}: {value!r}"
                 )
         return
-    raise ValueError(
-        f"{where}: expected a shadow.Tolerance, a {{torch.dtype: Tolerance}} dict or None, got {spec!r}"
-    )
+    raise ValueError(f"{where}: expected a shadow.Tolerance, a {{torch.dtype: Tolerance}} dict or None, got {spec!r}")
 
 
 def resolve(spec: ToleranceSpec, dtype: torch.dtype) -> Tolerance:
@@ -77,6 +74,4 @@ def for_pair(spec: ToleranceSpec, legacy: torch.dtype, upstream: torch.dtype) ->
     first, second = resolve(spec, legacy), resolve(spec, upstream)
     if first == second:
         return first
-    return Tolerance(
-        max(first.rtol, second.rtol), max(first.atol, second.atol), first.equal_nan and second.equal_nan
-    )
+    return Tolerance(max(first.rtol, second.rtol), max(first.atol, second.atol), first.equal_nan and second.equal_nan)

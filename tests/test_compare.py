@@ -33,7 +33,12 @@ def test_within_tolerance_is_close_and_reports_errors():
 
 @pytest.mark.parametrize(
     "dtype, rtol, atol",
-    [(torch.float16, 1e-3, 1e-5), (torch.bfloat16, 1.6e-2, 1e-5), (torch.float32, 1.3e-6, 1e-5), (torch.float64, 1e-7, 1e-7)],
+    [
+        (torch.float16, 1e-3, 1e-5),
+        (torch.bfloat16, 1.6e-2, 1e-5),
+        (torch.float32, 1.3e-6, 1e-5),
+        (torch.float64, 1e-7, 1e-7),
+    ],
 )
 def test_default_tolerances_are_assert_close_defaults(dtype, rtol, atol):
     legacy = torch.full((4,), 100.0, dtype=dtype)

@@ -116,16 +116,20 @@ def test_legacy_raising_reaches_the_caller_unchanged():
 
     ops = make_ops(legacy)
     recorder = RecordingExporter()
-    with shadow.install([Target("op", ops, "op", scale)], sample_rate=1.0, exporters=[recorder]):
-        with pytest.raises(Boom) as caught:
-            ops.op(torch.ones(1))
+    with (
+        shadow.install([Target("op", ops, "op", scale)], sample_rate=1.0, exporters=[recorder]),
+        pytest.raises(Boom) as caught,
+    ):
+        ops.op(torch.ones(1))
     assert caught.value is error and str(caught.value) == "legacy says no"
     assert recorder.observations[0].outcome == "error"
 
     # Both sides raising the same way is agreement, and still the legacy exception reaches the caller.
-    with shadow.install([Target("op", ops, "op", legacy)], sample_rate=1.0, exporters=[recorder]):
-        with pytest.raises(Boom):
-            ops.op(torch.ones(1))
+    with (
+        shadow.install([Target("op", ops, "op", legacy)], sample_rate=1.0, exporters=[recorder]),
+        pytest.raises(Boom),
+    ):
+        ops.op(torch.ones(1))
     assert recorder.observations[-1].outcome == "match"
 
 

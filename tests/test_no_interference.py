@@ -5,11 +5,11 @@ import random
 
 import numpy as np
 import pytest
+import standins
 import torch
 from torch import nn
 
 import shadow
-import standins
 from shadow import targets as builtin
 
 STEPS = 24

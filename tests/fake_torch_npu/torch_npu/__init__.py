@@ -6,9 +6,7 @@ from torch_npu.utils import _module, tensor_methods
 
 __version__ = "0.0.0+fake"
 
-_patches = reference.patch_torch(
-    tensor_methods._npu_type, _module.npu_parallel_apply, _module.npu_data_parallel
-)
+_patches = reference.patch_torch(tensor_methods._npu_type, _module.npu_parallel_apply, _module.npu_data_parallel)
 
 
 def _unpatch() -> None:
