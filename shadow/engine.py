@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -21,8 +22,8 @@ import torch
 
 from shadow import _compile, _fork
 from shadow.compare import compare
-from shadow.isolation import Isolation
-from shadow.observation import Observation, TargetStats, bounded
+from shadow.isolation import Isolation, find_modules
+from shadow.observation import Evidence, Observation, TargetStats, bounded
 from shadow.sampler import Gate, Sampler
 from shadow.targets import Target
 from shadow.tolerance import ToleranceSpec
@@ -102,6 +103,9 @@ class Shadow:
         self.wrapper, set_gate = _make_wrapper(self.legacy, self._arrive)
         self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
         self.sampler = Sampler(sample_rate, seed, target.name, set_gate)
+        self._calls_reported = 0
+        for exporter in self.exporters:
+            self._call_exporter(exporter, "register", target.name, sample_rate)
         _compile.trace_as_legacy(self.wrapper, self.legacy)
         _fork.register(self)
 
@@ -209,8 +213,17 @@ class Shadow:
             del upstream_error, isolation, prepared, up_args, up_kwargs, context
             _free_after_oom()
             return Observation(outcome="skipped", reasons=("oom",), **common)
+        def evidence(upstream_output: Any) -> Evidence:
+            inputs = (isolation.args, isolation.kwargs) if isolation is not None else (args, kwargs)
+            modules = find_modules(inputs)
+            state = modules[0].state_dict() if modules else None
+            return Evidence(*inputs, legacy=legacy_error or result, upstream=upstream_output, module_state=state)
+
         if legacy_error is not None or upstream_error is not None:
-            return self._compare_errors(legacy_error, upstream_error, common)
+            observation = self._compare_errors(legacy_error, upstream_error, common)
+            if observation.outcome == "error":
+                observation = dataclasses.replace(observation, evidence=evidence(upstream_error))
+            return observation
 
         start = time.perf_counter()
         comparison = compare(
@@ -234,6 +247,7 @@ class Shadow:
             numel=comparison.numel,
             compare_seconds=compare_seconds,
             detail=detail,
+            evidence=evidence(upstream_result) if comparison.outcome == "mismatch" else None,
             **common,
         )
 
@@ -254,13 +268,35 @@ class Shadow:
         with self._lock:
             self._outcomes[observation.outcome] += 1
             self._reasons.update(observation.reasons)
-        for exporter in self.exporters:
-            try:
-                exporter.export(observation)
-            except Exception as exc:
-                with self._lock:
-                    self._reasons["export"] += 1
-                self._log_limited(f"export:{id(exporter)}", "exporter %r failed: %r", exporter, exc)
+        self.report_calls()
+        failed = [e for e in self.exporters if not self._call_exporter(e, "export", observation)]
+        if failed:
+            with self._lock:
+                self._reasons["export"] += len(failed)
+            for exporter in self.exporters:
+                for _ in failed:
+                    self._call_exporter(exporter, "record_export_error", self.target.name)
+
+    def report_calls(self) -> None:
+        """Tell exporters how many calls passed since the last report (done at each sampled call)."""
+        with self._lock:
+            calls = self.sampler.calls()
+            delta, self._calls_reported = calls - self._calls_reported, calls
+        if delta:
+            for exporter in self.exporters:
+                self._call_exporter(exporter, "record_calls", self.target.name, delta)
+
+    def _call_exporter(self, exporter: Any, hook: str, *args: Any) -> bool:
+        """Call an exporter hook if it has it; False if it raised (logged at most once a minute)."""
+        method = getattr(exporter, hook, None)
+        if method is None:
+            return True
+        try:
+            method(*args)
+        except Exception as exc:
+            self._log_limited(f"{hook}:{id(exporter)}", "exporter %r failed in %s: %r", exporter, hook, exc)
+            return False
+        return True
 
     def _log_limited(self, kind: str, message: str, *args: Any) -> None:
         now = time.monotonic()
@@ -292,6 +328,7 @@ class Shadow:
         self._lock = threading.Lock()
         self._outcomes.clear()
         self._reasons.clear()
+        self._calls_reported = 0
 
 
 def shadow_of(obj: Any) -> Shadow | None:

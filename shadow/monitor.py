@@ -55,8 +55,15 @@ class Monitor:
             self._restore.append((owner, attribute, had_own, raw))
             setattr(owner, attribute, staticmethod(s.wrapper) if isinstance(raw, staticmethod) else s.wrapper)
 
+    def flush(self) -> None:
+        """Report calls not yet reported to the exporters (done at every sampled call, and here)."""
+        for s in self._shadows:
+            s.report_calls()
+
     def uninstall(self) -> None:
-        """Put back exactly the objects that were there before install (safe to call twice)."""
+        """Flush, then put back exactly the objects that were there before install (safe to call twice)."""
+        if self._restore:
+            self.flush()
         while self._restore:
             owner, attribute, had_own, raw = self._restore.pop()
             if had_own:

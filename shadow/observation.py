@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any, Protocol
 
 #: Outcome of one sampled call.
 #: match: bitwise equal; close: within tolerance; mismatch: outside it; error: exactly one side raised
@@ -30,6 +31,20 @@ def bounded(text: str, limit: int = DETAIL_LIMIT) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Evidence:
+    """The call behind a mismatch: inputs as legacy received them, both results, the module state.
+
+    Holds references, not copies; exporters that keep it (repro captures) save it at once.
+    """
+
+    args: tuple
+    kwargs: dict
+    legacy: Any
+    upstream: Any
+    module_state: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Observation:
     """What one sampled call showed. Exporters receive these; they are never mutated."""
 
@@ -46,6 +61,8 @@ class Observation:
     signature: str = "call"
     detail: str = ""
     timestamp: float = 0.0
+    #: For mismatches and errors: what a repro capture needs (never compared, never printed).
+    evidence: Evidence | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
@@ -79,3 +96,16 @@ class TargetStats:
     def compared(self) -> int:
         """Sampled calls that were actually compared."""
         return self.match + self.close + self.mismatch + self.error
+
+
+class Exporter(Protocol):
+    """What an exporter implements. Only ``export`` is required; the engine calls the optional hooks
+    when present, each guarded like ``export`` (a failure is counted and logged, never raised)."""
+
+    def export(self, observation: Observation) -> None:
+        """One sampled call's observation."""
+
+    # Optional hooks:
+    # register(target: str, sample_rate: float) -> None      at install: create the target's series
+    # record_calls(target: str, calls: int) -> None           calls (sampled or not) since the last report
+    # record_export_error(target: str) -> None                another exporter failed on an observation

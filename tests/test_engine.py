@@ -244,3 +244,41 @@ def test_upstream_drawing_more_random_numbers_leaves_every_generator_where_legac
     got = states()
     assert torch.equal(got[0], expected[0]) and got[1] == expected[1] and (got[2] == expected[2]).all()
     assert monitor.stats()["op"].match == 1  # upstream's torch.rand(1) drew the same number as legacy's
+
+
+class HookedExporter(RecordingExporter):
+    def __init__(self):
+        super().__init__()
+        self.registered, self.calls, self.export_errors = {}, 0, 0
+
+    def register(self, target, sample_rate):
+        self.registered[target] = sample_rate
+
+    def record_calls(self, target, calls):
+        self.calls += calls
+
+    def record_export_error(self, target):
+        self.export_errors += 1
+
+
+def test_optional_exporter_hooks_see_registration_calls_and_failures():
+    ops = make_ops()
+    hooked = HookedExporter()
+    with shadow.install(
+        [Target("op", ops, "op", scale)], sample_rate=0.3, seed=2, exporters=[hooked, FailingExporter()]
+    ) as monitor:
+        for _ in range(500):
+            ops.op(torch.ones(1))
+    stats = monitor.stats()["op"]
+    assert hooked.registered == {"op": 0.3}
+    assert hooked.calls == stats.calls == 500  # the last calls arrive with the flush at uninstall
+    assert hooked.export_errors == stats.by_reason["export"] == stats.sampled == len(hooked.observations)
+
+
+def test_mismatch_observations_carry_evidence_and_matches_do_not():
+    _, observations, _ = run_target(FAULTS["value"])
+    evidence = observations[0].evidence
+    assert torch.equal(evidence.args[0], torch.arange(6.0))
+    assert torch.equal(evidence.legacy, evidence.upstream - 0.5)
+    _, observations, _ = run_target(scale)
+    assert observations[0].evidence is None
