@@ -217,7 +217,15 @@ class Shadow:
             inputs = (isolation.args, isolation.kwargs) if isolation is not None else (args, kwargs)
             modules = find_modules(inputs)
             state = modules[0].state_dict() if modules else None
-            return Evidence(*inputs, legacy=legacy_error or result, upstream=upstream_output, module_state=state)
+            return Evidence(
+                *inputs,
+                legacy=legacy_error or result,
+                upstream=upstream_output,
+                module_state=state,
+                legacy_fn=self.legacy,
+                upstream_fn=self.target.upstream,
+                exact=self.target.exact,
+            )
 
         if legacy_error is not None or upstream_error is not None:
             observation = self._compare_errors(legacy_error, upstream_error, common)

@@ -42,6 +42,9 @@ class Evidence:
     legacy: Any
     upstream: Any
     module_state: dict | None = None
+    legacy_fn: Any = None
+    upstream_fn: Any = None
+    exact: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

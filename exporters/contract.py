@@ -1,0 +1,107 @@
+"""The metric contract shared by the Prometheus and OpenTelemetry paths.
+
+One dashboard and one rule file serve both: the OpenTelemetry instruments below come out of the SDK's
+Prometheus translation with exactly the Prometheus names (dots become underscores, ``_total`` is added to
+monotonic sums, ``_seconds`` for unit ``s``, and ``{annotation}`` units add nothing).
+Labels come only from bounded sets: target, outcome, reason, signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+
+import torch
+
+from shadow.observation import MISMATCH_REASONS, OUTCOMES, SKIP_REASONS
+
+PREFIX = "npu_shadow"
+
+#: Skip reasons as exported: the core's, plus exporter failures.
+EXPORT_SKIP_REASONS = (*SKIP_REASONS, "export")
+
+#: Log buckets for absolute and relative errors, 1e-9 .. 1e2.
+ERROR_BUCKETS = tuple(10.0**e for e in range(-9, 3))
+
+#: Errors above this land in the +Inf bucket anyway; capping keeps histogram sums finite.
+ERROR_CAP = 1e3
+
+#: Buckets for the shadow side's duration per sampled call, 10 us .. 10 s.
+DURATION_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """One metric: its OpenTelemetry instrument name and unit, and the Prometheus name it becomes."""
+
+    otel_name: str
+    unit: str
+    kind: str  # counter, histogram, gauge
+    labels: tuple[str, ...]
+    description: str
+
+    @property
+    def prometheus_name(self) -> str:
+        """The name as exposed (without the ``_total`` a counter gets on exposition)."""
+        name = self.otel_name.replace(".", "_")
+        return f"{name}_seconds" if self.unit == "s" else name
+
+
+CALLS = Metric("npu_shadow.calls", "{call}", "counter", ("target",), "Calls of the wrapped function, sampled or not.")
+COMPARISONS = Metric(
+    "npu_shadow.comparisons",
+    "{comparison}",
+    "counter",
+    ("target", "outcome", "signature"),
+    "Sampled calls by outcome (match, close, mismatch, error, skipped) and call signature.",
+)
+MISMATCHES = Metric(
+    "npu_shadow.mismatches",
+    "{mismatch}",
+    "counter",
+    ("target", "reason"),
+    "Reasons found in mismatching or erroring comparisons (one comparison can have several).",
+)
+SKIPPED = Metric(
+    "npu_shadow.skipped",
+    "{comparison}",
+    "counter",
+    ("target", "reason"),
+    "Sampled calls not compared, and observations an exporter failed to export (reason export).",
+)
+ABS_ERROR = Metric("npu_shadow.abs_error", "1", "histogram", ("target",), "Greatest absolute error per comparison.")
+REL_ERROR = Metric("npu_shadow.rel_error", "1", "histogram", ("target",), "Greatest relative error per comparison.")
+LEGACY = Metric("npu_shadow.legacy", "s", "counter", ("target",), "Time spent in legacy on sampled calls.")
+SHADOW = Metric(
+    "npu_shadow.shadow", "s", "counter", ("target",), "Time spent on the shadow side: upstream run plus comparison."
+)
+SHADOW_DURATION = Metric(
+    "npu_shadow.shadow.duration", "s", "histogram", ("target",), "Shadow side time per sampled call."
+)
+SAMPLE_RATE = Metric("npu_shadow.sample_rate", "1", "gauge", ("target",), "Configured fraction of calls shadowed.")
+BUILD_INFO = Metric(
+    "npu_shadow.build_info", "1", "gauge", ("version", "torch", "torch_npu"), "Versions, as labels; always 1."
+)
+
+ALL = (CALLS, COMPARISONS, MISMATCHES, SKIPPED, ABS_ERROR, REL_ERROR, LEGACY, SHADOW, SHADOW_DURATION, SAMPLE_RATE)
+
+#: Pre-created for every target: (metric, labels) at zero, so that ratios exist before the first event.
+#: Comparisons are pre-created with an empty signature (Prometheus treats it as absent).
+def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:
+    series: list[tuple[Metric, dict[str, str]]] = [(CALLS, {"target": target})]
+    series += [(COMPARISONS, {"target": target, "outcome": o, "signature": ""}) for o in OUTCOMES]
+    series += [(MISMATCHES, {"target": target, "reason": r}) for r in MISMATCH_REASONS]
+    series += [(SKIPPED, {"target": target, "reason": r}) for r in EXPORT_SKIP_REASONS]
+    series += [(LEGACY, {"target": target}), (SHADOW, {"target": target})]
+    return series
+
+
+def versions() -> dict[str, str]:
+    """The build_info labels: this package, torch and torch_npu (``none`` when absent)."""
+    import shadow
+
+    try:
+        torch_npu = importlib.metadata.version("torch_npu")
+    except importlib.metadata.PackageNotFoundError:
+        torch_npu = "none"
+    return {"version": shadow.__version__, "torch": torch.__version__, "torch_npu": torch_npu}

@@ -1,0 +1,155 @@
+"""A JSON-lines journal of observations, rotated by size, with optional repro captures."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import socket
+import threading
+from typing import Any
+
+from exporters import capture
+from shadow import _fork
+from shadow.observation import Observation
+
+
+def _rank() -> int | None:
+    for name in ("RANK", "LOCAL_RANK"):
+        value = os.environ.get(name)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+def _number(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)  # strict JSON has no inf/nan
+
+
+class JsonlExporter:
+    """One JSON line per observation that is not a bitwise match (every one with ``all_outcomes``).
+
+    ``path`` may hold ``{pid}`` and ``{rank}``; give each process its own file that way when several
+    processes journal. The file rotates past ``max_bytes`` keeping ``backups`` old files (path.1, ...).
+    ``capture_dir`` turns on repro captures of mismatches and errors: at most ``max_captures`` files and
+    ``max_capture_bytes`` of tensor data per process. Write errors (disk full, unwritable) are raised to
+    the engine, which counts them as ``export`` skips; training never sees them.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        max_bytes: int = 16 << 20,
+        backups: int = 3,
+        all_outcomes: bool = False,
+        capture_dir: str | None = None,
+        max_captures: int = 20,
+        max_capture_bytes: int = 256 << 20,
+    ) -> None:
+        for name, value in (("max_bytes", max_bytes), ("backups", backups), ("max_captures", max_captures)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"JsonlExporter: {name} must be an int >= 0, got {value!r}")
+        self.path_template = path
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.all_outcomes = all_outcomes
+        self.capture_dir = capture_dir
+        self.max_captures = max_captures
+        self.max_capture_bytes = max_capture_bytes
+        self.host = socket.gethostname()
+        self._lock = threading.Lock()
+        self._handle: Any = None
+        self._reset_process_state()
+        _fork.register(self)
+
+    def _reset_process_state(self) -> None:
+        self.pid = os.getpid()
+        self.rank = _rank()
+        self.path = self.path_template.format(pid=self.pid, rank=self.rank if self.rank is not None else "none")
+        self.captures_written = 0
+        self.capture_bytes = 0
+
+    # ------------------------------------------------------------------ export
+
+    def export(self, observation: Observation) -> None:
+        if observation.outcome == "match" and not self.all_outcomes:
+            return
+        with self._lock:
+            capture_path = self._capture(observation)
+            record = self._record(observation, capture_path)
+            self._write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def _record(self, observation: Observation, capture_path: str | None) -> dict[str, Any]:
+        return {
+            "time": datetime.datetime.fromtimestamp(observation.timestamp, datetime.timezone.utc).isoformat(),
+            "timestamp": observation.timestamp,
+            "target": observation.target,
+            "outcome": observation.outcome,
+            "reasons": list(observation.reasons),
+            "max_abs_error": _number(observation.max_abs_error),
+            "max_rel_error": _number(observation.max_rel_error),
+            "mismatched": observation.mismatched,
+            "numel": observation.numel,
+            "signature": observation.signature,
+            "detail": observation.detail,
+            "legacy_seconds": observation.legacy_seconds,
+            "upstream_seconds": observation.upstream_seconds,
+            "compare_seconds": observation.compare_seconds,
+            "host": self.host,
+            "pid": self.pid,
+            "rank": self.rank,
+            "capture": capture_path,
+        }
+
+    def _write(self, line: str) -> None:
+        data = line.encode()
+        if self._handle is None:
+            directory = os.path.dirname(self.path)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            self._handle = open(self.path, "ab")  # noqa: SIM115 - kept open across exports
+        if self.max_bytes and self._handle.tell() and self._handle.tell() + len(data) > self.max_bytes:
+            self._rotate()
+        self._handle.write(data)
+        self._handle.flush()
+
+    def _rotate(self) -> None:
+        self._handle.close()
+        self._handle = None
+        if self.backups:
+            for index in range(self.backups - 1, 0, -1):
+                older = f"{self.path}.{index}"
+                if os.path.exists(older):
+                    os.replace(older, f"{self.path}.{index + 1}")
+            os.replace(self.path, f"{self.path}.1")
+        else:
+            os.remove(self.path)
+        self._handle = open(self.path, "ab")  # noqa: SIM115
+
+    def _capture(self, observation: Observation) -> str | None:
+        if self.capture_dir is None or observation.evidence is None or self.captures_written >= self.max_captures:
+            return None
+        data = capture.payload(observation)
+        size = capture.size_of(data)
+        if self.capture_bytes + size > self.max_capture_bytes:
+            return None
+        os.makedirs(self.capture_dir, mode=0o700, exist_ok=True)
+        name = f"{observation.target}-{self.pid}-{self.captures_written:04d}.pt"
+        path = os.path.join(self.capture_dir, name)
+        capture.save(data, path)
+        self.captures_written += 1
+        self.capture_bytes += size
+        return path
+
+    def close(self) -> None:
+        with self._lock:
+            if self._handle is not None:
+                self._handle.close()
+                self._handle = None
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        if "{pid}" in self.path_template or "{rank}" in self.path_template:
+            self._handle = None  # the parent keeps writing its file; this child opens its own
+        self._reset_process_state()

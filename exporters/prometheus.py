@@ -1,0 +1,187 @@
+"""Prometheus exporter, on prometheus-client.
+
+Single process: metrics live in ``registry`` (a private one by default) and are served from it.
+
+Multiprocess (``PROMETHEUS_MULTIPROC_DIR`` set *before* prometheus_client is first imported, one fresh
+directory per job): every process of the job (ranks, forked or spawned DataLoader workers) writes its
+values to files there through the client's own multiprocess mode, and the serving process aggregates
+them with ``MultiProcessCollector``. Counters and histograms of exited processes stay in the files, so
+nothing is lost when a worker exits. The client's limits apply: no Info or Enum metrics (hence the
+``npu_shadow_build_info`` gauge), no custom collectors, and gauges aggregate by their mode (``max`` here).
+Use one PrometheusExporter per process in this mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import warnings
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
+from prometheus_client.exposition import push_to_gateway, start_http_server, write_to_textfile
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from exporters import contract
+from shadow import _fork
+from shadow.observation import Observation
+
+log = logging.getLogger("shadow")
+
+
+def multiprocess_mode() -> bool:
+    """True when prometheus_client writes values to PROMETHEUS_MULTIPROC_DIR in this process."""
+    return values.ValueClass is not values.MutexValue
+
+
+class PrometheusExporter:
+    """Exports observations as the ``npu_shadow_*`` metrics; serves /metrics when ``port`` is given.
+
+    ``addr`` defaults to loopback (prometheus-client's own default is every interface). ``certfile``,
+    ``keyfile``, ``client_cafile``, ``client_capath`` and ``client_auth_required`` turn on TLS and client
+    certificates, passed through to prometheus-client. A port that cannot be bound gives a warning and
+    no endpoint: the training job goes on.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        port: int | None = None,
+        addr: str = "127.0.0.1",
+        certfile: str | None = None,
+        keyfile: str | None = None,
+        client_cafile: str | None = None,
+        client_capath: str | None = None,
+        client_auth_required: bool = False,
+    ) -> None:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and not multiprocess_mode():
+            warnings.warn(
+                "npu-shadow: PROMETHEUS_MULTIPROC_DIR was set after prometheus_client was imported; "
+                "this process exports its own metrics only",
+                stacklevel=2,
+            )
+        self.multiprocess = multiprocess_mode()
+        if self.multiprocess:
+            # Values go to the job's files; the served registry aggregates them.
+            metric_registry = None
+            self.registry = registry if registry is not None else CollectorRegistry()
+            MultiProcessCollector(self.registry)
+        else:
+            self.registry = metric_registry = registry if registry is not None else CollectorRegistry()
+        self._lock = threading.Lock()
+        _fork.register(self)
+        self._metrics = self._create(metric_registry)
+        build = self._metrics[contract.BUILD_INFO]
+        build.labels(**contract.versions()).set(1)
+        self.server: Any = None
+        self.port: int | None = None
+        if port is not None:
+            self.serve(port, addr, certfile, keyfile, client_cafile, client_capath, client_auth_required)
+
+    @staticmethod
+    def _create(registry: CollectorRegistry | None) -> dict[contract.Metric, Any]:
+        metrics: dict[contract.Metric, Any] = {}
+        for metric in (*contract.ALL, contract.BUILD_INFO):
+            common = {"registry": registry, "labelnames": metric.labels}
+            name = metric.prometheus_name
+            if metric.kind == "counter":
+                metrics[metric] = Counter(name, metric.description, **common)
+            elif metric.kind == "gauge":
+                metrics[metric] = Gauge(name, metric.description, multiprocess_mode="max", **common)
+            else:
+                buckets = (
+                    contract.DURATION_BUCKETS if metric is contract.SHADOW_DURATION else contract.ERROR_BUCKETS
+                )
+                metrics[metric] = Histogram(name, metric.description, buckets=buckets, **common)
+        return metrics
+
+    # ------------------------------------------------------------------ exporter protocol
+
+    def register(self, target: str, sample_rate: float) -> None:
+        """Create every series of ``target`` at zero and record its sample rate."""
+        with self._lock:
+            for metric, labels in contract.zero_series(target):
+                self._metrics[metric].labels(**labels)
+            self._metrics[contract.SAMPLE_RATE].labels(target=target).set(sample_rate)
+
+    def record_calls(self, target: str, calls: int) -> None:
+        with self._lock:
+            self._metrics[contract.CALLS].labels(target=target).inc(calls)
+
+    def record_export_error(self, target: str) -> None:
+        with self._lock:
+            self._metrics[contract.SKIPPED].labels(target=target, reason="export").inc()
+
+    def export(self, observation: Observation) -> None:
+        m, target = self._metrics, observation.target
+        with self._lock:
+            m[contract.COMPARISONS].labels(
+                target=target, outcome=observation.outcome, signature=observation.signature
+            ).inc()
+            if observation.outcome == "skipped":
+                for reason in observation.reasons:
+                    m[contract.SKIPPED].labels(target=target, reason=reason).inc()
+                return
+            for reason in observation.reasons:
+                m[contract.MISMATCHES].labels(target=target, reason=reason).inc()
+            if observation.outcome != "error" and observation.numel:
+                m[contract.ABS_ERROR].labels(target=target).observe(min(observation.max_abs_error, contract.ERROR_CAP))
+                m[contract.REL_ERROR].labels(target=target).observe(min(observation.max_rel_error, contract.ERROR_CAP))
+            m[contract.LEGACY].labels(target=target).inc(observation.legacy_seconds)
+            m[contract.SHADOW].labels(target=target).inc(observation.shadow_seconds)
+            m[contract.SHADOW_DURATION].labels(target=target).observe(observation.shadow_seconds)
+
+    # ------------------------------------------------------------------ getting metrics out
+
+    def serve(
+        self,
+        port: int,
+        addr: str = "127.0.0.1",
+        certfile: str | None = None,
+        keyfile: str | None = None,
+        client_cafile: str | None = None,
+        client_capath: str | None = None,
+        client_auth_required: bool = False,
+    ) -> int | None:
+        """Serve /metrics on ``addr:port`` (0 picks a free port). Returns the bound port, or None."""
+        try:
+            self.server, _ = start_http_server(
+                port,
+                addr=addr,
+                registry=self.registry,
+                certfile=certfile,
+                keyfile=keyfile,
+                client_cafile=client_cafile,
+                client_capath=client_capath,
+                client_auth_required=client_auth_required,
+            )
+        except OSError as exc:
+            message = f"npu-shadow: cannot serve metrics on {addr}:{port} ({exc}); the job goes on without it"
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            log.warning(message)
+            return None
+        self.port = self.server.server_port
+        return self.port
+
+    def write_textfile(self, path: str) -> None:
+        """Write the exposition atomically to ``path`` (for node_exporter's textfile collector)."""
+        write_to_textfile(path, self.registry)
+
+    def push(self, gateway: str, job: str, **kwargs: Any) -> None:
+        """Push the exposition to a Pushgateway (batch jobs end before the next scrape)."""
+        push_to_gateway(gateway, job=job, registry=self.registry, **kwargs)
+
+    def close(self) -> None:
+        """Stop serving (metrics already written stay)."""
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                self.server.shutdown()
+                self.server.server_close()
+            self.server = None
+
+    def _after_fork_in_child(self) -> None:
+        # A thread of the parent may have held this lock while it forked.
+        self._lock = threading.Lock()
+        self.server = None  # the serving thread did not survive the fork

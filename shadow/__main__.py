@@ -1,0 +1,5 @@
+import sys
+
+from shadow.cli import main
+
+sys.exit(main())

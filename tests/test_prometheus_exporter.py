@@ -1,0 +1,154 @@
+"""The Prometheus path, scraped over real HTTP."""
+
+import dataclasses
+import socket
+import threading
+import types
+import warnings
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+import torch
+from metrics_helpers import promtool_check_metrics, samples, scrape, total
+from prometheus_client import CollectorRegistry
+
+import faults
+import shadow
+from exporters import PrometheusExporter, contract
+from shadow import Target
+from shadow import targets as builtin
+from shadow.observation import MISMATCH_REASONS, OUTCOMES
+
+
+@pytest.fixture
+def exporter():
+    exp = PrometheusExporter(registry=CollectorRegistry(), port=0)
+    yield exp
+    exp.close()
+
+
+def test_all_series_exist_at_zero_right_after_install(exporter):
+    ops = types.SimpleNamespace(op=faults.scale)
+    with shadow.install([Target("op", ops, "op", faults.scale)], exporters=[exporter]):
+        parsed = samples(scrape(exporter.port))
+    assert parsed[("npu_shadow_calls_total", (("target", "op"),))] == 0
+    for outcome in OUTCOMES:
+        key = ("npu_shadow_comparisons_total", (("outcome", outcome), ("signature", ""), ("target", "op")))
+        assert parsed[key] == 0
+    for reason in MISMATCH_REASONS:
+        assert parsed[("npu_shadow_mismatches_total", (("reason", reason), ("target", "op")))] == 0
+    for reason in contract.EXPORT_SKIP_REASONS:
+        assert parsed[("npu_shadow_skipped_total", (("reason", reason), ("target", "op")))] == 0
+    assert parsed[("npu_shadow_sample_rate", (("target", "op"),))] == 0.01
+    build = [k for k in parsed if k[0] == "npu_shadow_build_info"]
+    assert len(build) == 1 and dict(build[0][1])["version"] == shadow.__version__
+
+
+def test_scraped_counters_equal_the_monitor_stats(exporter, fake_torch_npu):
+    ops = types.SimpleNamespace(op=faults.scale)
+    targets = [
+        Target("op", ops, "op", faults.scale_wrong),  # mismatches whenever an element is > 2
+        dataclasses.replace(builtin.tensor_type(), upstream=faults.type_to_half),
+    ]
+    with shadow.install(targets, sample_rate={"op": 0.5, "tensor_type": 1.0}, seed=3, exporters=[exporter]) as monitor:
+        for i in range(200):
+            ops.op(torch.tensor([float(i % 4)]))
+            x = torch.ones(2)
+            x.type(torch.float32 if i % 3 else torch.int64)
+            x.type()  # a string: agreement
+        monitor.flush()
+        stats = monitor.stats()
+        parsed = samples(scrape(exporter.port))
+
+    assert stats["op"].mismatch > 0 and stats["op"].match > 0 and stats["tensor_type"].mismatch > 0
+    for name, s in stats.items():
+        assert total(parsed, "npu_shadow_calls_total", target=name) == s.calls
+        for outcome in OUTCOMES:
+            assert total(parsed, "npu_shadow_comparisons_total", target=name, outcome=outcome) == getattr(s, outcome)
+        for reason in MISMATCH_REASONS:
+            assert total(parsed, "npu_shadow_mismatches_total", target=name, reason=reason) == s.by_reason.get(
+                reason, 0
+            )
+        for reason in contract.EXPORT_SKIP_REASONS:
+            assert total(parsed, "npu_shadow_skipped_total", target=name, reason=reason) == s.by_reason.get(reason, 0)
+        compared_tensors = s.match + s.close + s.mismatch - (200 if name == "tensor_type" else 0)  # x.type(): str
+        assert total(parsed, "npu_shadow_abs_error_count", target=name) == compared_tensors
+        assert total(parsed, "npu_shadow_shadow_duration_seconds_count", target=name) == s.sampled - s.skipped
+        assert total(parsed, "npu_shadow_shadow_seconds_total", target=name) > 0
+    signatures = {dict(k[1])["signature"] for k in parsed if k[0] == "npu_shadow_comparisons_total"}
+    assert {"dtype/cpu/blocking", "none/cpu/blocking", "call"} <= signatures
+
+
+def test_exposition_passes_promtool_check_metrics(exporter):
+    ops = types.SimpleNamespace(op=faults.scale)
+    with shadow.install([Target("op", ops, "op", faults.scale_wrong)], sample_rate=1.0, exporters=[exporter]):
+        for i in range(5):
+            ops.op(torch.tensor([float(i)]))
+        text = scrape(exporter.port)
+    checked = promtool_check_metrics(text)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_busy_port_warns_and_the_job_goes_on():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.warns(RuntimeWarning, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            exporter = PrometheusExporter(registry=CollectorRegistry(), port=port)
+    assert exporter.server is None and exporter.port is None
+    ops = types.SimpleNamespace(op=faults.scale)
+    with shadow.install([Target("op", ops, "op", faults.scale)], sample_rate=1.0, exporters=[exporter]) as monitor:
+        assert torch.equal(ops.op(torch.ones(1)), torch.full((1,), 2.0))
+    assert monitor.stats()["op"].match == 1
+
+
+def test_textfile_and_pushgateway(tmp_path):
+    exporter = PrometheusExporter(registry=CollectorRegistry())
+    ops = types.SimpleNamespace(op=faults.scale)
+    with shadow.install([Target("op", ops, "op", faults.scale)], sample_rate=1.0, exporters=[exporter]):
+        ops.op(torch.ones(1))
+    path = tmp_path / "npu_shadow.prom"
+    exporter.write_textfile(str(path))
+    assert total(samples(path.read_text()), "npu_shadow_comparisons_total", target="op", outcome="match") == 1
+
+    received = {}
+
+    class Gateway(BaseHTTPRequestHandler):
+        def do_PUT(self):
+            received["path"] = self.path
+            received["body"] = self.rfile.read(int(self.headers["Content-Length"])).decode()
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Gateway)
+    thread = threading.Thread(target=server.handle_request)
+    thread.start()
+    try:
+        exporter.push(f"127.0.0.1:{server.server_port}", job="train")
+    finally:
+        thread.join(10)
+        server.server_close()
+    assert received["path"] == "/metrics/job/train"
+    assert "npu_shadow_calls_total" in received["body"]
+
+
+def test_exporter_failure_is_counted_as_export_skip(exporter):
+    class Broken:
+        def export(self, observation):
+            raise OSError("No space left on device")
+
+    ops = types.SimpleNamespace(op=faults.scale)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with shadow.install(
+            [Target("op", ops, "op", faults.scale)], sample_rate=1.0, exporters=[exporter, Broken()]
+        ) as monitor:
+            for _ in range(3):
+                ops.op(torch.ones(1))
+    parsed = samples(scrape(exporter.port))
+    assert monitor.stats()["op"].by_reason["export"] == 3
+    assert total(parsed, "npu_shadow_skipped_total", target="op", reason="export") == 3
