@@ -82,9 +82,12 @@ def save(data: dict[str, Any], path: str) -> None:
 def load(path: str) -> dict[str, Any]:
     """Read a capture safely (weights_only); tensors of devices absent here come to the CPU."""
     try:
-        data = torch.load(path, weights_only=True)
-    except RuntimeError:
-        data = torch.load(path, weights_only=True, map_location="cpu")
+        try:
+            data = torch.load(path, weights_only=True)
+        except RuntimeError:
+            data = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # unpickling errors come in many types
+        raise ValueError(f"{path} is not a loadable capture: {exc}") from exc
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path} is not an npu-shadow capture (format {FORMAT})")
     return data

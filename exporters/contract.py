@@ -85,6 +85,7 @@ BUILD_INFO = Metric(
 
 ALL = (CALLS, COMPARISONS, MISMATCHES, SKIPPED, ABS_ERROR, REL_ERROR, LEGACY, SHADOW, SHADOW_DURATION, SAMPLE_RATE)
 
+
 #: Pre-created for every target: (metric, labels) at zero, so that ratios exist before the first event.
 #: Comparisons are pre-created with an empty signature (Prometheus treats it as absent).
 def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:

@@ -90,5 +90,3 @@ class OTelExporter:
         self._add(contract.LEGACY, observation.legacy_seconds, target=target)
         self._add(contract.SHADOW, observation.shadow_seconds, target=target)
         self._instruments[contract.SHADOW_DURATION].record(observation.shadow_seconds, attributes)
-
-

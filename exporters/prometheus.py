@@ -91,9 +91,7 @@ class PrometheusExporter:
             elif metric.kind == "gauge":
                 metrics[metric] = Gauge(name, metric.description, multiprocess_mode="max", **common)
             else:
-                buckets = (
-                    contract.DURATION_BUCKETS if metric is contract.SHADOW_DURATION else contract.ERROR_BUCKETS
-                )
+                buckets = contract.DURATION_BUCKETS if metric is contract.SHADOW_DURATION else contract.ERROR_BUCKETS
                 metrics[metric] = Histogram(name, metric.description, buckets=buckets, **common)
         return metrics
 

@@ -126,7 +126,7 @@ def _chunk_stats(
     or inf involved), float[3] (max abs error and max rel error over finite elements, worst excess
     over the tolerance) and the index of the element with the worst excess."""
     n = a.numel()
-    bitdiff = torch.count_nonzero(_int_view(a) != _int_view(b)) if same_dtype else torch.tensor(n, device=a.device)
+    a_raw, b_raw = a, b
     a, b = a.to(compute), b.to(compute)
     diff = torch.sub(a, b).abs_()  # NaN where either side is NaN or both are the same infinity
     absa = a.abs()
@@ -136,6 +136,8 @@ def _chunk_stats(
     if tolerance.equal_nan:
         close |= (a != a) & (b != b)
     bad = n - torch.count_nonzero(close)
+    # Bits of different dtypes cannot be equal; what differs then is the values.
+    bitdiff = torch.count_nonzero(_int_view(a_raw) != _int_view(b_raw)) if same_dtype else bad
     excess.masked_fill_(close, -math.inf).nan_to_num_(math.inf, math.inf, -math.inf)  # NaN is worst
     worst, index = excess.max(dim=0)
     finite = diff < math.inf

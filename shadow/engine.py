@@ -213,6 +213,7 @@ class Shadow:
             del upstream_error, isolation, prepared, up_args, up_kwargs, context
             _free_after_oom()
             return Observation(outcome="skipped", reasons=("oom",), **common)
+
         def evidence(upstream_output: Any) -> Evidence:
             inputs = (isolation.args, isolation.kwargs) if isolation is not None else (args, kwargs)
             modules = find_modules(inputs)

@@ -7,12 +7,12 @@ import types
 import warnings
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
+import faults
 import pytest
 import torch
 from metrics_helpers import promtool_check_metrics, samples, scrape, total
 from prometheus_client import CollectorRegistry
 
-import faults
 import shadow
 from exporters import PrometheusExporter, contract
 from shadow import Target

@@ -1,0 +1,87 @@
+"""The OpenTelemetry path: instruments, units and attributes, and the same names through the SDK's
+Prometheus translation as the direct Prometheus path."""
+
+import types
+
+import faults
+import pytest
+import torch
+from metrics_helpers import samples
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from prometheus_client import CollectorRegistry, generate_latest
+
+import shadow
+from exporters import OTelExporter, PrometheusExporter, contract
+
+
+def run_workload(exporters):
+    ops = types.SimpleNamespace(op=faults.scale)
+    with shadow.install(
+        [shadow.Target("op", ops, "op", faults.scale_wrong)], sample_rate=1.0, exporters=exporters
+    ) as m:
+        for i in range(12):
+            ops.op(torch.tensor([float(i % 4)]))
+    return m.stats()["op"]
+
+
+def test_every_instrument_with_its_unit_and_attributes():
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    stats = run_workload([OTelExporter(meter_provider=provider)])
+    data = reader.get_metrics_data()
+    (scope_metrics,) = data.resource_metrics[0].scope_metrics
+    assert scope_metrics.scope.name == "npu_shadow"
+    assert scope_metrics.scope.version == shadow.__version__
+    assert dict(scope_metrics.scope.attributes) == contract.versions()
+    by_name = {m.name: m for m in scope_metrics.metrics}
+    assert set(by_name) == {m.otel_name for m in contract.ALL}
+    for metric in contract.ALL:
+        assert by_name[metric.otel_name].unit == metric.unit, metric.otel_name
+        for point in by_name[metric.otel_name].data.data_points:
+            assert set(point.attributes) == set(metric.labels), metric.otel_name
+
+    def value(name, **attributes):
+        return sum(
+            p.value if hasattr(p, "value") else p.count
+            for p in by_name[name].data.data_points
+            if attributes.items() <= dict(p.attributes).items()
+        )
+
+    assert value("npu_shadow.calls", target="op") == stats.calls == 12
+    assert value("npu_shadow.comparisons", outcome="match") == stats.match
+    assert value("npu_shadow.comparisons", outcome="mismatch") == stats.mismatch
+    assert value("npu_shadow.mismatches", reason="value") == stats.mismatch
+    assert value("npu_shadow.skipped", reason="oom") == 0  # pre-created at zero
+    assert value("npu_shadow.abs_error", target="op") == 12
+    assert value("npu_shadow.sample_rate", target="op") == 1.0
+    boundaries = by_name["npu_shadow.abs_error"].data.data_points[0].explicit_bounds
+    assert tuple(boundaries) == contract.ERROR_BUCKETS
+
+
+def metric_names(text):
+    names = set()
+    for sample_name, _ in samples(text):
+        if sample_name.endswith("_created"):
+            continue  # prometheus-client's creation timestamps, not metrics of their own
+        for suffix in ("_bucket", "_count", "_sum"):
+            if sample_name.endswith(suffix) and not sample_name.endswith("_total"):
+                sample_name = sample_name[: -len(suffix)]
+        names.add(sample_name)
+    return {n for n in names if n.startswith("npu_shadow")}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_prometheus_translation_yields_the_direct_names():
+    registry = CollectorRegistry()
+    reader = PrometheusMetricReader(registry=registry)
+    provider = MeterProvider(metric_readers=[reader])
+    direct = PrometheusExporter(registry=CollectorRegistry())
+    run_workload([OTelExporter(meter_provider=provider), direct])
+    translated = metric_names(generate_latest(registry).decode())
+    native = metric_names(generate_latest(direct.registry).decode())
+    native.discard("npu_shadow_build_info")  # OTel carries versions on the meter instead
+    assert translated == native
+    assert "npu_shadow_shadow_duration_seconds" in translated and "npu_shadow_legacy_seconds_total" in translated
+    provider.shutdown()
