@@ -30,7 +30,7 @@ ERROR_CAP = 1e3
 DURATION_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # identity hashing: these are singletons used as dict keys
 class Metric:
     """One metric: its OpenTelemetry instrument name and unit, and the Prometheus name it becomes."""
 

@@ -8,7 +8,6 @@ import math
 import os
 import socket
 import threading
-from typing import Any
 
 from exporters import capture
 from shadow import _fork
@@ -21,6 +20,10 @@ def _rank() -> int | None:
         if value is not None and value.isdigit():
             return int(value)
     return None
+
+
+_UTC = datetime.timezone.utc
+_encode = json.JSONEncoder(separators=(",", ":")).encode  # one encoder, not one per line
 
 
 def _number(value: float) -> float | str:
@@ -59,7 +62,8 @@ class JsonlExporter:
         self.max_capture_bytes = max_capture_bytes
         self.host = socket.gethostname()
         self._lock = threading.Lock()
-        self._handle: Any = None
+        self._fd: int | None = None
+        self._size = 0
         self._reset_process_state()
         _fork.register(self)
 
@@ -69,6 +73,7 @@ class JsonlExporter:
         self.path = self.path_template.format(pid=self.pid, rank=self.rank if self.rank is not None else "none")
         self.captures_written = 0
         self.capture_bytes = 0
+        self._process_fields = _encode({"host": self.host, "pid": self.pid, "rank": self.rank})[1:]
 
     # ------------------------------------------------------------------ export
 
@@ -77,46 +82,51 @@ class JsonlExporter:
             return
         with self._lock:
             capture_path = self._capture(observation)
-            record = self._record(observation, capture_path)
-            self._write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._write(self._line(observation, capture_path))
 
-    def _record(self, observation: Observation, capture_path: str | None) -> dict[str, Any]:
-        return {
-            "time": datetime.datetime.fromtimestamp(observation.timestamp, datetime.timezone.utc).isoformat(),
-            "timestamp": observation.timestamp,
-            "target": observation.target,
-            "outcome": observation.outcome,
-            "reasons": list(observation.reasons),
-            "max_abs_error": _number(observation.max_abs_error),
-            "max_rel_error": _number(observation.max_rel_error),
-            "mismatched": observation.mismatched,
-            "numel": observation.numel,
-            "signature": observation.signature,
-            "detail": observation.detail,
-            "legacy_seconds": observation.legacy_seconds,
-            "upstream_seconds": observation.upstream_seconds,
-            "compare_seconds": observation.compare_seconds,
-            "host": self.host,
-            "pid": self.pid,
-            "rank": self.rank,
-            "capture": capture_path,
-        }
+    def _line(self, observation: Observation, capture_path: str | None) -> str:
+        """One JSON object: this call's fields, then the process's (encoded once per process)."""
+        fields = _encode(
+            {
+                "time": datetime.datetime.fromtimestamp(observation.timestamp, _UTC).isoformat(),
+                "timestamp": observation.timestamp,
+                "target": observation.target,
+                "outcome": observation.outcome,
+                "reasons": observation.reasons,
+                "max_abs_error": _number(observation.max_abs_error),
+                "max_rel_error": _number(observation.max_rel_error),
+                "mismatched": observation.mismatched,
+                "numel": observation.numel,
+                "signature": observation.signature,
+                "detail": observation.detail,
+                "legacy_seconds": observation.legacy_seconds,
+                "upstream_seconds": observation.upstream_seconds,
+                "compare_seconds": observation.compare_seconds,
+                "capture": capture_path,
+            }
+        )
+        return f"{fields[:-1]},{self._process_fields}\n"
+
+    def _open(self) -> None:
+        directory = os.path.dirname(self.path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        # O_APPEND: each line is one write(2) at the end of the file, whole, even with other writers.
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._size = os.fstat(self._fd).st_size
 
     def _write(self, line: str) -> None:
         data = line.encode()
-        if self._handle is None:
-            directory = os.path.dirname(self.path)
-            if directory:
-                os.makedirs(directory, exist_ok=True)
-            self._handle = open(self.path, "ab")  # noqa: SIM115 - kept open across exports
-        if self.max_bytes and self._handle.tell() and self._handle.tell() + len(data) > self.max_bytes:
+        if self._fd is None:
+            self._open()
+        if self.max_bytes and self._size and self._size + len(data) > self.max_bytes:
             self._rotate()
-        self._handle.write(data)
-        self._handle.flush()
+        os.write(self._fd, data)
+        self._size += len(data)
 
     def _rotate(self) -> None:
-        self._handle.close()
-        self._handle = None
+        os.close(self._fd)
+        self._fd = None
         if self.backups:
             for index in range(self.backups - 1, 0, -1):
                 older = f"{self.path}.{index}"
@@ -125,7 +135,7 @@ class JsonlExporter:
             os.replace(self.path, f"{self.path}.1")
         else:
             os.remove(self.path)
-        self._handle = open(self.path, "ab")  # noqa: SIM115
+        self._open()
 
     def _capture(self, observation: Observation) -> str | None:
         if self.capture_dir is None or observation.evidence is None or self.captures_written >= self.max_captures:
@@ -144,12 +154,12 @@ class JsonlExporter:
 
     def close(self) -> None:
         with self._lock:
-            if self._handle is not None:
-                self._handle.close()
-                self._handle = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
         if "{pid}" in self.path_template or "{rank}" in self.path_template:
-            self._handle = None  # the parent keeps writing its file; this child opens its own
+            self._fd = None  # the parent keeps writing its file; this child opens its own
         self._reset_process_state()

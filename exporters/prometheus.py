@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import warnings
 from typing import Any
 
@@ -70,9 +69,9 @@ class PrometheusExporter:
             MultiProcessCollector(self.registry)
         else:
             self.registry = metric_registry = registry if registry is not None else CollectorRegistry()
-        self._lock = threading.Lock()
         _fork.register(self)
         self._metrics = self._create(metric_registry)
+        self._children: dict[tuple, Any] = {}
         build = self._metrics[contract.BUILD_INFO]
         build.labels(**contract.versions()).set(1)
         self.server: Any = None
@@ -97,39 +96,43 @@ class PrometheusExporter:
 
     # ------------------------------------------------------------------ exporter protocol
 
+    def _child(self, metric: contract.Metric, *labels: str) -> Any:
+        """The labelled child of a metric, cached: labels come from bounded sets, and ``labels()`` is slow."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._metrics[metric].labels(*labels)
+        return child
+
     def register(self, target: str, sample_rate: float) -> None:
         """Create every series of ``target`` at zero and record its sample rate."""
-        with self._lock:
-            for metric, labels in contract.zero_series(target):
-                self._metrics[metric].labels(**labels)
-            self._metrics[contract.SAMPLE_RATE].labels(target=target).set(sample_rate)
+        for metric, labels in contract.zero_series(target):
+            self._child(metric, *(labels[name] for name in metric.labels))
+        self._child(contract.SAMPLE_RATE, target).set(sample_rate)
 
     def record_calls(self, target: str, calls: int) -> None:
-        with self._lock:
-            self._metrics[contract.CALLS].labels(target=target).inc(calls)
+        self._child(contract.CALLS, target).inc(calls)
 
     def record_export_error(self, target: str) -> None:
-        with self._lock:
-            self._metrics[contract.SKIPPED].labels(target=target, reason="export").inc()
+        self._child(contract.SKIPPED, target, "export").inc()
 
     def export(self, observation: Observation) -> None:
-        m, target = self._metrics, observation.target
-        with self._lock:
-            m[contract.COMPARISONS].labels(
-                target=target, outcome=observation.outcome, signature=observation.signature
-            ).inc()
-            if observation.outcome == "skipped":
-                for reason in observation.reasons:
-                    m[contract.SKIPPED].labels(target=target, reason=reason).inc()
-                return
+        # No lock of our own: each prometheus-client value has its own, and the child cache is a dict
+        # whose get/set are atomic (a race at worst asks labels() twice for the same child).
+        child, target = self._child, observation.target
+        child(contract.COMPARISONS, target, observation.outcome, observation.signature).inc()
+        if observation.outcome == "skipped":
             for reason in observation.reasons:
-                m[contract.MISMATCHES].labels(target=target, reason=reason).inc()
-            if observation.outcome != "error" and observation.numel:
-                m[contract.ABS_ERROR].labels(target=target).observe(min(observation.max_abs_error, contract.ERROR_CAP))
-                m[contract.REL_ERROR].labels(target=target).observe(min(observation.max_rel_error, contract.ERROR_CAP))
-            m[contract.LEGACY].labels(target=target).inc(observation.legacy_seconds)
-            m[contract.SHADOW].labels(target=target).inc(observation.shadow_seconds)
-            m[contract.SHADOW_DURATION].labels(target=target).observe(observation.shadow_seconds)
+                child(contract.SKIPPED, target, reason).inc()
+            return
+        for reason in observation.reasons:
+            child(contract.MISMATCHES, target, reason).inc()
+        if observation.outcome != "error" and observation.numel:
+            child(contract.ABS_ERROR, target).observe(min(observation.max_abs_error, contract.ERROR_CAP))
+            child(contract.REL_ERROR, target).observe(min(observation.max_rel_error, contract.ERROR_CAP))
+        child(contract.LEGACY, target).inc(observation.legacy_seconds)
+        child(contract.SHADOW, target).inc(observation.shadow_seconds)
+        child(contract.SHADOW_DURATION, target).observe(observation.shadow_seconds)
 
     # ------------------------------------------------------------------ getting metrics out
 
@@ -180,6 +183,4 @@ class PrometheusExporter:
             self.server = None
 
     def _after_fork_in_child(self) -> None:
-        # A thread of the parent may have held this lock while it forked.
-        self._lock = threading.Lock()
         self.server = None  # the serving thread did not survive the fork

@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Set up (see setup.sh) and run the whole test suite and the linter.
+# Set up (see setup.sh), install Prometheus and promtool from Debian's `prometheus` package when they are
+# missing (the tests start their own server on 127.0.0.1; the system service is never used), then run
+# the linter and the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
 .venv/bin/python -m ruff check .
 .venv/bin/python -m pytest -q "$@"

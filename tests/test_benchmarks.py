@@ -2,17 +2,30 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_core_benchmark_runs_and_reports_both_ratios():
+def run_quick(script):
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_core.py"), "--quick"],
+        [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    assert "shadow wrapper / bare wrapper = " in done.stdout
-    assert "compare_seconds / assert_close = " in done.stdout
-    assert "outcome close" in done.stdout  # the pair is within tolerance but not bitwise equal
+    return done.stdout
+
+
+def test_core_benchmark_runs_and_reports_both_ratios():
+    out = run_quick("bench_core.py")
+    assert "shadow wrapper / bare wrapper = " in out
+    assert "compare_seconds / assert_close = " in out
+    assert "outcome close" in out  # the pair is within tolerance but not bitwise equal
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_exporter_benchmark_runs():
+    out = run_quick("bench_exporters.py")
+    assert "exporters together: " in out and "JsonlExporter" in out
