@@ -1,0 +1,197 @@
+"""Unit tests of the rules for ``promtool test rules``: every alert firing, and not firing below its
+threshold, with too few samples and at no traffic (where ratios divide zero by zero).
+
+Run ``python -m dashboards.rule_cases`` to rewrite ``dashboards/prometheus/npu_shadow.rules_test.yml``.
+The cases are written here rather than in YAML so that the expected annotations are rendered from the
+rules themselves; the firing conditions are spelled out below, by hand.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from typing import Any
+
+from dashboards import rules
+from shadow import verdict
+
+JOB, TARGET = "train", "tensor_type"
+TEST_PATH = pathlib.Path(__file__).parent / "prometheus" / "npu_shadow.rules_test.yml"
+
+
+def series(metric: str, values: str, **labels: str) -> dict[str, str]:
+    labels = {"job": JOB, "instance": "rank0", "target": TARGET, **labels}
+    rendered = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return {"series": f"{metric}{{{rendered}}}", "values": values}
+
+
+def comparisons(outcome: str, values: str) -> dict[str, str]:
+    return series("npu_shadow_comparisons_total", values, outcome=outcome, signature="dtype/npu/blocking")
+
+
+def _alerts_by_name() -> dict[str, dict[str, Any]]:
+    return {rule["alert"]: rule for rule in rules.rule_groups()["groups"][1]["rules"]}
+
+
+def expected(alertname: str, **labels: str) -> dict[str, Any]:
+    """An alert as promtool must see it: our labels plus the rule's, annotations rendered."""
+    rule = _alerts_by_name()[alertname]
+    labels = {"job": JOB, "target": TARGET, **labels}
+
+    def render(text: str) -> str:
+        return re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m.group(1)], text)
+
+    return {
+        "exp_labels": {**labels, **rule["labels"]},
+        "exp_annotations": {key: render(value) for key, value in rule["annotations"].items()},
+    }
+
+
+def case(name: str, input_series: list[dict], alerts: list[tuple[str, str, list[dict]]], exprs=()) -> dict:
+    test: dict[str, Any] = {"name": name, "interval": "1m", "input_series": input_series}
+    test["alert_rule_test"] = [
+        {"eval_time": at, "alertname": alertname, "exp_alerts": exp} for at, alertname, exp in alerts
+    ]
+    if exprs:
+        test["promql_expr_test"] = list(exprs)
+    return test
+
+
+def cases() -> list[dict]:
+    quiet = [
+        comparisons(o, "0x120") for o in ("match", "close", "mismatch", "error", "skipped")
+    ]  # pre-created series that never move: no traffic
+    return [
+        case(
+            "hard mismatch fires at once; a value mismatch is not hard",
+            [
+                series("npu_shadow_mismatches_total", "0 0 0 1 1 1 1", reason="dtype"),
+                series("npu_shadow_mismatches_total", "0 0 0 5 9 12 20", reason="value"),
+            ],
+            [
+                ("2m", "NpuShadowHardMismatch", []),
+                ("4m", "NpuShadowHardMismatch", [expected("NpuShadowHardMismatch", reason="dtype")]),
+            ],
+        ),
+        case(
+            "fast burn: 5% divergence fires, 1% does not, 50% of too few samples does not",
+            [
+                comparisons("match", "0+1000x60"),
+                comparisons("mismatch", "0+50x60"),
+                series("npu_shadow_comparisons_total", "0+1000x60", job="low", outcome="match", signature="x"),
+                series("npu_shadow_comparisons_total", "0+10x60", job="low", outcome="mismatch", signature="x"),
+                series("npu_shadow_comparisons_total", "0+1x60", job="few", outcome="match", signature="x"),
+                series("npu_shadow_comparisons_total", "0+1x60", job="few", outcome="error", signature="x"),
+            ],
+            [
+                ("40m", "NpuShadowDivergenceFastBurn", [expected("NpuShadowDivergenceFastBurn")]),
+                (
+                    "40m",
+                    "NpuShadowDivergenceSlowBurn",
+                    [expected("NpuShadowDivergenceSlowBurn"), expected("NpuShadowDivergenceSlowBurn", job="low")],
+                ),
+            ],
+        ),
+        case(
+            "no traffic: ratios are 0/0 and nothing fires",
+            quiet + [series("npu_shadow_calls_total", "0x120"), series("npu_shadow_sample_rate", "0.01x120")],
+            [(at, alertname, []) for at in ("30m", "119m") for alertname in _alerts_by_name()],
+        ),
+        case(
+            "blind: sampled calls but no comparisons; not when comparisons come or the rate is 0",
+            [
+                series("npu_shadow_calls_total", "0+1000x60"),
+                series("npu_shadow_sample_rate", "0.1x60"),
+                comparisons("match", "0x60"),
+                series("npu_shadow_calls_total", "0+1000x60", job="fine"),
+                series("npu_shadow_sample_rate", "0.1x60", job="fine"),
+                series("npu_shadow_comparisons_total", "0+100x60", job="fine", outcome="match", signature="x"),
+                series("npu_shadow_calls_total", "0+1000x60", job="off"),
+                series("npu_shadow_sample_rate", "0x60", job="off"),
+            ],
+            [
+                ("5m", "NpuShadowBlind", []),
+                ("30m", "NpuShadowBlind", [expected("NpuShadowBlind")]),
+            ],
+        ),
+        case(
+            "upstream errors: 90% errors fire, 10% do not",
+            [
+                comparisons("error", "0+100x60"),
+                comparisons("match", "0+10x60"),
+                series("npu_shadow_comparisons_total", "0+10x60", job="some", outcome="error", signature="x"),
+                series("npu_shadow_comparisons_total", "0+90x60", job="some", outcome="match", signature="x"),
+            ],
+            [("30m", "NpuShadowUpstreamErrors", [expected("NpuShadowUpstreamErrors")])],
+        ),
+        case(
+            "overhead: 6x legacy and 10% of wall time fires; 6x but 1% of wall time does not",
+            [
+                series("npu_shadow_shadow_seconds_total", "0+6x60"),
+                series("npu_shadow_legacy_seconds_total", "0+1x60"),
+                series("npu_shadow_shadow_seconds_total", "0+0.6x60", job="cheap"),
+                series("npu_shadow_legacy_seconds_total", "0+0.1x60", job="cheap"),
+            ],
+            [
+                ("10m", "NpuShadowOverhead", []),
+                ("40m", "NpuShadowOverhead", [expected("NpuShadowOverhead")]),
+            ],
+        ),
+        case(
+            "promotion evidence: enough comparisons without divergence; one mismatch stops it",
+            [
+                comparisons("match", "0+100x120"),
+                comparisons("mismatch", "0x120"),
+                series("npu_shadow_comparisons_total", "0+100x120", job="one", outcome="match", signature="x"),
+                series("npu_shadow_comparisons_total", "0 1x119", job="one", outcome="mismatch", signature="x"),
+            ],
+            [
+                ("40m", "NpuShadowPromotionEvidence", []),
+                ("70m", "NpuShadowPromotionEvidence", [expected("NpuShadowPromotionEvidence")]),
+            ],
+        ),
+        case(
+            "recording rules: totals, ratio and its Wilson bound",
+            [comparisons("match", "0+3x10"), comparisons("mismatch", "0+1x10"), comparisons("skipped", "0+7x10")],
+            [],
+            exprs=[
+                {
+                    "expr": "npu_shadow:comparisons:total",
+                    "eval_time": "10m",
+                    "exp_samples": [
+                        {"labels": f'npu_shadow:comparisons:total{{job="{JOB}",target="{TARGET}"}}', "value": 40}
+                    ],
+                },
+                {
+                    "expr": "npu_shadow:divergence:ratio_total",
+                    "eval_time": "10m",
+                    "exp_samples": [
+                        {"labels": f'npu_shadow:divergence:ratio_total{{job="{JOB}",target="{TARGET}"}}', "value": 0.25}
+                    ],
+                },
+                {
+                    "expr": "npu_shadow:divergence:wilson_upper_total",
+                    "eval_time": "10m",
+                    "exp_samples": [
+                        {
+                            "labels": f'npu_shadow:divergence:wilson_upper_total{{job="{JOB}",target="{TARGET}"}}',
+                            "value": verdict.wilson_upper(10, 40),
+                        }
+                    ],
+                },
+            ],
+        ),
+    ]
+
+
+def render() -> str:
+    import yaml
+
+    content = {"rule_files": [rules.RULES_PATH.name], "evaluation_interval": "1m", "tests": cases()}
+    header = "# Generated by `python -m dashboards.rule_cases` (cases in dashboards/rule_cases.py). Do not edit.\n"
+    return header + yaml.safe_dump(content, sort_keys=False, width=1000)
+
+
+if __name__ == "__main__":
+    TEST_PATH.write_text(render())
+    print(f"wrote {TEST_PATH}")

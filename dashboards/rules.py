@@ -1,0 +1,218 @@
+"""The Prometheus recording and alerting rules, generated from one table of thresholds.
+
+Run ``python -m dashboards.rules`` to rewrite ``dashboards/prometheus/npu_shadow.rules.yml``; a test
+regenerates it and fails when the committed file is stale.
+
+Divergence = comparisons whose outcome is ``mismatch`` or ``error``, over comparisons that were made
+(``skipped`` excluded). Everything is aggregated by ``job`` and ``target``: the ranks of a job are its
+instances. Burn-rate windows follow the SRE workbook, scaled down for training jobs (hours, not months).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from shadow import verdict
+
+#: Every threshold, in one place.
+PARAMS: dict[str, Any] = {
+    # the divergence rate the rollout tolerates (the error budget); `npu-shadow verdict --max-rate` default
+    "max_divergence": 0.001,
+    # comparisons a window must hold before a ratio alert may fire
+    "min_samples": 100,
+    "fast_burn": {"factor": 14.4, "long": "30m", "short": "5m", "for": "1m"},
+    "slow_burn": {"factor": 6.0, "long": "2h", "short": "15m", "for": "5m"},
+    "hard_window": "10m",
+    # blind: calls * sample rate promised this many comparisons in the window, and none came
+    "blind": {"window": "15m", "expected": 20, "for": "10m"},
+    "upstream_errors": {"window": "15m", "ratio": 0.5, "for": "5m"},
+    # overhead: shadow time over legacy time on sampled calls, and shadow time per second of wall time
+    "overhead": {"window": "15m", "ratio": 2.0, "time_fraction": 0.02, "for": "15m"},
+    "promotion": {"for": "30m"},
+}
+
+HARD_REASONS = ("structure", "type", "dtype", "shape", "device", "nan", "exception")
+WINDOWS = ("5m", "15m", "30m", "1h", "2h", "6h")
+Z95 = 1.6448536269514722  # one-sided 95%
+
+COMPARED = 'outcome=~"match|close|mismatch|error"'
+DIVERGENT = 'outcome=~"mismatch|error"'
+BY = "sum by (job, target)"
+
+
+def _recording_rules() -> list[dict[str, str]]:
+    rules = [
+        {"record": "npu_shadow:comparisons:total", "expr": f"{BY} (npu_shadow_comparisons_total{{{COMPARED}}})"},
+        {"record": "npu_shadow:divergent:total", "expr": f"{BY} (npu_shadow_comparisons_total{{{DIVERGENT}}})"},
+        {
+            "record": "npu_shadow:divergence:ratio_total",
+            "expr": "npu_shadow:divergent:total / npu_shadow:comparisons:total",
+        },
+        {"record": "npu_shadow:calls:total", "expr": f"{BY} (npu_shadow_calls_total)"},
+    ]
+    for window in WINDOWS:
+        rules += [
+            {
+                "record": f"npu_shadow:comparisons:rate{window}",
+                "expr": f"{BY} (rate(npu_shadow_comparisons_total{{{COMPARED}}}[{window}]))",
+            },
+            {
+                "record": f"npu_shadow:divergent:rate{window}",
+                "expr": f"{BY} (rate(npu_shadow_comparisons_total{{{DIVERGENT}}}[{window}]))",
+            },
+            {
+                "record": f"npu_shadow:divergence:ratio_rate{window}",
+                "expr": f"npu_shadow:divergent:rate{window} / npu_shadow:comparisons:rate{window}",
+            },
+            {
+                "record": f"npu_shadow:comparisons:increase{window}",
+                "expr": f"{BY} (increase(npu_shadow_comparisons_total{{{COMPARED}}}[{window}]))",
+            },
+        ]
+    rules += [
+        {
+            "record": "npu_shadow:divergence:wilson_upper_total",
+            "expr": _wilson_upper("npu_shadow:divergence:ratio_total", "npu_shadow:comparisons:total"),
+        },
+        {
+            "record": "npu_shadow:overhead:ratio_rate15m",
+            "expr": f"{BY} (rate(npu_shadow_shadow_seconds_total[15m])) / {BY} (rate(npu_shadow_legacy_seconds_total[15m]))",
+        },
+    ]
+    return rules
+
+
+def _wilson_upper(p: str, n: str) -> str:
+    """One-sided 95% Wilson score upper bound of a proportion, for display (the verdict uses Clopper-Pearson)."""
+    z, z2 = repr(Z95), repr(Z95 * Z95)
+    return f"({p} + {z2} / (2 * {n}) + {z} * sqrt({p} * (1 - {p}) / {n} + {z2} / (4 * {n} ^ 2))) / (1 + {z2} / {n})"
+
+
+def _alert(name: str, expr: str, severity: str, action: str, summary: str, runbook: str, for_: str | None) -> dict:
+    rule: dict[str, Any] = {"alert": name, "expr": expr}
+    if for_:
+        rule["for"] = for_
+    rule["labels"] = {"severity": severity, "action": action}
+    rule["annotations"] = {"summary": summary, "runbook": runbook}
+    return rule
+
+
+def _burn(params: dict, name: str, severity: str, action: str, runbook: str) -> dict:
+    threshold = params["factor"] * PARAMS["max_divergence"]
+    long_w, short_w = params["long"], params["short"]
+    expr = (
+        f"npu_shadow:divergence:ratio_rate{long_w} > {threshold:g}"
+        f" and npu_shadow:divergence:ratio_rate{short_w} > {threshold:g}"
+        f" and npu_shadow:comparisons:increase{long_w} >= {PARAMS['min_samples']}"
+    )
+    summary = (
+        f"{{{{ $labels.target }}}} in {{{{ $labels.job }}}} diverges at {params['factor']:g}x the budget of "
+        f"{PARAMS['max_divergence']:g} ({long_w} and {short_w} windows)"
+    )
+    return _alert(name, expr, severity, action, summary, runbook, params["for"])
+
+
+def _alerting_rules() -> list[dict]:
+    hard = "|".join(HARD_REASONS)
+    blind, errors, overhead = PARAMS["blind"], PARAMS["upstream_errors"], PARAMS["overhead"]
+    needed = verdict.comparisons_needed(PARAMS["max_divergence"])  # with zero divergences: about 3 / max
+    return [
+        _burn(
+            PARAMS["fast_burn"],
+            "NpuShadowDivergenceFastBurn",
+            "page",
+            "rollback",
+            "Upstream diverges from legacy fast. Keep the torch_npu patch (roll back any removal); read the "
+            "journal's mismatch details and replay a capture to find the cause.",
+        ),
+        _burn(
+            PARAMS["slow_burn"],
+            "NpuShadowDivergenceSlowBurn",
+            "ticket",
+            "investigate",
+            "Upstream diverges slowly but steadily. Look at npu_shadow_mismatches_total by reason and at the "
+            "error histograms; run `npu-shadow verdict` before deciding.",
+        ),
+        _alert(
+            "NpuShadowHardMismatch",
+            f'sum by (job, target, reason) (increase(npu_shadow_mismatches_total{{reason=~"{hard}"}}[{PARAMS["hard_window"]}])) > 0',
+            "page",
+            "rollback",
+            "{{ $labels.target }} in {{ $labels.job }}: {{ $labels.reason }} mismatch between legacy and upstream",
+            "A difference in kind (dtype, shape, NaN/inf, structure, device or an exception) that no tolerance "
+            "explains. Keep the patch; the journal's detail and the capture show the call.",
+            None,
+        ),
+        _alert(
+            "NpuShadowBlind",
+            f"{BY} (increase(npu_shadow_calls_total[{blind['window']}])) * on (job, target) "
+            f"max by (job, target) (npu_shadow_sample_rate) >= {blind['expected']} "
+            f"unless on (job, target) npu_shadow:comparisons:increase{blind['window']} > 0",
+            "ticket",
+            "investigate",
+            "{{ $labels.target }} in {{ $labels.job }} is called and sampled but nothing is compared",
+            "Every sampled call was skipped (see npu_shadow_skipped_total by reason: oom, reentrant, compiling) "
+            "or the exporter lost them. No evidence accumulates until this is fixed.",
+            blind["for"],
+        ),
+        _alert(
+            "NpuShadowUpstreamErrors",
+            f'{BY} (rate(npu_shadow_comparisons_total{{outcome="error"}}[{errors["window"]}])) '
+            f"/ npu_shadow:comparisons:rate{errors['window']} > {errors['ratio']:g} "
+            f"and npu_shadow:comparisons:increase{errors['window']} >= {PARAMS['min_samples']}",
+            "ticket",
+            "investigate",
+            "upstream {{ $labels.target }} raises where legacy does not, in most comparisons of {{ $labels.job }}",
+            "Upstream cannot run here (e.g. parallel_apply without torch.accelerator, torch < 2.10). Check "
+            "`npu-shadow doctor`; until fixed this target gives no evidence either way.",
+            errors["for"],
+        ),
+        _alert(
+            "NpuShadowOverhead",
+            f"npu_shadow:overhead:ratio_rate15m > {overhead['ratio']:g} "
+            f"and {BY} (rate(npu_shadow_shadow_seconds_total[{overhead['window']}])) > {overhead['time_fraction']:g}",
+            "ticket",
+            "investigate",
+            f"shadowing {{{{ $labels.target }}}} costs over {overhead['ratio']:g}x legacy's time and over "
+            f"{overhead['time_fraction']:.0%} of wall time in {{{{ $labels.job }}}}",
+            "Lower the sample rate of this target (--sample-rate target=rate); the evidence grows slower but "
+            "training is not slowed.",
+            overhead["for"],
+        ),
+        _alert(
+            "NpuShadowPromotionEvidence",
+            f"npu_shadow:comparisons:total >= {needed} and npu_shadow:divergent:total == 0",
+            "info",
+            "promote",
+            f"{{{{ $labels.target }}}} in {{{{ $labels.job }}}}: no divergence in at least {needed} comparisons",
+            "Enough evidence that upstream behaves as legacy. Confirm with `npu-shadow verdict` (which also checks "
+            "that the risky call signatures were exercised) before removing the patch.",
+            PARAMS["promotion"]["for"],
+        ),
+    ]
+
+
+def rule_groups() -> dict:
+    """The rules file's content."""
+    return {
+        "groups": [
+            {"name": "npu_shadow_recording", "rules": _recording_rules()},
+            {"name": "npu_shadow_alerts", "rules": _alerting_rules()},
+        ]
+    }
+
+
+RULES_PATH = pathlib.Path(__file__).parent / "prometheus" / "npu_shadow.rules.yml"
+HEADER = "# Generated by `python -m dashboards.rules` from the thresholds in dashboards/rules.py. Do not edit.\n"
+
+
+def render() -> str:
+    import yaml
+
+    return HEADER + yaml.safe_dump(rule_groups(), sort_keys=False, width=1000)
+
+
+if __name__ == "__main__":
+    RULES_PATH.write_text(render())
+    print(f"wrote {RULES_PATH}")
