@@ -94,7 +94,7 @@ def cases() -> list[dict]:
         ),
         case(
             "no traffic: ratios are 0/0 and nothing fires",
-            quiet + [series("npu_shadow_calls_total", "0x120"), series("npu_shadow_sample_rate", "0.01x120")],
+            [*quiet, series("npu_shadow_calls_total", "0x120"), series("npu_shadow_sample_rate", "0.01x120")],
             [(at, alertname, []) for at in ("30m", "119m") for alertname in _alerts_by_name()],
         ),
         case(

@@ -77,7 +77,8 @@ def _recording_rules() -> list[dict[str, str]]:
         },
         {
             "record": "npu_shadow:overhead:ratio_rate15m",
-            "expr": f"{BY} (rate(npu_shadow_shadow_seconds_total[15m])) / {BY} (rate(npu_shadow_legacy_seconds_total[15m]))",
+            "expr": f"{BY} (rate(npu_shadow_shadow_seconds_total[15m]))"
+            f" / {BY} (rate(npu_shadow_legacy_seconds_total[15m]))",
         },
     ]
     return rules
@@ -136,7 +137,8 @@ def _alerting_rules() -> list[dict]:
         ),
         _alert(
             "NpuShadowHardMismatch",
-            f'sum by (job, target, reason) (increase(npu_shadow_mismatches_total{{reason=~"{hard}"}}[{PARAMS["hard_window"]}])) > 0',
+            f"sum by (job, target, reason) "
+            f'(increase(npu_shadow_mismatches_total{{reason=~"{hard}"}}[{PARAMS["hard_window"]}])) > 0',
             "page",
             "rollback",
             "{{ $labels.target }} in {{ $labels.job }}: {{ $labels.reason }} mismatch between legacy and upstream",
