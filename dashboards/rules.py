@@ -18,7 +18,7 @@ from shadow import verdict
 #: Every threshold, in one place.
 PARAMS: dict[str, Any] = {
     # the divergence rate the rollout tolerates (the error budget); `npu-shadow verdict --max-rate` default
-    "max_divergence": 0.001,
+    "max_divergence": verdict.DEFAULT_MAX_RATE,
     # comparisons a window must hold before a ratio alert may fire
     "min_samples": 100,
     "fast_burn": {"factor": 14.4, "long": "30m", "short": "5m", "for": "1m"},

@@ -33,12 +33,94 @@ def _replay(args: argparse.Namespace) -> int:
     return EXIT_DIFFERENT if result.outcome == "mismatch" else EXIT_OK
 
 
+def _verdict(args: argparse.Namespace) -> int:
+    import json
+
+    from shadow import verdict
+    from shadow.targets import BUILTINS
+    from shadow.verdict_sources import SourceError, from_exposition, from_journal, from_prometheus
+
+    try:
+        if args.prometheus:
+            counts = from_prometheus(args.prometheus, args.window, args.selector)
+        elif args.metrics_file:
+            with open(args.metrics_file, encoding="utf-8") as handle:
+                counts = from_exposition(handle.read())
+        else:
+            counts = from_journal(args.journal)
+    except (SourceError, OSError) as exc:
+        print(f"npu-shadow verdict: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    risky: dict[str, list[str]] = {name: list(factory().risky_signatures) for name, factory in BUILTINS.items()}
+    for item in args.risky:
+        target, _, pattern = item.partition("=")
+        risky.setdefault(target, []).append(pattern)
+    decisions = verdict.decide_all(counts, args.max_rate, risky, args.min_per_signature)
+    result = verdict.overall(decisions)
+    if args.format == "json":
+        print(json.dumps({"decision": result, "targets": [d.as_dict() for d in decisions]}, indent=2))
+    else:
+        print(f"{'target':<16}{'decision':<14}{'compared':>10}{'divergent':>11}  {'95% bounds':<22} why")
+        for d in decisions:
+            bounds = f"[{d.lower:.3g}, {d.upper:.3g}]"
+            print(f"{d.target:<16}{d.decision:<14}{d.compared:>10}{d.divergent:>11}  {bounds:<22} {d.why}")
+        if not decisions:
+            print("(no npu_shadow comparisons found)")
+        print(
+            f"overall: {result} (max rate {args.max_rate:g}; divergences within one step are correlated, "
+            "so the bounds are optimistic when many comparisons share a step)"
+        )
+    return verdict.EXIT_CODES[result]
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _risky(text: str) -> str:
+    if "=" not in text or not text.split("=", 1)[0] or not text.split("=", 1)[1]:
+        raise argparse.ArgumentTypeError(f"expected TARGET=PATTERN, got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npu-shadow", description="Shadow torch_npu's patches against upstream.")
     commands = parser.add_subparsers(dest="command", required=True)
     replay = commands.add_parser("replay", help="re-run legacy and upstream on a repro capture and compare")
     replay.add_argument("capture", help="a .pt file written by JsonlExporter(capture_dir=...)")
     replay.set_defaults(handler=_replay)
+
+    from shadow.verdict import DEFAULT_MAX_RATE
+
+    decide = commands.add_parser(
+        "verdict",
+        help="promote, rollback or inconclusive, per target (exit 0, 1, 3)",
+        description="Decide from the evidence whether upstream can replace the legacy patches. Exit code: "
+        "0 promote, 1 rollback, 3 inconclusive (the worst target's), 2 usage or source error.",
+    )
+    source = decide.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prometheus", metavar="URL", help="a Prometheus server, e.g. http://127.0.0.1:9090")
+    source.add_argument("--metrics-file", metavar="PATH", help="a Prometheus text exposition (saved scrape)")
+    source.add_argument("--journal", metavar="PATH", nargs="+", help="JSONL journals (written with all_outcomes)")
+    decide.add_argument("--window", help="with --prometheus: judge increases over this window (e.g. 6h)")
+    decide.add_argument("--selector", default="", help='with --prometheus: series selector, e.g. job="train"')
+    decide.add_argument("--max-rate", type=_rate, default=DEFAULT_MAX_RATE, help="tolerated divergence rate")
+    decide.add_argument("--min-per-signature", type=_count, default=30, help="comparisons each risky signature needs")
+    decide.add_argument(
+        "--risky", type=_risky, action="append", default=[], metavar="TARGET=PATTERN", help="another risky signature"
+    )
+    decide.add_argument("--format", choices=("table", "json"), default="table")
+    decide.set_defaults(handler=_verdict)
     return parser
 
 

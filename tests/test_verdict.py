@@ -1,0 +1,144 @@
+"""The verdict at its edges, and the command on saved expositions and journals."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from scipy.stats import beta
+
+from shadow import cli, verdict
+from shadow.verdict import INCONCLUSIVE, PROMOTE, ROLLBACK, TargetCounts, decide
+
+MAX = 0.001
+
+
+def counts(match=0, mismatch=0, error=0, reasons=None, signature="dtype/cpu/blocking"):
+    c = TargetCounts()
+    for outcome, n in (("match", match), ("mismatch", mismatch), ("error", error)):
+        if n:
+            c.add_outcome(signature, outcome, n)
+    for reason, n in (reasons or {}).items():
+        c.add_reason(reason, n)
+    return c
+
+
+def test_bounds_are_clopper_pearson():
+    assert verdict.upper_bound(0, 3000) == pytest.approx(1 - 0.05 ** (1 / 3000))
+    assert verdict.upper_bound(5, 1000) == pytest.approx(beta.ppf(0.95, 6, 995))
+    assert verdict.lower_bound(5, 1000) == pytest.approx(beta.ppf(0.05, 5, 996))
+    assert verdict.lower_bound(0, 10) == 0.0 and verdict.upper_bound(0, 0) == 1.0
+
+
+def test_zero_samples_is_inconclusive():
+    decision = decide("t", counts(), MAX)
+    assert decision.decision == INCONCLUSIVE and decision.compared == 0
+    assert "2995 more comparisons" in decision.why
+
+
+def test_zero_mismatches_just_below_and_at_the_needed_n():
+    needed = verdict.comparisons_needed(MAX)
+    assert needed == 2995  # the rule of three: about 3 / max rate
+    assert verdict.upper_bound(0, needed) < MAX <= verdict.upper_bound(0, needed - 1)
+    below = decide("t", counts(match=needed - 1), MAX)
+    assert below.decision == INCONCLUSIVE and "about 1 more comparisons" in below.why
+    assert decide("t", counts(match=needed), MAX).decision == PROMOTE
+
+
+def test_needed_n_with_some_divergences_is_the_least_that_suffices():
+    needed = verdict.comparisons_needed(MAX, k=3)
+    assert verdict.upper_bound(3, needed) < MAX <= verdict.upper_bound(3, needed - 1)
+
+
+def test_one_hard_mismatch_among_millions_of_matches_is_rollback():
+    decision = decide("t", counts(match=5_000_000, mismatch=1, reasons={"dtype": 1}), MAX)
+    assert decision.decision == ROLLBACK and "1 dtype" in decision.why
+    # the same single divergence as a value mismatch is within budget
+    assert decide("t", counts(match=5_000_000, mismatch=1, reasons={"value": 1}), MAX).decision == PROMOTE
+
+
+def test_a_divergence_rate_clearly_above_the_budget_is_rollback():
+    decision = decide("t", counts(match=9000, mismatch=100, reasons={"value": 100}), MAX)
+    assert decision.decision == ROLLBACK and decision.lower > MAX
+
+
+def test_a_risky_signature_never_exercised_is_inconclusive():
+    plenty = counts(match=100_000, signature="dtype/npu/blocking")
+    decision = decide("tensor_type", plenty, MAX, risky=("npu_name/*",), min_per_signature=30)
+    assert decision.decision == INCONCLUSIVE
+    assert "npu_name/* compared 0 times, needs 30" in decision.why
+    plenty.add_outcome("npu_name/npu/blocking", "match", 30)
+    assert decide("tensor_type", plenty, MAX, risky=("npu_name/*",), min_per_signature=30).decision == PROMOTE
+
+
+def test_overall_is_the_worst_target():
+    made = [decide("a", counts(match=10_000), MAX), decide("b", counts(), MAX)]
+    assert verdict.overall(made) == INCONCLUSIVE
+    made.append(decide("c", counts(match=1, error=1, reasons={"exception": 1}), MAX))
+    assert verdict.overall(made) == ROLLBACK
+    assert verdict.overall([]) == INCONCLUSIVE
+
+
+EXPOSITION = """# TYPE npu_shadow_comparisons_total counter
+npu_shadow_comparisons_total{target="op",outcome="match",signature="call"} 5000
+npu_shadow_comparisons_total{target="op",outcome="mismatch",signature="call"} 0
+npu_shadow_comparisons_total{target="op",outcome="skipped",signature=""} 7
+npu_shadow_comparisons_total{target="tensor_type",outcome="match",signature="dtype/cpu/blocking"} 10
+npu_shadow_comparisons_total{target="tensor_type",outcome="mismatch",signature="dtype/cpu/blocking"} 1
+# TYPE npu_shadow_mismatches_total counter
+npu_shadow_mismatches_total{target="tensor_type",reason="shape"} 1
+npu_shadow_mismatches_total{target="op",reason="dtype"} 0
+"""
+
+
+def run_verdict(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "shadow", "verdict", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_command_on_a_saved_exposition(tmp_path):
+    path = tmp_path / "scrape.prom"
+    path.write_text(EXPOSITION)
+    done = run_verdict("--metrics-file", str(path), "--format", "json")
+    assert done.returncode == 1, done.stderr  # tensor_type has a shape mismatch: rollback
+    result = json.loads(done.stdout)
+    by_target = {t["target"]: t for t in result["targets"]}
+    assert result["decision"] == ROLLBACK
+    assert by_target["op"]["decision"] == PROMOTE and by_target["op"]["compared"] == 5000
+    assert by_target["tensor_type"]["hard"] == {"shape": 1}
+
+    path.write_text(
+        EXPOSITION.replace('reason="shape"} 1', 'reason="shape"} 0').replace(
+            'mismatch",signature="dtype/cpu/blocking"} 1', 'mismatch",signature="dtype/cpu/blocking"} 0'
+        )
+    )
+    table = run_verdict("--metrics-file", str(path))
+    assert table.returncode == 3  # tensor_type: too few comparisons, and its risky signatures never seen
+    assert "inconclusive" in table.stdout and "npu_name/*" in table.stdout and "overall: inconclusive" in table.stdout
+
+
+def test_command_on_journals(tmp_path):
+    path = tmp_path / "j.jsonl"
+    lines = [{"target": "op", "outcome": "match", "signature": "call", "reasons": []}] * 3000
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    assert run_verdict("--journal", str(path)).returncode == 0
+    with path.open("a") as handle:
+        handle.write(json.dumps({"target": "op", "outcome": "error", "signature": "call", "reasons": ["exception"]}))
+    assert run_verdict("--journal", str(path)).returncode == 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (),
+        ("--metrics-file", "/nonexistent/scrape.prom"),
+        ("--metrics-file", "x", "--max-rate", "1.5"),
+        ("--metrics-file", "x", "--risky", "nopattern"),
+        ("--prometheus", "http://127.0.0.1:9"),
+    ],
+)
+def test_usage_and_source_errors_exit_2(args):
+    done = run_verdict(*args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr
