@@ -1,5 +1,7 @@
 """The verdict at its edges, and the command on saved expositions and journals."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -92,9 +94,23 @@ npu_shadow_mismatches_total{target="op",reason="dtype"} 0
 
 
 def run_verdict(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", *args], capture_output=True, text=True, timeout=120
+    """The command in this process (one test below runs it as a real process)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(["verdict", *args])
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def test_the_installed_command_runs_as_a_process(tmp_path):
+    path = tmp_path / "scrape.prom"
+    path.write_text(EXPOSITION)
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "verdict", "--metrics-file", str(path)], capture_output=True, text=True
     )
+    assert done.returncode == 1 and "overall: rollback" in done.stdout
 
 
 def test_command_on_a_saved_exposition(tmp_path):
