@@ -79,11 +79,26 @@ SHADOW_DURATION = Metric(
     "npu_shadow.shadow.duration", "s", "histogram", ("target",), "Shadow side time per sampled call."
 )
 SAMPLE_RATE = Metric("npu_shadow.sample_rate", "1", "gauge", ("target",), "Configured fraction of calls shadowed.")
+DRILL_ACTIVE = Metric(
+    "npu_shadow.drill_active", "1", "gauge", (), "1 while a fire drill injects synthetic divergence upstream, else 0."
+)
 BUILD_INFO = Metric(
     "npu_shadow.build_info", "1", "gauge", ("version", "torch", "torch_npu"), "Versions, as labels; always 1."
 )
 
-ALL = (CALLS, COMPARISONS, MISMATCHES, SKIPPED, ABS_ERROR, REL_ERROR, LEGACY, SHADOW, SHADOW_DURATION, SAMPLE_RATE)
+ALL = (
+    CALLS,
+    COMPARISONS,
+    MISMATCHES,
+    SKIPPED,
+    ABS_ERROR,
+    REL_ERROR,
+    LEGACY,
+    SHADOW,
+    SHADOW_DURATION,
+    SAMPLE_RATE,
+    DRILL_ACTIVE,
+)
 
 
 #: Pre-created for every target: (metric, labels) at zero, so that ratios exist before the first event.

@@ -72,6 +72,13 @@ class OTelExporter:
             unit=contract.SAMPLE_RATE.unit,
             description=contract.SAMPLE_RATE.description,
         )
+        self._drill = 0
+        self.meter.create_observable_gauge(
+            contract.DRILL_ACTIVE.otel_name,
+            [lambda options: [metrics.Observation(self._drill)]],
+            unit=contract.DRILL_ACTIVE.unit,
+            description=contract.DRILL_ACTIVE.description,
+        )
         _fork.register(self)
 
     # ------------------------------------------------------------------ collection time
@@ -107,6 +114,10 @@ class OTelExporter:
             self._rates[target] = sample_rate
             for metric, labels in contract.zero_series(target):
                 self._add(metric, 0, *(labels[name] for name in metric.labels))
+
+    def set_drill(self, active: bool) -> None:
+        """Show whether a fire drill is injecting synthetic divergence."""
+        self._drill = 1 if active else 0
 
     def record_calls(self, target: str, calls: int) -> None:
         with self._lock:

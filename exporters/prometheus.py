@@ -72,8 +72,8 @@ class PrometheusExporter:
         _fork.register(self)
         self._metrics = self._create(metric_registry)
         self._children: dict[tuple, Any] = {}
-        build = self._metrics[contract.BUILD_INFO]
-        build.labels(**contract.versions()).set(1)
+        self._metrics[contract.BUILD_INFO].labels(**contract.versions()).set(1)
+        self._metrics[contract.DRILL_ACTIVE].set(0)
         self.server: Any = None
         self.port: int | None = None
         if port is not None:
@@ -109,6 +109,10 @@ class PrometheusExporter:
         for metric, labels in contract.zero_series(target):
             self._child(metric, *(labels[name] for name in metric.labels))
         self._child(contract.SAMPLE_RATE, target).set(sample_rate)
+
+    def set_drill(self, active: bool) -> None:
+        """Show whether a fire drill is injecting synthetic divergence."""
+        self._metrics[contract.DRILL_ACTIVE].set(1 if active else 0)
 
     def record_calls(self, target: str, calls: int) -> None:
         self._child(contract.CALLS, target).inc(calls)

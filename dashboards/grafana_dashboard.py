@@ -1,0 +1,259 @@
+"""The Grafana dashboard, built with Grafana's own typed builder (grafana-foundation-sdk).
+
+Run ``python -m dashboards.grafana_dashboard`` to rewrite ``dashboards/grafana/npu-shadow.json``; a test
+regenerates it and fails when the committed file is stale. Panels read the raw ``npu_shadow_*`` metrics
+and the recording rules of ``dashboards/prometheus/npu_shadow.rules.yml``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from grafana_foundation_sdk.builders import common, heatmap, stat, table, timeseries
+from grafana_foundation_sdk.builders.dashboard import Dashboard, DatasourceVariable, QueryVariable, Row
+from grafana_foundation_sdk.builders.prometheus import Dataquery
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import StackingMode
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
+
+DASHBOARD_PATH = pathlib.Path(__file__).parent / "grafana" / "npu-shadow.json"
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+SEL = 'job=~"$job", target=~"$target"'
+COMPARED = 'outcome=~"match|close|mismatch|error"'
+
+
+def query(expr: str, legend: str, ref: str = "A") -> Dataquery:
+    return Dataquery().expr(expr).legend_format(legend).ref_id(ref).datasource(DATASOURCE)
+
+
+def series_panel(title: str, description: str, unit: str, *queries: Dataquery, stacked: bool = False):
+    panel = (
+        timeseries.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .unit(unit)
+        .height(8)
+        .span(12)
+        .legend(common.VizLegendOptions().show_legend(True).display_mode("list").placement("bottom"))
+    )
+    if stacked:
+        panel = panel.stacking(common.StackingConfig().mode(StackingMode.NORMAL)).fill_opacity(30)
+    for q in queries:
+        panel = panel.with_target(q)
+    return panel
+
+
+def stat_panel(title: str, description: str, expr: str, unit: str = "short"):
+    return (
+        stat.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .unit(unit)
+        .height(4)
+        .span(6)
+        .with_target(query(expr, "{{target}}"))
+    )
+
+
+def build() -> Dashboard:
+    """The dashboard builder."""
+    rate = "[$__rate_interval]"
+    return (
+        Dashboard("npu-shadow: legacy vs upstream")
+        .uid("npu-shadow")
+        .description("Divergence between torch_npu's legacy patches and upstream PyTorch, from npu-shadow.")
+        .tags(["npu-shadow", "torch_npu"])
+        .refresh("30s")
+        .time("now-6h", "now")
+        .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus"))
+        .with_variable(
+            QueryVariable("job")
+            .label("Job")
+            .datasource(DATASOURCE)
+            .query("label_values(npu_shadow_calls_total, job)")
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .multi(True)
+            .include_all(True)
+            .all_value(".*")
+        )
+        .with_variable(
+            QueryVariable("target")
+            .label("Target")
+            .datasource(DATASOURCE)
+            .query('label_values(npu_shadow_calls_total{job=~"$job"}, target)')
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .multi(True)
+            .include_all(True)
+            .all_value(".*")
+        )
+        .with_row(Row("Verdict at a glance"))
+        .with_panel(
+            stat_panel(
+                "Comparisons", "Sampled calls compared since the job started.", f"npu_shadow:comparisons:total{{{SEL}}}"
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Divergent comparisons",
+                "Comparisons whose outcome was mismatch or error.",
+                f"npu_shadow:divergent:total{{{SEL}}}",
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Divergence, 95% upper bound",
+                "Wilson score upper bound of the divergence rate since the job started (the verdict uses "
+                "Clopper-Pearson).",
+                f"npu_shadow:divergence:wilson_upper_total{{{SEL}}}",
+                "percentunit",
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Fire drill active",
+                "1 while a fire drill injects synthetic divergence into the upstream side.",
+                'max by (job) (npu_shadow_drill_active{job=~"$job"})',
+            )
+        )
+        .with_row(Row("Divergence"))
+        .with_panel(
+            series_panel(
+                "Divergence rate per target",
+                "Divergent over compared comparisons (30m window), and the 95% upper bound since the start.",
+                "percentunit",
+                query(f"npu_shadow:divergence:ratio_rate30m{{{SEL}}}", "{{job}} {{target}} rate (30m)"),
+                query(f"npu_shadow:divergence:wilson_upper_total{{{SEL}}}", "{{job}} {{target}} 95% upper", "B"),
+            )
+        )
+        .with_panel(
+            series_panel(
+                "Comparisons by outcome",
+                "Sampled calls per second by outcome: match (bitwise), close (within tolerance), mismatch, error, "
+                "skipped.",
+                "ops",
+                query(f"sum by (outcome) (rate(npu_shadow_comparisons_total{{{SEL}}}{rate}))", "{{outcome}}"),
+                stacked=True,
+            )
+        )
+        .with_panel(
+            series_panel(
+                "Mismatches by reason",
+                "Reasons found in divergent comparisons (one comparison can have several).",
+                "ops",
+                query(
+                    f"sum by (target, reason) (rate(npu_shadow_mismatches_total{{{SEL}}}{rate}))",
+                    "{{target}} {{reason}}",
+                ),
+                stacked=True,
+            )
+        )
+        .with_panel(
+            series_panel(
+                "Skipped by reason",
+                "Sampled calls not compared (oom, reentrant, compiling, ...) and exporter failures (export).",
+                "ops",
+                query(
+                    f"sum by (target, reason) (rate(npu_shadow_skipped_total{{{SEL}}}{rate}))", "{{target}} {{reason}}"
+                ),
+                stacked=True,
+            )
+        )
+        .with_row(Row("Error sizes"))
+        .with_panel(
+            heatmap.Panel()
+            .title("Absolute error distribution")
+            .description("Greatest absolute error per comparison (log buckets 1e-9 .. 1e2).")
+            .datasource(DATASOURCE)
+            .height(8)
+            .span(12)
+            .with_target(
+                query(f"sum by (le) (rate(npu_shadow_abs_error_bucket{{{SEL}}}{rate}))", "{{le}}").format("heatmap")
+            )
+        )
+        .with_panel(
+            heatmap.Panel()
+            .title("Relative error distribution")
+            .description("Greatest relative error per comparison (log buckets 1e-9 .. 1e2).")
+            .datasource(DATASOURCE)
+            .height(8)
+            .span(12)
+            .with_target(
+                query(f"sum by (le) (rate(npu_shadow_rel_error_bucket{{{SEL}}}{rate}))", "{{le}}").format("heatmap")
+            )
+        )
+        .with_row(Row("Coverage and cost"))
+        .with_panel(
+            table.Panel()
+            .title("Coverage by signature")
+            .description("Comparisons per call signature: which code paths were compared (risky ones need evidence).")
+            .datasource(DATASOURCE)
+            .height(8)
+            .span(12)
+            .with_target(
+                query(
+                    f"sum by (target, signature) (npu_shadow_comparisons_total{{{SEL}, {COMPARED}}})", "{{signature}}"
+                )
+                .instant()
+                .format("table")
+            )
+        )
+        .with_panel(
+            series_panel(
+                "Calls vs sampled",
+                "Calls of the wrapped function and sampled calls, per second.",
+                "ops",
+                query(f"sum by (target) (rate(npu_shadow_calls_total{{{SEL}}}{rate}))", "{{target}} calls"),
+                query(
+                    f"sum by (target) (rate(npu_shadow_comparisons_total{{{SEL}}}{rate}))", "{{target}} sampled", "B"
+                ),
+            )
+        )
+        .with_panel(
+            series_panel(
+                "Shadow overhead",
+                "Shadow side seconds (upstream run + comparison) per legacy second on sampled calls, and shadow "
+                "seconds per second of wall time.",
+                "short",
+                query(
+                    f"sum by (target) (rate(npu_shadow_shadow_seconds_total{{{SEL}}}{rate})) / "
+                    f"sum by (target) (rate(npu_shadow_legacy_seconds_total{{{SEL}}}{rate}))",
+                    "{{target}} shadow / legacy",
+                ),
+                query(
+                    f"sum by (target) (rate(npu_shadow_shadow_seconds_total{{{SEL}}}{rate}))",
+                    "{{target}} shadow s/s",
+                    "B",
+                ),
+            )
+        )
+        .with_panel(
+            series_panel(
+                "Sample rate",
+                "The configured fraction of calls shadowed, per target.",
+                "percentunit",
+                query(f"max by (target) (npu_shadow_sample_rate{{{SEL}}})", "{{target}}"),
+            )
+        )
+    )
+
+
+def render() -> str:
+    return JSONEncoder(sort_keys=True, indent=2).encode(build().build()) + "\n"
+
+
+def expressions(dashboard: dict) -> list[str]:
+    """Every PromQL expression in a dashboard's panels and variables."""
+    found = [t["expr"] for p in dashboard.get("panels", []) for t in p.get("targets", []) if t.get("expr")]
+    for variable in dashboard.get("templating", {}).get("list", []):
+        q = variable.get("query")
+        if isinstance(q, str) and q.startswith("label_values("):
+            inner = q[len("label_values(") : -1].rsplit(",", 1)[0]
+            found.append(inner)
+    return found
+
+
+if __name__ == "__main__":
+    DASHBOARD_PATH.write_text(render())
+    print(f"wrote {DASHBOARD_PATH}")

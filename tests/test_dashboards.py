@@ -1,0 +1,134 @@
+"""Rules, rule tests and the dashboard: generated files up to date, promtool passes, and every
+expression parses and names only metrics the exporter really emits or the rules record."""
+
+import json
+import re
+import subprocess
+import types
+
+import faults
+import torch
+import yaml
+from metrics_helpers import promtool
+from prometheus_client import CollectorRegistry, generate_latest
+
+import shadow
+from dashboards import grafana_dashboard, rule_cases, rules
+from exporters import PrometheusExporter
+
+PROMETHEUS_DIR = rules.RULES_PATH.parent
+GRAFANA_DIR = grafana_dashboard.DASHBOARD_PATH.parent
+
+
+def test_generated_files_are_up_to_date():
+    assert rules.RULES_PATH.read_text() == rules.render(), "run: python -m dashboards.rules"
+    assert rule_cases.TEST_PATH.read_text() == rule_cases.render(), "run: python -m dashboards.rule_cases"
+    assert grafana_dashboard.DASHBOARD_PATH.read_text() == grafana_dashboard.render(), (
+        "run: python -m dashboards.grafana_dashboard"
+    )
+
+
+def run_promtool(*args, cwd=PROMETHEUS_DIR):
+    done = subprocess.run([promtool(), *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_promtool_checks_and_unit_tests_the_rules():
+    assert "SUCCESS" in run_promtool("check", "rules", rules.RULES_PATH.name)
+    assert "SUCCESS" in run_promtool("test", "rules", rule_cases.TEST_PATH.name)
+
+
+def test_every_alert_has_severity_action_and_a_runbook():
+    alerts = [r for g in rules.rule_groups()["groups"] for r in g["rules"] if "alert" in r]
+    assert {a["alert"] for a in alerts} == {
+        "NpuShadowDivergenceFastBurn",
+        "NpuShadowDivergenceSlowBurn",
+        "NpuShadowHardMismatch",
+        "NpuShadowBlind",
+        "NpuShadowUpstreamErrors",
+        "NpuShadowOverhead",
+        "NpuShadowPromotionEvidence",
+    }
+    for alert in alerts:
+        assert alert["labels"]["severity"] in {"page", "ticket", "info"}
+        assert alert["labels"]["action"] in {"rollback", "investigate", "promote"}
+        assert len(alert["annotations"]["runbook"]) > 40
+
+
+def dashboard():
+    return json.loads(grafana_dashboard.DASHBOARD_PATH.read_text())
+
+
+def concrete(expr: str) -> str:
+    """A dashboard expression with Grafana's variables replaced, as Grafana would send it."""
+    return (
+        expr.replace("$__rate_interval", "5m")
+        .replace("$__range", "1h")
+        .replace('"$job"', '".*"')
+        .replace('"$target"', '".*"')
+    )
+
+
+def test_dashboard_is_importable_with_its_variables():
+    board = dashboard()
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert variables["job"]["type"] == variables["target"]["type"] == "query"
+    for panel in board["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+            assert panel["targets"], panel["title"]
+    titles = {p["title"] for p in board["panels"]}
+    for wanted in (
+        "Divergence rate per target",
+        "Comparisons by outcome",
+        "Mismatches by reason",
+        "Absolute error distribution",
+        "Relative error distribution",
+        "Coverage by signature",
+        "Shadow overhead",
+        "Calls vs sampled",
+        "Skipped by reason",
+        "Fire drill active",
+    ):
+        assert wanted in titles
+
+
+def test_every_dashboard_expression_parses(tmp_path):
+    expressions = grafana_dashboard.expressions(dashboard())
+    assert len(expressions) >= 15
+    groups = {
+        "groups": [
+            {
+                "name": "dashboard_expressions",
+                "rules": [{"record": f"dashboard:expr{i}", "expr": concrete(e)} for i, e in enumerate(expressions)],
+            }
+        ]
+    }
+    path = tmp_path / "dashboard_exprs.yml"
+    path.write_text(yaml.safe_dump(groups))
+    assert "SUCCESS" in run_promtool("check", "rules", str(path))
+
+
+def scraped_metric_names():
+    exporter = PrometheusExporter(registry=CollectorRegistry())
+    ops = types.SimpleNamespace(op=faults.scale)
+    with shadow.install([shadow.Target("op", ops, "op", faults.scale_wrong)], sample_rate=1.0, exporters=[exporter]):
+        for i in range(4):
+            ops.op(torch.tensor([float(i)]))
+    text = generate_latest(exporter.registry).decode()
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_dashboard_and_rules_name_only_real_metrics():
+    emitted = scraped_metric_names()
+    recorded = {r["record"] for g in rules.rule_groups()["groups"] for r in g["rules"] if "record" in r}
+    used = set()
+    for expr in grafana_dashboard.expressions(dashboard()) + [
+        r["expr"] for g in rules.rule_groups()["groups"] for r in g["rules"]
+    ]:
+        used |= set(re.findall(r"npu_shadow[a-z_:0-9]*", expr))
+    unknown = {name for name in used if name not in emitted and name not in recorded}
+    assert not unknown, f"expressions name metrics nobody emits: {sorted(unknown)}"
+    assert "npu_shadow_drill_active" in used and "npu_shadow_abs_error_bucket" in used
