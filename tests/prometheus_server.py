@@ -1,0 +1,106 @@
+"""A real Prometheus server for end-to-end tests: started on 127.0.0.1 with a temp dir, stopped after."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PrometheusServer:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def get(self, path: str, **params: str) -> dict:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        with urllib.request.urlopen(f"{self.url}{path}{query}", timeout=10) as response:
+            return json.load(response)
+
+    def query(self, promql: str) -> dict[tuple, float]:
+        """{sorted label items (without __name__): value} of an instant query."""
+        result = self.get("/api/v1/query", query=promql)["data"]["result"]
+        return {
+            tuple(sorted((k, v) for k, v in item["metric"].items() if k != "__name__")): float(item["value"][1])
+            for item in result
+        }
+
+    def alerts(self) -> list[dict]:
+        return self.get("/api/v1/alerts")["data"]["alerts"]
+
+    def wait_for(self, condition, what: str, timeout: float = 90.0):
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = condition()
+            if last:
+                return last
+            time.sleep(0.5)
+        raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+@contextlib.contextmanager
+def prometheus(tmp_path, scrape_jobs: dict[str, int], rule_files: list[str]) -> Iterator[PrometheusServer]:
+    """Run Prometheus scraping ``{job: port}`` every second and evaluating ``rule_files`` every second."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus not installed (apt-get install prometheus)")
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": rule_files,
+        "scrape_configs": [
+            {"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
+            for job, port in scrape_jobs.items()
+        ],
+    }
+    config_path = tmp_path / "prometheus.yml"
+    config_path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={config_path}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    server = PrometheusServer(f"http://127.0.0.1:{port}")
+    try:
+
+        def ready():
+            if process.poll() is not None:
+                raise AssertionError(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{server.url}/-/ready", timeout=2) as response:
+                    return response.status == 200
+            except OSError:
+                return False
+
+        server.wait_for(ready, "prometheus to be ready", timeout=60)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(15)
+        log.close()
