@@ -103,6 +103,7 @@ class JsonlExporter:
                 "upstream_seconds": observation.upstream_seconds,
                 "compare_seconds": observation.compare_seconds,
                 "capture": capture_path,
+                "drill": observation.drill,
             }
         )
         return f"{fields[:-1]},{self._process_fields}\n"

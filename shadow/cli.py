@@ -93,12 +93,55 @@ def _risky(text: str) -> str:
     return text
 
 
+def _run(args: argparse.Namespace) -> int:
+    from shadow import config as cfg
+    from shadow.runner import run
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    options = {name: getattr(args, name) for name in cfg.SETTINGS}
+    options["otel"] = "1" if args.otel else None
+    return run(command, options)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from shadow.doctor import diagnose
+
+    code, lines = diagnose(args.port, args.addr)
+    for line in lines:
+        print(line)
+    print("ok: this host can shadow" if code == 0 else "not ok: see above")
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npu-shadow", description="Shadow torch_npu's patches against upstream.")
     commands = parser.add_subparsers(dest="command", required=True)
     replay = commands.add_parser("replay", help="re-run legacy and upstream on a repro capture and compare")
     replay.add_argument("capture", help="a .pt file written by JsonlExporter(capture_dir=...)")
     replay.set_defaults(handler=_replay)
+
+    from shadow.config import SETTINGS
+
+    run = commands.add_parser(
+        "run",
+        help="run COMMAND with the monitor installed in every Python process it starts",
+        description="Run COMMAND shadowed. Each option overrides its environment variable; bad values stop "
+        "here with exit code 2, before COMMAND starts. The exit code is COMMAND's.",
+    )
+    for name, setting in SETTINGS.items():
+        if name == "otel":
+            run.add_argument("--otel", action="store_true", help=f"export through OpenTelemetry ({setting.variable})")
+        else:
+            run.add_argument(setting.option, dest=name, metavar="VALUE", help=f"{setting.accepts} ({setting.variable})")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    run.set_defaults(handler=_run)
+
+    doctor = commands.add_parser("doctor", help="check that this host can shadow (exit 0) or say why not (1)")
+    doctor.add_argument("--port", type=int, default=9464, help="the Prometheus port to try (default 9464)")
+    doctor.add_argument("--addr", default="127.0.0.1")
+    doctor.set_defaults(handler=_doctor)
 
     from shadow.verdict import DEFAULT_MAX_RATE
 

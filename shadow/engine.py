@@ -22,6 +22,7 @@ import torch
 
 from shadow import _compile, _fork
 from shadow.compare import compare
+from shadow.drill import Drill
 from shadow.isolation import Isolation, find_modules
 from shadow.observation import Evidence, Observation, TargetStats, bounded
 from shadow.sampler import Gate, Sampler
@@ -91,8 +92,10 @@ class Shadow:
         tolerance: ToleranceSpec,
         exporters: Sequence[Any],
         seed: int | None,
+        drill: Drill | None = None,
     ) -> None:
         self.target = target
+        self.drill = drill
         self.legacy = target.resolve_legacy()
         self.tolerance = tolerance if tolerance is not None else target.tolerance
         self.exporters = tuple(exporters)
@@ -199,15 +202,21 @@ class Shadow:
         context = isolation.upstream_run() if isolation is not None else torch.no_grad()
         upstream_error: BaseException | None = None
         upstream_result: Any = None
+        drilled = self.drill is not None and self.drill.fires()
         start = time.perf_counter()
         try:
             with context:
                 autocast_upstream = _autocast_state()
+                if drilled:
+                    self.drill.before_upstream()
                 upstream_result = self.target.upstream(*up_args, **up_kwargs)
+                if drilled:
+                    upstream_result = self.drill.corrupt(upstream_result)
         except Exception as exc:
             upstream_error = exc
         upstream_seconds = time.perf_counter() - start
         common["upstream_seconds"] = upstream_seconds
+        common["drill"] = drilled
 
         if upstream_error is not None and legacy_error is None and _is_oom(upstream_error):
             del upstream_error, isolation, prepared, up_args, up_kwargs, context

@@ -15,6 +15,7 @@ import torch
 
 from shadow import targets as builtin
 from shadow import tolerance as tol
+from shadow.drill import Drill
 from shadow.engine import Shadow, shadow_of
 from shadow.observation import TargetStats
 from shadow.targets import Target
@@ -52,8 +53,16 @@ class Monitor:
             owner, attribute = s.target.owner, s.target.attribute
             had_own = attribute in vars(owner)
             raw = vars(owner)[attribute] if had_own else None
-            self._restore.append((owner, attribute, had_own, raw))
+            self._restore.append((s, had_own, raw))
             setattr(owner, attribute, staticmethod(s.wrapper) if isinstance(raw, staticmethod) else s.wrapper)
+
+    def replaced(self) -> list[str]:
+        """Targets whose wrapper something else replaced since install (torch_npu imported late, say)."""
+        return [
+            s.target.name
+            for s, _, _ in self._restore
+            if shadow_of(vars(s.target.owner).get(s.target.attribute)) is not s
+        ]
 
     def flush(self) -> None:
         """Report calls not yet reported to the exporters (done at every sampled call, and here)."""
@@ -65,8 +74,13 @@ class Monitor:
         if self._restore:
             self.flush()
         while self._restore:
-            owner, attribute, had_own, raw = self._restore.pop()
-            if had_own:
+            s, had_own, raw = self._restore.pop()
+            owner, attribute = s.target.owner, s.target.attribute
+            if shadow_of(vars(owner).get(attribute)) is not s:
+                # Something patched over the wrapper after install: putting the old object back would
+                # undo that patch too, so leave it.
+                log.warning("npu-shadow: %s was replaced while shadowed; leaving the new object", s.target.where)
+            elif had_own:
                 setattr(owner, attribute, raw)
             else:
                 delattr(owner, attribute)
@@ -134,13 +148,16 @@ def install(
     tolerance: tol.ToleranceSpec | Mapping[str, tol.ToleranceSpec] = None,
     exporters: Sequence[Any] = (),
     seed: int | None = None,
+    drill: Drill | None = None,
 ) -> Monitor:
     """Shadow the given targets (by default every built-in whose legacy patch is active).
 
     ``sample_rate``: the fraction of calls shadowed, one float or {target name: float} (absent
     names: 0.01). ``tolerance``: one Tolerance, a {torch.dtype: Tolerance} table, or
     {target name: either}. ``exporters``: objects with ``export(observation)``. ``seed``: makes the
-    choice of sampled calls reproducible. Raises ValueError on any bad argument, before patching.
+    choice of sampled calls reproducible. ``drill``: a :class:`shadow.drill.Drill` injecting synthetic
+    divergence into the upstream side (never into what the caller gets). Raises ValueError on any bad
+    argument, before patching.
     """
     resolved = _resolve_targets(targets)
     names = [t.name for t in resolved]
@@ -182,12 +199,19 @@ def install(
         if not callable(getattr(exporter, "export", None)):
             raise ValueError(f"exporters: {exporter!r} has no export(observation) method")
 
-    shadows = [Shadow(t, rates[t.name], tolerances[t.name], exporters, seed) for t in resolved]
+    if drill is not None and not isinstance(drill, Drill):
+        raise ValueError(f"drill: expected a shadow.drill.Drill or None, got {drill!r}")
+
+    shadows = [Shadow(t, rates[t.name], tolerances[t.name], exporters, seed, drill) for t in resolved]
     monitor = Monitor(shadows)
     try:
         monitor._patch()
     except Exception:
         monitor.uninstall()
         raise
+    for exporter in exporters:
+        set_drill = getattr(exporter, "set_drill", None)
+        if set_drill is not None and drill is not None:
+            set_drill(True)
     log.debug("npu-shadow installed %s with torch %s", monitor.targets, torch.__version__)
     return monitor

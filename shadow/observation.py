@@ -64,6 +64,8 @@ class Observation:
     signature: str = "call"
     detail: str = ""
     timestamp: float = 0.0
+    #: True when a fire drill injected this observation's divergence.
+    drill: bool = False
     #: For mismatches and errors: what a repro capture needs (never compared, never printed).
     evidence: Evidence | None = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -232,4 +232,7 @@ def patch_torch(
     for owner, name, value in replacements:
         saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
         setattr(owner, name, value)
+    from shadow import launch
+
+    launch.refresh()  # a monitor installed by `npu-shadow run` moves over the new legacy
     return Patches(saved)

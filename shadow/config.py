@@ -1,0 +1,167 @@
+"""Settings from environment variables (and the launcher's options, which set the same variables).
+
+Every value is checked when it is read, so a wrong setting fails at start-up with a message that names
+the variable (or the option) and what it accepts, never halfway through training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+
+from shadow.targets import BUILTINS
+
+DRILL_KINDS = ("value", "dtype", "nan", "exception")
+
+
+class ConfigError(ValueError):
+    """A setting has a value it cannot have; the message names the setting."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One setting: its variable, its launcher option, and what it accepts (for messages)."""
+
+    variable: str
+    option: str
+    accepts: str
+
+
+SETTINGS = {
+    "targets": Setting("NPU_SHADOW_TARGETS", "--targets", f"a comma list of {', '.join(sorted(BUILTINS))}"),
+    "sample_rate": Setting(
+        "NPU_SHADOW_SAMPLE_RATE", "--sample-rate", "a number in [0, 1], or target=rate pairs separated by commas"
+    ),
+    "seed": Setting("NPU_SHADOW_SEED", "--seed", "an integer"),
+    "rtol": Setting("NPU_SHADOW_RTOL", "--rtol", "a finite number >= 0 (set together with atol)"),
+    "atol": Setting("NPU_SHADOW_ATOL", "--atol", "a finite number >= 0 (set together with rtol)"),
+    "port": Setting("NPU_SHADOW_PROMETHEUS_PORT", "--port", "a port number in 0..65535 (LOCAL_RANK is added)"),
+    "addr": Setting("NPU_SHADOW_PROMETHEUS_ADDR", "--addr", "an address to bind, e.g. 127.0.0.1"),
+    "multiproc_dir": Setting("NPU_SHADOW_MULTIPROC_DIR", "--multiproc-dir", "a writable directory"),
+    "otel": Setting("NPU_SHADOW_OTEL", "--otel", "1/true/yes or 0/false/no"),
+    "journal": Setting("NPU_SHADOW_JOURNAL", "--journal", "a file path ({rank} and {pid} allowed)"),
+    "capture_dir": Setting("NPU_SHADOW_CAPTURE_DIR", "--capture-dir", "a directory path"),
+    "drill": Setting(
+        "NPU_SHADOW_DRILL", "--drill", f"KIND:RATE with KIND one of {', '.join(DRILL_KINDS)}, RATE in [0, 1]"
+    ),
+    "pushgateway": Setting("NPU_SHADOW_PUSHGATEWAY", "--pushgateway", "a Pushgateway address, e.g. 127.0.0.1:9091"),
+    "textfile": Setting("NPU_SHADOW_TEXTFILE", "--textfile", "a file path for the exposition written at exit"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The monitor's settings, checked."""
+
+    targets: tuple[str, ...] | None = None
+    sample_rate: float | dict[str, float] = 0.01
+    seed: int | None = None
+    rtol: float | None = None
+    atol: float | None = None
+    port: int | None = None
+    addr: str = "127.0.0.1"
+    multiproc_dir: str | None = None
+    otel: bool = False
+    journal: str | None = None
+    capture_dir: str | None = None
+    drill: tuple[str, float] | None = None
+    pushgateway: str | None = None
+    textfile: str | None = None
+
+
+def _fail(name: str, value: str, by_option: bool, why: str = "") -> ConfigError:
+    setting = SETTINGS[name]
+    which = setting.option if by_option else setting.variable
+    return ConfigError(f"{which}={value!r} is not valid{': ' + why if why else ''}; expected {setting.accepts}")
+
+
+def _rate(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0.0 <= value <= 1.0 else None
+
+
+def _parse(name: str, text: str, by_option: bool) -> object:
+    text = text.strip()
+    if name == "targets":
+        names = tuple(t.strip() for t in text.split(",") if t.strip())
+        unknown = [t for t in names if t not in BUILTINS]
+        if not names or unknown:
+            raise _fail(name, text, by_option, f"unknown target {unknown[0]!r}" if unknown else "empty")
+        return names
+    if name == "sample_rate":
+        if "=" not in text:
+            rate = _rate(text)
+            if rate is None:
+                raise _fail(name, text, by_option)
+            return rate
+        table = {}
+        for pair in text.split(","):
+            target, _, rate_text = pair.partition("=")
+            rate = _rate(rate_text)
+            if target.strip() not in BUILTINS or rate is None:
+                raise _fail(name, text, by_option, f"bad pair {pair!r}")
+            table[target.strip()] = rate
+        return table
+    if name == "seed":
+        try:
+            return int(text)
+        except ValueError:
+            raise _fail(name, text, by_option) from None
+    if name in ("rtol", "atol"):
+        try:
+            value = float(text)
+        except ValueError:
+            raise _fail(name, text, by_option) from None
+        if not math.isfinite(value) or value < 0:
+            raise _fail(name, text, by_option)
+        return value
+    if name == "port":
+        if not text.isdigit() or int(text) > 65535:
+            raise _fail(name, text, by_option)
+        return int(text)
+    if name == "otel":
+        lowered = text.lower()
+        if lowered not in ("1", "true", "yes", "0", "false", "no", ""):
+            raise _fail(name, text, by_option)
+        return lowered in ("1", "true", "yes")
+    if name == "drill":
+        kind, _, rate_text = text.partition(":")
+        rate = _rate(rate_text)
+        if kind not in DRILL_KINDS or rate is None:
+            raise _fail(name, text, by_option)
+        return (kind, rate)
+    if name == "multiproc_dir":
+        if not text:
+            raise _fail(name, text, by_option)
+        if os.path.exists(text) and not (os.path.isdir(text) and os.access(text, os.W_OK)):
+            raise _fail(name, text, by_option, "not a writable directory")
+        return text
+    if not text:
+        raise _fail(name, text, by_option, "empty")
+    return text
+
+
+def from_sources(environ: Mapping[str, str], options: Mapping[str, str | None] | None = None) -> Config:
+    """Settings from the environment, each overridden by its option when given. Raises ConfigError."""
+    values: dict[str, object] = {}
+    for name, setting in SETTINGS.items():
+        option_value = (options or {}).get(name)
+        if option_value is not None:
+            values[name] = _parse(name, option_value, by_option=True)
+        elif setting.variable in environ:
+            values[name] = _parse(name, environ[setting.variable], by_option=False)
+    if ("rtol" in values) != ("atol" in values):
+        given = "rtol" if "rtol" in values else "atol"
+        missing = SETTINGS["atol" if given == "rtol" else "rtol"]
+        raise ConfigError(f"{SETTINGS[given].option} needs {missing.option} ({missing.variable}) too")
+    return Config(**values)  # type: ignore[arg-type]
+
+
+def to_environ(options: Mapping[str, str | None]) -> dict[str, str]:
+    """The variables that carry the given options to the job's processes."""
+    return {SETTINGS[name].variable: value for name, value in options.items() if value is not None}

@@ -1,0 +1,127 @@
+"""``npu-shadow doctor``: can this host shadow, and what will it show? Works on a CPU-only host too."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import socket
+
+import torch
+
+from shadow import reference, targets
+
+KNOWN_DEFECT_VERSIONS = ((2, 10), (2, 13))  # upstream parallel_apply reads CUDA's autocast state, at least
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cann() -> str | None:
+    for root in filter(None, [os.environ.get("ASCEND_TOOLKIT_HOME"), os.environ.get("ASCEND_HOME_PATH")]):
+        for path in glob.glob(os.path.join(root, "*version*.cfg")) + glob.glob(
+            os.path.join(root, "*", "*version*.cfg")
+        ):
+            with contextlib.suppress(OSError), open(path) as handle:
+                for line in handle:
+                    if "version" in line.lower() and "=" in line:
+                        return line.split("=", 1)[1].strip()
+        return f"found at {root}"
+    return None
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _port_free(addr: str, port: int) -> str | None:
+    try:
+        with socket.socket() as s:
+            s.bind((addr, port))
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
+def self_test() -> tuple[bool, str]:
+    """Shadow a few ``.type()`` casts on this host's device at rate 1; all must be compared and agree."""
+    import shadow
+
+    device = reference.current_device() or torch.device("cpu")
+    patches = reference.patch_torch() if targets.patch_origin(torch.Tensor.type) is None else None
+    try:
+        with shadow.install(["tensor_type"], sample_rate=1.0, seed=0) as monitor:
+            x = torch.arange(8.0, device=device)
+            x.type(torch.float16)
+            x.type(torch.float64)
+            x.type()
+        stats = monitor.stats()["tensor_type"]
+    finally:
+        if patches is not None:
+            patches.undo()
+    ok = stats.sampled == stats.match == 3
+    return ok, f"{stats.match}/{stats.sampled} casts matched on {device}"
+
+
+def diagnose(port: int, addr: str = "127.0.0.1") -> tuple[int, list[str]]:
+    """(exit code, report lines)."""
+    lines = [
+        f"python {platform.python_version()}, torch {torch.__version__}",
+    ]
+    npu_version = _version("torch_npu")
+    imported_npu = False
+    if npu_version is None:
+        lines.append("torch_npu not installed; reference legacy available (shadow.reference: a rehearsal)")
+    else:
+        try:
+            import torch_npu  # noqa: F401  (patches torch)
+
+            imported_npu = True
+            lines.append(f"torch_npu {npu_version}, CANN {_cann() or 'not found'}")
+        except Exception as exc:
+            lines.append(
+                f"torch_npu {npu_version} is installed but does not import ({exc}); reference legacy available"
+            )
+    active = targets.active_builtins()
+    if active:
+        lines.append("legacy patches active: " + ", ".join(f"{n} ({o})" for n, o in active.items()))
+    else:
+        origin = "torch_npu" if imported_npu else "shadow.reference, as a rehearsal"
+        lines.append(f"legacy patches active: none in this process (shadowing would use {origin})")
+
+    accelerator = torch.accelerator.current_accelerator()
+    version = _torch_version()
+    shadowable = ["tensor_type"]
+    if version < (2, 10):
+        lines.append(
+            "parallel_apply, data_parallel: upstream needs torch >= 2.10 (torch.accelerator); "
+            "every comparison would be an error"
+        )
+    elif accelerator is None:
+        lines.append(
+            "parallel_apply, data_parallel cannot run without an accelerator: upstream asserts one exists "
+            "(not exercised here)"
+        )
+    else:
+        shadowable += ["parallel_apply", "data_parallel"]
+        lines.append(f"parallel_apply, data_parallel: upstream can run on {accelerator.type}")
+    if KNOWN_DEFECT_VERSIONS[0] <= version and (accelerator is None or accelerator.type != "cuda"):
+        lines.append(
+            "known upstream defect: parallel_apply reads torch.is_autocast_enabled() without a device type "
+            f"(CUDA's state); on {accelerator.type if accelerator else 'a non-CUDA accelerator'} replicas run "
+            "without autocast, so expect 'dtype' mismatches (float32 vs float16) under autocast"
+        )
+    busy = _port_free(addr, port)
+    lines.append(f"prometheus port {addr}:{port}: " + ("free" if busy is None else f"cannot bind ({busy})"))
+    ok, text = self_test()
+    lines.append(f"self-test tensor_type: {'passed' if ok else 'FAILED'} ({text})")
+    lines.append("can shadow here: " + ", ".join(shadowable))
+    return (0 if ok and shadowable else 1), lines

@@ -1,0 +1,148 @@
+"""Installing the monitor in processes we did not write: from environment variables, when torch arrives.
+
+``npu-shadow run`` puts ``shadow/_bootstrap`` (a ``sitecustomize``) on PYTHONPATH, so every Python process
+the job starts (torchrun ranks, spawned DataLoader workers) arms the monitor at interpreter start. That
+costs nothing in processes that never import torch: it installs :func:`install_from_env` to run
+right after ``import torch`` has finished (torch_npu, when autoloaded by ``import torch``, has patched by
+then), and again after a later ``import torch_npu`` (or ``shadow.reference.patch_torch()``), which patch
+over the wrappers: the monitor is then installed anew over the new legacy, never twice, never lost.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+from typing import Any
+
+log = logging.getLogger("shadow")
+
+_state: dict[str, Any] = {"monitor": None, "exporters": [], "config": None}
+_lock = threading.RLock()
+
+
+def _is_job_process() -> bool:
+    """False in multiprocessing children (DataLoader workers): they neither serve nor print summaries."""
+    return multiprocessing.parent_process() is None
+
+
+def _local_rank() -> int:
+    value = os.environ.get("LOCAL_RANK", "0")
+    return int(value) if value.isdigit() else 0
+
+
+def wants_prometheus(config: Any) -> bool:
+    return bool(config.port is not None or config.multiproc_dir or config.pushgateway or config.textfile)
+
+
+def _exporters(config: Any) -> list[Any]:
+    from exporters import JsonlExporter, OTelExporter, PrometheusExporter
+
+    made: list[Any] = []
+    if wants_prometheus(config):
+        port = None
+        if config.port is not None and not config.multiproc_dir and _is_job_process():
+            port = config.port + _local_rank() if config.port else 0
+        made.append(PrometheusExporter(port=port, addr=config.addr))
+    if config.otel:
+        made.append(OTelExporter())
+    if config.journal:
+        made.append(JsonlExporter(config.journal, capture_dir=config.capture_dir))
+    return made
+
+
+def install_from_env(environ: dict[str, str] | None = None) -> Any:
+    """Install (or re-install) the monitor described by the NPU_SHADOW_* variables. Returns the Monitor.
+
+    Raises :class:`shadow.config.ConfigError` on a bad variable.
+    """
+    import shadow
+    from shadow import config as config_module
+    from shadow.drill import Drill
+    from shadow.tolerance import Tolerance
+
+    with _lock:
+        config = _state["config"] or config_module.from_sources(os.environ if environ is None else environ)
+        _state["config"] = config
+        if not _state["exporters"]:
+            _state["exporters"] = _exporters(config)
+        previous = _state["monitor"]
+        if previous is not None:
+            previous.uninstall()
+        tolerance = Tolerance(config.rtol, config.atol) if config.rtol is not None else None
+        drill = Drill(*config.drill, seed=config.seed) if config.drill else None
+        monitor = shadow.install(
+            targets=config.targets,
+            sample_rate=config.sample_rate,
+            tolerance=tolerance,
+            exporters=_state["exporters"],
+            seed=config.seed,
+            drill=drill,
+        )
+        _state["monitor"] = monitor
+        if previous is None:
+            atexit.register(_at_exit)
+        return monitor
+
+
+def refresh() -> None:
+    """Re-install when something patched over the wrappers, or new legacy patches appeared."""
+    from shadow import targets
+
+    with _lock:
+        monitor = _state["monitor"]
+        if monitor is None:
+            return
+        config = _state["config"]
+        wanted = set(config.targets) if config.targets else set(targets.active_builtins())
+        if monitor.replaced() or wanted - set(monitor.targets):
+            log.info("npu-shadow: legacy patches changed; installing the monitor over them")
+            install_from_env()
+
+
+def summary(stats: dict) -> str:
+    """One screen: a line per target."""
+    lines = [
+        f"{'npu-shadow':<16}{'calls':>10}{'sampled':>9}{'match':>8}{'close':>7}{'mismatch':>10}{'error':>7}"
+        f"{'skipped':>9}"
+    ]
+    for name, s in stats.items():
+        lines.append(
+            f"{name:<16}{s.calls:>10}{s.sampled:>9}{s.match:>8}{s.close:>7}{s.mismatch:>10}{s.error:>7}{s.skipped:>9}"
+        )
+    if len(lines) == 1:
+        lines.append("(no target installed: no active legacy patch in this process)")
+    return "\n".join(lines)
+
+
+def _at_exit() -> None:
+    monitor = _state["monitor"]
+    if monitor is None:
+        return
+    monitor.flush()
+    config = _state["config"]
+    for exporter in _state["exporters"]:
+        with contextlib.suppress(Exception):
+            if config.pushgateway and hasattr(exporter, "push") and _is_job_process():
+                exporter.push(config.pushgateway, job=os.environ.get("NPU_SHADOW_JOB", "npu-shadow"))
+            if config.textfile and hasattr(exporter, "write_textfile") and _is_job_process():
+                exporter.write_textfile(config.textfile.format(rank=_local_rank(), pid=os.getpid()))
+    if _is_job_process():
+        print(summary(monitor.stats()), file=sys.stderr)
+
+
+def after_torch() -> None:
+    """Called right after ``import torch``: install, and watch for a later ``import torch_npu``."""
+    try:
+        install_from_env()
+    except Exception as exc:  # never break the job's `import torch`
+        print(f"npu-shadow: not installed: {exc}", file=sys.stderr)
+        return
+    if "torch_npu" not in sys.modules:
+        from shadow._bootstrap.npu_shadow_boot import AfterImport
+
+        sys.meta_path.insert(0, AfterImport("torch_npu", refresh))

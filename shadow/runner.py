@@ -1,0 +1,70 @@
+"""``npu-shadow run``: a job's command with the monitor in every Python process it starts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Mapping, Sequence
+
+from shadow import config as cfg
+from shadow._bootstrap import npu_shadow_boot as boot
+from shadow.launch import wants_prometheus
+
+BOOTSTRAP_DIR = os.path.dirname(os.path.abspath(boot.__file__))
+
+
+def _serve_node(directory: str, port: int, addr: str):
+    """Serve the aggregate of every process's metric files in ``directory`` (one endpoint per node)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import start_http_server
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=directory)
+    try:
+        server, _ = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        warnings.warn(f"npu-shadow: cannot serve metrics on {addr}:{port} ({exc}); the job goes on", stacklevel=2)
+        return None
+    return server
+
+
+def run(command: Sequence[str], options: Mapping[str, str | None], environ: Mapping[str, str] = os.environ) -> int:
+    """Run ``command`` shadowed. Returns its exit code; 2 on a bad setting (before it starts)."""
+    try:
+        config = cfg.from_sources(environ, options)
+    except cfg.ConfigError as exc:
+        print(f"npu-shadow run: {exc}", file=sys.stderr)
+        return 2
+    if not command:
+        print("npu-shadow run: no command given (npu-shadow run [options] -- COMMAND ...)", file=sys.stderr)
+        return 2
+    env = dict(environ)
+    env.update(cfg.to_environ(options))
+    env[boot.ENABLED] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    temporary = server = None
+    if wants_prometheus(config):
+        base = config.multiproc_dir or tempfile.mkdtemp(prefix="npu-shadow-metrics-")
+        temporary = None if config.multiproc_dir else base
+        os.makedirs(base, exist_ok=True)
+        env[boot.METRICS_DIR] = base
+        env[boot.METRICS_LAYOUT] = "node" if config.multiproc_dir else "rank"
+        if config.multiproc_dir and config.port is not None:
+            server = _serve_node(base, config.port, config.addr)
+    try:
+        return subprocess.call(list(command), env=env)
+    except OSError as exc:
+        print(f"npu-shadow run: cannot start {command[0]!r}: {exc}", file=sys.stderr)
+        return 127
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
