@@ -111,6 +111,9 @@ def summary(stats: dict) -> str:
         f"{'skipped':>9}"
     ]
     for name, s in stats.items():
+        if s.calls == 0:
+            lines.append(f"{name:<16}not exercised: never called in this process")
+            continue
         lines.append(
             f"{name:<16}{s.calls:>10}{s.sampled:>9}{s.match:>8}{s.close:>7}{s.mismatch:>10}{s.error:>7}{s.skipped:>9}"
         )

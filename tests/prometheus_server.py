@@ -22,6 +22,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def consecutive_free_ports(count: int = 2) -> int:
+    """A port p such that p .. p + count - 1 are free now (one per local rank)."""
+    for _ in range(100):
+        base = free_port()
+        with contextlib.ExitStack() as stack:
+            try:
+                for offset in range(count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", base + offset))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError("no consecutive free ports found")
+
+
 class PrometheusServer:
     def __init__(self, url: str) -> None:
         self.url = url
