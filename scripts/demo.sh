@@ -1,6 +1,24 @@
 #!/usr/bin/env bash
-# Set up (see setup.sh) and run the demo: a small training job shadowed by npu-shadow.
+# Set up (see setup.sh), then the demo of the main job: the example training job run under
+# `npu-shadow run`, serving its metrics on 127.0.0.1:9464 while it trains, then its summary and the
+# verdict. Extra arguments go to `npu-shadow run`, e.g. `bash scripts/demo.sh --drill value:1.0`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python examples/quickstart.py "$@"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+.venv/bin/npu-shadow doctor --port 9464 || true
+echo
+echo "== training, shadowed (metrics on http://127.0.0.1:9464/metrics while it runs)"
+.venv/bin/npu-shadow run --sample-rate 1 --port 9464 --textfile "$work/metrics.prom" \
+  --journal "$work/journal-{pid}.jsonl" "$@" -- .venv/bin/python examples/train_dataparallel.py
+echo
+echo "== verdict"
+set +e
+.venv/bin/npu-shadow verdict --metrics-file "$work/metrics.prom"
+code=$?
+set -e
+case $code in
+  0|1|3) echo "(verdict exit code $code: 0 promote, 1 rollback, 3 inconclusive)";;
+  *) exit "$code";;
+esac

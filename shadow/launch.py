@@ -26,8 +26,12 @@ _lock = threading.RLock()
 
 
 def _is_job_process() -> bool:
-    """False in multiprocessing children (DataLoader workers): they neither serve nor print summaries."""
-    return multiprocessing.parent_process() is None
+    """False in multiprocessing children (DataLoader workers): they neither serve nor print summaries.
+
+    A spawned child imports torch while it prepares (re-importing the main module), before
+    ``parent_process()`` is set, but after it has taken its process name.
+    """
+    return multiprocessing.parent_process() is None and multiprocessing.current_process().name == "MainProcess"
 
 
 def _local_rank() -> int:

@@ -47,9 +47,11 @@ def test_example_job_with_spawned_workers_is_shadowed_and_unchanged(plain_run, t
     plain, weights = plain_run
     textfile, out = tmp_path / "metrics.prom", tmp_path / "weights.pt"
     done = npu_shadow(
-        "run", "--sample-rate", "1", "--textfile", str(textfile), "--", sys.executable, EXAMPLE, *JOB, "--out", str(out)
-    )
+        "run", "--sample-rate", "1", "--port", str(free_port()), "--textfile", str(textfile),
+        "--", sys.executable, EXAMPLE, *JOB, "--out", str(out),
+    )  # fmt: skip
     assert done.returncode == plain.returncode == 0, done.stderr
+    assert "cannot serve" not in done.stderr  # the job serves; its DataLoader workers do not try
     assert done.stdout == plain.stdout  # the job's own output, untouched
     assert_same_weights(out, weights)
     assert "tensor_type" in done.stderr and "not exercised" in done.stderr  # the summary
