@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 
 from shadow.targets import BUILTINS
@@ -135,15 +136,41 @@ def _parse(name: str, text: str, by_option: bool) -> object:
         if kind not in DRILL_KINDS or rate is None:
             raise _fail(name, text, by_option)
         return (kind, rate)
-    if name == "multiproc_dir":
-        if not text:
+    if name == "addr":
+        if not _ADDRESS.fullmatch(text):
             raise _fail(name, text, by_option)
-        if os.path.exists(text) and not (os.path.isdir(text) and os.access(text, os.W_OK)):
-            raise _fail(name, text, by_option, "not a writable directory")
+        return text
+    if name == "pushgateway":
+        if not _GATEWAY.fullmatch(text):
+            raise _fail(name, text, by_option)
         return text
     if not text:
         raise _fail(name, text, by_option, "empty")
+    if name == "multiproc_dir":
+        if os.path.exists(text) and not (os.path.isdir(text) and os.access(text, os.W_OK)):
+            raise _fail(name, text, by_option, "not a writable directory")
+        return text
+    # journal, capture_dir, textfile: written later, so their folder must be creatable now
+    folder = text if name == "capture_dir" else os.path.dirname(os.path.abspath(text))
+    if not _creatable(folder):
+        raise _fail(name, text, by_option, f"cannot create or write {folder}")
     return text
+
+
+_ADDRESS = re.compile(r"[A-Za-z0-9.\-]+|\[?[0-9A-Fa-f:]+\]?")
+_GATEWAY = re.compile(r"(https?://)?[A-Za-z0-9.\-]+(:\d{1,5})?(/\S*)?")
+
+
+def _creatable(folder: str) -> bool:
+    """Whether ``folder`` exists as a writable directory or could be made (its nearest existing
+    ancestor is a writable directory)."""
+    path = folder
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return False
+        path = parent
+    return os.path.isdir(path) and os.access(path, os.W_OK)
 
 
 def from_sources(environ: Mapping[str, str], options: Mapping[str, str | None] | None = None) -> Config:

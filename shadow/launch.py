@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import warnings
 from typing import Any
 
 log = logging.getLogger("shadow")
@@ -79,14 +80,16 @@ def install_from_env(environ: dict[str, str] | None = None) -> Any:
             previous.uninstall()
         tolerance = Tolerance(config.rtol, config.atol) if config.rtol is not None else None
         drill = Drill(*config.drill, seed=config.seed) if config.drill else None
-        monitor = shadow.install(
-            targets=config.targets,
-            sample_rate=config.sample_rate,
-            tolerance=tolerance,
-            exporters=_state["exporters"],
-            seed=config.seed,
-            drill=drill,
-        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "npu-shadow: torch_npu is installed but not imported")  # see after_torch
+            monitor = shadow.install(
+                targets=config.targets,
+                sample_rate=config.sample_rate,
+                tolerance=tolerance,
+                exporters=_state["exporters"],
+                seed=config.seed,
+                drill=drill,
+            )
         _state["monitor"] = monitor
         if previous is None:
             atexit.register(_at_exit)

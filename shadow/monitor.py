@@ -6,8 +6,11 @@ a message that names the setting and what it accepts, and never leaves half a mo
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import numbers
+import sys
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -159,6 +162,13 @@ def install(
     divergence into the upstream side (never into what the caller gets). Raises ValueError on any bad
     argument, before patching.
     """
+    if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is not None:
+        warnings.warn(
+            "npu-shadow: torch_npu is installed but not imported yet; import it before shadow.install(), "
+            "or its patches will replace the wrappers (npu-shadow run handles this by itself)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     resolved = _resolve_targets(targets)
     names = [t.name for t in resolved]
 

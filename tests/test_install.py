@@ -133,3 +133,20 @@ def test_builtin_targets_name_their_risky_signatures():
     assert builtin.tensor_type_signature((x,), {}) == "none/cpu/blocking"
     with torch.autocast("cpu"):
         assert builtin.parallel_apply_signature((None, [1, 2], [], None), {}).startswith("replicas=2/grad=on")
+
+
+def test_warns_when_torch_npu_is_installed_but_not_imported_yet(monkeypatch):
+    import os
+    import sys
+    import warnings
+
+    fake = os.path.join(os.path.dirname(__file__), "fake_torch_npu")
+    monkeypatch.syspath_prepend(fake)
+    assert "torch_npu" not in sys.modules
+    with pytest.warns(RuntimeWarning, match="torch_npu is installed but not imported yet"):
+        shadow.install(["tensor_type"]).uninstall()
+    assert "torch_npu" not in sys.modules  # the check does not import it
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shadow.install(["tensor_type"]).uninstall()  # not installed here: no warning

@@ -72,27 +72,34 @@ def test_processes_that_never_import_torch_pay_nothing():
     assert done.returncode == 0 and done.stdout.strip() == "False False"
 
 
-BAD_OPTIONS = [
-    ("--targets", "tensor_typo", "--targets='tensor_typo'"),
-    ("--sample-rate", "1.5", "--sample-rate='1.5'"),
-    ("--sample-rate", "tensor_type=x", "--sample-rate='tensor_type=x'"),
-    ("--seed", "one", "--seed='one'"),
-    ("--rtol", "-1", "--rtol='-1'"),
-    ("--atol", "nan", "--atol='nan'"),
-    ("--port", "70000", "--port='70000'"),
-    ("--drill", "value", "--drill='value'"),
-    ("--drill", "fire:0.5", "--drill='fire:0.5'"),
-    ("--journal", "", "--journal=''"),
+#: An invalid value for every setting (a file where a folder must be: the checks hold for root too).
+INVALID = {
+    "targets": "tensor_typo",
+    "sample_rate": "1.5",
+    "seed": "one",
+    "rtol": "-1",
+    "atol": "nan",
+    "port": "70000",
+    "addr": "local host",
+    "multiproc_dir": "/etc/passwd",
+    "otel": "maybe",
+    "journal": "/etc/passwd/journal.jsonl",
+    "capture_dir": "/etc/passwd/captures",
+    "drill": "fire:0.5",
+    "pushgateway": "not a gateway",
+    "textfile": "/etc/passwd/metrics.prom",
+}
+MORE_INVALID = [
+    ("sample_rate", "tensor_type=x"),
+    ("drill", "value"),
+    ("drill", "nan:2"),
+    ("targets", ","),
+    ("journal", ""),
 ]
-BAD_VARIABLES = [
-    ("NPU_SHADOW_TARGETS", ",", "NPU_SHADOW_TARGETS"),
-    ("NPU_SHADOW_SAMPLE_RATE", "-0.1", "NPU_SHADOW_SAMPLE_RATE"),
-    ("NPU_SHADOW_SEED", "1.5", "NPU_SHADOW_SEED"),
-    ("NPU_SHADOW_PROMETHEUS_PORT", "http", "NPU_SHADOW_PROMETHEUS_PORT"),
-    ("NPU_SHADOW_OTEL", "maybe", "NPU_SHADOW_OTEL"),
-    ("NPU_SHADOW_DRILL", "nan:2", "NPU_SHADOW_DRILL"),
-    ("NPU_SHADOW_RTOL", "1e-3", "--rtol needs --atol"),
-]
+
+
+def test_every_setting_has_an_invalid_case():
+    assert set(INVALID) == set(cfg.SETTINGS)
 
 
 def marker_command(tmp_path):
@@ -100,22 +107,40 @@ def marker_command(tmp_path):
     return marker, [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
 
 
-@pytest.mark.parametrize("option, value, named", BAD_OPTIONS)
-def test_bad_option_stops_before_the_command(option, value, named, tmp_path, capsys):
+@pytest.mark.parametrize("name, value", [(n, v) for n, v in [*INVALID.items(), *MORE_INVALID] if n != "otel"])
+def test_bad_option_stops_before_the_command(name, value, tmp_path, capsys):
+    # (--otel is a flag: only its variable can hold a bad value)
     marker, command = marker_command(tmp_path)
-    name = next(n for n, s in cfg.SETTINGS.items() if s.option == option)
-    assert runner.run(command, {name: value}, environ={}) == 2
-    assert named in capsys.readouterr().err
+    options = {name: value}
+    if name in ("rtol", "atol"):
+        options["atol" if name == "rtol" else "rtol"] = "0"
+    assert runner.run(command, options, environ={}) == 2
+    assert f"{cfg.SETTINGS[name].option}={value!r} is not valid" in capsys.readouterr().err
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("variable, value, named", BAD_VARIABLES)
-def test_bad_variable_stops_before_the_command(variable, value, named, tmp_path, capsys):
+@pytest.mark.parametrize("name, value", [*INVALID.items(), *MORE_INVALID])
+def test_bad_variable_stops_before_the_command(name, value, tmp_path, capsys):
     marker, command = marker_command(tmp_path)
-    assert runner.run(command, {}, environ={variable: value}) == 2
-    err = capsys.readouterr().err
-    assert (named in err and "expected" in err) or "needs" in err
+    environ = {cfg.SETTINGS[name].variable: value}
+    if name in ("rtol", "atol"):
+        environ[cfg.SETTINGS["atol" if name == "rtol" else "rtol"].variable] = "0"
+    assert runner.run(command, {}, environ=environ) == 2
+    assert f"{cfg.SETTINGS[name].variable}={value!r} is not valid" in capsys.readouterr().err
     assert not marker.exists()
+
+
+def test_tolerance_needs_both_settings(tmp_path, capsys):
+    marker, command = marker_command(tmp_path)
+    assert runner.run(command, {}, environ={"NPU_SHADOW_RTOL": "1e-3"}) == 2
+    assert "--rtol needs --atol (NPU_SHADOW_ATOL) too" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_an_option_overrides_its_variable(tmp_path):
+    marker, command = marker_command(tmp_path)
+    assert runner.run(command, {"sample_rate": "0.5"}, environ={"NPU_SHADOW_SAMPLE_RATE": "bad"}) == 0
+    assert marker.exists()
 
 
 def test_bad_setting_through_the_real_command(tmp_path):
