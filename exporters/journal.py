@@ -8,6 +8,7 @@ import math
 import os
 import socket
 import threading
+from json.encoder import encode_basestring_ascii
 
 from exporters import capture
 from shadow import _fork
@@ -23,11 +24,13 @@ def _rank() -> int | None:
 
 
 _UTC = datetime.timezone.utc
-_encode = json.JSONEncoder(separators=(",", ":")).encode  # one encoder, not one per line
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+_quote = encode_basestring_ascii
 
 
-def _number(value: float) -> float | str:
-    return value if math.isfinite(value) else str(value)  # strict JSON has no inf/nan
+def _number(value: float) -> str:
+    """A JSON number, or a string for inf/nan (strict JSON has neither)."""
+    return repr(float(value)) if math.isfinite(value) else f'"{value}"'
 
 
 class JsonlExporter:
@@ -85,28 +88,21 @@ class JsonlExporter:
             self._write(self._line(observation, capture_path))
 
     def _line(self, observation: Observation, capture_path: str | None) -> str:
-        """One JSON object: this call's fields, then the process's (encoded once per process)."""
-        fields = _encode(
-            {
-                "time": datetime.datetime.fromtimestamp(observation.timestamp, _UTC).isoformat(),
-                "timestamp": observation.timestamp,
-                "target": observation.target,
-                "outcome": observation.outcome,
-                "reasons": observation.reasons,
-                "max_abs_error": _number(observation.max_abs_error),
-                "max_rel_error": _number(observation.max_rel_error),
-                "mismatched": observation.mismatched,
-                "numel": observation.numel,
-                "signature": observation.signature,
-                "detail": observation.detail,
-                "legacy_seconds": observation.legacy_seconds,
-                "upstream_seconds": observation.upstream_seconds,
-                "compare_seconds": observation.compare_seconds,
-                "capture": capture_path,
-                "drill": observation.drill,
-            }
+        """One JSON object. Strings go through json's own (C) escaper; the object is framed here, which
+        is several times faster than encoding a dict (the journal writes on the training thread)."""
+        o = observation
+        reasons = ",".join(map(_quote, o.reasons))
+        return (
+            f'{{"time":{_quote(datetime.datetime.fromtimestamp(o.timestamp, _UTC).isoformat())},'
+            f'"timestamp":{o.timestamp!r},"target":{_quote(o.target)},"outcome":{_quote(o.outcome)},'
+            f'"reasons":[{reasons}],"max_abs_error":{_number(o.max_abs_error)},'
+            f'"max_rel_error":{_number(o.max_rel_error)},"mismatched":{o.mismatched:d},"numel":{o.numel:d},'
+            f'"signature":{_quote(o.signature)},"detail":{_quote(o.detail)},'
+            f'"legacy_seconds":{o.legacy_seconds!r},"upstream_seconds":{o.upstream_seconds!r},'
+            f'"compare_seconds":{o.compare_seconds!r},'
+            f'"capture":{"null" if capture_path is None else _quote(capture_path)},'
+            f'"drill":{"true" if o.drill else "false"},{self._process_fields}\n'
         )
-        return f"{fields[:-1]},{self._process_fields}\n"
 
     def _open(self) -> None:
         directory = os.path.dirname(self.path)

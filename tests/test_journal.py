@@ -130,3 +130,33 @@ def test_replay_of_a_fixed_upstream_agrees_and_bad_files_are_usage_errors(tmp_pa
     assert done.returncode == 0 and "replayed: match" in done.stdout
     (tmp_path / "junk.pt").write_bytes(b"not a capture")
     assert replay_cli(tmp_path / "junk.pt").returncode == 2
+
+
+def test_every_field_survives_a_json_round_trip_including_awkward_strings(tmp_path):
+    import time
+
+    from shadow.observation import Observation
+
+    journal = JsonlExporter(str(tmp_path / "j.jsonl"))
+    awkward = Observation(
+        target="op",
+        outcome="mismatch",
+        reasons=("nan", "value"),
+        max_abs_error=float("inf"),
+        max_rel_error=float("nan"),
+        mismatched=2,
+        numel=10,
+        signature='odd/"quoted"/sig',
+        detail='line\nbreak, tab\t, quote " and backslash \\ and unicode \u00e9',
+        legacy_seconds=1e-6,
+        timestamp=time.time(),
+        drill=True,
+    )
+    journal.export(awkward)
+    journal.close()
+    (record,) = [json.loads(line) for line in (tmp_path / "j.jsonl").read_text().splitlines()]
+    assert record["detail"] == awkward.detail and record["signature"] == awkward.signature
+    assert record["reasons"] == ["nan", "value"] and record["drill"] is True
+    assert record["max_abs_error"] == "inf" and record["max_rel_error"] == "nan"
+    assert record["timestamp"] == awkward.timestamp and record["legacy_seconds"] == 1e-6
+    assert record["pid"] == os.getpid() and record["capture"] is None
