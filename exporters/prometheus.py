@@ -77,7 +77,15 @@ class PrometheusExporter:
         self.server: Any = None
         self.port: int | None = None
         if port is not None:
-            self.serve(port, addr, certfile, keyfile, client_cafile, client_capath, client_auth_required)
+            self.serve(
+                port,
+                addr,
+                certfile=certfile,
+                keyfile=keyfile,
+                client_cafile=client_cafile,
+                client_capath=client_capath,
+                client_auth_required=client_auth_required,
+            )
 
     @staticmethod
     def _create(registry: CollectorRegistry | None) -> dict[contract.Metric, Any]:
@@ -140,28 +148,14 @@ class PrometheusExporter:
 
     # ------------------------------------------------------------------ getting metrics out
 
-    def serve(
-        self,
-        port: int,
-        addr: str = "127.0.0.1",
-        certfile: str | None = None,
-        keyfile: str | None = None,
-        client_cafile: str | None = None,
-        client_capath: str | None = None,
-        client_auth_required: bool = False,
-    ) -> int | None:
-        """Serve /metrics on ``addr:port`` (0 picks a free port). Returns the bound port, or None."""
+    def serve(self, port: int, addr: str = "127.0.0.1", **tls: Any) -> int | None:
+        """Serve /metrics on ``addr:port`` (0 picks a free port). Returns the bound port, or None.
+
+        ``tls``: prometheus-client's ``certfile``, ``keyfile``, ``client_cafile``, ``client_capath`` and
+        ``client_auth_required``, passed through.
+        """
         try:
-            self.server, _ = start_http_server(
-                port,
-                addr=addr,
-                registry=self.registry,
-                certfile=certfile,
-                keyfile=keyfile,
-                client_cafile=client_cafile,
-                client_capath=client_capath,
-                client_auth_required=client_auth_required,
-            )
+            self.server, _ = start_http_server(port, addr=addr, registry=self.registry, **tls)
         except OSError as exc:
             message = f"npu-shadow: cannot serve metrics on {addr}:{port} ({exc}); the job goes on without it"
             warnings.warn(message, RuntimeWarning, stacklevel=2)

@@ -152,3 +152,28 @@ def test_exporter_failure_is_counted_as_export_skip(exporter):
     parsed = samples(scrape(exporter.port))
     assert monitor.stats()["op"].by_reason["export"] == 3
     assert total(parsed, "npu_shadow_skipped_total", target="op", reason="export") == 3
+
+
+def test_tls_options_reach_the_endpoint(tmp_path):
+    import shutil
+    import ssl
+    import subprocess
+    import urllib.request
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    exporter = PrometheusExporter(registry=CollectorRegistry(), port=0, certfile=str(cert), keyfile=str(key))
+    try:
+        context = ssl.create_default_context(cafile=str(cert))
+        with urllib.request.urlopen(f"https://127.0.0.1:{exporter.port}/metrics", context=context, timeout=10) as r:
+            assert "npu_shadow_build_info" in r.read().decode()
+        with pytest.raises(OSError):  # plain HTTP is refused by a TLS endpoint
+            scrape(exporter.port)
+    finally:
+        exporter.close()
