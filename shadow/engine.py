@@ -33,7 +33,8 @@ log = logging.getLogger("shadow")
 
 _LOG_INTERVAL_SECONDS = 60.0
 
-# Per thread: True while this thread runs the shadow side of a call.
+# Per thread: ``active`` while this thread runs the shadow side of a call, ``publishing`` while it hands
+# an observation to the exporters.
 _local = threading.local()
 
 
@@ -118,7 +119,8 @@ class Shadow:
         """A call found the gate closed: maybe the sampled one."""
         with self._lock:
             sampled = self.sampler.arrive()
-        if not sampled:
+        if not sampled or getattr(_local, "publishing", False):
+            # (an exporter's own call of a wrapped function is the tool's work, not the job's: not shadowed)
             return self.legacy(*args, **kwargs)
         skip = self._skip_reason()
         if skip is not None:
@@ -165,15 +167,16 @@ class Shadow:
         result: Any = None,
         legacy_error: BaseException | None = None,
     ) -> None:
-        _local.active = True
+        _local.active = True  # calls of wrapped functions from here on (exporters too) are not shadowed again
         try:
-            observation = self._observe(prepared, args, kwargs, legacy_seconds, result, legacy_error)
-        except Exception as exc:  # a fault of this tool, never the caller's problem
-            self._log_limited("comparator", "shadow side failed: %r", exc)
-            observation = Observation(self.target.name, "skipped", ("comparator",), detail=bounded(repr(exc)))
+            try:
+                observation = self._observe(prepared, args, kwargs, legacy_seconds, result, legacy_error)
+            except Exception as exc:  # a fault of this tool, never the caller's problem
+                self._log_limited("comparator", "shadow side failed: %r", exc)
+                observation = Observation(self.target.name, "skipped", ("comparator",), detail=bounded(repr(exc)))
+            self._publish(observation)
         finally:
             _local.active = False
-        self._publish(observation)
 
     def _observe(
         self,
@@ -286,14 +289,18 @@ class Shadow:
         with self._lock:
             self._outcomes[observation.outcome] += 1
             self._reasons.update(observation.reasons)
-        self.report_calls()
-        failed = [e for e in self.exporters if not self._call_exporter(e, "export", observation)]
-        if failed:
-            with self._lock:
-                self._reasons["export"] += len(failed)
-            for exporter in self.exporters:
-                for _ in failed:
-                    self._call_exporter(exporter, "record_export_error", self.target.name)
+        publishing, _local.publishing = getattr(_local, "publishing", False), True
+        try:
+            self.report_calls()
+            failed = [e for e in self.exporters if not self._call_exporter(e, "export", observation)]
+            if failed:
+                with self._lock:
+                    self._reasons["export"] += len(failed)
+                for exporter in self.exporters:
+                    for _ in failed:
+                        self._call_exporter(exporter, "record_export_error", self.target.name)
+        finally:
+            _local.publishing = publishing
 
     def report_calls(self) -> None:
         """Tell exporters how many calls passed since the last report (done at each sampled call)."""

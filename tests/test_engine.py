@@ -282,3 +282,23 @@ def test_mismatch_observations_carry_evidence_and_matches_do_not():
     assert torch.equal(evidence.legacy, evidence.upstream - 0.5)
     _, observations, _ = run_target(scale)
     assert observations[0].evidence is None
+
+
+def test_an_exporter_calling_a_wrapped_function_does_not_recurse():
+    ops = make_ops()
+
+    class Calling:
+        def __init__(self):
+            self.seen = 0
+
+        def export(self, observation):
+            self.seen += 1
+            ops.op(torch.ones(1))  # e.g. a capture that casts a tensor
+
+    exporter = Calling()
+    with shadow.install([Target("op", ops, "op", scale)], sample_rate=1.0, exporters=[exporter]) as monitor:
+        ops.op(torch.ones(1))
+    stats = monitor.stats()["op"]
+    assert stats.calls == 2  # the job's call and the exporter's
+    assert stats.sampled == stats.match == 1 and stats.skipped == 0  # only the job's call is shadowed
+    assert exporter.seen == 1
