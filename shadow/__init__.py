@@ -8,6 +8,7 @@
 
 from shadow.compare import Comparison, compare
 from shadow.engine import Shadow
+from shadow.launch import install_from_env
 from shadow.monitor import Monitor, install
 from shadow.observation import (
     HARD_REASONS,
@@ -38,4 +39,5 @@ __all__ = [
     "__version__",
     "compare",
     "install",
+    "install_from_env",
 ]

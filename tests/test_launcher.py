@@ -240,3 +240,20 @@ def test_torchrun_two_ranks_both_shadowed_and_scraped(tmp_path):
         )
         assert final > 0
         assert by_job[f"rank{rank}"] == final  # the last scrape saw every call: nothing lost
+
+
+def test_library_form_reads_the_same_variables(monkeypatch):
+    import shadow
+    from shadow import launch
+
+    monkeypatch.setattr(launch, "_state", {"monitor": None, "exporters": [], "config": None})
+    monkeypatch.setattr(launch.atexit, "register", lambda function: None)
+    monitor = shadow.install_from_env({"NPU_SHADOW_TARGETS": "tensor_type", "NPU_SHADOW_SAMPLE_RATE": "1"})
+    try:
+        torch.ones(2).type(torch.float64)
+        assert monitor.targets == ("tensor_type",) and monitor.stats()["tensor_type"].match == 1
+    finally:
+        monitor.uninstall()
+    with pytest.raises(cfg.ConfigError, match="NPU_SHADOW_SEED='x' is not valid"):
+        launch._state["config"] = None
+        shadow.install_from_env({"NPU_SHADOW_SEED": "x"})
