@@ -28,7 +28,6 @@ from shadow.observation import MISMATCH_REASONS, bounded
 _CHUNK = {"cpu": 1 << 18}
 _WHOLE = 1 << 62
 
-_HALF_TYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +195,7 @@ class _LeafReport:
     compute: torch.dtype = torch.float32
     tolerance: tol.Tolerance = tol.EXACT
     bitwise_equal: bool = True
+    exact: bool = False  # compared bit for bit: exact mode, or integers and bools
 
 
 def _check_tensor(
@@ -226,6 +226,7 @@ def _check_tensor(
         and (legacy.is_complex() == upstream.is_complex())
     )
     report.bitwise_equal = not report.reasons
+    report.exact = exact or not (legacy.is_floating_point() or legacy.is_complex())
     if comparable:
         report.tolerance = tol.EXACT if exact else tol.for_pair(spec, legacy.dtype, upstream.dtype)
         report.stats, report.compute = _value_stats(legacy, upstream, report.tolerance)
@@ -319,7 +320,7 @@ def compare(
         bitdiff, bad, nonfinite, first, abs_bits, rel_bits, at_legacy, at_upstream = values[8 * i : 8 * i + 8]
         leaf_abs, leaf_rel = _unbits(abs_bits, report.compute), _unbits(rel_bits, report.compute)
         max_abs, max_rel = max(max_abs, leaf_abs), max(max_rel, leaf_rel)
-        bad = bitdiff if exact else bad
+        bad = bitdiff if report.exact else bad  # (float32 cannot hold every int64 exactly)
         mismatched += bad
         report.bitwise_equal = report.bitwise_equal and bitdiff == 0
         if nonfinite:

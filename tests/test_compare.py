@@ -186,3 +186,10 @@ def test_one_host_synchronisation_for_many_leaves(monkeypatch):
     monkeypatch.undo()
     assert result.reasons == ("value",)
     assert syncs == ["tolist"]
+
+
+def test_large_integers_compare_exactly_not_through_float32():
+    legacy = torch.tensor([2**40, 7], dtype=torch.int64)
+    upstream = torch.tensor([2**40 + 1, 7], dtype=torch.int64)  # equal once rounded to float32
+    result = compare(legacy, upstream)
+    assert result.outcome == "mismatch" and result.reasons == ("value",) and result.mismatched == 1
