@@ -42,14 +42,25 @@ class RngSnapshot:
         self._numpy = np.random.get_state()
         self._cpu = torch.get_rng_state()
         self._accelerator = _accelerator_rng_module()
-        self._devices = self._accelerator.get_rng_state_all() if self._accelerator is not None else None
+        self._devices = None
+        if self._accelerator is not None:
+            if hasattr(self._accelerator, "get_rng_state_all"):
+                self._devices = self._accelerator.get_rng_state_all()
+            else:  # a device module with the per-device API only
+                count = torch.accelerator.device_count()
+                self._devices = [self._accelerator.get_rng_state(i) for i in range(count)]
 
     def restore(self) -> None:
         random.setstate(self._python)
         np.random.set_state(self._numpy)
         torch.set_rng_state(self._cpu)
-        if self._accelerator is not None:
+        if self._accelerator is None:
+            return
+        if hasattr(self._accelerator, "set_rng_state_all"):
             self._accelerator.set_rng_state_all(self._devices)
+        else:
+            for index, state in enumerate(self._devices):
+                self._accelerator.set_rng_state(state, index)
 
 
 def find_modules(tree: Any) -> list[torch.nn.Module]:
