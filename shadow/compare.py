@@ -122,59 +122,55 @@ def _chunk_stats(
     a: torch.Tensor, b: torch.Tensor, tolerance: tol.Tolerance, compute: torch.dtype, same_dtype: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For one flat chunk: int64[3] (bitwise differing, out of tolerance, out of tolerance with a NaN
-    or inf involved), float[3] (max abs error and max rel error over finite elements, worst excess
-    over the tolerance) and the index of the element with the worst excess."""
+    or inf involved), float[2] (max abs error and max rel error over finite elements) and the index of
+    the first element out of tolerance (meaningful when there is one)."""
     n = a.numel()
     a_raw, b_raw = a, b
     a, b = a.to(compute), b.to(compute)
     diff = torch.sub(a, b).abs_()  # NaN where either side is NaN or both are the same infinity
     absa = a.abs()
-    excess = torch.sub(diff, absa, alpha=tolerance.rtol)  # > atol: out of tolerance; NaN on NaN
-    close = excess <= tolerance.atol
+    close = torch.sub(diff, absa, alpha=tolerance.rtol) <= tolerance.atol  # False on NaN and inf
     close |= a == b  # equal infinities
     if tolerance.equal_nan:
         close |= (a != a) & (b != b)
     bad = n - torch.count_nonzero(close)
+    first = close.view(torch.uint8).argmin()  # the first False
     # Bits of different dtypes cannot be equal; what differs then is the values.
     bitdiff = torch.count_nonzero(_int_view(a_raw) != _int_view(b_raw)) if same_dtype else bad
-    excess.masked_fill_(close, -math.inf).nan_to_num_(math.inf, math.inf, -math.inf)  # NaN is worst
-    worst, index = excess.max(dim=0)
-    finite = diff < math.inf
-    nonfinite_bad = n - torch.count_nonzero(close.logical_or_(finite))
+    nonfinite_bad = n - torch.count_nonzero(close.logical_or_(diff < math.inf))
     diff.nan_to_num_(0.0, 0.0, 0.0)
     rel = torch.div(diff, absa).nan_to_num_(0.0, math.inf, math.inf)
     counts = torch.stack([bitdiff, bad, nonfinite_bad])
-    errors = torch.stack([diff.max(), rel.max(), worst])
-    return counts, errors, index
+    errors = torch.stack([diff.max(), rel.max()])
+    return counts, errors, first
 
 
 def _value_stats(
     legacy: torch.Tensor, upstream: torch.Tensor, tolerance: tol.Tolerance
 ) -> tuple[torch.Tensor, torch.dtype]:
     """int64[8] on the tensors' device: bitwise differing, out of tolerance, NaN/inf disagreements,
-    flat index of the element furthest out of tolerance (-1 if none), then as float bits: max abs
-    error, max rel error, legacy and upstream value at that index."""
+    flat index of the first element out of tolerance (-1 if none), then as float bits: max abs error,
+    max rel error, legacy and upstream value at that index."""
     compute = _compute_dtype(legacy.dtype, upstream.dtype)
     a, b = _as_real(legacy), _as_real(upstream)
     same_dtype = legacy.dtype == upstream.dtype
     n = a.numel()
     chunk = _CHUNK.get(a.device.type, _WHOLE)
-    counts, errors, indices = [], [], []
+    counts, errors, firsts = [], [], []
     for start in range(0, n, chunk):
         c, e, i = _chunk_stats(a[start : start + chunk], b[start : start + chunk], tolerance, compute, same_dtype)
         counts.append(c)
         errors.append(e)
-        indices.append(i + start)
+        firsts.append(torch.where(c[1] > 0, i + start, n))
     total = torch.stack(counts).sum(0)
-    errors_by_chunk = torch.stack(errors)
-    worst = errors_by_chunk.amax(0)
-    at = torch.stack(indices)[errors_by_chunk[:, 2].argmax()]
-    first = torch.where(total[1] > 0, at, -1)
+    worst = torch.stack(errors).amax(0)
+    first = torch.stack(firsts).min()
+    at = first.clamp(max=n - 1)
     legacy_value, upstream_value = a[at].to(compute), b[at].to(compute)
     stats = torch.cat(
         [
             total,
-            first.reshape(1),
+            torch.where(first < n, first, -1).reshape(1),
             torch.stack([_bits(worst[0]), _bits(worst[1]), _bits(legacy_value), _bits(upstream_value)]),
         ]
     )
@@ -332,7 +328,7 @@ def compare(
             where = _unravel(first, report.shape) if first >= 0 else "?"
             report.notes.append(
                 f"{bad} / {report.numel} elements differ ({100.0 * bad / max(report.numel, 1):.3g}%), "
-                f"worst at index {where}: legacy {_unbits(at_legacy, report.compute):.9g}, "
+                f"first at index {where}: legacy {_unbits(at_legacy, report.compute):.9g}, "
                 f"upstream {_unbits(at_upstream, report.compute):.9g}; greatest abs diff {leaf_abs:.3g}, "
                 f"rel diff {leaf_rel:.3g} (rtol {report.tolerance.rtol:g}, atol {report.tolerance.atol:g})"
             )
