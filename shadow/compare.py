@@ -29,7 +29,6 @@ _CHUNK = {"cpu": 1 << 18}
 _WHOLE = 1 << 62
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     """The verdict on one pair of outputs."""
