@@ -168,7 +168,7 @@ class PrometheusExporter:
         """Write the exposition atomically to ``path`` (for node_exporter's textfile collector)."""
         write_to_textfile(path, self.registry)
 
-    def push(self, gateway: str, job: str, **kwargs: Any) -> None:
+    def push_to_gateway(self, gateway: str, job: str, **kwargs: Any) -> None:
         """Push the exposition to a Pushgateway (batch jobs end before the next scrape)."""
         push_to_gateway(gateway, job=job, registry=self.registry, **kwargs)
 

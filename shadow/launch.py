@@ -137,8 +137,8 @@ def _at_exit() -> None:
     config = _state["config"]
     for exporter in _state["exporters"]:
         with contextlib.suppress(Exception):
-            if config.pushgateway and hasattr(exporter, "push") and _is_job_process():
-                exporter.push(config.pushgateway, job=os.environ.get("NPU_SHADOW_JOB", "npu-shadow"))
+            if config.pushgateway and hasattr(exporter, "push_to_gateway") and _is_job_process():
+                exporter.push_to_gateway(config.pushgateway, job=os.environ.get("NPU_SHADOW_JOB", "npu-shadow"))
             if config.textfile and hasattr(exporter, "write_textfile") and _is_job_process():
                 exporter.write_textfile(config.textfile.format(rank=_local_rank(), pid=os.getpid()))
     if _is_job_process():

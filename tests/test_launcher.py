@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -153,6 +154,7 @@ def test_bad_setting_through_the_real_command(tmp_path):
 
 LATE_IMPORT = r"""
 import sys
+import time
 import torch
 from shadow import launch
 first = launch._state["monitor"]
@@ -257,3 +259,32 @@ def test_library_form_reads_the_same_variables(monkeypatch):
     with pytest.raises(cfg.ConfigError, match="NPU_SHADOW_SEED='x' is not valid"):
         launch._state["config"] = None
         shadow.install_from_env({"NPU_SHADOW_SEED": "x"})
+
+
+def test_one_endpoint_per_node_aggregates_every_process(tmp_path):
+    from metrics_helpers import scrape
+
+    port = free_port()
+    job = subprocess.Popen(
+        [
+            sys.executable, "-m", "shadow", "run", "--sample-rate", "1", "--multiproc-dir", str(tmp_path / "node"),
+            "--port", str(port), "--", sys.executable, EXAMPLE, *JOB, "--linger", "30",
+        ],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    expected = 2 * STEPS + SAMPLES  # the job's process and its two spawned workers, through one endpoint
+    seen = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and job.poll() is None:
+            try:
+                seen = total(samples(scrape(port)), "npu_shadow_calls_total", target="tensor_type")
+            except OSError:
+                seen = None
+            if seen == expected:
+                break
+            time.sleep(0.5)
+    finally:
+        job.kill()
+        job.wait(30)
+    assert seen == expected

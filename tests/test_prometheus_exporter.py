@@ -128,7 +128,7 @@ def test_textfile_and_pushgateway(tmp_path):
     thread = threading.Thread(target=server.handle_request)
     thread.start()
     try:
-        exporter.push(f"127.0.0.1:{server.server_port}", job="train")
+        exporter.push_to_gateway(f"127.0.0.1:{server.server_port}", job="train")
     finally:
         thread.join(10)
         server.server_close()
