@@ -28,4 +28,5 @@ def test_core_benchmark_runs_and_reports_both_ratios():
 @pytest.mark.filterwarnings("ignore")
 def test_exporter_benchmark_runs():
     out = run_quick("bench_exporters.py")
-    assert "exporters together: " in out and "JsonlExporter" in out
+    assert "exporters together, match" in out and "exporters together, mismatch" in out
+    assert out.count("JsonlExporter") == 2
