@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,18 @@ def _serve_node(directory: str, port: int, addr: str):
     return server
 
 
+def _run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
+    """Run the command; SIGTERM and SIGINT sent to the launcher go on to it (schedulers stop jobs so)."""
+    child = subprocess.Popen(command, env=env)
+    forwarded = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda number, frame: child.send_signal(number)) for sig in forwarded}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run(command: Sequence[str], options: Mapping[str, str | None], environ: Mapping[str, str] = os.environ) -> int:
     """Run ``command`` shadowed. Returns its exit code; 2 on a bad setting (before it starts)."""
     try:
@@ -58,7 +71,7 @@ def run(command: Sequence[str], options: Mapping[str, str | None], environ: Mapp
         if config.multiproc_dir and config.port is not None:
             server = _serve_node(base, config.port, config.addr)
     try:
-        return subprocess.call(list(command), env=env)
+        return _run_forwarding_signals(list(command), env)
     except OSError as exc:
         print(f"npu-shadow run: cannot start {command[0]!r}: {exc}", file=sys.stderr)
         return 127

@@ -285,6 +285,31 @@ def test_one_endpoint_per_node_aggregates_every_process(tmp_path):
                 break
             time.sleep(0.5)
     finally:
-        job.kill()
-        job.wait(30)
+        job.terminate()  # the launcher passes SIGTERM on to the job
+        job.wait(60)
     assert seen == expected
+    assert job.returncode != 0  # stopped by the signal, not finished
+
+
+def test_sigterm_reaches_the_job(tmp_path):
+    import signal
+
+    flag = tmp_path / "terminated"
+    script = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(flag)!r}, 'w'), sys.exit(143)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    job = subprocess.Popen(
+        [sys.executable, "-m", "shadow", "run", "--", sys.executable, "-c", script],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert job.stdout.readline().strip() == "ready"
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(30) == 143
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert flag.exists()
