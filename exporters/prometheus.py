@@ -35,6 +35,19 @@ def multiprocess_mode() -> bool:
     return values.ValueClass is not values.MutexValue
 
 
+def serve_registry(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1", **tls: Any) -> Any:
+    """Serve ``registry`` on ``addr:port``; the server, or None with a warning when the port cannot be
+    bound (a busy port degrades the endpoint, never the job)."""
+    try:
+        server, _ = start_http_server(port, addr=addr, registry=registry, **tls)
+    except OSError as exc:
+        message = f"npu-shadow: cannot serve metrics on {addr}:{port} ({exc}); the job goes on without it"
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        log.warning(message)
+        return None
+    return server
+
+
 class PrometheusExporter:
     """Exports observations as the ``npu_shadow_*`` metrics; serves /metrics when ``port`` is given.
 
@@ -154,14 +167,8 @@ class PrometheusExporter:
         ``tls``: prometheus-client's ``certfile``, ``keyfile``, ``client_cafile``, ``client_capath`` and
         ``client_auth_required``, passed through.
         """
-        try:
-            self.server, _ = start_http_server(port, addr=addr, registry=self.registry, **tls)
-        except OSError as exc:
-            message = f"npu-shadow: cannot serve metrics on {addr}:{port} ({exc}); the job goes on without it"
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            log.warning(message)
-            return None
-        self.port = self.server.server_port
+        self.server = serve_registry(self.registry, port, addr, **tls)
+        self.port = self.server.server_port if self.server is not None else None
         return self.port
 
     def write_textfile(self, path: str) -> None:

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import warnings
 from collections.abc import Mapping, Sequence
 
 from shadow import config as cfg
@@ -21,17 +20,13 @@ BOOTSTRAP_DIR = os.path.dirname(os.path.abspath(boot.__file__))
 def _serve_node(directory: str, port: int, addr: str):
     """Serve the aggregate of every process's metric files in ``directory`` (one endpoint per node)."""
     from prometheus_client import CollectorRegistry
-    from prometheus_client.exposition import start_http_server
     from prometheus_client.multiprocess import MultiProcessCollector
+
+    from exporters.prometheus import serve_registry
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=directory)
-    try:
-        server, _ = start_http_server(port, addr=addr, registry=registry)
-    except OSError as exc:
-        warnings.warn(f"npu-shadow: cannot serve metrics on {addr}:{port} ({exc}); the job goes on", stacklevel=2)
-        return None
-    return server
+    return serve_registry(registry, port, addr)
 
 
 def _run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
