@@ -1,0 +1,138 @@
+"""An emulated ``npu`` accelerator: a PrivateUse1 backend on host memory, so torch's real upstream
+DataParallel code runs on a machine without an NPU or GPU.
+
+``install(devices=2)`` compiles the C++ backend on first use (``torch.utils.cpp_extension``, about
+40 s on 2 cores) into a cache directory outside the repository keyed by the torch version, the Python
+ABI and the source's hash, loads it, renames PrivateUse1 to ``npu``, registers ``torch.npu`` and the
+``npu`` tensor methods, and supplies the collectives CPU builds lack. Later calls, and later processes
+that find the cached build (about 0.02 s), do the same without compiling.
+
+Install it before the process's first ``Tensor.type(str)`` call: torch builds its table of tensor type
+names once, and ``'torch.npu.*'`` names are valid only if the backend was named by then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import os
+import shutil
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shadow.emulated_npu import collectives, device
+
+__all__ = ["EmulatorUnavailable", "build_directory", "install", "installed_devices"]
+
+EXTENSION_NAME = "npu_shadow_emulated_npu"
+SOURCE = "csrc/emulated_npu.cpp"
+
+_lock = threading.Lock()
+_devices = 0
+
+
+class EmulatorUnavailable(RuntimeError):
+    """The emulated npu cannot be installed in this process; the message says why and what to do."""
+
+
+def installed_devices() -> int:
+    """How many emulated npu devices this process has (0 if it has not installed the emulator)."""
+    return _devices
+
+
+def _source() -> bytes:
+    return importlib.resources.files(__package__).joinpath(SOURCE).read_bytes()
+
+
+def build_directory() -> Path:
+    """Where the compiled backend is cached: ``$NPU_SHADOW_CACHE_DIR`` (default ``~/.cache/npu-shadow``),
+    then one folder per torch version, Python ABI and source hash."""
+    root = os.environ.get("NPU_SHADOW_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "npu-shadow"
+    )
+    digest = hashlib.sha256(_source()).hexdigest()[:16]
+    abi = sysconfig.get_config_var("SOABI") or f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(root) / "emulated_npu" / f"torch-{torch.__version__}-{abi}-{digest}"
+
+
+def _refuse_foreign_backend(devices: int) -> None:
+    if "torch_npu" in sys.modules:
+        raise EmulatorUnavailable(
+            "torch_npu is imported: this process has the real npu backend; the emulated npu is for hosts without one"
+        )
+    name = torch._C._get_privateuse1_backend_name()
+    if name != "privateuseone":
+        raise EmulatorUnavailable(
+            f"another PrivateUse1 backend is registered in this process ({name!r}); the emulated npu needs it free"
+        )
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None:
+        raise EmulatorUnavailable(f"this process already has an accelerator ({accelerator.type}): no need to emulate one")
+    if not 1 <= devices <= 16:
+        raise ValueError(f"devices must be an integer from 1 to 16, got {devices!r}")
+
+
+def _check_toolchain() -> None:
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None and shutil.which("g++") is None:
+        raise EmulatorUnavailable(
+            f"no C++ compiler found ({compiler!r} or 'g++'): install one to build the emulated npu, "
+            "e.g. 'apt-get install build-essential' on Debian or Ubuntu"
+        )
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        raise EmulatorUnavailable("ninja is not installed: 'pip install ninja' (needed to build the emulated npu)")
+
+
+def _load() -> Any:
+    from torch.utils import cpp_extension
+
+    build = build_directory()
+    build.mkdir(parents=True, exist_ok=True)  # cpp_extension.load needs it to exist
+    source = build / "emulated_npu.cpp"
+    if not source.exists() or source.read_bytes() != _source():
+        source.write_bytes(_source())
+    try:
+        return cpp_extension.load(
+            EXTENSION_NAME,
+            [str(source)],
+            build_directory=str(build),
+            extra_cflags=["-O2"],
+            verbose=False,
+        )
+    except Exception as exc:
+        raise EmulatorUnavailable(f"building the emulated npu in {build} failed: {exc}") from exc
+
+
+def install(devices: int = 2, seed: int = 67280421310721) -> int:
+    """Give this process ``devices`` emulated npu devices; returns the count. Idempotent.
+
+    Raises :class:`EmulatorUnavailable` when torch_npu is imported, another PrivateUse1 backend or an
+    accelerator is present, or no C++ toolchain can build the backend; ``ValueError`` for a bad count
+    or a second install asking for another count.
+    """
+    global _devices
+    if isinstance(devices, bool) or not isinstance(devices, int):
+        raise ValueError(f"devices must be an integer from 1 to 16, got {devices!r}")
+    with _lock:
+        if _devices:
+            if devices != _devices:
+                raise ValueError(f"the emulated npu is installed with {_devices} devices; cannot change to {devices}")
+            return _devices
+        _refuse_foreign_backend(devices)
+        _check_toolchain()
+        backend = _load()
+        backend.install(devices, seed)
+        torch.utils.rename_privateuse1_backend("npu")
+        device._bind(backend)
+        torch._register_device_module("npu", device)
+        torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
+        collectives.provide_missing()
+        _devices = devices
+        return devices

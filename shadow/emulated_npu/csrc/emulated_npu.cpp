@@ -1,0 +1,473 @@
+// An emulated "npu": a PrivateUse1 backend whose device memory is host memory.
+//
+// Enough of an accelerator for torch's own device-generic code (torch.accelerator, DataParallel,
+// parallel_apply, replicate/scatter/gather, autocast) to run unchanged on a machine without one:
+// N devices with a thread-local current device and current stream, an allocator, per-device random
+// generators, a handful of native kernels, and torch's CPU kernels (through the boxed CPU fallback)
+// for everything else. Streams and events are synchronous: work is done when the call returns.
+#include <torch/extension.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/CPUFallback.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_local_scalar_dense_native.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/alloc_cpu.h>
+
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+constexpr auto kNpu = c10::DeviceType::PrivateUse1;
+constexpr int kMaxDevices = 16;
+
+std::atomic<c10::DeviceIndex> g_device_count{0};
+thread_local c10::DeviceIndex t_current_device = 0;
+thread_local std::array<c10::StreamId, kMaxDevices> t_current_stream{};  // 0: the default stream
+std::atomic<c10::StreamId> g_next_stream_id{1};
+std::vector<at::Generator> g_generators;  // one per device, created by install()
+
+void check_index(c10::DeviceIndex index) {
+  TORCH_CHECK(
+      index >= 0 && index < g_device_count.load(),
+      "emulated npu: invalid device index ", static_cast<int>(index), " (",
+      static_cast<int>(g_device_count.load()), " devices)");
+}
+
+c10::DeviceIndex index_or_current(std::optional<c10::Device> device) {
+  if (device.has_value() && device->has_index()) {
+    return device->index();
+  }
+  return t_current_device;
+}
+
+// ---------------------------------------------------------------------------------- memory
+
+struct HostAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    const c10::DeviceIndex device = t_current_device;
+    void* data = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
+    if (data != nullptr) {
+      std::lock_guard<std::mutex> lock(mutex());
+      owners()[data] = device;
+    }
+    return {data, data, &release, c10::Device(kNpu, device)};
+  }
+
+  static void release(void* data) {
+    if (data == nullptr) {
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex());
+      owners().erase(data);
+    }
+    c10::free_cpu(data);
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  static c10::DeviceIndex owner_of(void* data) {
+    std::lock_guard<std::mutex> lock(mutex());
+    auto found = owners().find(data);
+    return found == owners().end() ? t_current_device : found->second;
+  }
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::unordered_map<void*, c10::DeviceIndex>& owners() {
+    static std::unordered_map<void*, c10::DeviceIndex> map;
+    return map;
+  }
+};
+
+HostAllocator g_allocator;
+REGISTER_ALLOCATOR(kNpu, &g_allocator);
+
+// A CPU tensor over the same host memory as an npu tensor (no copy, no ownership: use it at once).
+at::Tensor host_alias(const at::Tensor& tensor) {
+  if (tensor.device().type() != kNpu) {
+    return tensor;
+  }
+  const auto& storage = tensor.storage();
+  c10::Storage host_storage(
+      c10::Storage::use_byte_size_t(), storage.nbytes(),
+      c10::DataPtr(const_cast<void*>(storage.data()), c10::Device(c10::kCPU)), nullptr, false);
+  return at::empty({0}, tensor.options().device(c10::kCPU))
+      .set_(host_storage, tensor.storage_offset(), tensor.sizes(), tensor.strides());
+}
+
+// ---------------------------------------------------------------------------------- device guard
+
+struct NpuGuardImpl final : c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return kNpu; }
+
+  c10::Device exchangeDevice(c10::Device device) const override {
+    const auto previous = getDevice();
+    setDevice(device);
+    return previous;
+  }
+  c10::Device getDevice() const override { return {kNpu, t_current_device}; }
+  void setDevice(c10::Device device) const override {
+    check_index(device.index());
+    t_current_device = device.index();
+  }
+  void uncheckedSetDevice(c10::Device device) const noexcept override { t_current_device = device.index(); }
+
+  c10::Stream getStream(c10::Device device) const override {
+    return c10::Stream(c10::Stream::UNSAFE, device, t_current_stream.at(device.index()));
+  }
+  c10::Stream getDefaultStream(c10::Device device) const override {
+    return c10::Stream(c10::Stream::UNSAFE, device, 0);
+  }
+  c10::Stream getNewStream(c10::Device device, int /*priority*/) const override {
+    return c10::Stream(c10::Stream::UNSAFE, device, g_next_stream_id.fetch_add(1));
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device device, bool /*isHighPriority*/) const override {
+    return getNewStream(device, 0);
+  }
+  c10::Stream exchangeStream(c10::Stream stream) const override {
+    const auto previous = getStream(stream.device());
+    t_current_stream.at(stream.device_index()) = stream.id();
+    return previous;
+  }
+  c10::DeviceIndex deviceCount() const noexcept override { return g_device_count.load(); }
+
+  // Work is synchronous: events are always complete, waiting is a no-op.
+  void record(void** /*event*/, const c10::Stream& /*stream*/, const c10::DeviceIndex /*device*/,
+              const c10::EventFlag /*flag*/) const override {}
+  void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
+  bool queryEvent(void* /*event*/) const override { return true; }
+  bool queryStream(const c10::Stream& /*stream*/) const override { return true; }
+  void synchronizeStream(const c10::Stream& /*stream*/) const override {}
+  void synchronizeEvent(void* /*event*/) const override {}
+  void synchronizeDevice(const c10::DeviceIndex /*device*/) const override {}
+  void recordDataPtrOnStream(const c10::DataPtr& /*data_ptr*/, const c10::Stream& /*stream*/) const override {}
+  double elapsedTime(void* /*start*/, void* /*end*/, const c10::DeviceIndex /*device*/) const override {
+    return 0.0;
+  }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, NpuGuardImpl);
+
+// ---------------------------------------------------------------------------------- hooks
+
+struct NpuHooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return g_device_count.load() > 0; }
+  bool hasPrimaryContext(c10::DeviceIndex /*device*/) const override { return true; }
+  c10::DeviceIndex deviceCount() const override { return g_device_count.load(); }
+  void setCurrentDevice(c10::DeviceIndex device) const override {
+    check_index(device);
+    t_current_device = device;
+  }
+  c10::DeviceIndex getCurrentDevice() const override { return t_current_device; }
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex device) const override {
+    const auto previous = t_current_device;
+    setCurrentDevice(device);
+    return previous;
+  }
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex device) const override { return exchangeDevice(device); }
+
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex device) const override {
+    const auto index = device < 0 ? t_current_device : device;
+    check_index(index);
+    return g_generators.at(index);
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex /*device*/) const override {
+    return at::detail::createCPUGenerator();
+  }
+  c10::Device getDeviceFromPtr(void* data) const override { return {kNpu, HostAllocator::owner_of(data)}; }
+  bool isPinnedPtr(const void* /*data*/) const override { return false; }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) const override {
+    auto* impl = storage.unsafeGetStorageImpl();
+    c10::DeviceGuard guard(storage.device());
+    auto data = g_allocator.allocate(nbytes);
+    const auto kept = std::min(nbytes, impl->nbytes());
+    if (kept > 0) {
+      std::memcpy(data.get(), impl->data(), kept);
+    }
+    impl->set_data_ptr_noswap(std::move(data));
+    impl->set_nbytes(nbytes);
+  }
+};
+
+NpuHooks g_hooks;
+
+// ---------------------------------------------------------------------------------- kernels
+
+constexpr c10::DispatchKeySet kNpuKeys(c10::DispatchKey::PrivateUse1);
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<at::ScalarType> dtype,
+                               std::optional<at::Layout> /*layout*/, std::optional<at::Device> device,
+                               std::optional<bool> /*pin_memory*/, std::optional<at::MemoryFormat> memory_format) {
+  c10::DeviceGuard guard(c10::Device(kNpu, index_or_current(device)));
+  return at::detail::empty_generic(size, &g_allocator, kNpuKeys, c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<at::ScalarType> dtype,
+                         std::optional<at::Layout> /*layout*/, std::optional<at::Device> device,
+                         std::optional<bool> /*pin_memory*/) {
+  c10::DeviceGuard guard(c10::Device(kNpu, index_or_current(device)));
+  return at::detail::empty_strided_generic(size, stride, &g_allocator, kNpuKeys, c10::dtype_or_default(dtype));
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_blocking*/) {
+  host_alias(dst).copy_(host_alias(self));
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  dst.resize_(self.sizes());
+  return copy_from(self, dst, false);
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
+                          std::optional<at::MemoryFormat> memory_format) {
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(size);
+  const auto nbytes = at::detail::computeStorageNbytesContiguous(size, self.dtype().itemsize(), self.storage_offset());
+  if (nbytes > self.storage().nbytes()) {
+    at::native::resize_bytes_nocuda(self.storage(), static_cast<int64_t>(nbytes));
+  }
+  if (memory_format.has_value() && *memory_format != at::MemoryFormat::Preserve) {
+    impl->empty_tensor_restride(*memory_format);
+  }
+  return self;
+}
+
+at::Scalar local_scalar_dense(const at::Tensor& self) { return at::_local_scalar_dense(host_alias(self)); }
+
+at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t offset, c10::IntArrayRef size,
+                        c10::IntArrayRef stride) {
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(source));
+  impl->set_storage_offset(offset);
+  if (stride.empty()) {
+    impl->set_sizes_contiguous(size);
+  } else {
+    impl->set_sizes_and_strides(size, stride);
+  }
+  return self;
+}
+
+at::Tensor& set_storage_whole(at::Tensor& self, c10::Storage source) {
+  const int64_t numel = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
+  return set_storage(self, std::move(source), 0, {numel}, {});
+}
+
+at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) {
+  return set_storage(self, source.storage(), source.storage_offset(), source.sizes(), source.strides());
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::DeviceGuard guard(self.device());
+  c10::Storage empty(c10::Storage::use_byte_size_t(), 0, g_allocator.allocate(0), &g_allocator, true);
+  return set_storage(self, std::move(empty), 0, {0}, {});
+}
+
+void record_stream(at::Tensor& /*self*/, c10::Stream /*stream*/) {}
+
+void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) { at::native::cpu_fallback(op, stack); }
+
+// Random ops draw from the generator of their tensor's own device, as on a real accelerator: the
+// CPU kernel runs with that device's generator passed explicitly where the call passed none.
+void random_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const auto first = stack->size() - arguments.size();
+  c10::DeviceIndex device = -1;
+  for (size_t i = 0; i < arguments.size() && device < 0; ++i) {
+    const auto& value = (*stack)[first + i];
+    if (value.isTensor() && value.toTensor().defined() && value.toTensor().device().type() == kNpu) {
+      device = value.toTensor().device().index();
+    }
+  }
+  if (device >= 0) {
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      auto& value = (*stack)[first + i];
+      if (value.isNone() && arguments[i].type()->kind() == c10::TypeKind::OptionalType &&
+          arguments[i].type()->castRaw<c10::OptionalType>()->getElementType()->kind() ==
+              c10::TypeKind::GeneratorType) {
+        value = c10::IValue(g_generators.at(device));
+      }
+    }
+  }
+  at::native::cpu_fallback(op, stack);
+}
+
+// torch's CPU native_dropout, written over npu tensors so that its bernoulli_ draws from the device.
+std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
+  if (input.numel() == 0) {
+    return {input, at::empty_like(input)};
+  }
+  if (train.has_value() && !*train) {
+    return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
+  }
+  const double keep = 1. - p;
+  const double scale = keep == 0 ? 0. : 1. / keep;
+  auto mask = at::empty_like(input, at::MemoryFormat::Contiguous);
+  mask.bernoulli_(keep);
+  auto output = input.mul(mask).mul_(scale);
+  return {output, mask};
+}
+
+std::unique_ptr<torch::Library> g_random_library;
+
+// Every aten op with a CPU kernel and a `Generator?` argument gets random_fallback on npu.
+void register_random_kernels() {
+  g_random_library = std::make_unique<torch::Library>(
+      torch::Library::IMPL, "aten", std::make_optional(c10::DispatchKey::PrivateUse1), __FILE__, __LINE__);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) {
+      continue;
+    }
+    auto handle = dispatcher.findOp(name);
+    if (!handle.has_value() || !handle->hasSchema() || handle->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+        !handle->hasKernelForDispatchKey(c10::DispatchKey::CPU)) {
+      continue;
+    }
+    bool has_generator = false;
+    for (const auto& argument : handle->schema().arguments()) {
+      const auto& type = argument.type();
+      has_generator |= type->kind() == c10::TypeKind::OptionalType &&
+                       type->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::GeneratorType;
+    }
+    if (has_generator) {
+      const auto op_name = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
+      g_random_library->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunction<&random_fallback>());
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------- Python API
+
+void install(int64_t devices, uint64_t seed) {
+  TORCH_CHECK(devices >= 1 && devices <= kMaxDevices, "emulated npu: devices must be 1..", kMaxDevices);
+  static std::once_flag once;
+  const auto existing = g_device_count.load();
+  TORCH_CHECK(existing == 0 || existing == devices, "emulated npu: already installed with ", static_cast<int>(existing),
+              " devices, asked for ", devices, " (one count per process)");
+  std::call_once(once, [&] {
+    for (int64_t i = 0; i < devices; ++i) {
+      g_generators.push_back(at::detail::createCPUGenerator(seed));
+    }
+    g_device_count.store(static_cast<c10::DeviceIndex>(devices));
+    at::RegisterPrivateUse1HooksInterface(&g_hooks);
+    register_random_kernels();
+  });
+}
+
+at::Generator& generator(int64_t device) {
+  check_index(static_cast<c10::DeviceIndex>(device));
+  return g_generators.at(device);
+}
+
+at::Tensor get_rng_state(int64_t device) {
+  auto& gen = generator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_rng_state(const at::Tensor& state, int64_t device) {
+  auto& gen = generator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+void manual_seed(uint64_t seed, int64_t device) {
+  auto& gen = generator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_current_seed(seed);
+}
+
+uint64_t initial_seed(int64_t device) { return generator(device).current_seed(); }
+
+// A class named like torch_npu's tensor types ('torch.npu.FloatTensor'): module 'torch.npu', name
+// 'FloatTensor', and the full dotted name where torch's C code reads a type's name (tp_name).
+py::object tensor_type_class(const std::string& full_name) {
+  static std::mutex mutex;
+  static std::vector<std::unique_ptr<std::string>> names;  // a heap type keeps pointing at its spec's name
+  std::lock_guard<std::mutex> lock(mutex);
+  names.push_back(std::make_unique<std::string>(full_name));
+  static PyType_Slot slots[] = {{0, nullptr}};
+  PyType_Spec spec = {names.back()->c_str(), static_cast<int>(sizeof(PyObject)), 0, Py_TPFLAGS_DEFAULT, slots};
+  PyObject* type = PyType_FromSpec(&spec);
+  if (type == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(type);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", empty_memory_format);
+  m.impl("empty_strided", empty_strided);
+  m.impl("as_strided", at::native::as_strided_tensorimpl);
+  m.impl("view", at::native::view);
+  m.impl("_reshape_alias", at::native::_reshape_alias);
+  m.impl("resize_", resize_);
+  m.impl("_local_scalar_dense", local_scalar_dense);
+  m.impl("_copy_from", copy_from);
+  m.impl("_copy_from_and_resize", copy_from_and_resize);
+  m.impl("set_.source_Storage_storage_offset", set_storage);
+  m.impl("set_.source_Storage", set_storage_whole);
+  m.impl("set_.source_Tensor", set_tensor);
+  m.impl("set_", set_empty);
+  m.impl("record_stream", record_stream);
+  m.impl("native_dropout", native_dropout);
+  // Composite on other backends, they end in convolution_overrideable here: run the CPU kernels instead.
+  m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>());
+  m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>());
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>()); }
+
+// Autocast on npu casts the ops that core casts on CUDA, with the same policies.
+#define NPU_LOWER_PRECISION_FP(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+#define NPU_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+#define NPU_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+#define NPU_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
+
+namespace at::autocast {  // the op lists name their types unqualified, as core's registration does
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+  AT_FORALL_LOWER_PRECISION_FP(NPU_LOWER_PRECISION_FP)
+  AT_FORALL_FP32(NPU_FP32)
+  AT_FORALL_FP32_SET_OPT_DTYPE(NPU_FP32_SET_OPT_DTYPE)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
+  AT_FORALL_PROMOTE(NPU_PROMOTE)
+}
+}  // namespace at::autocast
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("install", &install, "Register the emulated devices (once per process).");
+  m.def("device_count", [] { return static_cast<int64_t>(g_device_count.load()); });
+  m.def("get_rng_state", &get_rng_state);
+  m.def("tensor_type_class", &tensor_type_class);
+  m.def("set_rng_state", &set_rng_state);
+  m.def("manual_seed", &manual_seed);
+  m.def("initial_seed", &initial_seed);
+}

@@ -1,0 +1,145 @@
+"""``torch.npu`` for the emulated npu: the device-module API that torch and torch_npu-style code call.
+
+Registered as ``torch.npu`` by :func:`shadow.emulated_npu.install`. Device and stream state live in
+the C++ backend (thread-local current device and stream, as on a real accelerator); this module is the
+thin Python face over ``torch.accelerator`` and the backend's per-device generators.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_backend: Any = None  # the compiled extension, set by install()
+
+
+def _index(device: Any = None) -> int:
+    """A device index from None (current), an int, 'npu', 'npu:1' or a torch.device."""
+    if device is None:
+        return torch.accelerator.current_device_index()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "npu":
+        raise ValueError(f"expected an npu device, got {device}")
+    return device.index if device.index is not None else torch.accelerator.current_device_index()
+
+
+def is_available() -> bool:
+    return _backend is not None and _backend.device_count() > 0
+
+
+def is_initialized() -> bool:
+    return _backend is not None
+
+
+def device_count() -> int:
+    return _backend.device_count() if _backend is not None else 0
+
+
+def current_device() -> int:
+    return torch.accelerator.current_device_index()
+
+
+def set_device(device: Any) -> None:
+    torch.accelerator.set_device_index(_index(device))
+
+
+class device:
+    """Context manager that makes ``device`` current on this thread, then puts the previous one back."""
+
+    def __init__(self, device: Any) -> None:
+        self.index = _index(device)
+        self.previous = -1
+
+    def __enter__(self) -> None:
+        self.previous = torch.accelerator.current_device_index()
+        torch.accelerator.set_device_index(self.index)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.accelerator.set_device_index(self.previous)
+
+
+class Stream(torch.Stream):
+    """A stream of the emulated npu (work is synchronous: it never waits)."""
+
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
+        return super().__new__(cls, device=torch.device("npu", _index(device)), priority=priority, **kwargs)
+
+
+def current_stream(device: Any = None) -> torch.Stream:
+    return torch.accelerator.current_stream(_index(device))
+
+
+@contextlib.contextmanager
+def stream(stream: torch.Stream | None) -> Iterator[None]:
+    """Make ``stream`` current on its device for the block (None: no change)."""
+    if stream is None:
+        yield
+        return
+    with stream:
+        yield
+
+
+def synchronize(device: Any = None) -> None:
+    torch.accelerator.synchronize(_index(device))
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return [torch.float16, torch.bfloat16]
+
+
+def get_rng_state(device: Any = "npu") -> torch.Tensor:
+    return _backend.get_rng_state(_index(device))
+
+
+def set_rng_state(new_state: torch.Tensor, device: Any = "npu") -> None:
+    _backend.set_rng_state(new_state, _index(device))
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    for index, state in enumerate(new_states):
+        set_rng_state(state, index)
+
+
+def manual_seed(seed: int) -> None:
+    _backend.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF, current_device())
+
+
+def manual_seed_all(seed: int) -> None:
+    for index in range(device_count()):
+        _backend.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF, index)
+
+
+def initial_seed() -> int:
+    return _backend.initial_seed(current_device())
+
+
+#: The npu tensor type classes ('torch.npu.FloatTensor', ...), created by install() as torch_npu has them.
+TENSOR_TYPE_NAMES = (
+    "BoolTensor",
+    "ByteTensor",
+    "CharTensor",
+    "ShortTensor",
+    "IntTensor",
+    "LongTensor",
+    "HalfTensor",
+    "FloatTensor",
+    "DoubleTensor",
+    "BFloat16Tensor",
+)
+
+
+def _bind(backend: Any) -> None:
+    """Attach the compiled backend and create the tensor type classes on this module."""
+    global _backend
+    _backend = backend
+    for name in TENSOR_TYPE_NAMES:
+        globals()[name] = backend.tensor_type_class(f"torch.npu.{name}")
