@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 #: Exit codes: 0 ok, 1 a difference was found, 2 usage error.
@@ -106,9 +107,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    from shadow import config as cfg
     from shadow.doctor import diagnose
 
-    code, lines = diagnose(args.port, args.addr)
+    if not 0 <= args.port <= 65535:
+        print(f"npu-shadow doctor: --port={args.port} is not valid; expected a port number in 0..65535", file=sys.stderr)
+        return 2
+    try:
+        config = cfg.from_sources(os.environ, {"emulate_npu": args.emulate_npu})
+    except cfg.ConfigError as exc:
+        print(f"npu-shadow doctor: {exc}", file=sys.stderr)
+        return 2
+    code, lines = diagnose(args.port, args.addr, emulate_npu=config.emulate_npu)
     for line in lines:
         print(line)
     print("ok: this host can shadow" if code == 0 else "not ok: see above")
@@ -133,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name, setting in SETTINGS.items():
         if name == "otel":
             run.add_argument("--otel", action="store_true", help=f"export through OpenTelemetry ({setting.variable})")
+        elif name == "emulate_npu":
+            run.add_argument(
+                "--emulate-npu",
+                dest=name,
+                nargs="?",
+                const="2",
+                metavar="N",
+                help=f"give every process of the job N emulated npu devices (default 2; {setting.variable})",
+            )
         else:
             run.add_argument(setting.option, dest=name, metavar="VALUE", help=f"{setting.accepts} ({setting.variable})")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
@@ -141,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="check that this host can shadow (exit 0) or say why not (1)")
     doctor.add_argument("--port", type=int, default=9464, help="the Prometheus port to try (default 9464)")
     doctor.add_argument("--addr", default="127.0.0.1")
+    doctor.add_argument(
+        "--emulate-npu",
+        nargs="?",
+        const="2",
+        metavar="N",
+        help="check with N emulated npu devices installed (default 2; NPU_SHADOW_EMULATE_NPU)",
+    )
     doctor.set_defaults(handler=_doctor)
 
     from shadow.verdict import DEFAULT_MAX_RATE

@@ -49,6 +49,9 @@ SETTINGS = {
     ),
     "pushgateway": Setting("NPU_SHADOW_PUSHGATEWAY", "--pushgateway", "a Pushgateway address, e.g. 127.0.0.1:9091"),
     "textfile": Setting("NPU_SHADOW_TEXTFILE", "--textfile", "a file path for the exposition written at exit"),
+    "emulate_npu": Setting(
+        "NPU_SHADOW_EMULATE_NPU", "--emulate-npu", "a number of emulated npu devices, 1..16 (0 or empty: none)"
+    ),
 }
 
 
@@ -70,6 +73,7 @@ class Config:
     drill: tuple[str, float] | None = None
     pushgateway: str | None = None
     textfile: str | None = None
+    emulate_npu: int = 0
 
 
 def _fail(name: str, value: str, by_option: bool, why: str = "") -> ConfigError:
@@ -123,6 +127,12 @@ def _parse(name: str, text: str, by_option: bool) -> object:
         return value
     if name == "port":
         if not text.isdigit() or int(text) > 65535:
+            raise _fail(name, text, by_option)
+        return int(text)
+    if name == "emulate_npu":
+        if text in ("", "0"):
+            return 0
+        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 16:
             raise _fail(name, text, by_option)
         return int(text)
     if name == "otel":

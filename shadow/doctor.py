@@ -71,11 +71,32 @@ def self_test() -> tuple[bool, str]:
     return ok, f"{stats.match}/{stats.sampled} casts matched on {device}"
 
 
-def diagnose(port: int, addr: str = "127.0.0.1") -> tuple[int, list[str]]:
-    """(exit code, report lines)."""
+def _device_line() -> str:
+    from shadow import emulated_npu
+
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        return "device: cpu only (no accelerator)"
+    count = torch.accelerator.device_count()
+    if emulated_npu.installed_devices():
+        return f"device: emulated npu ({count} devices, host memory: a rehearsal of the real upstream code)"
+    return f"device: {accelerator.type} ({count} devices)"
+
+
+def diagnose(port: int, addr: str = "127.0.0.1", emulate_npu: int = 0) -> tuple[int, list[str]]:
+    """(exit code, report lines). ``emulate_npu``: install that many emulated npu devices first."""
     lines = [
         f"python {platform.python_version()}, torch {torch.__version__}",
     ]
+    if emulate_npu:
+        from shadow import emulated_npu
+
+        try:
+            emulated_npu.install(emulate_npu)
+        except emulated_npu.EmulatorUnavailable as exc:
+            lines.append(f"emulated npu: cannot install: {exc}")
+            return 1, lines
+    lines.append(_device_line())
     npu_version = _version("torch_npu")
     imported_npu = False
     if npu_version is None:

@@ -73,6 +73,10 @@ def install_from_env(environ: dict[str, str] | None = None) -> Any:
     with _lock:
         config = _state["config"] or config_module.from_sources(os.environ if environ is None else environ)
         _state["config"] = config
+        if config.emulate_npu:
+            from shadow import emulated_npu
+
+            emulated_npu.install(config.emulate_npu)
         if not _state["exporters"]:
             _state["exporters"] = _exporters(config)
         previous = _state["monitor"]

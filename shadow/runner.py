@@ -51,6 +51,14 @@ def run(command: Sequence[str], options: Mapping[str, str | None], environ: Mapp
     if not command:
         print("npu-shadow run: no command given (npu-shadow run [options] -- COMMAND ...)", file=sys.stderr)
         return 2
+    if config.emulate_npu:
+        from shadow import emulated_npu
+
+        try:
+            emulated_npu.build()  # once here, so the job's processes only load it
+        except emulated_npu.EmulatorUnavailable as exc:
+            print(f"npu-shadow run: --emulate-npu: {exc}", file=sys.stderr)
+            return 2
     env = dict(environ)
     env.update(cfg.to_environ(options))
     env[boot.ENABLED] = "1"

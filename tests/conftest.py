@@ -5,9 +5,18 @@ import sys
 import pytest
 import torch
 
+from shadow import emulated_npu
+
 HERE = os.path.dirname(__file__)
+
 FAKE_TORCH_NPU = os.path.join(HERE, "fake_torch_npu")
-sys.path.insert(0, HERE)  # for `import standins`
+sys.path.insert(0, HERE)  # for the helper modules beside the tests
+
+
+def pytest_configure(config):
+    """Every test process has a 2-device emulated npu, installed before any test module is imported (torch
+    fixes its tensor type names at the first Tensor.type(str) call). The first run builds it (~45 s)."""
+    emulated_npu.install(devices=2)
 
 
 def _patched_objects():

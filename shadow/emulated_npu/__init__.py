@@ -27,7 +27,7 @@ import torch
 
 from shadow.emulated_npu import collectives, device
 
-__all__ = ["EmulatorUnavailable", "build_directory", "install", "installed_devices"]
+__all__ = ["EmulatorUnavailable", "build", "build_directory", "install", "installed_devices"]
 
 EXTENSION_NAME = "npu_shadow_emulated_npu"
 SOURCE = "csrc/emulated_npu.cpp"
@@ -77,17 +77,26 @@ def _refuse_foreign_backend(devices: int) -> None:
         raise ValueError(f"devices must be an integer from 1 to 16, got {devices!r}")
 
 
-def _check_toolchain() -> None:
+def _ninja_directory() -> str | None:
+    """Where a ninja executable is: PATH, else the ninja wheel's (a venv that is not activated)."""
+    if shutil.which("ninja"):
+        return None
+    try:
+        import ninja
+    except ImportError:
+        raise EmulatorUnavailable(
+            "ninja is not installed: 'pip install ninja' (needed to build the emulated npu)"
+        ) from None
+    return ninja.BIN_DIR
+
+
+def _check_compiler() -> None:
     compiler = os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None and shutil.which("g++") is None:
         raise EmulatorUnavailable(
             f"no C++ compiler found ({compiler!r} or 'g++'): install one to build the emulated npu, "
             "e.g. 'apt-get install build-essential' on Debian or Ubuntu"
         )
-    from torch.utils.cpp_extension import is_ninja_available
-
-    if not is_ninja_available():
-        raise EmulatorUnavailable("ninja is not installed: 'pip install ninja' (needed to build the emulated npu)")
 
 
 def _load() -> Any:
@@ -98,6 +107,10 @@ def _load() -> Any:
     source = build / "emulated_npu.cpp"
     if not source.exists() or source.read_bytes() != _source():
         source.write_bytes(_source())
+    ninja_directory = _ninja_directory()
+    path = os.environ.get("PATH", "")
+    if ninja_directory:
+        os.environ["PATH"] = ninja_directory + os.pathsep + path
     try:
         return cpp_extension.load(
             EXTENSION_NAME,
@@ -108,6 +121,16 @@ def _load() -> Any:
         )
     except Exception as exc:
         raise EmulatorUnavailable(f"building the emulated npu in {build} failed: {exc}") from exc
+    finally:
+        os.environ["PATH"] = path
+
+
+def build() -> Path:
+    """Compile the backend into its cache now (a launcher does this once, before the job's processes
+    start, so they only load it). Returns the build directory; raises :class:`EmulatorUnavailable`."""
+    _check_compiler()
+    _load()
+    return build_directory()
 
 
 def install(devices: int = 2, seed: int = 67280421310721) -> int:
@@ -126,7 +149,7 @@ def install(devices: int = 2, seed: int = 67280421310721) -> int:
                 raise ValueError(f"the emulated npu is installed with {_devices} devices; cannot change to {devices}")
             return _devices
         _refuse_foreign_backend(devices)
-        _check_toolchain()
+        _check_compiler()
         backend = _load()
         backend.install(devices, seed)
         torch.utils.rename_privateuse1_backend("npu")

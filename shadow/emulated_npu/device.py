@@ -143,3 +143,8 @@ def _bind(backend: Any) -> None:
     _backend = backend
     for name in TENSOR_TYPE_NAMES:
         globals()[name] = backend.tensor_type_class(f"torch.npu.{name}")
+
+
+def _is_in_bad_fork() -> bool:
+    """torch.manual_seed asks before seeding a device module's generators; host memory survives fork."""
+    return False
