@@ -111,7 +111,9 @@ def _doctor(args: argparse.Namespace) -> int:
     from shadow.doctor import diagnose
 
     if not 0 <= args.port <= 65535:
-        print(f"npu-shadow doctor: --port={args.port} is not valid; expected a port number in 0..65535", file=sys.stderr)
+        print(
+            f"npu-shadow doctor: --port={args.port} is not valid; expected a port number in 0..65535", file=sys.stderr
+        )
         return 2
     try:
         config = cfg.from_sources(os.environ, {"emulate_npu": args.emulate_npu})

@@ -73,10 +73,8 @@ def train(shadowed: bool):
             x = torch.randn(8, 3, 8, 8).type("torch.npu.FloatTensor")  # legacy: onto the current npu
             x = x.type(torch.npu.HalfTensor).type(torch.float32)  # an npu class, and a dtype
             y = torch.randint(0, 4, (8,)).type(torch.npu.LongTensor)
-            if step % 3 == 0:
-                out = torch.nn.parallel.data_parallel(model, x, device_ids=DEVICES)
-            else:
-                out = dp(x)  # DataParallel.forward -> replicate, scatter, the wrapped parallel_apply, gather
+            # dp(x): DataParallel.forward -> replicate, scatter, the wrapped parallel_apply, gather
+            out = torch.nn.parallel.data_parallel(model, x, device_ids=DEVICES) if step % 3 == 0 else dp(x)
             loss = nn.functional.cross_entropy(out, y).type(torch.float64)
             optimizer.zero_grad()
             loss.backward()
@@ -167,9 +165,11 @@ def test_upstream_runs_replicas_without_autocast_on_npu_and_training_is_unchange
         direct = model(x)
     recorder = []
     exporter = type("Rec", (), {"export": lambda self, o: recorder.append(o)})()
-    with shadow.install(["parallel_apply"], sample_rate=1.0, exporters=[exporter]):
-        with torch.autocast("npu", dtype=torch.float16):
-            got = dp(x)
+    with (
+        shadow.install(["parallel_apply"], sample_rate=1.0, exporters=[exporter]),
+        torch.autocast("npu", dtype=torch.float16),
+    ):
+        got = dp(x)
     assert direct.dtype == expected.dtype == got.dtype == torch.float16
     assert torch.equal(got, expected)
     (observation,) = recorder

@@ -72,7 +72,9 @@ def _refuse_foreign_backend(devices: int) -> None:
         )
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is not None:
-        raise EmulatorUnavailable(f"this process already has an accelerator ({accelerator.type}): no need to emulate one")
+        raise EmulatorUnavailable(
+            f"this process already has an accelerator ({accelerator.type}): no need to emulate one"
+        )
     if not 1 <= devices <= 16:
         raise ValueError(f"devices must be an integer from 1 to 16, got {devices!r}")
 
