@@ -1,21 +1,27 @@
 """A small real training job: a CNN with BatchNorm and Dropout on images it generates itself.
 
-It uses DataParallel when more than one accelerator is present, DistributedDataParallel (gloo on CPU)
-when started by torchrun, and `.type()` casts where legacy code typically has them (in the dataset,
-on the batch, on the loss). On a host without torch_npu it installs shadow.reference's legacy patches,
-so that a shadowed run has something to compare, and says so. It knows nothing of npu-shadow's monitor:
-run it under `npu-shadow run` to shadow it.
+It uses DataParallel when more than one accelerator device is present (and, every fourth step, the
+functional `torch.nn.parallel.data_parallel`), DistributedDataParallel (gloo on CPU) when started by
+torchrun, and `.type()` casts where legacy code typically has them (in the dataset, on the batch with
+npu type names and classes when an npu is present, on the loss). `--autocast` runs every other step's
+forward under the accelerator's float16 autocast. On a host without torch_npu it installs
+shadow.reference's legacy patches, so that a shadowed run has something to compare, and says so. It
+knows nothing of npu-shadow's monitor: run it under `npu-shadow run` to shadow it.
 
     npu-shadow run --sample-rate 0.1 --port 9464 -- python examples/train_dataparallel.py
+    npu-shadow run --emulate-npu 2 -- python examples/train_dataparallel.py --autocast  # 2 emulated npus
+    python examples/train_dataparallel.py --emulate-npu 2                              # unshadowed
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -84,8 +90,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="save the trained weights here")
     parser.add_argument("--linger", type=float, default=0.0, help="seconds to wait before exiting (for scrapes)")
+    parser.add_argument("--emulate-npu", type=int, default=0, metavar="N", help="train on N emulated npu devices")
+    parser.add_argument("--autocast", action="store_true", help="float16 autocast on every other step")
     args = parser.parse_args()
+    # DataParallel's gradient reduction asks for NCCL on any accelerator; builds without it say so each step
+    warnings.filterwarnings("ignore", "PyTorch is not compiled with NCCL support")
 
+    if args.emulate_npu:  # before any Tensor.type(str) call (under `npu-shadow run --emulate-npu`, already done)
+        from shadow import emulated_npu
+
+        emulated_npu.install(args.emulate_npu)
     use_legacy_patches()
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     rank = 0
@@ -95,11 +109,15 @@ def main() -> None:
     torch.manual_seed(args.seed)
     accelerator = torch.accelerator.current_accelerator()
     device = torch.device(accelerator.type if accelerator is not None else "cpu")
-    model: nn.Module = Net().to(device)
+    net = Net().to(device)
+    model: nn.Module = net
+    device_ids = None
     if distributed:
-        model = nn.parallel.DistributedDataParallel(model)
+        model = nn.parallel.DistributedDataParallel(net)
     elif accelerator is not None and torch.accelerator.device_count() > 1:
-        model = nn.DataParallel(model)
+        device_ids = list(range(torch.accelerator.device_count()))
+        model = nn.DataParallel(net, device_ids=device_ids)
+    npu = getattr(torch, "npu", None) if device.type == "npu" else None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     dataset = Shapes(args.samples, args.seed)
@@ -121,8 +139,17 @@ def main() -> None:
         model.train()
         epoch_loss = 0.0
         for images, labels in loader:
-            images = images.to(device).type(torch.float32)
-            loss = nn.functional.cross_entropy(model(images), labels.to(device))
+            if npu is not None:  # legacy-style casts onto the npu: a type name, and a tensor type class
+                images, labels = images.type("torch.npu.FloatTensor"), labels.type(npu.LongTensor)
+            else:
+                images, labels = images.to(device).type(torch.float32), labels.to(device)
+            autocast = torch.autocast(device.type, dtype=torch.float16) if args.autocast and step % 2 else None
+            with autocast or contextlib.nullcontext():
+                if device_ids and step % 4 == 3:
+                    logits = nn.parallel.data_parallel(net, images, device_ids=device_ids)
+                else:
+                    logits = model(images)
+            loss = nn.functional.cross_entropy(logits.float(), labels)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Set up (see setup.sh), then the demo of the main job: the example training job run under
-# `npu-shadow run`, serving its metrics on 127.0.0.1:9464 while it trains, then its summary and the
-# verdict. Extra arguments go to `npu-shadow run`, e.g. `bash scripts/demo.sh --drill value:1.0`.
+# `npu-shadow run` on 2 emulated npu devices (DataParallel, data_parallel and npu casts, float16
+# autocast on every other step), serving its metrics on 127.0.0.1:9464 while it trains, then its
+# summary and the verdict. The first run builds the emulated npu (about 45 s; cached afterwards).
+# Extra arguments go to `npu-shadow run`, e.g. `bash scripts/demo.sh --drill value:1.0`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-.venv/bin/npu-shadow doctor --port 9464 || true
+.venv/bin/npu-shadow doctor --emulate-npu 2 --port 9464 || true
 echo
 echo "== training, shadowed (metrics on http://127.0.0.1:9464/metrics while it runs)"
-.venv/bin/npu-shadow run --sample-rate 1 --port 9464 --textfile "$work/metrics.prom" \
-  --journal "$work/journal-{pid}.jsonl" "$@" -- .venv/bin/python examples/train_dataparallel.py
+.venv/bin/npu-shadow run --emulate-npu 2 --sample-rate 1 --port 9464 --textfile "$work/metrics.prom" \
+  --journal "$work/journal-{pid}.jsonl" "$@" -- .venv/bin/python examples/train_dataparallel.py --autocast
 echo
 echo "== verdict"
 set +e

@@ -65,6 +65,9 @@ def _verdict(args: argparse.Namespace) -> int:
         for d in decisions:
             bounds = f"[{d.lower:.3g}, {d.upper:.3g}]"
             print(f"{d.target:<16}{d.decision:<14}{d.compared:>10}{d.divergent:>11}  {bounds:<22} {d.why}")
+            if d.risky:
+                coverage = ", ".join(f"{pattern} {seen}" for pattern, seen in d.risky.items())
+                print(f"{'':<16}risky signatures compared: {coverage}")
         if not decisions:
             print("(no npu_shadow comparisons found)")
         print(

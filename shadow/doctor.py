@@ -136,9 +136,10 @@ def diagnose(port: int, addr: str = "127.0.0.1", emulate_npu: int = 0) -> tuple[
         lines.append(f"parallel_apply, data_parallel: upstream can run on {accelerator.type}")
     if KNOWN_DEFECT_VERSIONS[0] <= version and (accelerator is None or accelerator.type != "cuda"):
         lines.append(
-            "known upstream defect: parallel_apply reads torch.is_autocast_enabled() without a device type "
-            f"(CUDA's state); on {accelerator.type if accelerator else 'a non-CUDA accelerator'} replicas run "
-            "without autocast, so expect 'dtype' mismatches (float32 vs float16) under autocast"
+            "known shared defect: upstream parallel_apply and torch_npu's (up to 2.12) both read "
+            "torch.is_autocast_enabled() without a device type (CUDA's state); on "
+            f"{accelerator.type if accelerator else 'a non-CUDA accelerator'} both run the replicas without "
+            "autocast, so shadowing reports a match under autocast (a defect of both, not a divergence)"
         )
     busy = _port_free(addr, port)
     lines.append(f"prometheus port {addr}:{port}: " + ("free" if busy is None else f"cannot bind ({busy})"))

@@ -9,8 +9,10 @@ a fake ``torch_npu`` on them.
 - ``Tensor.type``: an NPU type name ('torch.npu.FloatTensor', 'torch_npu.npu.FloatTensor', ...) or
   NPU tensor class becomes ``self.to(dtype=..., device=<current accelerator device>, non_blocking=...)``;
   everything else, None included, goes to the original method (kept as ``Tensor.type_raw``).
-- ``parallel_apply``: upstream's algorithm, but each worker thread enters autocast with the main
-  thread's autocast state *for the replicas' device type* (enabled and dtype).
+- ``parallel_apply``: upstream's algorithm, but each worker thread sets its device (``set_device``, a
+  CANN-era workaround) and enters the device's autocast (float16) with ``torch.is_autocast_enabled()``
+  read WITHOUT a device type, as torch_npu 2.8 to 2.12 do (``torch_npu/utils/_module.py``). That flag is
+  CUDA's: on an NPU the replicas run without autocast, exactly as upstream's do (a defect both share).
 - ``data_parallel``: upstream's, calling this ``parallel_apply``.
 """
 
@@ -80,7 +82,8 @@ def parallel_apply(
     kwargs_tup: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[int | torch.device | None] | None = None,
 ) -> list[Any]:
-    """Legacy ``parallel_apply``: upstream's algorithm with the device's own autocast state in workers."""
+    """Legacy ``parallel_apply``: upstream's algorithm; workers set their device and enter the device's
+    float16 autocast enabled by CUDA's autocast flag (torch_npu's reading, not the device's own)."""
     if len(modules) != len(inputs):
         raise AssertionError(f"The number of modules {len(modules)} is not equal to the number of inputs {len(inputs)}")
     kwargs_tup = list(kwargs_tup) if kwargs_tup is not None else [{} for _ in modules]
@@ -94,8 +97,7 @@ def parallel_apply(
         first = get_a_var(list(inputs))
         device_type = first.device.type if first is not None else "cpu"
     grad_enabled = torch.is_grad_enabled()
-    autocast_enabled = torch.is_autocast_enabled(device_type)
-    autocast_dtype = torch.get_autocast_dtype(device_type)
+    autocast_enabled = torch.is_autocast_enabled()  # no device type: CUDA's flag, as torch_npu reads it
     lock = threading.Lock()
     results: dict[int, Any] = {}
 
@@ -104,7 +106,7 @@ def parallel_apply(
         try:
             with (
                 _device_context(accelerator, device, input),
-                torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled),
+                torch.autocast(device_type, dtype=torch.float16, enabled=autocast_enabled),
             ):
                 if not isinstance(input, (list, tuple)):
                     input = (input,)
@@ -145,6 +147,7 @@ class _device_context:
             tensor = get_a_var(input)
             device = tensor.get_device() if tensor is not None else accelerator.index
         index = device.index if isinstance(device, torch.device) else device
+        torch.accelerator.set_device_index(index)  # torch_npu's torch.npu.set_device in each worker
         self._contexts = [torch.accelerator.device_index(index), torch.accelerator.current_stream(index)]
 
     def __enter__(self) -> None:

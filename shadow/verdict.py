@@ -107,6 +107,7 @@ class Decision:
     upper: float
     hard: dict[str, int]
     why: str
+    risky: dict[str, int] = dataclasses.field(default_factory=dict)  # risky signature pattern -> compared
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -123,7 +124,16 @@ def decide(
     n, k = counts.compared, counts.divergent
     lower, upper = lower_bound(k, n), upper_bound(k, n)
     hard = {r: round(v) for r, v in counts.reasons.items() if r in HARD_REASONS and v > 0}
-    made = {"target": target, "compared": n, "divergent": k, "lower": lower, "upper": upper, "hard": hard}
+    coverage = {pattern: counts.compared_matching(pattern) for pattern in risky}
+    made = {
+        "target": target,
+        "compared": n,
+        "divergent": k,
+        "lower": lower,
+        "upper": upper,
+        "hard": hard,
+        "risky": coverage,
+    }
     if hard:
         kinds = ", ".join(f"{count} {reason}" for reason, count in sorted(hard.items()))
         return Decision(decision=ROLLBACK, why=f"hard mismatches: {kinds}", **made)
@@ -139,8 +149,7 @@ def decide(
         missing.append(
             f"upper bound {upper:.3g} >= max rate {max_rate:g}: about {more} more comparisons without divergence"
         )
-    for pattern in risky:
-        seen = counts.compared_matching(pattern)
+    for pattern, seen in coverage.items():
         if seen < min_per_signature:
             missing.append(f"risky signature {pattern} compared {seen} times, needs {min_per_signature}")
     if missing:

@@ -89,6 +89,7 @@ INVALID = {
     "drill": "fire:0.5",
     "pushgateway": "not a gateway",
     "textfile": "/etc/passwd/metrics.prom",
+    "emulate_npu": "17",
 }
 MORE_INVALID = [
     ("sample_rate", "tensor_type=x"),
@@ -96,6 +97,8 @@ MORE_INVALID = [
     ("drill", "nan:2"),
     ("targets", ","),
     ("journal", ""),
+    ("emulate_npu", "two"),
+    ("emulate_npu", "²"),
 ]
 
 
@@ -199,15 +202,74 @@ def test_fire_drill_gives_rollback_and_leaves_the_job_alone(plain_run, tmp_path)
     assert lines and all(line["drill"] for line in lines)
 
 
-def test_doctor_on_this_cpu_host():
-    code, lines = doctor.diagnose(free_port())
-    text = "\n".join(lines)
-    assert code == 0
-    assert "torch_npu not installed; reference legacy available" in text
-    assert "parallel_apply, data_parallel cannot run without an accelerator" in text
-    assert "self-test tensor_type: passed" in text
-    done = npu_shadow("doctor", "--port", str(free_port()))
+def test_doctor_on_this_cpu_host_and_with_the_emulated_npu():
+    done = npu_shadow("doctor", "--port", str(free_port()))  # a fresh process: no accelerator
     assert done.returncode == 0 and "ok: this host can shadow" in done.stdout
+    assert "device: cpu only" in done.stdout
+    assert "torch_npu not installed; reference legacy available" in done.stdout
+    assert "parallel_apply, data_parallel cannot run without an accelerator" in done.stdout
+    assert "self-test tensor_type: passed" in done.stdout
+
+    done = npu_shadow("doctor", "--emulate-npu", "2", "--port", str(free_port()))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "device: emulated npu (2 devices" in done.stdout
+    assert "self-test tensor_type: passed (3/3 casts matched on npu:0)" in done.stdout
+    assert "can shadow here: tensor_type, parallel_apply, data_parallel" in done.stdout
+    assert "shadowing reports a match under autocast" in done.stdout
+
+    code, lines = doctor.diagnose(free_port())  # this test process has the emulated npu (conftest)
+    assert code == 0 and "device: emulated npu (2 devices, host memory: a rehearsal of the real upstream code)" in lines
+    for bad in (["--emulate-npu", "17"], ["--port", "-1"], ["--port", "70000"]):
+        done = npu_shadow("doctor", *bad)
+        assert done.returncode == 2 and "is not valid" in done.stderr, (bad, done.stderr)
+
+
+EMULATED_JOB = ["--epochs", "1", "--samples", "256", "--batch-size", "32", "--workers", "0", "--autocast"]
+EMULATED_STEPS = 8
+
+
+def test_example_job_on_two_emulated_npus_shadows_all_three_targets_and_is_unchanged(tmp_path):
+    plain_out, out, textfile = tmp_path / "plain.pt", tmp_path / "weights.pt", tmp_path / "metrics.prom"
+    plain = subprocess.run(
+        [sys.executable, EXAMPLE, *EMULATED_JOB, "--emulate-npu", "2", "--out", str(plain_out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    done = npu_shadow(
+        "run", "--emulate-npu", "2", "--sample-rate", "1", "--textfile", str(textfile),
+        "--", sys.executable, EXAMPLE, *EMULATED_JOB, "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == plain.stdout
+    assert_same_weights(out, torch.load(plain_out))
+    parsed = samples(textfile.read_text())
+    data_parallel_steps = len([s for s in range(EMULATED_STEPS) if s % 4 == 3])
+    expected_calls = {
+        "parallel_apply": EMULATED_STEPS - data_parallel_steps,
+        "data_parallel": data_parallel_steps,
+    }
+    for target, calls in expected_calls.items():
+        assert total(parsed, "npu_shadow_calls_total", target=target) == calls
+        assert total(parsed, "npu_shadow_comparisons_total", target=target, outcome="match") == calls
+
+    def compared(target, signature_matches):
+        return sum(
+            value
+            for (name, items), value in parsed.items()
+            if name == "npu_shadow_comparisons_total"
+            and dict(items)["target"] == target
+            and signature_matches(dict(items)["signature"])
+        )
+
+    autocast_on = {t: compared(t, lambda s: s.endswith("/autocast=on")) for t in expected_calls}
+    assert autocast_on == {"parallel_apply": 2, "data_parallel": 2}  # odd steps: 1, 5 and 3, 7
+    for kind in ("npu_name", "npu_class"):
+        assert compared("tensor_type", lambda s, kind=kind: s.startswith(kind + "/")) == EMULATED_STEPS, kind
+    assert total(parsed, "npu_shadow_comparisons_total", target="tensor_type", outcome="mismatch") == 0
+    verdict = npu_shadow("verdict", "--metrics-file", str(textfile))
+    assert verdict.returncode == 3  # honest: far too few comparisons to promote
+    assert "risky signatures compared: */autocast=on 2" in verdict.stdout
+    assert "risky signatures compared: npu_name/* 8, npu_class/* 8" in verdict.stdout
 
 
 TORCHRUN_JOB = ["--epochs", "1", "--samples", "64", "--batch-size", "16", "--workers", "0", "--linger", "6"]

@@ -1,0 +1,200 @@
+"""The emulated npu: a real PrivateUse1 accelerator for torch's own device-generic code."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import zipfile
+
+import pytest
+import torch
+from torch import nn
+
+from shadow import emulated_npu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(script: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_torch_sees_an_npu_accelerator_with_two_devices():
+    assert torch.accelerator.current_accelerator() == torch.device("npu")
+    assert torch.accelerator.device_count() == torch.npu.device_count() == emulated_npu.installed_devices() == 2
+    x = torch.arange(6.0, device="npu:1").reshape(2, 3)
+    assert x.device == torch.device("npu:1")
+    assert (x.t() * 2).sum().item() == 30.0  # views, the CPU fallback, a host read-back
+    assert x.to("npu:0").device == torch.device("npu:0")
+    assert torch.equal(x.cpu(), torch.arange(6.0).reshape(2, 3))
+
+
+def test_install_is_idempotent_and_refuses_another_count():
+    assert emulated_npu.install(2) == 2
+    with pytest.raises(ValueError, match="installed with 2 devices"):
+        emulated_npu.install(3)
+    with pytest.raises(ValueError, match="1 to 16"):
+        emulated_npu.install(True)
+
+
+def test_current_device_and_streams_are_per_thread():
+    seen = {}
+
+    def worker(index):
+        with torch.npu.device(index):
+            stream = torch.npu.Stream()
+            with torch.npu.stream(stream):
+                seen[index] = (torch.npu.current_device(), torch.npu.current_stream().stream_id == stream.stream_id)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == {0: (0, True), 1: (1, True)}
+    assert torch.npu.current_device() == 0
+
+
+def test_random_ops_draw_from_their_own_devices_generator_even_in_threads():
+    torch.manual_seed(123)
+    cpu_before = torch.get_rng_state()
+    states = [torch.npu.get_rng_state(i) for i in (0, 1)]
+
+    def draws():
+        out = {}
+
+        def worker(index):
+            x = torch.ones(1000, device=f"npu:{index}")
+            out[index] = (nn.functional.dropout(x, 0.5), torch.rand(5, device=f"npu:{index}"))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return out
+
+    first = draws()
+    for index, state in enumerate(states):
+        torch.npu.set_rng_state(state, index)
+    second = draws()
+    for index in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(first[index], second[index]))
+    assert torch.equal(torch.get_rng_state(), cpu_before)  # the CPU generator was never drawn from
+    zero = torch.npu.get_rng_state(0)
+    torch.rand(5, device="npu:1")
+    assert torch.equal(torch.npu.get_rng_state(0), zero)  # one generator per device, not one shared
+    assert not torch.equal(torch.npu.get_rng_state(1), states[1])
+
+
+def test_upstream_dataparallel_forward_and_backward_reduce_gradients_to_device_zero():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 2)).to("npu")
+    reference = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 2))
+    reference.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    x = torch.randn(8, 3, 4, 4)
+    out = nn.DataParallel(model, device_ids=[0, 1])(x.to("npu"))
+    out.sum().backward()
+    assert out.device == torch.device("npu:0")
+    assert model[0].weight.grad.device == torch.device("npu:0")
+    # BatchNorm per replica sees half the batch: compare the parameter gradients' shape and finiteness,
+    # and the eval-mode outputs (no batch statistics) exactly against the CPU
+    assert torch.isfinite(model[0].weight.grad).all()
+    model.eval(), reference.eval()
+    got = torch.nn.parallel.data_parallel(model, x.to("npu"), device_ids=[0, 1])
+    assert torch.allclose(got.cpu(), reference(x), rtol=1e-5, atol=1e-6)
+
+
+def test_upstream_parallel_apply_runs_replicas_without_autocast_on_npu():
+    """torch 2.13's parallel_apply reads CUDA's autocast flag: the defect the emulator makes visible."""
+    model = nn.Linear(4, 4).to("npu")
+    replicas = torch.nn.parallel.replicate(model, [0, 1])
+    inputs = [torch.randn(2, 4, device="npu:0"), torch.randn(2, 4, device="npu:1")]
+    with torch.autocast("npu", dtype=torch.float16):
+        direct = model(inputs[0])
+        outputs = torch.nn.parallel.parallel_apply(replicas, inputs, None, [0, 1])
+    assert direct.dtype == torch.float16
+    assert [o.dtype for o in outputs] == [torch.float32, torch.float32]
+    assert [o.device.index for o in outputs] == [0, 1]
+
+
+def test_npu_type_names_and_classes_work_with_upstream_type():
+    x = torch.arange(4)
+    half = torch._C.TensorBase.type(x, "torch.npu.HalfTensor")
+    assert (half.device, half.dtype) == (torch.device("npu:0"), torch.float16)
+    assert torch.npu.HalfTensor.__module__ == "torch.npu" and torch.npu.HalfTensor.__name__ == "HalfTensor"
+    by_class = torch._C.TensorBase.type(x.to("npu:1"), torch.npu.FloatTensor)
+    assert (by_class.device, by_class.dtype) == (torch.device("npu:1"), torch.float32)  # keeps its npu
+
+
+def test_build_directory_is_keyed_by_torch_version_and_source_hash(tmp_path, monkeypatch):
+    monkeypatch.setenv("NPU_SHADOW_CACHE_DIR", str(tmp_path))
+    path = emulated_npu.build_directory()
+    assert path.parent == tmp_path / "emulated_npu"
+    assert path.name.startswith(f"torch-{torch.__version__}-") and len(path.name.rsplit("-", 1)[1]) == 16
+    assert not str(path).startswith(ROOT)
+
+
+def test_refuses_when_torch_npu_is_imported():
+    done = run_python(
+        """
+        import sys
+        sys.path.insert(0, "tests/fake_torch_npu")
+        import torch_npu
+        from shadow import emulated_npu
+        try:
+            emulated_npu.install(2)
+        except emulated_npu.EmulatorUnavailable as exc:
+            print(exc)
+        """
+    )
+    assert "torch_npu is imported" in done.stdout, done.stderr
+
+
+def test_refuses_when_another_privateuse1_backend_is_registered():
+    done = run_python(
+        """
+        import torch
+        torch.utils.rename_privateuse1_backend("foo")
+        from shadow import emulated_npu
+        try:
+            emulated_npu.install(2)
+        except emulated_npu.EmulatorUnavailable as exc:
+            print(exc)
+        """
+    )
+    assert "another PrivateUse1 backend is registered in this process ('foo')" in done.stdout, done.stderr
+
+
+def test_refuses_without_a_compiler_and_says_what_to_install(tmp_path):
+    done = run_python(
+        """
+        from shadow import emulated_npu
+        try:
+            emulated_npu.install(2)
+        except emulated_npu.EmulatorUnavailable as exc:
+            print(exc)
+        """,
+        env={"PATH": str(tmp_path), "CXX": "no-such-compiler", "NPU_SHADOW_CACHE_DIR": str(tmp_path)},
+    )
+    assert "no C++ compiler found" in done.stdout and "build-essential" in done.stdout, done.stderr
+
+
+def test_the_cpp_source_ships_in_a_regular_wheel(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), ROOT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    (wheel,) = tmp_path.glob("npu_shadow-*.whl")
+    assert "shadow/emulated_npu/csrc/emulated_npu.cpp" in zipfile.ZipFile(wheel).namelist()
