@@ -30,3 +30,10 @@ def test_exporter_benchmark_runs():
     out = run_quick("bench_exporters.py")
     assert "exporters together, match" in out and "exporters together, mismatch" in out
     assert out.count("JsonlExporter") == 2
+
+
+def test_step_benchmark_runs_on_the_emulated_npu_and_reports_every_ratio():
+    out = run_quick("bench_step.py")
+    assert "step time, rate 0.01 / unwrapped = " in out
+    assert "step time, rate 1.0 / unwrapped = " in out
+    assert "peak RSS of a step, rate 1.0 / unwrapped = " in out or "peak RSS: unavailable" in out

@@ -1,0 +1,162 @@
+"""The example job's training step on 2 emulated npu devices: unwrapped vs sample rate 0.01 vs 1.0.
+
+Every figure is a ratio measured in this one process, the three configurations interleaved trial by
+trial (rotating their order) so that drift and a busy machine touch them alike:
+
+1. step time: median over trials of (steps at rate r) / (steps unwrapped); goals: 0.01 <= 1.02x,
+   1.0 <= 3x. A step is the example's: npu casts by type name and class, DataParallel forward over both
+   devices (``data_parallel`` every fourth step), loss, backward, SGD step. Every built-in target is
+   shadowed, over shadow.reference's legacy.
+2. peak memory: the RSS high-water mark of one step at rate 1.0 against one unwrapped step, each
+   measured from a reset high-water mark (Linux ``/proc/self/clear_refs``), on a batch of 512 so that
+   the step's own tensors show above the allocator's reuse; goal <= 1.3x. The growth above the RSS the
+   step started from is printed too.
+
+Run: ``python benchmarks/bench_step.py`` (``--quick`` for a smoke run; the first run builds the
+emulated npu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.util
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from shadow import emulated_npu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICES = [0, 1]
+
+
+def _example_net() -> type[nn.Module]:
+    spec = importlib.util.spec_from_file_location(
+        "train_dataparallel", os.path.join(ROOT, "examples", "train_dataparallel.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Net
+
+
+class Job:
+    """The example's model, optimizer and a fixed batch on the emulated npu."""
+
+    def __init__(self, batch: int) -> None:
+        torch.manual_seed(0)
+        self.net = _example_net()().to("npu:0")
+        self.model = nn.DataParallel(self.net, device_ids=DEVICES)
+        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.01, momentum=0.9)
+        self.images = torch.randn(batch, 3, 16, 16)
+        self.labels = torch.randint(0, 4, (batch,))
+        self.count = 0
+
+    def step(self) -> None:
+        images = self.images.type("torch.npu.FloatTensor")
+        labels = self.labels.type(torch.npu.LongTensor)
+        if self.count % 4 == 3:
+            logits = nn.parallel.data_parallel(self.net, images, device_ids=DEVICES)
+        else:
+            logits = self.model(images)
+        loss = nn.functional.cross_entropy(logits, labels)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        loss.type(torch.float64).item()
+        self.count += 1
+
+
+def _monitor(rate: float | None):
+    if rate is None:
+        return contextlib.nullcontext()
+    import shadow
+
+    return shadow.install(sample_rate=rate, seed=0)
+
+
+def timed_steps(job: Job, rate: float | None, steps: int) -> float:
+    with _monitor(rate):
+        start = time.perf_counter()
+        for _ in range(steps):
+            job.step()
+        return time.perf_counter() - start
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def peak_rss(job: Job, rate: float | None) -> tuple[int, int] | None:
+    """(RSS high-water mark of one step, RSS before it) in KiB, or None where it cannot be reset."""
+    with _monitor(rate):
+        job.step()  # warm: the monitor's first sampled call allocates what it keeps
+        gc.collect()
+        try:
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+        except OSError:
+            return None
+        before = _status_kib("VmRSS")
+        job.step()
+        return _status_kib("VmHWM"), before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: few trials, few steps")
+    args = parser.parse_args()
+    trials, steps = (2, 2) if args.quick else (15, 8)
+    warnings.filterwarnings("ignore", "PyTorch is not compiled with NCCL support")
+    emulated_npu.install(2)
+    from shadow import reference
+
+    patches = reference.patch_torch()  # the legacy here: shadow.reference (torch_npu where it is imported)
+    try:
+        job = Job(batch=32)
+        configurations = {"unwrapped": None, "rate 0.01": 0.01, "rate 1.0": 1.0}
+        for rate in configurations.values():
+            timed_steps(job, rate, 2)  # warm up
+        times: dict[str, list[float]] = {name: [] for name in configurations}
+        names = list(configurations)
+        for trial in range(trials):
+            order = names[trial % 3 :] + names[: trial % 3]
+            for name in order:
+                times[name].append(timed_steps(job, configurations[name], steps))
+        base = times["unwrapped"]
+        print(
+            f"step time, unwrapped: median {statistics.median(base) / steps * 1e3:.1f} ms/step "
+            f"({trials} trials of {steps} steps, interleaved)"
+        )
+        for name, goal in (("rate 0.01", 1.02), ("rate 1.0", 3.0)):
+            ratio = statistics.median(t / b for t, b in zip(times[name], base))
+            verdict = "ok" if ratio <= goal else "OVER GOAL"
+            print(f"step time, {name} / unwrapped = {ratio:.3f} (goal <= {goal}) {verdict}")
+        big = Job(batch=64 if args.quick else 512)
+        plain, sampled = peak_rss(big, None), peak_rss(big, 1.0)
+        if plain is None or sampled is None:
+            print("peak RSS: unavailable (cannot reset the high-water mark on this system)")
+        else:
+            ratio = sampled[0] / plain[0]
+            verdict = "ok" if ratio <= 1.3 else "OVER GOAL"
+            print(
+                f"peak RSS of a step, rate 1.0 / unwrapped = {ratio:.3f} (goal <= 1.3) {verdict}; "
+                f"{sampled[0] / 1024:.0f} vs {plain[0] / 1024:.0f} MiB, growth during the step "
+                f"{(sampled[0] - sampled[1]) / 1024:.1f} vs {(plain[0] - plain[1]) / 1024:.1f} MiB"
+            )
+    finally:
+        patches.undo()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
