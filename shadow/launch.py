@@ -74,9 +74,7 @@ def install_from_env(environ: dict[str, str] | None = None) -> Any:
         config = _state["config"] or config_module.from_sources(os.environ if environ is None else environ)
         _state["config"] = config
         if config.emulate_npu:
-            from shadow import emulated_npu
-
-            emulated_npu.install(config.emulate_npu)
+            _emulate_npu(config.emulate_npu)
         if not _state["exporters"]:
             _state["exporters"] = _exporters(config)
         previous = _state["monitor"]
@@ -98,6 +96,19 @@ def install_from_env(environ: dict[str, str] | None = None) -> Any:
         if previous is None:
             atexit.register(_at_exit)
         return monitor
+
+
+def _emulate_npu(devices: int) -> None:
+    """Install the emulated npu; where it cannot be (torch_npu imported with torch, say), say so once and
+    shadow what the host has: a rehearsal option must never leave a real job unshadowed."""
+    from shadow import emulated_npu
+
+    try:
+        emulated_npu.install(devices)
+    except emulated_npu.EmulatorUnavailable as exc:
+        if not _state.get("emulation_refused"):
+            _state["emulation_refused"] = True
+            print(f"npu-shadow: --emulate-npu ignored: {exc}", file=sys.stderr)
 
 
 def refresh() -> None:

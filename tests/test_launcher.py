@@ -375,3 +375,20 @@ def test_sigterm_reaches_the_job(tmp_path):
         if job.poll() is None:
             job.kill()
     assert flag.exists()
+
+
+def test_emulate_npu_where_torch_npu_is_imported_warns_and_still_shadows():
+    """torch_npu is imported when torch is (torch autoloads it): the emulator refuses, the monitor does not."""
+    job = (
+        "import sys, types; sys.modules['torch_npu'] = types.ModuleType('torch_npu')\n"
+        "import torch\n"
+        "from shadow import reference; reference.patch_torch()  # its patches, as torch_npu applies them\n"
+        "torch.ones(2).type(torch.float64)\n"
+        "from shadow import launch, emulated_npu\n"
+        "print(emulated_npu.installed_devices(), sorted(launch._state['monitor'].targets))"
+    )
+    done = npu_shadow("run", "--emulate-npu", "2", "--sample-rate", "1", "--", sys.executable, "-c", job)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("--emulate-npu ignored: torch_npu is imported") == 1
+    assert done.stdout.split("\n")[0] == "0 ['data_parallel', 'parallel_apply', 'tensor_type']"
+    assert "tensor_type" in done.stderr and "not installed" not in done.stderr
