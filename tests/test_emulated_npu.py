@@ -188,7 +188,7 @@ def test_refuses_without_a_compiler_and_says_what_to_install(tmp_path):
     assert "no C++ compiler found" in done.stdout and "build-essential" in done.stdout, done.stderr
 
 
-def test_the_cpp_source_ships_in_a_regular_wheel(tmp_path):
+def test_a_regular_wheel_install_ships_the_source_and_installs(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), ROOT],
         capture_output=True,
@@ -198,3 +198,27 @@ def test_the_cpp_source_ships_in_a_regular_wheel(tmp_path):
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("npu_shadow-*.whl")
     assert "shadow/emulated_npu/csrc/emulated_npu.cpp" in zipfile.ZipFile(wheel).namelist()
+    site = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run(  # from outside the repository: only the installed copy can be imported
+        [
+            sys.executable,
+            "-c",
+            "import torch; from shadow import emulated_npu; emulated_npu.install(2);"
+            "print(emulated_npu.__file__); print(torch.ones(2, device='npu:1').device)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(site)},
+    )
+    assert done.returncode == 0, done.stderr
+    installed_at, device = done.stdout.split()
+    assert installed_at.startswith(str(site)) and device == "npu:1"
