@@ -98,7 +98,7 @@ def cases() -> list[dict]:
             [(at, alertname, []) for at in ("30m", "119m") for alertname in _alerts_by_name()],
         ),
         case(
-            "blind: sampled calls but no comparisons; not when comparisons come or the rate is 0",
+            "blind: sampled calls but no comparisons; not when comparisons come (in new series too) or the rate is 0",
             [
                 series("npu_shadow_calls_total", "0+1000x60"),
                 series("npu_shadow_sample_rate", "0.1x60"),
@@ -108,6 +108,11 @@ def cases() -> list[dict]:
                 series("npu_shadow_comparisons_total", "0+100x60", job="fine", outcome="match", signature="x"),
                 series("npu_shadow_calls_total", "0+1000x60", job="off"),
                 series("npu_shadow_sample_rate", "0x60", job="off"),
+                # comparisons that arrive only in new signature series, each first scraped at its final value
+                series("npu_shadow_calls_total", "0+1000x60", job="new_series"),
+                series("npu_shadow_sample_rate", "0.1x60", job="new_series"),
+                series("npu_shadow_comparisons_total", "_x20 5x40", job="new_series", outcome="match", signature="a"),
+                series("npu_shadow_comparisons_total", "_x24 3x36", job="new_series", outcome="match", signature="b"),
             ],
             [
                 ("5m", "NpuShadowBlind", []),

@@ -150,7 +150,11 @@ def _alerting_rules() -> list[dict]:
             "NpuShadowBlind",
             f"{BY} (increase(npu_shadow_calls_total[{blind['window']}])) * on (job, target) "
             f"max by (job, target) (npu_shadow_sample_rate) >= {blind['expected']} "
-            f"unless on (job, target) npu_shadow:comparisons:increase{blind['window']} > 0",
+            f"unless on (job, target) npu_shadow:comparisons:increase{blind['window']} > 0 "
+            # increase() cannot see a series whose first sample is already non-zero (a new signature): the
+            # summed total's growth over the window, a series absent then counted as 0, sees it
+            f"unless on (job, target) (npu_shadow:comparisons:total - (npu_shadow:comparisons:total offset "
+            f"{blind['window']} or npu_shadow:comparisons:total * 0)) > 0",
             "ticket",
             "investigate",
             "{{ $labels.target }} in {{ $labels.job }} is called and sampled but nothing is compared",
