@@ -4,9 +4,9 @@ Every figure is a ratio measured in this one process, the three configurations i
 trial (rotating their order) so that drift and a busy machine touch them alike:
 
 1. step time: (total time of the steps at rate r) / (total time unwrapped) over the trials, each trial
-   sampling with its own seed; goals: 0.01 <= 1.02x, 1.0 <= 3x. A step is the example's: npu casts by type name and class, DataParallel forward over both
-   devices (``data_parallel`` every fourth step), loss, backward, SGD step. Every built-in target is
-   shadowed, over shadow.reference's legacy.
+   sampling with its own seed; goals: 0.01 <= 1.02x, 1.0 <= 3x. A step is the example's: npu casts by
+   type name and class, DataParallel forward over both devices (``data_parallel`` every fourth step),
+   loss, backward, SGD step. Every built-in target is shadowed, over shadow.reference's legacy.
 2. peak memory: the RSS high-water mark of one step at rate 1.0 against one unwrapped step, each
    measured from a reset high-water mark (Linux ``/proc/self/clear_refs``), on a batch of 512 so that
    the step's own tensors show above the allocator's reuse; goal <= 1.3x. The growth above the RSS the
