@@ -130,6 +130,16 @@ def _doctor(args: argparse.Namespace) -> int:
     return code
 
 
+def _add_emulate_npu(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--emulate-npu [N]``: a device count, 2 when the flag is given alone (checked by shadow.config)."""
+    from shadow.config import SETTINGS
+
+    variable = SETTINGS["emulate_npu"].variable
+    parser.add_argument(
+        "--emulate-npu", dest="emulate_npu", nargs="?", const="2", metavar="N", help=f"{what} (default 2; {variable})"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npu-shadow", description="Shadow torch_npu's patches against upstream.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -149,14 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "otel":
             run.add_argument("--otel", action="store_true", help=f"export through OpenTelemetry ({setting.variable})")
         elif name == "emulate_npu":
-            run.add_argument(
-                "--emulate-npu",
-                dest=name,
-                nargs="?",
-                const="2",
-                metavar="N",
-                help=f"give every process of the job N emulated npu devices (default 2; {setting.variable})",
-            )
+            _add_emulate_npu(run, "give every process of the job N emulated npu devices")
         else:
             run.add_argument(setting.option, dest=name, metavar="VALUE", help=f"{setting.accepts} ({setting.variable})")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
@@ -165,13 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="check that this host can shadow (exit 0) or say why not (1)")
     doctor.add_argument("--port", type=int, default=9464, help="the Prometheus port to try (default 9464)")
     doctor.add_argument("--addr", default="127.0.0.1")
-    doctor.add_argument(
-        "--emulate-npu",
-        nargs="?",
-        const="2",
-        metavar="N",
-        help="check with N emulated npu devices installed (default 2; NPU_SHADOW_EMULATE_NPU)",
-    )
+    _add_emulate_npu(doctor, "check with N emulated npu devices installed")
     doctor.set_defaults(handler=_doctor)
 
     from shadow.verdict import DEFAULT_MAX_RATE
