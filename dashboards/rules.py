@@ -13,7 +13,8 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from shadow import verdict
+from shadow import observation, verdict
+from shadow.observation import MISMATCH_REASONS
 
 #: Every threshold, in one place.
 PARAMS: dict[str, Any] = {
@@ -32,7 +33,7 @@ PARAMS: dict[str, Any] = {
     "promotion": {"for": "30m"},
 }
 
-HARD_REASONS = ("structure", "type", "dtype", "shape", "device", "nan", "exception")
+HARD_REASONS = tuple(r for r in MISMATCH_REASONS if r in observation.HARD_REASONS)  # in a stable order
 WINDOWS = ("5m", "15m", "30m", "1h", "2h", "6h")
 Z95 = 1.6448536269514722  # one-sided 95%
 

@@ -213,6 +213,13 @@ def _check_tensor(
     if legacy.device != upstream.device:
         report.reasons.append("device")
         report.notes.append(f"device {legacy.device} vs {upstream.device}")
+    if legacy.shape == upstream.shape and not _same_layout(legacy, upstream):
+        note = f"strides {legacy.stride()} vs {upstream.stride()}"
+        if exact:
+            report.reasons.append("stride")
+            report.notes.append(note)
+        else:
+            report.notes.append(note + " (layout only: values compared)")
     comparable = (
         legacy.shape == upstream.shape
         and legacy.device == upstream.device
@@ -226,6 +233,14 @@ def _check_tensor(
         report.tolerance = tol.EXACT if exact else tol.for_pair(spec, legacy.dtype, upstream.dtype)
         report.stats, report.compute = _value_stats(legacy, upstream, report.tolerance)
     return report
+
+
+def _same_layout(legacy: torch.Tensor, upstream: torch.Tensor) -> bool:
+    """Same strides wherever they matter: dimensions of size 1 have no meaningful stride, and tensors that are
+    not strided (sparse, ...) have none."""
+    if legacy.layout != torch.strided or upstream.layout != torch.strided or legacy.numel() == 0:
+        return True
+    return all(size == 1 or a == b for size, a, b in zip(legacy.shape, legacy.stride(), upstream.stride(), strict=True))
 
 
 def _check_object(path: str, legacy: Any, upstream: Any) -> _LeafReport:

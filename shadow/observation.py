@@ -13,14 +13,16 @@ from typing import Any, Protocol
 OUTCOMES = ("match", "close", "mismatch", "error", "skipped")
 
 #: Reasons a comparison did not match.
-MISMATCH_REASONS = ("structure", "type", "dtype", "shape", "device", "alias", "nan", "value", "exception")
+#: "stride" is a layout difference (strides or memory format): a mismatch for exact targets, since ``.view()``
+#: works on one layout and raises on the other; tolerance targets note it in the detail.
+MISMATCH_REASONS = ("structure", "type", "dtype", "shape", "device", "stride", "alias", "nan", "value", "exception")
 
 #: Reasons a sampled call was not compared.
 #: "comparator" is a fault of this tool (counted, logged, never raised); "budget" is reserved.
 SKIP_REASONS = ("oom", "reentrant", "compiling", "budget", "comparator")
 
 #: Reasons that show a difference in kind, not in degree: no tolerance can make them pass.
-HARD_REASONS = frozenset({"structure", "type", "dtype", "shape", "device", "nan", "exception"})
+HARD_REASONS = frozenset({"structure", "type", "dtype", "shape", "device", "stride", "nan", "exception"})
 
 DETAIL_LIMIT = 600
 

@@ -1,31 +1,42 @@
 """Our own implementation of the legacy (torch_npu) semantics, device generic.
 
-torch_npu cannot be imported without Ascend's CANN libraries. These functions do what its patches do,
-written from their description, on whatever device is here: the accelerator's own API
-(``torch.accelerator``) where one exists, the tensor's device otherwise. :func:`patch_torch` installs
-them the way torch_npu does, so a host without torch_npu can rehearse shadowing, and tests can build
-a fake ``torch_npu`` on them.
+torch_npu cannot be imported without Ascend's CANN libraries. These functions follow torch_npu 2.12.0's
+patches (``torch_npu/utils/_module.py`` and ``tensor_methods.py``; 2.8.0 to 2.11.0 differ only in spelling) on
+whatever device is here: the accelerator's own API (``torch.accelerator``) where torch_npu calls ``torch.npu``.
+``tests/test_torch_npu_source.py`` checks them bitwise against every release's own code
+(:mod:`shadow.torch_npu_source`) on the emulated npu. :func:`patch_torch` installs them the way torch_npu does,
+so a host without torch_npu can rehearse shadowing, and tests can build a fake ``torch_npu`` on them.
 
-- ``Tensor.type``: an NPU type name ('torch.npu.FloatTensor', 'torch_npu.npu.FloatTensor', ...) or
-  NPU tensor class becomes ``self.to(dtype=..., device=<current accelerator device>, non_blocking=...)``;
-  everything else, None included, goes to the original method (kept as ``Tensor.type_raw``).
-- ``parallel_apply``: upstream's algorithm, but each worker thread sets its device (``set_device``, a
-  CANN-era workaround) and enters the device's autocast (float16) with ``torch.is_autocast_enabled()``
-  read WITHOUT a device type, as torch_npu 2.8 to 2.12 do (``torch_npu/utils/_module.py``). That flag is
-  CUDA's: on an NPU the replicas run without autocast, exactly as upstream's do (a defect both share).
-- ``data_parallel``: upstream's, calling this ``parallel_apply``.
+- ``Tensor.type``: an NPU type name ('torch.npu.FloatTensor', 'torch_npu.npu.FloatTensor', ...) or NPU tensor
+  class becomes ``self.to(dtype=..., device=<accelerator type>, non_blocking=...)``, i.e. onto the CURRENT
+  device even for a tensor on another one; everything else, None included, goes to the original method (kept
+  as ``Tensor.type_raw``).
+- ``parallel_apply``: upstream's algorithm, but each worker thread calls ``set_device`` (a CANN-era workaround;
+  with one replica that is the calling thread, whose current device then stays changed) and enters the
+  device's float16 autocast with ``torch.is_autocast_enabled()`` read WITHOUT a device type, as torch_npu does.
+  That flag is CUDA's: on an NPU the replicas run without autocast, exactly as upstream's do (a defect both
+  share). Errors carry torch_npu's error-code suffix (:func:`pta_error`).
+- ``data_parallel``: upstream's checks and algorithm over this ``parallel_apply``.
+
+Where torch_npu's code cannot run (a CPU-only host, no accelerator) these fall back to running on the
+tensors' own device, so that a rehearsal still exercises the wrappers.
 """
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import importlib
+import os
+import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Any
 
 import torch
-from torch._utils import ExceptionWrapper
+from torch._utils import ExceptionWrapper, _get_all_device_indices, _get_available_device_type, _get_device_index
 from torch.nn.parallel.parallel_apply import get_a_var
 
 _NPU_TYPES = {
@@ -64,6 +75,45 @@ def current_device() -> torch.device | None:
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
+# --------------------------------------------------------------------------- torch_npu's error codes
+
+#: torch_npu's ``ErrCode`` members used by the patches: (code, message).
+ERR_PARAM = (1, "invalid parameter")
+ERR_VALUE = (3, "invalid value")
+
+
+def _is_interactive() -> bool:
+    return (
+        hasattr(sys, "ps1")
+        or hasattr(builtins, "__IPYTHON__")
+        or bool(sys.flags.interactive)
+        or "ipykernel" in sys.modules
+    )
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        return dist.get_rank()
+    except Exception:
+        return -1
+
+
+def pta_error(error: tuple[int, str]) -> str:
+    """torch_npu's error-code suffix for its Python layer (``torch_npu.utils._error_code.pta_error``)."""
+    if int(os.getenv("TORCH_NPU_COMPACT_ERROR_OUTPUT", "0")) or _is_interactive():
+        return ""
+    device = torch.accelerator.current_device_index() if torch.accelerator.current_accelerator() else -1
+    code, message = error
+    return (
+        f"\n[ERROR] {time.strftime('%Y-%m-%d-%H:%M:%S', time.localtime())} (PID:{os.getpid()}, Device:{device}, "
+        f"RankID:{_rank()}) ERR00{code:03d} PTA {message}"
+    )
+
+
+# --------------------------------------------------------------------------- Tensor.type
+
 _type_raw: Callable = torch._C.TensorBase.type
 
 
@@ -72,8 +122,12 @@ def npu_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, 
     target = npu_type_dtype(dtype)
     if target is None:
         return _type_raw(self, dtype, non_blocking, **kwargs)
-    device = current_device() or self.device
+    accelerator = torch.accelerator.current_accelerator()
+    device = accelerator.type if accelerator is not None else self.device  # (no accelerator: a CPU rehearsal)
     return self.to(dtype=target, device=device, non_blocking=non_blocking)
+
+
+# --------------------------------------------------------------------------- parallel_apply
 
 
 def parallel_apply(
@@ -82,32 +136,63 @@ def parallel_apply(
     kwargs_tup: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[int | torch.device | None] | None = None,
 ) -> list[Any]:
-    """Legacy ``parallel_apply``: upstream's algorithm; workers set their device and enter the device's
-    float16 autocast enabled by CUDA's autocast flag (torch_npu's reading, not the device's own)."""
+    """Legacy ``parallel_apply`` (torch_npu's ``_parallel_apply``): upstream's algorithm; each worker sets its
+    device and enters the device's float16 autocast enabled by CUDA's autocast flag."""
     if len(modules) != len(inputs):
-        raise AssertionError(f"The number of modules {len(modules)} is not equal to the number of inputs {len(inputs)}")
-    kwargs_tup = list(kwargs_tup) if kwargs_tup is not None else [{} for _ in modules]
-    devices = list(devices) if devices else [None] * len(modules)
-    if not len(modules) == len(kwargs_tup) == len(devices):
-        raise AssertionError("modules, inputs, kwargs_tup and devices must have the same length")
-    accelerator = current_device()
-    if accelerator is not None:
-        device_type = accelerator.type
+        raise AssertionError(
+            f"The number of modules {len(modules)} is not equal to the number of inputs {len(inputs)}"
+            + pta_error(ERR_PARAM)
+        )
+    if kwargs_tup is not None:
+        if len(modules) != len(kwargs_tup):
+            raise AssertionError(
+                f"The number of modules {len(modules)} is not equal to the number of kwargs_tup {len(kwargs_tup)}"
+                + pta_error(ERR_PARAM)
+            )
     else:
-        first = get_a_var(list(inputs))
-        device_type = first.device.type if first is not None else "cpu"
-    grad_enabled = torch.is_grad_enabled()
-    autocast_enabled = torch.is_autocast_enabled()  # no device type: CUDA's flag, as torch_npu reads it
+        kwargs_tup = ({},) * len(modules)
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None and not devices:  # a CPU rehearsal: DataParallel has no device ids there
+        devices = None
+    if devices is not None:
+        if len(modules) != len(devices):
+            raise AssertionError(
+                f"The number of modules {len(modules)} is not equal to the number of devices {len(devices)}"
+                + pta_error(ERR_PARAM)
+            )
+    else:
+        devices = [None] * len(modules)
+    if accelerator is not None:
+        devices = [_get_device_index(x, True) for x in devices]
+        streams = [torch.accelerator.current_stream(x) for x in devices]
+    else:  # a CPU rehearsal: no device to set, no stream
+        streams = [None] * len(modules)
+    device_type = accelerator.type if accelerator is not None else "cpu"
     lock = threading.Lock()
     results: dict[int, Any] = {}
+    grad_enabled = torch.is_grad_enabled()
+    autocast_enabled = torch.is_autocast_enabled()  # no device type: CUDA's flag, as torch_npu reads it
 
-    def worker(i: int, module: torch.nn.Module, input: Any, kwargs: dict, device: Any) -> None:
+    def worker(i: int, module: torch.nn.Module, input: Any, kwargs: dict, device: Any, stream: Any) -> None:
         torch.set_grad_enabled(grad_enabled)
+        contexts: list[Any] = []
+        if accelerator is not None:
+            if device is None:
+                t = get_a_var(input)
+                if t is None:
+                    with lock:
+                        results[i] = ExceptionWrapper(
+                            where=f"in replica {i}, no device was provided and no tensor input was found; "
+                            "device cannot be resolved"
+                        )
+                    return
+                device = t.get_device()
+            torch.accelerator.set_device_index(device)  # torch_npu's torch.npu.set_device, outside the try
+            if stream is None:
+                stream = torch.accelerator.current_stream(device)
+            contexts = [torch.accelerator.device_index(device), stream]
         try:
-            with (
-                _device_context(accelerator, device, input),
-                torch.autocast(device_type, dtype=torch.float16, enabled=autocast_enabled),
-            ):
+            with _entered(contexts), torch.autocast(device_type, dtype=torch.float16, enabled=autocast_enabled):
                 if not isinstance(input, (list, tuple)):
                     input = (input,)
                 output = module(*input, **kwargs)
@@ -117,38 +202,32 @@ def parallel_apply(
             with lock:
                 results[i] = ExceptionWrapper(where=f"in replica {i} on device {device}")
 
-    work = list(zip(modules, inputs, kwargs_tup, devices))
-    if len(work) > 1:
-        threads = [threading.Thread(target=worker, args=(i, *item)) for i, item in enumerate(work)]
+    if len(modules) > 1:
+        threads = [
+            threading.Thread(target=worker, args=(i, *item))
+            for i, item in enumerate(zip(modules, inputs, kwargs_tup, devices, streams))
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-    elif work:
-        worker(0, *work[0])
+    else:
+        worker(0, modules[0], inputs[0], kwargs_tup[0], devices[0], streams[0])
 
     outputs = []
-    for i in range(len(work)):
-        output = results[i]
+    for i in range(len(inputs)):
+        output = results.get(i)
         if isinstance(output, ExceptionWrapper):
             output.reraise()
         outputs.append(output)
     return outputs
 
 
-class _device_context:
-    """Set the worker thread's device and stream, as torch_npu's worker does (accelerators only)."""
+class _entered:
+    """Enter context managers in order, exit them in reverse (an empty list: nothing)."""
 
-    def __init__(self, accelerator: torch.device | None, device: Any, input: Any) -> None:
-        self._contexts: list[Any] = []
-        if accelerator is None:
-            return
-        if device is None:
-            tensor = get_a_var(input)
-            device = tensor.get_device() if tensor is not None else accelerator.index
-        index = device.index if isinstance(device, torch.device) else device
-        torch.accelerator.set_device_index(index)  # torch_npu's torch.npu.set_device in each worker
-        self._contexts = [torch.accelerator.device_index(index), torch.accelerator.current_stream(index)]
+    def __init__(self, contexts: list[Any]) -> None:
+        self._contexts = contexts
 
     def __enter__(self) -> None:
         for context in self._contexts:
@@ -172,25 +251,41 @@ def npu_data_parallel(
     dim: int = 0,
     module_kwargs: Any | None = None,
 ) -> Any:
-    """Legacy ``torch.nn.parallel.data_parallel``: upstream's algorithm over legacy parallel_apply.
+    """Legacy ``torch.nn.parallel.data_parallel``: upstream's checks and algorithm over legacy parallel_apply.
 
-    Without an accelerator it runs the module where it is, as DataParallel itself does then.
+    Without an accelerator (a CPU rehearsal) it runs the module where it is.
     """
     from torch.nn.parallel import gather, replicate
     from torch.nn.parallel.scatter_gather import scatter_kwargs
 
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
-    accelerator = current_device()
-    if accelerator is None:
+    if torch.accelerator.current_accelerator() is None:
         return module(*inputs, **(module_kwargs or {}))
+    device_type = _get_available_device_type()
+    if device_type is None:
+        raise RuntimeError("device type could not be determined" + pta_error(ERR_PARAM))
     if device_ids is None:
-        device_ids = list(range(torch.accelerator.device_count()))
+        device_ids = _get_all_device_indices()
+    if device_ids is None:
+        raise RuntimeError("no available devices were found" + pta_error(ERR_PARAM))
     if output_device is None:
         output_device = device_ids[0]
+    device_ids = [_get_device_index(x, True) for x in device_ids]
+    output_device = _get_device_index(output_device, True)
+    src_device_obj = torch.device(device_type, device_ids[0])
+    for t in chain(module.parameters(), module.buffers()):
+        if t.device != src_device_obj:
+            raise RuntimeError(
+                "module must have its parameters and buffers "
+                f"on device {src_device_obj} (device_ids[0]) but found one of "
+                f"them on device: {t.device}" + pta_error(ERR_VALUE)
+            )
     inputs, module_kwargs = scatter_kwargs(inputs, module_kwargs, device_ids, dim)
     if not inputs and not module_kwargs:
         inputs, module_kwargs = ((),), ({},)
+    if module_kwargs is None:
+        raise AssertionError("The module_kwargs is None" + pta_error(ERR_VALUE))
     if len(device_ids) == 1:
         return module(*inputs[0], **module_kwargs[0])
     used = device_ids[: len(inputs)]

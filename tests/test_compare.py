@@ -194,3 +194,33 @@ def test_large_integers_compare_exactly_not_through_float32():
     upstream = torch.tensor([2**40 + 1, 7], dtype=torch.int64)  # equal once rounded to float32
     result = compare(legacy, upstream)
     assert result.outcome == "mismatch" and result.reasons == ("value",) and result.mismatched == 1
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        lambda t: t.t(),  # non-contiguous: transposed
+        lambda t: t.reshape(2, 3, 2, 2).contiguous(memory_format=torch.channels_last),
+        lambda t: t[:1].expand(4, 6),  # zero strides
+    ],
+    ids=["transposed", "channels_last", "expanded"],
+)
+def test_strides_are_behaviour_for_exact_targets(layout):
+    """Equal values, other strides: .view() works on one and raises on the other, so an exact target mismatches."""
+    base = torch.arange(24.0).reshape(4, 6)
+    legacy = layout(base)
+    upstream = legacy.contiguous()
+    assert legacy.stride() != upstream.stride()
+    exact = compare(legacy, upstream, exact=True)
+    assert exact.outcome == "mismatch"
+    assert exact.reasons == ("stride",)
+    assert f"strides {legacy.stride()} vs {upstream.stride()}" in exact.detail
+    tolerant = compare(legacy, upstream)
+    assert tolerant.outcome == "match"  # the values are bitwise equal; the layout is noted
+    assert "strides" in tolerant.detail and "layout only" in tolerant.detail
+
+
+def test_strides_of_size_one_dimensions_do_not_matter():
+    a = torch.randn(1, 5)
+    b = torch.as_strided(a.clone(), (1, 5), (99, 1))
+    assert compare(a, b, exact=True).outcome == "match"

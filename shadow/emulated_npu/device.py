@@ -122,27 +122,30 @@ def initial_seed() -> int:
     return _backend.initial_seed(current_device())
 
 
-#: The npu tensor type classes ('torch.npu.FloatTensor', ...), created by install() as torch_npu has them.
-TENSOR_TYPE_NAMES = (
-    "BoolTensor",
-    "ByteTensor",
-    "CharTensor",
-    "ShortTensor",
-    "IntTensor",
-    "LongTensor",
-    "HalfTensor",
-    "FloatTensor",
-    "DoubleTensor",
-    "BFloat16Tensor",
-)
+#: The npu tensor type classes ('torch.npu.FloatTensor', ...) and their dtypes, created by install() as
+#: torch_npu has them.
+TENSOR_TYPES = {
+    "BoolTensor": torch.bool,
+    "ByteTensor": torch.uint8,
+    "CharTensor": torch.int8,
+    "ShortTensor": torch.int16,
+    "IntTensor": torch.int32,
+    "LongTensor": torch.int64,
+    "HalfTensor": torch.float16,
+    "FloatTensor": torch.float32,
+    "DoubleTensor": torch.float64,
+    "BFloat16Tensor": torch.bfloat16,
+}
 
 
 def _bind(backend: Any) -> None:
     """Attach the compiled backend and create the tensor type classes on this module."""
     global _backend
     _backend = backend
-    for name in TENSOR_TYPE_NAMES:
-        globals()[name] = backend.tensor_type_class(f"torch.npu.{name}")
+    for name, dtype in TENSOR_TYPES.items():
+        cls = backend.tensor_type_class(f"torch.npu.{name}")
+        cls.dtype, cls.layout, cls.is_sparse = dtype, torch.strided, False  # what torch's tensor types answer
+        globals()[name] = cls
 
 
 def _is_in_bad_fork() -> bool:

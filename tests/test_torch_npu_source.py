@@ -1,0 +1,326 @@
+"""torch_npu's own legacy code, loaded from its wheels, against our reference: bitwise, on the emulated npu.
+
+The test command fetches the five torch_npu releases that carry the patches into a cache outside the repository
+(``shadow.torch_npu_source.wheel_cache()``); without access to the package index these tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.parallel import replicate
+from torch.utils._pytree import tree_flatten
+
+from shadow import reference, torch_npu_source
+from shadow.compare import compare
+
+RELEASES = ("2.8.0", "2.9.0", "2.10.0", "2.11.0", "2.12.0")
+pytestmark = [
+    pytest.mark.skipif(torch.accelerator.current_accelerator() is None, reason="needs the emulated npu"),
+    pytest.mark.filterwarnings("ignore:Was asked to gather along dimension 0"),
+]
+
+
+def wheel(version: str) -> str:
+    path = torch_npu_source.cached_wheel(version)
+    if path is None:
+        pytest.skip(
+            f"torch_npu {version} wheel not in {torch_npu_source.wheel_cache()}: the test command fetches it from "
+            "the package index, which this machine could not reach"
+        )
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=RELEASES)
+def legacy(request: pytest.FixtureRequest) -> torch_npu_source.TorchNpuLegacy:
+    return torch_npu_source.load(wheel(request.param))
+
+
+@pytest.fixture(autouse=True)
+def type_raw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch_npu's _npu_type calls self.type_raw, which its patch sets to the original Tensor.type."""
+    monkeypatch.setattr(torch.Tensor, "type_raw", torch._C.TensorBase.type, raising=False)
+    index = torch.accelerator.current_device_index()
+    yield
+    torch.accelerator.set_device_index(index)
+
+
+# --------------------------------------------------------------------------- agreement
+
+
+_TIME = re.compile(r"\d{4}-\d\d-\d\d-\d\d:\d\d:\d\d")
+
+
+def _message(exc: BaseException) -> str:
+    """An exception's text without what differs between two runs of the same code: the time in torch_npu's
+    error suffix, and the file and line of the frames in a worker's traceback."""
+    text = _TIME.sub("TIME", str(exc))
+    if "Original Traceback" in text:
+        lines = text.splitlines()
+        text = f"{lines[0]} ... {lines[-1]}"
+    return text
+
+
+def run(fn: Callable, *args: Any, **kwargs: Any) -> tuple:
+    """(result or exception, current device after the call)."""
+    rng = torch.get_rng_state(), torch.npu.get_rng_state_all()
+    try:
+        result: Any = fn(*args, **kwargs)
+    except Exception as exc:
+        result = exc
+    finally:
+        after = torch.accelerator.current_device_index()
+        torch.set_rng_state(rng[0])
+        torch.npu.set_rng_state_all(rng[1])
+    return result, after
+
+
+def disagreement(ours: tuple, theirs: tuple, inputs: Any = ()) -> str | None:
+    """Why two runs differ, bit for bit (None when they agree)."""
+    (a, device_a), (b, device_b) = ours, theirs
+    if device_a != device_b:
+        return f"current device after the call: reference {device_a}, torch_npu {device_b}"
+    if isinstance(a, BaseException) or isinstance(b, BaseException):
+        if type(a) is not type(b) or _message(a) != _message(b):
+            return f"reference {a!r} vs torch_npu {b!r}"
+        return None
+    comparison = compare(a, b, exact=True, legacy_inputs=inputs, upstream_inputs=inputs)
+    if comparison.outcome != "match":
+        return comparison.detail
+    for x, y in zip(tree_flatten(a)[0], tree_flatten(b)[0]):
+        if isinstance(x, torch.Tensor) and (x.stride(), x.requires_grad) != (y.stride(), y.requires_grad):
+            return f"stride/requires_grad {x.stride()}/{x.requires_grad} vs {y.stride()}/{y.requires_grad}"
+    return None
+
+
+# --------------------------------------------------------------------------- Tensor.type
+
+
+NPU_NAMES = [f"{p}.{n}" for p in ("torch.npu", "torch_npu.npu") for n in reference._NPU_TYPES]
+OTHER_NAMES = ["torch.FloatTensor", "torch.HalfTensor", "torch.cuda.FloatTensor", "torch.npu.Nothing", "float", ""]
+OTHER_CLASSES = [torch.FloatTensor, torch.LongTensor, torch.Tensor, int]
+BAD_VALUES = [3, 2.5, [torch.float16], object(), b"torch.npu.FloatTensor"]
+
+
+def type_arguments() -> list[Any]:
+    npu_classes = [getattr(torch.npu, name) for name in reference._NPU_TYPES]
+    dtypes = [torch.float16, torch.float64, torch.int32, torch.bool, torch.bfloat16]
+    return [None, *dtypes, *NPU_NAMES, *OTHER_NAMES, *npu_classes, *OTHER_CLASSES, *BAD_VALUES]
+
+
+def source_tensor(rng: random.Random, device: str) -> torch.Tensor:
+    dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool])
+    base = (torch.randn(2, 3, 4, 5) * 10).to(dtype).to(device)
+    layout = rng.choice(["contiguous", "transposed", "channels_last", "expanded", "sliced"])
+    if layout == "transposed":
+        return base.transpose(1, 3)
+    if layout == "channels_last":
+        return base.contiguous(memory_format=torch.channels_last)
+    if layout == "expanded":
+        return base[:, :1].expand(2, 3, 4, 5)
+    if layout == "sliced":
+        return base[:, 1:, ::2]
+    return base
+
+
+def test_tensor_type_agrees_with_torch_npu(legacy: torch_npu_source.TorchNpuLegacy) -> None:
+    rng = random.Random(f"tensor_type {legacy.version}")
+    arguments = type_arguments()
+    calls = [
+        (arg, device, current, nb)
+        for arg in arguments
+        for device in ("cpu", "npu:0", "npu:1")
+        for current in (0, 1)
+        for nb in (False, True)
+    ]
+    rng.shuffle(calls)
+    differences = []
+    for arg, device, current, non_blocking in calls[:400] + [c for c in calls if c[0] in NPU_NAMES[:2]]:
+        tensor = source_tensor(rng, device)
+        torch.accelerator.set_device_index(current)
+        ours = run(reference.npu_type, tensor, arg, non_blocking)
+        torch.accelerator.set_device_index(current)
+        theirs = run(legacy.tensor_type, tensor, arg, non_blocking)
+        why = disagreement(ours, theirs, inputs=tensor)
+        if why:
+            differences.append(f".type({arg!r}, non_blocking={non_blocking}) of {device} with current {current}: {why}")
+    assert not differences, "\n".join(differences[:10])
+
+
+def test_tensor_type_tables_agree(legacy: torch_npu_source.TorchNpuLegacy) -> None:
+    assert set(legacy.tensor_types) == set(reference.NPU_TYPE_NAMES)
+    for name, cls in legacy.tensor_types.items():
+        assert cls is getattr(torch.npu, name.rpartition(".")[2])
+        assert reference.npu_type_dtype(name) == reference.npu_type_dtype(cls) == cls.dtype
+
+
+# --------------------------------------------------------------------------- parallel_apply, data_parallel
+
+
+class Net(torch.nn.Module):
+    """A small CNN with dropout (RNG on each replica's device), keyword arguments and a failure on request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.drop = torch.nn.Dropout(0.25)
+        self.head = torch.nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, fail_on: int = -1, as_dict: bool = False) -> Any:
+        if x.device.index == fail_on:
+            raise ValueError(f"replica on {x.device} refuses")
+        y = self.head(self.drop(torch.relu(self.conv(x))).flatten(1)) * scale
+        return {"logits": y, "mean": y.mean()} if as_dict else y
+
+
+def dp_call(rng: random.Random, net: Net) -> dict[str, Any]:
+    replicas = rng.choice([1, 2])
+    kwargs: dict[str, Any] = rng.choice([{}, {"scale": 0.5}, {"as_dict": True}, {"fail_on": 1}, {"fail_on": 0}])
+    return {
+        "replicas": replicas,
+        "kwargs": kwargs,
+        "grad": rng.random() < 0.5,
+        "autocast": rng.choice([None, torch.float16, torch.bfloat16]),
+        "current": rng.choice([0, 1]),
+        "train": rng.random() < 0.5,
+        "devices_given": rng.random() < 0.8,
+        "mismatch": rng.choice([None] * 6 + ["inputs", "kwargs", "devices"]),
+    }
+
+
+def _under(call: dict, fn: Callable, *args: Any) -> tuple:
+    torch.accelerator.set_device_index(call["current"])
+    with (
+        torch.set_grad_enabled(call["grad"]),
+        torch.autocast("npu", dtype=call["autocast"] or torch.float16, enabled=call["autocast"] is not None),
+    ):
+        return run(fn, *args)
+
+
+def test_parallel_apply_agrees_with_torch_npu(legacy: torch_npu_source.TorchNpuLegacy) -> None:
+    rng = random.Random(f"parallel_apply {legacy.version}")
+    torch.manual_seed(0)
+    net = Net().to("npu:0")
+    differences = []
+    for _ in range(60):
+        call = dp_call(rng, net)
+        net.train(call["train"])
+        devices = list(range(call["replicas"]))
+        replicas = replicate(net, devices)
+        inputs = [(torch.randn(2, 3, 6, 6, device=f"npu:{d}"),) for d in devices]
+        kwargs_tup = [dict(call["kwargs"]) for _ in devices] if call["kwargs"] else None
+        given = devices if call["devices_given"] else None
+        if call["mismatch"] == "inputs":
+            inputs = inputs[:-1] if len(inputs) > 1 else inputs * 2
+        elif call["mismatch"] == "kwargs":
+            kwargs_tup = [{}] * (len(devices) + 1)
+        elif call["mismatch"] == "devices":
+            given = [*devices, 0]
+        ours = _under(call, reference.parallel_apply, replicas, inputs, kwargs_tup, given)
+        theirs = _under(call, legacy.parallel_apply_function, replicas, inputs, kwargs_tup, given)
+        why = disagreement(ours, theirs, inputs)
+        if why:
+            differences.append(f"{call}: {why}")
+    assert not differences, "\n".join(differences[:10])
+
+
+def test_data_parallel_agrees_with_torch_npu(legacy: torch_npu_source.TorchNpuLegacy) -> None:
+    rng = random.Random(f"data_parallel {legacy.version}")
+    torch.manual_seed(1)
+    differences = []
+    for _ in range(40):
+        call = dp_call(rng, None)
+        where = rng.choice(["npu:0"] * 5 + ["npu:1", "cpu"])
+        net = Net().to(where).train(call["train"])
+        device_ids = rng.choice([None, [0], [0, 1], [torch.device("npu", 0), torch.device("npu", 1)]])
+        output_device = rng.choice([None, None, 1])
+        batch = torch.randn(rng.choice([1, 3, 4]), 3, 6, 6, device=rng.choice(["npu:0", "cpu"]))
+        module_kwargs = dict(call["kwargs"]) or None
+        args = (net, batch, device_ids, output_device, 0, module_kwargs)
+        ours = _under(call, reference.npu_data_parallel, *args)
+        theirs = _under(call, legacy.data_parallel, *args)
+        why = disagreement(ours, theirs, batch)
+        if why:
+            differences.append(f"{call} on {where}, device_ids={device_ids}, output_device={output_device}: {why}")
+    assert not differences, "\n".join(differences[:10])
+
+
+def test_npu_parallel_apply_is_the_method_form(legacy: torch_npu_source.TorchNpuLegacy) -> None:
+    net = Net().to("npu:0").eval()
+    dp = torch.nn.DataParallel(net, device_ids=[0, 1])
+    replicas = replicate(net, [0, 1])
+    inputs = [(torch.randn(2, 3, 6, 6, device=f"npu:{d}"),) for d in (0, 1)]
+    assert (
+        disagreement(
+            run(reference.npu_parallel_apply, dp, replicas, inputs, None),
+            run(legacy.parallel_apply, dp, replicas, inputs, None),
+        )
+        is None
+    )
+
+
+# --------------------------------------------------------------------------- the loader itself
+
+
+def test_loaded_functions_say_where_they_come_from() -> None:
+    path = wheel("2.12.0")
+    loaded = torch_npu_source.load(path)
+    assert loaded.version == "2.12.0"
+    assert loaded.origin == f"torch_npu 2.12.0 source (from {path})"
+    assert torch_npu_source.origin_of(loaded.tensor_type) == loaded.origin
+    assert torch_npu_source.origin_of(reference.npu_type) is None
+    assert "torch_npu" not in sys.modules  # read, never imported
+
+
+def test_a_source_without_the_patch_fails_naming_it_and_the_version(tmp_path: Any) -> None:
+    with zipfile.ZipFile(wheel("2.12.0")) as original, zipfile.ZipFile(tmp_path / "cut.whl", "w") as cut:
+        for item in original.infolist():
+            if item.filename.startswith("torch_npu/") and not item.filename.endswith((".so", ".py")):
+                continue
+            data = original.read(item)
+            if item.filename == "torch_npu/utils/_module.py":
+                data = data.replace(b"def npu_data_parallel(", b"def renamed_data_parallel(")
+            if item.filename.endswith(".py") or "dist-info" in item.filename:
+                cut.writestr(item, data)
+    with pytest.raises(
+        torch_npu_source.LegacySourceError, match=r"torch_npu 2\.12\.0 .*_module\.py has no 'npu_data_parallel'"
+    ):
+        torch_npu_source.load(tmp_path / "cut.whl")
+
+
+def test_paths_that_hold_no_torch_npu_are_refused(tmp_path: Any) -> None:
+    (tmp_path / "not-a-wheel.whl").write_text("hello")
+    with pytest.raises(torch_npu_source.LegacySourceError, match="neither a torch_npu wheel"):
+        torch_npu_source.load(tmp_path / "not-a-wheel.whl")
+    with pytest.raises(torch_npu_source.LegacySourceError, match="no torch_npu wheel or torch_npu package"):
+        torch_npu_source.load(tmp_path)
+
+
+def test_an_unpacked_package_loads_and_its_module_code_never_runs(tmp_path: Any) -> None:
+    """A site-packages directory works too; the package's own module-level code (here a marker that would
+    write a file) never runs: only the patch definitions are executed."""
+    with zipfile.ZipFile(wheel("2.11.0")) as original:
+        original.extractall(tmp_path, [n for n in original.namelist() if n.endswith(".py") or "dist-info" in n])
+    marker = tmp_path / "ran"
+    module = tmp_path / "torch_npu/utils/_module.py"
+    module.write_text(f"open({str(marker)!r}, 'w').close()\n" + module.read_text())
+    loaded = torch_npu_source.load(tmp_path)
+    assert loaded.version == "2.11.0"
+    assert not marker.exists()
+
+
+def test_without_an_accelerator_loading_fails_saying_why() -> None:
+    script = (
+        "import torch\nfrom shadow import torch_npu_source as s\n"
+        f"try:\n    s.load({wheel('2.12.0')!r})\nexcept s.LegacySourceError as e:\n    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "needs an accelerator" in done.stdout, done.stderr
