@@ -160,6 +160,20 @@ def build() -> Dashboard:
                 stacked=True,
             )
         )
+        .with_panel(
+            series_panel(
+                "Shared divergences (both unlike a single device)",
+                "Comparisons where legacy and upstream agree but both depart from replica 0 run alone on its device "
+                "(the single-device oracle), by reason: removing the patch changes nothing there; an upstream issue "
+                "to file, not a reason to keep the patch.",
+                "ops",
+                query(
+                    f"sum by (target, reason) (rate(npu_shadow_shared_divergences_total{{{SEL}}}{rate}))",
+                    "{{target}} {{reason}}",
+                ),
+                stacked=True,
+            )
+        )
         .with_row(Row("Error sizes"))
         .with_panel(
             heatmap.Panel()

@@ -60,9 +60,14 @@ class Net(nn.Module):
 
 
 def use_legacy_patches(worker_id: int | None = None) -> None:
-    """torch_npu patches torch in every process that imports it; the rehearsal does the same."""
+    """torch_npu patches torch in every process that imports it; the rehearsal does the same, unless legacy
+    patches are in place already (``Tensor.type_raw`` is torch_npu's mark: `npu-shadow run --legacy-from`
+    installs torch_npu's own code that way)."""
     if importlib.util.find_spec("torch_npu") is not None:
         import torch_npu  # noqa: F401  (patches torch)
+    elif "type_raw" in vars(torch.Tensor):
+        if worker_id is None:
+            print("legacy patches already installed: using them")
     else:
         from shadow import reference
 

@@ -13,7 +13,7 @@ import importlib.metadata
 
 import torch
 
-from shadow.observation import MISMATCH_REASONS, OUTCOMES, SKIP_REASONS
+from shadow.observation import MISMATCH_REASONS, OUTCOMES, SHARED_DIVERGENCE_REASONS, SKIP_REASONS
 
 PREFIX = "npu_shadow"
 
@@ -69,6 +69,13 @@ SKIPPED = Metric(
     ("target", "reason"),
     "Sampled calls not compared, and observations an exporter failed to export (reason export).",
 )
+SHARED_DIVERGENCES = Metric(
+    "npu_shadow.shared_divergences",
+    "{comparison}",
+    "counter",
+    ("target", "reason"),
+    "Comparisons where legacy and upstream agree but both depart from the single-device oracle, by reason.",
+)
 ABS_ERROR = Metric("npu_shadow.abs_error", "1", "histogram", ("target",), "Greatest absolute error per comparison.")
 REL_ERROR = Metric("npu_shadow.rel_error", "1", "histogram", ("target",), "Greatest relative error per comparison.")
 LEGACY = Metric("npu_shadow.legacy", "s", "counter", ("target",), "Time spent in legacy on sampled calls.")
@@ -91,6 +98,7 @@ ALL = (
     COMPARISONS,
     MISMATCHES,
     SKIPPED,
+    SHARED_DIVERGENCES,
     ABS_ERROR,
     REL_ERROR,
     LEGACY,
@@ -108,6 +116,7 @@ def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:
     series += [(COMPARISONS, {"target": target, "outcome": o, "signature": ""}) for o in OUTCOMES]
     series += [(MISMATCHES, {"target": target, "reason": r}) for r in MISMATCH_REASONS]
     series += [(SKIPPED, {"target": target, "reason": r}) for r in EXPORT_SKIP_REASONS]
+    series += [(SHARED_DIVERGENCES, {"target": target, "reason": r}) for r in SHARED_DIVERGENCE_REASONS]
     series += [(LEGACY, {"target": target}), (SHADOW, {"target": target})]
     return series
 

@@ -34,7 +34,8 @@ def _number(value: float) -> str:
 
 
 class JsonlExporter:
-    """One JSON line per observation that is not a bitwise match (every one with ``all_outcomes``).
+    """One JSON line per observation that is not a bitwise match or found a shared divergence (every one with
+    ``all_outcomes``).
 
     ``path`` may hold ``{pid}`` and ``{rank}``; give each process its own file that way when several
     processes journal. The file rotates past ``max_bytes`` keeping ``backups`` old files (path.1, ...).
@@ -81,7 +82,7 @@ class JsonlExporter:
     # ------------------------------------------------------------------ export
 
     def export(self, observation: Observation) -> None:
-        if observation.outcome == "match" and not self.all_outcomes:
+        if observation.outcome == "match" and not observation.shared_divergence and not self.all_outcomes:
             return
         with self._lock:
             capture_path = self._capture(observation)
@@ -99,7 +100,9 @@ class JsonlExporter:
             f'"max_rel_error":{_number(o.max_rel_error)},"mismatched":{o.mismatched:d},"numel":{o.numel:d},'
             f'"signature":{_quote(o.signature)},"detail":{_quote(o.detail)},'
             f'"legacy_seconds":{o.legacy_seconds!r},"upstream_seconds":{o.upstream_seconds!r},'
-            f'"compare_seconds":{o.compare_seconds!r},'
+            f'"compare_seconds":{o.compare_seconds!r},"oracle_seconds":{o.oracle_seconds!r},'
+            f'"shared_divergence":{_quote(o.shared_divergence) if o.shared_divergence else "null"},'
+            f'"shared_detail":{_quote(o.shared_detail)},'
             f'"capture":{"null" if capture_path is None else _quote(capture_path)},'
             f'"drill":{"true" if o.drill else "false"},{self._process_fields}\n'
         )

@@ -28,7 +28,15 @@ METER_NAME = "npu_shadow"
 #: Histogram values waiting for a collection; beyond this (nobody collects) the oldest are dropped.
 MAX_PENDING = 100_000
 
-_SUMS = (contract.CALLS, contract.COMPARISONS, contract.MISMATCHES, contract.SKIPPED, contract.LEGACY, contract.SHADOW)
+_SUMS = (
+    contract.CALLS,
+    contract.COMPARISONS,
+    contract.MISMATCHES,
+    contract.SKIPPED,
+    contract.SHARED_DIVERGENCES,
+    contract.LEGACY,
+    contract.SHADOW,
+)
 _HISTOGRAMS = (contract.ABS_ERROR, contract.REL_ERROR, contract.SHADOW_DURATION)
 
 
@@ -137,6 +145,8 @@ class OTelExporter:
                 return
             for reason in observation.reasons:
                 add(contract.MISMATCHES, 1, target, reason)
+            if observation.shared_divergence:
+                add(contract.SHARED_DIVERGENCES, 1, target, observation.shared_divergence)
             add(contract.LEGACY, observation.legacy_seconds, target)
             add(contract.SHADOW, observation.shadow_seconds, target)
         pending = self._pending

@@ -152,6 +152,8 @@ class PrometheusExporter:
             return
         for reason in observation.reasons:
             child(contract.MISMATCHES, target, reason).inc()
+        if observation.shared_divergence:
+            child(contract.SHARED_DIVERGENCES, target, observation.shared_divergence).inc()
         if observation.outcome != "error" and observation.numel:
             child(contract.ABS_ERROR, target).observe(min(observation.max_abs_error, contract.ERROR_CAP))
             child(contract.REL_ERROR, target).observe(min(observation.max_rel_error, contract.ERROR_CAP))

@@ -2,17 +2,26 @@
 # Set up (see setup.sh), then the demo of the main job: the example training job run under
 # `npu-shadow run` on 2 emulated npu devices (DataParallel, data_parallel and npu casts, float16
 # autocast on every other step), serving its metrics on 127.0.0.1:9464 while it trains, then its
-# summary and the verdict. The first run builds the emulated npu (about 45 s; cached afterwards).
+# summary and the verdict. The legacy side is torch_npu 2.12.0's own code when its wheel is cached. The first run builds the emulated npu (about 45 s; cached afterwards).
 # Extra arguments go to `npu-shadow run`, e.g. `bash scripts/demo.sh --drill value:1.0`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-.venv/bin/npu-shadow doctor --emulate-npu 2 --port 9464 || true
+# torch_npu's own legacy code when its 2.12.0 wheel is in the cache (scripts/fetch_torch_npu.sh), else ours.
+wheel=$(.venv/bin/python -c "from shadow.torch_npu_source import cached_wheel; print(cached_wheel('2.12.0') or '')")
+legacy=()
+if [ -n "$wheel" ]; then
+  legacy=(--legacy-from "$wheel")
+  echo "== legacy: torch_npu 2.12.0's own code, read from $wheel"
+else
+  echo "== legacy: shadow.reference (no torch_npu 2.12.0 wheel in the cache; bash scripts/fetch_torch_npu.sh gets it)"
+fi
+.venv/bin/npu-shadow doctor --emulate-npu 2 --port 9464 "${legacy[@]}" || true
 echo
 echo "== training, shadowed (metrics on http://127.0.0.1:9464/metrics while it runs)"
-.venv/bin/npu-shadow run --emulate-npu 2 --sample-rate 1 --port 9464 --textfile "$work/metrics.prom" \
+.venv/bin/npu-shadow run --emulate-npu 2 "${legacy[@]}" --sample-rate 1 --port 9464 --textfile "$work/metrics.prom" \
   --journal "$work/journal-{pid}.jsonl" "$@" -- .venv/bin/python examples/train_dataparallel.py --autocast
 echo
 echo "== verdict"

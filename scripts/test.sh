@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (see setup.sh), install Prometheus and promtool from Debian's `prometheus` package when they are
 # missing (the tests start their own server on 127.0.0.1; the system service is never used), then run
-# the linter and the whole test suite.
+# the linter and the whole test suite. The torch_npu wheels (for their source) are fetched into the cache first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -11,5 +11,6 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
+bash scripts/fetch_torch_npu.sh
 .venv/bin/python -m ruff check .
 .venv/bin/python -m pytest -q "$@"

@@ -68,6 +68,12 @@ def _verdict(args: argparse.Namespace) -> int:
             if d.risky:
                 coverage = ", ".join(f"{pattern} {seen}" for pattern, seen in d.risky.items())
                 print(f"{'':<16}risky signatures compared: {coverage}")
+            if d.shared:
+                found = ", ".join(f"{reason} {count}" for reason, count in sorted(d.shared.items()))
+                print(
+                    f"{'':<16}shared divergence: {found} (legacy and upstream agree, both unlike replica 0 alone on "
+                    "its device: an upstream issue to file, not a reason to keep the patch)"
+                )
         if not decisions:
             print("(no npu_shadow comparisons found)")
         print(
@@ -119,11 +125,11 @@ def _doctor(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        config = cfg.from_sources(os.environ, {"emulate_npu": args.emulate_npu})
+        config = cfg.from_sources(os.environ, {"emulate_npu": args.emulate_npu, "legacy_from": args.legacy_from})
     except cfg.ConfigError as exc:
         print(f"npu-shadow doctor: {exc}", file=sys.stderr)
         return 2
-    code, lines = diagnose(args.port, args.addr, emulate_npu=config.emulate_npu)
+    code, lines = diagnose(args.port, args.addr, emulate_npu=config.emulate_npu, legacy_from=config.legacy_from)
     for line in lines:
         print(line)
     print("ok: this host can shadow" if code == 0 else "not ok: see above")
@@ -169,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--port", type=int, default=9464, help="the Prometheus port to try (default 9464)")
     doctor.add_argument("--addr", default="127.0.0.1")
     _add_emulate_npu(doctor, "check with N emulated npu devices installed")
+    legacy = SETTINGS["legacy_from"]
+    doctor.add_argument(
+        "--legacy-from", metavar="PATH", help=f"check with torch_npu's own legacy: {legacy.accepts} ({legacy.variable})"
+    )
     doctor.set_defaults(handler=_doctor)
 
     from shadow.verdict import DEFAULT_MAX_RATE

@@ -52,6 +52,17 @@ SETTINGS = {
     "emulate_npu": Setting(
         "NPU_SHADOW_EMULATE_NPU", "--emulate-npu", "a number of emulated npu devices, 1..16 (0 or empty: none)"
     ),
+    "legacy_from": Setting(
+        "NPU_SHADOW_LEGACY_FROM",
+        "--legacy-from",
+        "a torch_npu wheel file, a directory holding the torch_npu package, or 'installed'",
+    ),
+    "oracle": Setting(
+        "NPU_SHADOW_ORACLE",
+        "--oracle",
+        "'off', or the fraction in [0, 1] of sampled DataParallel calls without autocast also checked against "
+        "replica 0 alone on its device (calls under autocast always are; default 0.1)",
+    ),
 }
 
 
@@ -74,6 +85,8 @@ class Config:
     pushgateway: str | None = None
     textfile: str | None = None
     emulate_npu: int = 0
+    legacy_from: str | None = None
+    oracle: float | None = 0.1
 
 
 def _fail(name: str, value: str, by_option: bool, why: str = "") -> ConfigError:
@@ -135,6 +148,17 @@ def _parse(name: str, text: str, by_option: bool) -> object:
         if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 16:
             raise _fail(name, text, by_option)
         return int(text)
+    if name == "oracle":
+        if text.lower() == "off":
+            return None
+        rate = _rate(text)
+        if rate is None:
+            raise _fail(name, text, by_option)
+        return rate
+    if name == "legacy_from":
+        if text != "installed" and not os.path.exists(text):
+            raise _fail(name, text, by_option, "no such file or directory")
+        return text
     if name == "otel":
         lowered = text.lower()
         if lowered not in ("1", "true", "yes", "0", "false", "no", ""):

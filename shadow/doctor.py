@@ -83,8 +83,11 @@ def _device_line() -> str:
     return f"device: {accelerator.type} ({count} devices)"
 
 
-def diagnose(port: int, addr: str = "127.0.0.1", emulate_npu: int = 0) -> tuple[int, list[str]]:
-    """(exit code, report lines). ``emulate_npu``: install that many emulated npu devices first."""
+def diagnose(
+    port: int, addr: str = "127.0.0.1", emulate_npu: int = 0, legacy_from: str | None = None
+) -> tuple[int, list[str]]:
+    """(exit code, report lines). ``emulate_npu``: install that many emulated npu devices first;
+    ``legacy_from``: use torch_npu's own legacy from that source (:mod:`shadow.torch_npu_source`)."""
     lines = [
         f"python {platform.python_version()}, torch {torch.__version__}",
     ]
@@ -100,7 +103,7 @@ def diagnose(port: int, addr: str = "127.0.0.1", emulate_npu: int = 0) -> tuple[
     npu_version = _version("torch_npu")
     imported_npu = False
     if npu_version is None:
-        lines.append("torch_npu not installed; reference legacy available (shadow.reference: a rehearsal)")
+        lines.append("torch_npu: not installed")
     else:
         try:
             import torch_npu  # noqa: F401  (patches torch)
@@ -108,9 +111,35 @@ def diagnose(port: int, addr: str = "127.0.0.1", emulate_npu: int = 0) -> tuple[
             imported_npu = True
             lines.append(f"torch_npu {npu_version}, CANN {_cann() or 'not found'}")
         except Exception as exc:
-            lines.append(
-                f"torch_npu {npu_version} is installed but does not import ({exc}); reference legacy available"
-            )
+            lines.append(f"torch_npu {npu_version} is installed but does not import ({exc})")
+    loaded = None
+    if legacy_from and not imported_npu:
+        from shadow import torch_npu_source
+
+        try:
+            loaded = torch_npu_source.load(legacy_from)
+        except (torch_npu_source.LegacySourceError, OSError) as exc:
+            lines.append(f"legacy: --legacy-from {legacy_from}: {exc}")
+            return 1, lines
+    if imported_npu:
+        ignored = "; --legacy-from ignored" if legacy_from else ""
+        lines.append(f"legacy: torch_npu {npu_version} (imported){ignored}")
+    elif loaded is not None:
+        lines.append(f"legacy: {loaded.origin}")
+    else:
+        lines.append(
+            "legacy: shadow.reference (our reading of torch_npu 2.12, checked bitwise against the source of "
+            "2.8.0-2.12.0; --legacy-from uses torch_npu's own)"
+        )
+    patches = loaded.patch_torch() if loaded is not None else None
+    try:
+        return _diagnose_shadowing(lines, port, addr, imported_npu)
+    finally:
+        if patches is not None:
+            patches.undo()
+
+
+def _diagnose_shadowing(lines: list[str], port: int, addr: str, imported_npu: bool) -> tuple[int, list[str]]:
     active = targets.active_builtins()
     if active:
         lines.append("legacy patches active: " + ", ".join(f"{n} ({o})" for n, o in active.items()))
@@ -139,7 +168,8 @@ def diagnose(port: int, addr: str = "127.0.0.1", emulate_npu: int = 0) -> tuple[
             "known shared defect: upstream parallel_apply and torch_npu's (up to 2.12) both read "
             "torch.is_autocast_enabled() without a device type (CUDA's state); on "
             f"{accelerator.type if accelerator else 'a non-CUDA accelerator'} both run the replicas without "
-            "autocast, so shadowing reports a match under autocast (a defect of both, not a divergence)"
+            "autocast, so shadowing reports a match under autocast (a defect of both, not a divergence); "
+            "the single-device oracle (--oracle) counts it as a shared divergence"
         )
     busy = _port_free(addr, port)
     lines.append(f"prometheus port {addr}:{port}: " + ("free" if busy is None else f"cannot bind ({busy})"))

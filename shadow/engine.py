@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ from shadow import _compile, _fork
 from shadow.compare import compare
 from shadow.drill import Drill
 from shadow.isolation import Isolation, find_modules
-from shadow.observation import Evidence, Observation, TargetStats, bounded
+from shadow.observation import SHARED_DIVERGENCE_REASONS, Evidence, Observation, TargetStats, bounded
 from shadow.sampler import Gate, Sampler
 from shadow.targets import Target
 from shadow.tolerance import ToleranceSpec
@@ -94,15 +95,22 @@ class Shadow:
         exporters: Sequence[Any],
         seed: int | None,
         drill: Drill | None = None,
+        oracle_rate: float | None = None,
     ) -> None:
         self.target = target
         self.drill = drill
+        # The single-device oracle: None is off; else every sampled call under autocast and this fraction of
+        # the others (targets that describe a single-device call only).
+        self.oracle_rate = oracle_rate if target.oracle is not None and target.isolate else None
+        self._oracle_random = random.Random(f"{seed}/{target.name}/oracle" if seed is not None else None)
         self.legacy = target.resolve_legacy()
         self.tolerance = tolerance if tolerance is not None else target.tolerance
         self.exporters = tuple(exporters)
         self._lock = threading.Lock()
         self._outcomes: collections.Counter[str] = collections.Counter()
         self._reasons: collections.Counter[str] = collections.Counter()
+        self._shared: collections.Counter[str] = collections.Counter()
+        self._oracle_runs = 0
         self._last_logged: dict[str, float] = {}
         self.wrapper, set_gate = _make_wrapper(self.legacy, self._arrive)
         self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
@@ -149,12 +157,16 @@ class Shadow:
 
     # ------------------------------------------------------------------ the shadow side
 
-    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Isolation | None, str, str] | BaseException:
-        """What the upstream run needs, taken before legacy runs; an exception if that failed."""
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Isolation | None, str, str, bool] | BaseException:
+        """What the upstream run (and the oracle's) needs, taken before legacy runs; an exception if that failed."""
         try:
-            isolation = Isolation(args, kwargs) if self.target.isolate else None
+            autocast = _autocast_state()
+            oracle = self.oracle_rate is not None and (
+                "=on/" in autocast or self._oracle_random.random() < self.oracle_rate
+            )
+            isolation = Isolation(args, kwargs, runs=2 if oracle else 1) if self.target.isolate else None
             signature = self.target.signature(args, kwargs) if self.target.signature else "call"
-            return isolation, bounded(str(signature), 64), _autocast_state()
+            return isolation, bounded(str(signature), 64), autocast, oracle
         except Exception as exc:
             return exc
 
@@ -193,7 +205,7 @@ class Shadow:
             if reason == "oom":
                 _free_after_oom()
             return Observation(self.target.name, "skipped", (reason,), detail=bounded(repr(prepared)), timestamp=now)
-        isolation, signature, autocast_before = prepared
+        isolation, signature, autocast_before, oracle_planned = prepared
         common = {
             "target": self.target.name,
             "signature": signature,
@@ -259,6 +271,9 @@ class Shadow:
         detail = comparison.detail
         if comparison.outcome == "mismatch":
             detail = bounded(f"{detail} | autocast legacy: {autocast_before}; upstream: {autocast_upstream}")
+        shared = {}
+        if oracle_planned and comparison.outcome in ("match", "close"):
+            shared = self._single_device(isolation, result)
         return Observation(
             outcome=comparison.outcome,
             reasons=comparison.reasons,
@@ -269,8 +284,36 @@ class Shadow:
             compare_seconds=compare_seconds,
             detail=detail,
             evidence=evidence(upstream_result) if comparison.outcome == "mismatch" else None,
+            **shared,
             **common,
         )
+
+    def _single_device(self, isolation: Isolation, legacy_result: Any) -> dict[str, Any]:
+        """Run the call's replica 0 on its own device, isolated like the upstream run, and compare legacy's
+        replica-0 output with it: the Observation fields of a shared divergence (none if they agree)."""
+        start = time.perf_counter()
+        try:
+            args, kwargs = isolation.arguments(1)
+            with isolation.upstream_run(1):
+                call = self.target.oracle(args, kwargs)
+                if call is None:
+                    return {}
+                single = call.run()
+            with self._lock:
+                self._oracle_runs += 1
+            found = compare(call.legacy_part(legacy_result, single), single, tolerance=self.tolerance)
+        except Exception as exc:  # the oracle is ours: its failure loses only the oracle's finding
+            self._log_limited("oracle", "single-device oracle failed: %r", exc)
+            return {"oracle_seconds": time.perf_counter() - start}
+        seconds = time.perf_counter() - start
+        if found.outcome != "mismatch":
+            return {"oracle_seconds": seconds}
+        reason = next((r for r in found.reasons if r in SHARED_DIVERGENCE_REASONS), "value")
+        return {
+            "shared_divergence": reason,
+            "shared_detail": bounded(f"legacy and upstream agree; replica 0 alone on its device: {found.detail}"),
+            "oracle_seconds": seconds,
+        }
 
     @staticmethod
     def _compare_errors(
@@ -289,6 +332,8 @@ class Shadow:
         with self._lock:
             self._outcomes[observation.outcome] += 1
             self._reasons.update(observation.reasons)
+            if observation.shared_divergence:
+                self._shared[observation.shared_divergence] += 1
         publishing, _local.publishing = getattr(_local, "publishing", False), True
         try:
             self.report_calls()
@@ -345,6 +390,8 @@ class Shadow:
                 error=outcomes.get("error", 0),
                 skipped=outcomes.get("skipped", 0),
                 by_reason=dict(self._reasons),
+                shared_divergences=dict(self._shared),
+                oracle_runs=self._oracle_runs,
             )
 
     def _after_fork_in_child(self) -> None:
@@ -353,6 +400,8 @@ class Shadow:
         self._lock = threading.Lock()
         self._outcomes.clear()
         self._reasons.clear()
+        self._shared.clear()
+        self._oracle_runs = 0
         self._calls_reported = 0
 
 

@@ -78,28 +78,42 @@ def clone_tensors(tree: Any) -> Any:
 
 
 class Isolation:
-    """Taken before legacy runs; :meth:`upstream_run` then gives the upstream side its own world."""
+    """Taken before legacy runs; :meth:`upstream_run` then gives the upstream side its own world.
 
-    def __init__(self, args: tuple, kwargs: dict) -> None:
+    ``runs``: how many isolated runs will follow (the upstream run, and the single-device oracle's); each gets
+    its own clones of the arguments and buffers, so none starts from what another left.
+    """
+
+    def __init__(self, args: tuple, kwargs: dict, runs: int = 1) -> None:
         self.rng_before = RngSnapshot()
-        clones: dict[int, torch.Tensor] = {}  # tied buffers stay tied in the upstream run
-        self._buffer_swaps: list[tuple[dict, str, torch.Tensor]] = []
+        self._worlds = [self._world(args, kwargs) for _ in range(runs)]
+        self.args, self.kwargs = self._worlds[0][0]
+
+    @staticmethod
+    def _world(args: tuple, kwargs: dict) -> tuple[tuple[tuple, dict], list[tuple[dict, str, torch.Tensor]]]:
+        clones: dict[int, torch.Tensor] = {}  # tied buffers stay tied in the isolated run
+        swaps: list[tuple[dict, str, torch.Tensor]] = []
         for root in find_modules((args, kwargs)):
             for module in root.modules():
                 for name, buffer in module._buffers.items():
                     if buffer is not None:
                         clone = clones.setdefault(id(buffer), buffer.detach().clone())
-                        self._buffer_swaps.append((module._buffers, name, clone))
-        self.args, self.kwargs = clone_tensors((args, kwargs))
+                        swaps.append((module._buffers, name, clone))
+        return clone_tensors((args, kwargs)), swaps
+
+    def arguments(self, run: int = 0) -> tuple[tuple, dict]:
+        """The cloned (args, kwargs) of one run."""
+        return self._worlds[run][0]
 
     @contextlib.contextmanager
-    def upstream_run(self) -> Iterator[None]:
-        """Run the body as the upstream side: legacy's starting state, no graph, nothing leaks out."""
+    def upstream_run(self, run: int = 0) -> Iterator[None]:
+        """Run the body isolated: legacy's starting state, no graph, nothing leaks out."""
         rng_after_legacy = RngSnapshot()
-        originals = [(buffers, name, buffers[name]) for buffers, name, _ in self._buffer_swaps]
+        swaps = self._worlds[run][1]
+        originals = [(buffers, name, buffers[name]) for buffers, name, _ in swaps]
         try:
             self.rng_before.restore()
-            for buffers, name, clone in self._buffer_swaps:
+            for buffers, name, clone in swaps:
                 buffers[name] = clone
             with torch.no_grad():
                 yield

@@ -75,6 +75,8 @@ def install_from_env(environ: dict[str, str] | None = None) -> Any:
         _state["config"] = config
         if config.emulate_npu:
             _emulate_npu(config.emulate_npu)
+        if config.legacy_from:
+            _legacy_from(config.legacy_from)
         if not _state["exporters"]:
             _state["exporters"] = _exporters(config)
         previous = _state["monitor"]
@@ -91,6 +93,7 @@ def install_from_env(environ: dict[str, str] | None = None) -> Any:
                 exporters=_state["exporters"],
                 seed=config.seed,
                 drill=drill,
+                oracle=config.oracle,
             )
         _state["monitor"] = monitor
         if previous is None:
@@ -111,6 +114,30 @@ def _emulate_npu(devices: int) -> None:
             print(f"npu-shadow: --emulate-npu ignored: {exc}", file=sys.stderr)
 
 
+def _legacy_from(path: str) -> None:
+    """Install torch_npu's own legacy from its source at ``path`` (once per process). Where torch_npu itself is
+    imported its patches are the legacy; where the source cannot be loaded, say so once and shadow what the
+    process has."""
+    from shadow import torch_npu_source
+
+    if "legacy" in _state:
+        return
+    if "torch_npu" in sys.modules:
+        _state["legacy"] = None
+        print(
+            "npu-shadow: --legacy-from ignored: torch_npu is imported, its own patches are the legacy", file=sys.stderr
+        )
+        return
+    try:
+        legacy = torch_npu_source.load(path)
+    except (torch_npu_source.LegacySourceError, OSError) as exc:
+        _state["legacy"] = None
+        print(f"npu-shadow: --legacy-from {path}: {exc}; shadowing the legacy this process has", file=sys.stderr)
+        return
+    _state["legacy"] = legacy
+    legacy.patch_torch()
+
+
 def refresh() -> None:
     """Re-install when something patched over the wrappers, or new legacy patches appeared."""
     from shadow import targets
@@ -126,9 +153,11 @@ def refresh() -> None:
             install_from_env()
 
 
-def summary(stats: dict) -> str:
-    """One screen: a line per target."""
-    lines = [
+def summary(stats: dict, legacy: dict[str, str] | None = None) -> str:
+    """One screen: where the legacy comes from, then a line per target."""
+    origins = sorted(set((legacy or {}).values()))
+    lines = [f"npu-shadow legacy: {', '.join(origins)}"] if origins else []
+    lines += [
         f"{'npu-shadow':<16}{'calls':>10}{'sampled':>9}{'match':>8}{'close':>7}{'mismatch':>10}{'error':>7}"
         f"{'skipped':>9}"
     ]
@@ -139,7 +168,13 @@ def summary(stats: dict) -> str:
         lines.append(
             f"{name:<16}{s.calls:>10}{s.sampled:>9}{s.match:>8}{s.close:>7}{s.mismatch:>10}{s.error:>7}{s.skipped:>9}"
         )
-    if len(lines) == 1:
+        if s.shared_divergences:
+            found = ", ".join(f"{reason} {count}" for reason, count in sorted(s.shared_divergences.items()))
+            lines.append(
+                f"{'':<16}shared divergence: {found} of {s.oracle_runs} single-device checks "
+                "(legacy = upstream, both unlike replica 0 alone)"
+            )
+    if not stats:
         lines.append("(no target installed: no active legacy patch in this process)")
     return "\n".join(lines)
 
@@ -157,7 +192,7 @@ def _at_exit() -> None:
             if config.textfile and hasattr(exporter, "write_textfile") and _is_job_process():
                 exporter.write_textfile(config.textfile.format(rank=_local_rank(), pid=os.getpid()))
     if _is_job_process():
-        print(summary(monitor.stats()), file=sys.stderr)
+        print(summary(monitor.stats(), monitor.legacy_origins()), file=sys.stderr)
 
 
 def after_torch() -> None:

@@ -44,6 +44,11 @@ class Monitor:
         """{target name: counts so far}."""
         return {s.target.name: s.stats() for s in self._shadows}
 
+    def legacy_origins(self) -> dict[str, str]:
+        """{target name: where its legacy comes from} for the built-in legacies (see targets.patch_origin)."""
+        origins = {s.target.name: builtin.patch_origin(s.legacy) for s in self._shadows}
+        return {name: origin for name, origin in origins.items() if origin is not None}
+
     def shadow(self, name: str) -> Shadow:
         """The engine of one installed target."""
         for s in self._shadows:
@@ -152,6 +157,7 @@ def install(
     exporters: Sequence[Any] = (),
     seed: int | None = None,
     drill: Drill | None = None,
+    oracle: float | None = 0.1,
 ) -> Monitor:
     """Shadow the given targets (by default every built-in whose legacy patch is active).
 
@@ -159,8 +165,10 @@ def install(
     names: 0.01). ``tolerance``: one Tolerance, a {torch.dtype: Tolerance} table, or
     {target name: either}. ``exporters``: objects with ``export(observation)``. ``seed``: makes the
     choice of sampled calls reproducible. ``drill``: a :class:`shadow.drill.Drill` injecting synthetic
-    divergence into the upstream side (never into what the caller gets). Raises ValueError on any bad
-    argument, before patching.
+    divergence into the upstream side (never into what the caller gets). ``oracle``: for the DataParallel
+    targets, the fraction of sampled calls without autocast that also run replica 0 alone on its device, to find
+    divergences legacy and upstream share (sampled calls under autocast always do); None turns it off. Raises
+    ValueError on any bad argument, before patching.
     """
     if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is not None:
         warnings.warn(
@@ -212,7 +220,10 @@ def install(
     if drill is not None and not isinstance(drill, Drill):
         raise ValueError(f"drill: expected a shadow.drill.Drill or None, got {drill!r}")
 
-    shadows = [Shadow(t, rates[t.name], tolerances[t.name], exporters, seed, drill) for t in resolved]
+    if oracle is not None:
+        oracle = _check_rate(oracle, "oracle")
+
+    shadows = [Shadow(t, rates[t.name], tolerances[t.name], exporters, seed, drill, oracle) for t in resolved]
     monitor = Monitor(shadows)
     try:
         monitor._patch()

@@ -21,6 +21,9 @@ MISMATCH_REASONS = ("structure", "type", "dtype", "shape", "device", "stride", "
 #: "comparator" is a fault of this tool (counted, logged, never raised); "budget" is reserved.
 SKIP_REASONS = ("oom", "reentrant", "compiling", "budget", "comparator")
 
+#: Reasons a DataParallel call's result (legacy and upstream agreeing) departs from the single-device oracle's.
+SHARED_DIVERGENCE_REASONS = ("structure", "type", "dtype", "shape", "device", "nan", "value")
+
 #: Reasons that show a difference in kind, not in degree: no tolerance can make them pass.
 HARD_REASONS = frozenset({"structure", "type", "dtype", "shape", "device", "stride", "nan", "exception"})
 
@@ -68,6 +71,12 @@ class Observation:
     timestamp: float = 0.0
     #: True when a fire drill injected this observation's divergence.
     drill: bool = False
+    #: Where legacy and upstream agree but both depart from the single-device oracle: its first reason (one of
+    #: SHARED_DIVERGENCE_REASONS) and what differs; empty when the oracle agreed or did not run.
+    shared_divergence: str = ""
+    shared_detail: str = ""
+    #: Time the single-device oracle run and its comparison took (part of the shadow side's time).
+    oracle_seconds: float = 0.0
     #: For mismatches and errors: what a repro capture needs (never compared, never printed).
     evidence: Evidence | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -77,8 +86,8 @@ class Observation:
 
     @property
     def shadow_seconds(self) -> float:
-        """Time the shadow side cost the caller: the upstream run plus the comparison."""
-        return self.upstream_seconds + self.compare_seconds
+        """Time the shadow side cost the caller: the upstream run, the comparison, the oracle."""
+        return self.upstream_seconds + self.compare_seconds + self.oracle_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +107,9 @@ class TargetStats:
     error: int = 0
     skipped: int = 0
     by_reason: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    #: Shared divergences found by the single-device oracle, by reason; and how often the oracle ran.
+    shared_divergences: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    oracle_runs: int = 0
 
     @property
     def compared(self) -> int:

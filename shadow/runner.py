@@ -59,6 +59,14 @@ def run(command: Sequence[str], options: Mapping[str, str | None], environ: Mapp
         except emulated_npu.EmulatorUnavailable as exc:
             print(f"npu-shadow run: --emulate-npu: {exc}", file=sys.stderr)
             return 2
+    if config.legacy_from:
+        from shadow import torch_npu_source
+
+        try:
+            torch_npu_source.check(config.legacy_from)
+        except (torch_npu_source.LegacySourceError, OSError) as exc:
+            print(f"npu-shadow run: --legacy-from: {exc}", file=sys.stderr)
+            return 2
     env = dict(environ)
     env.update(cfg.to_environ(options))
     env[boot.ENABLED] = "1"

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from shadow import reference
+from shadow import oracle, reference
+from shadow.oracle import SingleDeviceCall
 from shadow.tolerance import ToleranceSpec
 
 Signature = Callable[[tuple, dict], str]
@@ -29,6 +30,8 @@ class Target:
     whenever a module or RNG is involved; only pure functions should turn it off).
     ``signature`` classifies a call into a small fixed set of code paths; ``risky_signatures`` are
     ``fnmatch`` patterns of the paths where legacy and upstream differ, which a verdict should see.
+    ``oracle`` describes a call's single-device equivalent (:mod:`shadow.oracle`), to find what legacy and
+    upstream share but a single device would not do.
     """
 
     name: str
@@ -41,6 +44,7 @@ class Target:
     isolate: bool = True
     signature: Signature | None = None
     risky_signatures: tuple[str, ...] = ()
+    oracle: Callable[[tuple, dict], SingleDeviceCall | None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -156,6 +160,7 @@ def parallel_apply(apply: Callable | None = None) -> Target:
         upstream=upstream_parallel_apply,
         signature=parallel_apply_signature,
         risky_signatures=("*/autocast=on",),
+        oracle=oracle.parallel_apply_call,
     )
 
 
@@ -168,6 +173,7 @@ def data_parallel(function: Callable | None = None) -> Target:
         upstream=function or _torch_data_parallel(),
         signature=data_parallel_signature,
         risky_signatures=("*/autocast=on",),
+        oracle=oracle.data_parallel_call,
     )
 
 
@@ -179,7 +185,13 @@ BUILTINS: dict[str, Callable[[], Target]] = {
 
 
 def patch_origin(obj: Any) -> str | None:
-    """'torch_npu' or 'reference' when ``obj`` is one of those legacy patches, else None."""
+    """'torch_npu' (imported), 'torch_npu X source' (:mod:`shadow.torch_npu_source`) or 'reference' when ``obj``
+    is one of those legacy patches, else None."""
+    from shadow.torch_npu_source import origin_of
+
+    loaded = origin_of(obj)
+    if loaded is not None:
+        return loaded
     module = getattr(obj, "__module__", None) or ""
     if module == "torch_npu" or module.startswith("torch_npu."):
         return "torch_npu"

@@ -36,6 +36,9 @@ from typing import Any
 
 import torch
 
+#: The torch_npu releases that carry the patches (torch_npu 2.13 removed them).
+RELEASES = ("2.8.0", "2.9.0", "2.10.0", "2.11.0", "2.12.0")
+
 #: What torch_npu must define for the legacy patches; what these use (torch_npu's autocast, its error codes, the
 #: tensor type table) is loaded from the files they import it from, as far as they use it.
 DEFINITIONS: dict[str, tuple[str, ...]] = {
@@ -101,7 +104,7 @@ class TorchNpuLegacy:
 
 
 def origin_of(function: Any) -> str | None:
-    """'torch_npu X source (from PATH)' for a function :func:`load` made, else None."""
+    """'torch_npu X source' for a function :func:`load` made, else None."""
     return getattr(function, ORIGIN_ATTRIBUTE, None)
 
 
@@ -167,6 +170,12 @@ class _Source:
     def close(self) -> None:
         if self._zip is not None:
             self._zip.close()
+
+
+def _parse(text: str, member: str) -> ast.Module:
+    with warnings.catch_warnings():  # (old files have invalid escapes in code we never run)
+        warnings.simplefilter("ignore")
+        return ast.parse(text, filename=member)
 
 
 def _definitions(tree: ast.Module) -> dict[str, ast.stmt]:
@@ -288,9 +297,7 @@ class _Loader:
             text = self.source.read(member)
             if text is None:
                 raise LegacySourceError(f"torch_npu {self.version} ({self.source.path}): {member} is missing")
-            with warnings.catch_warnings():  # (old files have invalid escapes in code we never run)
-                warnings.simplefilter("ignore")
-                self.trees[member] = ast.parse(text, filename=member)
+            self.trees[member] = _parse(text, member)
         return self.trees[member]
 
     def execute(self, member: str, names: tuple[str, ...]) -> dict[str, Any]:
@@ -338,6 +345,24 @@ class _Loader:
         return namespace
 
 
+def check(path: str | os.PathLike) -> str:
+    """The torch_npu version at ``path``, once its files are found to define what the patches need (read only:
+    nothing runs, no accelerator needed). Raises :class:`LegacySourceError` naming what is missing."""
+    source = _Source(path)
+    try:
+        version = source.version()
+        for member, names in DEFINITIONS.items():
+            text = source.read(member)
+            if text is None:
+                raise LegacySourceError(f"torch_npu {version} ({source.path}): {member} is missing")
+            missing = [n for n in names if n not in _definitions(_parse(text, member))]
+            if missing:
+                raise LegacySourceError(f"torch_npu {version} ({source.path}): {member} has no {missing[0]!r}")
+        return version
+    finally:
+        source.close()
+
+
 def load(path: str | os.PathLike) -> TorchNpuLegacy:
     """torch_npu's legacy functions from a wheel file, a directory holding the ``torch_npu`` package (e.g.
     site-packages) or ``'installed'`` (the distribution installed here, found without importing it).
@@ -357,7 +382,7 @@ def load(path: str | os.PathLike) -> TorchNpuLegacy:
     module = loader.namespaces["torch_npu/utils/_module.py"]
     cache = methods["_NPUTensortypeCache"]
     cache.tensortype_list_dict_init()
-    origin = f"torch_npu {version} source (from {source.path})"
+    origin = f"torch_npu {version} source"
     legacy = TorchNpuLegacy(
         version=version,
         source=str(source.path),

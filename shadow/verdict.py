@@ -73,6 +73,7 @@ class TargetCounts:
 
     outcomes: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, outcome)
     reasons: dict[str, float] = dataclasses.field(default_factory=dict)
+    shared: dict[str, float] = dataclasses.field(default_factory=dict)  # shared divergences by reason
 
     def add_outcome(self, signature: str, outcome: str, count: float) -> None:
         key = (signature, outcome)
@@ -80,6 +81,9 @@ class TargetCounts:
 
     def add_reason(self, reason: str, count: float) -> None:
         self.reasons[reason] = self.reasons.get(reason, 0) + count
+
+    def add_shared(self, reason: str, count: float) -> None:
+        self.shared[reason] = self.shared.get(reason, 0) + count
 
     @property
     def compared(self) -> int:
@@ -108,6 +112,9 @@ class Decision:
     hard: dict[str, int]
     why: str
     risky: dict[str, int] = dataclasses.field(default_factory=dict)  # risky signature pattern -> compared
+    #: Shared divergences by reason: legacy and upstream agree, both unlike a single-device run. Reported on
+    #: their own line; they never change the decision (removing the patch changes nothing there).
+    shared: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -133,6 +140,7 @@ def decide(
         "upper": upper,
         "hard": hard,
         "risky": coverage,
+        "shared": {r: round(v) for r, v in counts.shared.items() if v > 0},
     }
     if hard:
         kinds = ", ".join(f"{count} {reason}" for reason, count in sorted(hard.items()))

@@ -13,6 +13,7 @@ from shadow.verdict import TargetCounts
 
 COMPARISONS = "npu_shadow_comparisons_total"
 MISMATCHES = "npu_shadow_mismatches_total"
+SHARED = "npu_shadow_shared_divergences_total"
 
 
 class SourceError(Exception):
@@ -35,6 +36,9 @@ def from_exposition(text: str) -> dict[str, TargetCounts]:
             elif sample.name == MISMATCHES:
                 target = counts.setdefault(labels.get("target", ""), TargetCounts())
                 target.add_reason(labels.get("reason", ""), sample.value)
+            elif sample.name == SHARED:
+                target = counts.setdefault(labels.get("target", ""), TargetCounts())
+                target.add_shared(labels.get("reason", ""), sample.value)
     return counts
 
 
@@ -69,6 +73,9 @@ def from_prometheus(
     for item in _query(url, f"sum by (target, reason) ({series(MISMATCHES)})", timeout):
         labels, value = item["metric"], float(item["value"][1])
         counts.setdefault(labels.get("target", ""), TargetCounts()).add_reason(labels.get("reason", ""), value)
+    for item in _query(url, f"sum by (target, reason) ({series(SHARED)})", timeout):
+        labels, value = item["metric"], float(item["value"][1])
+        counts.setdefault(labels.get("target", ""), TargetCounts()).add_shared(labels.get("reason", ""), value)
     return counts
 
 
@@ -88,6 +95,8 @@ def from_journal(paths: Iterable[str]) -> dict[str, TargetCounts]:
                         if record["outcome"] != "skipped":
                             for reason in record.get("reasons", []):
                                 target.add_reason(reason, 1)
+                        if record.get("shared_divergence"):
+                            target.add_shared(record["shared_divergence"], 1)
                     except (ValueError, KeyError, TypeError) as exc:
                         raise SourceError(f"{path}:{number}: not a journal line ({exc})") from exc
         except OSError as exc:

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from shadow import emulated_npu
+from shadow import emulated_npu, reference, torch_npu_source
 
 HERE = os.path.dirname(__file__)
 
@@ -36,6 +36,27 @@ def torch_left_as_found():
     yield
     after = _patched_objects()
     assert all(a is b for a, b in zip(before, after)), "a test left torch patched"
+
+
+@pytest.fixture(scope="session")
+def torch_npu_legacy():
+    """torch_npu 2.12.0's own legacy functions, from its wheel's source (skips when the wheel is not cached)."""
+    from torch_npu_wheels import wheel
+
+    return torch_npu_source.load(wheel("2.12.0"))
+
+
+@pytest.fixture(params=["reference", "torch_npu 2.12.0 source"])
+def legacy_patches(request):
+    """torch patched with each legacy in turn: shadow.reference's, and torch_npu 2.12.0's own code."""
+    if request.param == "reference":
+        patches = reference.patch_torch()
+    else:
+        patches = request.getfixturevalue("torch_npu_legacy").patch_torch()
+    try:
+        yield request.param
+    finally:
+        patches.undo()
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 import torch
 from metrics_helpers import samples, total
 from prometheus_server import consecutive_free_ports, free_port, prometheus
+from torch_npu_wheels import wheel
 
 from shadow import config as cfg
 from shadow import doctor, runner
@@ -90,6 +91,8 @@ INVALID = {
     "pushgateway": "not a gateway",
     "textfile": "/etc/passwd/metrics.prom",
     "emulate_npu": "17",
+    "legacy_from": "/nonexistent/torch_npu-2.12.0.whl",
+    "oracle": "sometimes",
 }
 MORE_INVALID = [
     ("sample_rate", "tensor_type=x"),
@@ -99,6 +102,8 @@ MORE_INVALID = [
     ("journal", ""),
     ("emulate_npu", "two"),
     ("emulate_npu", "²"),
+    ("oracle", "1.5"),
+    ("legacy_from", ""),
 ]
 
 
@@ -132,6 +137,18 @@ def test_bad_variable_stops_before_the_command(name, value, tmp_path, capsys):
     assert runner.run(command, {}, environ=environ) == 2
     assert f"{cfg.SETTINGS[name].variable}={value!r} is not valid" in capsys.readouterr().err
     assert not marker.exists()
+
+
+def test_legacy_source_without_the_patches_stops_before_the_command(tmp_path, capsys):
+    marker, command = marker_command(tmp_path)
+    fake = tmp_path / "torch_npu-9.9.9-py3-none-any.whl"
+    fake.write_bytes(b"not a zip")
+    assert runner.run(command, {"legacy_from": str(fake)}, environ={}) == 2
+    assert "--legacy-from: " in capsys.readouterr().err and not marker.exists()
+    (tmp_path / "site" / "torch_npu" / "utils").mkdir(parents=True)
+    (tmp_path / "site" / "torch_npu" / "utils" / "_module.py").write_text("def npu_parallel_apply(): pass\n")
+    assert runner.run(command, {"legacy_from": str(tmp_path / "site")}, environ={}) == 2
+    assert "torch_npu/utils/tensor_methods.py is missing" in capsys.readouterr().err and not marker.exists()
 
 
 def test_tolerance_needs_both_settings(tmp_path, capsys):
@@ -206,7 +223,8 @@ def test_doctor_on_this_cpu_host_and_with_the_emulated_npu():
     done = npu_shadow("doctor", "--port", str(free_port()))  # a fresh process: no accelerator
     assert done.returncode == 0 and "ok: this host can shadow" in done.stdout
     assert "device: cpu only" in done.stdout
-    assert "torch_npu not installed; reference legacy available" in done.stdout
+    assert "torch_npu: not installed" in done.stdout
+    assert "legacy: shadow.reference (our reading of torch_npu 2.12" in done.stdout
     assert "parallel_apply, data_parallel cannot run without an accelerator" in done.stdout
     assert "self-test tensor_type: passed" in done.stdout
 
@@ -228,7 +246,9 @@ EMULATED_JOB = ["--epochs", "1", "--samples", "256", "--batch-size", "32", "--wo
 EMULATED_STEPS = 8
 
 
-def test_example_job_on_two_emulated_npus_shadows_all_three_targets_and_is_unchanged(tmp_path):
+@pytest.mark.parametrize("legacy", ["reference", "torch_npu 2.12.0 source"])
+def test_example_job_on_two_emulated_npus_shadows_all_three_targets_and_is_unchanged(tmp_path, legacy):
+    legacy_from = ["--legacy-from", wheel("2.12.0")] if legacy != "reference" else []
     plain_out, out, textfile = tmp_path / "plain.pt", tmp_path / "weights.pt", tmp_path / "metrics.prom"
     plain = subprocess.run(
         [sys.executable, EXAMPLE, *EMULATED_JOB, "--emulate-npu", "2", "--out", str(plain_out)],
@@ -236,11 +256,13 @@ def test_example_job_on_two_emulated_npus_shadows_all_three_targets_and_is_uncha
     )  # fmt: skip
     assert plain.returncode == 0, plain.stderr
     done = npu_shadow(
-        "run", "--emulate-npu", "2", "--sample-rate", "1", "--textfile", str(textfile),
+        "run", "--emulate-npu", "2", *legacy_from, "--sample-rate", "1", "--textfile", str(textfile),
         "--", sys.executable, EXAMPLE, *EMULATED_JOB, "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert done.stdout == plain.stdout
+    # (the job's first line says which legacy patches it found)
+    assert done.stdout.splitlines()[1:] == plain.stdout.splitlines()[1:]
+    assert f"npu-shadow legacy: {legacy}" in done.stderr
     assert_same_weights(out, torch.load(plain_out))
     parsed = samples(textfile.read_text())
     data_parallel_steps = len([s for s in range(EMULATED_STEPS) if s % 4 == 3])
@@ -270,6 +292,11 @@ def test_example_job_on_two_emulated_npus_shadows_all_three_targets_and_is_uncha
     assert verdict.returncode == 3  # honest: far too few comparisons to promote
     assert "risky signatures compared: */autocast=on 2" in verdict.stdout
     assert "risky signatures compared: npu_name/* 8, npu_class/* 8" in verdict.stdout
+    # legacy and upstream agree under autocast; the single-device oracle sees what both do
+    for target in expected_calls:
+        assert total(parsed, "npu_shadow_shared_divergences_total", target=target, reason="dtype") == 2
+        assert total(parsed, "npu_shadow_shared_divergences_total", target=target) == 2
+    assert verdict.stdout.count("shared divergence: dtype 2 (legacy and upstream agree") == 2
 
 
 TORCHRUN_JOB = ["--epochs", "1", "--samples", "64", "--batch-size", "16", "--workers", "0", "--linger", "6"]
@@ -392,3 +419,35 @@ def test_emulate_npu_where_torch_npu_is_imported_warns_and_still_shadows():
     assert done.stderr.count("--emulate-npu ignored: torch_npu is imported") == 1
     assert done.stdout.split("\n")[0] == "0 ['data_parallel', 'parallel_apply', 'tensor_type']"
     assert "tensor_type" in done.stderr and "not installed" not in done.stderr
+
+
+def test_legacy_from_where_torch_npu_is_imported_keeps_torch_npu_and_says_so():
+    """The real torch_npu outranks its source: its patches stay the legacy."""
+    job = (
+        "import sys, types; sys.modules['torch_npu'] = types.ModuleType('torch_npu')\n"
+        "import torch\n"
+        "from shadow import reference; reference.patch_torch()  # its patches, as torch_npu applies them\n"
+        "from shadow import launch\n"
+        "print(launch._state['monitor'].legacy_origins())"
+    )
+    done = npu_shadow(
+        "run", "--emulate-npu", "2", "--legacy-from", wheel("2.12.0"), "--", sys.executable, "-c", job
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("--legacy-from ignored: torch_npu is imported") == 1
+    assert "torch_npu 2.12.0 source" not in done.stdout
+
+
+def test_doctor_says_which_legacy_is_active(tmp_path):
+    source = wheel("2.12.0")
+    done = npu_shadow("doctor", "--emulate-npu", "2", "--legacy-from", source, "--port", str(free_port()))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"legacy: torch_npu 2.12.0 source (from {source})" in done.stdout
+    assert "legacy patches active: parallel_apply (torch_npu 2.12.0 source)" in done.stdout
+    assert "self-test tensor_type: passed" in done.stdout
+    broken = tmp_path / "torch_npu-2.12.0-cp311-none-any.whl"
+    broken.write_text("not a wheel")
+    done = npu_shadow("doctor", "--emulate-npu", "2", "--legacy-from", str(broken), "--port", str(free_port()))
+    assert (
+        done.returncode == 1 and "legacy: --legacy-from" in done.stdout and "neither a torch_npu wheel" in done.stdout
+    )

@@ -1,6 +1,7 @@
 """Promise 1 on the emulated npu: a DataParallel training loop shadowed at sample_rate=1.0, with torch's
-real upstream parallel_apply and data_parallel running on two devices, ends bitwise where the
-unshadowed loop ends."""
+real upstream parallel_apply and data_parallel running on two devices and the single-device oracle on every
+DataParallel call, ends bitwise where the unshadowed loop ends: over our reference legacy and over torch_npu's
+own."""
 
 import copy
 import random
@@ -66,7 +67,7 @@ def train(shadowed: bool):
     model = Net().to("npu:0")
     dp = nn.DataParallel(model, device_ids=DEVICES)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    monitor = shadow.install(sample_rate=1.0, seed=1) if shadowed else None
+    monitor = shadow.install(sample_rate=1.0, seed=1, oracle=1.0) if shadowed else None
     losses, grads = [], []
     try:
         for step in range(STEPS):
@@ -74,7 +75,8 @@ def train(shadowed: bool):
             x = x.type(torch.npu.HalfTensor).type(torch.float32)  # an npu class, and a dtype
             y = torch.randint(0, 4, (8,)).type(torch.npu.LongTensor)
             # dp(x): DataParallel.forward -> replicate, scatter, the wrapped parallel_apply, gather
-            out = torch.nn.parallel.data_parallel(model, x, device_ids=DEVICES) if step % 3 == 0 else dp(x)
+            with torch.autocast("npu", dtype=torch.float16, enabled=step % 4 == 1):
+                out = torch.nn.parallel.data_parallel(model, x, device_ids=DEVICES) if step % 3 == 0 else dp(x)
             loss = nn.functional.cross_entropy(out, y).type(torch.float64)
             optimizer.zero_grad()
             loss.backward()
@@ -90,7 +92,7 @@ def train(shadowed: bool):
 
 
 def test_dataparallel_training_on_two_npus_is_bitwise_identical_with_every_builtin_target_at_rate_one(
-    fake_torch_npu,
+    legacy_patches,
 ):
     start_rng = (torch.manual_seed(0), [torch.npu.get_rng_state(i) for i in DEVICES])[1]
     with CountingType() as job_casts:
@@ -118,11 +120,18 @@ def test_dataparallel_training_on_two_npus_is_bitwise_identical_with_every_built
     data_parallel, parallel_apply = stats["data_parallel"], stats["parallel_apply"]
     assert data_parallel.calls == data_parallel.sampled == data_parallel.match == dp_steps
     assert parallel_apply.calls == parallel_apply.sampled == parallel_apply.match == STEPS - dp_steps
+    # the oracle ran on every call; the autocast steps show the defect both sides share
+    assert data_parallel.oracle_runs + parallel_apply.oracle_runs == STEPS
+    autocast_steps = [s for s in range(STEPS) if s % 4 == 1]
+    assert data_parallel.shared_divergences == {"dtype": len([s for s in autocast_steps if s % 3 == 0])}
+    assert parallel_apply.shared_divergences == {"dtype": len([s for s in autocast_steps if s % 3 != 0])}
     tensor_type = stats["tensor_type"]
     # Every call of the job was compared and matched. On top of them come the casts of the replicas'
-    # forwards when upstream runs them: on upstream's own worker threads, one per replica and step.
-    assert tensor_type.calls == tensor_type.sampled == tensor_type.match
+    # forwards when upstream runs them: on upstream's own worker threads, one per replica and step. The
+    # oracle's forward runs on the calling thread inside the shadow side: its cast is not shadowed again.
+    assert tensor_type.calls == tensor_type.sampled == tensor_type.match + tensor_type.skipped
     assert tensor_type.match == job_casts.calls + len(DEVICES) * STEPS
+    assert tensor_type.by_reason == {"reentrant": STEPS}
 
 
 def test_dataparallel_replicas_leave_the_module_buffers_untouched_by_the_upstream_run(fake_torch_npu):
@@ -150,32 +159,6 @@ def test_dataparallel_replicas_leave_the_module_buffers_untouched_by_the_upstrea
         assert torch.equal(plain[name], state[name]), name
     assert versions == plain_versions  # no copy-back bumped an autograd version counter
     assert stats["parallel_apply"].match == 3
-
-
-def test_legacy_and_upstream_share_the_autocast_defect_on_npu_so_they_match(fake_torch_npu):
-    """Both torch's parallel_apply and torch_npu's read torch.is_autocast_enabled() with no device type
-    (CUDA's flag): on npu both run the replicas in float32, while a direct call gives float16. The
-    comparison is a match; no legacy-vs-upstream comparison can see a defect both sides share."""
-    torch.manual_seed(0)
-    model = nn.Linear(8, 8).to("npu")
-    dp = nn.DataParallel(model, device_ids=DEVICES)
-    x = torch.randn(4, 8, device="npu")
-    with torch.autocast("npu", dtype=torch.float16):
-        expected = dp(x)
-        direct = model(x)
-    recorder = []
-    exporter = type("Rec", (), {"export": lambda self, o: recorder.append(o)})()
-    with (
-        shadow.install(["parallel_apply"], sample_rate=1.0, exporters=[exporter]),
-        torch.autocast("npu", dtype=torch.float16),
-    ):
-        got = dp(x)
-    assert direct.dtype == torch.float16
-    assert expected.dtype == got.dtype == torch.float32  # the shared defect
-    assert torch.equal(got, expected)
-    (observation,) = recorder
-    assert observation.signature == "replicas=2/grad=on/autocast=on"
-    assert observation.outcome == "match"
 
 
 def test_on_a_cpu_only_host_torch_upstream_refuses_and_that_is_an_error_not_a_crash():
