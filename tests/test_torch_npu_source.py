@@ -315,3 +315,14 @@ def test_without_an_accelerator_loading_fails_saying_why() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "needs an accelerator" in done.stdout, done.stderr
+
+
+def test_where_the_accelerator_is_not_an_npu_its_name_and_module_stand_in(monkeypatch) -> None:
+    """On a CUDA host torch_npu's code sees torch.cuda as torch.npu and reads the device string 'npu' as 'cuda'.
+    Shown with a stand-in accelerator named 'cpu' whose device module is the emulated npu's."""
+    monkeypatch.setattr(torch_npu_source, "_device_module", lambda: ("cpu", torch.npu))
+    loaded = torch_npu_source.load(wheel("2.12.0"))
+    cast = loaded.tensor_type(torch.ones(2, device="npu:1"), "torch.npu.HalfTensor")
+    assert cast.device == torch.device("cpu") and cast.dtype == torch.float16  # device='npu' read as 'cpu'
+    seen = loaded.parallel_apply_function.__globals__["torch"]
+    assert seen is not torch and seen.npu is torch.npu and seen.float16 is torch.float16
