@@ -90,4 +90,13 @@ def load(path: str) -> dict[str, Any]:
         raise ValueError(f"{path} is not a loadable capture: {exc}") from exc
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path} is not an npu-shadow capture (format {FORMAT})")
+    for key, kind in _FIELDS.items():
+        if not isinstance(data.get(key), kind):
+            raise ValueError(f"{path}: malformed capture: {key!r} must be a {kind.__name__}, got {data.get(key)!r:.80}")
+    if not all(isinstance(k, str) for k in data["kwargs"]):
+        raise ValueError(f"{path}: malformed capture: 'kwargs' keys must be strings")
     return data
+
+
+#: The fields every capture has, with their types.
+_FIELDS = {"target": str, "outcome": str, "signature": str, "detail": str, "args": list, "kwargs": dict}

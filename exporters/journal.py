@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import json
 import math
 import os
@@ -13,6 +15,7 @@ from json.encoder import encode_basestring_ascii
 from exporters import capture
 from shadow import _fork
 from shadow.observation import Observation
+from shadow.safe_paths import check_private_directory, make_private_directory
 
 
 def _rank() -> int | None:
@@ -57,6 +60,8 @@ class JsonlExporter:
         for name, value in (("max_bytes", max_bytes), ("backups", backups), ("max_captures", max_captures)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"JsonlExporter: {name} must be an int >= 0, got {value!r}")
+        if capture_dir is not None:
+            check_private_directory(capture_dir, "capture_dir")
         self.path_template = path
         self.max_bytes = max_bytes
         self.backups = backups
@@ -67,7 +72,6 @@ class JsonlExporter:
         self.host = socket.gethostname()
         self._lock = threading.Lock()
         self._fd: int | None = None
-        self._size = 0
         self._reset_process_state()
         _fork.register(self)
 
@@ -76,6 +80,8 @@ class JsonlExporter:
         self.rank = _rank()
         self.path = self.path_template.format(pid=self.pid, rank=self.rank if self.rank is not None else "none")
         self.captures_written = 0
+        self.captures_tried = 0
+        self.captures_failed = 0
         self.capture_bytes = 0
         self._process_fields = _encode({"host": self.host, "pid": self.pid, "rank": self.rank})[1:]
 
@@ -85,8 +91,13 @@ class JsonlExporter:
         if observation.outcome == "match" and not observation.shared_divergence and not self.all_outcomes:
             return
         with self._lock:
-            capture_path = self._capture(observation)
+            # The line first: it never depends on the capture. A capture that then fails is removed and raised
+            # (the engine counts it as an export skip); its line names a file that is not there.
+            data = self._capture_data(observation)
+            capture_path = self._capture_path(observation) if data is not None else None
             self._write(self._line(observation, capture_path))
+            if capture_path is not None:
+                self._capture(data, capture_path)
 
     def _line(self, observation: Observation, capture_path: str | None) -> str:
         """One JSON object. Strings go through json's own (C) escaper; the object is framed here, which
@@ -112,45 +123,74 @@ class JsonlExporter:
         if directory:
             os.makedirs(directory, exist_ok=True)
         # O_APPEND: each line is one write(2) at the end of the file, whole, even with other writers.
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._size = os.fstat(self._fd).st_size
+        # O_NOFOLLOW: a symlink planted at the path is refused, never followed. 0600: lines hold tensor values.
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+
+    def _still_named(self) -> bool:
+        """Whether the path still names the open file (not deleted, renamed or rotated by another process)."""
+        try:
+            named, held = os.lstat(self.path), os.fstat(self._fd)
+        except FileNotFoundError:
+            return False
+        return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
     def _write(self, line: str) -> None:
         data = line.encode()
+        if self._fd is not None and not self._still_named():
+            os.close(self._fd)
+            self._fd = None
         if self._fd is None:
             self._open()
-        if self.max_bytes and self._size and self._size + len(data) > self.max_bytes:
-            self._rotate()
+        size = os.fstat(self._fd).st_size
+        if self.max_bytes and size and size + len(data) > self.max_bytes:
+            self._rotate(len(data))
         os.write(self._fd, data)
-        self._size += len(data)
 
-    def _rotate(self) -> None:
-        os.close(self._fd)
-        self._fd = None
-        if self.backups:
-            for index in range(self.backups - 1, 0, -1):
-                older = f"{self.path}.{index}"
-                if os.path.exists(older):
-                    os.replace(older, f"{self.path}.{index + 1}")
-            os.replace(self.path, f"{self.path}.1")
-        else:
-            os.remove(self.path)
-        self._open()
+    def _rotate(self, incoming: int) -> None:
+        """Rotate under an exclusive lock on ``path.lock``, so that processes sharing the path rotate once
+        between them; a process that finds the file already rotated just reopens the new one."""
+        lock = os.open(f"{self.path}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self._still_named() and os.fstat(self._fd).st_size + incoming > self.max_bytes:
+                if self.backups:
+                    for index in range(self.backups - 1, 0, -1):
+                        older = f"{self.path}.{index}"
+                        if os.path.exists(older):
+                            os.replace(older, f"{self.path}.{index + 1}")
+                    os.replace(self.path, f"{self.path}.1")
+                else:
+                    os.remove(self.path)
+            os.close(self._fd)
+            self._fd = None
+            self._open()
+        finally:
+            os.close(lock)  # (releases the lock)
 
-    def _capture(self, observation: Observation) -> str | None:
+    def _capture_data(self, observation: Observation) -> dict | None:
+        """What this observation's capture would hold, if it gets one within the limits."""
         if self.capture_dir is None or observation.evidence is None or self.captures_written >= self.max_captures:
             return None
         data = capture.payload(observation)
-        size = capture.size_of(data)
-        if self.capture_bytes + size > self.max_capture_bytes:
-            return None
-        os.makedirs(self.capture_dir, mode=0o700, exist_ok=True)
-        name = f"{observation.target}-{self.pid}-{self.captures_written:04d}.pt"
-        path = os.path.join(self.capture_dir, name)
-        capture.save(data, path)
+        return data if self.capture_bytes + capture.size_of(data) <= self.max_capture_bytes else None
+
+    def _capture_path(self, observation: Observation) -> str:
+        """A fresh name: one that no earlier attempt of this process used, failed or not."""
+        self.captures_tried += 1
+        return os.path.join(self.capture_dir, f"{observation.target}-{self.pid}-{self.captures_tried:04d}.pt")
+
+    def _capture(self, data: dict, path: str) -> None:
+        try:
+            make_private_directory(self.capture_dir, "capture_dir")
+            capture.save(data, path)
+        except BaseException:
+            self.captures_failed += 1
+            with contextlib.suppress(OSError):
+                if os.path.isfile(path) and not os.path.islink(path):
+                    os.remove(path)  # a partial file; the next capture gets another name anyway
+            raise
         self.captures_written += 1
-        self.capture_bytes += size
-        return path
+        self.capture_bytes += capture.size_of(data)
 
     def close(self) -> None:
         with self._lock:

@@ -12,26 +12,35 @@ EXIT_OK, EXIT_DIFFERENT, EXIT_USAGE = 0, 1, 2
 
 def _replay(args: argparse.Namespace) -> int:
     from exporters import capture
-    from shadow.replay import replay
+    from shadow.replay import replay, resolve
 
     try:
         data = capture.load(args.capture)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"npu-shadow replay: cannot read {args.capture}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        legacy = resolve(args.legacy) if args.legacy else None
+        upstream = resolve(args.upstream) if args.upstream else None
+    except (ImportError, AttributeError, ValueError) as exc:
+        print(f"npu-shadow replay: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     print(f"capture: target {data['target']}, signature {data['signature']}, recorded {data['outcome']}")
     print(f"  recorded: {data['detail']}")
     try:
-        result, text = replay(data)
-    except (ImportError, AttributeError, ValueError) as exc:
-        print(f"npu-shadow replay: cannot re-run: {exc}", file=sys.stderr)
+        result, text = replay(data, legacy, upstream)
+    except ValueError as exc:
+        print(f"npu-shadow replay: refused: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if result is None:
         print(f"  not re-run: {text}")
         return EXIT_OK
-    reasons = f" ({', '.join(result.reasons)})" if result.reasons else ""
-    print(f"  replayed: {result.outcome}{reasons}: {text}")
-    return EXIT_DIFFERENT if result.outcome == "mismatch" else EXIT_OK
+    if text.startswith("both sides raised"):
+        print(f"  replayed: {text}")
+    else:
+        reasons = f" ({', '.join(result.reasons)})" if result.reasons else ""
+        print(f"  replayed: {result.outcome}{reasons}: {text}")
+    return EXIT_DIFFERENT if result.outcome in ("mismatch", "error") else EXIT_OK
 
 
 def _verdict(args: argparse.Namespace) -> int:
@@ -151,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     replay = commands.add_parser("replay", help="re-run legacy and upstream on a repro capture and compare")
     replay.add_argument("capture", help="a .pt file written by JsonlExporter(capture_dir=...)")
+    replay.add_argument("--legacy", metavar="MODULE:FUNCTION", help="a custom target's legacy function")
+    replay.add_argument("--upstream", metavar="MODULE:FUNCTION", help="a custom target's upstream function")
     replay.set_defaults(handler=_replay)
 
     from shadow.config import SETTINGS

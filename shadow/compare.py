@@ -369,6 +369,20 @@ def compare(
     )
 
 
+def compare_exceptions(legacy_error: BaseException | None, upstream_error: BaseException | None) -> Comparison:
+    """The one rule for calls where a side raised: the same exception type with the same text is a ``match``,
+    with another text ``close`` (torch_npu's error-code suffix, say); a different type, or only one side
+    raising, is an ``error`` with reason ``exception``."""
+
+    def describe(side: str, exc: BaseException | None) -> str:
+        return f"{side} returned normally" if exc is None else f"{side} raised {type(exc).__name__}: {exc}"
+
+    detail = bounded(f"{describe('legacy', legacy_error)}; {describe('upstream', upstream_error)}")
+    if legacy_error is not None and type(legacy_error) is type(upstream_error):
+        return Comparison("match" if str(legacy_error) == str(upstream_error) else "close", detail=detail)
+    return Comparison("error", ("exception",), detail=detail)
+
+
 def _ordered(reasons: Iterable[str]) -> tuple[str, ...]:
     present = set(reasons)
     return tuple(r for r in MISMATCH_REASONS if r in present)

@@ -10,8 +10,10 @@ import dataclasses
 import math
 import os
 import re
+import string
 from collections.abc import Mapping
 
+from shadow.safe_paths import directory_problem, long_component
 from shadow.targets import BUILTINS
 
 DRILL_KINDS = ("value", "dtype", "nan", "exception")
@@ -40,15 +42,23 @@ SETTINGS = {
     "atol": Setting("NPU_SHADOW_ATOL", "--atol", "a finite number >= 0 (set together with rtol)"),
     "port": Setting("NPU_SHADOW_PROMETHEUS_PORT", "--port", "a port number in 0..65535 (LOCAL_RANK is added)"),
     "addr": Setting("NPU_SHADOW_PROMETHEUS_ADDR", "--addr", "an address to bind, e.g. 127.0.0.1"),
-    "multiproc_dir": Setting("NPU_SHADOW_MULTIPROC_DIR", "--multiproc-dir", "a writable directory"),
+    "multiproc_dir": Setting(
+        "NPU_SHADOW_MULTIPROC_DIR",
+        "--multiproc-dir",
+        "a directory of yours that no one else can write (each job gets a fresh folder inside it)",
+    ),
     "otel": Setting("NPU_SHADOW_OTEL", "--otel", "1/true/yes or 0/false/no"),
     "journal": Setting("NPU_SHADOW_JOURNAL", "--journal", "a file path ({rank} and {pid} allowed)"),
-    "capture_dir": Setting("NPU_SHADOW_CAPTURE_DIR", "--capture-dir", "a directory path"),
+    "capture_dir": Setting(
+        "NPU_SHADOW_CAPTURE_DIR", "--capture-dir", "a directory path of yours that no one else can write"
+    ),
     "drill": Setting(
         "NPU_SHADOW_DRILL", "--drill", f"KIND:RATE with KIND one of {', '.join(DRILL_KINDS)}, RATE in [0, 1]"
     ),
     "pushgateway": Setting("NPU_SHADOW_PUSHGATEWAY", "--pushgateway", "a Pushgateway address, e.g. 127.0.0.1:9091"),
-    "textfile": Setting("NPU_SHADOW_TEXTFILE", "--textfile", "a file path for the exposition written at exit"),
+    "textfile": Setting(
+        "NPU_SHADOW_TEXTFILE", "--textfile", "a file path for the exposition written at exit ({rank} and {pid} allowed)"
+    ),
     "emulate_npu": Setting(
         "NPU_SHADOW_EMULATE_NPU", "--emulate-npu", "a number of emulated npu devices, 1..16 (0 or empty: none)"
     ),
@@ -139,7 +149,7 @@ def _parse(name: str, text: str, by_option: bool) -> object:
             raise _fail(name, text, by_option)
         return value
     if name == "port":
-        if not text.isdigit() or int(text) > 65535:
+        if not (text.isascii() and text.isdigit()) or int(text) > 65535:
             raise _fail(name, text, by_option)
         return int(text)
     if name == "emulate_npu":
@@ -180,15 +190,31 @@ def _parse(name: str, text: str, by_option: bool) -> object:
         return text
     if not text:
         raise _fail(name, text, by_option, "empty")
-    if name == "multiproc_dir":
-        if os.path.exists(text) and not (os.path.isdir(text) and os.access(text, os.W_OK)):
-            raise _fail(name, text, by_option, "not a writable directory")
-        return text
-    # journal, capture_dir, textfile: written later, so their folder must be creatable now
-    folder = text if name == "capture_dir" else os.path.dirname(os.path.abspath(text))
+    too_long = long_component(text)
+    if too_long is not None:
+        raise _fail(name, text, by_option, f"a name of {len(too_long)} characters is longer than a file name can be")
+    if name in ("journal", "textfile"):
+        _check_template(name, text, by_option)
+    if name in ("multiproc_dir", "capture_dir"):
+        problem = directory_problem(text)
+        if problem is not None:
+            raise _fail(name, text, by_option, problem)
+    # written later, so their folder must be creatable now (the launcher creates the directories at start)
+    folder = text if name in ("multiproc_dir", "capture_dir") else os.path.dirname(os.path.abspath(text))
     if not _creatable(folder):
         raise _fail(name, text, by_option, f"cannot create or write {folder}")
     return text
+
+
+def _check_template(name: str, text: str, by_option: bool) -> None:
+    """A path template may name {pid} and {rank}, nothing else (a bad one would fail in every process)."""
+    try:
+        fields = {field for _, field, _, _ in string.Formatter().parse(text) if field is not None}
+    except ValueError as exc:
+        raise _fail(name, text, by_option, f"bad template: {exc}") from None
+    unknown = sorted(fields - {"pid", "rank"})
+    if unknown:
+        raise _fail(name, text, by_option, f"unknown field {{{unknown[0]}}}: only {{pid}} and {{rank}}")
 
 
 _ADDRESS = re.compile(r"[A-Za-z0-9.\-]+|\[?[0-9A-Fa-f:]+\]?")

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from shadow import _compile, _fork
-from shadow.compare import compare
+from shadow.compare import compare, compare_exceptions
 from shadow.drill import Drill
 from shadow.isolation import Isolation, find_modules
 from shadow.observation import SHARED_DIVERGENCE_REASONS, Evidence, Observation, TargetStats, bounded
@@ -319,14 +319,8 @@ class Shadow:
     def _compare_errors(
         legacy_error: BaseException | None, upstream_error: BaseException | None, common: dict
     ) -> Observation:
-        def describe(side: str, exc: BaseException | None) -> str:
-            return f"{side} returned normally" if exc is None else f"{side} raised {type(exc).__name__}: {exc}"
-
-        detail = bounded(f"{describe('legacy', legacy_error)}; {describe('upstream', upstream_error)}")
-        if type(legacy_error) is type(upstream_error):
-            same_text = str(legacy_error) == str(upstream_error)
-            return Observation(outcome="match" if same_text else "close", detail=detail, **common)
-        return Observation(outcome="error", reasons=("exception",), detail=detail, **common)
+        found = compare_exceptions(legacy_error, upstream_error)
+        return Observation(outcome=found.outcome, reasons=found.reasons, detail=found.detail, **common)
 
     def _publish(self, observation: Observation) -> None:
         with self._lock:

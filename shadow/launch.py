@@ -15,6 +15,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import warnings
@@ -98,6 +99,7 @@ def install_from_env(environ: dict[str, str] | None = None) -> Any:
         _state["monitor"] = monitor
         if previous is None:
             atexit.register(_at_exit)
+            _flush_on_sigterm()
         return monitor
 
 
@@ -179,10 +181,30 @@ def summary(stats: dict, legacy: dict[str, str] | None = None) -> str:
     return "\n".join(lines)
 
 
+def _flush_on_sigterm() -> None:
+    """A job stopped by SIGTERM (how schedulers and ``npu-shadow run`` stop it) dies without running atexit: where
+    the job has no handler of its own, flush, write, push and print the summary first, then die of the signal
+    as it would have. (SIGINT raises KeyboardInterrupt, which runs atexit by itself.)"""
+    if threading.current_thread() is not threading.main_thread() or not _is_job_process():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(number: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            _at_exit()
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def _at_exit() -> None:
     monitor = _state["monitor"]
-    if monitor is None:
+    if monitor is None or _state.get("exited"):
         return
+    _state["exited"] = True
     monitor.flush()
     config = _state["config"]
     for exporter in _state["exporters"]:

@@ -1,4 +1,10 @@
-"""Re-running a repro capture: legacy and upstream on the captured inputs, compared again."""
+"""Re-running a repro capture: legacy and upstream on the captured inputs, compared again.
+
+A capture is data from elsewhere (a bug report, a shared folder): nothing in it chooses what runs. A built-in
+target's capture re-runs that target's own functions (``tensor_type``: the reference legacy against
+``torch._C.TensorBase.type``); a custom target's functions come from the command line. Class leaves resolve only
+to torch's tensor type classes.
+"""
 
 from __future__ import annotations
 
@@ -10,57 +16,93 @@ import torch
 from torch.utils._pytree import tree_map
 
 from shadow import reference
-from shadow.compare import Comparison, compare
+from shadow.compare import Comparison, compare, compare_exceptions
 
 #: Targets whose capture holds evidence but cannot be re-run without the job's model.
 NOT_REPLAYABLE = {"parallel_apply", "data_parallel"}
 
+#: What each built-in target re-runs: (legacy, upstream).
+BUILTIN_FUNCTIONS: dict[str, tuple[Callable, Callable]] = {
+    "tensor_type": (reference.npu_type, torch._C.TensorBase.type),
+}
+
+#: Tensor type class names a capture's ``{"class": "module:Name"}`` leaf may name (module torch or a device's).
+TENSOR_TYPE_CLASSES = frozenset(
+    f"{kind}Tensor" for kind in ("Bool", "Byte", "Char", "Short", "Int", "Long", "Half", "Float", "Double", "BFloat16")
+)
+
+
+class ReplayRefused(ValueError):
+    """The capture asks for something replay does not do; the message says what."""
+
 
 def resolve(path: str) -> Callable:
-    """Import ``module:qualname``."""
+    """Import ``module:qualname`` (for functions given on the command line, never from a capture)."""
     module_name, _, qualname = path.partition(":")
+    if not module_name or not qualname:
+        raise ValueError(f"{path!r} is not MODULE:FUNCTION")
     obj: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
         obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{path!r} is not callable")
     return obj
 
 
+def tensor_type_class(path: str) -> type:
+    """The tensor type class a capture names ('torch:FloatTensor', 'torch.npu:HalfTensor'); refuses the rest."""
+    module_name, _, name = path.partition(":")
+    accelerator = torch.accelerator.current_accelerator()
+    modules = {"torch": torch}
+    if accelerator is not None:
+        modules[f"torch.{accelerator.type}"] = torch.get_device_module(accelerator.type)
+    found = getattr(modules[module_name], name, None) if module_name in modules else None
+    if name not in TENSOR_TYPE_CLASSES or not isinstance(found, type):
+        raise ReplayRefused(f"the capture names class {path!r}: only torch tensor type classes are replayed")
+    return found
+
+
+def _is_class(leaf: Any) -> bool:
+    return isinstance(leaf, dict) and set(leaf) == {"class"}
+
+
 def _restore(leaf: Any) -> Any:
-    if isinstance(leaf, dict) and set(leaf) == {"class"} and ":" in leaf["class"]:
-        return resolve(leaf["class"])
-    return leaf
+    return tensor_type_class(str(leaf["class"])) if _is_class(leaf) else leaf
 
 
-def _callables(data: dict[str, Any]) -> tuple[Callable, Callable]:
-    legacy_path, upstream_path = data.get("legacy_fn"), data.get("upstream_fn")
-    if data["target"] == "tensor_type":
-        # torch_npu's patch where it is importable, the reference legacy elsewhere
-        legacy = _try_resolve(legacy_path) or reference.npu_type
-        return legacy, _try_resolve(upstream_path) or torch._C.TensorBase.type
-    if not legacy_path or not upstream_path:
-        raise ValueError(f"capture of {data['target']!r} does not name importable legacy/upstream functions")
-    return resolve(legacy_path), resolve(upstream_path)
+def functions(
+    data: dict[str, Any], legacy: Callable | None = None, upstream: Callable | None = None
+) -> tuple[Callable, Callable]:
+    """The two functions to re-run: a built-in target's own, or for a custom target those given."""
+    target = data["target"]
+    if target in BUILTIN_FUNCTIONS:
+        if legacy is not None or upstream is not None:
+            raise ReplayRefused(f"{target} is a built-in target: it re-runs its own functions only")
+        return BUILTIN_FUNCTIONS[target]
+    if legacy is None or upstream is None:
+        named = f" (the capture says legacy {data.get('legacy_fn')}, upstream {data.get('upstream_fn')})"
+        raise ReplayRefused(
+            f"a capture of custom target {target!r} re-runs the functions given with --legacy MODULE:FUNCTION "
+            f"and --upstream MODULE:FUNCTION, never those the file names{named}"
+        )
+    return legacy, upstream
 
 
-def _try_resolve(path: str | None) -> Callable | None:
-    if not path:
-        return None
-    try:
-        return resolve(path)
-    except (ImportError, AttributeError):
-        return None
+def replay(
+    data: dict[str, Any], legacy: Callable | None = None, upstream: Callable | None = None
+) -> tuple[Comparison | None, str]:
+    """Run both sides on the captured inputs. Returns the comparison (None if it cannot run) and a text.
 
-
-def replay(data: dict[str, Any]) -> tuple[Comparison | None, str]:
-    """Run both sides on the captured inputs. Returns the comparison (None if it cannot run) and a text."""
+    Raises :class:`ReplayRefused` when the capture asks for functions or classes replay does not run.
+    """
     if data["target"] in NOT_REPLAYABLE:
         return None, (
             f"{data['target']} captures hold inputs, outputs and the module's state_dict "
             f"({len(data.get('module_state') or {})} entries); re-running needs the job's model"
         )
-    legacy, upstream = _callables(data)
-    args = tree_map(_restore, data["args"])
-    kwargs = tree_map(_restore, data["kwargs"])
+    legacy, upstream = functions(data, legacy, upstream)
+    args = tree_map(_restore, data["args"], is_leaf=_is_class)
+    kwargs = tree_map(_restore, data["kwargs"], is_leaf=_is_class)
     results = []
     for function in (legacy, upstream):
         try:
@@ -69,12 +111,12 @@ def replay(data: dict[str, Any]) -> tuple[Comparison | None, str]:
             results.append((None, exc))
     (legacy_out, legacy_error), (upstream_out, upstream_error) = results
     if legacy_error is not None or upstream_error is not None:
-        if type(legacy_error) is type(upstream_error):
-            return Comparison("match"), "both sides raised " + type(legacy_error).__name__
-        text = "; ".join(
-            f"{side} raised {type(e).__name__}: {e}" if e is not None else f"{side} returned normally"
-            for side, e in (("legacy", legacy_error), ("upstream", upstream_error))
-        )
-        return Comparison("mismatch", ("exception",), detail=text), text
+        result = compare_exceptions(legacy_error, upstream_error)
+        if legacy_error is not None and upstream_error is not None:
+            same = "the same exception" if result.outcome == "match" else "exceptions of the same type"
+            if result.outcome == "error":
+                same = "different exceptions"
+            return result, f"both sides raised ({same}): {result.detail}"
+        return result, result.detail
     result = compare(legacy_out, upstream_out, exact=bool(data.get("exact")), legacy_inputs=args, upstream_inputs=args)
     return result, result.detail or result.outcome

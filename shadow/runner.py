@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from shadow import config as cfg
 from shadow._bootstrap import npu_shadow_boot as boot
 from shadow.launch import wants_prometheus
+from shadow.safe_paths import make_private_directory
 
 BOOTSTRAP_DIR = os.path.dirname(os.path.abspath(boot.__file__))
 
@@ -30,15 +31,36 @@ def _serve_node(directory: str, port: int, addr: str):
 
 
 def _run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
-    """Run the command; SIGTERM and SIGINT sent to the launcher go on to it (schedulers stop jobs so)."""
+    """Run the command; SIGTERM and SIGINT sent to the launcher go on to it (schedulers stop jobs so). A command
+    killed by signal N exits 128 + N, as a shell reports it."""
     child = subprocess.Popen(command, env=env)
     forwarded = (signal.SIGTERM, signal.SIGINT)
     previous = {sig: signal.signal(sig, lambda number, frame: child.send_signal(number)) for sig in forwarded}
     try:
-        return child.wait()
+        code = child.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def _directories(config: cfg.Config, options: Mapping[str, str | None]) -> str | None:
+    """Create the capture directory and a fresh metrics folder inside ``--multiproc-dir`` (mode 0700): a folder
+    of an earlier job (its counts), planted symlinks or foreign files there never reach this one. Returns that
+    folder. Raises ValueError naming the setting."""
+
+    def name(setting: str) -> str:
+        return cfg.SETTINGS[setting].option if options.get(setting) is not None else cfg.SETTINGS[setting].variable
+
+    if config.capture_dir:
+        make_private_directory(config.capture_dir, name("capture_dir"))
+    if not config.multiproc_dir:
+        return None
+    make_private_directory(config.multiproc_dir, name("multiproc_dir"))
+    try:
+        return tempfile.mkdtemp(prefix="job-", dir=config.multiproc_dir)
+    except OSError as exc:
+        raise ValueError(f"{name('multiproc_dir')}={config.multiproc_dir!r}: {exc.strerror or exc}") from None
 
 
 def run(command: Sequence[str], options: Mapping[str, str | None], environ: Mapping[str, str] = os.environ) -> int:
@@ -67,6 +89,11 @@ def run(command: Sequence[str], options: Mapping[str, str | None], environ: Mapp
         except (torch_npu_source.LegacySourceError, OSError) as exc:
             print(f"npu-shadow run: --legacy-from: {exc}", file=sys.stderr)
             return 2
+    try:
+        job_metrics_dir = _directories(config, options)
+    except ValueError as exc:
+        print(f"npu-shadow run: {exc}", file=sys.stderr)
+        return 2
     env = dict(environ)
     env.update(cfg.to_environ(options))
     env[boot.ENABLED] = "1"
@@ -74,9 +101,8 @@ def run(command: Sequence[str], options: Mapping[str, str | None], environ: Mapp
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     temporary = server = None
     if wants_prometheus(config):
-        base = config.multiproc_dir or tempfile.mkdtemp(prefix="npu-shadow-metrics-")
-        temporary = None if config.multiproc_dir else base
-        os.makedirs(base, exist_ok=True)
+        base = job_metrics_dir or tempfile.mkdtemp(prefix="npu-shadow-metrics-")
+        temporary = None if job_metrics_dir else base
         env[boot.METRICS_DIR] = base
         env[boot.METRICS_LAYOUT] = "node" if config.multiproc_dir else "rank"
         if config.multiproc_dir and config.port is not None:

@@ -19,6 +19,9 @@ from shadow.tolerance import ToleranceSpec
 
 Signature = Callable[[tuple, dict], str]
 
+#: Set by :mod:`shadow.torch_npu_source` on the functions it loads: 'torch_npu X source'.
+LEGACY_ORIGIN_ATTRIBUTE = "__npu_shadow_legacy_origin__"
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Target:
@@ -187,9 +190,8 @@ BUILTINS: dict[str, Callable[[], Target]] = {
 def patch_origin(obj: Any) -> str | None:
     """'torch_npu' (imported), 'torch_npu X source' (:mod:`shadow.torch_npu_source`) or 'reference' when ``obj``
     is one of those legacy patches, else None."""
-    from shadow.torch_npu_source import origin_of
-
-    loaded = origin_of(obj)
+    # (no import here: this runs at exit too, where importing can cost a signalled job its exit status)
+    loaded = getattr(obj, LEGACY_ORIGIN_ATTRIBUTE, None)
     if loaded is not None:
         return loaded
     module = getattr(obj, "__module__", None) or ""

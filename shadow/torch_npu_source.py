@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from shadow.targets import LEGACY_ORIGIN_ATTRIBUTE
+
 #: The torch_npu releases that carry the patches (torch_npu 2.13 removed them).
 RELEASES = ("2.8.0", "2.9.0", "2.10.0", "2.11.0", "2.12.0")
 
@@ -67,7 +69,7 @@ TENSOR_TYPE_NAMES = (
     "BFloat16Tensor",
 )
 
-ORIGIN_ATTRIBUTE = "__npu_shadow_legacy_origin__"
+ORIGIN_ATTRIBUTE = LEGACY_ORIGIN_ATTRIBUTE
 
 
 class LegacySourceError(ValueError):

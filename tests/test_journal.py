@@ -1,6 +1,5 @@
 """The JSON-lines journal: content, rotation, disk full, and repro captures with replay."""
 
-import dataclasses
 import json
 import os
 import stat
@@ -17,7 +16,6 @@ import shadow
 from exporters import JsonlExporter, PrometheusExporter
 from exporters import capture as capture_format
 from shadow import Target
-from shadow import targets as builtin
 
 
 def run(exporters, calls=8, upstream=faults.scale_wrong):
@@ -53,8 +51,8 @@ def test_rotation_by_size_keeps_the_configured_backups(tmp_path):
     run([journal], calls=200)
     journal.close()
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["j.jsonl", "j.jsonl.1", "j.jsonl.2"]
-    for name in files:
+    assert files == ["j.jsonl", "j.jsonl.1", "j.jsonl.2", "j.jsonl.lock"]  # (the lock serialises rotations)
+    for name in files[:-1]:
         size = (tmp_path / name).stat().st_size
         assert 0 < size <= 2000
         for line in (tmp_path / name).read_text().splitlines():
@@ -95,41 +93,47 @@ def test_capture_files_are_private_safe_and_bounded(tmp_path):
     assert all(line["capture"] is None for line in lines[2:])
 
 
-def replay_cli(path):
+def replay_cli(path, *options, cwd=None):
     env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
-        [sys.executable, "-m", "shadow", "replay", str(path)], capture_output=True, text=True, env=env, timeout=120
-    )
+        [sys.executable, "-m", "shadow", "replay", str(path), *options],
+        capture_output=True, text=True, env=env, timeout=120, cwd=cwd,
+    )  # fmt: skip
 
 
-def test_replayed_tensor_type_capture_reproduces_its_mismatch(tmp_path):
+def test_replayed_custom_capture_reproduces_its_mismatch_with_the_functions_given(tmp_path):
     journal = JsonlExporter(str(tmp_path / "j.jsonl"), capture_dir=str(tmp_path / "captures"))
-    target = dataclasses.replace(builtin.tensor_type(), upstream=faults.type_to_half)
-    with shadow.install([target], sample_rate=1.0, exporters=[journal]):
-        torch.arange(4.0).type(torch.float64)
+    run([journal], calls=4)
     journal.close()
     (path,) = (tmp_path / "captures").iterdir()
     data = capture_format.load(str(path))
-    assert data["legacy_fn"] == "torch._C:TensorBase.type" and data["reasons"] == ["dtype"]
-    done = replay_cli(path)
+    assert data["legacy_fn"] == "faults:scale" and data["upstream_fn"] == "faults:scale_wrong"
+    done = replay_cli(path, "--legacy", "faults:scale", "--upstream", "faults:scale_wrong")
     assert done.returncode == 1, done.stderr
-    assert "replayed: mismatch (dtype)" in done.stdout
-    assert "dtype torch.float64 vs torch.float16" in done.stdout
-
-
-def test_replay_of_a_fixed_upstream_agrees_and_bad_files_are_usage_errors(tmp_path):
-    journal = JsonlExporter(str(tmp_path / "j.jsonl"), capture_dir=str(tmp_path / "c"))
-    run([journal], calls=4)
-    journal.close()
-    (path,) = (tmp_path / "c").iterdir()
-    data = capture_format.load(str(path))
-    data["upstream_fn"] = "faults:scale"  # as if upstream had been fixed
-    fixed = tmp_path / "fixed.pt"
-    capture_format.save(data, str(fixed))
-    done = replay_cli(fixed)
-    assert done.returncode == 0 and "replayed: match" in done.stdout
+    assert "replayed: mismatch (value)" in done.stdout
+    fixed = replay_cli(path, "--legacy", "faults:scale", "--upstream", "faults:scale")  # as if upstream were fixed
+    assert fixed.returncode == 0 and "replayed: match" in fixed.stdout
     (tmp_path / "junk.pt").write_bytes(b"not a capture")
     assert replay_cli(tmp_path / "junk.pt").returncode == 2
+
+
+def tensor_type_capture(tmp_path, args, **fields):
+    """A tensor_type capture as the journal writes it (the CPU-only replay process knows no npu)."""
+    data = {
+        "format": 1, "target": "tensor_type", "outcome": "error", "reasons": ["exception"], "signature": "s",
+        "detail": "d", "args": args, "kwargs": {}, "legacy": None, "upstream": None, "module_state": {},
+        "legacy_fn": None, "upstream_fn": None, "exact": True, **fields,
+    }  # fmt: skip
+    path = tmp_path / "capture.pt"
+    capture_format.save(data, str(path))
+    return path
+
+
+def test_replayed_tensor_type_capture_runs_the_builtin_functions(tmp_path):
+    """On a CPU-only host the reference legacy casts an npu type name where torch refuses it: an error."""
+    done = replay_cli(tensor_type_capture(tmp_path, [torch.arange(4.0), "torch.npu.HalfTensor"]))
+    assert done.returncode == 1, done.stderr
+    assert "replayed: error (exception)" in done.stdout and "upstream raised" in done.stdout
 
 
 def test_every_field_survives_a_json_round_trip_including_awkward_strings(tmp_path):
