@@ -25,7 +25,9 @@ from shadow.observation import Observation
 
 METER_NAME = "npu_shadow"
 
-#: Histogram values waiting for a collection; beyond this (nobody collects) the oldest are dropped.
+#: Histogram values waiting for a collection. An observation whose values would not fit (nobody collects, or
+#: collections are slower than the job) keeps its sums but loses its histogram values, and is counted in
+#: ``npu_shadow.skipped{reason="export"}`` and :attr:`OTelExporter.dropped`.
 MAX_PENDING = 100_000
 
 _SUMS = (
@@ -55,7 +57,8 @@ class OTelExporter:
         self._lock = threading.Lock()
         self._totals: dict[contract.Metric, dict[tuple[str, ...], float]] = {m: {} for m in _SUMS}
         self._rates: dict[str, float] = {}
-        self._pending: collections.deque[tuple[contract.Metric, float, str]] = collections.deque(maxlen=MAX_PENDING)
+        self._pending: collections.deque[tuple[contract.Metric, float, str]] = collections.deque()
+        self.dropped = 0  # observations whose histogram values found the queue full
         self._histograms = {
             metric: self.meter.create_histogram(
                 metric.otel_name,
@@ -149,11 +152,16 @@ class OTelExporter:
                 add(contract.SHARED_DIVERGENCES, 1, target, observation.shared_divergence)
             add(contract.LEGACY, observation.legacy_seconds, target)
             add(contract.SHADOW, observation.shadow_seconds, target)
-        pending = self._pending
+        values = [(contract.SHADOW_DURATION, observation.shadow_seconds, target)]
         if observation.outcome != "error" and observation.numel:
-            pending.append((contract.ABS_ERROR, min(observation.max_abs_error, contract.ERROR_CAP), target))
-            pending.append((contract.REL_ERROR, min(observation.max_rel_error, contract.ERROR_CAP), target))
-        pending.append((contract.SHADOW_DURATION, observation.shadow_seconds, target))
+            values.append((contract.ABS_ERROR, min(observation.max_abs_error, contract.ERROR_CAP), target))
+            values.append((contract.REL_ERROR, min(observation.max_rel_error, contract.ERROR_CAP), target))
+        if len(self._pending) + len(values) > MAX_PENDING:
+            with self._lock:
+                self.dropped += 1
+                add(contract.SKIPPED, 1, target, "export")
+            return
+        self._pending.extend(values)
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()

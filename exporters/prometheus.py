@@ -26,6 +26,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from exporters import contract
 from shadow import _fork
 from shadow.observation import Observation
+from shadow.safe_paths import check_private_directory
 
 log = logging.getLogger("shadow")
 
@@ -76,6 +77,8 @@ class PrometheusExporter:
             )
         self.multiprocess = multiprocess_mode()
         if self.multiprocess:
+            # Another user's folder could hold planted symlinks or their values: refuse it (ValueError).
+            check_private_directory(os.environ["PROMETHEUS_MULTIPROC_DIR"], "PROMETHEUS_MULTIPROC_DIR")
             # Values go to the job's files; the served registry aggregates them.
             metric_registry = None
             self.registry = registry if registry is not None else CollectorRegistry()

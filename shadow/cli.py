@@ -48,14 +48,13 @@ def _verdict(args: argparse.Namespace) -> int:
 
     from shadow import verdict
     from shadow.targets import BUILTINS
-    from shadow.verdict_sources import SourceError, from_exposition, from_journal, from_prometheus
+    from shadow.verdict_sources import SourceError, from_exposition, from_journal, from_prometheus, read_text
 
     try:
         if args.prometheus:
             counts = from_prometheus(args.prometheus, args.window, args.selector)
         elif args.metrics_file:
-            with open(args.metrics_file, encoding="utf-8") as handle:
-                counts = from_exposition(handle.read())
+            counts = from_exposition(read_text(args.metrics_file), args.metrics_file)
         else:
             counts = from_journal(args.journal)
     except (SourceError, OSError) as exc:

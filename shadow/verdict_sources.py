@@ -1,44 +1,89 @@
-"""Where the verdict's counts come from: a Prometheus server, a saved exposition, or journals."""
+"""Where the verdict's counts come from: a Prometheus server, a saved exposition, or journals.
+
+Sources are data from elsewhere and are checked as such: a source that is not what it claims (binary, not
+UTF-8, too large, malformed), or whose counts cannot be counts (negative, fractional where they must be whole,
+not finite, beyond what a float counts exactly) raises :class:`SourceError` naming the source and what is wrong.
+Reading is bounded in time and memory.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from shadow.observation import OUTCOMES
 from shadow.verdict import TargetCounts
 
 COMPARISONS = "npu_shadow_comparisons_total"
 MISMATCHES = "npu_shadow_mismatches_total"
 SHARED = "npu_shadow_shared_divergences_total"
 
+#: The most a metrics file, a journal line or a Prometheus answer may hold.
+MAX_FILE_BYTES = 64 << 20
+MAX_LINE_BYTES = 1 << 20
+#: Counts beyond this are not exact in a float: no real counter gets there.
+MAX_COUNT = float(2**53)
+
 
 class SourceError(Exception):
     """A source could not be read; the message says which and why."""
 
 
-def from_exposition(text: str) -> dict[str, TargetCounts]:
+def _count(value: object, where: str, whole: bool = True) -> float:
+    """A checked count: finite, >= 0, at most MAX_COUNT and (unless ``whole`` is False) an integer."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SourceError(f"{where}: {value!r} is not a number")
+    if not math.isfinite(value) or value < 0 or value > MAX_COUNT:
+        raise SourceError(f"{where}: {value!r} cannot be a count (negative, not finite or too large)")
+    if whole and value != int(value):
+        raise SourceError(f"{where}: {value!r} is not a whole count")
+    return float(value)
+
+
+def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], value: float) -> None:
+    target = counts.setdefault(labels.get("target", ""), TargetCounts())
+    if name == COMPARISONS:
+        target.add_outcome(labels.get("signature", ""), labels.get("outcome", ""), value)
+    elif name == MISMATCHES:
+        target.add_reason(labels.get("reason", ""), value)
+    else:
+        target.add_shared(labels.get("reason", ""), value)
+
+
+def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
+    """A text file of at most ``limit`` bytes, UTF-8, without NUL bytes; else SourceError."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if len(data) > limit:
+        raise SourceError(f"{path} is larger than {limit >> 20} MiB: not a metrics file")
+    if b"\0" in data:
+        raise SourceError(f"{path} holds binary data (NUL bytes): not a text exposition")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"{path} is not UTF-8 text: {exc}") from exc
+
+
+def from_exposition(text: str, source: str = "exposition") -> dict[str, TargetCounts]:
     """Counts from a Prometheus text exposition (a saved scrape, a textfile-collector file)."""
     counts: dict[str, TargetCounts] = {}
     try:
         families = list(text_string_to_metric_families(text))
     except Exception as exc:
-        raise SourceError(f"not a Prometheus text exposition: {exc}") from exc
+        raise SourceError(f"{source}: not a Prometheus text exposition: {exc}") from exc
     for family in families:
         for sample in family.samples:
-            labels = sample.labels
-            if sample.name == COMPARISONS:
-                target = counts.setdefault(labels.get("target", ""), TargetCounts())
-                target.add_outcome(labels.get("signature", ""), labels.get("outcome", ""), sample.value)
-            elif sample.name == MISMATCHES:
-                target = counts.setdefault(labels.get("target", ""), TargetCounts())
-                target.add_reason(labels.get("reason", ""), sample.value)
-            elif sample.name == SHARED:
-                target = counts.setdefault(labels.get("target", ""), TargetCounts())
-                target.add_shared(labels.get("reason", ""), sample.value)
+            if sample.name in (COMPARISONS, MISMATCHES, SHARED):
+                where = f"{source}: {sample.name}{dict(sample.labels)}"
+                _add(counts, sample.name, sample.labels, _count(sample.value, where))
     return counts
 
 
@@ -46,12 +91,30 @@ def _query(url: str, promql: str, timeout: float) -> list[dict]:
     address = f"{url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
     try:
         with urllib.request.urlopen(address, timeout=timeout) as response:
-            body = json.load(response)
+            raw = response.read(MAX_FILE_BYTES + 1)
     except (OSError, ValueError) as exc:
         raise SourceError(f"cannot query {url}: {exc}") from exc
+    if len(raw) > MAX_FILE_BYTES:
+        raise SourceError(f"{url} answered more than {MAX_FILE_BYTES >> 20} MiB")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise SourceError(f"{url} did not answer JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise SourceError(f"{url} answered {type(body).__name__}, not a Prometheus API object")
     if body.get("status") != "success":
         raise SourceError(f"{url} answered {body.get('errorType')}: {body.get('error')}")
-    return body["data"]["result"]
+    data = body.get("data")
+    result = data.get("result") if isinstance(data, dict) else None
+    if not isinstance(result, list) or not all(
+        isinstance(item, dict)
+        and isinstance(item.get("metric"), dict)
+        and isinstance(item.get("value"), list)
+        and len(item["value"]) == 2
+        for item in result
+    ):
+        raise SourceError(f"{url} answered success without a vector of samples for {promql}")
+    return result
 
 
 def from_prometheus(
@@ -65,17 +128,24 @@ def from_prometheus(
         return f"increase({selected}[{window}])" if window else selected
 
     counts: dict[str, TargetCounts] = {}
-    for item in _query(url, f"sum by (target, signature, outcome) ({series(COMPARISONS)})", timeout):
-        labels, value = item["metric"], float(item["value"][1])
-        counts.setdefault(labels.get("target", ""), TargetCounts()).add_outcome(
-            labels.get("signature", ""), labels.get("outcome", ""), value
-        )
-    for item in _query(url, f"sum by (target, reason) ({series(MISMATCHES)})", timeout):
-        labels, value = item["metric"], float(item["value"][1])
-        counts.setdefault(labels.get("target", ""), TargetCounts()).add_reason(labels.get("reason", ""), value)
-    for item in _query(url, f"sum by (target, reason) ({series(SHARED)})", timeout):
-        labels, value = item["metric"], float(item["value"][1])
-        counts.setdefault(labels.get("target", ""), TargetCounts()).add_shared(labels.get("reason", ""), value)
+    queries = [
+        (COMPARISONS, "target, signature, outcome"),
+        (MISMATCHES, "target, reason"),
+        (SHARED, "target, reason"),
+    ]
+    for metric, by in queries:
+        for item in _query(url, f"sum by ({by}) ({series(metric)})", timeout):
+            labels = {str(k): str(v) for k, v in item["metric"].items()}
+            where = f"{url}: {metric}{labels}"
+            try:
+                value = float(item["value"][1])
+            except (TypeError, ValueError):
+                raise SourceError(f"{where}: {item['value'][1]!r} is not a number") from None
+            # increase() extrapolates to the window's edges: fractional there, never negative
+            value = _count(value, where, whole=window is None)
+            _add(counts, metric, labels, float(round(value)))
+    if not counts:
+        raise SourceError(f"{url} has no {COMPARISONS} series{f' matching {selector}' if selector else ''}")
     return counts
 
 
@@ -84,21 +154,38 @@ def from_journal(paths: Iterable[str]) -> dict[str, TargetCounts]:
     counts: dict[str, TargetCounts] = {}
     for path in paths:
         try:
-            with open(path, encoding="utf-8") as handle:
-                for number, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                        target = counts.setdefault(record["target"], TargetCounts())
-                        target.add_outcome(record.get("signature", ""), record["outcome"], 1)
-                        if record["outcome"] != "skipped":
-                            for reason in record.get("reasons", []):
-                                target.add_reason(reason, 1)
-                        if record.get("shared_divergence"):
-                            target.add_shared(record["shared_divergence"], 1)
-                    except (ValueError, KeyError, TypeError) as exc:
-                        raise SourceError(f"{path}:{number}: not a journal line ({exc})") from exc
+            with open(path, "rb") as handle:
+                for number, raw in enumerate(iter(lambda h=handle: h.readline(MAX_LINE_BYTES + 1), b""), 1):
+                    _journal_line(counts, raw, f"{path}:{number}")
         except OSError as exc:
-            raise SourceError(f"cannot read {path}: {exc}") from exc
+            raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
     return counts
+
+
+def _journal_line(counts: dict[str, TargetCounts], raw: bytes, where: str) -> None:
+    if len(raw) > MAX_LINE_BYTES:
+        raise SourceError(f"{where}: a line longer than {MAX_LINE_BYTES >> 20} MiB: not a journal")
+    if not raw.strip():
+        return
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise SourceError(f"{where}: not a journal line ({type(exc).__name__}: {str(exc)[:120]})") from None
+    if not isinstance(record, dict):
+        raise SourceError(f"{where}: not a journal line (a JSON {type(record).__name__})")
+    target, outcome = record.get("target"), record.get("outcome")
+    signature, reasons = record.get("signature", ""), record.get("reasons", [])
+    shared = record.get("shared_divergence")
+    if not isinstance(target, str) or outcome not in OUTCOMES or not isinstance(signature, str):
+        raise SourceError(f"{where}: not a journal line (target, outcome or signature missing or wrong)")
+    if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
+        raise SourceError(f"{where}: not a journal line (reasons must be a list of strings)")
+    if shared is not None and not isinstance(shared, str):
+        raise SourceError(f"{where}: not a journal line (shared_divergence must be a string)")
+    entry = counts.setdefault(target, TargetCounts())
+    entry.add_outcome(signature, outcome, 1)
+    if outcome != "skipped":
+        for reason in reasons:
+            entry.add_reason(reason, 1)
+    if shared:
+        entry.add_shared(shared, 1)

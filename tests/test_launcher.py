@@ -104,6 +104,15 @@ MORE_INVALID = [
     ("emulate_npu", "²"),
     ("oracle", "1.5"),
     ("legacy_from", ""),
+    ("port", "²"),  # a digit to str.isdigit, not to int()
+    ("multiproc_dir", "/etc/passwd/sub"),  # below a file
+    ("multiproc_dir", "/tmp"),  # writable by others
+    ("capture_dir", "/tmp"),
+    ("multiproc_dir", "/tmp/" + "x" * 300),  # a name longer than a file name can be
+    ("journal", "/tmp/j-{bogus}.jsonl"),
+    ("journal", "/tmp/j-{0}.jsonl"),
+    ("journal", "/tmp/j-{.jsonl"),
+    ("textfile", "/tmp/m-{bogus}.prom"),
 ]
 
 
@@ -451,3 +460,39 @@ def test_doctor_says_which_legacy_is_active(tmp_path):
     assert (
         done.returncode == 1 and "legacy: --legacy-from" in done.stdout and "neither a torch_npu wheel" in done.stdout
     )
+
+
+def test_a_directory_that_cannot_be_created_stops_before_the_command(tmp_path, capsys):
+    marker, command = marker_command(tmp_path)
+    for name in ("multiproc_dir", "capture_dir"):
+        assert runner.run(command, {name: "/proc/npu-shadow-x"}, environ={}) == 2
+        assert f"{cfg.SETTINGS[name].option}='/proc/npu-shadow-x' is not valid: cannot create it" in (
+            capsys.readouterr().err
+        )
+    assert not marker.exists()
+
+
+CASTS = "import torch\nfor _ in range(5):\n    torch.ones(2).type(torch.float64)\n"
+
+
+def test_each_job_gets_a_fresh_private_folder_inside_the_multiproc_dir(tmp_path):
+    """Files of an earlier job, planted symlinks and foreign files in the directory never reach a new job."""
+    import stat
+
+    base = tmp_path / "metrics"
+    base.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (base / "counter_4242.db").symlink_to(victim)
+    (base / "gauge_max_4243.db").write_bytes(b"not a metrics file")
+    for run in (1, 2):
+        textfile = tmp_path / f"run{run}.prom"
+        done = npu_shadow(
+            "run", "--multiproc-dir", str(base), "--targets", "tensor_type", "--sample-rate", "1",
+            "--textfile", str(textfile), "--", sys.executable, "-c", CASTS,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert total(samples(textfile.read_text()), "npu_shadow_calls_total", target="tensor_type") == 5
+    assert victim.read_text() == "precious"
+    jobs = sorted(p for p in base.iterdir() if p.name.startswith("job-"))
+    assert len(jobs) == 2 and all(stat.S_IMODE(p.stat().st_mode) == 0o700 for p in jobs)

@@ -85,3 +85,22 @@ def test_prometheus_translation_yields_the_direct_names():
     assert translated == native
     assert "npu_shadow_shadow_duration_seconds" in translated and "npu_shadow_legacy_seconds_total" in translated
     provider.shutdown()
+
+
+def test_histogram_values_that_find_the_queue_full_are_counted_not_lost_silently(monkeypatch):
+    """Under slow collection the queue is bounded; every observation it cannot hold is counted."""
+    from exporters import otel
+    from shadow.observation import Observation
+
+    monkeypatch.setattr(otel, "MAX_PENDING", 300)
+    reader = InMemoryMetricReader()
+    exporter = OTelExporter(meter_provider=MeterProvider(metric_readers=[reader]))
+    exporter.register("op", 1.0)
+    for _ in range(1000):
+        exporter.export(Observation("op", "close", numel=4, max_abs_error=1e-6, upstream_seconds=0.001))
+    by_name = {m.name: m for m in reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics}
+    recorded = sum(p.count for p in by_name["npu_shadow.shadow.duration"].data.data_points)
+    skipped = {dict(p.attributes)["reason"]: p.value for p in by_name["npu_shadow.skipped"].data.data_points}
+    assert recorded == 100 and exporter.dropped == 900  # 3 values per observation: 100 fit in 300
+    assert skipped["export"] == exporter.dropped
+    assert recorded + skipped["export"] == 1000

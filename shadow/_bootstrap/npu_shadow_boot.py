@@ -48,7 +48,7 @@ def _metrics_dir() -> None:
         return  # not serving, or inherited from the rank that started this worker
     rank = os.environ.get("LOCAL_RANK", "0")
     directory = os.path.join(base, f"rank{rank}") if os.environ.get(METRICS_LAYOUT) == "rank" else base
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
 
 
