@@ -43,3 +43,19 @@ def test_parent_forked_and_spawned_children_all_arrive(tmp_path):
         r["mismatch"] for r in reports
     )
     assert job.returncode == 0
+
+
+def test_a_multiprocess_directory_others_can_write_is_refused_by_the_library(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    script = (
+        "from exporters import PrometheusExporter\n"
+        "try:\n    PrometheusExporter()\nexcept ValueError as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)},
+        capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)),
+    )  # fmt: skip
+    assert f"PROMETHEUS_MULTIPROC_DIR='{shared}' is not valid: writable by others" in done.stdout, done.stderr
