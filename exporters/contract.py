@@ -121,6 +121,17 @@ def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:
     return series
 
 
+def device() -> str:
+    """This process's device, as reports show it: 'cpu', 'npu x2 (emulated)', 'cuda x8'."""
+    from shadow import emulated_npu
+
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        return "cpu"
+    emulated = " (emulated)" if emulated_npu.installed_devices() else ""
+    return f"{accelerator.type} x{torch.accelerator.device_count()}{emulated}"
+
+
 def versions() -> dict[str, str]:
     """The build_info labels: this package, torch and torch_npu (``none`` when absent)."""
     import shadow

@@ -10,9 +10,10 @@ import math
 import os
 import socket
 import threading
+from collections.abc import Callable, Mapping
 from json.encoder import encode_basestring_ascii
 
-from exporters import capture
+from exporters import capture, contract
 from shadow import _fork
 from shadow.observation import Observation
 from shadow.safe_paths import check_private_directory, make_private_directory
@@ -43,7 +44,8 @@ class JsonlExporter:
     ``path`` may hold ``{pid}`` and ``{rank}``; give each process its own file that way when several
     processes journal. The file rotates past ``max_bytes`` keeping ``backups`` old files (path.1, ...).
     ``capture_dir`` turns on repro captures of mismatches and errors: at most ``max_captures`` files and
-    ``max_capture_bytes`` of tensor data per process. Write errors (disk full, unwritable) are raised to
+    ``max_capture_bytes`` of tensor data per process. ``annotate`` returns fields to add to each line (the pytest
+    plugin's test node id, say). Write errors (disk full, unwritable) are raised to
     the engine, which counts them as ``export`` skips; training never sees them.
     """
 
@@ -56,12 +58,14 @@ class JsonlExporter:
         capture_dir: str | None = None,
         max_captures: int = 20,
         max_capture_bytes: int = 256 << 20,
+        annotate: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
         for name, value in (("max_bytes", max_bytes), ("backups", backups), ("max_captures", max_captures)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"JsonlExporter: {name} must be an int >= 0, got {value!r}")
         if capture_dir is not None:
             check_private_directory(capture_dir, "capture_dir")
+        self.annotate = annotate
         self.path_template = path
         self.max_bytes = max_bytes
         self.backups = backups
@@ -83,7 +87,7 @@ class JsonlExporter:
         self.captures_tried = 0
         self.captures_failed = 0
         self.capture_bytes = 0
-        self._process_fields = _encode({"host": self.host, "pid": self.pid, "rank": self.rank})[1:]
+        self._process_fields: str | None = None  # at the first line: the device may come after the exporter
 
     # ------------------------------------------------------------------ export
 
@@ -115,8 +119,23 @@ class JsonlExporter:
             f'"shared_divergence":{_quote(o.shared_divergence) if o.shared_divergence else "null"},'
             f'"shared_detail":{_quote(o.shared_detail)},'
             f'"capture":{"null" if capture_path is None else _quote(capture_path)},'
-            f'"drill":{"true" if o.drill else "false"},{self._process_fields}\n'
+            f'"drill":{"true" if o.drill else "false"},"legacy":{_quote(o.legacy)},'
+            f"{self._annotations()}{self._process_fields or self._process()}\n"
         )
+
+    def _process(self) -> str:
+        """This process's fields, the same on every line: host, pid, rank, versions and device."""
+        fields = {"host": self.host, "pid": self.pid, "rank": self.rank}
+        fields.update({k: v for k, v in contract.versions().items() if k != "version"}, device=contract.device())
+        self._process_fields = _encode(fields)[1:]
+        return self._process_fields
+
+    def _annotations(self) -> str:
+        """The caller's own fields for this line (the pytest plugin adds the test), as JSON members."""
+        if self.annotate is None:
+            return ""
+        fields = {str(k): str(v) for k, v in self.annotate().items()}
+        return _encode(fields)[1:-1] + "," if fields else ""
 
     def _open(self) -> None:
         directory = os.path.dirname(self.path)

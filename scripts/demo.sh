@@ -33,3 +33,8 @@ case $code in
   0|1|3) echo "(verdict exit code $code: 0 promote, 1 rollback, 3 inconclusive)";;
   *) exit "$code";;
 esac
+echo
+echo "== report for the pull request (counts from the metrics, details from the journals)"
+.venv/bin/npu-shadow report --metrics-file "$work/metrics.prom" --journal "$work"/journal-*.jsonl \
+  --markdown npu-shadow-report.md --html npu-shadow-report.html
+sed -n '/^## Verdict/,/^## Risky/p' npu-shadow-report.md | head -n -1

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Set up (see setup.sh), install Prometheus and promtool from Debian's `prometheus` package when they are
-# missing (the tests start their own server on 127.0.0.1; the system service is never used), then run
+# Set up (see setup.sh), install Prometheus and promtool from Debian's `prometheus` package and Chromium from
+# Debian's `chromium` when they are missing (the tests start their own Prometheus on 127.0.0.1, never the system
+# service, and render a report in headless Chromium), then run
 # the linter and the whole test suite. The torch_npu wheels (for their source) are fetched into the cache first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+missing=()
+command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # renders the report's HTML in a test
+if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 bash scripts/fetch_torch_npu.sh
 .venv/bin/python -m ruff check .

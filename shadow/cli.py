@@ -91,6 +91,47 @@ def _verdict(args: argparse.Namespace) -> int:
     return verdict.EXIT_CODES[result]
 
 
+def _report(args: argparse.Namespace) -> int:
+    from shadow import report
+    from shadow.targets import BUILTINS
+    from shadow.verdict_sources import SourceError, from_exposition, from_prometheus, read_text
+
+    if not (args.journal or args.metrics_file or args.prometheus):
+        print("npu-shadow report: give --journal, --metrics-file or --prometheus", file=sys.stderr)
+        return EXIT_USAGE
+    sources = [f"Prometheus {args.prometheus}"] if args.prometheus else []
+    sources += [f"metrics file {args.metrics_file}"] if args.metrics_file else []
+    sources += [f"journals {', '.join(args.journal)}"] if args.journal else []
+    try:
+        counts = None
+        if args.prometheus:
+            counts = from_prometheus(args.prometheus, args.window, args.selector)
+        elif args.metrics_file:
+            counts = from_exposition(read_text(args.metrics_file), args.metrics_file)
+        evidence = report.collect(args.journal or (), counts, details=args.details)
+    except SourceError as exc:
+        print(f"npu-shadow report: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    risky: dict[str, list[str]] = {name: list(factory().risky_signatures) for name, factory in BUILTINS.items()}
+    overall, sections = report.build(evidence, sources, args.max_rate, risky, args.min_per_signature)
+    markdown = report.to_markdown(overall, sections)
+    try:
+        if args.markdown and args.markdown != "-":
+            with open(args.markdown, "w", encoding="utf-8") as handle:
+                handle.write(markdown)
+        if args.html:
+            with open(args.html, "w", encoding="utf-8") as handle:
+                handle.write(report.to_html(overall, sections))
+    except OSError as exc:
+        print(f"npu-shadow report: cannot write: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if not args.markdown or args.markdown == "-":
+        print(markdown, end="")
+    else:
+        print(f"npu-shadow report: {overall}; written to {args.markdown}" + (f" and {args.html}" if args.html else ""))
+    return EXIT_OK
+
+
 def _rate(text: str) -> float:
     value = float(text)
     if not 0.0 < value < 1.0:
@@ -212,6 +253,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     decide.add_argument("--format", choices=("table", "json"), default="table")
     decide.set_defaults(handler=_verdict)
+
+    paper = commands.add_parser(
+        "report",
+        help="the evidence as Markdown (and HTML) for the pull request that deletes the patches",
+        description="Counts from --prometheus or --metrics-file (else from the journals); details and tests "
+        "from --journal. Exit 0, or 2 on a source or usage error.",
+    )
+    counted = paper.add_mutually_exclusive_group()
+    counted.add_argument("--prometheus", metavar="URL", help="a Prometheus server, e.g. http://127.0.0.1:9090")
+    counted.add_argument("--metrics-file", metavar="PATH", help="a Prometheus text exposition (saved scrape)")
+    paper.add_argument("--journal", metavar="PATH", nargs="+", help="JSONL journals (details, tests)")
+    paper.add_argument("--window", help="with --prometheus: judge increases over this window (e.g. 6h)")
+    paper.add_argument("--selector", default="", help='with --prometheus: series selector, e.g. job="train"')
+    paper.add_argument("--max-rate", type=_rate, default=DEFAULT_MAX_RATE, help="tolerated divergence rate")
+    paper.add_argument("--min-per-signature", type=_count, default=30, help="comparisons each risky signature needs")
+    paper.add_argument("--details", type=_count, default=5, help="details shown per group of divergences")
+    paper.add_argument("--markdown", metavar="PATH", help="write the Markdown here (default: standard output)")
+    paper.add_argument("--html", metavar="PATH", help="also write a self-contained HTML file")
+    paper.set_defaults(handler=_report)
     return parser
 
 

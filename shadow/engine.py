@@ -27,7 +27,7 @@ from shadow.drill import Drill
 from shadow.isolation import Isolation, find_modules
 from shadow.observation import SHARED_DIVERGENCE_REASONS, Evidence, Observation, TargetStats, bounded
 from shadow.sampler import Gate, Sampler
-from shadow.targets import Target
+from shadow.targets import Target, patch_origin
 from shadow.tolerance import ToleranceSpec
 
 log = logging.getLogger("shadow")
@@ -99,11 +99,13 @@ class Shadow:
     ) -> None:
         self.target = target
         self.drill = drill
+        self.monitor: Any = None  # the Monitor that installed this shadow (set by it)
         # The single-device oracle: None is off; else every sampled call under autocast and this fraction of
         # the others (targets that describe a single-device call only).
         self.oracle_rate = oracle_rate if target.oracle is not None and target.isolate else None
         self._oracle_random = random.Random(f"{seed}/{target.name}/oracle" if seed is not None else None)
         self.legacy = target.resolve_legacy()
+        self.legacy_origin = patch_origin(self.legacy) or ""
         self.tolerance = tolerance if tolerance is not None else target.tolerance
         self.exporters = tuple(exporters)
         self._lock = threading.Lock()
@@ -208,6 +210,7 @@ class Shadow:
         isolation, signature, autocast_before, oracle_planned = prepared
         common = {
             "target": self.target.name,
+            "legacy": self.legacy_origin,
             "signature": signature,
             "legacy_seconds": legacy_seconds,
             "timestamp": now,

@@ -31,9 +31,15 @@ _logged_nothing_to_shadow = False
 class Monitor:
     """The installed shadows. A context manager: leaving it uninstalls."""
 
-    def __init__(self, shadows: Sequence[Shadow]) -> None:
+    def __init__(self, shadows: Sequence[Shadow], yields: bool = False) -> None:
         self._shadows = list(shadows)
         self._restore: list[tuple[Any, str, bool, Any]] = []
+        #: A yielding monitor steps aside for a monitor installed later on the same target, and comes back
+        #: when that one is uninstalled (the pytest plugin's session monitor yields to a test's own).
+        self.yields = yields
+        self._suspended: list[tuple[Monitor, Shadow]] = []  # yielding shadows this monitor displaced
+        for s in self._shadows:
+            s.monitor = self
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -64,6 +70,28 @@ class Monitor:
             self._restore.append((s, had_own, raw))
             setattr(owner, attribute, staticmethod(s.wrapper) if isinstance(raw, staticmethod) else s.wrapper)
 
+    def _entry(self, shadow: Shadow) -> tuple[bool, Any]:
+        for s, had_own, raw in self._restore:
+            if s is shadow:
+                return had_own, raw
+        raise KeyError(shadow.target.name)
+
+    def suspend(self, shadow: Shadow) -> None:
+        """Put back what ``shadow``'s wrapper replaced, for another monitor to wrap (yielding monitors)."""
+        had_own, raw = self._entry(shadow)
+        owner, attribute = shadow.target.owner, shadow.target.attribute
+        if had_own:
+            setattr(owner, attribute, raw)
+        else:
+            delattr(owner, attribute)
+
+    def resume(self, shadow: Shadow) -> None:
+        """Install ``shadow``'s wrapper again after :meth:`suspend`, if nothing else took its place since."""
+        had_own, raw = self._entry(shadow)
+        owner, attribute = shadow.target.owner, shadow.target.attribute
+        if vars(owner).get(attribute) is (raw if had_own else None):
+            setattr(owner, attribute, staticmethod(shadow.wrapper) if isinstance(raw, staticmethod) else shadow.wrapper)
+
     def replaced(self) -> list[str]:
         """Targets whose wrapper something else replaced since install (torch_npu imported late, say)."""
         return [
@@ -92,6 +120,9 @@ class Monitor:
                 setattr(owner, attribute, raw)
             else:
                 delattr(owner, attribute)
+        while self._suspended:
+            monitor, shadow = self._suspended.pop()
+            monitor.resume(shadow)
 
     @property
     def installed(self) -> bool:
@@ -158,6 +189,7 @@ def install(
     seed: int | None = None,
     drill: Drill | None = None,
     oracle: float | None = 0.1,
+    yields: bool = False,
 ) -> Monitor:
     """Shadow the given targets (by default every built-in whose legacy patch is active).
 
@@ -167,8 +199,9 @@ def install(
     choice of sampled calls reproducible. ``drill``: a :class:`shadow.drill.Drill` injecting synthetic
     divergence into the upstream side (never into what the caller gets). ``oracle``: for the DataParallel
     targets, the fraction of sampled calls without autocast that also run replica 0 alone on its device, to find
-    divergences legacy and upstream share (sampled calls under autocast always do); None turns it off. Raises
-    ValueError on any bad argument, before patching.
+    divergences legacy and upstream share (sampled calls under autocast always do); None turns it off.
+    ``yields``: this monitor steps aside while a later monitor shadows the same target (instead of that one
+    raising "already shadowed"). Raises ValueError on any bad argument, before patching.
     """
     if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is not None:
         warnings.warn(
@@ -188,7 +221,7 @@ def install(
         if places.count((id(target.owner), target.attribute)) > 1:
             raise ValueError(f"targets: more than one target wraps {target.where}")
         existing = shadow_of(getattr(target.owner, target.attribute, None))
-        if existing is not None:
+        if existing is not None and not getattr(getattr(existing, "monitor", None), "yields", False):
             raise ValueError(
                 f"{target.where} is already shadowed (target {existing.target.name!r}); uninstall that monitor first"
             )
@@ -223,8 +256,15 @@ def install(
     if oracle is not None:
         oracle = _check_rate(oracle, "oracle")
 
+    suspended = []
+    for target in resolved:
+        existing = shadow_of(getattr(target.owner, target.attribute, None))
+        if existing is not None:  # a yielding monitor's (checked above): step it aside
+            existing.monitor.suspend(existing)
+            suspended.append((existing.monitor, existing))
     shadows = [Shadow(t, rates[t.name], tolerances[t.name], exporters, seed, drill, oracle) for t in resolved]
-    monitor = Monitor(shadows)
+    monitor = Monitor(shadows, yields=yields)
+    monitor._suspended = suspended
     try:
         monitor._patch()
     except Exception:

@@ -77,6 +77,8 @@ class Observation:
     shared_detail: str = ""
     #: Time the single-device oracle run and its comparison took (part of the shadow side's time).
     oracle_seconds: float = 0.0
+    #: Where the legacy side came from: 'torch_npu', 'torch_npu X source', 'reference', or '' (a custom target).
+    legacy: str = ""
     #: For mismatches and errors: what a repro capture needs (never compared, never printed).
     evidence: Evidence | None = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -12,7 +12,7 @@ import json
 import math
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -149,24 +149,43 @@ def from_prometheus(
     return counts
 
 
-def from_journal(paths: Iterable[str]) -> dict[str, TargetCounts]:
-    """Counts from JSONL journals. Journals hold matches only when written with ``all_outcomes=True``."""
-    counts: dict[str, TargetCounts] = {}
+def journal_records(paths: Iterable[str]) -> Iterator[dict]:
+    """Every record of the journals, checked, one at a time (bounded memory however long they are)."""
     for path in paths:
         try:
             with open(path, "rb") as handle:
                 for number, raw in enumerate(iter(lambda h=handle: h.readline(MAX_LINE_BYTES + 1), b""), 1):
-                    _journal_line(counts, raw, f"{path}:{number}")
+                    record = _journal_record(raw, f"{path}:{number}")
+                    if record is not None:
+                        yield record
         except OSError as exc:
             raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def add_record(counts: dict[str, TargetCounts], record: dict) -> None:
+    """Count one journal record."""
+    entry = counts.setdefault(record["target"], TargetCounts())
+    entry.add_outcome(record.get("signature", ""), record["outcome"], 1)
+    if record["outcome"] != "skipped":
+        for reason in record.get("reasons", []):
+            entry.add_reason(reason, 1)
+    if record.get("shared_divergence"):
+        entry.add_shared(record["shared_divergence"], 1)
+
+
+def from_journal(paths: Iterable[str]) -> dict[str, TargetCounts]:
+    """Counts from JSONL journals. Journals hold matches only when written with ``all_outcomes=True``."""
+    counts: dict[str, TargetCounts] = {}
+    for record in journal_records(paths):
+        add_record(counts, record)
     return counts
 
 
-def _journal_line(counts: dict[str, TargetCounts], raw: bytes, where: str) -> None:
+def _journal_record(raw: bytes, where: str) -> dict | None:
     if len(raw) > MAX_LINE_BYTES:
         raise SourceError(f"{where}: a line longer than {MAX_LINE_BYTES >> 20} MiB: not a journal")
     if not raw.strip():
-        return
+        return None
     try:
         record = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -182,10 +201,4 @@ def _journal_line(counts: dict[str, TargetCounts], raw: bytes, where: str) -> No
         raise SourceError(f"{where}: not a journal line (reasons must be a list of strings)")
     if shared is not None and not isinstance(shared, str):
         raise SourceError(f"{where}: not a journal line (shared_divergence must be a string)")
-    entry = counts.setdefault(target, TargetCounts())
-    entry.add_outcome(signature, outcome, 1)
-    if outcome != "skipped":
-        for reason in reasons:
-            entry.add_reason(reason, 1)
-    if shared:
-        entry.add_shared(shared, 1)
+    return record

@@ -1,0 +1,240 @@
+"""``npu-shadow report``: the evidence of a run as one document for the pull request that deletes the patches.
+
+Counts come from the verdict's sources (a Prometheus server, a saved exposition, or journals); details (what
+differed, in which test) from journals, read one line at a time so that millions of lines need bounded memory:
+per group of (target, signature, outcome, reasons) a count and the first few details, per test a count.
+The same sections render as Markdown and as one self-contained HTML file.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import html
+from collections.abc import Iterable, Mapping, Sequence
+
+from shadow import verdict
+from shadow.verdict import Decision, TargetCounts
+from shadow.verdict_sources import add_record, journal_records
+
+DIVERGENT = ("mismatch", "error")
+#: Journal fields that describe the run rather than one call: collected as the report's environment.
+ENVIRONMENT_FIELDS = ("torch", "torch_npu", "device", "legacy", "host")
+MAX_TESTS = 200
+
+
+@dataclasses.dataclass
+class Group:
+    """Divergent comparisons of one target, signature, outcome and reason set."""
+
+    count: int = 0
+    details: list[str] = dataclasses.field(default_factory=list)
+    tests: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class Evidence:
+    """What the sources hold, reduced to what the report shows."""
+
+    counts: dict[str, TargetCounts]
+    environment: dict[str, collections.Counter] = dataclasses.field(default_factory=dict)
+    groups: dict[tuple[str, str, str, tuple[str, ...]], Group] = dataclasses.field(default_factory=dict)
+    tests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    test_run: bool = False
+    lines: int = 0
+
+
+def collect(
+    journals: Iterable[str] = (), counts: Mapping[str, TargetCounts] | None = None, details: int = 5
+) -> Evidence:
+    """Read the journals once. ``counts`` (from a metrics source) take precedence over the journals' own."""
+    evidence = Evidence(counts=dict(counts) if counts is not None else {})
+    own: dict[str, TargetCounts] = {}
+    for record in journal_records(journals):
+        evidence.lines += 1
+        add_record(own, record)
+        for field in ENVIRONMENT_FIELDS:
+            value = record.get(field)
+            if isinstance(value, str) and value:
+                evidence.environment.setdefault(field, collections.Counter())[value] += 1
+        test = record.get("test")
+        if isinstance(test, str):
+            evidence.test_run = True
+        if record["outcome"] not in DIVERGENT:
+            continue
+        key = (record["target"], record.get("signature", ""), record["outcome"], tuple(record.get("reasons", [])))
+        group = evidence.groups.setdefault(key, Group())
+        group.count += 1
+        where = f"{test} ({record.get('phase', '')}): " if isinstance(test, str) and test else ""
+        if len(group.details) < details:
+            group.details.append(where + str(record.get("detail", "")))
+        if isinstance(test, str) and test:
+            if len(group.tests) < MAX_TESTS:
+                group.tests.add(test)
+            if test in evidence.tests or len(evidence.tests) < MAX_TESTS:
+                evidence.tests[test] += 1
+    if counts is None:
+        evidence.counts = own
+    return evidence
+
+
+# --------------------------------------------------------------------------- the document
+
+
+@dataclasses.dataclass
+class Section:
+    title: str
+    text: list[str] = dataclasses.field(default_factory=list)
+    header: Sequence[str] = ()
+    rows: list[Sequence[str]] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def build(
+    evidence: Evidence,
+    sources: Sequence[str],
+    max_rate: float = verdict.DEFAULT_MAX_RATE,
+    risky: Mapping[str, Iterable[str]] | None = None,
+    min_per_signature: int = 30,
+) -> tuple[str, list[Section]]:
+    """(overall decision, sections) for the evidence."""
+    decisions = verdict.decide_all(evidence.counts, max_rate, risky or {}, min_per_signature)
+    overall = verdict.overall(decisions)
+    sections = [_environment(evidence, sources), _verdict(decisions, overall, max_rate)]
+    sections += [_coverage(decisions), _shared(decisions), _divergences(evidence)]
+    if evidence.test_run:
+        sections.append(_tests(evidence))
+    return overall, sections
+
+
+def _environment(evidence: Evidence, sources: Sequence[str]) -> Section:
+    def values(field: str) -> str:
+        seen = evidence.environment.get(field)
+        return ", ".join(sorted(seen)) if seen else "not recorded"
+
+    rows = [
+        ["sources", "; ".join(sources)],
+        ["torch", values("torch")],
+        ["torch_npu", values("torch_npu")],
+        ["legacy", values("legacy")],
+        ["device", values("device")],
+        ["journal lines read", f"{evidence.lines:,}"],
+    ]
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return Section("Environment", [f"Written {stamp}."], ["item", "value"], rows)
+
+
+def _verdict(decisions: list[Decision], overall: str, max_rate: float) -> Section:
+    rows = [
+        [d.target, d.decision, f"{d.compared:,}", f"{d.divergent:,}", f"[{d.lower:.3g}, {d.upper:.3g}]", d.why]
+        for d in decisions
+    ]
+    return Section(
+        "Verdict",
+        [f"Overall: **{overall}** (max divergence rate {max_rate:g}; one-sided 95% Clopper-Pearson bounds)."],
+        ["target", "decision", "compared", "divergent", "95% bounds", "why / evidence still missing"],
+        rows,
+        [] if decisions else ["No npu_shadow comparisons in these sources."],
+    )
+
+
+def _coverage(decisions: list[Decision]) -> Section:
+    rows = [[d.target, pattern, f"{seen:,}"] for d in decisions for pattern, seen in d.risky.items()]
+    return Section("Risky signatures", [], ["target", "signature", "compared"], rows, [] if rows else ["None set."])
+
+
+def _shared(decisions: list[Decision]) -> Section:
+    rows = [[d.target, reason, f"{count:,}"] for d in decisions for reason, count in sorted(d.shared.items())]
+    text = [
+        "Legacy and upstream agree, but both depart from replica 0 run alone on its device (the single-device "
+        "oracle): removing the patch changes nothing there; an upstream issue to file, not a reason to keep it."
+    ]
+    return Section("Shared divergences", text, ["target", "reason", "comparisons"], rows, [] if rows else ["None."])
+
+
+def _divergences(evidence: Evidence) -> Section:
+    rows = []
+    for (target, signature, outcome, reasons), group in sorted(evidence.groups.items(), key=lambda kv: -kv[1].count):
+        details = " / ".join(group.details)
+        rows.append([target, signature, outcome, ", ".join(reasons) or "-", f"{group.count:,}", details])
+    notes = [] if rows else ["None in the journals." if evidence.lines else "Details need journals (--journal)."]
+    return Section(
+        "Divergences",
+        ["Grouped by target, signature, outcome and reasons, with the first details of each."],
+        ["target", "signature", "outcome", "reasons", "count", "first details"],
+        rows,
+        notes,
+    )
+
+
+def _tests(evidence: Evidence) -> Section:
+    rows = [[test, f"{count:,}"] for test, count in evidence.tests.most_common()]
+    notes = [] if rows else ["No test diverged."]
+    if len(evidence.tests) >= MAX_TESTS:
+        notes.append(f"Only the first {MAX_TESTS} tests that diverged are listed.")
+    return Section("Tests that diverged", [], ["test", "divergent comparisons"], rows, notes)
+
+
+# --------------------------------------------------------------------------- rendering
+
+TITLE = "npu-shadow report: legacy (torch_npu patches) vs upstream PyTorch"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(overall: str, sections: list[Section]) -> str:
+    """The report as Markdown, for a pull request."""
+    lines = [f"# {TITLE}", "", f"**Overall: {overall}**", ""]
+    for section in sections:
+        lines += [f"## {section.title}", ""]
+        lines += [*section.text, ""] if section.text else []
+        if section.rows:
+            lines.append("| " + " | ".join(section.header) + " |")
+            lines.append("|" + "---|" * len(section.header))
+            lines += ["| " + " | ".join(_cell(str(c)) for c in row) + " |" for row in section.rows]
+            lines.append("")
+        lines += [*section.notes, ""] if section.notes else []
+    return "\n".join(lines).rstrip() + "\n"
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #1b1f24; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
+th, td { border: 1px solid #c9d1d9; padding: 4px 8px; text-align: left; vertical-align: top; }
+th { background: #f1f3f5; }
+td.promote { background: #c8f7c5; } td.rollback { background: #ffc9c9; } td.inconclusive { background: #ffec99; }
+"""
+
+
+def to_html(overall: str, sections: list[Section]) -> str:
+    """The report as one self-contained HTML file (no script, no external resource)."""
+    e = html.escape
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{e(TITLE)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>{e(TITLE)}</h1>",
+        f'<p>Overall: <strong class="{e(overall)}">{e(overall)}</strong></p>',
+    ]
+    for section in sections:
+        parts.append(f'<h2 id="{e(section.title.lower().replace(" ", "-"))}">{e(section.title)}</h2>')
+        parts += [f"<p>{e(t).replace('**', '')}</p>" for t in section.text]
+        if section.rows:
+            parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in section.header) + "</tr>")
+            for row in section.rows:
+                cells = []
+                for value in row:
+                    kind = (
+                        f' class="{value}"'
+                        if value in (verdict.PROMOTE, verdict.ROLLBACK, verdict.INCONCLUSIVE)
+                        else ""
+                    )
+                    cells.append(f"<td{kind}>{e(str(value))}</td>")
+                parts.append("<tr>" + "".join(cells) + "</tr>")
+            parts.append("</table>")
+        parts += [f"<p><em>{e(n)}</em></p>" for n in section.notes]
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"

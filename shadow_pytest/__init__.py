@@ -1,0 +1,58 @@
+"""pytest plugin: run any test suite with torch_npu's patches shadowed, ``pytest --npu-shadow``.
+
+Registered through the ``pytest11`` entry point and inert unless ``--npu-shadow`` is given: this module imports
+neither torch nor npu-shadow, so a suite that does not ask pays nothing. With the option, the session (in
+:mod:`shadow_pytest.session`) installs the monitor at sample rate 1.0 before test modules are imported and
+attributes every observation to the test that made the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("npu-shadow", "shadow torch_npu's patches against upstream (npu-shadow)")
+    group.addoption("--npu-shadow", action="store_true", help="shadow every call of the patched functions")
+    group.addoption("--npu-shadow-strict", action="store_true", help="a divergence fails the test that made the call")
+    group.addoption(
+        "--npu-shadow-legacy",
+        choices=("auto", "torch_npu", "reference"),
+        default="auto",
+        help="the legacy side: torch_npu imported, or shadow.reference (auto: torch_npu where it is installed)",
+    )
+    group.addoption(
+        "--npu-shadow-legacy-from",
+        metavar="PATH",
+        help="torch_npu's own legacy, from a wheel, a directory holding torch_npu, or 'installed'",
+    )
+    group.addoption(
+        "--npu-shadow-emulate-npu", type=int, default=0, metavar="N", help="N emulated npu devices (0: none)"
+    )
+    group.addoption(
+        "--npu-shadow-targets", metavar="NAMES", help="comma list of built-in targets (default: all active)"
+    )
+    group.addoption(
+        "--npu-shadow-journal",
+        default="npu-shadow-tests.jsonl",
+        metavar="PATH",
+        help="the journal of every comparison, with its test (default npu-shadow-tests.jsonl)",
+    )
+
+
+@pytest.hookimpl(trylast=True)  # after conftest.py files have configured (an emulated npu, say)
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.getoption("npu_shadow"):
+        return
+    from shadow_pytest.session import ShadowSession
+
+    config.pluginmanager.register(ShadowSession(config), "npu-shadow-session")
+
+
+def pytest_report_header(config: pytest.Config) -> Any:
+    if config.getoption("npu_shadow"):
+        session = config.pluginmanager.get_plugin("npu-shadow-session")
+        return session.header() if session is not None else None
+    return None

@@ -1,0 +1,146 @@
+"""`pytest --npu-shadow`: a suite run with every patched call shadowed, each observation attributed to its test."""
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SUITE = """
+import pytest
+import torch
+
+
+@pytest.fixture
+def cast_in_setup():
+    torch.accelerator.set_device_index(0)
+    return torch.ones(2, device="npu:1").type("torch.npu.HalfTensor")  # diverges, in setup
+
+
+def test_diverges():
+    torch.accelerator.set_device_index(0)
+    # legacy: onto the current npu (0); upstream: keeps the tensor's own device (1)
+    assert torch.ones(2, device="npu:1").type("torch.npu.HalfTensor").dtype == torch.float16
+
+
+def test_agrees():
+    assert torch.arange(4.0).type(torch.float16).dtype == torch.float16
+
+
+def test_diverges_in_setup(cast_in_setup):
+    assert cast_in_setup.dtype == torch.float16
+
+
+def test_fails_on_its_own():
+    assert torch.ones(1).type(torch.int64).item() == 2
+"""
+
+
+def run_pytest(directory, *options):
+    """pytest in a fresh process; (exit code, output, {test name: outcome}) from its JUnit XML."""
+    report = directory / "report.xml"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}", *options],
+        cwd=directory, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    outcomes = {}
+    for case in ElementTree.parse(report).iter("testcase"):
+        kinds = {child.tag for child in case}
+        outcome = (
+            "failed"
+            if "failure" in kinds
+            else "error"
+            if "error" in kinds
+            else "skipped"
+            if "skipped" in kinds
+            else "passed"
+        )
+        outcomes[f"{case.get('classname')}::{case.get('name')}"] = outcome
+    return done.returncode, done.stdout + done.stderr, outcomes
+
+
+@pytest.fixture
+def suite(tmp_path):
+    (tmp_path / "test_suite.py").write_text(SUITE)
+    return tmp_path
+
+
+SHADOWED = ["--npu-shadow", "--npu-shadow-emulate-npu", "2", "--npu-shadow-journal", "journal.jsonl"]
+
+
+def test_every_observation_is_attributed_to_the_test_that_made_the_call(suite):
+    _, output, outcomes = run_pytest(suite, *SHADOWED)
+    assert outcomes == {
+        "test_suite::test_diverges": "passed",
+        "test_suite::test_agrees": "passed",
+        "test_suite::test_diverges_in_setup": "passed",
+        "test_suite::test_fails_on_its_own": "failed",
+    }, output
+    assert "diverged: test_suite.py::test_diverges (call): tensor_type mismatch (device)" in output
+    assert "diverged: test_suite.py::test_diverges_in_setup (setup): tensor_type mismatch (device)" in output
+    assert "test_agrees" not in output.split("= npu-shadow =")[1]
+    records = [json.loads(line) for line in (suite / "journal.jsonl").read_text().splitlines()]
+    by_test = {}
+    for record in records:
+        by_test.setdefault((record["test"], record["phase"]), []).append(record["outcome"])
+    assert by_test[("test_suite.py::test_diverges", "call")] == ["mismatch"]
+    assert by_test[("test_suite.py::test_agrees", "call")] == ["match"]
+    assert by_test[("test_suite.py::test_diverges_in_setup", "setup")] == ["mismatch"]
+    assert by_test[("test_suite.py::test_fails_on_its_own", "call")] == ["match"]
+    verdict = subprocess.run(
+        [sys.executable, "-m", "shadow", "verdict", "--journal", str(suite / "journal.jsonl")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert verdict.returncode == 1 and "hard mismatches: 2 device" in verdict.stdout, verdict.stdout
+
+
+def test_strict_mode_fails_exactly_the_tests_that_diverged(suite):
+    code, output, outcomes = run_pytest(suite, *SHADOWED, "--npu-shadow-strict")
+    assert outcomes == {
+        "test_suite::test_diverges": "failed",
+        "test_suite::test_agrees": "passed",
+        "test_suite::test_diverges_in_setup": "error",  # (its setup diverged)
+        "test_suite::test_fails_on_its_own": "failed",  # on its own, as without the plugin
+    }, output
+    assert "npu-shadow: legacy and upstream diverged in this test" in output
+    assert code == 1
+
+
+def test_without_the_option_the_plugin_does_nothing(suite):
+    _, output, outcomes = run_pytest(suite)
+    assert "npu-shadow" not in output and not (suite / "npu-shadow-tests.jsonl").exists()
+    assert outcomes["test_suite::test_fails_on_its_own"] == "failed"
+
+
+#: Some of the project's own tests, several of which install monitors of their own (the session's steps aside).
+OWN_TESTS = [
+    "tests/test_compare.py",
+    "tests/test_install.py",
+    "tests/test_sampler.py",
+    "tests/test_verdict.py",
+    "tests/test_oracle.py",
+    "tests/test_torch_npu_source.py",
+]
+
+
+def test_the_projects_own_tests_have_the_same_outcomes_with_the_plugin(tmp_path):
+    def outcomes(*options):
+        report = tmp_path / f"report{len(options)}.xml"
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}",
+             *OWN_TESTS, *options],
+            cwd=ROOT, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        cases = ElementTree.parse(report).iter("testcase")
+        return done, {(c.get("classname"), c.get("name")): sorted(child.tag for child in c) for c in cases}
+
+    _, plain = outcomes()
+    shadowed_run, shadowed = outcomes("--npu-shadow", "--npu-shadow-journal", str(tmp_path / "j.jsonl"))
+    assert len(plain) > 100
+    assert shadowed == plain, shadowed_run.stdout[-3000:]
+    assert "= npu-shadow =" in shadowed_run.stdout
+    assert (tmp_path / "j.jsonl").read_text().count("\n") > 0  # the session compared calls

@@ -1,0 +1,178 @@
+"""`npu-shadow report`: the Markdown of a known journal, bounded memory on long journals, HTML seen in Chromium."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tracemalloc
+
+import numpy as np
+import png
+import pytest
+
+from shadow import cli, report
+
+
+def record(target, outcome, signature, reasons=(), detail="", test=None, shared=None):
+    line = {
+        "target": target, "outcome": outcome, "signature": signature, "reasons": list(reasons), "detail": detail,
+        "torch": "2.13.0+cpu", "torch_npu": "none", "device": "npu x2 (emulated)", "legacy": "torch_npu 2.12.0 source",
+        "host": "node1", "shared_divergence": shared,
+    }  # fmt: skip
+    if test is not None:
+        line.update(test=test, phase="call")
+    return json.dumps(line)
+
+
+def known_journal(path):
+    lines = [record("tensor_type", "match", "npu_name/npu/blocking", test="t.py::test_ok")] * 40
+    lines += [record("tensor_type", "match", "dtype/cpu/blocking", test="t.py::test_ok")] * 3000
+    lines += [
+        record("tensor_type", "mismatch", "npu_name/npu/blocking", ["device"], f"device npu:0 vs npu:1 #{i}",
+               test="t.py::test_cross_device")
+        for i in range(7)
+    ]  # fmt: skip
+    lines += [record("parallel_apply", "match", "replicas=2/grad=on/autocast=on", shared="dtype")] * 35
+    lines += [record("parallel_apply", "error", "replicas=2/grad=on/autocast=off", ["exception"], "legacy raised")]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+EXPECTED = """# npu-shadow report: legacy (torch_npu patches) vs upstream PyTorch
+
+**Overall: rollback**
+
+## Environment
+
+Written TIME.
+
+| item | value |
+|---|---|
+| sources | journals JOURNAL |
+| torch | 2.13.0+cpu |
+| torch_npu | none |
+| legacy | torch_npu 2.12.0 source |
+| device | npu x2 (emulated) |
+| journal lines read | 3,083 |
+
+## Verdict
+
+Overall: **rollback** (max divergence rate 0.001; one-sided 95% Clopper-Pearson bounds).
+
+| target | decision | compared | divergent | 95% bounds | why / evidence still missing |
+|---|---|---|---|---|---|
+| parallel_apply | rollback | 36 | 1 | [0.00142, 0.125] | hard mismatches: 1 exception |
+| tensor_type | rollback | 3,047 | 7 | [0.00108, 0.00431] | hard mismatches: 7 device |
+
+## Risky signatures
+
+| target | signature | compared |
+|---|---|---|
+| parallel_apply | */autocast=on | 35 |
+| tensor_type | npu_name/* | 47 |
+| tensor_type | npu_class/* | 0 |
+
+## Shared divergences
+
+Legacy and upstream agree, but both depart from replica 0 run alone on its device (the single-device oracle): \
+removing the patch changes nothing there; an upstream issue to file, not a reason to keep it.
+
+| target | reason | comparisons |
+|---|---|---|
+| parallel_apply | dtype | 35 |
+
+## Divergences
+
+Grouped by target, signature, outcome and reasons, with the first details of each.
+
+| target | signature | outcome | reasons | count | first details |
+|---|---|---|---|---|---|
+| tensor_type | npu_name/npu/blocking | mismatch | device | 7 | t.py::test_cross_device (call): device npu:0 vs \
+npu:1 #0 / t.py::test_cross_device (call): device npu:0 vs npu:1 #1 |
+| parallel_apply | replicas=2/grad=on/autocast=off | error | exception | 1 | legacy raised |
+
+## Tests that diverged
+
+| test | divergent comparisons |
+|---|---|
+| t.py::test_cross_device | 7 |
+"""
+
+
+def test_the_markdown_of_a_known_journal(tmp_path):
+    journal = known_journal(tmp_path / "j.jsonl")
+    out = tmp_path / "report.md"
+    assert cli.main(["report", "--journal", str(journal), "--details", "2", "--markdown", str(out)]) == 0
+    text = re.sub(r"Written \S+ \S+ UTC", "Written TIME", out.read_text()).replace(str(journal), "JOURNAL")
+    assert text == EXPECTED
+
+
+def test_counts_from_a_metrics_file_with_details_from_journals(tmp_path, capsys):
+    journal = known_journal(tmp_path / "j.jsonl")
+    scrape = tmp_path / "scrape.prom"
+    scrape.write_text(
+        "# TYPE npu_shadow_comparisons_total counter\n"
+        'npu_shadow_comparisons_total{target="tensor_type",outcome="match",signature="dtype/cpu/blocking"} 9000\n'
+    )
+    assert cli.main(["report", "--metrics-file", str(scrape), "--journal", str(journal)]) == 0
+    out = capsys.readouterr().out
+    assert "| tensor_type | promote | 9,000 | 0 |" not in out  # the risky signatures were never compared
+    assert "| tensor_type | inconclusive | 9,000 | 0 |" in out
+    assert "device npu:0 vs npu:1 #0" in out  # details still come from the journal
+
+
+def test_millions_of_lines_need_bounded_memory(tmp_path):
+    """Memory depends on the number of groups and tests, not lines: 20x the lines, about the same peak."""
+
+    def peak(lines):
+        path = tmp_path / f"j{lines}.jsonl"
+        with open(path, "w") as handle:
+            for i in range(lines):
+                handle.write(record("tensor_type", "mismatch", f"sig{i % 5}", ["value"], "d" * 100,
+                                    test=f"t.py::test_{i % 50}") + "\n")  # fmt: skip
+        tracemalloc.start()
+        evidence = report.collect([str(path)])
+        _, high = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert evidence.lines == lines and sum(g.count for g in evidence.groups.values()) == lines
+        return high
+
+    small, large = peak(5_000), peak(100_000)
+    assert large < 2 * small + (1 << 20), (small, large)
+
+
+def test_bad_sources_and_no_source_exit_2(tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_bytes(b"\x00\xff\n")
+    assert cli.main(["report", "--journal", str(tmp_path / "bad.jsonl")]) == 2
+    assert cli.main(["report"]) == 2
+    assert "give --journal" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (the test command installs it)")
+def test_the_html_renders_in_chromium_with_the_verdict_table(tmp_path):
+    journal = known_journal(tmp_path / "j.jsonl")
+    page, shot = tmp_path / "report.html", tmp_path / "shot.png"
+    assert (
+        cli.main(["report", "--journal", str(journal), "--markdown", str(tmp_path / "r.md"), "--html", str(page)]) == 0
+    )
+    assert "<script" not in page.read_text() and "http" not in page.read_text()  # self-contained
+    done = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--screenshot={shot}",
+         "--window-size=1000,900", page.as_uri()],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert shot.exists(), done.stderr[-2000:]
+    image = png.pixels(shot).astype(int)
+    rollback_cells = (np.abs(image - [255, 201, 201]).sum(-1) < 6).sum()  # the verdict table's rollback cells
+    header_cells = (np.abs(image - [241, 243, 245]).sum(-1) < 4).sum()
+    assert rollback_cells > 2 * 500, rollback_cells  # two targets, each a cell of some 80 x 25 pixels
+    assert header_cells > 1000
+
+
+def test_the_command_runs_as_a_process(tmp_path):
+    journal = known_journal(tmp_path / "j.jsonl")
+    done = subprocess.run([sys.executable, "-m", "shadow", "report", "--journal", str(journal)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "**Overall: rollback**" in done.stdout
