@@ -169,7 +169,9 @@ class Shadow:
             isolation = Isolation(args, kwargs, runs=2 if oracle else 1) if self.target.isolate else None
             signature = self.target.signature(args, kwargs) if self.target.signature else "call"
             return isolation, bounded(str(signature), 64), autocast, oracle
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
             return exc
 
     def _shadow(
@@ -185,7 +187,9 @@ class Shadow:
         try:
             try:
                 observation = self._observe(prepared, args, kwargs, legacy_seconds, result, legacy_error)
-            except Exception as exc:  # a fault of this tool, never the caller's problem
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # a fault of this tool (SystemExit too), never the caller's problem
                 self._log_limited("comparator", "shadow side failed: %r", exc)
                 observation = Observation(self.target.name, "skipped", ("comparator",), detail=bounded(repr(exc)))
             self._publish(observation)
@@ -230,7 +234,9 @@ class Shadow:
                 upstream_result = self.target.upstream(*up_args, **up_kwargs)
                 if drilled:
                     upstream_result = self.drill.corrupt(upstream_result)
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit, GeneratorExit: upstream's outcome, never the caller's
             upstream_error = exc
         upstream_seconds = time.perf_counter() - start
         common["upstream_seconds"] = upstream_seconds
@@ -305,7 +311,9 @@ class Shadow:
             with self._lock:
                 self._oracle_runs += 1
             found = compare(call.legacy_part(legacy_result, single), single, tolerance=self.tolerance)
-        except Exception as exc:  # the oracle is ours: its failure loses only the oracle's finding
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the oracle is ours: its failure loses only the oracle's finding
             self._log_limited("oracle", "single-device oracle failed: %r", exc)
             return {"oracle_seconds": time.perf_counter() - start}
         seconds = time.perf_counter() - start
@@ -355,12 +363,13 @@ class Shadow:
 
     def _call_exporter(self, exporter: Any, hook: str, *args: Any) -> bool:
         """Call an exporter hook if it has it; False if it raised (logged at most once a minute)."""
-        method = getattr(exporter, hook, None)
-        if method is None:
-            return True
         try:
-            method(*args)
-        except Exception as exc:
+            method = getattr(exporter, hook, None)
+            if method is not None:
+                method(*args)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
             self._log_limited(f"{hook}:{id(exporter)}", "exporter %r failed in %s: %r", exporter, hook, exc)
             return False
         return True

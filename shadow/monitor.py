@@ -175,7 +175,8 @@ def _per_target(setting: str, value: Any, names: list[str], is_table: bool) -> d
     """Spread a value or a {target name: value} table over the targets, rejecting unknown names."""
     if not is_table:
         return dict.fromkeys(names, value)
-    unknown = sorted(set(value) - set(names))
+    # A table may name built-in targets that are not installed: their legacy patch may arrive later.
+    unknown = sorted(str(name) for name in set(value) - set(names) - set(builtin.BUILTINS))
     if unknown:
         raise ValueError(f"{setting}: unknown target(s) {unknown}; installed targets are {names}")
     return {name: value.get(name) for name in names}
@@ -231,23 +232,33 @@ def install(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed: expected an int or None, got {seed!r}")
 
+    # Every value is checked whichever targets resolve (none may be active yet).
     rate_table = isinstance(sample_rate, Mapping)
+    if rate_table:
+        for name, rate in sample_rate.items():
+            _check_rate(rate, f"sample_rate[{name!r}]")
+    else:
+        _check_rate(sample_rate, "sample_rate")
     rates = _per_target("sample_rate", sample_rate, names, rate_table)
-    rates = {
-        name: _check_rate(0.01 if rate is None else rate, f"sample_rate[{name!r}]" if rate_table else "sample_rate")
-        for name, rate in rates.items()
-    }
+    rates = {name: 0.01 if rate is None else float(rate) for name, rate in rates.items()}
 
     tolerance_table = isinstance(tolerance, Mapping) and bool(tolerance) and all(isinstance(k, str) for k in tolerance)
     if isinstance(tolerance, Mapping) and not tolerance_table and any(isinstance(k, str) for k in tolerance):
         raise ValueError("tolerance: a table is keyed either by target names or by torch.dtype, not both")
+    if tolerance_table:
+        for name, spec in tolerance.items():
+            tol.validate(spec, f"tolerance[{name!r}]")
+    else:
+        tol.validate(tolerance, "tolerance")
     tolerances = _per_target("tolerance", tolerance, names, tolerance_table)
-    for name, spec in tolerances.items():
-        tol.validate(spec, f"tolerance[{name!r}]" if tolerance_table else "tolerance")
 
     exporters = tuple(exporters)
     for exporter in exporters:
-        if not callable(getattr(exporter, "export", None)):
+        try:
+            export = getattr(exporter, "export", None)
+        except Exception as exc:
+            raise ValueError(f"exporters: {type(exporter).__name__} raised looking up export: {exc!r}") from None
+        if not callable(export):
             raise ValueError(f"exporters: {exporter!r} has no export(observation) method")
 
     if drill is not None and not isinstance(drill, Drill):

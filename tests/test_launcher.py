@@ -496,3 +496,18 @@ def test_each_job_gets_a_fresh_private_folder_inside_the_multiproc_dir(tmp_path)
     assert victim.read_text() == "precious"
     jobs = sorted(p for p in base.iterdir() if p.name.startswith("job-"))
     assert len(jobs) == 2 and all(stat.S_IMODE(p.stat().st_mode) == 0o700 for p in jobs)
+
+
+def test_a_per_target_rate_applies_to_a_legacy_patched_after_torch():
+    """As on an NPU host whose job imports torch_npu itself: the patch comes after `import torch`."""
+    job = (
+        "import torch\n"
+        "from shadow import reference; reference.patch_torch()  # the legacy arrives late\n"
+        "for _ in range(200):\n    torch.ones(2).type(torch.float64)\n"
+        "from shadow import launch\n"
+        "print(launch._state['monitor'].stats()['tensor_type'].sampled)\n"
+    )
+    done = npu_shadow("run", "--sample-rate", "tensor_type=0.5", "--seed", "1", "--", sys.executable, "-c", job)
+    assert done.returncode == 0, done.stderr
+    assert "not installed" not in done.stderr
+    assert 60 < int(done.stdout.strip().splitlines()[-1]) < 140  # about half of 200 calls
