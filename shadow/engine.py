@@ -24,6 +24,7 @@ import torch
 from shadow import _compile, _fork
 from shadow.compare import compare, compare_exceptions
 from shadow.drill import Drill
+from shadow.global_state import TorchGlobals
 from shadow.isolation import Isolation, find_modules
 from shadow.observation import SHARED_DIVERGENCE_REASONS, Evidence, Observation, TargetStats, bounded
 from shadow.sampler import Gate, Sampler
@@ -33,6 +34,10 @@ from shadow.tolerance import ToleranceSpec
 log = logging.getLogger("shadow")
 
 _LOG_INTERVAL_SECONDS = 60.0
+
+#: Distinct signatures a target may have (each is a metric series); later ones count as "other".
+MAX_SIGNATURES = 100
+OTHER_SIGNATURE = "other"
 
 # Per thread: ``active`` while this thread runs the shadow side of a call, ``publishing`` while it hands
 # an observation to the exporters.
@@ -113,6 +118,8 @@ class Shadow:
         self._reasons: collections.Counter[str] = collections.Counter()
         self._shared: collections.Counter[str] = collections.Counter()
         self._oracle_runs = 0
+        self._signatures: set[str] = set()
+        self._signatures_over_cap = 0
         self._last_logged: dict[str, float] = {}
         self.wrapper, set_gate = _make_wrapper(self.legacy, self._arrive)
         self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
@@ -168,11 +175,25 @@ class Shadow:
             )
             isolation = Isolation(args, kwargs, runs=2 if oracle else 1) if self.target.isolate else None
             signature = self.target.signature(args, kwargs) if self.target.signature else "call"
-            return isolation, bounded(str(signature), 64), autocast, oracle
+            return isolation, self._admit(bounded(str(signature), 64)), autocast, oracle
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
             return exc
+
+    def _admit(self, signature: str) -> str:
+        """The signature itself while the target has fewer than MAX_SIGNATURES, else "other" (counted, logged)."""
+        if signature in self._signatures:
+            return signature
+        with self._lock:
+            if len(self._signatures) < MAX_SIGNATURES:
+                self._signatures.add(signature)
+                return signature
+            self._signatures_over_cap += 1
+        self._log_limited(
+            "signatures", "more than %d signatures; the rest count as %r", MAX_SIGNATURES, OTHER_SIGNATURE
+        )
+        return OTHER_SIGNATURE
 
     def _shadow(
         self,
@@ -184,6 +205,7 @@ class Shadow:
         legacy_error: BaseException | None = None,
     ) -> None:
         _local.active = True  # calls of wrapped functions from here on (exporters too) are not shadowed again
+        settings = TorchGlobals()  # as legacy left them; the shadow side's changes never reach the job
         try:
             try:
                 observation = self._observe(prepared, args, kwargs, legacy_seconds, result, legacy_error)
@@ -194,6 +216,7 @@ class Shadow:
                 observation = Observation(self.target.name, "skipped", ("comparator",), detail=bounded(repr(exc)))
             self._publish(observation)
         finally:
+            settings.restore()
             _local.active = False
 
     def _observe(
@@ -398,6 +421,7 @@ class Shadow:
                 by_reason=dict(self._reasons),
                 shared_divergences=dict(self._shared),
                 oracle_runs=self._oracle_runs,
+                signatures_over_cap=self._signatures_over_cap,
             )
 
     def _after_fork_in_child(self) -> None:

@@ -112,6 +112,8 @@ class TargetStats:
     #: Shared divergences found by the single-device oracle, by reason; and how often the oracle ran.
     shared_divergences: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     oracle_runs: int = 0
+    #: Sampled calls whose signature was counted as "other": the target had MAX_SIGNATURES already.
+    signatures_over_cap: int = 0
 
     @property
     def compared(self) -> int:

@@ -102,3 +102,52 @@ def test_a_per_target_rate_may_name_a_target_whose_legacy_comes_later():
             assert monitor.shadow("tensor_type").sampler.rate == 0.5
     finally:
         patches.undo()
+
+
+def test_signatures_per_target_are_capped_and_the_overflow_is_counted(caplog):
+    from shadow.engine import MAX_SIGNATURES
+
+    recorder = Recorder()
+    ops, target = op_with(twice, signature=lambda args, kwargs: f"shape{args[0].shape[0]}")
+    with shadow.install([target], sample_rate=1.0, exporters=[recorder]) as monitor:
+        for n in range(1, 5002):
+            ops.op(torch.ones(n))
+    signatures = {o.signature for o in recorder.observations}
+    assert len(signatures) == MAX_SIGNATURES + 1 and "other" in signatures
+    assert monitor.stats()["op"].signatures_over_cap == 5001 - MAX_SIGNATURES
+    assert any("the rest count as 'other'" in r.getMessage() for r in caplog.records)
+
+
+GLOBAL_SETTERS = {
+    "default_dtype": (lambda: torch.set_default_dtype(torch.float64), lambda: (torch.get_default_dtype(),
+                                                                               torch.rand(1).dtype)),
+    "default_device": (lambda: torch.set_default_device("meta"), lambda: torch.rand(1).device),
+    "autocast_enabled": (lambda: torch.set_autocast_enabled("cpu", True), lambda: torch.is_autocast_enabled("cpu")),
+    "autocast_dtype": (lambda: torch.set_autocast_dtype("cpu", torch.float16), lambda: torch.get_autocast_dtype("cpu")),
+    "npu_autocast": (lambda: torch.set_autocast_enabled("npu", True), lambda: torch.is_autocast_enabled("npu")),
+    "deterministic": (lambda: torch.use_deterministic_algorithms(True),
+                      lambda: torch.are_deterministic_algorithms_enabled()),
+    "matmul_precision": (lambda: torch.set_float32_matmul_precision("medium"),
+                         lambda: torch.get_float32_matmul_precision()),
+    "threads": (lambda: torch.set_num_threads(torch.get_num_threads() + 1), lambda: torch.get_num_threads()),
+    "anomaly": (lambda: torch.autograd.set_detect_anomaly(True), lambda: torch.is_anomaly_enabled()),
+    "printoptions": (lambda: torch.set_printoptions(precision=1), lambda: str(torch.tensor([1.23456]))),
+    "current_device": (lambda: torch.accelerator.set_device_index(1), lambda: torch.accelerator.current_device_index()),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("setting", sorted(GLOBAL_SETTERS))
+def test_global_torch_state_set_by_upstream_never_reaches_the_job(setting):
+    change, read = GLOBAL_SETTERS[setting]
+
+    def upstream(x):
+        change()
+        return x * 2
+
+    ops, target = op_with(upstream)
+    torch.accelerator.set_device_index(0)
+    before = read()
+    with shadow.install([target], sample_rate=1.0) as monitor:
+        ops.op(torch.ones(2))
+        assert read() == before
+    assert monitor.stats()["op"].match == 1
