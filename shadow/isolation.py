@@ -77,6 +77,76 @@ def clone_tensors(tree: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)
 
 
+#: The per-module dictionaries an upstream run could add to or change (register_buffer, hooks, ...).
+_MODULE_DICTS = (
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_non_persistent_buffers_set",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+_GLOBAL_HOOKS = tuple(name for name in vars(torch.nn.modules.module) if name.startswith("_global_") and "hooks" in name)
+
+
+def _copy(container: Any) -> Any:
+    return container.copy() if hasattr(container, "copy") else container
+
+
+def _changed(container: Any, content: Any) -> bool:
+    """Whether a dict (by key and value identity: values may be tensors) or a set differs from its copy."""
+    if isinstance(container, (set, frozenset)):
+        return container != content
+    return container.keys() != content.keys() or any(container[k] is not v for k, v in content.items())
+
+
+class ModuleState:
+    """A module's training flag and dictionaries (parameters, buffers, submodules, hooks), put back on restore."""
+
+    __slots__ = ("_dicts", "_module", "_training")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = module
+        self._training = module.training
+        self._dicts = {
+            name: (vars(module)[name], _copy(vars(module)[name])) for name in _MODULE_DICTS if name in vars(module)
+        }
+
+    def restore(self) -> None:
+        module = self._module
+        if module.training != self._training:
+            module.training = self._training  # (this module only: each submodule has its own state)
+        for name, (container, content) in self._dicts.items():
+            if vars(module).get(name) is not container:
+                vars(module)[name] = container
+            if _changed(container, content):
+                container.clear()
+                container.update(content)
+
+
+class _GlobalHooks:
+    """The module hooks registered for every module (``register_module_forward_hook`` and the like)."""
+
+    def __init__(self) -> None:
+        self._saved = {name: _copy(getattr(torch.nn.modules.module, name)) for name in _GLOBAL_HOOKS}
+
+    def restore(self) -> None:
+        for name, content in self._saved.items():
+            container = getattr(torch.nn.modules.module, name)
+            if _changed(container, content):
+                container.clear()
+                container.update(content)
+
+
 class Isolation:
     """Taken before legacy runs; :meth:`upstream_run` then gives the upstream side its own world.
 
@@ -109,8 +179,10 @@ class Isolation:
     def upstream_run(self, run: int = 0) -> Iterator[None]:
         """Run the body isolated: legacy's starting state, no graph, nothing leaks out."""
         rng_after_legacy = RngSnapshot()
-        swaps = self._worlds[run][1]
-        originals = [(buffers, name, buffers[name]) for buffers, name, _ in swaps]
+        (args, kwargs), swaps = self._worlds[run]
+        # Taken before the buffer swaps: restoring the modules' dictionaries also swaps the originals back.
+        states = [ModuleState(m) for root in find_modules((args, kwargs)) for m in root.modules()]
+        hooks = _GlobalHooks()
         try:
             self.rng_before.restore()
             for buffers, name, clone in swaps:
@@ -118,6 +190,7 @@ class Isolation:
             with torch.no_grad():
                 yield
         finally:
-            for buffers, name, original in originals:
-                buffers[name] = original
+            for state in states:
+                state.restore()
+            hooks.restore()
             rng_after_legacy.restore()

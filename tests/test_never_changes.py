@@ -151,3 +151,43 @@ def test_global_torch_state_set_by_upstream_never_reaches_the_job(setting):
         ops.op(torch.ones(2))
         assert read() == before
     assert monitor.stats()["op"].match == 1
+
+
+MODULE_CHANGES = {
+    "eval": lambda m: m.eval(),
+    "register_buffer": lambda m: m[0].register_buffer("planted", torch.zeros(1)),
+    "register_parameter": lambda m: m.register_parameter("planted", torch.nn.Parameter(torch.zeros(1))),
+    "forward_hook": lambda m: m[0].register_forward_hook(lambda *a: None),
+    "forward_pre_hook": lambda m: m.register_forward_pre_hook(lambda *a: None),
+    "add_module": lambda m: m.add_module("planted", torch.nn.ReLU()),
+    "global_hook": lambda m: torch.nn.modules.module.register_module_forward_hook(lambda *a: None),
+    "buffer_replaced": lambda m: setattr(m[1], "running_mean", torch.full((3,), 7.0)),
+}
+
+
+@pytest.mark.parametrize("change", sorted(MODULE_CHANGES))
+def test_changes_upstream_makes_to_the_module_never_reach_the_job(change):
+    def run(module, x):
+        return module(x)
+
+    def upstream(module, x):
+        MODULE_CHANGES[change](module)
+        return module(x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    ops = types.SimpleNamespace(op=run)
+
+    with shadow.install([Target("op", ops, "op", upstream)], sample_rate=1.0) as monitor:
+        ops.op(model, torch.randn(4, 3))
+    stats = monitor.stats()["op"]
+    assert stats.sampled == 1 and stats.error == stats.skipped == 0  # upstream ran (eval may change its values)
+    assert [m.training for m in model.modules()] == [True, True, True]
+    assert [(set(m._parameters), set(m._buffers), len(m._forward_hooks), len(m._forward_pre_hooks), tuple(m._modules))
+            for m in model.modules()] == [
+        (set(), set(), 0, 0, ("0", "1")),
+        ({"weight", "bias"}, set(), 0, 0, ()),
+        ({"weight", "bias"}, {"running_mean", "running_var", "num_batches_tracked"}, 0, 0, ()),
+    ]  # fmt: skip
+    global_hooks = [n for n in vars(torch.nn.modules.module) if n.startswith("_global_") and "hooks" in n]
+    assert all(len(getattr(torch.nn.modules.module, n)) == 0 for n in global_hooks)
+    assert model[1].running_mean.abs().max() < 7.0  # the job's running stats, not the planted ones
