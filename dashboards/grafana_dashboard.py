@@ -152,7 +152,7 @@ def build() -> Dashboard:
         .with_panel(
             series_panel(
                 "Skipped by reason",
-                "Sampled calls not compared (oom, reentrant, compiling, ...) and exporter failures (export).",
+                "Sampled calls not compared (oom, compiling, mode, budget, ...) and exporter failures (export).",
                 "ops",
                 query(
                     f"sum by (target, reason) (rate(npu_shadow_skipped_total{{{SEL}}}{rate}))", "{{target}} {{reason}}"

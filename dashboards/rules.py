@@ -159,7 +159,7 @@ def _alerting_rules() -> list[dict]:
             "ticket",
             "investigate",
             "{{ $labels.target }} in {{ $labels.job }} is called and sampled but nothing is compared",
-            "Every sampled call was skipped (see npu_shadow_skipped_total by reason: oom, reentrant, compiling) "
+            "Every sampled call was skipped (see npu_shadow_skipped_total by reason: oom, compiling, mode, budget) "
             "or the exporter lost them. No evidence accumulates until this is fixed.",
             blind["for"],
         ),

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_iter
 
 from shadow import _compile, _fork
 from shadow.compare import compare, compare_exceptions
@@ -65,6 +66,28 @@ def _make_wrapper(legacy: Callable, arrive: Callable[[tuple, dict], Any]) -> tup
             setattr(shadow_wrapper, name, getattr(legacy, name))
     shadow_wrapper.__wrapped__ = legacy  # type: ignore[attr-defined]
     return shadow_wrapper, set_gate
+
+
+_PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
+
+
+def _has_user_hooks(tensor: torch.Tensor) -> bool:
+    """A tensor subclass with its own __torch_function__ or __torch_dispatch__ (nn.Parameter has neither)."""
+    cls = type(tensor)
+    if cls is torch.Tensor:
+        return False
+    function = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+    return function not in _PLAIN_TORCH_FUNCTION or cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def _user_code_would_see_the_shadow(args: tuple, kwargs: dict) -> bool:
+    """Whether a TorchFunctionMode or TorchDispatchMode is active (``with torch.device(...)`` is one) or an
+    argument is a tensor subclass with its own hooks. Their code would then see every operation of the shadow
+    side, and upstream's calls would come back through them to the wrapper, so the comparison would not be
+    faithful: such calls are skipped with reason "mode" (counted, never compared)."""
+    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+        return True
+    return any(isinstance(leaf, torch.Tensor) and _has_user_hooks(leaf) for leaf in tree_iter((args, kwargs)))
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -134,30 +157,46 @@ class Shadow:
 
     def _arrive(self, args: tuple, kwargs: dict) -> Any:
         """A call found the gate closed: maybe the sampled one."""
+        shadow_side = getattr(_local, "active", False)
+        if shadow_side or getattr(_local, "in_legacy", None) is self or getattr(_local, "publishing", False):
+            # A nested call, part of a call already counted: made by legacy itself (through a mode, a subclass
+            # or recursion), by the shadow side (upstream, the oracle, exporters) or an exporter. Not a call of
+            # the job's: not counted, not shadowed, and run by the side that made it.
+            with self._lock:
+                self.sampler.arrive()
+                self.sampler.uncount()
+            return (self.target.upstream if shadow_side else self.legacy)(*args, **kwargs)
         with self._lock:
             sampled = self.sampler.arrive()
-        if not sampled or getattr(_local, "publishing", False):
-            # (an exporter's own call of a wrapped function is the tool's work, not the job's: not shadowed)
+        if not sampled:
             return self.legacy(*args, **kwargs)
-        skip = self._skip_reason()
+        skip = self._skip_reason(args, kwargs)
         if skip is not None:
             self._publish(Observation(self.target.name, "skipped", (skip,), timestamp=time.time()))
-            return self.legacy(*args, **kwargs)
+            return self._legacy_call(args, kwargs)
         return self._shadowed_call(args, kwargs)
 
+    def _legacy_call(self, args: tuple, kwargs: dict) -> Any:
+        """Legacy, marked as running on this thread: its own nested calls of the wrapper are not new calls."""
+        outer, _local.in_legacy = getattr(_local, "in_legacy", None), self
+        try:
+            return self.legacy(*args, **kwargs)
+        finally:
+            _local.in_legacy = outer
+
     @staticmethod
-    def _skip_reason() -> str | None:
-        if getattr(_local, "active", False):
-            return "reentrant"
+    def _skip_reason(args: tuple, kwargs: dict) -> str | None:
         if torch.compiler.is_compiling():
             return "compiling"
+        if _user_code_would_see_the_shadow(args, kwargs):
+            return "mode"
         return None
 
     def _shadowed_call(self, args: tuple, kwargs: dict) -> Any:
         prepared = self._prepare(args, kwargs)
         start = time.perf_counter()
         try:
-            result = self.legacy(*args, **kwargs)
+            result = self._legacy_call(args, kwargs)
         except Exception as exc:
             self._shadow(prepared, args, kwargs, time.perf_counter() - start, legacy_error=exc)
             raise

@@ -18,8 +18,10 @@ OUTCOMES = ("match", "close", "mismatch", "error", "skipped")
 MISMATCH_REASONS = ("structure", "type", "dtype", "shape", "device", "stride", "alias", "nan", "value", "exception")
 
 #: Reasons a sampled call was not compared.
-#: "comparator" is a fault of this tool (counted, logged, never raised); "budget" is reserved.
-SKIP_REASONS = ("oom", "reentrant", "compiling", "budget", "comparator")
+#: "comparator" is a fault of this tool (counted, logged, never raised); "mode": a TorchFunctionMode or
+#: TorchDispatchMode was active, or an argument a tensor subclass with its own hooks (their code would see the
+#: shadow side, and upstream's calls would come back through them); "budget" is reserved.
+SKIP_REASONS = ("oom", "compiling", "mode", "budget", "comparator")
 
 #: Reasons a DataParallel call's result (legacy and upstream agreeing) departs from the single-device oracle's.
 SHARED_DIVERGENCE_REASONS = ("structure", "type", "dtype", "shape", "device", "nan", "value")

@@ -75,6 +75,10 @@ class Sampler:
         self._open_gate()
         return True
 
+    def uncount(self) -> None:
+        """Take back one counted call (a nested call made by the wrapped function itself)."""
+        self._passed -= 1
+
     def calls(self) -> int:
         """Calls seen so far, sampled or not."""
         return self._passed + self._gate_size - operator.length_hint(self._gate)

@@ -191,3 +191,69 @@ def test_changes_upstream_makes_to_the_module_never_reach_the_job(change):
     global_hooks = [n for n in vars(torch.nn.modules.module) if n.startswith("_global_") and "hooks" in n]
     assert all(len(getattr(torch.nn.modules.module, n)) == 0 for n in global_hooks)
     assert model[1].running_mean.abs().max() < 7.0  # the job's running stats, not the planted ones
+
+
+def seen_by_user_code(shadowed):
+    """What a counting TorchFunctionMode, a subclass's __torch_function__ and a TorchDispatchMode each see of one
+    x.type(torch.float64), with or without the monitor (over the reference legacy)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shadow import reference
+
+    seen = {"function_mode": 0, "subclass": 0, "dispatch_mode": 0}
+
+    class CountingFunctions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen["function_mode"] += 1
+            return func(*args, **(kwargs or {}))
+
+    class CountingDispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen["dispatch_mode"] += 1
+            return func(*args, **(kwargs or {}))
+
+    class Counted(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.type:
+                seen["subclass"] += 1
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+    patches = reference.patch_torch()
+    monitor = shadow.install(["tensor_type"], sample_rate=1.0) if shadowed else None
+    try:
+        with CountingFunctions():
+            torch.arange(3.0).type(torch.float64)
+        torch.arange(3.0).as_subclass(Counted).type(torch.float64)
+        with CountingDispatch():
+            torch.arange(3.0).type(torch.float64)
+        stats = monitor.stats()["tensor_type"] if monitor else None
+    finally:
+        if monitor:
+            monitor.uninstall()
+        patches.undo()
+    return seen, stats
+
+
+def test_modes_and_subclasses_see_what_they_see_unwrapped():
+    plain, _ = seen_by_user_code(shadowed=False)
+    shadowed, stats = seen_by_user_code(shadowed=True)
+    assert shadowed == plain
+    assert stats.calls == 3 and stats.skipped == 3 and stats.by_reason == {"mode": 3}
+    assert stats.compared == 0  # nothing counted as evidence that compared nothing
+
+
+def test_under_a_device_context_calls_are_counted_once_and_never_as_matches():
+    from shadow import reference
+
+    patches = reference.patch_torch()
+    try:
+        with shadow.install(["tensor_type"], sample_rate=1.0) as monitor, torch.device("meta"):
+            torch.ones(2).type(torch.float64)
+            torch.ones(2).type(torch.float16)
+    finally:
+        patches.undo()
+    stats = monitor.stats()["tensor_type"]
+    assert (stats.calls, stats.match, stats.skipped, stats.by_reason) == (2, 0, 2, {"mode": 2})
