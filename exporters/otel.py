@@ -134,6 +134,12 @@ class OTelExporter:
         with self._lock:
             self._add(contract.CALLS, calls, target)
 
+    def record_skips(self, target: str, reason: str, count: int) -> None:
+        """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
+        with self._lock:
+            self._add(contract.COMPARISONS, count, target, "skipped", "")
+            self._add(contract.SKIPPED, count, target, reason)
+
     def record_export_error(self, target: str) -> None:
         with self._lock:
             self._add(contract.SKIPPED, 1, target, "export")

@@ -141,6 +141,11 @@ class PrometheusExporter:
     def record_calls(self, target: str, calls: int) -> None:
         self._child(contract.CALLS, target).inc(calls)
 
+    def record_skips(self, target: str, reason: str, count: int) -> None:
+        """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
+        self._child(contract.COMPARISONS, target, "skipped", "").inc(count)
+        self._child(contract.SKIPPED, target, reason).inc(count)
+
     def record_export_error(self, target: str) -> None:
         self._child(contract.SKIPPED, target, "export").inc()
 

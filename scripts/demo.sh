@@ -21,7 +21,8 @@ fi
 .venv/bin/npu-shadow doctor --emulate-npu 2 --port 9464 "${legacy[@]}" || true
 echo
 echo "== training, shadowed (metrics on http://127.0.0.1:9464/metrics while it runs)"
-.venv/bin/npu-shadow run --emulate-npu 2 "${legacy[@]}" --sample-rate 1 --port 9464 --textfile "$work/metrics.prom" \
+# (a rehearsal compares every call: no overhead budget)
+.venv/bin/npu-shadow run --emulate-npu 2 "${legacy[@]}" --sample-rate 1 --budget off --port 9464 --textfile "$work/metrics.prom" \
   --journal "$work/journal-{pid}.jsonl" "$@" -- .venv/bin/python examples/train_dataparallel.py --autocast
 echo
 echo "== verdict"

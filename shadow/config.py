@@ -67,6 +67,11 @@ SETTINGS = {
         "--legacy-from",
         "a torch_npu wheel file, a directory holding the torch_npu package, or 'installed'",
     ),
+    "budget": Setting(
+        "NPU_SHADOW_BUDGET",
+        "--budget",
+        "'off', or the fraction in (0, 1] of the job's wall time the shadow side may use per target (default 0.2)",
+    ),
     "oracle": Setting(
         "NPU_SHADOW_ORACLE",
         "--oracle",
@@ -97,6 +102,7 @@ class Config:
     emulate_npu: int = 0
     legacy_from: str | None = None
     oracle: float | None = 0.1
+    budget: float | None = 0.2
 
 
 def _fail(name: str, value: str, by_option: bool, why: str = "") -> ConfigError:
@@ -158,6 +164,13 @@ def _parse(name: str, text: str, by_option: bool) -> object:
         if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 16:
             raise _fail(name, text, by_option)
         return int(text)
+    if name == "budget":
+        if text.lower() == "off":
+            return None
+        rate = _rate(text)
+        if rate is None or rate == 0.0:
+            raise _fail(name, text, by_option)
+        return rate
     if name == "oracle":
         if text.lower() == "off":
             return None

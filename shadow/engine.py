@@ -124,10 +124,18 @@ class Shadow:
         seed: int | None,
         drill: Drill | None = None,
         oracle_rate: float | None = None,
+        budget: float | None = None,
     ) -> None:
         self.target = target
         self.drill = drill
         self.monitor: Any = None  # the Monitor that installed this shadow (set by it)
+        # The overhead budget: the shadow side's time (upstream, comparison, oracle, exporters) may use at most
+        # this fraction of the wall time since install; sampled calls beyond it are skipped (reason "budget")
+        # without calling exporters, and reported to them in bulk at the next publish or flush.
+        self.budget = budget
+        self._started = time.monotonic()
+        self._spent = 0.0
+        self._budget_skips_unreported = 0
         # The single-device oracle: None is off; else every sampled call under autocast and this fraction of
         # the others (targets that describe a single-device call only).
         self.oracle_rate = oracle_rate if target.oracle is not None and target.isolate else None
@@ -170,9 +178,17 @@ class Shadow:
             sampled = self.sampler.arrive()
         if not sampled:
             return self.legacy(*args, **kwargs)
+        if self.budget is not None and self._spent > self.budget * (time.monotonic() - self._started):
+            with self._lock:  # over budget: nothing but counting until the job's time catches up
+                self._outcomes["skipped"] += 1
+                self._reasons["budget"] += 1
+                self._budget_skips_unreported += 1
+            return self._legacy_call(args, kwargs)
         skip = self._skip_reason(args, kwargs)
         if skip is not None:
+            start = time.perf_counter()
             self._publish(Observation(self.target.name, "skipped", (skip,), timestamp=time.time()))
+            self._spent += time.perf_counter() - start
             return self._legacy_call(args, kwargs)
         return self._shadowed_call(args, kwargs)
 
@@ -244,6 +260,7 @@ class Shadow:
         legacy_error: BaseException | None = None,
     ) -> None:
         _local.active = True  # calls of wrapped functions from here on (exporters too) are not shadowed again
+        started = time.perf_counter()
         settings = TorchGlobals()  # as legacy left them; the shadow side's changes never reach the job
         try:
             try:
@@ -257,6 +274,7 @@ class Shadow:
         finally:
             settings.restore()
             _local.active = False
+            self._spent += time.perf_counter() - started
 
     def _observe(
         self,
@@ -415,13 +433,18 @@ class Shadow:
             _local.publishing = publishing
 
     def report_calls(self) -> None:
-        """Tell exporters how many calls passed since the last report (done at each sampled call)."""
+        """Tell exporters how many calls passed, and how many sampled calls the budget skipped, since the last
+        report (done at each publish and at flush)."""
         with self._lock:
             calls = self.sampler.calls()
             delta, self._calls_reported = calls - self._calls_reported, calls
+            skipped, self._budget_skips_unreported = self._budget_skips_unreported, 0
         if delta:
             for exporter in self.exporters:
                 self._call_exporter(exporter, "record_calls", self.target.name, delta)
+        if skipped:
+            for exporter in self.exporters:
+                self._call_exporter(exporter, "record_skips", self.target.name, "budget", skipped)
 
     def _call_exporter(self, exporter: Any, hook: str, *args: Any) -> bool:
         """Call an exporter hook if it has it; False if it raised (logged at most once a minute)."""
@@ -471,6 +494,8 @@ class Shadow:
         self._reasons.clear()
         self._shared.clear()
         self._oracle_runs = 0
+        self._budget_skips_unreported = 0
+        self._started, self._spent = time.monotonic(), 0.0
         self._calls_reported = 0
 
 

@@ -95,6 +95,7 @@ def install_from_env(environ: dict[str, str] | None = None) -> Any:
                 seed=config.seed,
                 drill=drill,
                 oracle=config.oracle,
+                budget=config.budget,
             )
         _state["monitor"] = monitor
         if previous is None:

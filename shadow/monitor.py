@@ -191,6 +191,7 @@ def install(
     drill: Drill | None = None,
     oracle: float | None = 0.1,
     yields: bool = False,
+    budget: float | None = None,
 ) -> Monitor:
     """Shadow the given targets (by default every built-in whose legacy patch is active).
 
@@ -201,8 +202,10 @@ def install(
     divergence into the upstream side (never into what the caller gets). ``oracle``: for the DataParallel
     targets, the fraction of sampled calls without autocast that also run replica 0 alone on its device, to find
     divergences legacy and upstream share (sampled calls under autocast always do); None turns it off.
-    ``yields``: this monitor steps aside while a later monitor shadows the same target (instead of that one
-    raising "already shadowed"). Raises ValueError on any bad argument, before patching.
+    ``budget``: the fraction of wall time (per target, since install) the shadow side may use; beyond it sampled
+    calls are skipped with reason "budget" (None: no limit). ``yields``: this monitor steps aside while a later
+    monitor shadows the same target (instead of that one raising "already shadowed"). Raises ValueError on
+    any bad argument, before patching.
     """
     if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is not None:
         warnings.warn(
@@ -266,6 +269,8 @@ def install(
 
     if oracle is not None:
         oracle = _check_rate(oracle, "oracle")
+    if budget is not None and (_check_rate(budget, "budget") == 0.0):
+        raise ValueError("budget: expected a number in (0, 1] or None, got 0")
 
     suspended = []
     for target in resolved:
@@ -273,7 +278,7 @@ def install(
         if existing is not None:  # a yielding monitor's (checked above): step it aside
             existing.monitor.suspend(existing)
             suspended.append((existing.monitor, existing))
-    shadows = [Shadow(t, rates[t.name], tolerances[t.name], exporters, seed, drill, oracle) for t in resolved]
+    shadows = [Shadow(t, rates[t.name], tolerances[t.name], exporters, seed, drill, oracle, budget) for t in resolved]
     monitor = Monitor(shadows, yields=yields)
     monitor._suspended = suspended
     try:

@@ -20,7 +20,8 @@ MISMATCH_REASONS = ("structure", "type", "dtype", "shape", "device", "stride", "
 #: Reasons a sampled call was not compared.
 #: "comparator" is a fault of this tool (counted, logged, never raised); "mode": a TorchFunctionMode or
 #: TorchDispatchMode was active, or an argument a tensor subclass with its own hooks (their code would see the
-#: shadow side, and upstream's calls would come back through them); "budget" is reserved.
+#: shadow side, and upstream's calls would come back through them); "budget": the shadow side had used its
+#: share of the job's wall time.
 SKIP_REASONS = ("oom", "compiling", "mode", "budget", "comparator")
 
 #: Reasons a DataParallel call's result (legacy and upstream agreeing) departs from the single-device oracle's.
@@ -134,3 +135,4 @@ class Exporter(Protocol):
     # register(target: str, sample_rate: float) -> None      at install: create the target's series
     # record_calls(target: str, calls: int) -> None           calls (sampled or not) since the last report
     # record_export_error(target: str) -> None                another exporter failed on an observation
+    # record_skips(target: str, reason: str, count: int)      sampled calls skipped in bulk (the budget)

@@ -49,7 +49,7 @@ def test_example_job_with_spawned_workers_is_shadowed_and_unchanged(plain_run, t
     plain, weights = plain_run
     textfile, out = tmp_path / "metrics.prom", tmp_path / "weights.pt"
     done = npu_shadow(
-        "run", "--sample-rate", "1", "--port", str(free_port()), "--textfile", str(textfile),
+        "run", "--sample-rate", "1", "--budget", "off", "--port", str(free_port()), "--textfile", str(textfile),
         "--", sys.executable, EXAMPLE, *JOB, "--out", str(out),
     )  # fmt: skip
     assert done.returncode == plain.returncode == 0, done.stderr
@@ -93,6 +93,7 @@ INVALID = {
     "emulate_npu": "17",
     "legacy_from": "/nonexistent/torch_npu-2.12.0.whl",
     "oracle": "sometimes",
+    "budget": "0",
 }
 MORE_INVALID = [
     ("sample_rate", "tensor_type=x"),
@@ -103,6 +104,8 @@ MORE_INVALID = [
     ("emulate_npu", "two"),
     ("emulate_npu", "²"),
     ("oracle", "1.5"),
+    ("budget", "1.5"),
+    ("budget", "lots"),
     ("legacy_from", ""),
     ("port", "²"),  # a digit to str.isdigit, not to int()
     ("multiproc_dir", "/etc/passwd/sub"),  # below a file

@@ -257,3 +257,51 @@ def test_under_a_device_context_calls_are_counted_once_and_never_as_matches():
         patches.undo()
     stats = monitor.stats()["tensor_type"]
     assert (stats.calls, stats.match, stats.skipped, stats.by_reason) == (2, 0, 2, {"mode": 2})
+
+
+def test_a_slow_upstream_costs_one_call_then_the_budget_skips_until_the_job_catches_up():
+    import time
+
+    def slow(x):
+        time.sleep(0.3)
+        return x * 2
+
+    ops, target = op_with(slow)
+    recorder = Recorder()
+    with shadow.install([target], sample_rate=1.0, budget=0.1, exporters=[recorder]) as monitor:
+        ops.op(torch.ones(2))  # the one slow call: 0.3 s of shadow side
+        start = time.perf_counter()
+        for _ in range(20):
+            ops.op(torch.ones(2))
+        fast = time.perf_counter() - start
+        monitor.flush()
+    stats = monitor.stats()["op"]
+    assert fast < 0.25  # none of the 20 waited for upstream (0.3 s each)
+    assert stats.calls == 21 and stats.match == 1 and stats.by_reason == {"budget": 20}
+    assert len(recorder.observations) == 1  # skipped calls were not handed to exporters one by one
+
+
+def test_a_slow_exporter_cannot_hold_up_every_sampled_call(tmp_path):
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from exporters import PrometheusExporter
+
+    class Slow:
+        def export(self, observation):
+            time.sleep(0.2)
+
+    prometheus = PrometheusExporter(registry=CollectorRegistry())
+    ops, target = op_with(twice)
+    with shadow.install([target], sample_rate=1.0, budget=0.1, exporters=[Slow(), prometheus]) as monitor:
+        start = time.perf_counter()
+        for _ in range(20):
+            ops.op(torch.ones(2))
+        elapsed = time.perf_counter() - start
+    assert elapsed < 0.2 * 3  # one slow export, not twenty
+    assert monitor.stats()["op"].by_reason["budget"] >= 17
+    text = __import__("prometheus_client").generate_latest(prometheus.registry).decode()
+    assert 'npu_shadow_skipped_total{reason="budget",target="op"}' in text
+    skipped = [line for line in text.splitlines() if line.startswith('npu_shadow_skipped_total{reason="budget"')]
+    assert float(skipped[0].split()[-1]) == monitor.stats()["op"].by_reason["budget"]  # reported in bulk at flush
