@@ -195,6 +195,18 @@ def _add_emulate_npu(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._MutuallyExclusiveGroup) -> None:
+    """The metrics sources and the decision's parameters, shared by verdict and report."""
+    from shadow.verdict import DEFAULT_MAX_RATE
+
+    source.add_argument("--prometheus", metavar="URL", help="a Prometheus server, e.g. http://127.0.0.1:9090")
+    source.add_argument("--metrics-file", metavar="PATH", help="a Prometheus text exposition (saved scrape)")
+    parser.add_argument("--window", help="with --prometheus: judge increases over this window (e.g. 6h)")
+    parser.add_argument("--selector", default="", help='with --prometheus: series selector, e.g. job="train"')
+    parser.add_argument("--max-rate", type=_rate, default=DEFAULT_MAX_RATE, help="tolerated divergence rate")
+    parser.add_argument("--min-per-signature", type=_count, default=30, help="comparisons each risky signature needs")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npu-shadow", description="Shadow torch_npu's patches against upstream.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -232,8 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.set_defaults(handler=_doctor)
 
-    from shadow.verdict import DEFAULT_MAX_RATE
-
     decide = commands.add_parser(
         "verdict",
         help="promote, rollback or inconclusive, per target (exit 0, 1, 3)",
@@ -241,13 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
         "0 promote, 1 rollback, 3 inconclusive (the worst target's), 2 usage or source error.",
     )
     source = decide.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prometheus", metavar="URL", help="a Prometheus server, e.g. http://127.0.0.1:9090")
-    source.add_argument("--metrics-file", metavar="PATH", help="a Prometheus text exposition (saved scrape)")
+    _add_evidence_options(decide, source)
     source.add_argument("--journal", metavar="PATH", nargs="+", help="JSONL journals (written with all_outcomes)")
-    decide.add_argument("--window", help="with --prometheus: judge increases over this window (e.g. 6h)")
-    decide.add_argument("--selector", default="", help='with --prometheus: series selector, e.g. job="train"')
-    decide.add_argument("--max-rate", type=_rate, default=DEFAULT_MAX_RATE, help="tolerated divergence rate")
-    decide.add_argument("--min-per-signature", type=_count, default=30, help="comparisons each risky signature needs")
     decide.add_argument(
         "--risky", type=_risky, action="append", default=[], metavar="TARGET=PATTERN", help="another risky signature"
     )
@@ -260,14 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Counts from --prometheus or --metrics-file (else from the journals); details and tests "
         "from --journal. Exit 0, or 2 on a source or usage error.",
     )
-    counted = paper.add_mutually_exclusive_group()
-    counted.add_argument("--prometheus", metavar="URL", help="a Prometheus server, e.g. http://127.0.0.1:9090")
-    counted.add_argument("--metrics-file", metavar="PATH", help="a Prometheus text exposition (saved scrape)")
+    _add_evidence_options(paper, paper.add_mutually_exclusive_group())
     paper.add_argument("--journal", metavar="PATH", nargs="+", help="JSONL journals (details, tests)")
-    paper.add_argument("--window", help="with --prometheus: judge increases over this window (e.g. 6h)")
-    paper.add_argument("--selector", default="", help='with --prometheus: series selector, e.g. job="train"')
-    paper.add_argument("--max-rate", type=_rate, default=DEFAULT_MAX_RATE, help="tolerated divergence rate")
-    paper.add_argument("--min-per-signature", type=_count, default=30, help="comparisons each risky signature needs")
     paper.add_argument("--details", type=_count, default=5, help="details shown per group of divergences")
     paper.add_argument("--markdown", metavar="PATH", help="write the Markdown here (default: standard output)")
     paper.add_argument("--html", metavar="PATH", help="also write a self-contained HTML file")

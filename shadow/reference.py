@@ -39,22 +39,11 @@ import torch
 from torch._utils import ExceptionWrapper, _get_all_device_indices, _get_available_device_type, _get_device_index
 from torch.nn.parallel.parallel_apply import get_a_var
 
-_NPU_TYPES = {
-    "BoolTensor": torch.bool,
-    "ByteTensor": torch.uint8,
-    "CharTensor": torch.int8,
-    "ShortTensor": torch.int16,
-    "IntTensor": torch.int32,
-    "LongTensor": torch.int64,
-    "HalfTensor": torch.float16,
-    "FloatTensor": torch.float32,
-    "DoubleTensor": torch.float64,
-    "BFloat16Tensor": torch.bfloat16,
-}
+from shadow.npu_types import NPU_TENSOR_TYPES
 
 #: 'torch.npu.FloatTensor', 'torch_npu.npu.FloatTensor', ... -> dtype
 NPU_TYPE_NAMES: dict[str, torch.dtype] = {
-    f"{prefix}.{name}": dtype for prefix in ("torch.npu", "torch_npu.npu") for name, dtype in _NPU_TYPES.items()
+    f"{prefix}.{name}": dtype for prefix in ("torch.npu", "torch_npu.npu") for name, dtype in NPU_TENSOR_TYPES.items()
 }
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from shadow.npu_types import NPU_TENSOR_TYPES
 from shadow.targets import LEGACY_ORIGIN_ATTRIBUTE
 
 #: The torch_npu releases that carry the patches (torch_npu 2.13 removed them).
@@ -56,18 +57,7 @@ _IMPORTABLE = frozenset(
 #: Globals the definitions probe for inside ``try: ... except NameError`` (IPython's marker).
 _PROBED = frozenset({"__IPYTHON__"})
 
-TENSOR_TYPE_NAMES = (
-    "BoolTensor",
-    "ByteTensor",
-    "CharTensor",
-    "ShortTensor",
-    "IntTensor",
-    "LongTensor",
-    "HalfTensor",
-    "FloatTensor",
-    "DoubleTensor",
-    "BFloat16Tensor",
-)
+TENSOR_TYPE_NAMES = tuple(NPU_TENSOR_TYPES)
 
 ORIGIN_ATTRIBUTE = LEGACY_ORIGIN_ATTRIBUTE
 

@@ -22,6 +22,7 @@ from torch_npu_wheels import wheel
 
 from shadow import reference, torch_npu_source
 from shadow.compare import compare
+from shadow.npu_types import NPU_TENSOR_TYPES
 
 RELEASES = torch_npu_source.RELEASES
 pytestmark = [
@@ -95,14 +96,14 @@ def disagreement(ours: tuple, theirs: tuple, inputs: Any = ()) -> str | None:
 # --------------------------------------------------------------------------- Tensor.type
 
 
-NPU_NAMES = [f"{p}.{n}" for p in ("torch.npu", "torch_npu.npu") for n in reference._NPU_TYPES]
+NPU_NAMES = [f"{p}.{n}" for p in ("torch.npu", "torch_npu.npu") for n in NPU_TENSOR_TYPES]
 OTHER_NAMES = ["torch.FloatTensor", "torch.HalfTensor", "torch.cuda.FloatTensor", "torch.npu.Nothing", "float", ""]
 OTHER_CLASSES = [torch.FloatTensor, torch.LongTensor, torch.Tensor, int]
 BAD_VALUES = [3, 2.5, [torch.float16], object(), b"torch.npu.FloatTensor"]
 
 
 def type_arguments() -> list[Any]:
-    npu_classes = [getattr(torch.npu, name) for name in reference._NPU_TYPES]
+    npu_classes = [getattr(torch.npu, name) for name in NPU_TENSOR_TYPES]
     dtypes = [torch.float16, torch.float64, torch.int32, torch.bool, torch.bfloat16]
     return [None, *dtypes, *NPU_NAMES, *OTHER_NAMES, *npu_classes, *OTHER_CLASSES, *BAD_VALUES]
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from shadow.npu_types import NPU_TENSOR_TYPES
+
 _backend: Any = None  # the compiled extension, set by install()
 
 
@@ -124,18 +126,7 @@ def initial_seed() -> int:
 
 #: The npu tensor type classes ('torch.npu.FloatTensor', ...) and their dtypes, created by install() as
 #: torch_npu has them.
-TENSOR_TYPES = {
-    "BoolTensor": torch.bool,
-    "ByteTensor": torch.uint8,
-    "CharTensor": torch.int8,
-    "ShortTensor": torch.int16,
-    "IntTensor": torch.int32,
-    "LongTensor": torch.int64,
-    "HalfTensor": torch.float16,
-    "FloatTensor": torch.float32,
-    "DoubleTensor": torch.float64,
-    "BFloat16Tensor": torch.bfloat16,
-}
+TENSOR_TYPES = NPU_TENSOR_TYPES
 
 
 def _bind(backend: Any) -> None:
