@@ -16,7 +16,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,32 @@ OTHER_SIGNATURE = "other"
 # Per thread: ``active`` while this thread runs the shadow side of a call, ``publishing`` while it hands
 # an observation to the exporters.
 _local = threading.local()
+
+# The threads alive when each running upstream run began. A thread not among them was started by upstream (the
+# worker threads of DataParallel's parallel_apply): its calls belong to that upstream run.
+_upstream_runs: list[frozenset[int]] = []
+_upstream_runs_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _upstream_run() -> Iterator[None]:
+    alive = frozenset(t.ident for t in threading.enumerate())
+    with _upstream_runs_lock:
+        _upstream_runs.append(alive)
+    try:
+        yield
+    finally:
+        with _upstream_runs_lock:
+            _upstream_runs.remove(alive)
+
+
+def _on_upstream_thread() -> bool:
+    """Whether this thread was started by a running upstream run."""
+    runs = _upstream_runs
+    if not runs:
+        return False
+    ident = threading.get_ident()
+    return any(ident not in alive for alive in runs)
 
 
 def _make_wrapper(legacy: Callable, arrive: Callable[[tuple, dict], Any]) -> tuple[Callable, Callable[[Gate], None]]:
@@ -166,10 +192,13 @@ class Shadow:
     def _arrive(self, args: tuple, kwargs: dict) -> Any:
         """A call found the gate closed: maybe the sampled one."""
         shadow_side = getattr(_local, "active", False)
-        if shadow_side or getattr(_local, "in_legacy", None) is self or getattr(_local, "publishing", False):
+        nested = getattr(_local, "in_legacy", None) is self or getattr(_local, "publishing", False)
+        if shadow_side or nested or _on_upstream_thread():
             # A nested call, part of a call already counted: made by legacy itself (through a mode, a subclass
-            # or recursion), by the shadow side (upstream, the oracle, exporters) or an exporter. Not a call of
-            # the job's: not counted, not shadowed, and run by the side that made it.
+            # or recursion), by the shadow side (upstream, the oracle, exporters), by an exporter, or on a thread
+            # that an upstream run started (DataParallel's workers). Not a call of the job's: not counted, not
+            # shadowed. The shadow side's own calls run upstream; the others run legacy, so that a job thread
+            # that happened to start during an upstream run could never receive upstream's result.
             with self._lock:
                 self.sampler.arrive()
                 self.sampler.uncount()
@@ -307,7 +336,7 @@ class Shadow:
         drilled = self.drill is not None and self.drill.fires()
         start = time.perf_counter()
         try:
-            with context:
+            with context, _upstream_run():
                 autocast_upstream = _autocast_state()
                 if drilled:
                     self.drill.before_upstream()

@@ -305,3 +305,28 @@ def test_a_slow_exporter_cannot_hold_up_every_sampled_call(tmp_path):
     assert 'npu_shadow_skipped_total{reason="budget",target="op"}' in text
     skipped = [line for line in text.splitlines() if line.startswith('npu_shadow_skipped_total{reason="budget"')]
     assert float(skipped[0].split()[-1]) == monitor.stats()["op"].by_reason["budget"]  # reported in bulk at flush
+
+
+def test_calls_on_threads_that_upstream_starts_are_part_of_the_upstream_run():
+    """DataParallel's upstream runs the replicas on threads of its own: their calls are not the job's."""
+    import threading
+
+    ops = types.SimpleNamespace()
+    ran = []
+
+    def legacy(x, inner=False):
+        ran.append(("legacy", inner))
+        return x * 2
+
+    def upstream(x, inner=False):
+        worker = threading.Thread(target=lambda: ops.op(x, inner=True))  # like parallel_apply's workers
+        worker.start()
+        worker.join()
+        return x * 2
+
+    ops.op = legacy
+    with shadow.install([Target("op", ops, "op", upstream)], sample_rate=1.0) as monitor:
+        ops.op(torch.ones(2))
+    stats = monitor.stats()["op"]
+    assert (stats.calls, stats.sampled, stats.match, stats.skipped) == (1, 1, 1, 0)
+    assert ran == [("legacy", False), ("legacy", True)]  # the worker's call ran legacy, uncounted
