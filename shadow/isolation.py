@@ -160,16 +160,18 @@ class Isolation:
         self.args, self.kwargs = self._worlds[0][0]
 
     @staticmethod
-    def _world(args: tuple, kwargs: dict) -> tuple[tuple[tuple, dict], list[tuple[dict, str, torch.Tensor]]]:
+    def _world(
+        args: tuple, kwargs: dict
+    ) -> tuple[tuple[tuple, dict], list[tuple[dict, str, torch.Tensor]], list[torch.nn.Module]]:
         clones: dict[int, torch.Tensor] = {}  # tied buffers stay tied in the isolated run
         swaps: list[tuple[dict, str, torch.Tensor]] = []
-        for root in find_modules((args, kwargs)):
-            for module in root.modules():
-                for name, buffer in module._buffers.items():
-                    if buffer is not None:
-                        clone = clones.setdefault(id(buffer), buffer.detach().clone())
-                        swaps.append((module._buffers, name, clone))
-        return clone_tensors((args, kwargs)), swaps
+        modules = list({id(m): m for root in find_modules((args, kwargs)) for m in root.modules()}.values())
+        for module in modules:
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    clone = clones.setdefault(id(buffer), buffer.detach().clone())
+                    swaps.append((module._buffers, name, clone))
+        return clone_tensors((args, kwargs)), swaps, modules
 
     def arguments(self, run: int = 0) -> tuple[tuple, dict]:
         """The cloned (args, kwargs) of one run."""
@@ -179,9 +181,9 @@ class Isolation:
     def upstream_run(self, run: int = 0) -> Iterator[None]:
         """Run the body isolated: legacy's starting state, no graph, nothing leaks out."""
         rng_after_legacy = RngSnapshot()
-        (args, kwargs), swaps = self._worlds[run]
+        _, swaps, modules = self._worlds[run]
         # Taken before the buffer swaps: restoring the modules' dictionaries also swaps the originals back.
-        states = [ModuleState(m) for root in find_modules((args, kwargs)) for m in root.modules()]
+        states = [ModuleState(m) for m in modules]
         hooks = _GlobalHooks()
         try:
             self.rng_before.restore()

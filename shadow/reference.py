@@ -127,28 +127,16 @@ def parallel_apply(
 ) -> list[Any]:
     """Legacy ``parallel_apply`` (torch_npu's ``_parallel_apply``): upstream's algorithm; each worker sets its
     device and enters the device's float16 autocast enabled by CUDA's autocast flag."""
-    if len(modules) != len(inputs):
-        raise AssertionError(
-            f"The number of modules {len(modules)} is not equal to the number of inputs {len(inputs)}"
-            + pta_error(ERR_PARAM)
-        )
+    _check_length(modules, inputs, "inputs")
     if kwargs_tup is not None:
-        if len(modules) != len(kwargs_tup):
-            raise AssertionError(
-                f"The number of modules {len(modules)} is not equal to the number of kwargs_tup {len(kwargs_tup)}"
-                + pta_error(ERR_PARAM)
-            )
+        _check_length(modules, kwargs_tup, "kwargs_tup")
     else:
         kwargs_tup = ({},) * len(modules)
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is None and not devices:  # a CPU rehearsal: DataParallel has no device ids there
         devices = None
     if devices is not None:
-        if len(modules) != len(devices):
-            raise AssertionError(
-                f"The number of modules {len(modules)} is not equal to the number of devices {len(devices)}"
-                + pta_error(ERR_PARAM)
-            )
+        _check_length(modules, devices, "devices")
     else:
         devices = [None] * len(modules)
     if accelerator is not None:
@@ -210,6 +198,15 @@ def parallel_apply(
             output.reraise()
         outputs.append(output)
     return outputs
+
+
+def _check_length(modules: Sequence, other: Sequence, name: str) -> None:
+    """torch_npu's check that ``other`` has one entry per module, with its message and error code."""
+    if len(modules) != len(other):
+        raise AssertionError(
+            f"The number of modules {len(modules)} is not equal to the number of {name} {len(other)}"
+            + pta_error(ERR_PARAM)
+        )
 
 
 class _entered:
