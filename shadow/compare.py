@@ -5,8 +5,11 @@ named by their path. Structure, Python types, tensor metadata and aliasing are c
 tensor values are reduced on the tensors' own device to a few statistics per leaf, and all leaves'
 statistics travel to the host together in one ``.tolist()``: one host synchronisation per comparison.
 
-On the CPU large tensors are processed in cache-sized chunks, so that the dozen elementwise steps
-below stream each element through memory once instead of allocating a dozen full-size temporaries.
+Tensors in host memory (device "cpu") are reduced by numpy ufuncs on one thread, in cache-sized chunks
+written into reused scratch arrays: each element streams through memory once, no parallel region waits
+for a core the job is using, and the statistics are on the host without any synchronisation. Tensors on
+an accelerator are reduced by torch on their device, whole. Both compute the same statistics
+(``tests/test_compare.py`` checks them against each other).
 """
 
 from __future__ import annotations
@@ -17,16 +20,16 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_iter
 
 from shadow import tolerance as tol
 from shadow.observation import MISMATCH_REASONS, bounded
 
-#: Elements per chunk by device type. Accelerators take whole tensors: their kernels are fast and each
-#: chunk would cost a dozen launches; the CPU profits from staying in cache.
-_CHUNK = {"cpu": 1 << 18}
-_WHOLE = 1 << 62
+#: Elements per chunk on the host: the working set of one chunk (two inputs, three float and three bool
+#: scratch arrays) stays in a core's cache.
+_HOST_CHUNK = 1 << 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +111,7 @@ def _unbits(value: int, compute: torch.dtype) -> float:
 def _as_real(t: torch.Tensor) -> torch.Tensor:
     if t.layout != torch.strided:
         t = t.to_dense()
-    t = t.detach().reshape(-1)
+    t = t.detach().resolve_conj().resolve_neg().reshape(-1)
     return torch.view_as_real(t).reshape(-1) if t.is_complex() else t
 
 
@@ -117,12 +120,27 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(width) if width is not None and t.dtype != torch.bool else t
 
 
-def _chunk_stats(
+def _value_stats(
+    legacy: torch.Tensor, upstream: torch.Tensor, tolerance: tol.Tolerance
+) -> tuple[torch.Tensor, torch.dtype]:
+    """int64[8] on the tensors' device: bitwise differing, out of tolerance, out of tolerance with a NaN or inf
+    involved, flat index of the first element out of tolerance (-1 if none), then as float bits: max abs error
+    and max rel error over finite elements, legacy and upstream value at that index.
+
+    Elements agree when ``|legacy - upstream| <= atol + rtol * |legacy|``, when they are equal (equal
+    infinities), or when both are NaN and the tolerance has ``equal_nan``."""
+    compute = _compute_dtype(legacy.dtype, upstream.dtype)
+    a, b = _as_real(legacy), _as_real(upstream)
+    same_dtype = legacy.dtype == upstream.dtype
+    if a.device.type == "cpu":
+        return _host_stats(a, b, tolerance, compute, same_dtype), compute
+    return _device_stats(a, b, tolerance, compute, same_dtype), compute
+
+
+def _device_stats(
     a: torch.Tensor, b: torch.Tensor, tolerance: tol.Tolerance, compute: torch.dtype, same_dtype: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For one flat chunk: int64[3] (bitwise differing, out of tolerance, out of tolerance with a NaN
-    or inf involved), float[2] (max abs error and max rel error over finite elements) and the index of
-    the first element out of tolerance (meaningful when there is one)."""
+) -> torch.Tensor:
+    """The statistics of flat ``a`` and ``b`` computed by torch on their device, without a synchronisation."""
     n = a.numel()
     a_raw, b_raw = a, b
     a, b = a.to(compute), b.to(compute)
@@ -131,49 +149,79 @@ def _chunk_stats(
     close = torch.sub(diff, absa, alpha=tolerance.rtol) <= tolerance.atol  # False on NaN and inf
     close |= a == b  # equal infinities
     if tolerance.equal_nan:
-        close |= (a != a) & (b != b)
-    bad = n - torch.count_nonzero(close)
+        close |= torch.isnan(torch.fmin(a, b))  # fmin is NaN only where both are
+    good = torch.count_nonzero(close)
     first = close.view(torch.uint8).argmin()  # the first False
     # Bits of different dtypes cannot be equal; what differs then is the values.
-    bitdiff = torch.count_nonzero(_int_view(a_raw) != _int_view(b_raw)) if same_dtype else bad
+    bitdiff = torch.count_nonzero(_int_view(a_raw) != _int_view(b_raw)) if same_dtype else n - good
     nonfinite_bad = n - torch.count_nonzero(close.logical_or_(diff < math.inf))
     diff.nan_to_num_(0.0, 0.0, 0.0)
     rel = torch.div(diff, absa).nan_to_num_(0.0, math.inf, math.inf)
-    counts = torch.stack([bitdiff, bad, nonfinite_bad])
-    errors = torch.stack([diff.max(), rel.max()])
-    return counts, errors, first
-
-
-def _value_stats(
-    legacy: torch.Tensor, upstream: torch.Tensor, tolerance: tol.Tolerance
-) -> tuple[torch.Tensor, torch.dtype]:
-    """int64[8] on the tensors' device: bitwise differing, out of tolerance, NaN/inf disagreements,
-    flat index of the first element out of tolerance (-1 if none), then as float bits: max abs error,
-    max rel error, legacy and upstream value at that index."""
-    compute = _compute_dtype(legacy.dtype, upstream.dtype)
-    a, b = _as_real(legacy), _as_real(upstream)
-    same_dtype = legacy.dtype == upstream.dtype
-    n = a.numel()
-    chunk = _CHUNK.get(a.device.type, _WHOLE)
-    counts, errors, firsts = [], [], []
-    for start in range(0, n, chunk):
-        c, e, i = _chunk_stats(a[start : start + chunk], b[start : start + chunk], tolerance, compute, same_dtype)
-        counts.append(c)
-        errors.append(e)
-        firsts.append(torch.where(c[1] > 0, i + start, n))
-    total = torch.stack(counts).sum(0)
-    worst = torch.stack(errors).amax(0)
-    first = torch.stack(firsts).min()
-    at = first.clamp(max=n - 1)
-    legacy_value, upstream_value = a[at].to(compute), b[at].to(compute)
-    stats = torch.cat(
+    first = torch.where(good < n, first, -1)
+    at = first.clamp(min=0)
+    return torch.cat(
         [
-            total,
-            torch.where(first < n, first, -1).reshape(1),
-            torch.stack([_bits(worst[0]), _bits(worst[1]), _bits(legacy_value), _bits(upstream_value)]),
+            torch.stack([bitdiff, n - good, nonfinite_bad, first]),
+            torch.stack([_bits(diff.max()), _bits(rel.max()), _bits(a[at]), _bits(b[at])]),
         ]
     )
-    return stats, compute
+
+
+def _host_stats(
+    a: torch.Tensor, b: torch.Tensor, tolerance: tol.Tolerance, compute: torch.dtype, same_dtype: bool
+) -> torch.Tensor:
+    """The same statistics for flat tensors in host memory, computed by numpy chunk by chunk."""
+    n = a.numel()
+    size = min(n, _HOST_CHUNK)
+    native = a.dtype == compute and b.dtype == compute
+    staged = [] if native else [torch.empty(size, dtype=compute), torch.empty(size, dtype=compute)]
+    np_compute = np.float64 if compute == torch.float64 else np.float32
+    diff, absa, scratch = (np.empty(size, np_compute) for _ in range(3))
+    close, flags, more = (np.empty(size, np.bool_) for _ in range(3))
+    bits = (_int_view(a).numpy(), _int_view(b).numpy()) if same_dtype else None
+    a_all, b_all = (a.numpy(), b.numpy()) if native else (None, None)
+    bitdiff = bad = nonfinite_bad = 0
+    first, max_abs, max_rel, at = -1, 0.0, 0.0, (0.0, 0.0)
+    with np.errstate(all="ignore"):
+        for start in range(0, n, size):
+            stop = min(start + size, n)
+            m = stop - start
+            if native:
+                x, y = a_all[start:stop], b_all[start:stop]
+            else:
+                x = staged[0][:m].copy_(a[start:stop]).numpy()
+                y = staged[1][:m].copy_(b[start:stop]).numpy()
+            d, ax, t, c, f, g = diff[:m], absa[:m], scratch[:m], close[:m], flags[:m], more[:m]
+            np.abs(np.subtract(x, y, out=d), out=d)  # NaN where either side is NaN or both are the same infinity
+            chunk_max = float(d.max())  # NaN or inf unless every element of both sides is finite
+            finite = math.isfinite(chunk_max)
+            np.abs(x, out=ax)
+            np.less_equal(np.subtract(d, np.multiply(ax, tolerance.rtol, out=t), out=t), tolerance.atol, out=c)
+            if not finite:
+                c |= np.equal(x, y, out=f)  # equal infinities
+                if tolerance.equal_nan:
+                    c |= np.isnan(np.fmin(x, y, out=t), out=f)  # fmin is NaN only where both are
+            chunk_bad = m - np.count_nonzero(c)
+            if bits is not None:
+                bitdiff += np.count_nonzero(np.not_equal(bits[0][start:stop], bits[1][start:stop], out=f))
+            if chunk_bad:
+                bad += chunk_bad
+                if not finite:
+                    nonfinite_bad += m - np.count_nonzero(np.logical_or(c, np.less(d, np.inf, out=g), out=g))
+                if first < 0:
+                    index = int(np.argmin(c))
+                    first, at = start + index, (float(x[index]), float(y[index]))
+            if not finite:  # errors are taken over finite differences only
+                np.nan_to_num(d, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+                chunk_max = float(d.max())
+            max_abs = max(max_abs, chunk_max)
+            # fmax skips the NaN of 0/0; x/0 stays inf
+            max_rel = max(max_rel, float(np.fmax.reduce(np.divide(d, ax, out=t))))
+    if bits is None:
+        bitdiff = bad
+    floats = np.array([max_abs, max_rel, *at], dtype=np_compute)
+    int_type = np.int64 if np_compute is np.float64 else np.int32
+    return torch.tensor([bitdiff, bad, nonfinite_bad, first, *floats.view(int_type).tolist()], dtype=torch.int64)
 
 
 # --------------------------------------------------------------------------- the walk

@@ -1,8 +1,11 @@
 import collections
 import dataclasses
+import importlib
+import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shadow import Tolerance
 from shadow.compare import compare
@@ -224,3 +227,90 @@ def test_strides_of_size_one_dimensions_do_not_matter():
     a = torch.randn(1, 5)
     b = torch.as_strided(a.clone(), (1, 5), (99, 1))
     assert compare(a, b, exact=True).outcome == "match"
+
+
+# --------------------------------------------------------------------------- host and device statistics
+
+_compare_module = importlib.import_module("shadow.compare")
+
+
+def _special_pair(dtype: torch.dtype, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pair with every kind of element: close, far, equal, signed zeros, NaN (one or both sides, bit-equal or
+    not), equal and opposite infinities, infinity against a finite value, zero legacy."""
+    generator = torch.Generator().manual_seed(seed)
+    legacy = torch.randn(n, generator=generator, dtype=torch.float64)
+    upstream = legacy * (1 + 1e-7 * torch.randn(n, generator=generator, dtype=torch.float64))
+    picks = torch.randperm(n, generator=generator)[:80].view(10, 8)
+    nan, inf = math.nan, math.inf
+    specials = [(nan, nan), (nan, 1.0), (2.0, nan), (inf, inf), (-inf, inf), (inf, 3.0), (4.0, -inf), (0.0, -0.0),
+                (0.0, 1e-6), (5.0, 9.0)]  # fmt: skip
+    for (x, y), where in zip(specials, picks, strict=True):
+        legacy[where], upstream[where] = x, y
+    legacy, upstream = legacy.to(dtype), upstream.to(dtype)
+    nan_bits = torch.tensor(nan, dtype=dtype)
+    upstream[picks[0, :4]] = -nan_bits  # NaN with another sign bit: not bit-equal
+    return legacy, upstream
+
+
+@pytest.mark.parametrize("equal_nan", [True, False])
+@pytest.mark.parametrize(
+    "legacy_dtype, upstream_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.float64, torch.float32),
+    ],
+)
+def test_host_and_device_statistics_agree(monkeypatch, legacy_dtype, upstream_dtype, equal_nan):
+    """The host path (numpy, chunked) and the device path (torch, whole tensors) give the same statistics."""
+    monkeypatch.setattr(_compare_module, "_HOST_CHUNK", 1000)  # several chunks, the last one short
+    for seed in range(3):
+        legacy, upstream = _special_pair(torch.float64, 4321, seed)
+        legacy, upstream = legacy.to(legacy_dtype), upstream.to(upstream_dtype)
+        for tolerance in (Tolerance(1.3e-6, 1e-5, equal_nan), Tolerance(0.0, 0.0, equal_nan), Tolerance(0.1, 0.5)):
+            compute = _compare_module._compute_dtype(legacy.dtype, upstream.dtype)
+            same = legacy.dtype == upstream.dtype
+            host = _compare_module._host_stats(legacy, upstream, tolerance, compute, same).tolist()
+            device = _compare_module._device_stats(legacy, upstream, tolerance, compute, same).tolist()
+            assert host == device, (seed, tolerance)
+            assert host[1] > host[2] > 0  # out of tolerance, some of them with NaN or inf
+
+
+def test_bit_equal_nan_disagrees_unless_equal_nan():
+    legacy = torch.tensor([1.0, math.nan])
+    upstream = legacy.clone()  # the same NaN, bit for bit
+    assert compare(legacy, upstream, tolerance=Tolerance(1e-3, 1e-3, equal_nan=False)).reasons == ("nan",)
+    assert compare(legacy, upstream, tolerance=Tolerance(1e-3, 1e-3, equal_nan=True)).outcome == "match"
+
+
+def test_conjugate_and_negative_views_are_compared_by_value():
+    z = torch.randn(6, dtype=torch.complex64)
+    assert compare(z.conj(), z.conj().resolve_conj()).outcome == "match"
+    assert compare(z.conj().imag, -z.imag).outcome == "match"  # a negative view
+
+
+def test_host_comparison_does_the_same_torch_work_whatever_the_size():
+    """On the CPU the values are reduced by numpy on one thread: the torch operations a comparison dispatches
+    (each a parallel region that waits for every core, busy or not) do not grow with the tensors."""
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for n in (1_000, 2_000_000):
+        legacy = torch.randn(n)
+        upstream = legacy + 1e-7
+        with CountOps() as mode:
+            result = compare(legacy, upstream)
+        assert result.outcome == "close"
+        counts.append(mode.ops)
+    assert counts[0] == counts[1] <= 30, counts
