@@ -174,7 +174,7 @@ def _host_stats(
     n = a.numel()
     size = min(n, _HOST_CHUNK)
     native = a.dtype == compute and b.dtype == compute
-    staged = [] if native else [torch.empty(size, dtype=compute), torch.empty(size, dtype=compute)]
+    staged = [] if native else [torch.empty(size, dtype=compute, device="cpu") for _ in range(2)]
     np_compute = np.float64 if compute == torch.float64 else np.float32
     diff, absa, scratch = (np.empty(size, np_compute) for _ in range(3))
     close, flags, more = (np.empty(size, np.bool_) for _ in range(3))
@@ -221,7 +221,9 @@ def _host_stats(
         bitdiff = bad
     floats = np.array([max_abs, max_rel, *at], dtype=np_compute)
     int_type = np.int64 if np_compute is np.float64 else np.int32
-    return torch.tensor([bitdiff, bad, nonfinite_bad, first, *floats.view(int_type).tolist()], dtype=torch.int64)
+    return torch.tensor(
+        [bitdiff, bad, nonfinite_bad, first, *floats.view(int_type).tolist()], dtype=torch.int64, device="cpu"
+    )
 
 
 # --------------------------------------------------------------------------- the walk
