@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 import shadow
-from shadow import reference
+from shadow.npu import reference
 
 
 def bench_unsampled(trials: int, calls: int) -> float:

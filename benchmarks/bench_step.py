@@ -6,7 +6,7 @@ trial (rotating their order) so that drift and a busy machine touch them alike:
 1. step time: (total time of the steps at rate r) / (total time unwrapped) over the trials, each trial
    sampling with its own seed; goals: 0.01 <= 1.02x, 1.0 <= 3x. A step is the example's: npu casts by
    type name and class, DataParallel forward over both devices (``data_parallel`` every fourth step),
-   loss, backward, SGD step. Every built-in target is shadowed, over shadow.reference's legacy.
+   loss, backward, SGD step. Every built-in target is shadowed, over shadow.npu.reference's legacy.
 2. peak memory: the RSS high-water mark of one step at rate 1.0 against one unwrapped step, each
    measured from a reset high-water mark (Linux ``/proc/self/clear_refs``), on a batch of 512 so that
    the step's own tensors show above the allocator's reuse; goal <= 1.3x. The growth above the RSS the
@@ -31,7 +31,7 @@ import warnings
 import torch
 from torch import nn
 
-from shadow import emulated_npu
+from shadow.npu import emulated
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = [0, 1]
@@ -120,10 +120,10 @@ def main() -> None:
     args = parser.parse_args()
     trials, steps = (2, 2) if args.quick else (21, 16)
     warnings.filterwarnings("ignore", "PyTorch is not compiled with NCCL support")
-    emulated_npu.install(2)
-    from shadow import reference
+    emulated.install(2)
+    from shadow.npu import reference
 
-    patches = reference.patch_torch()  # the legacy here: shadow.reference (torch_npu where it is imported)
+    patches = reference.patch_torch()  # the legacy here: shadow.npu.reference (torch_npu where it is imported)
     try:
         job = Job(batch=32)
         configurations = {"unwrapped": None, "rate 0.01": 0.01, "rate 1.0": 1.0}

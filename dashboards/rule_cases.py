@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from dashboards import rules
-from shadow import verdict
+from shadow.analysis import verdict
 
 JOB, TARGET = "train", "tensor_type"
 TEST_PATH = pathlib.Path(__file__).parent / "prometheus" / "npu_shadow.rules_test.yml"

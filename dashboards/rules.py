@@ -13,8 +13,9 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from shadow import observation, verdict
-from shadow.observation import MISMATCH_REASONS
+from shadow.analysis import verdict
+from shadow.core import observation
+from shadow.core.observation import MISMATCH_REASONS
 
 #: Every threshold, in one place.
 PARAMS: dict[str, Any] = {

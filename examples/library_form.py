@@ -3,7 +3,7 @@
 import torch
 
 import shadow
-from shadow import reference
+from shadow.npu import reference
 
 reference.patch_torch()  # on an NPU host, `import torch_npu` does this
 

@@ -5,7 +5,7 @@ functional `torch.nn.parallel.data_parallel`), DistributedDataParallel (gloo on 
 torchrun, and `.type()` casts where legacy code typically has them (in the dataset, on the batch with
 npu type names and classes when an npu is present, on the loss). `--autocast` runs every other step's
 forward under the accelerator's float16 autocast. On a host without torch_npu it installs
-shadow.reference's legacy patches, so that a shadowed run has something to compare, and says so. It
+shadow.npu.reference's legacy patches, so that a shadowed run has something to compare, and says so. It
 knows nothing of npu-shadow's monitor: run it under `npu-shadow run` to shadow it.
 
     npu-shadow run --sample-rate 0.1 --port 9464 -- python examples/train_dataparallel.py
@@ -69,11 +69,11 @@ def use_legacy_patches(worker_id: int | None = None) -> None:
         if worker_id is None:
             print("legacy patches already installed: using them")
     else:
-        from shadow import reference
+        from shadow.npu import reference
 
         reference.patch_torch()
         if worker_id is None:
-            print("torch_npu not installed: using shadow.reference's legacy patches (a rehearsal)")
+            print("torch_npu not installed: using shadow.npu.reference's legacy patches (a rehearsal)")
 
 
 def progress(step: int, total: int, loss: float, started: float) -> None:
@@ -102,9 +102,9 @@ def main() -> None:
     warnings.filterwarnings("ignore", "PyTorch is not compiled with NCCL support")
 
     if args.emulate_npu:  # before any Tensor.type(str) call (under `npu-shadow run --emulate-npu`, already done)
-        from shadow import emulated_npu
+        from shadow.npu import emulated
 
-        emulated_npu.install(args.emulate_npu)
+        emulated.install(args.emulate_npu)
     use_legacy_patches()
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     rank = 0

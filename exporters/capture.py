@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_iter, tree_map
 
-from shadow.observation import Observation
+from shadow.core.observation import Observation
 
 FORMAT = 1
 _PLAIN = (torch.Tensor, torch.dtype, torch.device, str, int, float, bool, type(None), bytes)

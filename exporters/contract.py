@@ -9,11 +9,10 @@ Labels come only from bounded sets: target, outcome, reason, signature.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 
-import torch
-
-from shadow.observation import MISMATCH_REASONS, OUTCOMES, SHARED_DIVERGENCE_REASONS, SKIP_REASONS
+from shadow.core.environment import device as device  # the environment labels come from the core
+from shadow.core.environment import versions as versions
+from shadow.core.observation import MISMATCH_REASONS, OUTCOMES, SHARED_DIVERGENCE_REASONS, SKIP_REASONS
 
 PREFIX = "npu_shadow"
 
@@ -119,25 +118,3 @@ def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:
     series += [(SHARED_DIVERGENCES, {"target": target, "reason": r}) for r in SHARED_DIVERGENCE_REASONS]
     series += [(LEGACY, {"target": target}), (SHADOW, {"target": target})]
     return series
-
-
-def device() -> str:
-    """This process's device, as reports show it: 'cpu', 'npu x2 (emulated)', 'cuda x8'."""
-    from shadow import emulated_npu
-
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None:
-        return "cpu"
-    emulated = " (emulated)" if emulated_npu.installed_devices() else ""
-    return f"{accelerator.type} x{torch.accelerator.device_count()}{emulated}"
-
-
-def versions() -> dict[str, str]:
-    """The build_info labels: this package, torch and torch_npu (``none`` when absent)."""
-    import shadow
-
-    try:
-        torch_npu = importlib.metadata.version("torch_npu")
-    except importlib.metadata.PackageNotFoundError:
-        torch_npu = "none"
-    return {"version": shadow.__version__, "torch": torch.__version__, "torch_npu": torch_npu}

@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 from json.encoder import encode_basestring_ascii
 
 from exporters import capture, contract
-from shadow import _fork
-from shadow.observation import Observation
-from shadow.safe_paths import check_private_directory, make_private_directory
+from shadow.core import forks
+from shadow.core.observation import Observation
+from shadow.core.safe_paths import check_private_directory, make_private_directory
 
 
 def _rank() -> int | None:
@@ -77,7 +77,7 @@ class JsonlExporter:
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._reset_process_state()
-        _fork.register(self)
+        forks.register(self)
 
     def _reset_process_state(self) -> None:
         self.pid = os.getpid()

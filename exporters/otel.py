@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from opentelemetry import metrics
 
 from exporters import contract
-from shadow import _fork
-from shadow.observation import Observation
+from shadow.core import forks
+from shadow.core.observation import Observation
 
 METER_NAME = "npu_shadow"
 
@@ -90,7 +90,7 @@ class OTelExporter:
             unit=contract.DRILL_ACTIVE.unit,
             description=contract.DRILL_ACTIVE.description,
         )
-        _fork.register(self)
+        forks.register(self)
 
     # ------------------------------------------------------------------ collection time
 

@@ -24,9 +24,9 @@ from prometheus_client.exposition import push_to_gateway, start_http_server, wri
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from exporters import contract
-from shadow import _fork
-from shadow.observation import Observation
-from shadow.safe_paths import check_private_directory
+from shadow.core import forks
+from shadow.core.observation import Observation
+from shadow.core.safe_paths import check_private_directory
 
 log = logging.getLogger("shadow")
 
@@ -85,7 +85,7 @@ class PrometheusExporter:
             MultiProcessCollector(self.registry)
         else:
             self.registry = metric_registry = registry if registry is not None else CollectorRegistry()
-        _fork.register(self)
+        forks.register(self)
         self._metrics = self._create(metric_registry)
         self._children: dict[tuple, Any] = {}
         self._metrics[contract.BUILD_INFO].labels(**contract.versions()).set(1)

@@ -10,13 +10,13 @@ bash scripts/setup.sh
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # torch_npu's own legacy code when its 2.12.0 wheel is in the cache (scripts/fetch_torch_npu.sh), else ours.
-wheel=$(.venv/bin/python -c "from shadow.torch_npu_source import cached_wheel; print(cached_wheel('2.12.0') or '')")
+wheel=$(.venv/bin/python -c "from shadow.npu.torch_npu_source import cached_wheel; print(cached_wheel('2.12.0') or '')")
 legacy=()
 if [ -n "$wheel" ]; then
   legacy=(--legacy-from "$wheel")
   echo "== legacy: torch_npu 2.12.0's own code, read from $wheel"
 else
-  echo "== legacy: shadow.reference (no torch_npu 2.12.0 wheel in the cache; bash scripts/fetch_torch_npu.sh gets it)"
+  echo "== legacy: shadow.npu.reference (no torch_npu 2.12.0 wheel in the cache; bash scripts/fetch_torch_npu.sh gets it)"
 fi
 .venv/bin/npu-shadow doctor --emulate-npu 2 --port 9464 "${legacy[@]}" || true
 echo

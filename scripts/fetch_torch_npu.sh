@@ -5,8 +5,8 @@
 # that need a wheel then skip, naming it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-cache=$(.venv/bin/python -c "from shadow.torch_npu_source import wheel_cache; print(wheel_cache())")
-releases=$(.venv/bin/python -c "from shadow.torch_npu_source import RELEASES; print(*RELEASES)")
+cache=$(.venv/bin/python -c "from shadow.npu.torch_npu_source import wheel_cache; print(wheel_cache())")
+releases=$(.venv/bin/python -c "from shadow.npu.torch_npu_source import RELEASES; print(*RELEASES)")
 mkdir -p "$cache"
 for version in $releases; do
   if compgen -G "$cache/torch_npu-$version-*.whl" >/dev/null; then

@@ -4,7 +4,7 @@
 # torch is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The emulated npu (shadow/emulated_npu) is a C++ extension built on first use: it needs a C++ compiler.
+# The emulated npu (shadow/npu/emulated) is a C++ extension built on first use: it needs a C++ compiler.
 if ! command -v g++ >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"

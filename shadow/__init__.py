@@ -6,11 +6,11 @@
 >>> monitor.stats()
 """
 
-from shadow.compare import Comparison, compare
-from shadow.engine import Shadow
-from shadow.launch import install_from_env
-from shadow.monitor import Monitor, install
-from shadow.observation import (
+from shadow.core.compare import Comparison, compare
+from shadow.core.engine import Shadow
+from shadow.core.environment import VERSION
+from shadow.core.monitor import Monitor, install
+from shadow.core.observation import (
     HARD_REASONS,
     MISMATCH_REASONS,
     OUTCOMES,
@@ -18,10 +18,11 @@ from shadow.observation import (
     Observation,
     TargetStats,
 )
-from shadow.targets import BUILTINS, Target
-from shadow.tolerance import Tolerance
+from shadow.core.targets import BUILTINS, Target
+from shadow.core.tolerance import Tolerance
+from shadow.launcher.launch import install_from_env
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "BUILTINS",

@@ -1,5 +1,5 @@
 import sys
 
-from shadow.cli import main
+from shadow.launcher.cli import main
 
 sys.exit(main())

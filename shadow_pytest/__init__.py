@@ -21,7 +21,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--npu-shadow-legacy",
         choices=("auto", "torch_npu", "reference"),
         default="auto",
-        help="the legacy side: torch_npu imported, or shadow.reference (auto: torch_npu where it is installed)",
+        help="the legacy side: torch_npu imported, or shadow.npu.reference (auto: torch_npu where it is installed)",
     )
     group.addoption(
         "--npu-shadow-legacy-from",

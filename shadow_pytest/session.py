@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-import shadow
 from exporters import JsonlExporter
-from shadow import reference, torch_npu_source
-from shadow.observation import Observation, bounded
+from shadow.core.monitor import install
+from shadow.core.observation import Observation, bounded
+from shadow.npu import reference, torch_npu_source
 
 DIVERGENT = ("mismatch", "error")
 
@@ -43,11 +43,11 @@ class ShadowSession:
         self.divergences: dict[tuple[str, str], list[Divergence]] = collections.defaultdict(list)
         self.diverged_tests: dict[str, list[Divergence]] = {}
         if option("npu_shadow_emulate_npu"):
-            from shadow import emulated_npu
+            from shadow.npu import emulated
 
             try:
-                emulated_npu.install(option("npu_shadow_emulate_npu"))
-            except (emulated_npu.EmulatorUnavailable, ValueError) as exc:
+                emulated.install(option("npu_shadow_emulate_npu"))
+            except (emulated.EmulatorUnavailable, ValueError) as exc:
                 raise pytest.UsageError(f"--npu-shadow-emulate-npu: {exc}") from None
         self.legacy, self._patches = self._install_legacy(option("npu_shadow_legacy"), option("npu_shadow_legacy_from"))
         targets = option("npu_shadow_targets")
@@ -55,7 +55,7 @@ class ShadowSession:
         self.journal_path = option("npu_shadow_journal")
         self.journal = JsonlExporter(self.journal_path, all_outcomes=True, annotate=self._annotation)
         try:
-            self.monitor = shadow.install(names, sample_rate=1.0, exporters=[self, self.journal], seed=0, yields=True)
+            self.monitor = install(names, sample_rate=1.0, exporters=[self, self.journal], seed=0, yields=True)
         except ValueError as exc:
             self._undo_legacy()
             raise pytest.UsageError(f"--npu-shadow: {exc}") from None
@@ -77,7 +77,7 @@ class ShadowSession:
             except Exception as exc:
                 raise pytest.UsageError(f"--npu-shadow-legacy torch_npu: cannot import torch_npu: {exc}") from None
             return f"torch_npu {importlib.metadata.version('torch_npu')} (imported)", None
-        return "shadow.reference (our reading of torch_npu 2.12: a rehearsal)", reference.patch_torch()
+        return "shadow.npu.reference (our reading of torch_npu 2.12: a rehearsal)", reference.patch_torch()
 
     def _undo_legacy(self) -> None:
         if self._patches is not None:

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from shadow import emulated_npu, reference, torch_npu_source
+from shadow.npu import emulated, reference, torch_npu_source
 
 HERE = os.path.dirname(__file__)
 
@@ -16,7 +16,7 @@ sys.path.insert(0, HERE)  # for the helper modules beside the tests
 def pytest_configure(config):
     """Every test process has a 2-device emulated npu, installed before any test module is imported (torch
     fixes its tensor type names at the first Tensor.type(str) call). The first run builds it (~45 s)."""
-    emulated_npu.install(devices=2)
+    emulated.install(devices=2)
 
 
 def _patched_objects():
@@ -48,7 +48,7 @@ def torch_npu_legacy():
 
 @pytest.fixture(params=["reference", "torch_npu 2.12.0 source"])
 def legacy_patches(request):
-    """torch patched with each legacy in turn: shadow.reference's, and torch_npu 2.12.0's own code."""
+    """torch patched with each legacy in turn: shadow.npu.reference's, and torch_npu 2.12.0's own code."""
     if request.param == "reference":
         patches = reference.patch_torch()
     else:

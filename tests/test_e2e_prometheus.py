@@ -14,8 +14,8 @@ from prometheus_server import prometheus
 import shadow
 from dashboards import rules
 from exporters import PrometheusExporter
-from shadow import targets as builtin
-from shadow import verdict
+from shadow.analysis import verdict
+from shadow.core import targets as builtin
 
 NPU_CLASS = type("FloatTensor", (), {"__module__": "torch.npu"})  # an NPU tensor class, by its import path
 

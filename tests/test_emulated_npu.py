@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from shadow import emulated_npu
+from shadow.npu import emulated
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +29,7 @@ def run_python(script: str, env: dict | None = None) -> subprocess.CompletedProc
 
 def test_torch_sees_an_npu_accelerator_with_two_devices():
     assert torch.accelerator.current_accelerator() == torch.device("npu")
-    assert torch.accelerator.device_count() == torch.npu.device_count() == emulated_npu.installed_devices() == 2
+    assert torch.accelerator.device_count() == torch.npu.device_count() == emulated.installed_devices() == 2
     x = torch.arange(6.0, device="npu:1").reshape(2, 3)
     assert x.device == torch.device("npu:1")
     assert (x.t() * 2).sum().item() == 30.0  # views, the CPU fallback, a host read-back
@@ -38,11 +38,11 @@ def test_torch_sees_an_npu_accelerator_with_two_devices():
 
 
 def test_install_is_idempotent_and_refuses_another_count():
-    assert emulated_npu.install(2) == 2
+    assert emulated.install(2) == 2
     with pytest.raises(ValueError, match="installed with 2 devices"):
-        emulated_npu.install(3)
+        emulated.install(3)
     with pytest.raises(ValueError, match="1 to 16"):
-        emulated_npu.install(True)
+        emulated.install(True)
 
 
 def test_current_device_and_streams_are_per_thread():
@@ -137,7 +137,7 @@ def test_npu_type_names_and_classes_work_with_upstream_type():
 
 def test_build_directory_is_keyed_by_torch_version_and_source_hash(tmp_path, monkeypatch):
     monkeypatch.setenv("NPU_SHADOW_CACHE_DIR", str(tmp_path))
-    path = emulated_npu.build_directory()
+    path = emulated.build_directory()
     assert path.parent == tmp_path / "emulated_npu"
     assert path.name.startswith(f"torch-{torch.__version__}-") and len(path.name.rsplit("-", 1)[1]) == 16
     assert not str(path).startswith(ROOT)
@@ -149,10 +149,10 @@ def test_refuses_when_torch_npu_is_imported():
         import sys
         sys.path.insert(0, "tests/fake_torch_npu")
         import torch_npu
-        from shadow import emulated_npu
+        from shadow.npu import emulated
         try:
-            emulated_npu.install(2)
-        except emulated_npu.EmulatorUnavailable as exc:
+            emulated.install(2)
+        except emulated.EmulatorUnavailable as exc:
             print(exc)
         """
     )
@@ -164,10 +164,10 @@ def test_refuses_when_another_privateuse1_backend_is_registered():
         """
         import torch
         torch.utils.rename_privateuse1_backend("foo")
-        from shadow import emulated_npu
+        from shadow.npu import emulated
         try:
-            emulated_npu.install(2)
-        except emulated_npu.EmulatorUnavailable as exc:
+            emulated.install(2)
+        except emulated.EmulatorUnavailable as exc:
             print(exc)
         """
     )
@@ -177,10 +177,10 @@ def test_refuses_when_another_privateuse1_backend_is_registered():
 def test_refuses_without_a_compiler_and_says_what_to_install(tmp_path):
     done = run_python(
         """
-        from shadow import emulated_npu
+        from shadow.npu import emulated
         try:
-            emulated_npu.install(2)
-        except emulated_npu.EmulatorUnavailable as exc:
+            emulated.install(2)
+        except emulated.EmulatorUnavailable as exc:
             print(exc)
         """,
         env={"PATH": str(tmp_path), "CXX": "no-such-compiler", "NPU_SHADOW_CACHE_DIR": str(tmp_path)},
@@ -197,7 +197,7 @@ def test_a_regular_wheel_install_ships_the_source_and_installs(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("npu_shadow-*.whl")
-    assert "shadow/emulated_npu/csrc/emulated_npu.cpp" in zipfile.ZipFile(wheel).namelist()
+    assert "shadow/npu/emulated/csrc/emulated_npu.cpp" in zipfile.ZipFile(wheel).namelist()
     site = tmp_path / "site"
     done = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
@@ -210,8 +210,8 @@ def test_a_regular_wheel_install_ships_the_source_and_installs(tmp_path):
         [
             sys.executable,
             "-c",
-            "import torch; from shadow import emulated_npu; emulated_npu.install(2);"
-            "print(emulated_npu.__file__); print(torch.ones(2, device='npu:1').device)",
+            "import torch; from shadow.npu import emulated; emulated.install(2);"
+            "print(emulated.__file__); print(torch.ones(2, device='npu:1').device)",
         ],
         capture_output=True,
         text=True,

@@ -8,7 +8,7 @@ import torch
 
 import shadow
 from shadow import Target, Tolerance
-from shadow import targets as builtin
+from shadow.core import targets as builtin
 
 
 def test_discovers_the_fake_torch_npu_patches_and_restores_identity(fake_torch_npu):
@@ -30,7 +30,7 @@ def test_discovers_the_fake_torch_npu_patches_and_restores_identity(fake_torch_n
 
 
 def test_without_torch_npu_nothing_is_installed_and_it_says_so_once(caplog, monkeypatch):
-    monkeypatch.setattr(shadow.monitor, "_logged_nothing_to_shadow", False)
+    monkeypatch.setattr(shadow.core.monitor, "_logged_nothing_to_shadow", False)
     with caplog.at_level(logging.INFO, logger="shadow"):
         first = shadow.install()
         second = shadow.install()
@@ -39,7 +39,7 @@ def test_without_torch_npu_nothing_is_installed_and_it_says_so_once(caplog, monk
 
 
 def test_reference_patches_count_as_a_rehearsal(caplog):
-    from shadow import reference
+    from shadow.npu import reference
 
     patches = reference.patch_torch()
     try:

@@ -13,8 +13,8 @@ from metrics_helpers import samples, total
 from prometheus_server import consecutive_free_ports, free_port, prometheus
 from torch_npu_wheels import wheel
 
-from shadow import config as cfg
-from shadow import doctor, runner
+from shadow.launcher import config as cfg
+from shadow.launcher import doctor, runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_dataparallel.py")
@@ -188,12 +188,12 @@ LATE_IMPORT = r"""
 import sys
 import time
 import torch
-from shadow import launch
-first = launch._state["monitor"]
+from shadow.launcher import launch
+first = launch.LAUNCHER.monitor
 assert first is not None and first.targets == (), first.targets   # nothing patched yet: nothing shadowed
 sys.path.insert(0, sys.argv[1])
 import torch_npu                                                    # patches torch over the wrappers
-second = launch._state["monitor"]
+second = launch.LAUNCHER.monitor
 assert set(second.targets) == {"parallel_apply", "data_parallel", "tensor_type"}, second.targets
 legacy = torch_npu.utils.tensor_methods._npu_type
 assert torch.Tensor.type.__npu_shadow__.legacy is legacy            # shadowing the new legacy
@@ -236,7 +236,7 @@ def test_doctor_on_this_cpu_host_and_with_the_emulated_npu():
     assert done.returncode == 0 and "ok: this host can shadow" in done.stdout
     assert "device: cpu only" in done.stdout
     assert "torch_npu: not installed" in done.stdout
-    assert "legacy: shadow.reference (our reading of torch_npu 2.12" in done.stdout
+    assert "legacy: shadow.npu.reference (our reading of torch_npu 2.12" in done.stdout
     assert "parallel_apply, data_parallel cannot run without an accelerator" in done.stdout
     assert "self-test tensor_type: passed" in done.stdout
 
@@ -347,18 +347,21 @@ def test_torchrun_two_ranks_both_shadowed_and_scraped(tmp_path):
 
 def test_library_form_reads_the_same_variables(monkeypatch):
     import shadow
-    from shadow import launch
+    from shadow.launcher import launch
 
-    monkeypatch.setattr(launch, "_state", {"monitor": None, "exporters": [], "config": None})
+    monkeypatch.setattr(launch, "LAUNCHER", launch.Launcher())
     monkeypatch.setattr(launch.atexit, "register", lambda function: None)
     monitor = shadow.install_from_env({"NPU_SHADOW_TARGETS": "tensor_type", "NPU_SHADOW_SAMPLE_RATE": "1"})
     try:
         torch.ones(2).type(torch.float64)
         assert monitor.targets == ("tensor_type",) and monitor.stats()["tensor_type"].match == 1
+        # a second call with other variables takes them (it used to keep the first call's settings)
+        monitor = shadow.install_from_env({"NPU_SHADOW_TARGETS": "tensor_type", "NPU_SHADOW_SAMPLE_RATE": "0"})
+        torch.ones(2).type(torch.float64)
+        assert monitor.stats()["tensor_type"].calls == 1 and monitor.stats()["tensor_type"].sampled == 0
     finally:
         monitor.uninstall()
     with pytest.raises(cfg.ConfigError, match="NPU_SHADOW_SEED='x' is not valid"):
-        launch._state["config"] = None
         shadow.install_from_env({"NPU_SHADOW_SEED": "x"})
 
 
@@ -421,10 +424,10 @@ def test_emulate_npu_where_torch_npu_is_imported_warns_and_still_shadows():
     job = (
         "import sys, types; sys.modules['torch_npu'] = types.ModuleType('torch_npu')\n"
         "import torch\n"
-        "from shadow import reference; reference.patch_torch()  # its patches, as torch_npu applies them\n"
+        "from shadow.npu import reference; reference.patch_torch()  # its patches, as torch_npu applies them\n"
         "torch.ones(2).type(torch.float64)\n"
-        "from shadow import launch, emulated_npu\n"
-        "print(emulated_npu.installed_devices(), sorted(launch._state['monitor'].targets))"
+        "from shadow.launcher import launch\nfrom shadow.npu import emulated\n"
+        "print(emulated.installed_devices(), sorted(launch.LAUNCHER.monitor.targets))"
     )
     done = npu_shadow("run", "--emulate-npu", "2", "--sample-rate", "1", "--", sys.executable, "-c", job)
     assert done.returncode == 0, done.stderr
@@ -438,9 +441,9 @@ def test_legacy_from_where_torch_npu_is_imported_keeps_torch_npu_and_says_so():
     job = (
         "import sys, types; sys.modules['torch_npu'] = types.ModuleType('torch_npu')\n"
         "import torch\n"
-        "from shadow import reference; reference.patch_torch()  # its patches, as torch_npu applies them\n"
-        "from shadow import launch\n"
-        "print(launch._state['monitor'].legacy_origins())"
+        "from shadow.npu import reference; reference.patch_torch()  # its patches, as torch_npu applies them\n"
+        "from shadow.launcher import launch\n"
+        "print(launch.LAUNCHER.monitor.legacy_origins())"
     )
     done = npu_shadow(
         "run", "--emulate-npu", "2", "--legacy-from", wheel("2.12.0"), "--", sys.executable, "-c", job
@@ -505,10 +508,10 @@ def test_a_per_target_rate_applies_to_a_legacy_patched_after_torch():
     """As on an NPU host whose job imports torch_npu itself: the patch comes after `import torch`."""
     job = (
         "import torch\n"
-        "from shadow import reference; reference.patch_torch()  # the legacy arrives late\n"
+        "from shadow.npu import reference; reference.patch_torch()  # the legacy arrives late\n"
         "for _ in range(200):\n    torch.ones(2).type(torch.float64)\n"
-        "from shadow import launch\n"
-        "print(launch._state['monitor'].stats()['tensor_type'].sampled)\n"
+        "from shadow.launcher import launch\n"
+        "print(launch.LAUNCHER.monitor.stats()['tensor_type'].sampled)\n"
     )
     done = npu_shadow("run", "--sample-rate", "tensor_type=0.5", "--seed", "1", "--", sys.executable, "-c", job)
     assert done.returncode == 0, done.stderr

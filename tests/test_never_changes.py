@@ -93,7 +93,7 @@ def test_an_exporter_that_raises_on_attribute_lookup_is_a_value_error():
 
 
 def test_a_per_target_rate_may_name_a_target_whose_legacy_comes_later():
-    from shadow import reference
+    from shadow.npu import reference
 
     assert shadow.install(sample_rate={"tensor_type": 0.5}).targets == ()
     patches = reference.patch_torch()
@@ -105,7 +105,7 @@ def test_a_per_target_rate_may_name_a_target_whose_legacy_comes_later():
 
 
 def test_signatures_per_target_are_capped_and_the_overflow_is_counted(caplog):
-    from shadow.engine import MAX_SIGNATURES
+    from shadow.core.engine import MAX_SIGNATURES
 
     recorder = Recorder()
     ops, target = op_with(twice, signature=lambda args, kwargs: f"shape{args[0].shape[0]}")
@@ -199,7 +199,7 @@ def seen_by_user_code(shadowed):
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from shadow import reference
+    from shadow.npu import reference
 
     seen = {"function_mode": 0, "subclass": 0, "dispatch_mode": 0}
 
@@ -246,7 +246,7 @@ def test_modes_and_subclasses_see_what_they_see_unwrapped():
 
 
 def test_under_a_device_context_calls_are_counted_once_and_never_as_matches():
-    from shadow import reference
+    from shadow.npu import reference
 
     patches = reference.patch_torch()
     try:

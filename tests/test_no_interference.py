@@ -167,7 +167,7 @@ def test_on_a_cpu_only_host_torch_upstream_refuses_and_that_is_an_error_not_a_cr
         import sys, torch
         from torch import nn
         sys.path.insert(0, "tests/fake_torch_npu")
-        import torch_npu  # the fake: shadow.reference's legacy
+        import torch_npu  # the fake: shadow.npu.reference's legacy
         import shadow
         assert torch.accelerator.current_accelerator() is None
         model = nn.Linear(2, 2)

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 import shadow
 from exporters import PrometheusExporter, contract
 from shadow import Target
-from shadow import targets as builtin
-from shadow.observation import MISMATCH_REASONS, OUTCOMES
+from shadow.core import targets as builtin
+from shadow.core.observation import MISMATCH_REASONS, OUTCOMES
 
 
 @pytest.fixture

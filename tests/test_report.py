@@ -12,7 +12,8 @@ import numpy as np
 import png
 import pytest
 
-from shadow import cli, report
+from shadow.analysis import report
+from shadow.launcher import cli
 
 
 def record(target, outcome, signature, reasons=(), detail="", test=None, shared=None):

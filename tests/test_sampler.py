@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from shadow.sampler import Sampler
+from shadow.core.sampler import Sampler
 
 
 class GateHolder:

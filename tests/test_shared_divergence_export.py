@@ -12,9 +12,10 @@ from torch import nn
 
 import shadow
 from exporters import JsonlExporter, OTelExporter, PrometheusExporter
-from shadow import cli, verdict
-from shadow.observation import SHARED_DIVERGENCE_REASONS
-from shadow.verdict_sources import from_exposition, from_journal
+from shadow.analysis import verdict
+from shadow.analysis.sources import from_exposition, from_journal
+from shadow.core.observation import SHARED_DIVERGENCE_REASONS
+from shadow.launcher import cli
 
 
 @pytest.fixture

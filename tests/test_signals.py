@@ -19,7 +19,14 @@ def start(tmp_path):
          "--textfile", str(tmp_path / "metrics.prom"), "--", sys.executable, "-c", JOB],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests", "fake_torch_npu")),
+        preexec_fn=_default_sigint,
     )  # fmt: skip
+
+
+def _default_sigint():
+    """A process started in the background by a non-interactive shell ignores SIGINT, and so would the launcher
+    and the job it starts (as under a shell): give the launcher the default disposition a terminal gives."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])

@@ -1,7 +1,7 @@
 """torch_npu's own legacy code, loaded from its wheels, against our reference: bitwise, on the emulated npu.
 
 The test command fetches the five torch_npu releases that carry the patches into a cache outside the repository
-(``shadow.torch_npu_source.wheel_cache()``); without access to the package index these tests skip, saying so.
+(``shadow.npu.torch_npu_source.wheel_cache()``); without access to the package index these tests skip, saying so.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from torch.nn.parallel import replicate
 from torch.utils._pytree import tree_flatten
 from torch_npu_wheels import wheel
 
-from shadow import reference, torch_npu_source
-from shadow.compare import compare
-from shadow.npu_types import NPU_TENSOR_TYPES
+from shadow.core.compare import compare
+from shadow.npu import reference, torch_npu_source
+from shadow.npu.tensor_types import NPU_TENSOR_TYPES
 
 RELEASES = torch_npu_source.RELEASES
 pytestmark = [
@@ -311,7 +311,7 @@ def test_an_unpacked_package_loads_and_its_module_code_never_runs(tmp_path: Any)
 
 def test_without_an_accelerator_loading_fails_saying_why() -> None:
     script = (
-        "import torch\nfrom shadow import torch_npu_source as s\n"
+        "import torch\nfrom shadow.npu import torch_npu_source as s\n"
         f"try:\n    s.load({wheel('2.12.0')!r})\nexcept s.LegacySourceError as e:\n    print(e)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

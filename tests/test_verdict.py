@@ -9,8 +9,9 @@ import sys
 import pytest
 from scipy.stats import beta
 
-from shadow import cli, verdict
-from shadow.verdict import INCONCLUSIVE, PROMOTE, ROLLBACK, TargetCounts, decide
+from shadow.analysis import verdict
+from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, ROLLBACK, TargetCounts, decide
+from shadow.launcher import cli
 
 MAX = 0.001
 

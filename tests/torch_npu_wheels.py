@@ -2,7 +2,7 @@
 
 import pytest
 
-from shadow import torch_npu_source
+from shadow.npu import torch_npu_source
 
 
 def wheel(version: str = "2.12.0") -> str:

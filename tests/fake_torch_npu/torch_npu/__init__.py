@@ -1,7 +1,7 @@
 """A stand-in for torch_npu (which needs Ascend's CANN libraries): importing it patches torch the way
-torch_npu does, with this package's own functions built on shadow.reference."""
+torch_npu does, with this package's own functions built on shadow.npu.reference."""
 
-from shadow import reference
+from shadow.npu import reference
 from torch_npu.utils import _module, tensor_methods
 
 __version__ = "0.0.0+fake"

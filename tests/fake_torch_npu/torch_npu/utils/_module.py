@@ -1,4 +1,4 @@
-from shadow import reference
+from shadow.npu import reference
 
 
 def npu_parallel_apply(self, replicas, inputs, kwargs):

@@ -1,4 +1,4 @@
-from shadow import reference
+from shadow.npu import reference
 
 
 def _npu_type(self, dtype=None, non_blocking=False, **kwargs):

@@ -4,7 +4,7 @@ torch_npu cannot be imported without Ascend's CANN libraries. These functions fo
 patches (``torch_npu/utils/_module.py`` and ``tensor_methods.py``; 2.8.0 to 2.11.0 differ only in spelling) on
 whatever device is here: the accelerator's own API (``torch.accelerator``) where torch_npu calls ``torch.npu``.
 ``tests/test_torch_npu_source.py`` checks them bitwise against every release's own code
-(:mod:`shadow.torch_npu_source`) on the emulated npu. :func:`patch_torch` installs them the way torch_npu does,
+(:mod:`shadow.npu.torch_npu_source`) on the emulated npu. :func:`patch_torch` installs them the way torch_npu does,
 so a host without torch_npu can rehearse shadowing, and tests can build a fake ``torch_npu`` on them.
 
 - ``Tensor.type``: an NPU type name ('torch.npu.FloatTensor', 'torch_npu.npu.FloatTensor', ...) or NPU tensor
@@ -39,7 +39,8 @@ import torch
 from torch._utils import ExceptionWrapper, _get_all_device_indices, _get_available_device_type, _get_device_index
 from torch.nn.parallel.parallel_apply import get_a_var
 
-from shadow.npu_types import NPU_TENSOR_TYPES
+from shadow.npu.patching import LEGACY_PATCHED
+from shadow.npu.tensor_types import NPU_TENSOR_TYPES
 
 #: 'torch.npu.FloatTensor', 'torch_npu.npu.FloatTensor', ... -> dtype
 NPU_TYPE_NAMES: dict[str, torch.dtype] = {
@@ -316,7 +317,5 @@ def patch_torch(
     for owner, name, value in replacements:
         saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
         setattr(owner, name, value)
-    from shadow import launch
-
-    launch.refresh()  # a monitor installed by `npu-shadow run` moves over the new legacy
+    LEGACY_PATCHED.announce()  # a monitor installed by `npu-shadow run` moves over the new legacy
     return Patches(saved)

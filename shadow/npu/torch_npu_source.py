@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from shadow.npu_types import NPU_TENSOR_TYPES
-from shadow.targets import LEGACY_ORIGIN_ATTRIBUTE
+from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE
+from shadow.npu.tensor_types import NPU_TENSOR_TYPES
 
 #: The torch_npu releases that carry the patches (torch_npu 2.13 removed them).
 RELEASES = ("2.8.0", "2.9.0", "2.10.0", "2.11.0", "2.12.0")
@@ -90,7 +90,7 @@ class TorchNpuLegacy:
 
     def patch_torch(self) -> Any:
         """Install these functions the way torch_npu does; returns the handle that undoes it."""
-        from shadow import reference
+        from shadow.npu import reference
 
         return reference.patch_torch(self.tensor_type, self.parallel_apply, self.data_parallel)
 

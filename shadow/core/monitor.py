@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from shadow import targets as builtin
-from shadow import tolerance as tol
-from shadow.drill import Drill
-from shadow.engine import Shadow, shadow_of
-from shadow.observation import TargetStats
-from shadow.targets import Target
+from shadow.core import targets as builtin
+from shadow.core import tolerance as tol
+from shadow.core.drill import Drill
+from shadow.core.engine import Shadow, shadow_of
+from shadow.core.observation import TargetStats
+from shadow.core.targets import Target
 
 log = logging.getLogger("shadow")
 
@@ -147,7 +147,7 @@ def _resolve_targets(targets: Iterable[str | Target] | None) -> list[Target]:
             log.info("npu-shadow: no torch_npu patch is active in this process; nothing to shadow")
         for name, origin in active.items():
             if origin == "reference":
-                log.info("npu-shadow: %s shadows shadow.reference's legacy (a rehearsal, not torch_npu)", name)
+                log.info("npu-shadow: %s shadows shadow.npu.reference's legacy (a rehearsal, not torch_npu)", name)
         return [builtin.BUILTINS[name]() for name in active]
     if isinstance(targets, (str, Target)):
         targets = [targets]
@@ -198,7 +198,7 @@ def install(
     ``sample_rate``: the fraction of calls shadowed, one float or {target name: float} (absent
     names: 0.01). ``tolerance``: one Tolerance, a {torch.dtype: Tolerance} table, or
     {target name: either}. ``exporters``: objects with ``export(observation)``. ``seed``: makes the
-    choice of sampled calls reproducible. ``drill``: a :class:`shadow.drill.Drill` injecting synthetic
+    choice of sampled calls reproducible. ``drill``: a :class:`shadow.core.drill.Drill` injecting synthetic
     divergence into the upstream side (never into what the caller gets). ``oracle``: for the DataParallel
     targets, the fraction of sampled calls without autocast that also run replica 0 alone on its device, to find
     divergences legacy and upstream share (sampled calls under autocast always do); None turns it off.
@@ -265,7 +265,7 @@ def install(
             raise ValueError(f"exporters: {exporter!r} has no export(observation) method")
 
     if drill is not None and not isinstance(drill, Drill):
-        raise ValueError(f"drill: expected a shadow.drill.Drill or None, got {drill!r}")
+        raise ValueError(f"drill: expected a shadow.core.drill.Drill or None, got {drill!r}")
 
     if oracle is not None:
         oracle = _check_rate(oracle, "oracle")

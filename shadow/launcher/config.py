@@ -13,10 +13,9 @@ import re
 import string
 from collections.abc import Mapping
 
-from shadow.safe_paths import directory_problem, long_component
-from shadow.targets import BUILTINS
-
-DRILL_KINDS = ("value", "dtype", "nan", "exception")
+from shadow.core.drill import DRILL_KINDS
+from shadow.core.safe_paths import directory_problem, long_component
+from shadow.core.targets import BUILTINS
 
 
 class ConfigError(ValueError):

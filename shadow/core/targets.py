@@ -1,7 +1,7 @@
 """What can be shadowed: the ``Target`` description and the three built-in targets.
 
 A built-in target's legacy is whatever is installed when the monitor installs (torch_npu's patch on an
-NPU host, :mod:`shadow.reference`'s in a rehearsal); its upstream is torch's own implementation.
+NPU host, :mod:`shadow.npu.reference`'s in a rehearsal); its upstream is torch's own implementation.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ from typing import Any
 
 import torch
 
-from shadow import oracle, reference
-from shadow.oracle import SingleDeviceCall
-from shadow.tolerance import ToleranceSpec
+from shadow.core import oracle
+from shadow.core.oracle import SingleDeviceCall
+from shadow.core.tolerance import ToleranceSpec
+from shadow.npu import reference
+from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE
 
 Signature = Callable[[tuple, dict], str]
-
-#: Set by :mod:`shadow.torch_npu_source` on the functions it loads: 'torch_npu X source'.
-LEGACY_ORIGIN_ATTRIBUTE = "__npu_shadow_legacy_origin__"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -33,7 +32,7 @@ class Target:
     whenever a module or RNG is involved; only pure functions should turn it off).
     ``signature`` classifies a call into a small fixed set of code paths; ``risky_signatures`` are
     ``fnmatch`` patterns of the paths where legacy and upstream differ, which a verdict should see.
-    ``oracle`` describes a call's single-device equivalent (:mod:`shadow.oracle`), to find what legacy and
+    ``oracle`` describes a call's single-device equivalent (:mod:`shadow.core.oracle`), to find what legacy and
     upstream share but a single device would not do.
     """
 
@@ -188,7 +187,7 @@ BUILTINS: dict[str, Callable[[], Target]] = {
 
 
 def patch_origin(obj: Any) -> str | None:
-    """'torch_npu' (imported), 'torch_npu X source' (:mod:`shadow.torch_npu_source`) or 'reference' when ``obj``
+    """'torch_npu' (imported), 'torch_npu X source' (:mod:`shadow.npu.torch_npu_source`) or 'reference' when ``obj``
     is one of those legacy patches, else None."""
     # (no import here: this runs at exit too, where importing can cost a signalled job its exit status)
     loaded = getattr(obj, LEGACY_ORIGIN_ATTRIBUTE, None)

@@ -12,7 +12,8 @@ import socket
 
 import torch
 
-from shadow import reference, targets
+from shadow.core import targets
+from shadow.npu import reference
 
 KNOWN_DEFECT_VERSIONS = ((2, 10), (2, 13))  # upstream parallel_apply reads CUDA's autocast state, at least
 
@@ -53,12 +54,12 @@ def _port_free(addr: str, port: int) -> str | None:
 
 def self_test() -> tuple[bool, str]:
     """Shadow a few ``.type()`` casts on this host's device at rate 1; all must be compared and agree."""
-    import shadow
+    from shadow.core.monitor import install
 
     device = reference.current_device() or torch.device("cpu")
     patches = reference.patch_torch() if targets.patch_origin(torch.Tensor.type) is None else None
     try:
-        with shadow.install(["tensor_type"], sample_rate=1.0, seed=0) as monitor:
+        with install(["tensor_type"], sample_rate=1.0, seed=0) as monitor:
             x = torch.arange(8.0, device=device)
             x.type(torch.float16)
             x.type(torch.float64)
@@ -72,13 +73,13 @@ def self_test() -> tuple[bool, str]:
 
 
 def _device_line() -> str:
-    from shadow import emulated_npu
+    from shadow.npu import emulated
 
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is None:
         return "device: cpu only (no accelerator)"
     count = torch.accelerator.device_count()
-    if emulated_npu.installed_devices():
+    if emulated.installed_devices():
         return f"device: emulated npu ({count} devices, host memory: a rehearsal of the real upstream code)"
     return f"device: {accelerator.type} ({count} devices)"
 
@@ -87,16 +88,16 @@ def diagnose(
     port: int, addr: str = "127.0.0.1", emulate_npu: int = 0, legacy_from: str | None = None
 ) -> tuple[int, list[str]]:
     """(exit code, report lines). ``emulate_npu``: install that many emulated npu devices first;
-    ``legacy_from``: use torch_npu's own legacy from that source (:mod:`shadow.torch_npu_source`)."""
+    ``legacy_from``: use torch_npu's own legacy from that source (:mod:`shadow.npu.torch_npu_source`)."""
     lines = [
         f"python {platform.python_version()}, torch {torch.__version__}",
     ]
     if emulate_npu:
-        from shadow import emulated_npu
+        from shadow.npu import emulated
 
         try:
-            emulated_npu.install(emulate_npu)
-        except emulated_npu.EmulatorUnavailable as exc:
+            emulated.install(emulate_npu)
+        except emulated.EmulatorUnavailable as exc:
             lines.append(f"emulated npu: cannot install: {exc}")
             return 1, lines
     lines.append(_device_line())
@@ -114,7 +115,7 @@ def diagnose(
             lines.append(f"torch_npu {npu_version} is installed but does not import ({exc})")
     loaded = None
     if legacy_from and not imported_npu:
-        from shadow import torch_npu_source
+        from shadow.npu import torch_npu_source
 
         try:
             loaded = torch_npu_source.load(legacy_from)
@@ -128,7 +129,7 @@ def diagnose(
         lines.append(f"legacy: {loaded.origin}")
     else:
         lines.append(
-            "legacy: shadow.reference (our reading of torch_npu 2.12, checked bitwise against the source of "
+            "legacy: shadow.npu.reference (our reading of torch_npu 2.12, checked bitwise against the source of "
             "2.8.0-2.12.0; --legacy-from uses torch_npu's own)"
         )
     patches = loaded.patch_torch() if loaded is not None else None
@@ -144,7 +145,7 @@ def _diagnose_shadowing(lines: list[str], port: int, addr: str, imported_npu: bo
     if active:
         lines.append("legacy patches active: " + ", ".join(f"{n} ({o})" for n, o in active.items()))
     else:
-        origin = "torch_npu" if imported_npu else "shadow.reference, as a rehearsal"
+        origin = "torch_npu" if imported_npu else "shadow.npu.reference, as a rehearsal"
         lines.append(f"legacy patches active: none in this process (shadowing would use {origin})")
 
     accelerator = torch.accelerator.current_accelerator()

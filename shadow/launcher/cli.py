@@ -12,7 +12,7 @@ EXIT_OK, EXIT_DIFFERENT, EXIT_USAGE = 0, 1, 2
 
 def _replay(args: argparse.Namespace) -> int:
     from exporters import capture
-    from shadow.replay import replay, resolve
+    from shadow.analysis.replay import replay, resolve
 
     try:
         data = capture.load(args.capture)
@@ -46,9 +46,9 @@ def _replay(args: argparse.Namespace) -> int:
 def _verdict(args: argparse.Namespace) -> int:
     import json
 
-    from shadow import verdict
-    from shadow.targets import BUILTINS
-    from shadow.verdict_sources import SourceError, from_exposition, from_journal, from_prometheus, read_text
+    from shadow.analysis import verdict
+    from shadow.analysis.sources import SourceError, from_exposition, from_journal, from_prometheus, read_text
+    from shadow.core.targets import BUILTINS
 
     try:
         if args.prometheus:
@@ -92,9 +92,9 @@ def _verdict(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from shadow import report
-    from shadow.targets import BUILTINS
-    from shadow.verdict_sources import SourceError, from_exposition, from_prometheus, read_text
+    from shadow.analysis import report
+    from shadow.analysis.sources import SourceError, from_exposition, from_prometheus, read_text
+    from shadow.core.targets import BUILTINS
 
     if not (args.journal or args.metrics_file or args.prometheus):
         print("npu-shadow report: give --journal, --metrics-file or --prometheus", file=sys.stderr)
@@ -153,8 +153,8 @@ def _risky(text: str) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from shadow import config as cfg
-    from shadow.runner import run
+    from shadow.launcher import config as cfg
+    from shadow.launcher.runner import run
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -165,8 +165,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from shadow import config as cfg
-    from shadow.doctor import diagnose
+    from shadow.launcher import config as cfg
+    from shadow.launcher.doctor import diagnose
 
     if not 0 <= args.port <= 65535:
         print(
@@ -186,8 +186,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _add_emulate_npu(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--emulate-npu [N]``: a device count, 2 when the flag is given alone (checked by shadow.config)."""
-    from shadow.config import SETTINGS
+    """``--emulate-npu [N]``: a device count, 2 when the flag is given alone (checked by shadow.launcher.config)."""
+    from shadow.launcher.config import SETTINGS
 
     variable = SETTINGS["emulate_npu"].variable
     parser.add_argument(
@@ -197,7 +197,7 @@ def _add_emulate_npu(parser: argparse.ArgumentParser, what: str) -> None:
 
 def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._MutuallyExclusiveGroup) -> None:
     """The metrics sources and the decision's parameters, shared by verdict and report."""
-    from shadow.verdict import DEFAULT_MAX_RATE
+    from shadow.analysis.verdict import DEFAULT_MAX_RATE
 
     source.add_argument("--prometheus", metavar="URL", help="a Prometheus server, e.g. http://127.0.0.1:9090")
     source.add_argument("--metrics-file", metavar="PATH", help="a Prometheus text exposition (saved scrape)")
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--upstream", metavar="MODULE:FUNCTION", help="a custom target's upstream function")
     replay.set_defaults(handler=_replay)
 
-    from shadow.config import SETTINGS
+    from shadow.launcher.config import SETTINGS
 
     run = commands.add_parser(
         "run",

@@ -1,6 +1,6 @@
 """``torch.npu`` for the emulated npu: the device-module API that torch and torch_npu-style code call.
 
-Registered as ``torch.npu`` by :func:`shadow.emulated_npu.install`. Device and stream state live in
+Registered as ``torch.npu`` by :func:`shadow.npu.emulated.install`. Device and stream state live in
 the C++ backend (thread-local current device and stream, as on a real accelerator); this module is the
 thin Python face over ``torch.accelerator`` and the backend's per-device generators.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shadow.npu_types import NPU_TENSOR_TYPES
+from shadow.npu.tensor_types import NPU_TENSOR_TYPES
 
 _backend: Any = None  # the compiled extension, set by install()
 

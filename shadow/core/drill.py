@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from shadow.config import DRILL_KINDS
+#: The faults a drill can inject into the upstream result.
+DRILL_KINDS = ("value", "dtype", "nan", "exception")
 
 
 class DrillError(RuntimeError):

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Iterator
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from shadow.observation import OUTCOMES
-from shadow.verdict import TargetCounts
+from shadow.analysis.verdict import TargetCounts
+from shadow.core.observation import OUTCOMES
 
 COMPARISONS = "npu_shadow_comparisons_total"
 MISMATCHES = "npu_shadow_mismatches_total"

@@ -20,7 +20,7 @@ import random
 import sys
 from collections.abc import Callable
 
-from shadow import _fork
+from shadow.core import forks
 
 Gate = itertools.repeat
 
@@ -44,7 +44,7 @@ class Sampler:
         self._rng = self._new_rng()
         self._passed = 0
         self._open_gate()
-        _fork.register(self)
+        forks.register(self)
 
     def _new_rng(self, forked: bool = False) -> random.Random:
         if self._seed is None:

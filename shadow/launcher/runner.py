@@ -10,10 +10,10 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 
-from shadow import config as cfg
-from shadow._bootstrap import npu_shadow_boot as boot
-from shadow.launch import wants_prometheus
-from shadow.safe_paths import make_private_directory
+from shadow.core.safe_paths import make_private_directory
+from shadow.launcher import config as cfg
+from shadow.launcher.bootstrap import npu_shadow_boot as boot
+from shadow.launcher.launch import wants_prometheus
 
 BOOTSTRAP_DIR = os.path.dirname(os.path.abspath(boot.__file__))
 
@@ -74,15 +74,15 @@ def run(command: Sequence[str], options: Mapping[str, str | None], environ: Mapp
         print("npu-shadow run: no command given (npu-shadow run [options] -- COMMAND ...)", file=sys.stderr)
         return 2
     if config.emulate_npu:
-        from shadow import emulated_npu
+        from shadow.npu import emulated
 
         try:
-            emulated_npu.build()  # once here, so the job's processes only load it
-        except emulated_npu.EmulatorUnavailable as exc:
+            emulated.build()  # once here, so the job's processes only load it
+        except emulated.EmulatorUnavailable as exc:
             print(f"npu-shadow run: --emulate-npu: {exc}", file=sys.stderr)
             return 2
     if config.legacy_from:
-        from shadow import torch_npu_source
+        from shadow.npu import torch_npu_source
 
         try:
             torch_npu_source.check(config.legacy_from)

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_iter
 
-from shadow import tolerance as tol
-from shadow.observation import MISMATCH_REASONS, bounded
+from shadow.core import tolerance as tol
+from shadow.core.observation import MISMATCH_REASONS, bounded
 
 #: Elements per chunk on the host: the working set of one chunk (two inputs, three float and three bool
 #: scratch arrays) stays in a core's cache.

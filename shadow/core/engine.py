@@ -22,15 +22,15 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_iter
 
-from shadow import _compile, _fork
-from shadow.compare import compare, compare_exceptions
-from shadow.drill import Drill
-from shadow.global_state import TorchGlobals
-from shadow.isolation import Isolation, find_modules
-from shadow.observation import SHARED_DIVERGENCE_REASONS, Evidence, Observation, TargetStats, bounded
-from shadow.sampler import Gate, Sampler
-from shadow.targets import Target, patch_origin
-from shadow.tolerance import ToleranceSpec
+from shadow.core import compiling, forks
+from shadow.core.compare import compare, compare_exceptions
+from shadow.core.drill import Drill
+from shadow.core.global_state import TorchGlobals
+from shadow.core.isolation import Isolation, find_modules
+from shadow.core.observation import SHARED_DIVERGENCE_REASONS, Evidence, Observation, TargetStats, bounded
+from shadow.core.sampler import Gate, Sampler
+from shadow.core.targets import Target, patch_origin
+from shadow.core.tolerance import ToleranceSpec
 
 log = logging.getLogger("shadow")
 
@@ -184,8 +184,8 @@ class Shadow:
         self._calls_reported = 0
         for exporter in self.exporters:
             self._call_exporter(exporter, "register", target.name, sample_rate)
-        _compile.trace_as_legacy(self.wrapper, self.legacy)
-        _fork.register(self)
+        compiling.trace_as_legacy(self.wrapper, self.legacy)
+        forks.register(self)
 
     # ------------------------------------------------------------------ the call
 

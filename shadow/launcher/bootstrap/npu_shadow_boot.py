@@ -53,9 +53,16 @@ def _metrics_dir() -> None:
 
 
 def _after_torch() -> None:
-    from shadow import launch
+    """Right after ``import torch``: install, and watch for a later ``import torch_npu``."""
+    from shadow.launcher import launch
 
-    launch.after_torch()
+    try:
+        launch.install_from_env()
+    except Exception as exc:  # never break the job's `import torch`
+        print(f"npu-shadow: not installed: {exc}", file=sys.stderr)
+        return
+    if "torch_npu" not in sys.modules:
+        sys.meta_path.insert(0, AfterImport("torch_npu", launch.refresh))
 
 
 def arm() -> None:

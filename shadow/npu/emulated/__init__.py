@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from shadow.emulated_npu import collectives, device
+from shadow.npu.emulated import collectives, device
 
 __all__ = ["EmulatorUnavailable", "build", "build_directory", "install", "installed_devices"]
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 
 from scipy.stats import beta
 
-from shadow.observation import HARD_REASONS
+from shadow.core.observation import HARD_REASONS
 
 PROMOTE, ROLLBACK, INCONCLUSIVE = "promote", "rollback", "inconclusive"
 EXIT_CODES = {PROMOTE: 0, ROLLBACK: 1, INCONCLUSIVE: 3}  # 2 is left to usage errors

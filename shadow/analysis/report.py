@@ -14,9 +14,9 @@ import datetime
 import html
 from collections.abc import Iterable, Mapping, Sequence
 
-from shadow import verdict
-from shadow.verdict import Decision, TargetCounts
-from shadow.verdict_sources import add_record, journal_records
+from shadow.analysis import verdict
+from shadow.analysis.sources import add_record, journal_records
+from shadow.analysis.verdict import Decision, TargetCounts
 
 DIVERGENT = ("mismatch", "error")
 #: Journal fields that describe the run rather than one call: collected as the report's environment.

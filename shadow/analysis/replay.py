@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from shadow import reference
-from shadow.compare import Comparison, compare, compare_exceptions
+from shadow.core.compare import Comparison, compare, compare_exceptions
+from shadow.npu import reference
 
 #: Targets whose capture holds evidence but cannot be re-run without the job's model.
 NOT_REPLAYABLE = {"parallel_apply", "data_parallel"}

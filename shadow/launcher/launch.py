@@ -1,0 +1,261 @@
+"""Installing the monitor in processes we did not write: from environment variables, when torch arrives.
+
+``npu-shadow run`` puts ``shadow/launcher/bootstrap`` (a ``sitecustomize``) on PYTHONPATH, so every Python process
+the job starts (torchrun ranks, spawned DataLoader workers) arms the monitor at interpreter start. That
+costs nothing in processes that never import torch: it installs :func:`install_from_env` to run
+right after ``import torch`` has finished (torch_npu, when autoloaded by ``import torch``, has patched by
+then), and again after a later ``import torch_npu`` (or ``shadow.npu.reference.patch_torch()``), which patch
+over the wrappers: the monitor is then installed anew over the new legacy, never twice, never lost.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from shadow.npu.patching import LEGACY_PATCHED
+
+log = logging.getLogger("shadow")
+
+
+def _is_job_process() -> bool:
+    """False in multiprocessing children (DataLoader workers): they neither serve nor print summaries.
+
+    A spawned child imports torch while it prepares (re-importing the main module), before
+    ``parent_process()`` is set, but after it has taken its process name.
+    """
+    return multiprocessing.parent_process() is None and multiprocessing.current_process().name == "MainProcess"
+
+
+def _local_rank() -> int:
+    value = os.environ.get("LOCAL_RANK", "0")
+    return int(value) if value.isdigit() else 0
+
+
+def wants_prometheus(config: Any) -> bool:
+    return bool(config.port is not None or config.multiproc_dir or config.pushgateway or config.textfile)
+
+
+def _exporters(config: Any) -> list[Any]:
+    from exporters import JsonlExporter, OTelExporter, PrometheusExporter
+
+    made: list[Any] = []
+    if wants_prometheus(config):
+        port = None
+        if config.port is not None and not config.multiproc_dir and _is_job_process():
+            port = config.port + _local_rank() if config.port else 0
+        made.append(PrometheusExporter(port=port, addr=config.addr))
+    if config.otel:
+        made.append(OTelExporter())
+    if config.journal:
+        made.append(JsonlExporter(config.journal, capture_dir=config.capture_dir))
+    return made
+
+
+class Launcher:
+    """The monitor this process runs under ``npu-shadow run`` (or :func:`install_from_env`), with its settings and
+    exporters: installed from the environment, moved over new legacy patches, flushed at exit."""
+
+    def __init__(self) -> None:
+        self.monitor: Any = None
+        self.exporters: list[Any] = []
+        self.config: Any = None
+        self.legacy: Any = _NOT_LOADED
+        self._emulation_refused = False
+        self._exited = False
+        self._at_exit_registered = False
+        self._lock = threading.RLock()
+
+    def install(self, environ: Mapping[str, str] | None = None) -> Any:
+        """Install (or re-install) the monitor described by the NPU_SHADOW_* variables of ``environ`` (when given)
+        or of the settings read before (else ``os.environ``). Returns the Monitor.
+
+        Raises :class:`shadow.launcher.config.ConfigError` on a bad variable.
+        """
+        from shadow.core.drill import Drill
+        from shadow.core.monitor import install
+        from shadow.core.tolerance import Tolerance
+        from shadow.launcher import config as config_module
+
+        with self._lock:
+            if environ is not None or self.config is None:
+                config = config_module.from_sources(os.environ if environ is None else environ)
+                if self.config is not None and config != self.config:
+                    self._close_exporters()
+                self.config = config
+            config = self.config
+            if config.emulate_npu:
+                self._emulate_npu(config.emulate_npu)
+            if config.legacy_from:
+                self._legacy_from(config.legacy_from)
+            if not self.exporters:
+                self.exporters = _exporters(config)
+            previous = self.monitor
+            if previous is not None:
+                previous.uninstall()
+            tolerance = Tolerance(config.rtol, config.atol) if config.rtol is not None else None
+            drill = Drill(*config.drill, seed=config.seed) if config.drill else None
+            with warnings.catch_warnings():
+                warnings.filterwarnings(
+                    "ignore", "npu-shadow: torch_npu is installed but not imported"
+                )  # see bootstrap
+                self.monitor = install(
+                    targets=config.targets,
+                    sample_rate=config.sample_rate,
+                    tolerance=tolerance,
+                    exporters=self.exporters,
+                    seed=config.seed,
+                    drill=drill,
+                    oracle=config.oracle,
+                    budget=config.budget,
+                )
+            LEGACY_PATCHED.subscribe(refresh)
+            if not self._at_exit_registered:
+                self._at_exit_registered = True
+                atexit.register(self.at_exit)
+                _flush_on_sigterm(self.at_exit)
+            return self.monitor
+
+    def refresh(self) -> None:
+        """Re-install when something patched over the wrappers, or new legacy patches appeared."""
+        from shadow.core import targets
+
+        with self._lock:
+            if self.monitor is None:
+                return
+            wanted = set(self.config.targets) if self.config.targets else set(targets.active_builtins())
+            if self.monitor.replaced() or wanted - set(self.monitor.targets):
+                log.info("npu-shadow: legacy patches changed; installing the monitor over them")
+                self.install()
+
+    def at_exit(self) -> None:
+        """Flush, write the textfile, push, and print the summary: once, at exit or on SIGTERM."""
+        if self.monitor is None or self._exited:
+            return
+        self._exited = True
+        self.monitor.flush()
+        config = self.config
+        for exporter in self.exporters:
+            with contextlib.suppress(Exception):
+                if config.pushgateway and hasattr(exporter, "push_to_gateway") and _is_job_process():
+                    exporter.push_to_gateway(config.pushgateway, job=os.environ.get("NPU_SHADOW_JOB", "npu-shadow"))
+                if config.textfile and hasattr(exporter, "write_textfile") and _is_job_process():
+                    exporter.write_textfile(config.textfile.format(rank=_local_rank(), pid=os.getpid()))
+        if _is_job_process():
+            print(summary(self.monitor.stats(), self.monitor.legacy_origins()), file=sys.stderr)
+
+    def _close_exporters(self) -> None:
+        for exporter in self.exporters:
+            with contextlib.suppress(Exception):
+                close = getattr(exporter, "close", None)
+                if close is not None:
+                    close()
+        self.exporters = []
+
+    def _emulate_npu(self, devices: int) -> None:
+        """Install the emulated npu; where it cannot be (torch_npu imported with torch, say), say so once and
+        shadow what the host has: a rehearsal option must never leave a real job unshadowed."""
+        from shadow.npu import emulated
+
+        try:
+            emulated.install(devices)
+        except emulated.EmulatorUnavailable as exc:
+            if not self._emulation_refused:
+                self._emulation_refused = True
+                print(f"npu-shadow: --emulate-npu ignored: {exc}", file=sys.stderr)
+
+    def _legacy_from(self, path: str) -> None:
+        """Install torch_npu's own legacy from its source at ``path`` (once per process). Where torch_npu itself
+        is imported its patches are the legacy; where the source cannot be loaded, say so once and shadow what the
+        process has."""
+        from shadow.npu import torch_npu_source
+
+        if self.legacy is not _NOT_LOADED:
+            return
+        self.legacy = None
+        if "torch_npu" in sys.modules:
+            print(
+                "npu-shadow: --legacy-from ignored: torch_npu is imported, its own patches are the legacy",
+                file=sys.stderr,
+            )
+            return
+        try:
+            legacy = torch_npu_source.load(path)
+        except (torch_npu_source.LegacySourceError, OSError) as exc:
+            print(f"npu-shadow: --legacy-from {path}: {exc}; shadowing the legacy this process has", file=sys.stderr)
+            return
+        self.legacy = legacy
+        legacy.patch_torch()
+
+
+_NOT_LOADED = object()
+
+#: The process's launcher: what ``npu-shadow run`` and :func:`install_from_env` install.
+LAUNCHER = Launcher()
+
+
+def install_from_env(environ: Mapping[str, str] | None = None) -> Any:
+    """Install (or re-install) the monitor described by the NPU_SHADOW_* variables. Returns the Monitor.
+
+    Raises :class:`shadow.launcher.config.ConfigError` on a bad variable.
+    """
+    return LAUNCHER.install(environ)
+
+
+def refresh() -> None:
+    """Move the process's monitor over new legacy patches (subscribed to ``LEGACY_PATCHED``)."""
+    LAUNCHER.refresh()
+
+
+def summary(stats: dict, legacy: dict[str, str] | None = None) -> str:
+    """One screen: where the legacy comes from, then a line per target."""
+    origins = sorted(set((legacy or {}).values()))
+    lines = [f"npu-shadow legacy: {', '.join(origins)}"] if origins else []
+    lines += [
+        f"{'npu-shadow':<16}{'calls':>10}{'sampled':>9}{'match':>8}{'close':>7}{'mismatch':>10}{'error':>7}"
+        f"{'skipped':>9}"
+    ]
+    for name, s in stats.items():
+        if s.calls == 0:
+            lines.append(f"{name:<16}not exercised: never called in this process")
+            continue
+        lines.append(
+            f"{name:<16}{s.calls:>10}{s.sampled:>9}{s.match:>8}{s.close:>7}{s.mismatch:>10}{s.error:>7}{s.skipped:>9}"
+        )
+        if s.shared_divergences:
+            found = ", ".join(f"{reason} {count}" for reason, count in sorted(s.shared_divergences.items()))
+            lines.append(
+                f"{'':<16}shared divergence: {found} of {s.oracle_runs} single-device checks "
+                "(legacy = upstream, both unlike replica 0 alone)"
+            )
+    if not stats:
+        lines.append("(no target installed: no active legacy patch in this process)")
+    return "\n".join(lines)
+
+
+def _flush_on_sigterm(at_exit: Callable[[], None]) -> None:
+    """A job stopped by SIGTERM (how schedulers and ``npu-shadow run`` stop it) dies without running atexit: where
+    the job has no handler of its own, flush, write, push and print the summary first, then die of the signal
+    as it would have. (SIGINT raises KeyboardInterrupt, which runs atexit by itself.)"""
+    if threading.current_thread() is not threading.main_thread() or not _is_job_process():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(number: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            at_exit()
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)

@@ -1,0 +1,140 @@
+"""The house is one-way: every import (module level or inside a function) points to the same layer or a lower one,
+no file takes part in an import cycle, and a layer uses only the public names of the layers beneath it."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("shadow", "exporters", "shadow_pytest", "dashboards")
+
+#: Lowest first. The ``shadow`` package itself (its __init__, the public API) sits on top of everything.
+LAYERS = (
+    ("shadow.npu",),
+    ("shadow.core",),
+    ("exporters",),
+    ("shadow.analysis",),
+    ("shadow.launcher", "shadow_pytest", "dashboards"),
+    ("shadow", "shadow.__main__"),
+)
+
+
+def modules() -> dict[str, str]:
+    found = {}
+    for package in PACKAGES:
+        for directory, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    dotted = os.path.relpath(os.path.join(directory, name), ROOT)[:-3].replace(os.sep, ".")
+                    found[dotted.removesuffix(".__init__")] = os.path.join(directory, name)
+    return found
+
+
+def layer(module: str) -> int:
+    if module in LAYERS[-1]:
+        return len(LAYERS) - 1
+    for rank, prefixes in enumerate(LAYERS[:-1]):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def imports(known: dict[str, str]) -> dict[str, set[tuple[str, str]]]:
+    """module -> {(imported module, imported name or '')}, relative imports resolved; ``from pkg import sub``
+    is an import of pkg.sub when sub is a module (the parent package's __init__ runs first in any case)."""
+
+    def owner(name: str) -> str | None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[tuple[str, str]]] = {}
+    for module, path in known.items():
+        found: set[tuple[str, str]] = set()
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        with open(path, encoding="utf-8") as file:
+            tree = ast.parse(file.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {(owner(alias.name), "") for alias in node.names if owner(alias.name)}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    if full in known:
+                        found.add((full, ""))
+                    elif owner(base):
+                        found.add((owner(base), alias.name))
+        edges[module] = {(target, name) for target, name in found if target != module}
+    return edges
+
+
+def cycles(edges: dict[str, set[tuple[str, str]]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    graph = {module: {target for target, _ in targets} for module, targets in edges.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph.get(module, ()):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_import_cycle():
+    assert cycles(imports(modules())) == []
+
+
+def test_imports_point_down_and_use_public_names_only():
+    problems = []
+    for module, targets in sorted(imports(modules()).items()):
+        for target, name in sorted(targets):
+            if layer(target) > layer(module):
+                problems.append(f"{module} (layer {layer(module)}) imports {target} (layer {layer(target)})")
+            private = [p for p in [*target.split("."), name] if p.startswith("_") and not p.startswith("__")]
+            if layer(target) < layer(module) and private:
+                problems.append(f"{module} imports {target} {name}: private to a lower layer")
+    assert problems == []
+
+
+def test_the_walk_sees_imports_inside_functions_and_finds_a_cycle(tmp_path):
+    """The checker itself: a cycle through an import inside a function, and an upward import, are found."""
+    (tmp_path / "shadow" / "core").mkdir(parents=True)
+    (tmp_path / "shadow" / "launcher").mkdir()
+    for package in ("shadow", "shadow/core", "shadow/launcher"):
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "shadow" / "core" / "engine.py").write_text("def f():\n    from shadow.launcher import cli\n")
+    (tmp_path / "shadow" / "launcher" / "cli.py").write_text("from shadow.core import engine\n")
+    known = {
+        "shadow.core.engine": str(tmp_path / "shadow/core/engine.py"),
+        "shadow.launcher.cli": str(tmp_path / "shadow/launcher/cli.py"),
+    }
+    edges = imports(known)
+    assert edges["shadow.core.engine"] == {("shadow.launcher.cli", "")}
+    assert cycles(edges) == [["shadow.core.engine", "shadow.launcher.cli"]]
+    assert layer("shadow.core.engine") < layer("shadow.launcher.cli")
