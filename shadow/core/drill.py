@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from shadow.core.rates import check_rate
+
 #: The faults a drill can inject into the upstream result.
 DRILL_KINDS = ("value", "dtype", "nan", "exception")
 
@@ -24,9 +26,7 @@ class Drill:
     def __init__(self, kind: str, rate: float, seed: int | None = None) -> None:
         if kind not in DRILL_KINDS:
             raise ValueError(f"drill kind {kind!r} is not one of {DRILL_KINDS}")
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"drill rate must be in [0, 1], got {rate!r}")
-        self.kind, self.rate = kind, rate
+        self.kind, self.rate = kind, check_rate(rate, "drill rate")
         self._rng = random.Random(None if seed is None else f"drill/{seed}")
 
     def fires(self) -> bool:

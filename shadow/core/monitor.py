@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import numbers
 import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,6 +20,7 @@ from shadow.core import tolerance as tol
 from shadow.core.drill import Drill
 from shadow.core.engine import Shadow, shadow_of
 from shadow.core.observation import TargetStats
+from shadow.core.rates import check_rate
 from shadow.core.targets import Target
 
 log = logging.getLogger("shadow")
@@ -165,12 +165,6 @@ def _resolve_targets(targets: Iterable[str | Target] | None) -> list[Target]:
     return resolved
 
 
-def _check_rate(value: Any, setting: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"{setting}: expected a number in [0, 1], got {value!r}")
-    return float(value)
-
-
 def _per_target(setting: str, value: Any, names: list[str], is_table: bool) -> dict[str, Any]:
     """Spread a value or a {target name: value} table over the targets, rejecting unknown names."""
     if not is_table:
@@ -239,9 +233,9 @@ def install(
     rate_table = isinstance(sample_rate, Mapping)
     if rate_table:
         for name, rate in sample_rate.items():
-            _check_rate(rate, f"sample_rate[{name!r}]")
+            check_rate(rate, f"sample_rate[{name!r}]")
     else:
-        _check_rate(sample_rate, "sample_rate")
+        check_rate(sample_rate, "sample_rate")
     rates = _per_target("sample_rate", sample_rate, names, rate_table)
     rates = {name: 0.01 if rate is None else float(rate) for name, rate in rates.items()}
 
@@ -268,9 +262,9 @@ def install(
         raise ValueError(f"drill: expected a shadow.core.drill.Drill or None, got {drill!r}")
 
     if oracle is not None:
-        oracle = _check_rate(oracle, "oracle")
-    if budget is not None and (_check_rate(budget, "budget") == 0.0):
-        raise ValueError("budget: expected a number in (0, 1] or None, got 0")
+        oracle = check_rate(oracle, "oracle")
+    if budget is not None:
+        budget = check_rate(budget, "budget", low="(0")
 
     suspended = []
     for target in resolved:

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 
 from shadow.core import forks
+from shadow.core.rates import check_rate
 
 Gate = itertools.repeat
 
@@ -35,9 +36,7 @@ class Sampler:
     """
 
     def __init__(self, rate: float, seed: int | None, stream: str, publish: Callable[[Gate], None]):
-        if not 0.0 <= rate <= 1.0 or isinstance(rate, bool):
-            raise ValueError(f"sample rate must be a number in [0, 1], got {rate!r}")
-        self.rate = float(rate)
+        self.rate = check_rate(rate, "sample rate")
         self._seed = seed
         self._stream = stream
         self._publish = publish

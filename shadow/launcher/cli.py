@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from shadow.core.rates import parse_rate
+
 #: Exit codes: 0 ok, 1 a difference was found, 2 usage error.
 EXIT_OK, EXIT_DIFFERENT, EXIT_USAGE = 0, 1, 2
 
@@ -133,10 +135,10 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _rate(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
-    return value
+    try:
+        return parse_rate(text, "--max-rate", low="(0", high="1)")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).partition(": ")[2]) from None
 
 
 def _count(text: str) -> int:

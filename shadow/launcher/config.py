@@ -14,6 +14,7 @@ import string
 from collections.abc import Mapping
 
 from shadow.core.drill import DRILL_KINDS
+from shadow.core.rates import parse_rate
 from shadow.core.safe_paths import directory_problem, long_component
 from shadow.core.targets import BUILTINS
 
@@ -110,12 +111,11 @@ def _fail(name: str, value: str, by_option: bool, why: str = "") -> ConfigError:
     return ConfigError(f"{which}={value!r} is not valid{': ' + why if why else ''}; expected {setting.accepts}")
 
 
-def _rate(text: str) -> float | None:
+def _rate(text: str, low: str = "[0") -> float | None:
     try:
-        value = float(text)
+        return parse_rate(text, "rate", low=low)
     except ValueError:
         return None
-    return value if 0.0 <= value <= 1.0 else None
 
 
 def _parse(name: str, text: str, by_option: bool) -> object:
@@ -166,8 +166,8 @@ def _parse(name: str, text: str, by_option: bool) -> object:
     if name == "budget":
         if text.lower() == "off":
             return None
-        rate = _rate(text)
-        if rate is None or rate == 0.0:
+        rate = _rate(text, low="(0")
+        if rate is None:
             raise _fail(name, text, by_option)
         return rate
     if name == "oracle":
