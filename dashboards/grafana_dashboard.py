@@ -16,10 +16,26 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import StackingMode
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
+from exporters import contract
+
 DASHBOARD_PATH = pathlib.Path(__file__).parent / "grafana" / "npu-shadow.json"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'job=~"$job", target=~"$target"'
-COMPARED = 'outcome=~"match|close|mismatch|error"'
+COMPARED = f'outcome=~"{"|".join(contract.VOCABULARY["compared_outcomes"])}"'
+
+# the series the panels read, named by the metric contract
+ABS_ERROR = contract.ABS_ERROR.series
+CALLS = contract.CALLS.series
+COMPARISONS = contract.COMPARISONS.series
+DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
+LEGACY_TIME = contract.LEGACY.series
+MISMATCHES = contract.MISMATCHES.series
+REL_ERROR = contract.REL_ERROR.series
+SAMPLE_RATE = contract.SAMPLE_RATE.prometheus_name
+SHADOW_TIME = contract.SHADOW.series
+SHARED = contract.SHARED_DIVERGENCES.series
+SKIPPED = contract.SKIPPED.series
+EXPORT_ERRORS = contract.EXPORT_ERRORS.series
 
 
 def query(expr: str, legend: str, ref: str = "A") -> Dataquery:
@@ -72,7 +88,7 @@ def build() -> Dashboard:
             QueryVariable("job")
             .label("Job")
             .datasource(DATASOURCE)
-            .query("label_values(npu_shadow_calls_total, job)")
+            .query(f"label_values({CALLS}, job)")
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
             .multi(True)
             .include_all(True)
@@ -82,7 +98,7 @@ def build() -> Dashboard:
             QueryVariable("target")
             .label("Target")
             .datasource(DATASOURCE)
-            .query('label_values(npu_shadow_calls_total{job=~"$job"}, target)')
+            .query(f'label_values({CALLS}{{job=~"$job"}}, target)')
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
             .multi(True)
             .include_all(True)
@@ -114,7 +130,7 @@ def build() -> Dashboard:
             stat_panel(
                 "Fire drill active",
                 "1 while a fire drill injects synthetic divergence into the upstream side.",
-                'max by (job) (npu_shadow_drill_active{job=~"$job"})',
+                f'max by (job) ({DRILL_ACTIVE}{{job=~"$job"}})',
             )
         )
         .with_row(Row("Divergence"))
@@ -130,10 +146,10 @@ def build() -> Dashboard:
         .with_panel(
             series_panel(
                 "Comparisons by outcome",
-                "Sampled calls per second by outcome: match (bitwise), close (within tolerance), mismatch, error, "
-                "skipped.",
+                "Compared calls per second by outcome: match (bitwise), close (within tolerance), mismatch, error "
+                "(skipped calls are in Skipped by reason).",
                 "ops",
-                query(f"sum by (outcome) (rate(npu_shadow_comparisons_total{{{SEL}}}{rate}))", "{{outcome}}"),
+                query(f"sum by (outcome) (rate({COMPARISONS}{{{SEL}}}{rate}))", "{{outcome}}"),
                 stacked=True,
             )
         )
@@ -143,7 +159,7 @@ def build() -> Dashboard:
                 "Reasons found in divergent comparisons (one comparison can have several).",
                 "ops",
                 query(
-                    f"sum by (target, reason) (rate(npu_shadow_mismatches_total{{{SEL}}}{rate}))",
+                    f"sum by (target, reason) (rate({MISMATCHES}{{{SEL}}}{rate}))",
                     "{{target}} {{reason}}",
                 ),
                 stacked=True,
@@ -152,11 +168,11 @@ def build() -> Dashboard:
         .with_panel(
             series_panel(
                 "Skipped by reason",
-                "Sampled calls not compared (oom, compiling, mode, budget, ...) and exporter failures (export).",
+                "Sampled calls not compared (oom, compiling, mode, budget, comparator), and observations an exporter "
+                "failed to export.",
                 "ops",
-                query(
-                    f"sum by (target, reason) (rate(npu_shadow_skipped_total{{{SEL}}}{rate}))", "{{target}} {{reason}}"
-                ),
+                query(f"sum by (target, reason) (rate({SKIPPED}{{{SEL}}}{rate}))", "{{target}} {{reason}}"),
+                query(f"sum by (target) (rate({EXPORT_ERRORS}{{{SEL}}}{rate}))", "{{target}} export errors", "B"),
                 stacked=True,
             )
         )
@@ -168,7 +184,7 @@ def build() -> Dashboard:
                 "to file, not a reason to keep the patch.",
                 "ops",
                 query(
-                    f"sum by (target, reason) (rate(npu_shadow_shared_divergences_total{{{SEL}}}{rate}))",
+                    f"sum by (target, reason) (rate({SHARED}{{{SEL}}}{rate}))",
                     "{{target}} {{reason}}",
                 ),
                 stacked=True,
@@ -182,9 +198,7 @@ def build() -> Dashboard:
             .datasource(DATASOURCE)
             .height(8)
             .span(12)
-            .with_target(
-                query(f"sum by (le) (rate(npu_shadow_abs_error_bucket{{{SEL}}}{rate}))", "{{le}}").format("heatmap")
-            )
+            .with_target(query(f"sum by (le) (rate({ABS_ERROR}{{{SEL}}}{rate}))", "{{le}}").format("heatmap"))
         )
         .with_panel(
             heatmap.Panel()
@@ -193,9 +207,7 @@ def build() -> Dashboard:
             .datasource(DATASOURCE)
             .height(8)
             .span(12)
-            .with_target(
-                query(f"sum by (le) (rate(npu_shadow_rel_error_bucket{{{SEL}}}{rate}))", "{{le}}").format("heatmap")
-            )
+            .with_target(query(f"sum by (le) (rate({REL_ERROR}{{{SEL}}}{rate}))", "{{le}}").format("heatmap"))
         )
         .with_row(Row("Coverage and cost"))
         .with_panel(
@@ -206,9 +218,7 @@ def build() -> Dashboard:
             .height(8)
             .span(12)
             .with_target(
-                query(
-                    f"sum by (target, signature) (npu_shadow_comparisons_total{{{SEL}, {COMPARED}}})", "{{signature}}"
-                )
+                query(f"sum by (target, signature) ({COMPARISONS}{{{SEL}, {COMPARED}}})", "{{signature}}")
                 .instant()
                 .format("table")
             )
@@ -218,9 +228,12 @@ def build() -> Dashboard:
                 "Calls vs sampled",
                 "Calls of the wrapped function and sampled calls, per second.",
                 "ops",
-                query(f"sum by (target) (rate(npu_shadow_calls_total{{{SEL}}}{rate}))", "{{target}} calls"),
+                query(f"sum by (target) (rate({CALLS}{{{SEL}}}{rate}))", "{{target}} calls"),
                 query(
-                    f"sum by (target) (rate(npu_shadow_comparisons_total{{{SEL}}}{rate}))", "{{target}} sampled", "B"
+                    f"sum by (target) (rate({COMPARISONS}{{{SEL}}}{rate}))"
+                    f" + sum by (target) (rate({SKIPPED}{{{SEL}}}{rate}))",
+                    "{{target}} sampled",
+                    "B",
                 ),
             )
         )
@@ -231,12 +244,12 @@ def build() -> Dashboard:
                 "seconds per second of wall time.",
                 "short",
                 query(
-                    f"sum by (target) (rate(npu_shadow_shadow_seconds_total{{{SEL}}}{rate})) / "
-                    f"sum by (target) (rate(npu_shadow_legacy_seconds_total{{{SEL}}}{rate}))",
+                    f"sum by (target) (rate({SHADOW_TIME}{{{SEL}}}{rate})) / "
+                    f"sum by (target) (rate({LEGACY_TIME}{{{SEL}}}{rate}))",
                     "{{target}} shadow / legacy",
                 ),
                 query(
-                    f"sum by (target) (rate(npu_shadow_shadow_seconds_total{{{SEL}}}{rate}))",
+                    f"sum by (target) (rate({SHADOW_TIME}{{{SEL}}}{rate}))",
                     "{{target}} shadow s/s",
                     "B",
                 ),
@@ -247,7 +260,7 @@ def build() -> Dashboard:
                 "Sample rate",
                 "The configured fraction of calls shadowed, per target.",
                 "percentunit",
-                query(f"max by (target) (npu_shadow_sample_rate{{{SEL}}})", "{{target}}"),
+                query(f"max by (target) ({SAMPLE_RATE}{{{SEL}}})", "{{target}}"),
             )
         )
     )

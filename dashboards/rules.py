@@ -13,9 +13,8 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from exporters import contract
 from shadow.analysis import verdict
-from shadow.core import observation
-from shadow.core.observation import MISMATCH_REASONS
 
 #: Every threshold, in one place.
 PARAMS: dict[str, Any] = {
@@ -34,34 +33,43 @@ PARAMS: dict[str, Any] = {
     "promotion": {"for": "30m"},
 }
 
-HARD_REASONS = tuple(r for r in MISMATCH_REASONS if r in observation.HARD_REASONS)  # in a stable order
+HARD_REASONS = contract.VOCABULARY["hard_reasons"]
 WINDOWS = ("5m", "15m", "30m", "1h", "2h", "6h")
 Z95 = 1.6448536269514722  # one-sided 95%
 
-COMPARED = 'outcome=~"match|close|mismatch|error"'
-DIVERGENT = 'outcome=~"mismatch|error"'
+COMPARED = f'outcome=~"{"|".join(contract.VOCABULARY["compared_outcomes"])}"'
+DIVERGENT = f'outcome=~"{"|".join(contract.VOCABULARY["divergent_outcomes"])}"'
+
+# the series the rules read, named by the metric contract
+CALLS = contract.CALLS.series
+COMPARISONS = contract.COMPARISONS.series
+LEGACY_TIME = contract.LEGACY.series
+MISMATCHES = contract.MISMATCHES.series
+SAMPLE_RATE = contract.SAMPLE_RATE.prometheus_name
+SHADOW_TIME = contract.SHADOW.series
+SKIPPED = contract.SKIPPED.series
 BY = "sum by (job, target)"
 
 
 def _recording_rules() -> list[dict[str, str]]:
     rules = [
-        {"record": "npu_shadow:comparisons:total", "expr": f"{BY} (npu_shadow_comparisons_total{{{COMPARED}}})"},
-        {"record": "npu_shadow:divergent:total", "expr": f"{BY} (npu_shadow_comparisons_total{{{DIVERGENT}}})"},
+        {"record": "npu_shadow:comparisons:total", "expr": f"{BY} ({COMPARISONS}{{{COMPARED}}})"},
+        {"record": "npu_shadow:divergent:total", "expr": f"{BY} ({COMPARISONS}{{{DIVERGENT}}})"},
         {
             "record": "npu_shadow:divergence:ratio_total",
             "expr": "npu_shadow:divergent:total / npu_shadow:comparisons:total",
         },
-        {"record": "npu_shadow:calls:total", "expr": f"{BY} (npu_shadow_calls_total)"},
+        {"record": "npu_shadow:calls:total", "expr": f"{BY} ({CALLS})"},
     ]
     for window in WINDOWS:
         rules += [
             {
                 "record": f"npu_shadow:comparisons:rate{window}",
-                "expr": f"{BY} (rate(npu_shadow_comparisons_total{{{COMPARED}}}[{window}]))",
+                "expr": f"{BY} (rate({COMPARISONS}{{{COMPARED}}}[{window}]))",
             },
             {
                 "record": f"npu_shadow:divergent:rate{window}",
-                "expr": f"{BY} (rate(npu_shadow_comparisons_total{{{DIVERGENT}}}[{window}]))",
+                "expr": f"{BY} (rate({COMPARISONS}{{{DIVERGENT}}}[{window}]))",
             },
             {
                 "record": f"npu_shadow:divergence:ratio_rate{window}",
@@ -69,7 +77,7 @@ def _recording_rules() -> list[dict[str, str]]:
             },
             {
                 "record": f"npu_shadow:comparisons:increase{window}",
-                "expr": f"{BY} (increase(npu_shadow_comparisons_total{{{COMPARED}}}[{window}]))",
+                "expr": f"{BY} (increase({COMPARISONS}{{{COMPARED}}}[{window}]))",
             },
         ]
     rules += [
@@ -79,8 +87,7 @@ def _recording_rules() -> list[dict[str, str]]:
         },
         {
             "record": "npu_shadow:overhead:ratio_rate15m",
-            "expr": f"{BY} (rate(npu_shadow_shadow_seconds_total[15m]))"
-            f" / {BY} (rate(npu_shadow_legacy_seconds_total[15m]))",
+            "expr": f"{BY} (rate({SHADOW_TIME}[15m])) / {BY} (rate({LEGACY_TIME}[15m]))",
         },
     ]
     return rules
@@ -134,13 +141,12 @@ def _alerting_rules() -> list[dict]:
             "NpuShadowDivergenceSlowBurn",
             "ticket",
             "investigate",
-            "Upstream diverges slowly but steadily. Look at npu_shadow_mismatches_total by reason and at the "
+            f"Upstream diverges slowly but steadily. Look at {MISMATCHES} by reason and at the "
             "error histograms; run `npu-shadow verdict` before deciding.",
         ),
         _alert(
             "NpuShadowHardMismatch",
-            f"sum by (job, target, reason) "
-            f'(increase(npu_shadow_mismatches_total{{reason=~"{hard}"}}[{PARAMS["hard_window"]}])) > 0',
+            f'sum by (job, target, reason) (increase({MISMATCHES}{{reason=~"{hard}"}}[{PARAMS["hard_window"]}])) > 0',
             "page",
             "rollback",
             "{{ $labels.target }} in {{ $labels.job }}: {{ $labels.reason }} mismatch between legacy and upstream",
@@ -150,8 +156,8 @@ def _alerting_rules() -> list[dict]:
         ),
         _alert(
             "NpuShadowBlind",
-            f"{BY} (increase(npu_shadow_calls_total[{blind['window']}])) * on (job, target) "
-            f"max by (job, target) (npu_shadow_sample_rate) >= {blind['expected']} "
+            f"{BY} (increase({CALLS}[{blind['window']}])) * on (job, target) "
+            f"max by (job, target) ({SAMPLE_RATE}) >= {blind['expected']} "
             f"unless on (job, target) npu_shadow:comparisons:increase{blind['window']} > 0 "
             # increase() cannot see a series whose first sample is already non-zero (a new signature): the
             # summed total's growth over the window, a series absent then counted as 0, sees it
@@ -160,13 +166,13 @@ def _alerting_rules() -> list[dict]:
             "ticket",
             "investigate",
             "{{ $labels.target }} in {{ $labels.job }} is called and sampled but nothing is compared",
-            "Every sampled call was skipped (see npu_shadow_skipped_total by reason: oom, compiling, mode, budget) "
+            f"Every sampled call was skipped (see {SKIPPED} by reason: oom, compiling, mode, budget) "
             "or the exporter lost them. No evidence accumulates until this is fixed.",
             blind["for"],
         ),
         _alert(
             "NpuShadowUpstreamErrors",
-            f'{BY} (rate(npu_shadow_comparisons_total{{outcome="error"}}[{errors["window"]}])) '
+            f'{BY} (rate({COMPARISONS}{{outcome="error"}}[{errors["window"]}])) '
             f"/ npu_shadow:comparisons:rate{errors['window']} > {errors['ratio']:g} "
             f"and npu_shadow:comparisons:increase{errors['window']} >= {PARAMS['min_samples']}",
             "ticket",
@@ -179,7 +185,7 @@ def _alerting_rules() -> list[dict]:
         _alert(
             "NpuShadowOverhead",
             f"npu_shadow:overhead:ratio_rate15m > {overhead['ratio']:g} "
-            f"and {BY} (rate(npu_shadow_shadow_seconds_total[{overhead['window']}])) > {overhead['time_fraction']:g}",
+            f"and {BY} (rate({SHADOW_TIME}[{overhead['window']}])) > {overhead['time_fraction']:g}",
             "ticket",
             "investigate",
             f"shadowing {{{{ $labels.target }}}} costs over {overhead['ratio']:g}x legacy's time and over "

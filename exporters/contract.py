@@ -12,12 +12,26 @@ import dataclasses
 
 from shadow.core.environment import device as device  # the environment labels come from the core
 from shadow.core.environment import versions as versions
-from shadow.core.observation import MISMATCH_REASONS, OUTCOMES, SHARED_DIVERGENCE_REASONS, SKIP_REASONS
+from shadow.core.observation import (
+    COMPARED_OUTCOMES,
+    DIVERGENT_OUTCOMES,
+    HARD_REASONS,
+    MISMATCH_REASONS,
+    SHARED_DIVERGENCE_REASONS,
+    SKIP_REASONS,
+)
 
 PREFIX = "npu_shadow"
 
-#: Skip reasons as exported: the core's, plus exporter failures.
-EXPORT_SKIP_REASONS = (*SKIP_REASONS, "export")
+#: The label sets, from the core's vocabulary (rules, dashboard and verdict read them here).
+VOCABULARY = {
+    "compared_outcomes": COMPARED_OUTCOMES,
+    "divergent_outcomes": DIVERGENT_OUTCOMES,
+    "hard_reasons": tuple(r for r in MISMATCH_REASONS if r in HARD_REASONS),  # in a stable order
+    "mismatch_reasons": MISMATCH_REASONS,
+    "skip_reasons": SKIP_REASONS,
+    "shared_divergence_reasons": SHARED_DIVERGENCE_REASONS,
+}
 
 #: Log buckets for absolute and relative errors, 1e-9 .. 1e2.
 ERROR_BUCKETS = tuple(10.0**e for e in range(-9, 3))
@@ -45,6 +59,12 @@ class Metric:
         name = self.otel_name.replace(".", "_")
         return f"{name}_seconds" if self.unit == "s" else name
 
+    @property
+    def series(self) -> str:
+        """The name queries use: counters with ``_total``, histograms' buckets with ``_bucket``."""
+        suffix = {"counter": "_total", "histogram": "_bucket"}.get(self.kind, "")
+        return self.prometheus_name + suffix
+
 
 CALLS = Metric("npu_shadow.calls", "{call}", "counter", ("target",), "Calls of the wrapped function, sampled or not.")
 COMPARISONS = Metric(
@@ -52,7 +72,7 @@ COMPARISONS = Metric(
     "{comparison}",
     "counter",
     ("target", "outcome", "signature"),
-    "Sampled calls by outcome (match, close, mismatch, error, skipped) and call signature.",
+    "Compared calls by outcome (match, close, mismatch, error) and call signature; sampled = compared + skipped.",
 )
 MISMATCHES = Metric(
     "npu_shadow.mismatches",
@@ -66,7 +86,14 @@ SKIPPED = Metric(
     "{comparison}",
     "counter",
     ("target", "reason"),
-    "Sampled calls not compared, and observations an exporter failed to export (reason export).",
+    "Sampled calls not compared, by reason.",
+)
+EXPORT_ERRORS = Metric(
+    "npu_shadow.export_errors",
+    "{observation}",
+    "counter",
+    ("target",),
+    "Observations an exporter failed to export (or whose histogram values it had to drop).",
 )
 SHARED_DIVERGENCES = Metric(
     "npu_shadow.shared_divergences",
@@ -97,6 +124,7 @@ ALL = (
     COMPARISONS,
     MISMATCHES,
     SKIPPED,
+    EXPORT_ERRORS,
     SHARED_DIVERGENCES,
     ABS_ERROR,
     REL_ERROR,
@@ -112,9 +140,10 @@ ALL = (
 #: Comparisons are pre-created with an empty signature (Prometheus treats it as absent).
 def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:
     series: list[tuple[Metric, dict[str, str]]] = [(CALLS, {"target": target})]
-    series += [(COMPARISONS, {"target": target, "outcome": o, "signature": ""}) for o in OUTCOMES]
+    series += [(COMPARISONS, {"target": target, "outcome": o, "signature": ""}) for o in COMPARED_OUTCOMES]
     series += [(MISMATCHES, {"target": target, "reason": r}) for r in MISMATCH_REASONS]
-    series += [(SKIPPED, {"target": target, "reason": r}) for r in EXPORT_SKIP_REASONS]
+    series += [(SKIPPED, {"target": target, "reason": r}) for r in SKIP_REASONS]
+    series += [(EXPORT_ERRORS, {"target": target})]
     series += [(SHARED_DIVERGENCES, {"target": target, "reason": r}) for r in SHARED_DIVERGENCE_REASONS]
     series += [(LEGACY, {"target": target}), (SHADOW, {"target": target})]
     return series

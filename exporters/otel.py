@@ -21,13 +21,13 @@ from opentelemetry import metrics
 
 from exporters import contract
 from shadow.core import forks
-from shadow.core.observation import Observation
+from shadow.core.observation import Observation, Outcome
 
 METER_NAME = "npu_shadow"
 
 #: Histogram values waiting for a collection. An observation whose values would not fit (nobody collects, or
 #: collections are slower than the job) keeps its sums but loses its histogram values, and is counted in
-#: ``npu_shadow.skipped{reason="export"}`` and :attr:`OTelExporter.dropped`.
+#: ``npu_shadow.export_errors`` and :attr:`OTelExporter.dropped`.
 MAX_PENDING = 100_000
 
 _SUMS = (
@@ -35,6 +35,7 @@ _SUMS = (
     contract.COMPARISONS,
     contract.MISMATCHES,
     contract.SKIPPED,
+    contract.EXPORT_ERRORS,
     contract.SHARED_DIVERGENCES,
     contract.LEGACY,
     contract.SHADOW,
@@ -137,21 +138,20 @@ class OTelExporter:
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
         with self._lock:
-            self._add(contract.COMPARISONS, count, target, "skipped", "")
             self._add(contract.SKIPPED, count, target, reason)
 
     def record_export_error(self, target: str) -> None:
         with self._lock:
-            self._add(contract.SKIPPED, 1, target, "export")
+            self._add(contract.EXPORT_ERRORS, 1, target)
 
     def export(self, observation: Observation) -> None:
         target, add = observation.target, self._add
         with self._lock:
-            add(contract.COMPARISONS, 1, target, observation.outcome, observation.signature)
-            if observation.outcome == "skipped":
+            if observation.outcome == Outcome.SKIPPED:
                 for reason in observation.reasons:
                     add(contract.SKIPPED, 1, target, reason)
                 return
+            add(contract.COMPARISONS, 1, target, observation.outcome, observation.signature)
             for reason in observation.reasons:
                 add(contract.MISMATCHES, 1, target, reason)
             if observation.shared_divergence:
@@ -165,7 +165,7 @@ class OTelExporter:
         if len(self._pending) + len(values) > MAX_PENDING:
             with self._lock:
                 self.dropped += 1
-                add(contract.SKIPPED, 1, target, "export")
+                add(contract.EXPORT_ERRORS, 1, target)
             return
         self._pending.extend(values)
 

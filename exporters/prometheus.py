@@ -25,7 +25,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from exporters import contract
 from shadow.core import forks
-from shadow.core.observation import Observation
+from shadow.core.observation import Observation, Outcome
 from shadow.core.safe_paths import check_private_directory
 
 log = logging.getLogger("shadow")
@@ -143,21 +143,20 @@ class PrometheusExporter:
 
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
-        self._child(contract.COMPARISONS, target, "skipped", "").inc(count)
         self._child(contract.SKIPPED, target, reason).inc(count)
 
     def record_export_error(self, target: str) -> None:
-        self._child(contract.SKIPPED, target, "export").inc()
+        self._child(contract.EXPORT_ERRORS, target).inc()
 
     def export(self, observation: Observation) -> None:
         # No lock of our own: each prometheus-client value has its own, and the child cache is a dict
         # whose get/set are atomic (a race at worst asks labels() twice for the same child).
         child, target = self._child, observation.target
-        child(contract.COMPARISONS, target, observation.outcome, observation.signature).inc()
-        if observation.outcome == "skipped":
+        if observation.outcome == Outcome.SKIPPED:
             for reason in observation.reasons:
                 child(contract.SKIPPED, target, reason).inc()
             return
+        child(contract.COMPARISONS, target, observation.outcome, observation.signature).inc()
         for reason in observation.reasons:
             child(contract.MISMATCHES, target, reason).inc()
         if observation.shared_divergence:

@@ -13,10 +13,10 @@ import pytest
 
 from exporters import JsonlExporter
 from shadow.core.monitor import install
-from shadow.core.observation import Observation, bounded
+from shadow.core.observation import DIVERGENT_OUTCOMES, Observation, bounded
 from shadow.npu import reference, torch_npu_source
 
-DIVERGENT = ("mismatch", "error")
+DIVERGENT = DIVERGENT_OUTCOMES
 
 
 @dataclasses.dataclass(frozen=True)

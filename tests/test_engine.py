@@ -145,7 +145,7 @@ def test_comparator_and_exporter_failures_are_counted_and_swallowed(monkeypatch,
         out = [ops.op(torch.ones(2)) for _ in range(5)]
     assert all(torch.equal(o, torch.full((2,), 2.0)) for o in out)
     stats = monitor.stats()["op"]
-    assert stats.skipped == 5 and stats.by_reason["comparator"] == 5 and stats.by_reason["export"] == 5
+    assert stats.skipped == 5 and stats.by_reason["comparator"] == 5 and stats.export_errors == 5
     # logged, but at most once a minute per kind
     assert sum("comparator bug" in r.getMessage() for r in caplog.records) == 1
     assert sum("disk full" in r.getMessage() for r in caplog.records) == 1
@@ -270,7 +270,7 @@ def test_optional_exporter_hooks_see_registration_calls_and_failures():
     stats = monitor.stats()["op"]
     assert hooked.registered == {"op": 0.3}
     assert hooked.calls == stats.calls == 500  # the last calls arrive with the flush at uninstall
-    assert hooked.export_errors == stats.by_reason["export"] == stats.sampled == len(hooked.observations)
+    assert hooked.export_errors == stats.export_errors == stats.sampled == len(hooked.observations)
 
 
 def test_mismatch_observations_carry_evidence_and_matches_do_not():

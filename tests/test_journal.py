@@ -64,8 +64,8 @@ def test_disk_full_is_counted_as_export_skip_and_training_goes_on(recwarn):
     prometheus = PrometheusExporter(registry=CollectorRegistry())
     journal = JsonlExporter("/dev/full", max_bytes=0)  # every write fails with ENOSPC
     stats = run([prometheus, journal])
-    assert stats.mismatch == 2 and stats.by_reason["export"] == 2
-    value = prometheus.registry.get_sample_value("npu_shadow_skipped_total", {"target": "op", "reason": "export"})
+    assert stats.mismatch == 2 and stats.export_errors == 2
+    value = prometheus.registry.get_sample_value("npu_shadow_export_errors_total", {"target": "op"})
     assert value == 2
 
 
@@ -74,7 +74,7 @@ def test_unwritable_path_is_counted_too(tmp_path):
     blocker.write_text("a file where the journal's directory should be")
     journal = JsonlExporter(str(blocker / "j.jsonl"))
     stats = run([journal])
-    assert stats.by_reason["export"] == stats.mismatch == 2
+    assert stats.export_errors == stats.mismatch == 2
 
 
 def test_capture_files_are_private_safe_and_bounded(tmp_path):

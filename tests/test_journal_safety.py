@@ -36,7 +36,7 @@ def test_a_symlink_planted_at_the_journal_path_is_refused_not_followed(tmp_path)
     (tmp_path / "j.jsonl").symlink_to(victim)
     stats = run([JsonlExporter(str(tmp_path / "j.jsonl"))], calls=3)
     assert victim.read_text() == "precious\n"
-    assert stats.mismatch == 3 and stats.by_reason["export"] == 3  # counted, never raised into the job
+    assert stats.mismatch == 3 and stats.export_errors == 3  # counted, never raised into the job
 
 
 def test_journal_files_are_private(tmp_path):
@@ -70,7 +70,7 @@ def test_a_failed_capture_loses_no_journal_line_and_the_next_gets_a_fresh_name(t
     stats = run([journal], calls=10)
     journal.close()
     assert len(lines(tmp_path / "j.jsonl")) == 10  # every mismatch journaled
-    assert stats.by_reason["export"] == 3 and journal.captures_failed == 3
+    assert stats.export_errors == 3 and journal.captures_failed == 3
     written = sorted(p.name for p in captures.iterdir() if p.read_bytes() != b"partial")
     assert written == [f"op-{os.getpid()}-{n:04d}.pt" for n in range(4, 11)]
 

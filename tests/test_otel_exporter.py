@@ -100,7 +100,7 @@ def test_histogram_values_that_find_the_queue_full_are_counted_not_lost_silently
         exporter.export(Observation("op", "close", numel=4, max_abs_error=1e-6, upstream_seconds=0.001))
     by_name = {m.name: m for m in reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics}
     recorded = sum(p.count for p in by_name["npu_shadow.shadow.duration"].data.data_points)
-    skipped = {dict(p.attributes)["reason"]: p.value for p in by_name["npu_shadow.skipped"].data.data_points}
+    export_errors = sum(p.value for p in by_name["npu_shadow.export_errors"].data.data_points)
     assert recorded == 100 and exporter.dropped == 900  # 3 values per observation: 100 fit in 300
-    assert skipped["export"] == exporter.dropped
-    assert recorded + skipped["export"] == 1000
+    assert export_errors == exporter.dropped
+    assert recorded + export_errors == 1000

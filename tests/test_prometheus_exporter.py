@@ -14,10 +14,10 @@ from metrics_helpers import promtool_check_metrics, samples, scrape, total
 from prometheus_client import CollectorRegistry
 
 import shadow
-from exporters import PrometheusExporter, contract
+from exporters import PrometheusExporter
 from shadow import Target
 from shadow.core import targets as builtin
-from shadow.core.observation import MISMATCH_REASONS, OUTCOMES
+from shadow.core.observation import COMPARED_OUTCOMES, MISMATCH_REASONS, SKIP_REASONS
 
 
 @pytest.fixture
@@ -32,13 +32,15 @@ def test_all_series_exist_at_zero_right_after_install(exporter):
     with shadow.install([Target("op", ops, "op", faults.scale)], exporters=[exporter]):
         parsed = samples(scrape(exporter.port))
     assert parsed[("npu_shadow_calls_total", (("target", "op"),))] == 0
-    for outcome in OUTCOMES:
+    for outcome in COMPARED_OUTCOMES:
         key = ("npu_shadow_comparisons_total", (("outcome", outcome), ("signature", ""), ("target", "op")))
         assert parsed[key] == 0
+    assert not [k for k in parsed if k[0] == "npu_shadow_comparisons_total" and ("outcome", "skipped") in k[1]]
     for reason in MISMATCH_REASONS:
         assert parsed[("npu_shadow_mismatches_total", (("reason", reason), ("target", "op")))] == 0
-    for reason in contract.EXPORT_SKIP_REASONS:
+    for reason in SKIP_REASONS:
         assert parsed[("npu_shadow_skipped_total", (("reason", reason), ("target", "op")))] == 0
+    assert parsed[("npu_shadow_export_errors_total", (("target", "op"),))] == 0
     assert parsed[("npu_shadow_sample_rate", (("target", "op"),))] == 0.01
     build = [k for k in parsed if k[0] == "npu_shadow_build_info"]
     assert len(build) == 1 and dict(build[0][1])["version"] == shadow.__version__
@@ -63,14 +65,17 @@ def test_scraped_counters_equal_the_monitor_stats(exporter, fake_torch_npu):
     assert stats["op"].mismatch > 0 and stats["op"].match > 0 and stats["tensor_type"].mismatch > 0
     for name, s in stats.items():
         assert total(parsed, "npu_shadow_calls_total", target=name) == s.calls
-        for outcome in OUTCOMES:
+        for outcome in COMPARED_OUTCOMES:
             assert total(parsed, "npu_shadow_comparisons_total", target=name, outcome=outcome) == getattr(s, outcome)
+        assert total(parsed, "npu_shadow_comparisons_total", target=name) == s.compared  # compared calls only
         for reason in MISMATCH_REASONS:
             assert total(parsed, "npu_shadow_mismatches_total", target=name, reason=reason) == s.by_reason.get(
                 reason, 0
             )
-        for reason in contract.EXPORT_SKIP_REASONS:
+        for reason in SKIP_REASONS:
             assert total(parsed, "npu_shadow_skipped_total", target=name, reason=reason) == s.by_reason.get(reason, 0)
+        assert total(parsed, "npu_shadow_skipped_total", target=name) == s.skipped  # sampled = compared + skipped
+        assert total(parsed, "npu_shadow_export_errors_total", target=name) == s.export_errors
         compared_tensors = s.match + s.close + s.mismatch - (200 if name == "tensor_type" else 0)  # x.type(): str
         assert total(parsed, "npu_shadow_abs_error_count", target=name) == compared_tensors
         assert total(parsed, "npu_shadow_shadow_duration_seconds_count", target=name) == s.sampled - s.skipped
@@ -150,8 +155,9 @@ def test_exporter_failure_is_counted_as_export_skip(exporter):
             for _ in range(3):
                 ops.op(torch.ones(1))
     parsed = samples(scrape(exporter.port))
-    assert monitor.stats()["op"].by_reason["export"] == 3
-    assert total(parsed, "npu_shadow_skipped_total", target="op", reason="export") == 3
+    assert monitor.stats()["op"].export_errors == 3
+    assert total(parsed, "npu_shadow_export_errors_total", target="op") == 3
+    assert total(parsed, "npu_shadow_skipped_total", target="op") == 0  # an exporter's failure skips no call
 
 
 def test_tls_options_reach_the_endpoint(tmp_path):

@@ -17,8 +17,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from shadow.analysis import verdict
 from shadow.analysis.sources import add_record, journal_records
 from shadow.analysis.verdict import Decision, TargetCounts
+from shadow.core.observation import DIVERGENT_OUTCOMES
 
-DIVERGENT = ("mismatch", "error")
+DIVERGENT = DIVERGENT_OUTCOMES
 #: Journal fields that describe the run rather than one call: collected as the report's environment.
 ENVIRONMENT_FIELDS = ("torch", "torch_npu", "device", "legacy", "host")
 MAX_TESTS = 200

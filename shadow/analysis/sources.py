@@ -16,12 +16,13 @@ from collections.abc import Iterable, Iterator
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporters import contract
 from shadow.analysis.verdict import TargetCounts
-from shadow.core.observation import OUTCOMES
+from shadow.core.observation import OUTCOMES, Outcome
 
-COMPARISONS = "npu_shadow_comparisons_total"
-MISMATCHES = "npu_shadow_mismatches_total"
-SHARED = "npu_shadow_shared_divergences_total"
+COMPARISONS = contract.COMPARISONS.series
+MISMATCHES = contract.MISMATCHES.series
+SHARED = contract.SHARED_DIVERGENCES.series
 
 #: The most a metrics file, a journal line or a Prometheus answer may hold.
 MAX_FILE_BYTES = 64 << 20
@@ -166,7 +167,7 @@ def add_record(counts: dict[str, TargetCounts], record: dict) -> None:
     """Count one journal record."""
     entry = counts.setdefault(record["target"], TargetCounts())
     entry.add_outcome(record.get("signature", ""), record["outcome"], 1)
-    if record["outcome"] != "skipped":
+    if record["outcome"] != Outcome.SKIPPED:
         for reason in record.get("reasons", []):
             entry.add_reason(reason, 1)
     if record.get("shared_divergence"):

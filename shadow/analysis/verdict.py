@@ -22,15 +22,13 @@ from collections.abc import Iterable, Mapping
 
 from scipy.stats import beta
 
-from shadow.core.observation import HARD_REASONS
+from shadow.core.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, HARD_REASONS
 
 PROMOTE, ROLLBACK, INCONCLUSIVE = "promote", "rollback", "inconclusive"
 EXIT_CODES = {PROMOTE: 0, ROLLBACK: 1, INCONCLUSIVE: 3}  # 2 is left to usage errors
 _SEVERITY = {PROMOTE: 0, INCONCLUSIVE: 1, ROLLBACK: 2}
 CONFIDENCE = 0.95
 DEFAULT_MAX_RATE = 0.001  # the divergence rate a rollout tolerates; the alert rules' budget too
-COMPARED_OUTCOMES = ("match", "close", "mismatch", "error")
-DIVERGENT_OUTCOMES = ("mismatch", "error")
 
 
 def upper_bound(k: int, n: int, confidence: float = CONFIDENCE) -> float:

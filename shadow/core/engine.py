@@ -177,6 +177,7 @@ class Shadow:
         self._oracle_runs = 0
         self._signatures: set[str] = set()
         self._signatures_over_cap = 0
+        self._export_errors = 0
         self._last_logged: dict[str, float] = {}
         self.wrapper, set_gate = _make_wrapper(self.legacy, self._arrive)
         self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
@@ -454,7 +455,7 @@ class Shadow:
             failed = [e for e in self.exporters if not self._call_exporter(e, "export", observation)]
             if failed:
                 with self._lock:
-                    self._reasons["export"] += len(failed)
+                    self._export_errors += len(failed)
                 for exporter in self.exporters:
                     for _ in failed:
                         self._call_exporter(exporter, "record_export_error", self.target.name)
@@ -513,6 +514,7 @@ class Shadow:
                 shared_divergences=dict(self._shared),
                 oracle_runs=self._oracle_runs,
                 signatures_over_cap=self._signatures_over_cap,
+                export_errors=self._export_errors,
             )
 
     def _after_fork_in_child(self) -> None:
@@ -523,6 +525,7 @@ class Shadow:
         self._reasons.clear()
         self._shared.clear()
         self._oracle_runs = 0
+        self._export_errors = 0
         self._budget_skips_unreported = 0
         self._started, self._spent = time.monotonic(), 0.0
         self._calls_reported = 0

@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
 
-#: Outcome of one sampled call.
-#: match: bitwise equal; close: within tolerance; mismatch: outside it; error: exactly one side raised
-#: (or the two raised different exception types); skipped: sampled but not compared.
-OUTCOMES = ("match", "close", "mismatch", "error", "skipped")
+
+class Outcome(str, enum.Enum):
+    """Outcome of one sampled call. Observations, journals and metrics hold the values (plain strings)."""
+
+    MATCH = "match"  # bitwise equal
+    CLOSE = "close"  # within tolerance
+    MISMATCH = "mismatch"  # outside it
+    ERROR = "error"  # exactly one side raised, or the two raised different exception types
+    SKIPPED = "skipped"  # sampled but not compared
+
+    def __str__(self) -> str:
+        return self.value
+
+
+OUTCOMES = tuple(o.value for o in Outcome)
+
+#: Sampled calls are compared or skipped: a *compared* call really ran legacy and upstream and compared them.
+COMPARED_OUTCOMES = tuple(o.value for o in Outcome if o is not Outcome.SKIPPED)
+
+#: Compared calls where upstream is not what legacy is: the evidence against promotion.
+DIVERGENT_OUTCOMES = (Outcome.MISMATCH.value, Outcome.ERROR.value)
 
 #: Reasons a comparison did not match.
 #: "stride" is a layout difference (strides or memory format): a mismatch for exact targets, since ``.view()``
@@ -88,6 +106,7 @@ class Observation:
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
             raise ValueError(f"outcome {self.outcome!r} is not one of {OUTCOMES}")
+        object.__setattr__(self, "outcome", str(Outcome(self.outcome)))  # the value, also when given a member
 
     @property
     def shadow_seconds(self) -> float:
@@ -99,9 +118,10 @@ class Observation:
 class TargetStats:
     """Counts for one installed target since it was installed.
 
-    ``sampled == match + close + mismatch + error + skipped`` always holds for a consistent snapshot.
-    ``by_reason`` counts each reason of each observation (an observation may carry several), plus
-    ``export`` for exporter failures, which do not change an observation's outcome.
+    ``sampled == compared + skipped`` and ``compared == match + close + mismatch + error`` always hold for a
+    consistent snapshot. ``by_reason`` counts each reason of each observation (an observation may carry
+    several): mismatch reasons and skip reasons. ``export_errors`` counts exporter failures, which change no
+    observation's outcome.
     """
 
     calls: int = 0
@@ -117,6 +137,8 @@ class TargetStats:
     oracle_runs: int = 0
     #: Sampled calls whose signature was counted as "other": the target had MAX_SIGNATURES already.
     signatures_over_cap: int = 0
+    #: Observations an exporter failed to export (one per failing exporter).
+    export_errors: int = 0
 
     @property
     def compared(self) -> int:
