@@ -9,6 +9,7 @@
 from shadow.core.compare import Comparison, compare
 from shadow.core.engine import Shadow
 from shadow.core.environment import VERSION
+from shadow.core.exporting import Exporter
 from shadow.core.monitor import Monitor, install
 from shadow.core.observation import (
     HARD_REASONS,
@@ -31,6 +32,7 @@ __all__ = [
     "OUTCOMES",
     "SKIP_REASONS",
     "Comparison",
+    "Exporter",
     "Monitor",
     "Observation",
     "Shadow",

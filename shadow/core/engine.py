@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_iter
 from shadow.core import compiling, forks
 from shadow.core.compare import compare, compare_exceptions
 from shadow.core.drill import Drill
+from shadow.core.exporting import call_hook
 from shadow.core.global_state import TorchGlobals
 from shadow.core.isolation import Isolation, find_modules
 from shadow.core.observation import SHARED_DIVERGENCE_REASONS, Evidence, Observation, TargetStats, bounded
@@ -478,16 +479,10 @@ class Shadow:
 
     def _call_exporter(self, exporter: Any, hook: str, *args: Any) -> bool:
         """Call an exporter hook if it has it; False if it raised (logged at most once a minute)."""
-        try:
-            method = getattr(exporter, hook, None)
-            if method is not None:
-                method(*args)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:
-            self._log_limited(f"{hook}:{id(exporter)}", "exporter %r failed in %s: %r", exporter, hook, exc)
-            return False
-        return True
+        failure = call_hook(exporter, hook, *args)
+        if failure is not None:
+            self._log_limited(f"{hook}:{id(exporter)}", "exporter %r failed in %s: %r", exporter, hook, failure)
+        return failure is None
 
     def _log_limited(self, kind: str, message: str, *args: Any) -> None:
         now = time.monotonic()

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from shadow.core import exporting
 from shadow.core import targets as builtin
 from shadow.core import tolerance as tol
 from shadow.core.drill import Drill
@@ -251,12 +252,7 @@ def install(
 
     exporters = tuple(exporters)
     for exporter in exporters:
-        try:
-            export = getattr(exporter, "export", None)
-        except Exception as exc:
-            raise ValueError(f"exporters: {type(exporter).__name__} raised looking up export: {exc!r}") from None
-        if not callable(export):
-            raise ValueError(f"exporters: {exporter!r} has no export(observation) method")
+        exporting.check(exporter, "exporters")
 
     if drill is not None and not isinstance(drill, Drill):
         raise ValueError(f"drill: expected a shadow.core.drill.Drill or None, got {drill!r}")
@@ -280,9 +276,10 @@ def install(
     except Exception:
         monitor.uninstall()
         raise
-    for exporter in exporters:
-        set_drill = getattr(exporter, "set_drill", None)
-        if set_drill is not None and drill is not None:
-            set_drill(True)
+    if drill is not None:
+        for exporter in exporters:
+            failure = exporting.call_hook(exporter, "set_drill", True)
+            if failure is not None:
+                log.warning("npu-shadow: exporter %r failed in set_drill: %r", exporter, failure)
     log.debug("npu-shadow installed %s with torch %s", monitor.targets, torch.__version__)
     return monitor

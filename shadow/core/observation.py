@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
 
 class Outcome(str, enum.Enum):
@@ -144,17 +144,3 @@ class TargetStats:
     def compared(self) -> int:
         """Sampled calls that were actually compared."""
         return self.match + self.close + self.mismatch + self.error
-
-
-class Exporter(Protocol):
-    """What an exporter implements. Only ``export`` is required; the engine calls the optional hooks
-    when present, each guarded like ``export`` (a failure is counted and logged, never raised)."""
-
-    def export(self, observation: Observation) -> None:
-        """One sampled call's observation."""
-
-    # Optional hooks:
-    # register(target: str, sample_rate: float) -> None      at install: create the target's series
-    # record_calls(target: str, calls: int) -> None           calls (sampled or not) since the last report
-    # record_export_error(target: str) -> None                another exporter failed on an observation
-    # record_skips(target: str, reason: str, count: int)      sampled calls skipped in bulk (the budget)

@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from shadow.core.exporting import call_hook
 from shadow.npu.patching import LEGACY_PATCHED
 
 log = logging.getLogger("shadow")
@@ -155,10 +156,7 @@ class Launcher:
 
     def _close_exporters(self) -> None:
         for exporter in self.exporters:
-            with contextlib.suppress(Exception):
-                close = getattr(exporter, "close", None)
-                if close is not None:
-                    close()
+            call_hook(exporter, "close")
         self.exporters = []
 
     def _emulate_npu(self, devices: int) -> None:

@@ -1,0 +1,68 @@
+"""The exporter protocol: every hook the core calls on an exporter, and the one place that calls them.
+
+An exporter is any object with ``export``; the other hooks are optional and looked up by name. Every call of
+a hook goes through :func:`call_hook`, which never lets an exporter's failure (any exception, SystemExit
+included; KeyboardInterrupt excepted) reach the job: it is returned for the caller to count and log.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from shadow.core.observation import Observation
+
+
+class Exporter(Protocol):
+    """What the core calls on an exporter. Only ``export`` is required."""
+
+    def export(self, observation: Observation) -> None:
+        """One sampled call's observation."""
+
+    # ------------------------------------------------------------------ optional hooks
+
+    def register(self, target: str, sample_rate: float) -> None:
+        """At install: create the target's series (at zero) and record its sample rate."""
+
+    def record_calls(self, target: str, calls: int) -> None:
+        """Calls of the target (sampled or not) since the last report."""
+
+    def record_skips(self, target: str, reason: str, count: int) -> None:
+        """Sampled calls skipped in bulk, without an observation each (the overhead budget)."""
+
+    def record_export_error(self, target: str) -> None:
+        """Another exporter failed to export one of the target's observations."""
+
+    def set_drill(self, active: bool) -> None:
+        """A fire drill is (or is no longer) injecting synthetic divergence."""
+
+    def close(self) -> None:
+        """Release files, sockets and servers (the launcher calls it when its settings change)."""
+
+
+#: Every hook, in the order of the protocol above.
+HOOKS = ("export", "register", "record_calls", "record_skips", "record_export_error", "set_drill", "close")
+
+
+def call_hook(exporter: Any, hook: str, *args: Any) -> BaseException | None:
+    """Call ``exporter.<hook>(*args)`` if the exporter has that hook. Returns what it raised, or None."""
+    if hook not in HOOKS:
+        raise ValueError(f"{hook!r} is not an exporter hook; the hooks are {HOOKS}")
+    try:
+        method = getattr(exporter, hook, None)
+        if method is not None:
+            method(*args)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def check(exporter: Any, where: str) -> None:
+    """Raise ValueError unless ``exporter`` has a callable ``export`` (looking it up may not raise either)."""
+    try:
+        export = getattr(exporter, "export", None)
+    except Exception as exc:
+        raise ValueError(f"{where}: {type(exporter).__name__} raised looking up export: {exc!r}") from None
+    if not callable(export):
+        raise ValueError(f"{where}: {exporter!r} has no export(observation) method")

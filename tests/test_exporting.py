@@ -1,0 +1,69 @@
+"""The exporter protocol declares every hook the core calls, and every call of one is guarded in one place."""
+
+import ast
+import os
+import types
+
+import faults
+import pytest
+import torch
+
+import shadow
+from shadow.core.drill import Drill
+from shadow.core.exporting import HOOKS, Exporter, call_hook
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_protocol_declares_exactly_the_hooks():
+    declared = [name for name, value in vars(Exporter).items() if callable(value) and not name.startswith("_")]
+    assert declared == list(HOOKS)
+
+
+def test_every_hook_the_code_calls_is_declared():
+    """Hooks are named as string literals where they are called: through call_hook or the engine's guard."""
+    called = set()
+    for directory, _, files in os.walk(os.path.join(ROOT, "shadow")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(directory, name), encoding="utf-8") as file:
+                    tree = ast.parse(file.read())
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                        "call_hook",
+                        "_call_exporter",
+                    ):
+                        hook = node.args[1]
+                        if isinstance(hook, ast.Constant):
+                            called.add(hook.value)
+    assert called and called <= set(HOOKS), called - set(HOOKS)
+    with pytest.raises(ValueError, match="not an exporter hook"):
+        call_hook(object(), "flush_everything")
+
+
+def test_a_hook_that_raises_anything_is_returned_not_raised():
+    class Raising:
+        def set_drill(self, active):
+            raise SystemExit(4)
+
+    assert isinstance(call_hook(Raising(), "set_drill", True), SystemExit)
+    assert call_hook(object(), "set_drill", True) is None  # an exporter without the hook
+
+
+def test_an_exporter_failing_in_set_drill_does_not_stop_the_install():
+    class Raising:
+        def __init__(self):
+            self.observations = []
+
+        def export(self, observation):
+            self.observations.append(observation)
+
+        def set_drill(self, active):
+            raise OSError("disk full")
+
+    exporter = Raising()
+    ops = types.SimpleNamespace(op=faults.scale)
+    with shadow.install([shadow.Target("op", ops, "op", faults.scale)], sample_rate=1.0, exporters=[exporter],
+                        drill=Drill("value", 0.0)) as monitor:  # fmt: skip
+        ops.op(torch.ones(2))
+    assert monitor.stats()["op"].match == 1 and len(exporter.observations) == 1
