@@ -157,8 +157,8 @@ class OTelExporter:
             if observation.shared_divergence:
                 add(contract.SHARED_DIVERGENCES, 1, target, observation.shared_divergence)
             add(contract.LEGACY, observation.legacy_seconds, target)
-            add(contract.SHADOW, observation.shadow_seconds, target)
-        values = [(contract.SHADOW_DURATION, observation.shadow_seconds, target)]
+            add(contract.SHADOW, observation.overhead_seconds, target)
+        values = [(contract.SHADOW_DURATION, observation.overhead_seconds, target)]
         if observation.outcome != "error" and observation.numel:
             values.append((contract.ABS_ERROR, min(observation.max_abs_error, contract.ERROR_CAP), target))
             values.append((contract.REL_ERROR, min(observation.max_rel_error, contract.ERROR_CAP), target))

@@ -165,8 +165,8 @@ class PrometheusExporter:
             child(contract.ABS_ERROR, target).observe(min(observation.max_abs_error, contract.ERROR_CAP))
             child(contract.REL_ERROR, target).observe(min(observation.max_rel_error, contract.ERROR_CAP))
         child(contract.LEGACY, target).inc(observation.legacy_seconds)
-        child(contract.SHADOW, target).inc(observation.shadow_seconds)
-        child(contract.SHADOW_DURATION, target).observe(observation.shadow_seconds)
+        child(contract.SHADOW, target).inc(observation.overhead_seconds)
+        child(contract.SHADOW_DURATION, target).observe(observation.overhead_seconds)
 
     # ------------------------------------------------------------------ getting metrics out
 

@@ -7,7 +7,7 @@
 """
 
 from shadow.core.compare import Comparison, compare
-from shadow.core.engine import Shadow
+from shadow.core.engine import Experiment
 from shadow.core.environment import VERSION
 from shadow.core.exporting import Exporter
 from shadow.core.monitor import Monitor, install
@@ -32,10 +32,10 @@ __all__ = [
     "OUTCOMES",
     "SKIP_REASONS",
     "Comparison",
+    "Experiment",
     "Exporter",
     "Monitor",
     "Observation",
-    "Shadow",
     "Target",
     "TargetStats",
     "Tolerance",

@@ -21,7 +21,7 @@ def test_discovers_the_fake_torch_npu_patches_and_restores_identity(fake_torch_n
     monitor = shadow.install()
     assert set(monitor.targets) == {"parallel_apply", "data_parallel", "tensor_type"}
     assert torch.Tensor.type is not before["type"]
-    assert monitor.shadow("tensor_type").legacy is before["type"]
+    assert monitor.experiment("tensor_type").legacy is before["type"]
     monitor.uninstall()
     assert torch.Tensor.type is before["type"]
     assert torch.nn.DataParallel.parallel_apply is before["parallel_apply"]

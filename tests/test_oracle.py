@@ -59,7 +59,7 @@ def test_under_autocast_legacy_and_upstream_match_and_the_oracle_finds_the_share
         assert observation.shared_divergence == "dtype", observation
         assert "dtype torch.float32 vs torch.float16" in observation.shared_detail
         assert observation.oracle_seconds > 0
-        assert observation.shadow_seconds >= observation.oracle_seconds
+        assert observation.overhead_seconds >= observation.oracle_seconds
 
 
 def test_without_autocast_there_is_no_shared_divergence(legacy_patches):

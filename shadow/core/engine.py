@@ -1,9 +1,9 @@
-"""The wrapper engine: one :class:`Shadow` per installed target.
+"""The wrapper engine: one :class:`Experiment` per installed target.
 
 Data flows one way: call -> sampler -> legacy (returned to the caller), then on sampled calls the
-isolated upstream run -> comparator -> :class:`Observation` -> exporters. Everything on the shadow side
-runs inside :meth:`Shadow._observe` and :meth:`Shadow._publish`, the two places where failures are
-caught, counted and logged (at most once a minute per target and kind).
+isolated upstream run -> comparator -> :class:`Observation` -> exporters. Everything after legacy (the
+upstream side) runs inside :meth:`Experiment._upstream_side` and :meth:`Experiment._publish`, the two places
+where failures are caught, counted and logged (at most once a minute per target and kind).
 """
 
 from __future__ import annotations
@@ -28,7 +28,14 @@ from shadow.core.drill import Drill
 from shadow.core.exporting import call_hook
 from shadow.core.global_state import TorchGlobals
 from shadow.core.isolation import Isolation, find_modules
-from shadow.core.observation import SHARED_DIVERGENCE_REASONS, Evidence, Observation, TargetStats, bounded
+from shadow.core.observation import (
+    SHARED_DIVERGENCE_REASONS,
+    Evidence,
+    Observation,
+    Outcome,
+    TargetStats,
+    bounded,
+)
 from shadow.core.sampler import Gate, Sampler
 from shadow.core.targets import Target, patch_origin
 from shadow.core.tolerance import ToleranceSpec
@@ -41,8 +48,9 @@ _LOG_INTERVAL_SECONDS = 60.0
 MAX_SIGNATURES = 100
 OTHER_SIGNATURE = "other"
 
-# Per thread: ``active`` while this thread runs the shadow side of a call, ``publishing`` while it hands
-# an observation to the exporters.
+# Per thread: ``upstream_side`` while this thread runs the upstream side of a call (upstream, comparison, oracle,
+# exporters), ``in_legacy`` (the experiment) while it runs legacy, ``publishing`` while it hands an observation to
+# the exporters.
 _local = threading.local()
 
 # The threads alive when each running upstream run began. A thread not among them was started by upstream (the
@@ -70,6 +78,32 @@ def _on_upstream_thread() -> bool:
         return False
     ident = threading.get_ident()
     return any(ident not in alive for alive in runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One side's run of a call: what it returned or raised, how long it took, the autocast state it ran under."""
+
+    value: Any = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+    autocast: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the upstream side of one sampled call needs, taken before legacy runs: isolated copies of the
+    arguments (None for targets that are not isolated), the call's signature, the autocast state legacy runs
+    under, and whether the single-device oracle runs too."""
+
+    isolation: Isolation | None
+    signature: str
+    autocast: str
+    oracle: bool
+
+    def arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments upstream receives: the isolated copies, or the caller's own."""
+        return (self.isolation.args, self.isolation.kwargs) if self.isolation is not None else (args, kwargs)
 
 
 def _make_wrapper(legacy: Callable, arrive: Callable[[tuple, dict], Any]) -> tuple[Callable, Callable[[Gate], None]]:
@@ -139,8 +173,9 @@ def _autocast_state() -> str:
     return ", ".join(f"{t}={state(t)}" for t in device_types)
 
 
-class Shadow:
-    """One installed target: its wrapper, sampler, counts and exporters."""
+class Experiment:
+    """One installed target: its wrapper, sampler, counts and exporters; on sampled calls, legacy against
+    upstream."""
 
     def __init__(
         self,
@@ -155,8 +190,8 @@ class Shadow:
     ) -> None:
         self.target = target
         self.drill = drill
-        self.monitor: Any = None  # the Monitor that installed this shadow (set by it)
-        # The overhead budget: the shadow side's time (upstream, comparison, oracle, exporters) may use at most
+        self.monitor: Any = None  # the Monitor that installed this experiment (set by it)
+        # The overhead budget: the upstream side's time (upstream, comparison, oracle, exporters) may use at most
         # this fraction of the wall time since install; sampled calls beyond it are skipped (reason "budget")
         # without calling exporters, and reported to them in bulk at the next publish or flush.
         self.budget = budget
@@ -193,37 +228,37 @@ class Shadow:
 
     def _arrive(self, args: tuple, kwargs: dict) -> Any:
         """A call found the gate closed: maybe the sampled one."""
-        shadow_side = getattr(_local, "active", False)
+        upstream_side = getattr(_local, "upstream_side", False)
         nested = getattr(_local, "in_legacy", None) is self or getattr(_local, "publishing", False)
-        if shadow_side or nested or _on_upstream_thread():
+        if upstream_side or nested or _on_upstream_thread():
             # A nested call, part of a call already counted: made by legacy itself (through a mode, a subclass
-            # or recursion), by the shadow side (upstream, the oracle, exporters), by an exporter, or on a thread
+            # or recursion), by the upstream side (upstream, the oracle, exporters), by an exporter, or on a thread
             # that an upstream run started (DataParallel's workers). Not a call of the job's: not counted, not
-            # shadowed. The shadow side's own calls run upstream; the others run legacy, so that a job thread
+            # compared. The upstream side's own calls run upstream; the others run legacy, so that a job thread
             # that happened to start during an upstream run could never receive upstream's result.
             with self._lock:
                 self.sampler.arrive()
                 self.sampler.uncount()
-            return (self.target.upstream if shadow_side else self.legacy)(*args, **kwargs)
+            return (self.target.upstream if upstream_side else self.legacy)(*args, **kwargs)
         with self._lock:
             sampled = self.sampler.arrive()
         if not sampled:
             return self.legacy(*args, **kwargs)
         if self.budget is not None and self._spent > self.budget * (time.monotonic() - self._started):
             with self._lock:  # over budget: nothing but counting until the job's time catches up
-                self._outcomes["skipped"] += 1
+                self._outcomes[Outcome.SKIPPED.value] += 1
                 self._reasons["budget"] += 1
                 self._budget_skips_unreported += 1
-            return self._legacy_call(args, kwargs)
+            return self._run_legacy(args, kwargs)
         skip = self._skip_reason(args, kwargs)
         if skip is not None:
             start = time.perf_counter()
-            self._publish(Observation(self.target.name, "skipped", (skip,), timestamp=time.time()))
+            self._publish(Observation(self.target.name, Outcome.SKIPPED, (skip,), timestamp=time.time()))
             self._spent += time.perf_counter() - start
-            return self._legacy_call(args, kwargs)
-        return self._shadowed_call(args, kwargs)
+            return self._run_legacy(args, kwargs)
+        return self._sampled_call(args, kwargs)
 
-    def _legacy_call(self, args: tuple, kwargs: dict) -> Any:
+    def _run_legacy(self, args: tuple, kwargs: dict) -> Any:
         """Legacy, marked as running on this thread: its own nested calls of the wrapper are not new calls."""
         outer, _local.in_legacy = getattr(_local, "in_legacy", None), self
         try:
@@ -239,20 +274,21 @@ class Shadow:
             return "mode"
         return None
 
-    def _shadowed_call(self, args: tuple, kwargs: dict) -> Any:
-        prepared = self._prepare(args, kwargs)
+    def _sampled_call(self, args: tuple, kwargs: dict) -> Any:
+        """Plan the upstream run, run legacy (its result or exception is the caller's), then the upstream side."""
+        plan = self._plan(args, kwargs)
         start = time.perf_counter()
         try:
-            result = self._legacy_call(args, kwargs)
+            result = self._run_legacy(args, kwargs)
         except Exception as exc:
-            self._shadow(prepared, args, kwargs, time.perf_counter() - start, legacy_error=exc)
+            self._upstream_side(plan, args, kwargs, Run(error=exc, seconds=time.perf_counter() - start))
             raise
-        self._shadow(prepared, args, kwargs, time.perf_counter() - start, result=result)
+        self._upstream_side(plan, args, kwargs, Run(value=result, seconds=time.perf_counter() - start))
         return result
 
-    # ------------------------------------------------------------------ the shadow side
+    # ------------------------------------------------------------------ the upstream side
 
-    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Isolation | None, str, str, bool] | BaseException:
+    def _plan(self, args: tuple, kwargs: dict) -> Plan | BaseException:
         """What the upstream run (and the oracle's) needs, taken before legacy runs; an exception if that failed."""
         try:
             autocast = _autocast_state()
@@ -261,7 +297,7 @@ class Shadow:
             )
             isolation = Isolation(args, kwargs, runs=2 if oracle else 1) if self.target.isolate else None
             signature = self.target.signature(args, kwargs) if self.target.signature else "call"
-            return isolation, self._admit(bounded(str(signature), 64)), autocast, oracle
+            return Plan(isolation, self._admit(bounded(str(signature), 64)), autocast, oracle)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
@@ -281,107 +317,96 @@ class Shadow:
         )
         return OTHER_SIGNATURE
 
-    def _shadow(
-        self,
-        prepared: tuple | BaseException,
-        args: tuple,
-        kwargs: dict,
-        legacy_seconds: float,
-        result: Any = None,
-        legacy_error: BaseException | None = None,
-    ) -> None:
-        _local.active = True  # calls of wrapped functions from here on (exporters too) are not shadowed again
+    def _upstream_side(self, plan: Plan | BaseException, args: tuple, kwargs: dict, legacy: Run) -> None:
+        """Everything after legacy: observe, publish. Whatever it does to torch's global state is undone, and
+        whatever it raises is this tool's fault: counted as a "comparator" skip, never the caller's problem."""
+        _local.upstream_side = True  # calls of wrapped functions from here on (exporters too) are not compared again
         started = time.perf_counter()
-        settings = TorchGlobals()  # as legacy left them; the shadow side's changes never reach the job
+        settings = TorchGlobals()  # as legacy left them; the upstream side's changes never reach the job
         try:
             try:
-                observation = self._observe(prepared, args, kwargs, legacy_seconds, result, legacy_error)
+                observation = self._observe(plan, args, kwargs, legacy)
             except KeyboardInterrupt:
                 raise
-            except BaseException as exc:  # a fault of this tool (SystemExit too), never the caller's problem
-                self._log_limited("comparator", "shadow side failed: %r", exc)
-                observation = Observation(self.target.name, "skipped", ("comparator",), detail=bounded(repr(exc)))
+            except BaseException as exc:  # SystemExit too
+                self._log_limited("comparator", "upstream side failed: %r", exc)
+                observation = Observation(self.target.name, Outcome.SKIPPED, ("comparator",), detail=bounded(repr(exc)))
             self._publish(observation)
         finally:
             settings.restore()
-            _local.active = False
+            _local.upstream_side = False
             self._spent += time.perf_counter() - started
 
-    def _observe(
-        self,
-        prepared: tuple | BaseException,
-        args: tuple,
-        kwargs: dict,
-        legacy_seconds: float,
-        result: Any,
-        legacy_error: BaseException | None,
-    ) -> Observation:
+    def _observe(self, plan: Plan | BaseException, args: tuple, kwargs: dict, legacy: Run) -> Observation:
+        """Run upstream on the plan's isolated arguments and compare the two runs."""
         now = time.time()
-        if isinstance(prepared, BaseException):
-            reason = "oom" if _is_oom(prepared) else "comparator"
-            if reason == "oom":
-                _free_after_oom()
-            return Observation(self.target.name, "skipped", (reason,), detail=bounded(repr(prepared)), timestamp=now)
-        isolation, signature, autocast_before, oracle_planned = prepared
+        if isinstance(plan, BaseException):
+            return self._skipped(plan, timestamp=now)
+        upstream, drilled = self._run_upstream(plan, args, kwargs)
         common = {
             "target": self.target.name,
             "legacy": self.legacy_origin,
-            "signature": signature,
-            "legacy_seconds": legacy_seconds,
+            "signature": plan.signature,
+            "legacy_seconds": legacy.seconds,
+            "upstream_seconds": upstream.seconds,
+            "drill": drilled,
             "timestamp": now,
         }
+        if upstream.error is not None and legacy.error is None and _is_oom(upstream.error):
+            del upstream, plan
+            _free_after_oom()
+            return Observation(outcome=Outcome.SKIPPED, reasons=("oom",), **common)
+        if legacy.error is not None or upstream.error is not None:
+            found = compare_exceptions(legacy.error, upstream.error)
+            observation = Observation(outcome=found.outcome, reasons=found.reasons, detail=found.detail, **common)
+            if observation.outcome == Outcome.ERROR:
+                evidence = self._evidence(plan, args, kwargs, legacy, upstream.error)
+                observation = dataclasses.replace(observation, evidence=evidence)
+            return observation
+        return self._compare_values(plan, args, kwargs, legacy, upstream, common)
 
-        up_args, up_kwargs = (isolation.args, isolation.kwargs) if isolation is not None else (args, kwargs)
-        context = isolation.upstream_run() if isolation is not None else torch.no_grad()
-        upstream_error: BaseException | None = None
-        upstream_result: Any = None
+    def _skipped(self, failure: BaseException, timestamp: float) -> Observation:
+        """The observation of a call whose plan failed: out of memory, or a fault of this tool."""
+        reason = "oom" if _is_oom(failure) else "comparator"
+        if reason == "oom":
+            _free_after_oom()
+        return Observation(
+            self.target.name, Outcome.SKIPPED, (reason,), detail=bounded(repr(failure)), timestamp=timestamp
+        )
+
+    def _run_upstream(self, plan: Plan, args: tuple, kwargs: dict) -> tuple[Run, bool]:
+        """Upstream on the isolated arguments (the caller's where the target is not isolated, without grad), and
+        whether a fire drill corrupted it."""
+        up_args, up_kwargs = plan.arguments(args, kwargs)
+        context = plan.isolation.upstream_run() if plan.isolation is not None else torch.no_grad()
         drilled = self.drill is not None and self.drill.fires()
+        value: Any = None
+        error: BaseException | None = None
+        autocast = ""
         start = time.perf_counter()
         try:
             with context, _upstream_run():
-                autocast_upstream = _autocast_state()
+                autocast = _autocast_state()
                 if drilled:
                     self.drill.before_upstream()
-                upstream_result = self.target.upstream(*up_args, **up_kwargs)
+                value = self.target.upstream(*up_args, **up_kwargs)
                 if drilled:
-                    upstream_result = self.drill.corrupt(upstream_result)
+                    value = self.drill.corrupt(value)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # SystemExit, GeneratorExit: upstream's outcome, never the caller's
-            upstream_error = exc
-        upstream_seconds = time.perf_counter() - start
-        common["upstream_seconds"] = upstream_seconds
-        common["drill"] = drilled
+            error = exc
+        return Run(value, error, time.perf_counter() - start, autocast), drilled
 
-        if upstream_error is not None and legacy_error is None and _is_oom(upstream_error):
-            del upstream_error, isolation, prepared, up_args, up_kwargs, context
-            _free_after_oom()
-            return Observation(outcome="skipped", reasons=("oom",), **common)
-
-        def evidence(upstream_output: Any) -> Evidence:
-            inputs = (isolation.args, isolation.kwargs) if isolation is not None else (args, kwargs)
-            modules = find_modules(inputs)
-            state = modules[0].state_dict() if modules else None
-            return Evidence(
-                *inputs,
-                legacy=legacy_error or result,
-                upstream=upstream_output,
-                module_state=state,
-                legacy_fn=self.legacy,
-                upstream_fn=self.target.upstream,
-                exact=self.target.exact,
-            )
-
-        if legacy_error is not None or upstream_error is not None:
-            observation = self._compare_errors(legacy_error, upstream_error, common)
-            if observation.outcome == "error":
-                observation = dataclasses.replace(observation, evidence=evidence(upstream_error))
-            return observation
-
+    def _compare_values(
+        self, plan: Plan, args: tuple, kwargs: dict, legacy: Run, upstream: Run, common: dict[str, Any]
+    ) -> Observation:
+        """Compare two results (and, where planned, legacy's replica 0 with the single-device oracle)."""
+        up_args, up_kwargs = plan.arguments(args, kwargs)
         start = time.perf_counter()
         comparison = compare(
-            result,
-            upstream_result,
+            legacy.value,
+            upstream.value,
             tolerance=self.tolerance,
             exact=self.target.exact,
             legacy_inputs=(args, kwargs),
@@ -389,11 +414,14 @@ class Shadow:
         )
         compare_seconds = time.perf_counter() - start
         detail = comparison.detail
-        if comparison.outcome == "mismatch":
-            detail = bounded(f"{detail} | autocast legacy: {autocast_before}; upstream: {autocast_upstream}")
+        if comparison.outcome == Outcome.MISMATCH:
+            detail = bounded(f"{detail} | autocast legacy: {plan.autocast}; upstream: {upstream.autocast}")
         shared = {}
-        if oracle_planned and comparison.outcome in ("match", "close"):
-            shared = self._single_device(isolation, result)
+        if plan.oracle and comparison.outcome in (Outcome.MATCH, Outcome.CLOSE):
+            shared = self._single_device(plan.isolation, legacy.value)
+        evidence = None
+        if comparison.outcome == Outcome.MISMATCH:
+            evidence = self._evidence(plan, args, kwargs, legacy, upstream.value)
         return Observation(
             outcome=comparison.outcome,
             reasons=comparison.reasons,
@@ -403,9 +431,23 @@ class Shadow:
             numel=comparison.numel,
             compare_seconds=compare_seconds,
             detail=detail,
-            evidence=evidence(upstream_result) if comparison.outcome == "mismatch" else None,
+            evidence=evidence,
             **shared,
             **common,
+        )
+
+    def _evidence(self, plan: Plan, args: tuple, kwargs: dict, legacy: Run, upstream_output: Any) -> Evidence:
+        """What a repro capture needs: the inputs as upstream received them, both outputs, the module state."""
+        inputs = plan.arguments(args, kwargs)
+        modules = find_modules(inputs)
+        return Evidence(
+            *inputs,
+            legacy=legacy.error or legacy.value,
+            upstream=upstream_output,
+            module_state=modules[0].state_dict() if modules else None,
+            legacy_fn=self.legacy,
+            upstream_fn=self.target.upstream,
+            exact=self.target.exact,
         )
 
     def _single_device(self, isolation: Isolation, legacy_result: Any) -> dict[str, Any]:
@@ -436,13 +478,6 @@ class Shadow:
             "shared_detail": bounded(f"legacy and upstream agree; replica 0 alone on its device: {found.detail}"),
             "oracle_seconds": seconds,
         }
-
-    @staticmethod
-    def _compare_errors(
-        legacy_error: BaseException | None, upstream_error: BaseException | None, common: dict
-    ) -> Observation:
-        found = compare_exceptions(legacy_error, upstream_error)
-        return Observation(outcome=found.outcome, reasons=found.reasons, detail=found.detail, **common)
 
     def _publish(self, observation: Observation) -> None:
         with self._lock:
@@ -526,8 +561,8 @@ class Shadow:
         self._calls_reported = 0
 
 
-def shadow_of(obj: Any) -> Shadow | None:
-    """The Shadow behind an installed wrapper, if ``obj`` is one."""
+def experiment_of(obj: Any) -> Experiment | None:
+    """The Experiment behind an installed wrapper, if ``obj`` is one."""
     if isinstance(obj, (staticmethod, classmethod)):
         obj = obj.__func__
     return getattr(obj, "__npu_shadow__", None)

@@ -19,7 +19,7 @@ from shadow.core import exporting
 from shadow.core import targets as builtin
 from shadow.core import tolerance as tol
 from shadow.core.drill import Drill
-from shadow.core.engine import Shadow, shadow_of
+from shadow.core.engine import Experiment, experiment_of
 from shadow.core.observation import TargetStats
 from shadow.core.rates import check_rate
 from shadow.core.targets import Target
@@ -30,80 +30,84 @@ _logged_nothing_to_shadow = False
 
 
 class Monitor:
-    """The installed shadows. A context manager: leaving it uninstalls."""
+    """The installed experiments (one per target). A context manager: leaving it uninstalls."""
 
-    def __init__(self, shadows: Sequence[Shadow], yields: bool = False) -> None:
-        self._shadows = list(shadows)
+    def __init__(self, experiments: Sequence[Experiment], yields: bool = False) -> None:
+        self._experiments = list(experiments)
         self._restore: list[tuple[Any, str, bool, Any]] = []
         #: A yielding monitor steps aside for a monitor installed later on the same target, and comes back
         #: when that one is uninstalled (the pytest plugin's session monitor yields to a test's own).
         self.yields = yields
-        self._suspended: list[tuple[Monitor, Shadow]] = []  # yielding shadows this monitor displaced
-        for s in self._shadows:
+        self._suspended: list[tuple[Monitor, Experiment]] = []  # yielding monitors' experiments this one displaced
+        for s in self._experiments:
             s.monitor = self
 
     @property
     def targets(self) -> tuple[str, ...]:
         """Names of the installed targets."""
-        return tuple(s.target.name for s in self._shadows)
+        return tuple(s.target.name for s in self._experiments)
 
     def stats(self) -> dict[str, TargetStats]:
         """{target name: counts so far}."""
-        return {s.target.name: s.stats() for s in self._shadows}
+        return {s.target.name: s.stats() for s in self._experiments}
 
     def legacy_origins(self) -> dict[str, str]:
         """{target name: where its legacy comes from} for the built-in legacies (see targets.patch_origin)."""
-        origins = {s.target.name: builtin.patch_origin(s.legacy) for s in self._shadows}
+        origins = {s.target.name: builtin.patch_origin(s.legacy) for s in self._experiments}
         return {name: origin for name, origin in origins.items() if origin is not None}
 
-    def shadow(self, name: str) -> Shadow:
+    def experiment(self, name: str) -> Experiment:
         """The engine of one installed target."""
-        for s in self._shadows:
+        for s in self._experiments:
             if s.target.name == name:
                 return s
         raise KeyError(f"{name!r} is not installed; installed: {list(self.targets)}")
 
     def _patch(self) -> None:
-        for s in self._shadows:
+        for s in self._experiments:
             owner, attribute = s.target.owner, s.target.attribute
             had_own = attribute in vars(owner)
             raw = vars(owner)[attribute] if had_own else None
             self._restore.append((s, had_own, raw))
             setattr(owner, attribute, staticmethod(s.wrapper) if isinstance(raw, staticmethod) else s.wrapper)
 
-    def _entry(self, shadow: Shadow) -> tuple[bool, Any]:
+    def _entry(self, experiment: Experiment) -> tuple[bool, Any]:
         for s, had_own, raw in self._restore:
-            if s is shadow:
+            if s is experiment:
                 return had_own, raw
-        raise KeyError(shadow.target.name)
+        raise KeyError(experiment.target.name)
 
-    def suspend(self, shadow: Shadow) -> None:
-        """Put back what ``shadow``'s wrapper replaced, for another monitor to wrap (yielding monitors)."""
-        had_own, raw = self._entry(shadow)
-        owner, attribute = shadow.target.owner, shadow.target.attribute
+    def suspend(self, experiment: Experiment) -> None:
+        """Put back what ``experiment``'s wrapper replaced, for another monitor to wrap (yielding monitors)."""
+        had_own, raw = self._entry(experiment)
+        owner, attribute = experiment.target.owner, experiment.target.attribute
         if had_own:
             setattr(owner, attribute, raw)
         else:
             delattr(owner, attribute)
 
-    def resume(self, shadow: Shadow) -> None:
-        """Install ``shadow``'s wrapper again after :meth:`suspend`, if nothing else took its place since."""
-        had_own, raw = self._entry(shadow)
-        owner, attribute = shadow.target.owner, shadow.target.attribute
+    def resume(self, experiment: Experiment) -> None:
+        """Install ``experiment``'s wrapper again after :meth:`suspend`, if nothing else took its place since."""
+        had_own, raw = self._entry(experiment)
+        owner, attribute = experiment.target.owner, experiment.target.attribute
         if vars(owner).get(attribute) is (raw if had_own else None):
-            setattr(owner, attribute, staticmethod(shadow.wrapper) if isinstance(raw, staticmethod) else shadow.wrapper)
+            setattr(
+                owner,
+                attribute,
+                staticmethod(experiment.wrapper) if isinstance(raw, staticmethod) else experiment.wrapper,
+            )
 
     def replaced(self) -> list[str]:
         """Targets whose wrapper something else replaced since install (torch_npu imported late, say)."""
         return [
             s.target.name
             for s, _, _ in self._restore
-            if shadow_of(vars(s.target.owner).get(s.target.attribute)) is not s
+            if experiment_of(vars(s.target.owner).get(s.target.attribute)) is not s
         ]
 
     def flush(self) -> None:
         """Report calls not yet reported to the exporters (done at every sampled call, and here)."""
-        for s in self._shadows:
+        for s in self._experiments:
             s.report_calls()
 
     def uninstall(self) -> None:
@@ -113,7 +117,7 @@ class Monitor:
         while self._restore:
             s, had_own, raw = self._restore.pop()
             owner, attribute = s.target.owner, s.target.attribute
-            if shadow_of(vars(owner).get(attribute)) is not s:
+            if experiment_of(vars(owner).get(attribute)) is not s:
                 # Something patched over the wrapper after install: putting the old object back would
                 # undo that patch too, so leave it.
                 log.warning("npu-shadow: %s was replaced while shadowed; leaving the new object", s.target.where)
@@ -122,8 +126,8 @@ class Monitor:
             else:
                 delattr(owner, attribute)
         while self._suspended:
-            monitor, shadow = self._suspended.pop()
-            monitor.resume(shadow)
+            monitor, experiment = self._suspended.pop()
+            monitor.resume(experiment)
 
     @property
     def installed(self) -> bool:
@@ -197,7 +201,7 @@ def install(
     divergence into the upstream side (never into what the caller gets). ``oracle``: for the DataParallel
     targets, the fraction of sampled calls without autocast that also run replica 0 alone on its device, to find
     divergences legacy and upstream share (sampled calls under autocast always do); None turns it off.
-    ``budget``: the fraction of wall time (per target, since install) the shadow side may use; beyond it sampled
+    ``budget``: the fraction of wall time (per target, since install) the upstream side may use; beyond it sampled
     calls are skipped with reason "budget" (None: no limit). ``yields``: this monitor steps aside while a later
     monitor shadows the same target (instead of that one raising "already shadowed"). Raises ValueError on
     any bad argument, before patching.
@@ -219,7 +223,7 @@ def install(
     for target in resolved:
         if places.count((id(target.owner), target.attribute)) > 1:
             raise ValueError(f"targets: more than one target wraps {target.where}")
-        existing = shadow_of(getattr(target.owner, target.attribute, None))
+        existing = experiment_of(getattr(target.owner, target.attribute, None))
         if existing is not None and not getattr(getattr(existing, "monitor", None), "yields", False):
             raise ValueError(
                 f"{target.where} is already shadowed (target {existing.target.name!r}); uninstall that monitor first"
@@ -264,12 +268,14 @@ def install(
 
     suspended = []
     for target in resolved:
-        existing = shadow_of(getattr(target.owner, target.attribute, None))
+        existing = experiment_of(getattr(target.owner, target.attribute, None))
         if existing is not None:  # a yielding monitor's (checked above): step it aside
             existing.monitor.suspend(existing)
             suspended.append((existing.monitor, existing))
-    shadows = [Shadow(t, rates[t.name], tolerances[t.name], exporters, seed, drill, oracle, budget) for t in resolved]
-    monitor = Monitor(shadows, yields=yields)
+    experiments = [
+        Experiment(t, rates[t.name], tolerances[t.name], exporters, seed, drill, oracle, budget) for t in resolved
+    ]
+    monitor = Monitor(experiments, yields=yields)
     monitor._suspended = suspended
     try:
         monitor._patch()

@@ -109,8 +109,8 @@ class Observation:
         object.__setattr__(self, "outcome", str(Outcome(self.outcome)))  # the value, also when given a member
 
     @property
-    def shadow_seconds(self) -> float:
-        """Time the shadow side cost the caller: the upstream run, the comparison, the oracle."""
+    def overhead_seconds(self) -> float:
+        """Time the upstream side cost the caller: the upstream run, the comparison, the oracle."""
         return self.upstream_seconds + self.compare_seconds + self.oracle_seconds
 
 
