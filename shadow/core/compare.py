@@ -337,18 +337,37 @@ def compare(
     """
     legacy_leaves, legacy_specs = _flatten(legacy)
     upstream_leaves, upstream_specs = _flatten(upstream)
-    reasons: set[str] = set()
-    notes: list[str] = []
-    if legacy_specs != upstream_specs:
-        reasons.add("structure")
-        only_legacy = sorted(set(legacy_leaves) - set(upstream_leaves))
-        only_upstream = sorted(set(upstream_leaves) - set(legacy_leaves))
-        described = ", ".join(
-            [f"only legacy has {p or 'output'}" for p in only_legacy[:2]]
-            + [f"only upstream has {p or 'output'}" for p in only_upstream[:2]]
-        )
-        notes.append(f"structure differs: {described or 'container types differ'}")
+    structure = _structure_note(legacy_leaves, legacy_specs, upstream_leaves, upstream_specs)
+    reports = _check_leaves(legacy_leaves, upstream_leaves, tolerance, exact, legacy_inputs, upstream_inputs)
+    errors = _apply_statistics(reports)
+    return _verdict(reports, structure, errors)
 
+
+def _structure_note(
+    legacy_leaves: dict[str, Any], legacy_specs: list, upstream_leaves: dict[str, Any], upstream_specs: list
+) -> str | None:
+    """What differs in the containers of the two outputs (None when they have the same structure)."""
+    if legacy_specs == upstream_specs:
+        return None
+    only_legacy = sorted(set(legacy_leaves) - set(upstream_leaves))
+    only_upstream = sorted(set(upstream_leaves) - set(legacy_leaves))
+    described = ", ".join(
+        [f"only legacy has {p or 'output'}" for p in only_legacy[:2]]
+        + [f"only upstream has {p or 'output'}" for p in only_upstream[:2]]
+    )
+    return f"structure differs: {described or 'container types differ'}"
+
+
+def _check_leaves(
+    legacy_leaves: dict[str, Any],
+    upstream_leaves: dict[str, Any],
+    tolerance: tol.ToleranceSpec,
+    exact: bool,
+    legacy_inputs: Any,
+    upstream_inputs: Any,
+) -> list[_LeafReport]:
+    """A report per pair of leaves present on both sides: metadata and aliasing checked on the host, value
+    statistics started on the tensors' device."""
     legacy_alias = _alias_map(legacy_inputs)
     upstream_alias = _alias_map(upstream_inputs)
     reports: list[_LeafReport] = []
@@ -366,14 +385,17 @@ def compare(
         else:
             report = _check_object(path, a, b)
         reports.append(report)
+    return reports
 
+
+def _apply_statistics(reports: list[_LeafReport]) -> tuple[float, float, int]:
+    """Bring every leaf's statistics to the host at once (the one synchronisation), turn them into reasons and
+    notes on the reports, and return (greatest abs error, greatest rel error, elements out of tolerance)."""
     with_stats = [r for r in reports if r.stats is not None]
-    if with_stats:
-        home = with_stats[0].stats.device
-        values = torch.cat([r.stats.to(home) for r in with_stats]).tolist()  # the one host sync
-    else:
-        values = []
-
+    if not with_stats:
+        return 0.0, 0.0, 0
+    home = with_stats[0].stats.device
+    values = torch.cat([r.stats.to(home) for r in with_stats]).tolist()  # the one host sync
     max_abs = max_rel = 0.0
     mismatched = 0
     for i, report in enumerate(with_stats):
@@ -396,8 +418,13 @@ def compare(
                 f"upstream {_unbits(at_upstream, report.compute):.9g}; greatest abs diff {leaf_abs:.3g}, "
                 f"rel diff {leaf_rel:.3g} (rtol {report.tolerance.rtol:g}, atol {report.tolerance.atol:g})"
             )
+    return max_abs, max_rel, mismatched
 
-    numel = sum(r.numel for r in reports)
+
+def _verdict(reports: list[_LeafReport], structure: str | None, errors: tuple[float, float, int]) -> Comparison:
+    """The outcome: mismatch when any reason was found, match when every leaf is bitwise equal, else close."""
+    reasons: set[str] = {"structure"} if structure is not None else set()
+    notes: list[str] = [structure] if structure is not None else []
     for report in reports:
         reasons.update(report.reasons)
         if report.notes:
@@ -408,13 +435,14 @@ def compare(
         outcome = "match"
     else:
         outcome = "close"
+    max_abs, max_rel, mismatched = errors
     return Comparison(
         outcome=outcome,
         reasons=_ordered(reasons),
         max_abs_error=max_abs,
         max_rel_error=max_rel,
         mismatched=mismatched,
-        numel=numel,
+        numel=sum(r.numel for r in reports),
         detail=bounded(" | ".join(notes)),
     )
 

@@ -206,72 +206,24 @@ def install(
     monitor shadows the same target (instead of that one raising "already shadowed"). Raises ValueError on
     any bad argument, before patching.
     """
-    if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is not None:
-        warnings.warn(
-            "npu-shadow: torch_npu is installed but not imported yet; import it before shadow.install(), "
-            "or its patches will replace the wrappers (npu-shadow run handles this by itself)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    _warn_if_torch_npu_comes_later()
     resolved = _resolve_targets(targets)
-    names = [t.name for t in resolved]
-
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"targets: {duplicates} given more than once")
-    places = [(id(t.owner), t.attribute) for t in resolved]
-    for target in resolved:
-        if places.count((id(target.owner), target.attribute)) > 1:
-            raise ValueError(f"targets: more than one target wraps {target.where}")
-        existing = experiment_of(getattr(target.owner, target.attribute, None))
-        if existing is not None and not getattr(getattr(existing, "monitor", None), "yields", False):
-            raise ValueError(
-                f"{target.where} is already shadowed (target {existing.target.name!r}); uninstall that monitor first"
-            )
-        if target.legacy is None and isinstance(vars(target.owner).get(target.attribute), classmethod):
-            raise ValueError(f"{target.where}: classmethods cannot be shadowed")
-
+    _check_places(resolved)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed: expected an int or None, got {seed!r}")
-
     # Every value is checked whichever targets resolve (none may be active yet).
-    rate_table = isinstance(sample_rate, Mapping)
-    if rate_table:
-        for name, rate in sample_rate.items():
-            check_rate(rate, f"sample_rate[{name!r}]")
-    else:
-        check_rate(sample_rate, "sample_rate")
-    rates = _per_target("sample_rate", sample_rate, names, rate_table)
-    rates = {name: 0.01 if rate is None else float(rate) for name, rate in rates.items()}
-
-    tolerance_table = isinstance(tolerance, Mapping) and bool(tolerance) and all(isinstance(k, str) for k in tolerance)
-    if isinstance(tolerance, Mapping) and not tolerance_table and any(isinstance(k, str) for k in tolerance):
-        raise ValueError("tolerance: a table is keyed either by target names or by torch.dtype, not both")
-    if tolerance_table:
-        for name, spec in tolerance.items():
-            tol.validate(spec, f"tolerance[{name!r}]")
-    else:
-        tol.validate(tolerance, "tolerance")
-    tolerances = _per_target("tolerance", tolerance, names, tolerance_table)
-
+    names = [t.name for t in resolved]
+    rates = _sample_rates(sample_rate, names)
+    tolerances = _tolerances(tolerance, names)
     exporters = tuple(exporters)
     for exporter in exporters:
         exporting.check(exporter, "exporters")
-
     if drill is not None and not isinstance(drill, Drill):
         raise ValueError(f"drill: expected a shadow.core.drill.Drill or None, got {drill!r}")
+    oracle = None if oracle is None else check_rate(oracle, "oracle")
+    budget = None if budget is None else check_rate(budget, "budget", low="(0")
 
-    if oracle is not None:
-        oracle = check_rate(oracle, "oracle")
-    if budget is not None:
-        budget = check_rate(budget, "budget", low="(0")
-
-    suspended = []
-    for target in resolved:
-        existing = experiment_of(getattr(target.owner, target.attribute, None))
-        if existing is not None:  # a yielding monitor's (checked above): step it aside
-            existing.monitor.suspend(existing)
-            suspended.append((existing.monitor, existing))
+    suspended = _step_aside(resolved)  # before the experiments read what is installed as their legacy
     experiments = [
         Experiment(t, rates[t.name], tolerances[t.name], exporters, seed, drill, oracle, budget) for t in resolved
     ]
@@ -289,3 +241,69 @@ def install(
                 log.warning("npu-shadow: exporter %r failed in set_drill: %r", exporter, failure)
     log.debug("npu-shadow installed %s with torch %s", monitor.targets, torch.__version__)
     return monitor
+
+
+def _warn_if_torch_npu_comes_later() -> None:
+    if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is not None:
+        warnings.warn(
+            "npu-shadow: torch_npu is installed but not imported yet; import it before shadow.install(), "
+            "or its patches will replace the wrappers (npu-shadow run handles this by itself)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _check_places(resolved: list[Target]) -> None:
+    """Each target once, each attribute wrapped by one target, none already shadowed by a monitor that does not
+    yield, no classmethod."""
+    names = [t.name for t in resolved]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"targets: {duplicates} given more than once")
+    places = [(id(t.owner), t.attribute) for t in resolved]
+    for target in resolved:
+        if places.count((id(target.owner), target.attribute)) > 1:
+            raise ValueError(f"targets: more than one target wraps {target.where}")
+        existing = experiment_of(getattr(target.owner, target.attribute, None))
+        if existing is not None and not getattr(getattr(existing, "monitor", None), "yields", False):
+            raise ValueError(
+                f"{target.where} is already shadowed (target {existing.target.name!r}); uninstall that monitor first"
+            )
+        if target.legacy is None and isinstance(vars(target.owner).get(target.attribute), classmethod):
+            raise ValueError(f"{target.where}: classmethods cannot be shadowed")
+
+
+def _sample_rates(sample_rate: float | Mapping[str, float], names: list[str]) -> dict[str, float]:
+    """The sample rate of each target, from one rate or a {target name: rate} table (absent names: 0.01)."""
+    rate_table = isinstance(sample_rate, Mapping)
+    if rate_table:
+        for name, rate in sample_rate.items():
+            check_rate(rate, f"sample_rate[{name!r}]")
+    else:
+        check_rate(sample_rate, "sample_rate")
+    rates = _per_target("sample_rate", sample_rate, names, rate_table)
+    return {name: 0.01 if rate is None else float(rate) for name, rate in rates.items()}
+
+
+def _tolerances(tolerance: Any, names: list[str]) -> dict[str, tol.ToleranceSpec]:
+    """The tolerance of each target, from one spec or a {target name: spec} table."""
+    tolerance_table = isinstance(tolerance, Mapping) and bool(tolerance) and all(isinstance(k, str) for k in tolerance)
+    if isinstance(tolerance, Mapping) and not tolerance_table and any(isinstance(k, str) for k in tolerance):
+        raise ValueError("tolerance: a table is keyed either by target names or by torch.dtype, not both")
+    if tolerance_table:
+        for name, spec in tolerance.items():
+            tol.validate(spec, f"tolerance[{name!r}]")
+    else:
+        tol.validate(tolerance, "tolerance")
+    return _per_target("tolerance", tolerance, names, tolerance_table)
+
+
+def _step_aside(resolved: list[Target]) -> list[tuple[Monitor, Experiment]]:
+    """Suspend the yielding monitors' experiments on these targets (checked before); returns them, to resume."""
+    suspended = []
+    for target in resolved:
+        existing = experiment_of(getattr(target.owner, target.attribute, None))
+        if existing is not None:
+            existing.monitor.suspend(existing)
+            suspended.append((existing.monitor, existing))
+    return suspended
