@@ -30,7 +30,7 @@ def test_discovers_the_fake_torch_npu_patches_and_restores_identity(fake_torch_n
 
 
 def test_without_torch_npu_nothing_is_installed_and_it_says_so_once(caplog, monkeypatch):
-    monkeypatch.setattr(shadow.core.monitor, "_logged_nothing_to_shadow", False)
+    monkeypatch.setattr(shadow.core.monitor, "_NOTICES", shadow.core.monitor._Notices())
     with caplog.at_level(logging.INFO, logger="shadow"):
         first = shadow.install()
         second = shadow.install()

@@ -20,18 +20,36 @@ from typing import Any
 
 log = logging.getLogger("shadow")
 
-_pending: list[tuple[Callable, Callable]] = []
 _DYNAMO = "torch._dynamo"
+
+
+class Substitutions:
+    """Wrappers waiting for dynamo to be imported before dynamo is told to trace their legacy instead."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Callable, Callable]] = []
+
+    def trace_as_legacy(self, wrapper: Callable, legacy: Callable) -> None:
+        """Have dynamo trace ``legacy`` wherever it meets ``wrapper``, now or once dynamo is imported."""
+        if _DYNAMO in sys.modules:
+            _register(wrapper, legacy)
+        else:
+            self._pending.append((wrapper, legacy))
+            if not any(isinstance(finder, _DynamoImportHook) for finder in sys.meta_path):
+                sys.meta_path.insert(0, _DynamoImportHook(self.flush))
+
+    def flush(self) -> None:
+        while self._pending:
+            _register(*self._pending.pop(0))
+
+
+#: The process's pending substitutions.
+SUBSTITUTIONS = Substitutions()
 
 
 def trace_as_legacy(wrapper: Callable, legacy: Callable) -> None:
     """Have dynamo trace ``legacy`` wherever it meets ``wrapper``, now or once dynamo is imported."""
-    if _DYNAMO in sys.modules:
-        _register(wrapper, legacy)
-    else:
-        _pending.append((wrapper, legacy))
-        if not any(isinstance(finder, _DynamoImportHook) for finder in sys.meta_path):
-            sys.meta_path.insert(0, _DynamoImportHook())
+    SUBSTITUTIONS.trace_as_legacy(wrapper, legacy)
 
 
 def _register(wrapper: Callable, legacy: Callable) -> None:
@@ -46,13 +64,11 @@ def _register(wrapper: Callable, legacy: Callable) -> None:
         log.warning("npu-shadow: torch.compile will trace the shadow wrapper (%s)", exc)
 
 
-def _flush() -> None:
-    while _pending:
-        _register(*_pending.pop(0))
-
-
 class _DynamoImportHook(importlib.abc.MetaPathFinder):
     """Runs the pending registrations right after ``torch._dynamo`` has finished importing."""
+
+    def __init__(self, then: Callable[[], None]) -> None:
+        self.then = then
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if name != _DYNAMO:
@@ -66,7 +82,7 @@ class _DynamoImportHook(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             original_exec(module)
-            _flush()
+            self.then()
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec

@@ -11,18 +11,29 @@ class ForkAware(Protocol):
     def _after_fork_in_child(self) -> None: ...
 
 
-_objects: weakref.WeakSet[ForkAware] = weakref.WeakSet()
+class ForkHooks:
+    """Objects to reset in a forked child, held weakly (an object that is gone needs no reset)."""
+
+    def __init__(self) -> None:
+        self._objects: weakref.WeakSet[ForkAware] = weakref.WeakSet()
+
+    def register(self, obj: ForkAware) -> None:
+        """Call ``obj._after_fork_in_child()`` in every forked child while ``obj`` is alive."""
+        self._objects.add(obj)
+
+    def run(self) -> None:
+        for obj in list(self._objects):
+            obj._after_fork_in_child()
+
+
+#: The process's hooks, run by os.register_at_fork (one registration per process, so one instance).
+FORK_HOOKS = ForkHooks()
 
 
 def register(obj: ForkAware) -> None:
     """Call ``obj._after_fork_in_child()`` in every forked child while ``obj`` is alive."""
-    _objects.add(obj)
-
-
-def _run_hooks() -> None:
-    for obj in list(_objects):
-        obj._after_fork_in_child()
+    FORK_HOOKS.register(obj)
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_run_hooks)
+    os.register_at_fork(after_in_child=FORK_HOOKS.run)

@@ -26,7 +26,20 @@ from shadow.core.targets import Target
 
 log = logging.getLogger("shadow")
 
-_logged_nothing_to_shadow = False
+
+class _Notices:
+    """Log messages said once per process (a job that installs many monitors says each once)."""
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+
+    def once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            log.info(message)
+
+
+_NOTICES = _Notices()
 
 
 class Monitor:
@@ -144,12 +157,10 @@ class Monitor:
 
 
 def _resolve_targets(targets: Iterable[str | Target] | None) -> list[Target]:
-    global _logged_nothing_to_shadow
     if targets is None:
         active = builtin.active_builtins()
-        if not active and not _logged_nothing_to_shadow:
-            _logged_nothing_to_shadow = True
-            log.info("npu-shadow: no torch_npu patch is active in this process; nothing to shadow")
+        if not active:
+            _NOTICES.once("npu-shadow: no torch_npu patch is active in this process; nothing to shadow")
         for name, origin in active.items():
             if origin == "reference":
                 log.info("npu-shadow: %s shadows shadow.npu.reference's legacy (a rehearsal, not torch_npu)", name)
