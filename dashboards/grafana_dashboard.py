@@ -16,26 +16,25 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import StackingMode
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
-from exporters import contract
+from dashboards.series import (
+    ABS_ERROR,
+    CALLS,
+    COMPARED,
+    COMPARISONS,
+    DRILL_ACTIVE,
+    EXPORT_ERRORS,
+    LEGACY_TIME,
+    MISMATCHES,
+    REL_ERROR,
+    SAMPLE_RATE,
+    SHADOW_TIME,
+    SHARED,
+    SKIPPED,
+)
 
 DASHBOARD_PATH = pathlib.Path(__file__).parent / "grafana" / "npu-shadow.json"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'job=~"$job", target=~"$target"'
-COMPARED = f'outcome=~"{"|".join(contract.VOCABULARY["compared_outcomes"])}"'
-
-# the series the panels read, named by the metric contract
-ABS_ERROR = contract.ABS_ERROR.series
-CALLS = contract.CALLS.series
-COMPARISONS = contract.COMPARISONS.series
-DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
-LEGACY_TIME = contract.LEGACY.series
-MISMATCHES = contract.MISMATCHES.series
-REL_ERROR = contract.REL_ERROR.series
-SAMPLE_RATE = contract.SAMPLE_RATE.prometheus_name
-SHADOW_TIME = contract.SHADOW.series
-SHARED = contract.SHARED_DIVERGENCES.series
-SKIPPED = contract.SKIPPED.series
-EXPORT_ERRORS = contract.EXPORT_ERRORS.series
 
 
 def query(expr: str, legend: str, ref: str = "A") -> Dataquery:

@@ -13,7 +13,18 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from exporters import contract
+from dashboards.series import (
+    CALLS,
+    COMPARED,
+    COMPARISONS,
+    DIVERGENT,
+    HARD_REASONS,
+    LEGACY_TIME,
+    MISMATCHES,
+    SAMPLE_RATE,
+    SHADOW_TIME,
+    SKIPPED,
+)
 from shadow.analysis import verdict
 
 #: Every threshold, in one place.
@@ -33,21 +44,9 @@ PARAMS: dict[str, Any] = {
     "promotion": {"for": "30m"},
 }
 
-HARD_REASONS = contract.VOCABULARY["hard_reasons"]
 WINDOWS = ("5m", "15m", "30m", "1h", "2h", "6h")
 Z95 = 1.6448536269514722  # one-sided 95%
 
-COMPARED = f'outcome=~"{"|".join(contract.VOCABULARY["compared_outcomes"])}"'
-DIVERGENT = f'outcome=~"{"|".join(contract.VOCABULARY["divergent_outcomes"])}"'
-
-# the series the rules read, named by the metric contract
-CALLS = contract.CALLS.series
-COMPARISONS = contract.COMPARISONS.series
-LEGACY_TIME = contract.LEGACY.series
-MISMATCHES = contract.MISMATCHES.series
-SAMPLE_RATE = contract.SAMPLE_RATE.prometheus_name
-SHADOW_TIME = contract.SHADOW.series
-SKIPPED = contract.SKIPPED.series
 BY = "sum by (job, target)"
 
 

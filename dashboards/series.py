@@ -1,0 +1,23 @@
+"""What the rules and the dashboard query: series named by the metric contract, and label selectors built from
+the core's vocabulary. Nothing here spells a metric name."""
+
+from __future__ import annotations
+
+from exporters import contract
+
+CALLS = contract.CALLS.series
+COMPARISONS = contract.COMPARISONS.series
+MISMATCHES = contract.MISMATCHES.series
+SKIPPED = contract.SKIPPED.series
+EXPORT_ERRORS = contract.EXPORT_ERRORS.series
+SHARED = contract.SHARED_DIVERGENCES.series
+ABS_ERROR = contract.ABS_ERROR.series
+REL_ERROR = contract.REL_ERROR.series
+LEGACY_TIME = contract.LEGACY.series
+SHADOW_TIME = contract.SHADOW.series
+SAMPLE_RATE = contract.SAMPLE_RATE.prometheus_name
+DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
+
+HARD_REASONS = contract.VOCABULARY["hard_reasons"]
+COMPARED = f'outcome=~"{"|".join(contract.VOCABULARY["compared_outcomes"])}"'
+DIVERGENT = f'outcome=~"{"|".join(contract.VOCABULARY["divergent_outcomes"])}"'
