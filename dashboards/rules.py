@@ -157,11 +157,13 @@ def _alerting_rules() -> list[dict]:
             "NpuShadowBlind",
             f"{BY} (increase({CALLS}[{blind['window']}])) * on (job, target) "
             f"max by (job, target) ({SAMPLE_RATE}) >= {blind['expected']} "
-            f"unless on (job, target) npu_shadow:comparisons:increase{blind['window']} > 0 "
+            # Raw series, not the recording rules: a recorded total can lag the calls scraped with it by one
+            # evaluation, which made the alert pending for a healthy job whose first comparisons had just arrived.
+            f"unless on (job, target) {BY} (increase({COMPARISONS}{{{COMPARED}}}[{blind['window']}])) > 0 "
             # increase() cannot see a series whose first sample is already non-zero (a new signature): the
             # summed total's growth over the window, a series absent then counted as 0, sees it
-            f"unless on (job, target) (npu_shadow:comparisons:total - (npu_shadow:comparisons:total offset "
-            f"{blind['window']} or npu_shadow:comparisons:total * 0)) > 0",
+            f"unless on (job, target) ({BY} ({COMPARISONS}{{{COMPARED}}}) - ({BY} ({COMPARISONS}{{{COMPARED}}} "
+            f"offset {blind['window']}) or {BY} ({COMPARISONS}{{{COMPARED}}}) * 0)) > 0",
             "ticket",
             "investigate",
             "{{ $labels.target }} in {{ $labels.job }} is called and sampled but nothing is compared",
