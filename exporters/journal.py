@@ -15,7 +15,7 @@ from json.encoder import encode_basestring_ascii
 
 from exporters import capture, contract
 from shadow.core import forks
-from shadow.core.observation import Observation
+from shadow.core.observation import Observation, Outcome
 from shadow.core.safe_paths import check_private_directory, make_private_directory
 
 
@@ -92,7 +92,7 @@ class JsonlExporter:
     # ------------------------------------------------------------------ export
 
     def export(self, observation: Observation) -> None:
-        if observation.outcome == "match" and not observation.shared_divergence and not self.all_outcomes:
+        if observation.outcome == Outcome.MATCH and not observation.shared_divergence and not self.all_outcomes:
             return
         with self._lock:
             # The line first: it never depends on the capture. A capture that then fails is removed and raised

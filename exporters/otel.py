@@ -159,7 +159,7 @@ class OTelExporter:
             add(contract.LEGACY, observation.legacy_seconds, target)
             add(contract.SHADOW, observation.overhead_seconds, target)
         values = [(contract.SHADOW_DURATION, observation.overhead_seconds, target)]
-        if observation.outcome != "error" and observation.numel:
+        if observation.outcome != Outcome.ERROR and observation.numel:
             values.append((contract.ABS_ERROR, min(observation.max_abs_error, contract.ERROR_CAP), target))
             values.append((contract.REL_ERROR, min(observation.max_rel_error, contract.ERROR_CAP), target))
         if len(self._pending) + len(values) > MAX_PENDING:

@@ -161,7 +161,7 @@ class PrometheusExporter:
             child(contract.MISMATCHES, target, reason).inc()
         if observation.shared_divergence:
             child(contract.SHARED_DIVERGENCES, target, observation.shared_divergence).inc()
-        if observation.outcome != "error" and observation.numel:
+        if observation.outcome != Outcome.ERROR and observation.numel:
             child(contract.ABS_ERROR, target).observe(min(observation.max_abs_error, contract.ERROR_CAP))
             child(contract.REL_ERROR, target).observe(min(observation.max_rel_error, contract.ERROR_CAP))
         child(contract.LEGACY, target).inc(observation.legacy_seconds)

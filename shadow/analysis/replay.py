@@ -16,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from shadow.core.compare import Comparison, compare, compare_exceptions
+from shadow.core.observation import Outcome
 from shadow.npu import reference
 
 #: Targets whose capture holds evidence but cannot be re-run without the job's model.
@@ -113,8 +114,8 @@ def replay(
     if legacy_error is not None or upstream_error is not None:
         result = compare_exceptions(legacy_error, upstream_error)
         if legacy_error is not None and upstream_error is not None:
-            same = "the same exception" if result.outcome == "match" else "exceptions of the same type"
-            if result.outcome == "error":
+            same = "the same exception" if result.outcome == Outcome.MATCH else "exceptions of the same type"
+            if result.outcome == Outcome.ERROR:
                 same = "different exceptions"
             return result, f"both sides raised ({same}): {result.detail}"
         return result, result.detail

@@ -25,7 +25,7 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_iter
 
 from shadow.core import tolerance as tol
-from shadow.core.observation import MISMATCH_REASONS, bounded
+from shadow.core.observation import MISMATCH_REASONS, Outcome, bounded
 
 #: Elements per chunk on the host: the working set of one chunk (two inputs, three float and three bool
 #: scratch arrays) stays in a core's cache.
@@ -36,7 +36,7 @@ _HOST_CHUNK = 1 << 15
 class Comparison:
     """The verdict on one pair of outputs."""
 
-    outcome: str  # "match" (bitwise equal), "close" (within tolerance) or "mismatch"
+    outcome: str  # an Outcome's value: match (bitwise equal), close (within tolerance), mismatch or error
     reasons: tuple[str, ...] = ()
     max_abs_error: float = 0.0
     max_rel_error: float = 0.0
@@ -430,14 +430,14 @@ def _verdict(reports: list[_LeafReport], structure: str | None, errors: tuple[fl
         if report.notes:
             notes.append(f"{report.path or 'output'}: " + "; ".join(report.notes))
     if reasons:
-        outcome = "mismatch"
+        outcome = Outcome.MISMATCH
     elif all(r.bitwise_equal for r in reports):
-        outcome = "match"
+        outcome = Outcome.MATCH
     else:
-        outcome = "close"
+        outcome = Outcome.CLOSE
     max_abs, max_rel, mismatched = errors
     return Comparison(
-        outcome=outcome,
+        outcome=outcome.value,
         reasons=_ordered(reasons),
         max_abs_error=max_abs,
         max_rel_error=max_rel,
@@ -457,8 +457,9 @@ def compare_exceptions(legacy_error: BaseException | None, upstream_error: BaseE
 
     detail = bounded(f"{describe('legacy', legacy_error)}; {describe('upstream', upstream_error)}")
     if legacy_error is not None and type(legacy_error) is type(upstream_error):
-        return Comparison("match" if str(legacy_error) == str(upstream_error) else "close", detail=detail)
-    return Comparison("error", ("exception",), detail=detail)
+        same_text = str(legacy_error) == str(upstream_error)
+        return Comparison((Outcome.MATCH if same_text else Outcome.CLOSE).value, detail=detail)
+    return Comparison(Outcome.ERROR.value, ("exception",), detail=detail)
 
 
 def _ordered(reasons: Iterable[str]) -> tuple[str, ...]:

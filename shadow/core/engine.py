@@ -29,6 +29,7 @@ from shadow.core.exporting import call_hook
 from shadow.core.global_state import TorchGlobals
 from shadow.core.isolation import Isolation, find_modules
 from shadow.core.observation import (
+    OUTCOMES,
     SHARED_DIVERGENCE_REASONS,
     Evidence,
     Observation,
@@ -353,7 +354,7 @@ class Experiment:
             "timestamp": now,
         }
         if upstream.error is not None and legacy.error is None and _is_oom(upstream.error):
-            del upstream, plan
+            del upstream  # its error's traceback holds upstream's tensors
             _free_after_oom()
             return Observation(outcome=Outcome.SKIPPED, reasons=("oom",), **common)
         if legacy.error is not None or upstream.error is not None:
@@ -470,7 +471,7 @@ class Experiment:
             self._log_limited("oracle", "single-device oracle failed: %r", exc)
             return {"oracle_seconds": time.perf_counter() - start}
         seconds = time.perf_counter() - start
-        if found.outcome != "mismatch":
+        if found.outcome != Outcome.MISMATCH:
             return {"oracle_seconds": seconds}
         reason = next((r for r in found.reasons if r in SHARED_DIVERGENCE_REASONS), "value")
         return {
@@ -535,11 +536,7 @@ class Experiment:
             return TargetStats(
                 calls=self.sampler.calls(),
                 sampled=sum(outcomes.values()),
-                match=outcomes.get("match", 0),
-                close=outcomes.get("close", 0),
-                mismatch=outcomes.get("mismatch", 0),
-                error=outcomes.get("error", 0),
-                skipped=outcomes.get("skipped", 0),
+                **{outcome: outcomes.get(outcome, 0) for outcome in OUTCOMES},
                 by_reason=dict(self._reasons),
                 shared_divergences=dict(self._shared),
                 oracle_runs=self._oracle_runs,

@@ -104,9 +104,11 @@ class Observation:
     evidence: Evidence | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.outcome not in OUTCOMES:
-            raise ValueError(f"outcome {self.outcome!r} is not one of {OUTCOMES}")
-        object.__setattr__(self, "outcome", str(Outcome(self.outcome)))  # the value, also when given a member
+        try:
+            outcome = Outcome(self.outcome)
+        except ValueError:
+            raise ValueError(f"outcome {self.outcome!r} is not one of {OUTCOMES}") from None
+        object.__setattr__(self, "outcome", outcome.value)  # the plain value, also when given a member
 
     @property
     def overhead_seconds(self) -> float:

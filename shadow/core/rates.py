@@ -11,7 +11,7 @@ def check_rate(value: object, setting: str, *, low: str = "[0", high: str = "1]"
     ``"1]"``/``"1)"``; [0, 1] unless said otherwise). Raises ValueError naming ``setting`` and the interval.
     Text is not a number here: settings read from text go through :func:`parse_rate`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _within(float(value), low, high):
-        raise ValueError(f"{setting}: expected a number in {low}, {high}, got {value!r}")
+        raise _error(setting, low, high, value)
     return float(value)
 
 
@@ -22,8 +22,12 @@ def parse_rate(text: str, setting: str, *, low: str = "[0", high: str = "1]") ->
     except ValueError:
         number = math.nan
     if not _within(number, low, high):
-        raise ValueError(f"{setting}: expected a number in {low}, {high}, got {text!r}")
+        raise _error(setting, low, high, text)
     return number
+
+
+def _error(setting: str, low: str, high: str, value: object) -> ValueError:
+    return ValueError(f"{setting}: expected a number in {low}, {high}, got {value!r}")
 
 
 def _within(number: float, low: str, high: str) -> bool:

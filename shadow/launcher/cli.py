@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from shadow.core.observation import DIVERGENT_OUTCOMES
 from shadow.core.rates import parse_rate
 
 #: Exit codes: 0 ok, 1 a difference was found, 2 usage error.
@@ -42,7 +43,7 @@ def _replay(args: argparse.Namespace) -> int:
     else:
         reasons = f" ({', '.join(result.reasons)})" if result.reasons else ""
         print(f"  replayed: {result.outcome}{reasons}: {text}")
-    return EXIT_DIFFERENT if result.outcome in ("mismatch", "error") else EXIT_OK
+    return EXIT_DIFFERENT if result.outcome in DIVERGENT_OUTCOMES else EXIT_OK
 
 
 def _verdict(args: argparse.Namespace) -> int:
