@@ -330,3 +330,23 @@ def test_calls_on_threads_that_upstream_starts_are_part_of_the_upstream_run():
     stats = monitor.stats()["op"]
     assert (stats.calls, stats.sampled, stats.match, stats.skipped) == (1, 1, 1, 0)
     assert ran == [("legacy", False), ("legacy", True)]  # the worker's call ran legacy, uncounted
+
+
+def test_the_comparator_neither_sees_nor_changes_the_jobs_numpy_error_settings():
+    """The comparator's numpy work on NaN and infinities runs under its own error settings: a job that asked
+    numpy to raise on invalid values keeps that setting, and the comparison is still made."""
+    import numpy as np
+
+    special = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0])
+    ops, target = op_with(lambda x: x * 2)
+    before = np.seterr(all="raise")
+    try:
+        with shadow.install([target], sample_rate=1.0) as monitor:
+            result = ops.op(special)
+        after = np.geterr()
+    finally:
+        np.seterr(**before)
+    assert after == {"divide": "raise", "over": "raise", "under": "raise", "invalid": "raise"}
+    assert torch.equal(result[[0, 2, 3, 4]], special[[0, 2, 3, 4]] * 2) and result[1].isnan()
+    stats = monitor.stats()["op"]
+    assert stats.compared == stats.match == 1 and stats.by_reason == {}  # the same NaN and infinities
