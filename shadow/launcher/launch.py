@@ -88,21 +88,20 @@ class Launcher:
         from shadow.launcher import config as config_module
 
         with self._lock:
-            if environ is not None or self.config is None:
-                config = config_module.from_sources(os.environ if environ is None else environ)
-                if self.config is not None and config != self.config:
-                    self._close_exporters()
-                self.config = config
             config = self.config
+            if environ is not None or config is None:
+                config = config_module.from_sources(os.environ if environ is None else environ)
+            if self.monitor is not None:
+                self.monitor.uninstall()  # its last counts go to the exporters it had
+            if self.config is not None and config != self.config:
+                self._close_exporters()
+            self.config = config
             if config.emulate_npu:
                 self._emulate_npu(config.emulate_npu)
             if config.legacy_from:
                 self._legacy_from(config.legacy_from)
             if not self.exporters:
                 self.exporters = _exporters(config)
-            previous = self.monitor
-            if previous is not None:
-                previous.uninstall()
             tolerance = Tolerance(config.rtol, config.atol) if config.rtol is not None else None
             drill = Drill(*config.drill, seed=config.seed) if config.drill else None
             with warnings.catch_warnings():
