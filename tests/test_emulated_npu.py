@@ -222,3 +222,21 @@ def test_a_regular_wheel_install_ships_the_source_and_installs(tmp_path):
     assert done.returncode == 0, done.stderr
     installed_at, device = done.stdout.split()
     assert installed_at.startswith(str(site)) and device == "npu:1"
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_process():
+    """cpp_extension's lock is a file: a build killed halfway leaves it, and every later load used to wait for it
+    forever (a job hung at start). The next process removes it under a lock of its own and loads."""
+    stale = emulated.build_directory() / "lock"
+    stale.write_text("")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "from shadow.npu import emulated; print(emulated.build())"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        stale.unlink(missing_ok=True)
+    assert done.returncode == 0, done.stderr
+    assert not stale.exists()

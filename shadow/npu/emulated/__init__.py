@@ -13,6 +13,8 @@ names once, and ``'torch.npu.*'`` names are valid only if the backend was named 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.resources
 import os
@@ -20,6 +22,7 @@ import shutil
 import sys
 import sysconfig
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,17 +117,32 @@ def _load() -> Any:
     if ninja_directory:
         os.environ["PATH"] = ninja_directory + os.pathsep + path
     try:
-        return cpp_extension.load(
-            EXTENSION_NAME,
-            [str(source)],
-            build_directory=str(build),
-            extra_cflags=["-O2"],
-            verbose=False,
-        )
+        with _build_lock(build):
+            return cpp_extension.load(
+                EXTENSION_NAME,
+                [str(source)],
+                build_directory=str(build),
+                extra_cflags=["-O2"],
+                verbose=False,
+            )
     except Exception as exc:
         raise EmulatorUnavailable(f"building the emulated npu in {build} failed: {exc}") from exc
     finally:
         os.environ["PATH"] = path
+
+
+@contextlib.contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """One builder at a time, by a lock the kernel releases when its holder dies. cpp_extension's own lock is a
+    file that a killed build leaves behind, after which every later load waits for it forever: while we hold
+    ours, no live builder of ours holds that one, so a file left there is stale and goes."""
+    with open(build / "build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build() -> Path:
