@@ -35,6 +35,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--npu-shadow-targets", metavar="NAMES", help="comma list of built-in targets (default: all active)"
     )
     group.addoption(
+        "--npu-shadow-pure-hooks",
+        action="store_true",
+        help="the suite's module hooks have no side effects: compare calls that run them (default: skip, reason hooks)",
+    )
+    group.addoption(
         "--npu-shadow-journal",
         default="npu-shadow-tests.jsonl",
         metavar="PATH",

@@ -55,7 +55,14 @@ class ShadowSession:
         self.journal_path = option("npu_shadow_journal")
         self.journal = JsonlExporter(self.journal_path, all_outcomes=True, annotate=self._annotation)
         try:
-            self.monitor = install(names, sample_rate=1.0, exporters=[self, self.journal], seed=0, yields=True)
+            self.monitor = install(
+                names,
+                sample_rate=1.0,
+                exporters=[self, self.journal],
+                seed=0,
+                yields=True,
+                pure_hooks=option("npu_shadow_pure_hooks"),
+            )
         except ValueError as exc:
             self._undo_legacy()
             raise pytest.UsageError(f"--npu-shadow: {exc}") from None

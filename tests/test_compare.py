@@ -95,7 +95,8 @@ def test_metadata_mismatches():
     assert compare(x, torch.ones(3, 2)).reasons == ("shape",)
     assert compare(x, x.to("meta")).reasons == ("device",)
     assert compare(x, x.to_sparse()).reasons == ("type",)
-    assert compare(x, torch.nn.Parameter(x.clone())).reasons == ("type",)
+    assert compare(x, torch.nn.Parameter(x.clone(), requires_grad=False)).reasons == ("type",)
+    assert compare(x, x.clone().requires_grad_()).reasons == ("requires_grad",)
 
 
 def test_dtype_mismatch_still_reports_values():

@@ -94,6 +94,7 @@ INVALID = {
     "legacy_from": "/nonexistent/torch_npu-2.12.0.whl",
     "oracle": "sometimes",
     "budget": "0",
+    "pure_hooks": "sometimes",
 }
 MORE_INVALID = [
     ("sample_rate", "tensor_type=x"),

@@ -150,7 +150,8 @@ def test_global_torch_state_set_by_upstream_never_reaches_the_job(setting):
     with shadow.install([target], sample_rate=1.0) as monitor:
         ops.op(torch.ones(2))
         assert read() == before
-    assert monitor.stats()["op"].match == 1
+    # what upstream leaves behind is behaviour: compared (and a difference) but never the job's
+    assert monitor.stats()["op"].mismatch == 1 and monitor.stats()["op"].by_reason == {"state": 1}
 
 
 MODULE_CHANGES = {
@@ -245,7 +246,9 @@ def test_modes_and_subclasses_see_what_they_see_unwrapped():
     assert stats.compared == 0  # nothing counted as evidence that compared nothing
 
 
-def test_under_a_device_context_calls_are_counted_once_and_never_as_matches():
+def test_under_a_device_context_calls_are_compared_once_and_meta_values_never_count_as_matches():
+    """A default device is torch's own mode: upstream runs under it and the call is compared. Meta tensors have
+    no values, so equal metadata is at best close."""
     from shadow.npu import reference
 
     patches = reference.patch_torch()
@@ -256,7 +259,7 @@ def test_under_a_device_context_calls_are_counted_once_and_never_as_matches():
     finally:
         patches.undo()
     stats = monitor.stats()["tensor_type"]
-    assert (stats.calls, stats.match, stats.skipped, stats.by_reason) == (2, 0, 2, {"mode": 2})
+    assert (stats.calls, stats.match, stats.close, stats.skipped, stats.by_reason) == (2, 0, 2, 0, {})
 
 
 def test_a_slow_upstream_costs_one_call_then_the_budget_skips_until_the_job_catches_up():
@@ -308,7 +311,8 @@ def test_a_slow_exporter_cannot_hold_up_every_sampled_call(tmp_path):
 
 
 def test_calls_on_threads_that_upstream_starts_are_part_of_the_upstream_run():
-    """DataParallel's upstream runs the replicas on threads of its own: their calls are not the job's."""
+    """DataParallel's upstream runs the replicas on threads of its own: their calls are not the job's. There, as
+    on the calling thread, the compared target's own calls run upstream and another target's run legacy."""
     import threading
 
     ops = types.SimpleNamespace()
@@ -319,17 +323,29 @@ def test_calls_on_threads_that_upstream_starts_are_part_of_the_upstream_run():
         return x * 2
 
     def upstream(x, inner=False):
-        worker = threading.Thread(target=lambda: ops.op(x, inner=True))  # like parallel_apply's workers
-        worker.start()
-        worker.join()
+        ran.append(("upstream", inner))
+        if not inner:
+            worker = threading.Thread(target=lambda: (ops.op(x, inner=True), ops.other(x)))  # like parallel_apply's
+            worker.start()
+            worker.join()
         return x * 2
 
-    ops.op = legacy
-    with shadow.install([Target("op", ops, "op", upstream)], sample_rate=1.0) as monitor:
+    def other_legacy(x):
+        ran.append(("other legacy", False))
+        return x
+
+    def other_upstream(x):
+        ran.append(("other upstream", False))
+        return x
+
+    ops.op, ops.other = legacy, other_legacy
+    targets = [Target("op", ops, "op", upstream), Target("other", ops, "other", other_upstream)]
+    with shadow.install(targets, sample_rate=1.0) as monitor:
         ops.op(torch.ones(2))
-    stats = monitor.stats()["op"]
-    assert (stats.calls, stats.sampled, stats.match, stats.skipped) == (1, 1, 1, 0)
-    assert ran == [("legacy", False), ("legacy", True)]  # the worker's call ran legacy, uncounted
+    stats = monitor.stats()
+    assert (stats["op"].calls, stats["op"].sampled, stats["op"].match, stats["op"].skipped) == (1, 1, 1, 0)
+    assert stats["other"].calls == 0
+    assert ran == [("legacy", False), ("upstream", False), ("upstream", True), ("other legacy", False)]
 
 
 def test_the_comparator_neither_sees_nor_changes_the_jobs_numpy_error_settings():

@@ -23,6 +23,7 @@ from shadow.core.observation import OUTCOMES, Outcome
 COMPARISONS = contract.COMPARISONS.series
 MISMATCHES = contract.MISMATCHES.series
 SHARED = contract.SHARED_DIVERGENCES.series
+SKIPPED = contract.SKIPPED.series
 
 #: The most a metrics file, a journal line or a Prometheus answer may hold.
 MAX_FILE_BYTES = 64 << 20
@@ -52,6 +53,8 @@ def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], val
         target.add_outcome(labels.get("signature", ""), labels.get("outcome", ""), value)
     elif name == MISMATCHES:
         target.add_reason(labels.get("reason", ""), value)
+    elif name == SKIPPED:
+        target.add_skip(labels.get("reason", ""), value)
     else:
         target.add_shared(labels.get("reason", ""), value)
 
@@ -82,7 +85,7 @@ def from_exposition(text: str, source: str = "exposition") -> dict[str, TargetCo
         raise SourceError(f"{source}: not a Prometheus text exposition: {exc}") from exc
     for family in families:
         for sample in family.samples:
-            if sample.name in (COMPARISONS, MISMATCHES, SHARED):
+            if sample.name in (COMPARISONS, MISMATCHES, SHARED, SKIPPED):
                 where = f"{source}: {sample.name}{dict(sample.labels)}"
                 _add(counts, sample.name, sample.labels, _count(sample.value, where))
     return counts
@@ -133,6 +136,7 @@ def from_prometheus(
         (COMPARISONS, "target, signature, outcome"),
         (MISMATCHES, "target, reason"),
         (SHARED, "target, reason"),
+        (SKIPPED, "target, reason"),
     ]
     for metric, by in queries:
         for item in _query(url, f"sum by ({by}) ({series(metric)})", timeout):
@@ -167,8 +171,10 @@ def add_record(counts: dict[str, TargetCounts], record: dict) -> None:
     """Count one journal record."""
     entry = counts.setdefault(record["target"], TargetCounts())
     entry.add_outcome(record.get("signature", ""), record["outcome"], 1)
-    if record["outcome"] != Outcome.SKIPPED:
-        for reason in record.get("reasons", []):
+    for reason in record.get("reasons", []):
+        if record["outcome"] == Outcome.SKIPPED:
+            entry.add_skip(reason, 1)
+        else:
             entry.add_reason(reason, 1)
     if record.get("shared_divergence"):
         entry.add_shared(record["shared_divergence"], 1)

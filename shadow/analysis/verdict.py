@@ -6,10 +6,12 @@ divergence rate are ``beta.ppf(0.05, k, n - k + 1)`` (lower) and ``beta.ppf(0.95
 (upper). Calls inside one training step are correlated, so these bounds are optimistic when many
 comparisons share a step.
 
-- rollback: any hard mismatch (a difference in kind: dtype, shape, NaN/inf, structure, device, an
-  exception), or the lower bound above ``max_rate``;
+- rollback: any hard mismatch (a difference in kind: dtype, shape, NaN/inf, structure, device, requires_grad,
+  the torch state left behind, an exception), or the lower bound above ``max_rate``;
 - promote: no hard mismatch, the upper bound below ``max_rate`` (zero divergences need about
-  3 / max_rate comparisons), and every risky signature of the target compared ``min_per_signature`` times;
+  3 / max_rate comparisons), every risky signature of the target compared ``min_per_signature`` times, and no
+  sampled call skipped for a reason that keeps the evidence from a kind of call (user hooks or modes, compiled
+  code: ``UNCOVERED_REASONS``);
 - inconclusive otherwise, saying what more is needed.
 """
 
@@ -22,12 +24,19 @@ from collections.abc import Iterable, Mapping
 
 from scipy.stats import beta
 
-from shadow.core.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, HARD_REASONS
+from shadow.core.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, HARD_REASONS, UNCOVERED_REASONS
 
 PROMOTE, ROLLBACK, INCONCLUSIVE = "promote", "rollback", "inconclusive"
 EXIT_CODES = {PROMOTE: 0, ROLLBACK: 1, INCONCLUSIVE: 3}  # 2 is left to usage errors
 _SEVERITY = {PROMOTE: 0, INCONCLUSIVE: 1, ROLLBACK: 2}
 CONFIDENCE = 0.95
+
+#: What to do about each kind of call the evidence does not reach (the verdict's "why").
+_UNCOVERED_WHY = {
+    "hooks": "user module hooks; declare them free of side effects with --pure-hooks to compare such calls",
+    "mode": "a user's TorchFunctionMode/TorchDispatchMode or tensor subclass was in the call",
+    "compiling": "called inside torch.compile; compare compiled code with a suite A/B run",
+}
 DEFAULT_MAX_RATE = 0.001  # the divergence rate a rollout tolerates; the alert rules' budget too
 
 
@@ -72,6 +81,7 @@ class TargetCounts:
     outcomes: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, outcome)
     reasons: dict[str, float] = dataclasses.field(default_factory=dict)
     shared: dict[str, float] = dataclasses.field(default_factory=dict)  # shared divergences by reason
+    skipped: dict[str, float] = dataclasses.field(default_factory=dict)  # sampled calls not compared, by reason
 
     def add_outcome(self, signature: str, outcome: str, count: float) -> None:
         key = (signature, outcome)
@@ -82,6 +92,9 @@ class TargetCounts:
 
     def add_shared(self, reason: str, count: float) -> None:
         self.shared[reason] = self.shared.get(reason, 0) + count
+
+    def add_skip(self, reason: str, count: float) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + count
 
     @property
     def compared(self) -> int:
@@ -113,6 +126,9 @@ class Decision:
     #: Shared divergences by reason: legacy and upstream agree, both unlike a single-device run. Reported on
     #: their own line; they never change the decision (removing the patch changes nothing there).
     shared: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Sampled calls the evidence does not reach, by skip reason (UNCOVERED_REASONS: a user's hooks or modes,
+    #: compiled code): coverage still missing, whatever the bounds say.
+    uncovered: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -139,6 +155,7 @@ def decide(
         "hard": hard,
         "risky": coverage,
         "shared": {r: round(v) for r, v in counts.shared.items() if v > 0},
+        "uncovered": {r: round(v) for r, v in counts.skipped.items() if r in UNCOVERED_REASONS and v > 0},
     }
     if hard:
         kinds = ", ".join(f"{count} {reason}" for reason, count in sorted(hard.items()))
@@ -158,6 +175,8 @@ def decide(
     for pattern, seen in coverage.items():
         if seen < min_per_signature:
             missing.append(f"risky signature {pattern} compared {seen} times, needs {min_per_signature}")
+    for reason, count in sorted(made["uncovered"].items()):
+        missing.append(f"{count} sampled calls not compared ({reason}: {_UNCOVERED_WHY[reason]})")
     if missing:
         return Decision(decision=INCONCLUSIVE, why="; ".join(missing), **made)
     return Decision(

@@ -17,14 +17,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_iter
+from torch.utils._pytree import keystr, tree_iter
 
 from shadow.core import tolerance as tol
+from shadow.core import trees
 from shadow.core.observation import MISMATCH_REASONS, Outcome, bounded
 
 #: Elements per chunk on the host: the working set of one chunk (two inputs, three float and three bool
@@ -54,7 +55,7 @@ def _is_dataclass_instance(obj: Any) -> bool:
 
 def _flatten(obj: Any, prefix: str = "") -> tuple[dict[str, Any], list[tuple[str, Any]]]:
     """(leaves by path, container specs by path) of a nested output."""
-    pairs, spec = tree_flatten_with_path(obj, is_leaf=_is_dataclass_instance)
+    pairs, spec = trees.flatten_with_paths(obj, is_leaf=_is_dataclass_instance)
     leaves: dict[str, Any] = {}
     specs: list[tuple[str, Any]] = [(prefix, spec)]
     for key_path, leaf in pairs:
@@ -263,6 +264,9 @@ def _check_tensor(
     if legacy.device != upstream.device:
         report.reasons.append("device")
         report.notes.append(f"device {legacy.device} vs {upstream.device}")
+    if legacy.requires_grad != upstream.requires_grad:
+        report.reasons.append("requires_grad")
+        report.notes.append(f"requires_grad {legacy.requires_grad} vs {upstream.requires_grad}")
     if legacy.shape == upstream.shape and not _same_layout(legacy, upstream):
         note = f"strides {legacy.stride()} vs {upstream.stride()}"
         if exact:
@@ -271,13 +275,15 @@ def _check_tensor(
         else:
             report.notes.append(note + " (layout only: values compared)")
     comparable = (
-        legacy.shape == upstream.shape
+        type(legacy) is type(upstream)
+        and legacy.shape == upstream.shape
         and legacy.device == upstream.device
         and legacy.device.type != "meta"
         and legacy.numel() > 0
         and (legacy.is_complex() == upstream.is_complex())
     )
-    report.bitwise_equal = not report.reasons
+    # (meta tensors have no values: equal metadata is never a bitwise match)
+    report.bitwise_equal = not report.reasons and legacy.device.type != "meta"
     report.exact = exact or not (legacy.is_floating_point() or legacy.is_complex())
     if comparable:
         report.tolerance = tol.EXACT if exact else tol.for_pair(spec, legacy.dtype, upstream.dtype)
@@ -331,15 +337,18 @@ def compare(
 ) -> Comparison:
     """Compare two outputs of the same call.
 
-    ``tolerance`` applies to floating leaves (per dtype defaults of assert_close when None);
+    ``tolerance`` applies to floating leaves (per dtype defaults of assert_close when None); whether a tensor
+    requires grad is compared too (reason ``requires_grad``);
     ``exact`` demands bitwise equality everywhere. Inputs, when given, let the comparison check that
     each output aliases the same input on both sides (or none).
     """
-    legacy_leaves, legacy_specs = _flatten(legacy)
-    upstream_leaves, upstream_specs = _flatten(upstream)
-    structure = _structure_note(legacy_leaves, legacy_specs, upstream_leaves, upstream_specs)
-    reports = _check_leaves(legacy_leaves, upstream_leaves, tolerance, exact, legacy_inputs, upstream_inputs)
-    errors = _apply_statistics(reports)
+    # The comparison is this tool's own work: no tensor subclass or TorchFunctionMode may see it.
+    with torch._C.DisableTorchFunction():
+        legacy_leaves, legacy_specs = _flatten(legacy)
+        upstream_leaves, upstream_specs = _flatten(upstream)
+        structure = _structure_note(legacy_leaves, legacy_specs, upstream_leaves, upstream_specs)
+        reports = _check_leaves(legacy_leaves, upstream_leaves, tolerance, exact, legacy_inputs, upstream_inputs)
+        errors = _apply_statistics(reports)
     return _verdict(reports, structure, errors)
 
 
@@ -460,6 +469,22 @@ def compare_exceptions(legacy_error: BaseException | None, upstream_error: BaseE
         same_text = str(legacy_error) == str(upstream_error)
         return Comparison((Outcome.MATCH if same_text else Outcome.CLOSE).value, detail=detail)
     return Comparison(Outcome.ERROR.value, ("exception",), detail=detail)
+
+
+def with_state(found: Comparison, differences: Mapping[str, tuple[Any, Any]]) -> Comparison:
+    """``found`` with the torch settings each side left behind ({setting: (legacy's, upstream's)} where they
+    differ): a caller-visible side effect is behaviour, so any difference is a mismatch with reason ``state`` (an
+    error stays an error)."""
+    if not differences:
+        return found
+    note = "; ".join(f"{name}: legacy left {a}, upstream left {b}" for name, (a, b) in differences.items())
+    outcome = found.outcome if found.outcome == Outcome.ERROR.value else Outcome.MISMATCH.value
+    return dataclasses.replace(
+        found,
+        outcome=outcome,
+        reasons=_ordered((*found.reasons, "state")),
+        detail=bounded(f"{found.detail} | {note}" if found.detail else note),
+    )
 
 
 def _ordered(reasons: Iterable[str]) -> tuple[str, ...]:

@@ -8,8 +8,8 @@ import random
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
+from shadow.core import trees
 from shadow.core.rates import check_rate
 
 #: The faults a drill can inject into the upstream result.
@@ -39,7 +39,7 @@ class Drill:
 
     def corrupt(self, result: Any) -> Any:
         """A copy of an upstream result with the drill's divergence in it."""
-        return tree_map(self._corrupt_leaf, result)
+        return trees.map_only(object, self._corrupt_leaf, result)
 
     def _corrupt_leaf(self, leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):

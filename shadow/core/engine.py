@@ -20,15 +20,25 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 from torch.utils._pytree import tree_iter
 
-from shadow.core import compiling, forks
-from shadow.core.compare import compare, compare_exceptions
+from shadow.core import compiling, forks, trees
+from shadow.core.compare import compare, compare_exceptions, with_state
 from shadow.core.drill import Drill
 from shadow.core.exporting import call_hook
 from shadow.core.global_state import TorchGlobals
-from shadow.core.isolation import Isolation, find_modules
+from shadow.core.isolation import (
+    Isolation,
+    detach_tensors,
+    find_modules,
+    has_user_hooks,
+    module_tensors,
+    modules_in_call,
+)
 from shadow.core.observation import (
+    DIVERGENT_OUTCOMES,
     OUTCOMES,
     SHARED_DIVERGENCE_REASONS,
     Evidence,
@@ -49,36 +59,36 @@ _LOG_INTERVAL_SECONDS = 60.0
 MAX_SIGNATURES = 100
 OTHER_SIGNATURE = "other"
 
-# Per thread: ``upstream_side`` while this thread runs the upstream side of a call (upstream, comparison, oracle,
-# exporters), ``in_legacy`` (the experiment) while it runs legacy, ``publishing`` while it hands an observation to
+# Per thread: ``upstream_side``, the experiment whose upstream side this thread runs (upstream, comparison, oracle,
+# exporters); ``in_legacy``, the experiment whose legacy it runs; ``publishing`` while it hands an observation to
 # the exporters.
 _local = threading.local()
 
-# The threads alive when each running upstream run began. A thread not among them was started by upstream (the
-# worker threads of DataParallel's parallel_apply): its calls belong to that upstream run.
-_upstream_runs: list[frozenset[int]] = []
+# The upstream runs under way: the threads alive when each began, and its experiment. A thread not among them was
+# started by that run (the worker threads of DataParallel's parallel_apply): its calls belong to that run.
+_upstream_runs: list[tuple[frozenset[int], Experiment]] = []
 _upstream_runs_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _upstream_run() -> Iterator[None]:
-    alive = frozenset(t.ident for t in threading.enumerate())
+def _upstream_run(experiment: Experiment) -> Iterator[None]:
+    run = (frozenset(t.ident for t in threading.enumerate()), experiment)
     with _upstream_runs_lock:
-        _upstream_runs.append(alive)
+        _upstream_runs.append(run)
     try:
         yield
     finally:
         with _upstream_runs_lock:
-            _upstream_runs.remove(alive)
+            _upstream_runs.remove(run)
 
 
-def _on_upstream_thread() -> bool:
-    """Whether this thread was started by a running upstream run."""
-    runs = _upstream_runs
-    if not runs:
-        return False
+def _upstream_side_of_this_thread() -> Experiment | None:
+    """The experiment whose upstream side this thread is part of: running it, or started by its upstream run."""
+    side = getattr(_local, "upstream_side", None)
+    if side is not None or not _upstream_runs:
+        return side
     ident = threading.get_ident()
-    return any(ident not in alive for alive in runs)
+    return next((experiment for alive, experiment in tuple(_upstream_runs) if ident not in alive), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,18 +103,18 @@ class Run:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What the upstream side of one sampled call needs, taken before legacy runs: isolated copies of the
-    arguments (None for targets that are not isolated), the call's signature, the autocast state legacy runs
-    under, and whether the single-device oracle runs too."""
+    """What the upstream side of one sampled call needs, taken before legacy runs: the isolation (None for
+    targets that are not isolated), the arguments upstream receives (isolated copies, or the caller's own with
+    new leaves for those that require grad), the call's signature, the autocast state and torch settings legacy
+    starts from, and whether the single-device oracle runs too."""
 
     isolation: Isolation | None
+    args: tuple
+    kwargs: dict
     signature: str
     autocast: str
     oracle: bool
-
-    def arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The arguments upstream receives: the isolated copies, or the caller's own."""
-        return (self.isolation.args, self.isolation.kwargs) if self.isolation is not None else (args, kwargs)
+    before: TorchGlobals
 
 
 def _make_wrapper(legacy: Callable, arrive: Callable[[tuple, dict], Any]) -> tuple[Callable, Callable[[Gate], None]]:
@@ -132,24 +142,35 @@ def _make_wrapper(legacy: Callable, arrive: Callable[[tuple, dict], Any]) -> tup
 
 _PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
 
+#: torch's own TorchFunctionModes: they are part of the call's context, active for legacy and upstream alike.
+_TORCHS_OWN_MODES = (DeviceContext,)  # torch.set_default_device, ``with torch.device(...)``
 
-def _has_user_hooks(tensor: torch.Tensor) -> bool:
+
+def _is_hooked_subclass(leaf: Any) -> bool:
     """A tensor subclass with its own __torch_function__ or __torch_dispatch__ (nn.Parameter has neither)."""
-    cls = type(tensor)
-    if cls is torch.Tensor:
+    cls = type(leaf)
+    if cls is torch.Tensor or not isinstance(leaf, torch.Tensor):
         return False
     function = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
     return function not in _PLAIN_TORCH_FUNCTION or cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
 
 
-def _user_code_would_see_the_shadow(args: tuple, kwargs: dict) -> bool:
-    """Whether a TorchFunctionMode or TorchDispatchMode is active (``with torch.device(...)`` is one) or an
-    argument is a tensor subclass with its own hooks. Their code would then see every operation of the shadow
-    side, and upstream's calls would come back through them to the wrapper, so the comparison would not be
-    faithful: such calls are skipped with reason "mode" (counted, never compared)."""
-    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+def _user_code_would_see_the_shadow(args: tuple, kwargs: dict, modules: list[torch.nn.Module]) -> bool:
+    """Whether a user's TorchFunctionMode or any TorchDispatchMode is active, or the call reaches a tensor
+    subclass with its own hooks (an argument, or a parameter, buffer or tensor attribute of a module in the call).
+    Their code would then see every operation of the shadow side, and upstream's calls would come back through
+    them to the wrapper, so the comparison would not be faithful: such calls are skipped with reason "mode"
+    (counted, never compared). torch's own modes (a default device) are part of the call: upstream runs under
+    them too."""
+    if torch._C._len_torch_dispatch_stack():
         return True
-    return any(isinstance(leaf, torch.Tensor) and _has_user_hooks(leaf) for leaf in tree_iter((args, kwargs)))
+    if torch._C._len_torch_function_stack() and not all(
+        isinstance(mode, _TORCHS_OWN_MODES) for mode in _get_current_function_mode_stack()
+    ):
+        return True
+    return any(map(_is_hooked_subclass, tree_iter((args, kwargs)))) or any(
+        map(_is_hooked_subclass, module_tensors(modules))
+    )
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -188,9 +209,13 @@ class Experiment:
         drill: Drill | None = None,
         oracle_rate: float | None = None,
         budget: float | None = None,
+        pure_hooks: bool = False,
     ) -> None:
         self.target = target
         self.drill = drill
+        # The user declares the forward/backward hooks of their modules free of side effects: calls that reach
+        # such hooks are compared (the hooks run again on the upstream side) instead of skipped.
+        self.pure_hooks = pure_hooks
         self.monitor: Any = None  # the Monitor that installed this experiment (set by it)
         # The overhead budget: the upstream side's time (upstream, comparison, oracle, exporters) may use at most
         # this fraction of the wall time since install; sampled calls beyond it are skipped (reason "budget")
@@ -229,18 +254,20 @@ class Experiment:
 
     def _arrive(self, args: tuple, kwargs: dict) -> Any:
         """A call found the gate closed: maybe the sampled one."""
-        upstream_side = getattr(_local, "upstream_side", False)
-        nested = getattr(_local, "in_legacy", None) is self or getattr(_local, "publishing", False)
-        if upstream_side or nested or _on_upstream_thread():
+        side = _upstream_side_of_this_thread()
+        publishing = getattr(_local, "publishing", False)
+        if side is not None or publishing or getattr(_local, "in_legacy", None) is self:
             # A nested call, part of a call already counted: made by legacy itself (through a mode, a subclass
-            # or recursion), by the upstream side (upstream, the oracle, exporters), by an exporter, or on a thread
-            # that an upstream run started (DataParallel's workers). Not a call of the job's: not counted, not
-            # compared. The upstream side's own calls run upstream; the others run legacy, so that a job thread
-            # that happened to start during an upstream run could never receive upstream's result.
+            # or recursion), by an upstream side (upstream, the oracle, the comparison) on its own thread or on a
+            # thread its upstream run started (DataParallel's workers), or by an exporter. Not a call of the
+            # job's: not counted, not compared. One rule on every thread: an upstream side's calls of its own
+            # target run upstream (upstream calling itself); every other nested call runs legacy, the world the
+            # job has today. So a comparison sees only its own target's difference, and another target's
+            # difference is compared, counted and reported by that target, on the calls the job's legacy run makes.
             with self._lock:
                 self.sampler.arrive()
                 self.sampler.uncount()
-            return (self.target.upstream if upstream_side else self.legacy)(*args, **kwargs)
+            return (self.target.upstream if side is self and not publishing else self.legacy)(*args, **kwargs)
         with self._lock:
             sampled = self.sampler.arrive()
         if not sampled:
@@ -251,13 +278,14 @@ class Experiment:
                 self._reasons["budget"] += 1
                 self._budget_skips_unreported += 1
             return self._run_legacy(args, kwargs)
-        skip = self._skip_reason(args, kwargs)
+        modules = modules_in_call(args, kwargs)
+        skip = self._skip_reason(args, kwargs, modules)
         if skip is not None:
             start = time.perf_counter()
             self._publish(Observation(self.target.name, Outcome.SKIPPED, (skip,), timestamp=time.time()))
             self._spent += time.perf_counter() - start
             return self._run_legacy(args, kwargs)
-        return self._sampled_call(args, kwargs)
+        return self._sampled_call(args, kwargs, modules)
 
     def _run_legacy(self, args: tuple, kwargs: dict) -> Any:
         """Legacy, marked as running on this thread: its own nested calls of the wrapper are not new calls."""
@@ -267,17 +295,20 @@ class Experiment:
         finally:
             _local.in_legacy = outer
 
-    @staticmethod
-    def _skip_reason(args: tuple, kwargs: dict) -> str | None:
+    def _skip_reason(self, args: tuple, kwargs: dict, modules: list[torch.nn.Module]) -> str | None:
+        """Why this sampled call cannot be compared faithfully, or None: the upstream side would be visible to
+        code the job runs (a user's mode, a tensor subclass, a user's module hooks) or is being compiled."""
         if torch.compiler.is_compiling():
             return "compiling"
-        if _user_code_would_see_the_shadow(args, kwargs):
+        if _user_code_would_see_the_shadow(args, kwargs, modules):
             return "mode"
+        if not self.pure_hooks and has_user_hooks(modules):
+            return "hooks"
         return None
 
-    def _sampled_call(self, args: tuple, kwargs: dict) -> Any:
+    def _sampled_call(self, args: tuple, kwargs: dict, modules: list[torch.nn.Module]) -> Any:
         """Plan the upstream run, run legacy (its result or exception is the caller's), then the upstream side."""
-        plan = self._plan(args, kwargs)
+        plan = self._plan(args, kwargs, modules)
         start = time.perf_counter()
         try:
             result = self._run_legacy(args, kwargs)
@@ -289,16 +320,23 @@ class Experiment:
 
     # ------------------------------------------------------------------ the upstream side
 
-    def _plan(self, args: tuple, kwargs: dict) -> Plan | BaseException:
+    def _plan(self, args: tuple, kwargs: dict, modules: list[torch.nn.Module]) -> Plan | BaseException:
         """What the upstream run (and the oracle's) needs, taken before legacy runs; an exception if that failed."""
         try:
+            before = TorchGlobals()
             autocast = _autocast_state()
             oracle = self.oracle_rate is not None and (
                 "=on/" in autocast or self._oracle_random.random() < self.oracle_rate
             )
-            isolation = Isolation(args, kwargs, runs=2 if oracle else 1) if self.target.isolate else None
+            if self.target.isolate:
+                isolation = Isolation(args, kwargs, modules, runs=2 if oracle else 1)
+                up_args, up_kwargs = isolation.args, isolation.kwargs
+            else:
+                isolation, (up_args, up_kwargs) = None, detach_tensors((args, kwargs))
             signature = self.target.signature(args, kwargs) if self.target.signature else "call"
-            return Plan(isolation, self._admit(bounded(str(signature), 64)), autocast, oracle)
+            return Plan(
+                isolation, up_args, up_kwargs, self._admit(bounded(str(signature), 64)), autocast, oracle, before
+            )
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
@@ -321,29 +359,44 @@ class Experiment:
     def _upstream_side(self, plan: Plan | BaseException, args: tuple, kwargs: dict, legacy: Run) -> None:
         """Everything after legacy: observe, publish. Whatever it does to torch's global state is undone, and
         whatever it raises is this tool's fault: counted as a "comparator" skip, never the caller's problem."""
-        _local.upstream_side = True  # calls of wrapped functions from here on (exporters too) are not compared again
+        # Calls of wrapped functions from here on (upstream's, the oracle's, exporters') are not compared again.
+        outer, _local.upstream_side = getattr(_local, "upstream_side", None), self
         started = time.perf_counter()
-        settings = TorchGlobals()  # as legacy left them; the upstream side's changes never reach the job
         try:
+            left_by_legacy = TorchGlobals()  # the upstream side's changes never reach the job
             try:
-                observation = self._observe(plan, args, kwargs, legacy)
-            except KeyboardInterrupt:
-                raise
-            except BaseException as exc:  # SystemExit too
-                self._log_limited("comparator", "upstream side failed: %r", exc)
-                observation = Observation(self.target.name, Outcome.SKIPPED, ("comparator",), detail=bounded(repr(exc)))
-            self._publish(observation)
+                try:
+                    observation = self._observe(plan, args, kwargs, legacy, left_by_legacy)
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as exc:  # SystemExit too
+                    self._log_limited("comparator", "upstream side failed: %r", exc)
+                    observation = Observation(
+                        self.target.name, Outcome.SKIPPED, ("comparator",), detail=bounded(repr(exc))
+                    )
+                self._publish(observation)
+            finally:
+                left_by_legacy.restore()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # taking or putting back torch's settings failed: ours to log, not the job's
+            self._log_limited("settings", "torch settings could not be taken or put back: %r", exc)
         finally:
-            settings.restore()
-            _local.upstream_side = False
+            _local.upstream_side = outer
             self._spent += time.perf_counter() - started
 
-    def _observe(self, plan: Plan | BaseException, args: tuple, kwargs: dict, legacy: Run) -> Observation:
-        """Run upstream on the plan's isolated arguments and compare the two runs."""
+    def _observe(
+        self, plan: Plan | BaseException, args: tuple, kwargs: dict, legacy: Run, left_by_legacy: TorchGlobals
+    ) -> Observation:
+        """Run upstream the way legacy ran and compare the two runs: their results (or exceptions) and the torch
+        settings each left behind."""
         now = time.time()
         if isinstance(plan, BaseException):
             return self._skipped(plan, timestamp=now)
-        upstream, drilled = self._run_upstream(plan, args, kwargs)
+        if legacy.error is None and any(map(_is_hooked_subclass, tree_iter(legacy.value))):
+            # legacy returned a tensor subclass with hooks: comparing it would run its code
+            return Observation(self.target.name, Outcome.SKIPPED, ("mode",), signature=plan.signature, timestamp=now)
+        upstream, drilled, left_by_upstream = self._run_upstream(plan, left_by_legacy)
         common = {
             "target": self.target.name,
             "legacy": self.legacy_origin,
@@ -357,14 +410,43 @@ class Experiment:
             del upstream  # its error's traceback holds upstream's tensors
             _free_after_oom()
             return Observation(outcome=Outcome.SKIPPED, reasons=("oom",), **common)
-        if legacy.error is not None or upstream.error is not None:
+        returned = legacy.error is None and upstream.error is None
+        start = time.perf_counter()
+        if returned:
+            found = compare(
+                legacy.value,
+                upstream.value,
+                tolerance=self.tolerance,
+                exact=self.target.exact,
+                legacy_inputs=(args, kwargs),
+                upstream_inputs=(plan.args, plan.kwargs),
+            )
+            if found.outcome == Outcome.MISMATCH:
+                autocast = f"autocast legacy: {plan.autocast}; upstream: {upstream.autocast}"
+                found = dataclasses.replace(found, detail=bounded(f"{found.detail} | {autocast}"))
+        else:
             found = compare_exceptions(legacy.error, upstream.error)
-            observation = Observation(outcome=found.outcome, reasons=found.reasons, detail=found.detail, **common)
-            if observation.outcome == Outcome.ERROR:
-                evidence = self._evidence(plan, args, kwargs, legacy, upstream.error)
-                observation = dataclasses.replace(observation, evidence=evidence)
-            return observation
-        return self._compare_values(plan, args, kwargs, legacy, upstream, common)
+        found = with_state(found, left_by_legacy.differences(left_by_upstream))
+        compare_seconds = time.perf_counter() - start
+        shared = {}
+        if plan.oracle and returned and found.outcome in (Outcome.MATCH, Outcome.CLOSE):
+            shared = self._single_device(plan, legacy.value, left_by_legacy)
+        evidence = None
+        if found.outcome in DIVERGENT_OUTCOMES:
+            evidence = self._evidence(plan, legacy, upstream)
+        return Observation(
+            outcome=found.outcome,
+            reasons=found.reasons,
+            max_abs_error=found.max_abs_error,
+            max_rel_error=found.max_rel_error,
+            mismatched=found.mismatched,
+            numel=found.numel,
+            compare_seconds=compare_seconds,
+            detail=found.detail,
+            evidence=evidence,
+            **shared,
+            **common,
+        )
 
     def _skipped(self, failure: BaseException, timestamp: float) -> Observation:
         """The observation of a call whose plan failed: out of memory, or a fault of this tool."""
@@ -375,93 +457,67 @@ class Experiment:
             self.target.name, Outcome.SKIPPED, (reason,), detail=bounded(repr(failure)), timestamp=timestamp
         )
 
-    def _run_upstream(self, plan: Plan, args: tuple, kwargs: dict) -> tuple[Run, bool]:
-        """Upstream on the isolated arguments (the caller's where the target is not isolated, without grad), and
-        whether a fire drill corrupted it."""
-        up_args, up_kwargs = plan.arguments(args, kwargs)
-        context = plan.isolation.upstream_run() if plan.isolation is not None else torch.no_grad()
+    def _run_upstream(self, plan: Plan, left_by_legacy: TorchGlobals) -> tuple[Run, bool, TorchGlobals]:
+        """Upstream on the plan's arguments, from the torch settings the caller had before the call (legacy's
+        start), in the caller's grad mode, isolated where the target asks for it; whether a fire drill corrupted
+        it; and the torch settings it left behind (legacy's are put back before this returns)."""
+        context = plan.isolation.upstream_run() if plan.isolation is not None else contextlib.nullcontext()
         drilled = self.drill is not None and self.drill.fires()
         value: Any = None
         error: BaseException | None = None
         autocast = ""
+        plan.before.restore()
         start = time.perf_counter()
         try:
-            with context, _upstream_run():
+            with context, _upstream_run(self):
                 autocast = _autocast_state()
                 if drilled:
                     self.drill.before_upstream()
-                value = self.target.upstream(*up_args, **up_kwargs)
+                value = self.target.upstream(*plan.args, **plan.kwargs)
                 if drilled:
                     value = self.drill.corrupt(value)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # SystemExit, GeneratorExit: upstream's outcome, never the caller's
             error = exc
-        return Run(value, error, time.perf_counter() - start, autocast), drilled
+        seconds = time.perf_counter() - start
+        left_by_upstream = TorchGlobals()
+        left_by_legacy.restore()
+        return Run(value, error, seconds, autocast), drilled, left_by_upstream
 
-    def _compare_values(
-        self, plan: Plan, args: tuple, kwargs: dict, legacy: Run, upstream: Run, common: dict[str, Any]
-    ) -> Observation:
-        """Compare two results (and, where planned, legacy's replica 0 with the single-device oracle)."""
-        up_args, up_kwargs = plan.arguments(args, kwargs)
-        start = time.perf_counter()
-        comparison = compare(
-            legacy.value,
-            upstream.value,
-            tolerance=self.tolerance,
-            exact=self.target.exact,
-            legacy_inputs=(args, kwargs),
-            upstream_inputs=(up_args, up_kwargs),
-        )
-        compare_seconds = time.perf_counter() - start
-        detail = comparison.detail
-        if comparison.outcome == Outcome.MISMATCH:
-            detail = bounded(f"{detail} | autocast legacy: {plan.autocast}; upstream: {upstream.autocast}")
-        shared = {}
-        if plan.oracle and comparison.outcome in (Outcome.MATCH, Outcome.CLOSE):
-            shared = self._single_device(plan.isolation, legacy.value)
-        evidence = None
-        if comparison.outcome == Outcome.MISMATCH:
-            evidence = self._evidence(plan, args, kwargs, legacy, upstream.value)
-        return Observation(
-            outcome=comparison.outcome,
-            reasons=comparison.reasons,
-            max_abs_error=comparison.max_abs_error,
-            max_rel_error=comparison.max_rel_error,
-            mismatched=comparison.mismatched,
-            numel=comparison.numel,
-            compare_seconds=compare_seconds,
-            detail=detail,
-            evidence=evidence,
-            **shared,
-            **common,
-        )
-
-    def _evidence(self, plan: Plan, args: tuple, kwargs: dict, legacy: Run, upstream_output: Any) -> Evidence:
+    def _evidence(self, plan: Plan, legacy: Run, upstream: Run) -> Evidence:
         """What a repro capture needs: the inputs as upstream received them, both outputs, the module state."""
-        inputs = plan.arguments(args, kwargs)
-        modules = find_modules(inputs)
+        modules = find_modules((plan.args, plan.kwargs))
+        with torch._C.DisableTorchFunction():  # (no subclass sees the detach)
+            upstream_value = trees.map_only(torch.Tensor, torch.Tensor.detach, upstream.value)
         return Evidence(
-            *inputs,
+            plan.args,
+            plan.kwargs,
             legacy=legacy.error or legacy.value,
-            upstream=upstream_output,
+            # (detached: the evidence never keeps upstream's autograd graph alive)
+            upstream=upstream.error or upstream_value,
             module_state=modules[0].state_dict() if modules else None,
             legacy_fn=self.legacy,
             upstream_fn=self.target.upstream,
             exact=self.target.exact,
         )
 
-    def _single_device(self, isolation: Isolation, legacy_result: Any) -> dict[str, Any]:
-        """Run the call's replica 0 on its own device, isolated like the upstream run, and compare legacy's
-        replica-0 output with it: the Observation fields of a shared divergence (none if they agree)."""
+    def _single_device(self, plan: Plan, legacy_result: Any, left_by_legacy: TorchGlobals) -> dict[str, Any]:
+        """Run the call's replica 0 on its own device, isolated and from the same settings as the upstream run,
+        and compare legacy's replica-0 output with it: the Observation fields of a shared divergence (none if
+        they agree)."""
         start = time.perf_counter()
         try:
-            args, kwargs = isolation.arguments(1)
-            with isolation.upstream_run(1):
-                call = self.target.oracle(args, kwargs)
-                if call is None:
-                    return {}
-                single = call.run()
+            args, kwargs = plan.isolation.arguments(1)
+            plan.before.restore()
+            try:
+                with plan.isolation.upstream_run(1):
+                    call = self.target.oracle(args, kwargs)
+                    if call is None:
+                        return {}
+                    single = call.run()
+            finally:
+                left_by_legacy.restore()
             with self._lock:
                 self._oracle_runs += 1
             found = compare(call.legacy_part(legacy_result, single), single, tolerance=self.tolerance)

@@ -29,6 +29,28 @@ def _initialized_accelerator() -> Any | None:
     return module if is_initialized is None or is_initialized() else None
 
 
+#: How each setting is named where two snapshots are compared.
+_NAMES = {
+    "default_dtype": "default dtype",
+    "default_device": "default device",
+    "autocast": "autocast",
+    "autocast_cache": "autocast cache",
+    "deterministic": "deterministic algorithms",
+    "matmul_precision": "float32 matmul precision",
+    "threads": "threads",
+    "anomaly": "anomaly detection",
+    "printoptions": "print options",
+    "grad": "grad mode",
+    "device": "current device",
+}
+
+
+def _plain(key: str, value: Any) -> Any:
+    if key == "default_device":  # a DeviceContext: compare what it sets
+        return None if value is None else str(value.device)
+    return value
+
+
 class TorchGlobals:
     """A snapshot of torch's global settings; :meth:`restore` writes back those that changed since."""
 
@@ -61,6 +83,15 @@ class TorchGlobals:
         module = _initialized_accelerator()
         state["device"] = torch.accelerator.current_device_index() if module is not None else None
         return state
+
+    def differences(self, other: TorchGlobals) -> dict[str, tuple[Any, Any]]:
+        """{setting's name: (its value here, its value in ``other``)} for each setting the two differ in."""
+        found = {}
+        for key, value in self._state.items():
+            mine, theirs = _plain(key, value), _plain(key, other._state[key])
+            if mine != theirs:
+                found[_NAMES[key]] = (mine, theirs)
+        return found
 
     def restore(self) -> None:
         """Write back every setting that differs from the snapshot."""

@@ -1,23 +1,28 @@
-"""Keeping the upstream run from changing anything the training job can see.
+"""Keeping the upstream run from changing anything the training job can see, while it runs the same call.
 
-Only sampled calls of targets that ask for it pay for this. Before legacy runs we take the RNG
-states, clones of every module buffer reachable from the arguments and clones of the tensor
-arguments. The upstream run then starts from exactly what legacy started from, runs on its own
-tensors (the module's buffers are swapped for clones in the module's ``_buffers`` dicts, so the
-originals are never written and their autograd version counters never move), builds no autograd
-graph, and afterwards every generator is put back where legacy left it.
+Only sampled calls of targets that ask for it pay for this. Before legacy runs we take the RNG states, clones of
+every module buffer reachable from the arguments and clones of the tensor arguments. The upstream run then starts
+from exactly what legacy started from, in the caller's grad mode, on tensors whose autograd graph never reaches
+the caller's: cloned arguments and buffers, and parameters as new leaves over the same storage (``detach``: no
+copy), each with the ``requires_grad`` of the tensor it stands for. The module's own dictionaries and attributes
+hold these while upstream runs, so the originals are never written and their autograd version counters never
+move. Afterwards every generator, module attribute and hook registry is put back where legacy left it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
+import types
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_iter, tree_map_only
+from torch.utils._pytree import tree_iter
+
+from shadow.core import trees
 
 
 def _accelerator_rng_module() -> Any | None:
@@ -72,9 +77,66 @@ def find_modules(tree: Any) -> list[torch.nn.Module]:
     return list(seen.values())
 
 
+def modules_in_call(args: tuple, kwargs: dict) -> list[torch.nn.Module]:
+    """Every module a call can reach: the modules among its arguments and all their submodules, each once."""
+    return list({id(m): m for root in find_modules((args, kwargs)) for m in root.modules()}.values())
+
+
+def module_tensors(modules: list[torch.nn.Module]) -> Iterator[torch.Tensor]:
+    """The parameters, buffers and plain tensor attributes (a DataParallel replica's parameters) of ``modules``."""
+    for module in modules:
+        for container in (module._parameters, module._buffers, vars(module)):
+            for value in container.values():
+                if isinstance(value, torch.Tensor):
+                    yield value
+
+
+#: The hook registries whose hooks run during a forward (and a backward through its output).
+_RUN_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_RUN_HOOKS = tuple(f"_global{name}" for name in _RUN_HOOKS)
+
+
+def _is_torchs_own(hook: Any) -> bool:
+    """Whether a hook is torch's own code (spectral_norm's and pruning's pre-hooks, weight_norm's): such hooks
+    write only module state, which the isolation puts back."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    owner = getattr(hook, "__self__", None)
+    if owner is not None and not isinstance(owner, type):  # a bound method: its object's class decides
+        hook = owner
+    plain = isinstance(hook, (types.FunctionType, types.BuiltinFunctionType))
+    module = (getattr(hook, "__module__", None) if plain else type(hook).__module__) or ""
+    return module == "torch" or module.startswith("torch.")
+
+
+def has_user_hooks(modules: list[torch.nn.Module]) -> bool:
+    """Whether a forward of these modules runs a hook the user registered: on any of them, or globally."""
+    registries = [getattr(torch.nn.modules.module, name) for name in _GLOBAL_RUN_HOOKS]
+    registries += [vars(m)[name] for m in modules for name in _RUN_HOOKS if vars(m).get(name)]
+    return any(not _is_torchs_own(hook) for registry in registries for hook in registry.values())
+
+
+def _new_leaf(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+    """A tensor outside the caller's autograd graph standing for ``tensor``: a clone (``copy``) or the same
+    storage, of the same class (a Parameter stays a Parameter) and with the same ``requires_grad``."""
+    leaf = tensor.detach().clone() if copy else tensor.detach()
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(leaf, requires_grad=tensor.requires_grad)
+    return leaf.requires_grad_(tensor.requires_grad) if tensor.requires_grad else leaf
+
+
 def clone_tensors(tree: Any) -> Any:
-    """``tree`` with every tensor replaced by a detached clone (same device, dtype and strides)."""
-    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)
+    """``tree`` with every tensor replaced by a clone outside the caller's graph (same device, dtype, strides and
+    ``requires_grad``)."""
+    return trees.map_only(torch.Tensor, lambda t: _new_leaf(t, copy=True), tree)
+
+
+def detach_tensors(tree: Any) -> Any:
+    """``tree`` with every tensor that requires grad replaced by a new leaf over the same storage: a run on it
+    builds a graph of its own, never one that reaches the caller's tensors. ``tree`` itself when none does."""
+    if not any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_iter(tree)):
+        return tree
+    return trees.map_only(torch.Tensor, lambda t: _new_leaf(t, copy=False) if t.requires_grad else t, tree)
 
 
 #: The per-module dictionaries an upstream run could add to or change (register_buffer, hooks, ...).
@@ -110,24 +172,25 @@ def _changed(container: Any, content: Any) -> bool:
 
 
 class ModuleState:
-    """A module's training flag and dictionaries (parameters, buffers, submodules, hooks), put back on restore."""
+    """A module's attributes (the training flag, counters and caches a forward sets, ...) and the contents of its
+    dictionaries (parameters, buffers, submodules, hooks), put back on restore.
 
-    __slots__ = ("_dicts", "_module", "_training")
+    Attributes are put back by binding: ``self.calls += 1`` is undone, an object changed in place
+    (``self.cache.append(x)``) is not."""
+
+    __slots__ = ("_attributes", "_dicts", "_module")
 
     def __init__(self, module: torch.nn.Module) -> None:
         self._module = module
-        self._training = module.training
-        self._dicts = {
-            name: (vars(module)[name], _copy(vars(module)[name])) for name in _MODULE_DICTS if name in vars(module)
-        }
+        attributes = self._attributes = dict(vars(module))
+        self._dicts = [(attributes[name], _copy(attributes[name])) for name in _MODULE_DICTS if name in attributes]
 
     def restore(self) -> None:
-        module = self._module
-        if module.training != self._training:
-            module.training = self._training  # (this module only: each submodule has its own state)
-        for name, (container, content) in self._dicts.items():
-            if vars(module).get(name) is not container:
-                vars(module)[name] = container
+        attributes = vars(self._module)
+        if _changed(attributes, self._attributes):
+            attributes.clear()
+            attributes.update(self._attributes)
+        for container, content in self._dicts:
             if _changed(container, content):
                 container.clear()
                 container.update(content)
@@ -147,31 +210,41 @@ class _GlobalHooks:
                 container.update(content)
 
 
+#: A substitution made for the isolated run: ``container[key] = value`` (a module's _parameters, _buffers or
+#: attribute dictionary).
+_Swap = tuple[dict, str, torch.Tensor]
+
+
 class Isolation:
     """Taken before legacy runs; :meth:`upstream_run` then gives the upstream side its own world.
 
-    ``runs``: how many isolated runs will follow (the upstream run, and the single-device oracle's); each gets
-    its own clones of the arguments and buffers, so none starts from what another left.
+    ``modules``: every module the call reaches (:func:`modules_in_call`). ``runs``: how many isolated runs will
+    follow (the upstream run, and the single-device oracle's); each gets its own clones of the arguments and
+    buffers, so none starts from what another left.
     """
 
-    def __init__(self, args: tuple, kwargs: dict, runs: int = 1) -> None:
+    def __init__(self, args: tuple, kwargs: dict, modules: list[torch.nn.Module], runs: int = 1) -> None:
         self.rng_before = RngSnapshot()
-        self._worlds = [self._world(args, kwargs) for _ in range(runs)]
+        self._modules = modules
+        self._worlds = [self._world(args, kwargs, modules) for _ in range(runs)]
         self.args, self.kwargs = self._worlds[0][0]
 
     @staticmethod
-    def _world(
-        args: tuple, kwargs: dict
-    ) -> tuple[tuple[tuple, dict], list[tuple[dict, str, torch.Tensor]], list[torch.nn.Module]]:
-        clones: dict[int, torch.Tensor] = {}  # tied buffers stay tied in the isolated run
-        swaps: list[tuple[dict, str, torch.Tensor]] = []
-        modules = list({id(m): m for root in find_modules((args, kwargs)) for m in root.modules()}.values())
+    def _world(args: tuple, kwargs: dict, modules: list[torch.nn.Module]) -> tuple[tuple[tuple, dict], list[_Swap]]:
+        leaves: dict[int, torch.Tensor] = {}  # tied parameters and buffers stay tied in the isolated run
+        swaps: list[_Swap] = []
         for module in modules:
             for name, buffer in module._buffers.items():
                 if buffer is not None:
-                    clone = clones.setdefault(id(buffer), buffer.detach().clone())
-                    swaps.append((module._buffers, name, clone))
-        return clone_tensors((args, kwargs)), swaps, modules
+                    swaps.append((module._buffers, name, leaves.setdefault(id(buffer), _new_leaf(buffer, copy=True))))
+            for name, parameter in module._parameters.items():
+                if parameter is not None:
+                    leaf = leaves.setdefault(id(parameter), _new_leaf(parameter, copy=False))
+                    swaps.append((module._parameters, name, leaf))
+            for name, value in vars(module).items():  # a replica's parameters: non-leaf tensors in its __dict__
+                if isinstance(value, torch.Tensor) and value.requires_grad:
+                    swaps.append((vars(module), name, leaves.setdefault(id(value), _new_leaf(value, copy=False))))
+        return clone_tensors((args, kwargs)), swaps
 
     def arguments(self, run: int = 0) -> tuple[tuple, dict]:
         """The cloned (args, kwargs) of one run."""
@@ -179,18 +252,17 @@ class Isolation:
 
     @contextlib.contextmanager
     def upstream_run(self, run: int = 0) -> Iterator[None]:
-        """Run the body isolated: legacy's starting state, no graph, nothing leaks out."""
+        """Run the body isolated: legacy's starting state, its own graph, nothing leaks out."""
         rng_after_legacy = RngSnapshot()
-        _, swaps, modules = self._worlds[run]
-        # Taken before the buffer swaps: restoring the modules' dictionaries also swaps the originals back.
-        states = [ModuleState(m) for m in modules]
+        _, swaps = self._worlds[run]
+        # Taken before the swaps: restoring the modules' attributes and dictionaries also swaps the originals back.
+        states = [ModuleState(m) for m in self._modules]
         hooks = _GlobalHooks()
         try:
             self.rng_before.restore()
-            for buffers, name, clone in swaps:
-                buffers[name] = clone
-            with torch.no_grad():
-                yield
+            for container, key, value in swaps:
+                container[key] = value
+            yield
         finally:
             for state in states:
                 state.restore()

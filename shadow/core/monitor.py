@@ -202,6 +202,7 @@ def install(
     oracle: float | None = 0.1,
     yields: bool = False,
     budget: float | None = None,
+    pure_hooks: bool = False,
 ) -> Monitor:
     """Shadow the given targets (by default every built-in whose legacy patch is active).
 
@@ -213,7 +214,10 @@ def install(
     targets, the fraction of sampled calls without autocast that also run replica 0 alone on its device, to find
     divergences legacy and upstream share (sampled calls under autocast always do); None turns it off.
     ``budget``: the fraction of wall time (per target, since install) the upstream side may use; beyond it sampled
-    calls are skipped with reason "budget" (None: no limit). ``yields``: this monitor steps aside while a later
+    calls are skipped with reason "budget" (None: no limit). ``pure_hooks``: the user's forward, pre-forward and
+    backward hooks on the modules in a call (and the global ones) are free of side effects, so calls that reach
+    them are compared, running them again on the upstream side (by default such calls are skipped with reason
+    "hooks": what a hook does outside the module cannot be undone). ``yields``: this monitor steps aside while a later
     monitor shadows the same target (instead of that one raising "already shadowed"). Raises ValueError on
     any bad argument, before patching.
     """
@@ -233,10 +237,13 @@ def install(
         raise ValueError(f"drill: expected a shadow.core.drill.Drill or None, got {drill!r}")
     oracle = None if oracle is None else check_rate(oracle, "oracle")
     budget = None if budget is None else check_rate(budget, "budget", low="(0")
+    if not isinstance(pure_hooks, bool):
+        raise ValueError(f"pure_hooks: expected True or False, got {pure_hooks!r}")
 
     suspended = _step_aside(resolved)  # before the experiments read what is installed as their legacy
     experiments = [
-        Experiment(t, rates[t.name], tolerances[t.name], exporters, seed, drill, oracle, budget) for t in resolved
+        Experiment(t, rates[t.name], tolerances[t.name], exporters, seed, drill, oracle, budget, pure_hooks)
+        for t in resolved
     ]
     monitor = Monitor(experiments, yields=yields)
     monitor._suspended = suspended

@@ -33,20 +33,43 @@ DIVERGENT_OUTCOMES = (Outcome.MISMATCH.value, Outcome.ERROR.value)
 #: Reasons a comparison did not match.
 #: "stride" is a layout difference (strides or memory format): a mismatch for exact targets, since ``.view()``
 #: works on one layout and raises on the other; tolerance targets note it in the detail.
-MISMATCH_REASONS = ("structure", "type", "dtype", "shape", "device", "stride", "alias", "nan", "value", "exception")
+#: "requires_grad": an output requires grad on one side only (it would or would not take part in backward);
+#: "state": the torch settings each side left behind differ (the current device, the default dtype, ...).
+MISMATCH_REASONS = (
+    "structure",
+    "type",
+    "dtype",
+    "shape",
+    "device",
+    "stride",
+    "alias",
+    "requires_grad",
+    "nan",
+    "value",
+    "exception",
+    "state",
+)
 
 #: Reasons a sampled call was not compared.
-#: "comparator" is a fault of this tool (counted, logged, never raised); "mode": a TorchFunctionMode or
-#: TorchDispatchMode was active, or an argument a tensor subclass with its own hooks (their code would see the
-#: shadow side, and upstream's calls would come back through them); "budget": the shadow side had used its
-#: share of the job's wall time.
-SKIP_REASONS = ("oom", "compiling", "mode", "budget", "comparator")
+#: "comparator" is a fault of this tool (counted, logged, never raised); "mode": a user's TorchFunctionMode or
+#: TorchDispatchMode was active, or a tensor subclass with its own hooks was reached (an argument, a parameter or
+#: buffer of a module in the call, or legacy's output): their code would see the shadow side, and upstream's
+#: calls would come back through them; "hooks": a module in the call (or the global registry) has user forward,
+#: pre-forward or backward hooks, whose effects the shadow side could not undo; "budget": the shadow side had
+#: used its share of the job's wall time.
+SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "budget", "comparator")
+
+#: Skip reasons that say the evidence does not reach a kind of call at all (not a passing condition such as the
+#: budget): the verdict shows them as coverage still missing.
+UNCOVERED_REASONS = ("compiling", "mode", "hooks")
 
 #: Reasons a DataParallel call's result (legacy and upstream agreeing) departs from the single-device oracle's.
 SHARED_DIVERGENCE_REASONS = ("structure", "type", "dtype", "shape", "device", "nan", "value")
 
 #: Reasons that show a difference in kind, not in degree: no tolerance can make them pass.
-HARD_REASONS = frozenset({"structure", "type", "dtype", "shape", "device", "stride", "nan", "exception"})
+HARD_REASONS = frozenset(
+    {"structure", "type", "dtype", "shape", "device", "stride", "requires_grad", "nan", "exception", "state"}
+)
 
 DETAIL_LIMIT = 600
 

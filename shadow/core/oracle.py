@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 from torch._utils import _get_all_device_indices, _get_device_index
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from shadow.core import trees
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +96,8 @@ def data_parallel_call(args: tuple, kwargs: dict) -> SingleDeviceCall | None:
 
 def _first_chunk(gathered: Any, single: Any, dim: int) -> Any:
     """The part of a gathered output that replica 0 contributed, on the single-device run's device."""
-    leaves, spec = tree_flatten(gathered)
-    single_leaves, single_spec = tree_flatten(single)
+    leaves, spec = trees.flatten(gathered)
+    single_leaves, single_spec = trees.flatten(single)
     if spec != single_spec:
         return gathered  # the comparison reports the structure
 
@@ -105,10 +106,10 @@ def _first_chunk(gathered: Any, single: Any, dim: int) -> Any:
             return leaf
         if reference.dim() == 0:  # gather turns replicas' scalars into a vector
             chunk = leaf[0]
-        elif reference.dim() == leaf.dim() and 0 <= dim < leaf.dim():
-            chunk = leaf.narrow(dim, 0, min(reference.size(dim), leaf.size(dim)))
+        elif reference.dim() == leaf.dim() and -leaf.dim() <= dim < leaf.dim():
+            chunk = leaf.narrow(dim, 0, min(reference.size(dim), leaf.size(dim)))  # (narrow takes dim < 0 too)
         else:
             return leaf
         return chunk.to(reference.device)
 
-    return tree_unflatten([piece(a, b) for a, b in zip(leaves, single_leaves)], spec)
+    return spec.unflatten([piece(a, b) for a, b in zip(leaves, single_leaves)])

@@ -79,6 +79,9 @@ def _verdict(args: argparse.Namespace) -> int:
             if d.risky:
                 coverage = ", ".join(f"{pattern} {seen}" for pattern, seen in d.risky.items())
                 print(f"{'':<16}risky signatures compared: {coverage}")
+            if d.uncovered:
+                found = ", ".join(f"{reason} {count}" for reason, count in sorted(d.uncovered.items()))
+                print(f"{'':<16}not compared: {found} sampled calls (coverage still missing)")
             if d.shared:
                 found = ", ".join(f"{reason} {count}" for reason, count in sorted(d.shared.items()))
                 print(
@@ -163,7 +166,8 @@ def _run(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     options = {name: getattr(args, name) for name in cfg.SETTINGS}
-    options["otel"] = "1" if args.otel else None
+    for flag in cfg.FLAGS:
+        options[flag] = "1" if getattr(args, flag) else None
     return run(command, options)
 
 
@@ -219,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--upstream", metavar="MODULE:FUNCTION", help="a custom target's upstream function")
     replay.set_defaults(handler=_replay)
 
-    from shadow.launcher.config import SETTINGS
+    from shadow.launcher.config import FLAGS, SETTINGS
 
     run = commands.add_parser(
         "run",
@@ -228,8 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
         "here with exit code 2, before COMMAND starts. The exit code is COMMAND's.",
     )
     for name, setting in SETTINGS.items():
-        if name == "otel":
-            run.add_argument("--otel", action="store_true", help=f"export through OpenTelemetry ({setting.variable})")
+        if name in FLAGS:
+            run.add_argument(
+                setting.option, dest=name, action="store_true", help=f"{FLAGS[name]} ({setting.variable})"
+            )
         elif name == "emulate_npu":
             _add_emulate_npu(run, "give every process of the job N emulated npu devices")
         else:

@@ -272,6 +272,13 @@ SETTINGS = {
         "'off', or the fraction in (0, 1] of the job's wall time the shadow side may use per target (default 0.2)",
         _off_or_rate("(0"),
     ),
+    "pure_hooks": Setting(
+        "NPU_SHADOW_PURE_HOOKS",
+        "--pure-hooks",
+        "1/true/yes or 0/false/no: the job's forward and backward hooks have no side effects, so calls that run "
+        "them are compared (they run again on the upstream side) instead of skipped with reason hooks",
+        _flag,
+    ),
     "oracle": Setting(
         "NPU_SHADOW_ORACLE",
         "--oracle",
@@ -279,6 +286,13 @@ SETTINGS = {
         "replica 0 alone on its device (calls under autocast always are; default 0.1)",
         _off_or_rate("[0"),
     ),
+}
+
+
+#: The settings given as bare launcher flags (``--otel``), with their help.
+FLAGS = {
+    "otel": "export through OpenTelemetry",
+    "pure_hooks": "the job's module hooks have no side effects: compare calls that run them",
 }
 
 
@@ -304,6 +318,7 @@ class Config:
     legacy_from: str | None = None
     oracle: float | None = 0.1
     budget: float | None = 0.2
+    pure_hooks: bool = False
 
 
 def from_sources(environ: Mapping[str, str], options: Mapping[str, str | None] | None = None) -> Config:

@@ -117,6 +117,7 @@ class Launcher:
                     drill=drill,
                     oracle=config.oracle,
                     budget=config.budget,
+                    pure_hooks=config.pure_hooks,
                 )
             LEGACY_PATCHED.subscribe(refresh)
             if not self._at_exit_registered:

@@ -1,0 +1,44 @@
+"""torch's pytree, flattened without leaving reference cycles behind.
+
+``torch.utils._pytree.tree_flatten`` recurses through a nested closure that refers to itself, so every call
+leaves a small reference cycle for the garbage collector (seven objects). A sampled call flattens several trees,
+and a job that checks ``gc.collect() == 0`` after a step (PyTorch's own DataParallel tests do) would see them.
+These helpers use the same registry, node definitions and ``TreeSpec`` through a module-level recursion, which
+leaves no cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils import _pytree as pytree
+
+IsLeaf = Callable[[Any], bool] | None
+
+
+def _flatten_into(node: Any, is_leaf: IsLeaf, leaves: list[Any]) -> pytree.TreeSpec:
+    if pytree.tree_is_leaf(node, is_leaf=is_leaf):
+        leaves.append(node)
+        return pytree._LEAF_SPEC
+    node_type = pytree._get_node_type(node)
+    children, context = pytree.SUPPORTED_NODES[node_type].flatten_fn(node)
+    return pytree.TreeSpec(node_type, context, [_flatten_into(child, is_leaf, leaves) for child in children])
+
+
+def flatten(tree: Any, is_leaf: IsLeaf = None) -> tuple[list[Any], pytree.TreeSpec]:
+    """``tree_flatten``: the leaves and the spec."""
+    leaves: list[Any] = []
+    return leaves, _flatten_into(tree, is_leaf, leaves)
+
+
+def flatten_with_paths(tree: Any, is_leaf: IsLeaf = None) -> tuple[list[tuple[Any, Any]], pytree.TreeSpec]:
+    """``tree_flatten_with_path``: (key path, leaf) pairs and the spec."""
+    _, spec = flatten(tree, is_leaf)
+    return list(pytree._generate_key_paths((), tree, is_leaf)), spec
+
+
+def map_only(kind: type | tuple[type, ...], function: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree_map_only``: ``tree`` with ``function`` applied to the leaves that are instances of ``kind``."""
+    leaves, spec = flatten(tree)
+    return spec.unflatten([function(leaf) if isinstance(leaf, kind) else leaf for leaf in leaves])
