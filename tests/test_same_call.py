@@ -65,6 +65,28 @@ def test_1_upstream_runs_in_the_callers_grad_mode(legacy_patches):
     assert outcomes == {"parallel_apply": ("match", (), ""), "data_parallel": ("match", (), "")}
 
 
+def test_1_upstream_runs_in_the_callers_inference_mode():
+    modes = []
+
+    def legacy(module, x):
+        return module(x)
+
+    def upstream(module, x):
+        modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        return module(x)
+
+    ops = types.SimpleNamespace(op=legacy)
+    monitor, recorder = shadowed([Target("op", ops, "op", upstream)])
+    module = nn.Linear(3, 3)
+    with monitor:
+        with torch.inference_mode():
+            out = ops.op(module, torch.randn(2, 3))
+        ops.op(module, torch.randn(2, 3))
+    assert out.is_inference()
+    assert modes == [(True, False), (False, True)]
+    assert [o.outcome for o in recorder.observations] == ["match", "match"]
+
+
 def test_1_a_grad_dependent_model_is_not_rolled_back(legacy_patches, tmp_path):
     from exporters import JsonlExporter
     from shadow.analysis import sources
