@@ -30,6 +30,8 @@ PROMOTE, ROLLBACK, INCONCLUSIVE = "promote", "rollback", "inconclusive"
 EXIT_CODES = {PROMOTE: 0, ROLLBACK: 1, INCONCLUSIVE: 3}  # 2 is left to usage errors
 _SEVERITY = {PROMOTE: 0, INCONCLUSIVE: 1, ROLLBACK: 2}
 CONFIDENCE = 0.95
+#: More comparisons than any job makes: what the tiniest max rates would need is reported as this.
+_MOST_COMPARISONS = 2**63
 
 #: What to do about each kind of call the evidence does not reach (the verdict's "why").
 _UNCOVERED_WHY = {
@@ -53,7 +55,8 @@ def lower_bound(k: int, n: int, confidence: float = CONFIDENCE) -> float:
 def comparisons_needed(max_rate: float, k: int = 0, confidence: float = CONFIDENCE) -> int:
     """The least n whose upper bound with k divergences is below max_rate (about 3 / max_rate for k = 0)."""
     if k == 0:  # closed form: 1 - (1 - confidence) ** (1 / n) < max_rate
-        return math.floor(math.log(1 - confidence) / math.log1p(-max_rate)) + 1
+        needed = math.log(1 - confidence) / math.log1p(-max_rate)  # inf for the tiniest rates
+        return math.floor(needed) + 1 if needed < _MOST_COMPARISONS else _MOST_COMPARISONS
     low, high = k + 1, max(k + 2, comparisons_needed(max_rate, 0, confidence))
     while upper_bound(k, high, confidence) >= max_rate:
         low, high = high, high * 2

@@ -1,17 +1,29 @@
-"""The process-wide torch settings a shadow side could change, taken and put back around it.
+"""The process-wide settings a shadow side could change, taken and put back around it.
 
 Upstream implementations, comparators and exporters are code the job did not ask to run on its thread: whatever
-they set globally (default dtype or device, autocast, determinism, matmul precision, threads, anomaly detection,
-print options, the accelerator's current device) must be what legacy left once the shadow side is done. Only
-settings that changed are written back, so an unchanged state costs a few getter calls.
+they set globally must be what legacy left once the shadow side is done. Each setting is a row of
+:data:`SETTINGS`: how it is read, how it is written back, and its name where two snapshots differ. Only settings
+that changed are written back, so an unchanged state costs a few getter calls.
+
+Not taken (no getter, or no cheap way to put back): ``torch.set_flush_denormal`` (torch has no getter), the
+saved-tensors hooks below the top of their stack, and anything outside torch, NumPy's error settings, Python's
+warning filters and its recursion limit.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
+import torch.utils._device
+import torch.utils.deterministic
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 
 def _autocast_device_types() -> list[str]:
@@ -29,30 +41,171 @@ def _initialized_accelerator() -> Any | None:
     return module if is_initialized is None or is_initialized() else None
 
 
-#: How each setting is named where two snapshots are compared.
-_NAMES = {
-    "default_dtype": "default dtype",
-    "default_device": "default device",
-    "autocast": "autocast",
-    "autocast_cache": "autocast cache",
-    "deterministic": "deterministic algorithms",
-    "matmul_precision": "float32 matmul precision",
-    "threads": "threads",
-    "anomaly": "anomaly detection",
-    "printoptions": "print options",
-    "grad": "grad mode",
-    "device": "current device",
-}
+# --------------------------------------------------------------------------- readers and writers
 
 
-def _plain(key: str, value: Any) -> Any:
-    if key == "default_device":  # a DeviceContext: compare what it sets
-        return None if value is None else str(value.device)
+def _autocast() -> dict[str, tuple[bool, torch.dtype]]:
+    return {t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in _autocast_device_types()}
+
+
+def _set_autocast(state: dict[str, tuple[bool, torch.dtype]]) -> None:
+    for device_type, (enabled, dtype) in state.items():
+        torch.set_autocast_enabled(device_type, enabled)
+        torch.set_autocast_dtype(device_type, dtype)
+
+
+def _default_device() -> tuple[Any, Any]:
+    """The default device's context (torch.set_default_device) and the device torch's constructors fill in."""
+    return getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None), torch.utils._device.CURRENT_DEVICE
+
+
+def _set_default_device(value: tuple[Any, Any]) -> None:
+    # The very objects, not a new context: the mode stack (put back first) holds the old one.
+    context, torch.utils._device.CURRENT_DEVICE = value
+    if context is None:
+        vars(torch._GLOBAL_DEVICE_CONTEXT).pop("device_context", None)
+    else:
+        torch._GLOBAL_DEVICE_CONTEXT.device_context = context
+
+
+def _current_device() -> int | None:
+    return torch.accelerator.current_device_index() if _initialized_accelerator() is not None else None
+
+
+def _set_current_device(index: int | None) -> None:
+    if index is not None:
+        torch.accelerator.set_device_index(index)
+
+
+def _set_function_modes(modes: tuple) -> None:
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    for mode in modes:
+        torch._C._push_on_torch_function_stack(mode)
+
+
+def _set_dispatch_modes(modes: tuple) -> None:
+    while torch._C._len_torch_dispatch_stack():
+        torch._C._pop_torch_dispatch_stack()
+    for mode in modes:
+        torch._C._push_on_torch_dispatch_stack(mode)
+
+
+def _saved_tensors_hooks() -> Any:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def _set_saved_tensors_hooks(top: Any) -> None:
+    """Pop what was pushed above ``top`` (hooks taken off below it cannot be put back)."""
+    for _ in range(64):
+        if _saved_tensors_hooks() == top or _saved_tensors_hooks() is None:
+            return
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
+def _set_print_options(options: dict[str, Any]) -> None:
+    for name, value in options.items():
+        setattr(torch._tensor_str.PRINT_OPTS, name, value)
+
+
+def _set_warning_filters(filters: tuple) -> None:
+    warnings.filters[:] = list(filters)
+    warnings._filters_mutated()  # (as warnings.filterwarnings does: caches keyed on the filters are dropped)
+
+
+def _set_fill_uninitialized_memory(value: bool) -> None:
+    torch.utils.deterministic.fill_uninitialized_memory = value
+
+
+def _set_mkldnn(value: bool) -> None:
+    torch.backends.mkldnn.enabled = value
+
+
+def _set_opt_einsum(value: bool) -> None:
+    torch.backends.opt_einsum.enabled = value
+
+
+def _as_is(value: Any) -> Any:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One setting: its name where snapshots differ, its reader and writer, and how a value is shown (and
+    compared) in a difference."""
+
+    name: str
+    read: Callable[[], Any]
+    write: Callable[[Any], None]
+    shown: Callable[[Any], Any] = _as_is
+    #: Read and written outside the warnings.catch_warnings() that quiets deprecated getters.
+    outside_catch_warnings: bool = False
+
+
+#: Every setting taken, in the order they are written back: the mode stacks first (a mode upstream left on them
+#: would see every later write; a default device is a mode at the bottom of the function mode stack).
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting("torch function modes", lambda: tuple(_get_current_function_mode_stack()), _set_function_modes),
+        Setting("default dtype", torch.get_default_dtype, torch.set_default_dtype),
+        Setting(
+            "default device",
+            _default_device,
+            _set_default_device,
+            shown=lambda value: None if value[1] is None else str(value[1]),
+        ),
+        Setting("autocast", _autocast, _set_autocast),
+        Setting("autocast cache", torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled),
+        Setting(
+            "deterministic algorithms",
+            lambda: (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            ),
+            lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1]),
+        ),
+        Setting(
+            "fill uninitialized memory",
+            lambda: torch.utils.deterministic.fill_uninitialized_memory,
+            _set_fill_uninitialized_memory,
+        ),
+        Setting("float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+        Setting("threads", torch.get_num_threads, torch.set_num_threads),
+        Setting(
+            "anomaly detection",
+            lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+            lambda value: torch.set_anomaly_enabled(*value),
+        ),
+        Setting("warn always", torch.is_warn_always_enabled, torch.set_warn_always),
+        Setting(
+            "autograd multithreading",
+            torch.autograd.is_multithreading_enabled,
+            torch.autograd.set_multithreading_enabled,
+        ),
+        Setting("mkldnn", lambda: torch.backends.mkldnn.enabled, _set_mkldnn),
+        Setting("opt_einsum", lambda: torch.backends.opt_einsum.enabled, _set_opt_einsum),
+        Setting(
+            "multi-head attention fast path",
+            torch.backends.mha.get_fastpath_enabled,
+            torch.backends.mha.set_fastpath_enabled,
+        ),
+        Setting("print options", lambda: dict(vars(torch._tensor_str.PRINT_OPTS)), _set_print_options),
+        Setting("grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
+        Setting("current device", _current_device, _set_current_device),
+        Setting("torch dispatch modes", lambda: tuple(_get_current_dispatch_mode_stack()), _set_dispatch_modes),
+        Setting("saved tensors hooks", _saved_tensors_hooks, _set_saved_tensors_hooks),
+        Setting("numpy error settings", np.geterr, lambda value: np.seterr(**value)),
+        Setting("warning filters", lambda: tuple(warnings.filters), _set_warning_filters, outside_catch_warnings=True),
+        Setting("recursion limit", sys.getrecursionlimit, sys.setrecursionlimit),
+    )
+}
+_QUIET = [s for s in SETTINGS.values() if not s.outside_catch_warnings]
+_LOUD = [s for s in SETTINGS.values() if s.outside_catch_warnings]
+
+
 class TorchGlobals:
-    """A snapshot of torch's global settings; :meth:`restore` writes back those that changed since."""
+    """A snapshot of the global settings; :meth:`restore` writes back those that changed since."""
 
     __slots__ = ("_state",)
 
@@ -61,68 +214,43 @@ class TorchGlobals:
 
     @staticmethod
     def _read() -> dict[str, Any]:
+        state = {s.name: s.read() for s in _LOUD}
         with warnings.catch_warnings():  # (getters of settings with newer spellings warn)
             warnings.simplefilter("ignore")
-            state = {
-                "default_dtype": torch.get_default_dtype(),
-                "default_device": getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None),
-                "autocast": {
-                    t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in _autocast_device_types()
-                },
-                "autocast_cache": torch.is_autocast_cache_enabled(),
-                "deterministic": (
-                    torch.are_deterministic_algorithms_enabled(),
-                    torch.is_deterministic_algorithms_warn_only_enabled(),
-                ),
-                "matmul_precision": torch.get_float32_matmul_precision(),
-                "threads": torch.get_num_threads(),
-                "anomaly": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
-                "printoptions": dict(vars(torch._tensor_str.PRINT_OPTS)),
-                "grad": torch.is_grad_enabled(),
-            }
-        module = _initialized_accelerator()
-        state["device"] = torch.accelerator.current_device_index() if module is not None else None
+            state.update((s.name, s.read()) for s in _QUIET)
         return state
 
     def differences(self, other: TorchGlobals) -> dict[str, tuple[Any, Any]]:
         """{setting's name: (its value here, its value in ``other``)} for each setting the two differ in."""
         found = {}
-        for key, value in self._state.items():
-            mine, theirs = _plain(key, value), _plain(key, other._state[key])
+        for name, setting in SETTINGS.items():
+            mine, theirs = setting.shown(self._state[name]), setting.shown(other._state[name])
             if mine != theirs:
-                found[_NAMES[key]] = (mine, theirs)
+                found[name] = (mine, theirs)
         return found
 
     def restore(self) -> None:
-        """Write back every setting that differs from the snapshot."""
+        """Write back every setting that differs from the snapshot. Each is written on its own: one that cannot
+        be written back does not keep the others from it; the first failure is raised at the end."""
         now, then = self._read(), self._state
         if now == then:
             return
+        failure: BaseException | None = None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if now["default_dtype"] != then["default_dtype"]:
-                torch.set_default_dtype(then["default_dtype"])
-            if now["default_device"] is not then["default_device"]:
-                context = then["default_device"]
-                torch.set_default_device(None if context is None else context.device)
-            for device_type, (enabled, dtype) in then["autocast"].items():
-                if now["autocast"].get(device_type) != (enabled, dtype):
-                    torch.set_autocast_enabled(device_type, enabled)
-                    torch.set_autocast_dtype(device_type, dtype)
-            if now["autocast_cache"] != then["autocast_cache"]:
-                torch.set_autocast_cache_enabled(then["autocast_cache"])
-            if now["deterministic"] != then["deterministic"]:
-                torch.use_deterministic_algorithms(then["deterministic"][0], warn_only=then["deterministic"][1])
-            if now["matmul_precision"] != then["matmul_precision"]:
-                torch.set_float32_matmul_precision(then["matmul_precision"])
-            if now["threads"] != then["threads"]:
-                torch.set_num_threads(then["threads"])
-            if now["anomaly"] != then["anomaly"]:
-                torch.set_anomaly_enabled(*then["anomaly"])
-            if now["printoptions"] != then["printoptions"]:
-                for name, value in then["printoptions"].items():
-                    setattr(torch._tensor_str.PRINT_OPTS, name, value)
-            if now["grad"] != then["grad"]:
-                torch.set_grad_enabled(then["grad"])
-            if then["device"] is not None and now["device"] != then["device"]:
-                torch.accelerator.set_device_index(then["device"])
+            for setting in _QUIET:
+                failure = _write(setting, now, then) or failure
+        for setting in _LOUD:
+            failure = _write(setting, now, then) or failure
+        if failure is not None:
+            raise failure
+
+
+def _write(setting: Setting, now: dict[str, Any], then: dict[str, Any]) -> Exception | None:
+    if now[setting.name] == then[setting.name]:  # (a DeviceContext, a mode: the same object)
+        return None
+    try:
+        setting.write(then[setting.name])
+    except Exception as exc:
+        return exc
+    return None

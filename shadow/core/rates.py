@@ -10,9 +10,15 @@ def check_rate(value: object, setting: str, *, low: str = "[0", high: str = "1]"
     """``value`` as a float within the interval written by ``low`` and ``high`` (``"[0"``/``"(0"`` and
     ``"1]"``/``"1)"``; [0, 1] unless said otherwise). Raises ValueError naming ``setting`` and the interval.
     Text is not a number here: settings read from text go through :func:`parse_rate`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _within(float(value), low, high):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _error(setting, low, high, value)
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float (10**400)
+        raise _error(setting, low, high, value) from None
+    if not _within(number, low, high):
+        raise _error(setting, low, high, value)
+    return number
 
 
 def parse_rate(text: str, setting: str, *, low: str = "[0", high: str = "1]") -> float:
@@ -27,7 +33,9 @@ def parse_rate(text: str, setting: str, *, low: str = "[0", high: str = "1]") ->
 
 
 def _error(setting: str, low: str, high: str, value: object) -> ValueError:
-    return ValueError(f"{setting}: expected a number in {low}, {high}, got {value!r}")
+    given = repr(value)
+    given = given if len(given) <= 40 else given[:37] + "..."
+    return ValueError(f"{setting}: expected a number in {low}, {high}, got {given}")
 
 
 def _within(number: float, low: str, high: str) -> bool:

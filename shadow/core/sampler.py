@@ -58,7 +58,8 @@ class Sampler:
         if self.rate <= 0.0:
             return _NEVER
         u = 1.0 - self._rng.random()  # in (0, 1]
-        return min(_NEVER, 1 + int(math.log(u) / math.log1p(-self.rate)))
+        gap = math.log(u) / math.log1p(-self.rate)  # inf for the tiniest rates (1e-310: log1p is subnormal)
+        return 1 + int(gap) if gap < _NEVER - 1 else _NEVER
 
     def _open_gate(self) -> None:
         self._gate_size = self._gap() - 1

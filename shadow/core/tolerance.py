@@ -8,6 +8,8 @@ from collections.abc import Mapping
 
 import torch
 
+from shadow.core.observation import bounded
+
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
@@ -23,10 +25,17 @@ class Tolerance:
     def __post_init__(self) -> None:
         for name in ("rtol", "atol"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise ValueError(f"Tolerance.{name} must be a finite number >= 0, got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not _finite(value):
+                raise ValueError(f"Tolerance.{name} must be a finite number >= 0, got {bounded(repr(value), 40)}")
             if value < 0:
                 raise ValueError(f"Tolerance.{name} must be >= 0, got {value!r}")
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        return False
 
 
 EXACT = Tolerance(0.0, 0.0)

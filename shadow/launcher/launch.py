@@ -127,7 +127,14 @@ class Launcher:
             return self.monitor
 
     def refresh(self) -> None:
-        """Re-install when something patched over the wrappers, or new legacy patches appeared."""
+        """Re-install when something patched over the wrappers, or new legacy patches appeared. Called from the
+        job's own code (its patch_torch()): whatever goes wrong here is said, never raised into it."""
+        try:
+            self._refresh()
+        except Exception as exc:
+            log.warning("npu-shadow: re-installing over new legacy patches failed (%r); shadowing as before", exc)
+
+    def _refresh(self) -> None:
         from shadow.core import targets
 
         with self._lock:
