@@ -41,7 +41,10 @@ def _plain(leaf: Any) -> Any:
         return {"exception": type(leaf).__name__, "message": str(leaf)}
     if isinstance(leaf, type):
         return {"class": import_path(leaf) or repr(leaf)}
-    return {"repr": repr(leaf)}
+    try:
+        return {"repr": repr(leaf)}
+    except Exception as exc:  # a __repr__ that raises: the capture still describes the leaf
+        return {"repr": f"<{type(leaf).__qualname__}: repr raised {type(exc).__name__}>"}
 
 
 def payload(observation: Observation) -> dict[str, Any]:

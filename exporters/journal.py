@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import math
 import os
+import re
 import socket
 import threading
 from collections.abc import Callable, Mapping
@@ -16,7 +18,7 @@ from json.encoder import encode_basestring_ascii
 from exporters import capture, contract
 from shadow.core import forks
 from shadow.core.observation import Observation, Outcome
-from shadow.core.safe_paths import check_private_directory, make_private_directory
+from shadow.core.safe_paths import check_private_directory, make_private_directory, open_own_file, template_problem
 
 
 def _rank() -> int | None:
@@ -60,9 +62,14 @@ class JsonlExporter:
         max_capture_bytes: int = 256 << 20,
         annotate: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
-        for name, value in (("max_bytes", max_bytes), ("backups", backups), ("max_captures", max_captures)):
-            if not isinstance(value, int) or value < 0:
+        numbers = {"max_bytes": max_bytes, "backups": backups, "max_captures": max_captures}
+        numbers["max_capture_bytes"] = max_capture_bytes
+        for name, value in numbers.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"JsonlExporter: {name} must be an int >= 0, got {value!r}")
+        problem = template_problem(path) if isinstance(path, str) else "not a string"
+        if problem is not None:
+            raise ValueError(f"JsonlExporter: path={path!r} is not valid: {problem}")
         if capture_dir is not None:
             check_private_directory(capture_dir, "capture_dir")
         self.annotate = annotate
@@ -74,6 +81,8 @@ class JsonlExporter:
         self.max_captures = max_captures
         self.max_capture_bytes = max_capture_bytes
         self.host = socket.gethostname()
+        #: Lines not written (a full disk, a file that is not this user's own): each also raised to the engine.
+        self.lines_lost = 0
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._reset_process_state()
@@ -97,11 +106,17 @@ class JsonlExporter:
         with self._lock:
             # The line first: it never depends on the capture. A capture that then fails is removed and raised
             # (the engine counts it as an export skip); its line names a file that is not there.
-            data = self._capture_data(observation)
+            try:
+                data, failure = self._capture_data(observation), None
+            except Exception as exc:  # the evidence could not be described (a __repr__ that raises, ...)
+                data, failure = None, exc
+                self.captures_failed += 1
             capture_path = self._capture_path(observation) if data is not None else None
             self._write(self._line(observation, capture_path))
             if capture_path is not None:
                 self._capture(data, capture_path)
+            if failure is not None:
+                raise failure
 
     def _line(self, observation: Observation, capture_path: str | None) -> str:
         """One JSON object. Strings go through json's own (C) escaper; the object is framed here, which
@@ -142,8 +157,9 @@ class JsonlExporter:
         if directory:
             os.makedirs(directory, exist_ok=True)
         # O_APPEND: each line is one write(2) at the end of the file, whole, even with other writers.
-        # O_NOFOLLOW: a symlink planted at the path is refused, never followed. 0600: lines hold tensor values.
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        # Only a regular file of this user's that no one else can write, never through a symlink, never waiting
+        # on a FIFO planted there. 0600: lines hold tensor values.
+        self._fd = open_own_file(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
 
     def _still_named(self) -> bool:
         """Whether the path still names the open file (not deleted, renamed or rotated by another process)."""
@@ -163,12 +179,21 @@ class JsonlExporter:
         size = os.fstat(self._fd).st_size
         if self.max_bytes and size and size + len(data) > self.max_bytes:
             self._rotate(len(data))
-        os.write(self._fd, data)
+        written = 0
+        try:
+            written = os.write(self._fd, data)
+        finally:
+            if written != len(data):
+                self.lines_lost += 1
+                if written:  # a line is written whole or not at all: take the part back
+                    os.ftruncate(self._fd, os.fstat(self._fd).st_size - written)
+        if written != len(data):
+            raise OSError(errno.ENOSPC, f"{self.path}: a line could not be written whole (disk full?); not written")
 
     def _rotate(self, incoming: int) -> None:
         """Rotate under an exclusive lock on ``path.lock``, so that processes sharing the path rotate once
         between them; a process that finds the file already rotated just reopens the new one."""
-        lock = os.open(f"{self.path}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        lock = open_own_file(f"{self.path}.lock", os.O_WRONLY | os.O_CREAT)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if self._still_named() and os.fstat(self._fd).st_size + incoming > self.max_bytes:
@@ -196,7 +221,9 @@ class JsonlExporter:
     def _capture_path(self, observation: Observation) -> str:
         """A fresh name: one that no earlier attempt of this process used, failed or not."""
         self.captures_tried += 1
-        return os.path.join(self.capture_dir, f"{observation.target}-{self.pid}-{self.captures_tried:04d}.pt")
+        # (a target's name is anyone's string: only its plain characters make the file name, inside capture_dir)
+        name = re.sub(r"[^A-Za-z0-9_-]", "_", observation.target)[:64]
+        return os.path.join(self.capture_dir, f"{name}-{self.pid}-{self.captures_tried:04d}.pt")
 
     def _capture(self, data: dict, path: str) -> None:
         try:

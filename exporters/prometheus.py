@@ -20,13 +20,13 @@ import warnings
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
-from prometheus_client.exposition import push_to_gateway, start_http_server, write_to_textfile
+from prometheus_client.exposition import generate_latest, push_to_gateway, start_http_server
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from exporters import contract
 from shadow.core import forks
 from shadow.core.observation import Observation, Outcome
-from shadow.core.safe_paths import check_private_directory
+from shadow.core.safe_paths import check_private_directory, replace_regular_file
 
 log = logging.getLogger("shadow")
 
@@ -41,7 +41,7 @@ def serve_registry(registry: CollectorRegistry, port: int, addr: str = "127.0.0.
     bound (a busy port degrades the endpoint, never the job)."""
     try:
         server, _ = start_http_server(port, addr=addr, registry=registry, **tls)
-    except OSError as exc:
+    except (OSError, OverflowError) as exc:  # (OverflowError: a port past 65535)
         message = f"npu-shadow: cannot serve metrics on {addr}:{port} ({exc}); the job goes on without it"
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         log.warning(message)
@@ -69,6 +69,8 @@ class PrometheusExporter:
         client_capath: str | None = None,
         client_auth_required: bool = False,
     ) -> None:
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            raise ValueError(f"PrometheusExporter: port must be an int in 0..65535 or None, got {port!r}")
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and not multiprocess_mode():
             warnings.warn(
                 "npu-shadow: PROMETHEUS_MULTIPROC_DIR was set after prometheus_client was imported; "
@@ -181,8 +183,10 @@ class PrometheusExporter:
         return self.port
 
     def write_textfile(self, path: str) -> None:
-        """Write the exposition atomically to ``path`` (for node_exporter's textfile collector)."""
-        write_to_textfile(path, self.registry)
+        """Write the exposition atomically to ``path`` (for node_exporter's textfile collector): into a new
+        file beside it, renamed over ``path`` only where ``path`` is a regular file or absent (a device, a FIFO
+        or a directory there is never replaced). Raises OSError saying why it could not."""
+        replace_regular_file(path, generate_latest(self.registry))
 
     def push_to_gateway(self, gateway: str, job: str, **kwargs: Any) -> None:
         """Push the exposition to a Pushgateway (batch jobs end before the next scrape)."""

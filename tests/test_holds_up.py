@@ -176,3 +176,286 @@ def test_13_upstream_turning_off_requires_grad_never_reaches_the_callers_paramet
         ops.op(module, torch.ones(2, 3))
     assert all(p.requires_grad for p in module.parameters())
     assert monitor.stats()["op"].by_reason == {"requires_grad": 1}
+
+
+# --------------------------------------------------------------------------- 5. a full disk
+
+
+FULL_DISK_JOB = """
+import resource, signal, sys, types
+import torch
+import shadow
+from exporters import JsonlExporter
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past RLIMIT_FSIZE a write fails (EFBIG) instead of killing
+resource.setrlimit(resource.RLIMIT_FSIZE, (5000, 5000))
+ops = types.SimpleNamespace(op=lambda x: x * 2)
+journal = JsonlExporter(sys.argv[1], all_outcomes=True)
+target = shadow.Target("op", ops, "op", lambda x: x * 2)
+with shadow.install([target], sample_rate=1.0, exporters=[journal]) as monitor:
+    for _ in range(40):
+        ops.op(torch.ones(2))
+stats = monitor.stats()["op"]
+print(stats.match, stats.export_errors, journal.lines_lost)
+"""
+
+
+def test_5_a_full_disk_loses_whole_lines_counted_and_the_journal_stays_readable(tmp_path):
+    from shadow.analysis import sources
+
+    journal = tmp_path / "j.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_JOB, str(journal)], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    matches, export_errors, lost = map(int, done.stdout.split())
+    lines = journal.read_bytes().split(b"\n")
+    assert lines[-1] == b""  # every line whole
+    written = len(lines) - 1
+    assert matches == 40 and 0 < written < 40
+    assert export_errors == lost == 40 - written  # every lost line counted
+    counts = sources.from_journal([str(journal)])
+    assert counts["op"].compared == written
+
+
+def test_5_readers_skip_and_count_a_torn_final_line(tmp_path):
+    from shadow.analysis import sources
+
+    journal = tmp_path / "j.jsonl"
+    whole = '{"target": "op", "outcome": "match", "signature": "call", "reasons": []}\n'
+    journal.write_text(whole * 3 + whole[:30])
+    torn = []
+    assert sources.from_journal([str(journal)], torn)["op"].compared == 3
+    assert torn == [f"{journal}:4"]
+    done = npu_shadow("verdict", "--journal", str(journal))
+    assert done.returncode == 3 and "skipped 1 torn final line" in done.stderr
+    journal.write_text(whole[:30] + "\n" + whole)  # torn in the middle: not a journal
+    with pytest.raises(sources.SourceError, match=r"j\.jsonl:1"):
+        sources.from_journal([str(journal)])
+
+
+# --------------------------------------------------------------------------- 6. the textfile exporter
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full") or not __import__("stat").S_ISCHR(os.stat("/dev/full").st_mode),
+                    reason="needs /dev/full as a character device")  # fmt: skip
+def test_6_the_textfile_never_replaces_a_device_file():
+    import stat
+
+    from exporters import PrometheusExporter
+
+    with pytest.raises(OSError, match="not a regular file"):
+        PrometheusExporter().write_textfile("/dev/full")
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+
+
+def test_6_a_failed_push_never_costs_the_textfile_and_each_failure_is_said(tmp_path):
+    textfile = tmp_path / "tf.prom"
+    missing = tmp_path / "missing" / "tf.prom"
+    job = "import torch; from shadow.npu import reference; reference.patch_torch(); torch.ones(2).type(torch.float16)"
+    done = npu_shadow(
+        "run", "--sample-rate", "1", "--pushgateway", "127.0.0.1:1", "--textfile", str(textfile), "--",
+        sys.executable, "-c", job,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "npu_shadow_calls_total" in textfile.read_text()
+    assert "npu-shadow: push to 127.0.0.1:1 failed" in done.stderr
+    done = npu_shadow("run", "--textfile", str(missing), "--", sys.executable, "-c", job)
+    assert done.returncode == 0 and f"npu-shadow: textfile {missing} failed" in done.stderr
+
+
+@pytest.mark.parametrize("template", ["tf-{rank:s}.prom", "tf-{pid:.0}.prom", "tf-{rank:>300}.prom", "tf-{pid!r}.prom"])
+def test_6_format_specs_are_refused_before_the_command(tmp_path, template):
+    done = npu_shadow("run", "--textfile", str(tmp_path / template), "--", sys.executable, "-c", "pass")
+    assert done.returncode == 2 and "--textfile=" in done.stderr and "format spec" in done.stderr
+
+
+# --------------------------------------------------------------------------- 8. what the user's objects raise
+
+
+class Unprintable:
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+class StatelessNet(torch.nn.Linear):
+    def state_dict(self, *args, **kwargs):
+        raise RuntimeError("no state")
+
+
+def test_8_a_state_dict_that_raises_keeps_the_mismatch():
+    ops = types.SimpleNamespace(op=lambda m, x: m(x))
+    recorder = Recorder()
+    target = Target("op", ops, "op", lambda m, x: m(x) + 1)
+    with shadow.install([target], sample_rate=1.0, exporters=[recorder]) as monitor:
+        for _ in range(5):
+            ops.op(StatelessNet(2, 2), torch.ones(2))
+    assert monitor.stats()["op"].mismatch == 5
+    assert all(o.evidence is not None and o.evidence.module_state is None for o in recorder.observations)
+
+
+def test_8_an_argument_whose_repr_raises_never_costs_the_journal_line(tmp_path):
+    from exporters import JsonlExporter
+
+    ops = types.SimpleNamespace(op=lambda x, tag: x * 2)
+    captures = tmp_path / "captures"
+    journal = JsonlExporter(str(tmp_path / "j.jsonl"), capture_dir=str(captures))
+    target = Target("op", ops, "op", lambda x, tag: x * 3)
+    with shadow.install([target], sample_rate=1.0, exporters=[journal]):
+        ops.op(torch.ones(2), Unprintable())
+    journal.close()
+    (line,) = (tmp_path / "j.jsonl").read_text().splitlines()
+    assert '"outcome":"mismatch"' in line
+    (capture,) = captures.iterdir()
+    from exporters import capture as capture_module
+
+    assert capture_module.load(str(capture))["args"][1] == {"repr": "<Unprintable: repr raised RuntimeError>"}
+
+
+# --------------------------------------------------------------------------- 9. hostile files
+
+
+def test_9_a_file_planted_at_the_journal_path_gets_nothing(tmp_path):
+    from exporters import JsonlExporter
+
+    planted = tmp_path / "j.jsonl"
+    planted.write_text("")
+    planted.chmod(0o666)  # as another user's file in a shared directory would be: writable by all
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    journal = JsonlExporter(str(planted), all_outcomes=True)
+    with shadow.install([Target("op", ops, "op", lambda x: x * 3)], sample_rate=1.0, exporters=[journal]) as monitor:
+        ops.op(torch.ones(2))
+    assert planted.read_text() == "" and monitor.stats()["op"].export_errors == 1
+
+
+@pytest.mark.parametrize("where", ["journal", "lock"])
+def test_9_a_fifo_at_the_journal_path_never_blocks_the_job(tmp_path, where):
+    path = tmp_path / "j.jsonl"
+    if where == "lock":
+        path.write_text("x" * 100)
+        path.chmod(0o600)
+        os.mkfifo(f"{path}.lock")
+    else:
+        os.mkfifo(path)
+    # in a child, so that a blocked open could be timed out: the line rotates (max_bytes=50), taking the lock
+    job = f"""
+import torch, types, shadow
+from exporters import JsonlExporter
+ops = types.SimpleNamespace(op=lambda x: x * 2)
+journal = JsonlExporter({str(path)!r}, all_outcomes=True, max_bytes=50)
+with shadow.install([shadow.Target("op", ops, "op", lambda x: x * 3)], sample_rate=1.0, exporters=[journal]) as m:
+    ops.op(torch.ones(2))
+print(m.stats()["op"].export_errors)
+"""
+    done = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["1"], done.stderr
+
+
+# --------------------------------------------------------------------------- 10. capture names
+
+
+@pytest.mark.parametrize("name", ["../escaped", "/tmp/absolute", "a/../../b"])
+def test_10_target_names_never_write_captures_outside_capture_dir(tmp_path, name):
+    from exporters import JsonlExporter
+
+    captures = tmp_path / "inside" / "captures"
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    journal = JsonlExporter(str(tmp_path / "j.jsonl"), capture_dir=str(captures))
+    with shadow.install([Target(name, ops, "op", lambda x: x * 3)], sample_rate=1.0, exporters=[journal]):
+        ops.op(torch.ones(2))
+    journal.close()
+    (written,) = [p for p in tmp_path.rglob("*.pt")]
+    assert written.parent == captures
+
+
+# --------------------------------------------------------------------------- 11. settings that pass and then break
+
+
+@pytest.mark.parametrize(
+    "option, value, env",
+    [
+        ("--journal", "j-{rank:03d}.jsonl", {}),
+        ("--journal", "j-{rank:c}.jsonl", {}),
+        ("--journal", "j-{pid:.0}.jsonl", {}),
+        ("--journal", "j-{pid:>99999999999}.jsonl", {}),
+        ("--journal", "DIRECTORY", {}),
+        ("--journal", "x" * 250 + "-{pid}.jsonl", {}),
+        ("--targets", "tensor_type,tensor_type", {}),
+        ("--port", "65535", {"LOCAL_RANK": "1"}),
+    ],
+)
+def test_11_settings_that_would_break_later_are_refused_before_the_command(tmp_path, option, value, env):
+    marker = tmp_path / "ran"
+    value = str(tmp_path) if value == "DIRECTORY" else value
+    value = str(tmp_path / value) if option == "--journal" and not value.startswith("/") else value
+    done = npu_shadow(
+        "run", option, value, "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')", env={**os.environ, **env}
+    )
+    assert done.returncode == 2, done.stderr
+    assert option in done.stderr and not marker.exists()
+
+
+def test_11_exporters_refuse_bad_arguments_naming_them(tmp_path):
+    from exporters import JsonlExporter, PrometheusExporter
+
+    with pytest.raises(ValueError, match=r"port must be an int in 0\.\.65535"):
+        PrometheusExporter(port=70000)
+    for value in ("10", None, 1.5):
+        with pytest.raises(ValueError, match="max_capture_bytes must be an int"):
+            JsonlExporter(str(tmp_path / "j.jsonl"), max_capture_bytes=value)
+    with pytest.raises(ValueError, match="path='' is not valid: empty"):
+        JsonlExporter("")
+
+
+def test_11_an_unbindable_port_loses_the_endpoint_not_the_monitor():
+    from prometheus_client import CollectorRegistry
+
+    from exporters.prometheus import serve_registry
+
+    with pytest.warns(RuntimeWarning, match="cannot serve metrics"):
+        assert serve_registry(CollectorRegistry(), 65536) is None
+
+
+# --------------------------------------------------------------------------- 7. forked workers
+
+
+FORKED_WORKERS_JOB = """
+import os, sys, types
+import torch
+import shadow
+
+class Tally:
+    def __init__(self, path):
+        self.path = path
+    def export(self, observation):
+        pass
+    def record_calls(self, target, calls):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()} {calls}\\n")
+
+ops = types.SimpleNamespace(op=lambda x: x)
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 920
+    def __getitem__(self, i):
+        return ops.op(torch.tensor(i))
+
+target = shadow.Target("op", ops, "op", lambda x: x)
+monitor = shadow.install([target], sample_rate=float(sys.argv[2]), seed=0, exporters=[Tally(sys.argv[1])])
+loader = torch.utils.data.DataLoader(Data(), batch_size=8, num_workers=2, multiprocessing_context="fork")
+print(sum(len(batch) for batch in loader))
+monitor.uninstall()
+"""
+
+
+@pytest.mark.parametrize("rate", ["0.5", "0.01"])
+def test_7_forked_dataloader_workers_report_every_call(tmp_path, rate):
+    tally = tmp_path / "calls.txt"
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_WORKERS_JOB, str(tally), rate],
+        capture_output=True, text=True, cwd=ROOT, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split() == ["920"], done.stderr
+    reported = [line.split() for line in tally.read_text().splitlines()]
+    assert sum(int(calls) for _, calls in reported) == 920
+    assert len({pid for pid, _ in reported}) == 2  # both workers, the parent made no call

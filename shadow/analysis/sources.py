@@ -154,13 +154,24 @@ def from_prometheus(
     return counts
 
 
-def journal_records(paths: Iterable[str]) -> Iterator[dict]:
-    """Every record of the journals, checked, one at a time (bounded memory however long they are)."""
+def journal_records(paths: Iterable[str], torn: list[str] | None = None) -> Iterator[dict]:
+    """Every record of the journals, checked, one at a time (bounded memory however long they are).
+
+    A final line without its newline that is not a whole record (a writer killed mid-line, a full disk) is
+    skipped; its place is appended to ``torn`` when given."""
     for path in paths:
         try:
             with open(path, "rb") as handle:
                 for number, raw in enumerate(iter(lambda h=handle: h.readline(MAX_LINE_BYTES + 1), b""), 1):
-                    record = _journal_record(raw, f"{path}:{number}")
+                    where = f"{path}:{number}"
+                    try:
+                        record = _journal_record(raw, where)
+                    except SourceError:
+                        if raw.endswith(b"\n") or len(raw) > MAX_LINE_BYTES:
+                            raise
+                        if torn is not None:
+                            torn.append(where)
+                        continue
                     if record is not None:
                         yield record
         except OSError as exc:
@@ -180,10 +191,11 @@ def add_record(counts: dict[str, TargetCounts], record: dict) -> None:
         entry.add_shared(record["shared_divergence"], 1)
 
 
-def from_journal(paths: Iterable[str]) -> dict[str, TargetCounts]:
-    """Counts from JSONL journals. Journals hold matches only when written with ``all_outcomes=True``."""
+def from_journal(paths: Iterable[str], torn: list[str] | None = None) -> dict[str, TargetCounts]:
+    """Counts from JSONL journals. Journals hold matches only when written with ``all_outcomes=True``; a torn
+    final line is skipped (see :func:`journal_records`)."""
     counts: dict[str, TargetCounts] = {}
-    for record in journal_records(paths):
+    for record in journal_records(paths, torn):
         add_record(counts, record)
     return counts
 

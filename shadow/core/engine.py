@@ -490,13 +490,18 @@ class Experiment:
         modules = find_modules((plan.args, plan.kwargs))
         with torch._C.DisableTorchFunction():  # (no subclass sees the detach)
             upstream_value = trees.map_only(torch.Tensor, torch.Tensor.detach, upstream.value)
+        try:
+            module_state = modules[0].state_dict() if modules else None
+        except Exception as exc:  # the user's state_dict: its failure loses the state, never the observation
+            self._log_limited("state_dict", "module state for the capture failed: %r", exc)
+            module_state = None
         return Evidence(
             plan.args,
             plan.kwargs,
             legacy=legacy.error or legacy.value,
             # (detached: the evidence never keeps upstream's autograd graph alive)
             upstream=upstream.error or upstream_value,
-            module_state=modules[0].state_dict() if modules else None,
+            module_state=module_state,
             legacy_fn=self.legacy,
             upstream_fn=self.target.upstream,
             exact=self.target.exact,

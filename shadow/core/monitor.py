@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import multiprocessing.util
 import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -54,6 +55,12 @@ class Monitor:
         self._suspended: list[tuple[Monitor, Experiment]] = []  # yielding monitors' experiments this one displaced
         for s in self._experiments:
             s.monitor = self
+        # A forked multiprocessing child (a DataLoader worker) ends in os._exit: atexit never runs there, but
+        # multiprocessing's finalizers do. Its calls since the last sampled one reach the exporters that way.
+        multiprocessing.util.register_after_fork(self, Monitor._flush_at_child_exit)
+
+    def _flush_at_child_exit(self) -> None:
+        multiprocessing.util.Finalize(None, self.flush, exitpriority=100)
 
     @property
     def targets(self) -> tuple[str, ...]:

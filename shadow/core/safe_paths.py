@@ -6,8 +6,10 @@ symlinks or files (the job would then write where that user chooses, or read the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import string
 
 #: The longest name one path component may have (NAME_MAX on Linux and macOS).
 NAME_MAX = 255
@@ -53,3 +55,71 @@ def make_private_directory(path: str, setting: str) -> None:
 def long_component(path: str) -> str | None:
     """The first component of ``path`` longer than a file name can be, if any."""
     return next((part for part in path.split(os.sep) if len(part.encode()) > NAME_MAX), None)
+
+
+def template_problem(template: str) -> str | None:
+    """Why a file path template (``{pid}`` and ``{rank}`` allowed, plain: no format spec or conversion) cannot
+    name a file to write, or None: empty, a bad or unknown field, a name longer than a file name can be, or an
+    existing directory."""
+    if not template:
+        return "empty"
+    try:
+        fields = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        return f"bad template: {exc}"
+    for _, field, spec, conversion in fields:
+        if field is None:
+            continue
+        if field not in ("pid", "rank"):
+            return f"unknown field {{{field}}}: only {{pid}} and {{rank}}"
+        if spec or conversion:
+            return f"{{{field}}} takes no format spec or conversion (write {{{field}}})"
+    longest = template.format(pid="4194304", rank="none")  # the longest values they take
+    too_long = long_component(longest)
+    if too_long is not None:
+        return f"a name of {len(too_long.encode())} bytes is longer than a file name can be"
+    if os.path.isdir(template.format(pid=os.getpid(), rank="none")):
+        return "a directory, not a file"
+    return None
+
+
+def open_own_file(path: str, flags: int, mode: int = 0o600) -> int:
+    """Open ``path`` (created with ``mode`` if ``flags`` has O_CREAT) for this user's own writing: never through
+    a symbolic link, never blocking (a FIFO planted there is refused, not waited on), and only a regular file
+    owned by this user that no one else can write. Raises OSError saying what is wrong."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+            raise OSError(f"{path} is owned by another user (uid {info.st_uid})")
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise OSError(f"{path} is writable by others (mode {stat.filemode(info.st_mode)})")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def replace_regular_file(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: into a new file beside it, then renamed over it, only where
+    ``path`` is a regular file or does not exist (renaming over a device such as /dev/null would replace it).
+    Raises OSError saying what is wrong; the new file is removed then."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        info = None
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        raise OSError(f"{path} exists and is not a regular file: not replaced")
+    partial = f"{path}.{os.getpid()}.partial"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise

@@ -59,7 +59,9 @@ def _verdict(args: argparse.Namespace) -> int:
         elif args.metrics_file:
             counts = from_exposition(read_text(args.metrics_file), args.metrics_file)
         else:
-            counts = from_journal(args.journal)
+            counts = from_journal(args.journal, torn := [])
+            if torn:
+                print(f"npu-shadow verdict: skipped {len(torn)} torn final line(s): {', '.join(torn)}", file=sys.stderr)
     except (SourceError, OSError) as exc:
         print(f"npu-shadow verdict: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -10,12 +10,11 @@ import dataclasses
 import math
 import os
 import re
-import string
 from collections.abc import Callable, Mapping
 
 from shadow.core.drill import DRILL_KINDS
 from shadow.core.rates import parse_rate
-from shadow.core.safe_paths import directory_problem, long_component
+from shadow.core.safe_paths import directory_problem, long_component, template_problem
 from shadow.core.targets import BUILTINS
 
 
@@ -41,6 +40,9 @@ def _targets(text: str) -> tuple[str, ...]:
         raise Invalid(f"unknown target {unknown[0]!r}")
     if not names:
         raise Invalid("empty")
+    repeated = sorted({t for t in names if names.count(t) > 1})
+    if repeated:
+        raise Invalid(f"{repeated[0]!r} given more than once")
     return names
 
 
@@ -147,14 +149,9 @@ def _path(text: str) -> str:
 
 def _file_template(text: str) -> str:
     """A file written later in every process: may name {pid} and {rank}, nothing else; its folder creatable now."""
-    _path(text)
-    try:
-        fields = {field for _, field, _, _ in string.Formatter().parse(text) if field is not None}
-    except ValueError as exc:
-        raise Invalid(f"bad template: {exc}") from None
-    unknown = sorted(fields - {"pid", "rank"})
-    if unknown:
-        raise Invalid(f"unknown field {{{unknown[0]}}}: only {{pid}} and {{rank}}")
+    problem = template_problem(text)
+    if problem is not None:
+        raise Invalid(problem)
     _creatable(os.path.dirname(os.path.abspath(text)))
     return text
 
@@ -330,6 +327,12 @@ def from_sources(environ: Mapping[str, str], options: Mapping[str, str | None] |
             values[name] = setting.read(option_value, by_option=True)
         elif setting.variable in environ:
             values[name] = setting.read(environ[setting.variable], by_option=False)
+    local_rank = environ.get("LOCAL_RANK", "")
+    if "port" in values and local_rank.isascii() and local_rank.isdigit() and values["port"] + int(local_rank) > 65535:
+        port = SETTINGS["port"]
+        raise ConfigError(
+            f"{port.option}={values['port']} ({port.variable}) plus LOCAL_RANK={local_rank} is past port 65535"
+        )
     if ("rtol" in values) != ("atol" in values):
         given = "rtol" if "rtol" in values else "atol"
         missing = SETTINGS["atol" if given == "rtol" else "rtol"]

@@ -11,7 +11,6 @@ over the wrappers: the monitor is then installed anew over the new legacy, never
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -75,6 +74,8 @@ class Launcher:
         self._exited = False
         self._at_exit_registered = False
         self._lock = threading.RLock()
+        #: Outputs at exit (a push, a textfile) that failed, by what they were: each said once on stderr.
+        self.output_failures: dict[str, int] = {}
 
     def install(self, environ: Mapping[str, str] | None = None) -> Any:
         """Install (or re-install) the monitor described by the NPU_SHADOW_* variables of ``environ`` (when given)
@@ -152,14 +153,28 @@ class Launcher:
         self._exited = True
         self.monitor.flush()
         config = self.config
-        for exporter in self.exporters:
-            with contextlib.suppress(Exception):
-                if config.pushgateway and hasattr(exporter, "push_to_gateway") and _is_job_process():
-                    exporter.push_to_gateway(config.pushgateway, job=os.environ.get("NPU_SHADOW_JOB", "npu-shadow"))
-                if config.textfile and hasattr(exporter, "write_textfile") and _is_job_process():
-                    exporter.write_textfile(config.textfile.format(rank=_local_rank(), pid=os.getpid()))
         if _is_job_process():
+            for exporter in self.exporters:
+                # each output on its own: a failed push never costs the textfile, nor the textfile the push
+                if config.pushgateway and hasattr(exporter, "push_to_gateway"):
+                    self._at_exit_output(
+                        f"push to {config.pushgateway}",
+                        exporter.push_to_gateway,
+                        config.pushgateway,
+                        job=os.environ.get("NPU_SHADOW_JOB", "npu-shadow"),
+                    )
+                if config.textfile and hasattr(exporter, "write_textfile"):
+                    path = config.textfile.format(rank=_local_rank(), pid=os.getpid())
+                    self._at_exit_output(f"textfile {path}", exporter.write_textfile, path)
             print(summary(self.monitor.stats(), self.monitor.legacy_origins()), file=sys.stderr)
+
+    def _at_exit_output(self, what: str, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """One output at exit; a failure is counted (``output_failures``) and said once, never raised."""
+        try:
+            write(*args, **kwargs)
+        except Exception as exc:
+            self.output_failures[what] = self.output_failures.get(what, 0) + 1
+            print(f"npu-shadow: {what} failed: {exc}", file=sys.stderr)
 
     def _close_exporters(self) -> None:
         for exporter in self.exporters:
