@@ -59,7 +59,7 @@ class OTelExporter:
         self._totals: dict[contract.Metric, dict[tuple[str, ...], float]] = {m: {} for m in _SUMS}
         self._rates: dict[str, float] = {}
         self._pending: collections.deque[tuple[contract.Metric, float, str]] = collections.deque()
-        self.dropped = 0  # observations whose histogram values found the queue full
+        self.dropped = 0  # histogram values lost: the queue was full, or the SDK failed to record them
         self._histograms = {
             metric: self.meter.create_histogram(
                 metric.otel_name,
@@ -112,7 +112,12 @@ class OTelExporter:
                 metric, value, target = self._pending.popleft()
             except IndexError:
                 return
-            self._histograms[metric].record(value, {"target": target})
+            try:
+                self._histograms[metric].record(value, {"target": target})
+            except Exception:  # the SDK's fault: the value is lost, and counted as such
+                with self._lock:
+                    self.dropped += 1
+                    self._add(contract.EXPORT_ERRORS, 1, target)
 
     # ------------------------------------------------------------------ exporter protocol
 
@@ -170,4 +175,10 @@ class OTelExporter:
         self._pending.extend(values)
 
     def _after_fork_in_child(self) -> None:
+        # The parent's totals are the parent's: a forked child reports its own, from zero (its series stay).
         self._lock = threading.Lock()
+        for totals in self._totals.values():
+            for labels in totals:
+                totals[labels] = 0
+        self._pending.clear()
+        self.dropped = 0

@@ -459,3 +459,157 @@ def test_7_forked_dataloader_workers_report_every_call(tmp_path, rate):
     reported = [line.split() for line in tally.read_text().splitlines()]
     assert sum(int(calls) for _, calls in reported) == 920
     assert len({pid for pid, _ in reported}) == 2  # both workers, the parent made no call
+
+
+# --------------------------------------------------------------------------- 8. OpenTelemetry in a fork, SDK faults
+
+
+def _otel_sum(reader, name):
+    data = reader.get_metrics_data()
+    for scope in data.resource_metrics[0].scope_metrics:
+        for metric in scope.metrics:
+            if metric.name == name:
+                return sum(point.value for point in metric.data.data_points)
+    return None
+
+
+def test_8_a_forked_child_reports_its_own_otel_totals():
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from exporters import OTelExporter
+
+    reader = InMemoryMetricReader()
+    exporter = OTelExporter(meter_provider=MeterProvider(metric_readers=[reader]))
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    with shadow.install([Target("op", ops, "op", lambda x: x * 2)], sample_rate=1.0, exporters=[exporter]):
+        for _ in range(5):
+            ops.op(torch.ones(1))
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: one call of its own
+            try:
+                ops.op(torch.ones(1))
+                os.write(write, str(_otel_sum(reader, "npu_shadow.comparisons")).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        child = os.read(read, 100).decode()
+        os.waitpid(pid, 0)
+    assert child == "1" and _otel_sum(reader, "npu_shadow.comparisons") == 5
+
+
+def test_8_an_sdk_fault_during_collection_is_counted():
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from exporters import OTelExporter, contract
+
+    reader = InMemoryMetricReader()
+    exporter = OTelExporter(meter_provider=MeterProvider(metric_readers=[reader]))
+
+    class Broken:
+        def record(self, value, attributes=None):
+            raise RuntimeError("SDK fault")
+
+    exporter._histograms[contract.ABS_ERROR] = Broken()
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    with shadow.install([Target("op", ops, "op", lambda x: x * 2)], sample_rate=1.0, exporters=[exporter]):
+        ops.op(torch.ones(1))
+    reader.get_metrics_data()
+    assert exporter.dropped == 1 and _otel_sum(reader, "npu_shadow.export_errors") == 1
+
+
+# --------------------------------------------------------------------------- 4. signals, as a transparent wrapper
+
+
+SIGNAL_JOB = """
+import os, signal, sys, time
+record = sys.argv[1]
+def note(number, frame):
+    with open(record, "a") as f:
+        f.write(signal.Signals(number).name + "\\n")
+    if number == signal.SIGHUP:
+        sys.exit(3)
+for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+    signal.signal(sig, note)
+open(record + ".ready", "w").close()
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    time.sleep(0.05)
+    if os.path.exists(record + ".stop"):
+        time.sleep(1.0)  # time for a second, duplicate delivery to arrive
+        break
+"""
+
+
+def _wait_for(condition, what, timeout=60):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _launch(record, **popen):
+    return subprocess.Popen(
+        [sys.executable, "-m", "shadow", "run", "--", sys.executable, "-c", SIGNAL_JOB, str(record)],
+        cwd=ROOT, **popen,
+    )  # fmt: skip
+
+
+def test_4_ctrl_c_at_a_terminal_reaches_the_job_once(tmp_path):
+    import fcntl
+    import pty
+    import signal
+    import termios
+
+    record = tmp_path / "signals"
+    master, slave = pty.openpty()
+
+    def controlling_terminal():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a terminal's shell gives it
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    launcher = _launch(record, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+                       preexec_fn=controlling_terminal)  # fmt: skip
+    os.close(slave)
+    try:
+        _wait_for(lambda: os.path.exists(f"{record}.ready"), "the job")
+        os.write(master, b"\x03")  # Ctrl-C: the terminal signals its whole foreground process group
+        _wait_for(lambda: record.exists(), "the job's SIGINT handler")
+        (tmp_path / "signals.stop").touch()
+        assert launcher.wait(timeout=60) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        os.close(master)
+    assert record.read_text().split() == ["SIGINT"]
+
+
+def test_4_hup_and_usr_signals_sent_to_the_launcher_reach_the_job(tmp_path):
+    import signal
+
+    record = tmp_path / "signals"
+    launcher = _launch(record, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for(lambda: os.path.exists(f"{record}.ready"), "the job")
+        for number, name in ((signal.SIGUSR1, "SIGUSR1"), (signal.SIGUSR2, "SIGUSR2")):
+            launcher.send_signal(number)
+            _wait_for(lambda name=name: record.exists() and name in record.read_text(), name)
+        launcher.send_signal(signal.SIGHUP)
+        assert launcher.wait(timeout=60) == 3  # the job's own exit code: it was not orphaned
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert record.read_text().split() == ["SIGUSR1", "SIGUSR2", "SIGHUP"]
+
+
+def test_4_a_command_that_cannot_run_exits_as_a_shell_says(tmp_path):
+    plain = tmp_path / "plain.txt"
+    plain.write_text("not a program\n")
+    assert npu_shadow("run", "--", str(plain)).returncode == 126
+    assert npu_shadow("run", "--", str(tmp_path)).returncode == 126
+    assert npu_shadow("run", "--", str(tmp_path / "missing")).returncode == 127
+    assert npu_shadow("run", "--", "no-such-command-npu-shadow").returncode == 127

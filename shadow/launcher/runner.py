@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -30,18 +30,61 @@ def _serve_node(directory: str, port: int, addr: str):
     return serve_registry(registry, port, addr)
 
 
-def _run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
-    """Run the command; SIGTERM and SIGINT sent to the launcher go on to it (schedulers stop jobs so). A command
-    killed by signal N exits 128 + N, as a shell reports it."""
-    child = subprocess.Popen(command, env=env)
-    forwarded = (signal.SIGTERM, signal.SIGINT)
-    previous = {sig: signal.signal(sig, lambda number, frame: child.send_signal(number)) for sig in forwarded}
+#: Signals the launcher passes on to the job: schedulers stop jobs with SIGTERM, people with SIGINT or SIGHUP,
+#: and jobs use SIGUSR1/SIGUSR2 for checkpoints.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+#: si_code of a signal the kernel sent: the terminal's Ctrl-C, Ctrl-\\ and hang-up go to its whole foreground
+#: process group, the job included, which then has its own (Linux's SI_KERNEL).
+_SI_KERNEL = 0x80
+
+
+class CannotStart(OSError):
+    """The command could not be started; ``exit_code`` is what a shell gives (126: found but not runnable,
+    127: not found)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _resolve(command: str, env: Mapping[str, str]) -> str:
+    """The file ``command`` runs, searched on the job's PATH as a shell does; CannotStart as a shell would."""
+    path = command if os.sep in command else shutil.which(command, mode=os.F_OK, path=env.get("PATH", os.defpath))
+    if path is None or not os.path.exists(path):
+        raise CannotStart(f"{command}: command not found", 127)
+    if os.path.isdir(path) or not os.access(path, os.X_OK):
+        raise CannotStart(f"{command}: {'is a directory' if os.path.isdir(path) else 'permission denied'}", 126)
+    return path
+
+
+_WAITED = {*FORWARDED, signal.SIGCHLD}
+
+
+def _run_forwarding_signals(command: list[str], env: dict[str, str], mask: set[signal.Signals]) -> int:
+    """Run the command as a transparent wrapper would: signals sent to the launcher (FORWARDED) go on to the job
+    once, a signal the terminal already sent to the job's process group is not sent again, and the exit code is
+    the job's (a job killed by signal N exits 128 + N, as a shell reports it). The caller has blocked _WAITED in
+    every thread of the launcher (they are taken here, with their sender); ``mask`` is its mask before, which
+    the job starts with. Raises CannotStart."""
+    executable = _resolve(command[0], env)
+    early = signal.sigtimedwait(FORWARDED, 0)  # stopped while the launcher was getting ready: the job never starts
+    if early is not None:
+        return 128 + early.si_signo
     try:
-        code = child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 128 - code if code < 0 else code
+        pid = os.posix_spawn(executable, command, env, setsigmask=mask)
+    except OSError as exc:
+        raise CannotStart(f"{command[0]}: {exc.strerror or exc}", 126) from None
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+        info = signal.sigtimedwait(_WAITED, 1.0)  # (the timeout: SIGCHLDs can merge)
+        if info is None or info.si_signo == signal.SIGCHLD:
+            continue
+        if info.si_code == _SI_KERNEL and os.getpgid(pid) == os.getpgrp():
+            continue  # from the terminal, to the whole group: the job has it already
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, info.si_signo)
 
 
 def _directories(config: cfg.Config, options: Mapping[str, str | None]) -> str | None:
@@ -65,6 +108,18 @@ def _directories(config: cfg.Config, options: Mapping[str, str | None]) -> str |
 
 def run(command: Sequence[str], options: Mapping[str, str | None], environ: Mapping[str, str] = os.environ) -> int:
     """Run ``command`` shadowed. Returns its exit code; 2 on a bad setting (before it starts)."""
+    # Blocked before anything else (threads started later inherit the mask): no thread of the launcher takes
+    # them but the loop that forwards them, which learns who sent each.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
+    try:
+        return _run(command, options, environ, mask)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _run(
+    command: Sequence[str], options: Mapping[str, str | None], environ: Mapping[str, str], mask: set[signal.Signals]
+) -> int:
     try:
         config = cfg.from_sources(environ, options)
     except cfg.ConfigError as exc:
@@ -108,10 +163,10 @@ def run(command: Sequence[str], options: Mapping[str, str | None], environ: Mapp
         if config.multiproc_dir and config.port is not None:
             server = _serve_node(base, config.port, config.addr)
     try:
-        return _run_forwarding_signals(list(command), env)
-    except OSError as exc:
+        return _run_forwarding_signals(list(command), env, mask)
+    except CannotStart as exc:
         print(f"npu-shadow run: cannot start {command[0]!r}: {exc}", file=sys.stderr)
-        return 127
+        return exc.exit_code
     finally:
         if server is not None:
             server.shutdown()
