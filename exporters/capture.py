@@ -98,7 +98,47 @@ def load(path: str) -> dict[str, Any]:
             raise ValueError(f"{path}: malformed capture: {key!r} must be a {kind.__name__}, got {data.get(key)!r:.80}")
     if not all(isinstance(k, str) for k in data["kwargs"]):
         raise ValueError(f"{path}: malformed capture: 'kwargs' keys must be strings")
+    for key, check, kind in _OPTIONAL_FIELDS:
+        if key in data and not check(data[key]):
+            raise ValueError(f"{path}: malformed capture: {key!r} must be {kind}, got {type(data[key]).__name__}")
+    _check_size(data, path)
     return data
+
+
+#: Fields a capture may have, with their checks: replay reads them.
+_OPTIONAL_FIELDS = (
+    ("exact", lambda v: isinstance(v, bool), "True or False"),
+    ("reasons", lambda v: isinstance(v, list) and all(isinstance(r, str) for r in v), "a list of strings"),
+    (
+        "module_state",
+        lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in v.items()),
+        "a dict of tensors",
+    ),
+    ("legacy_fn", lambda v: v is None or isinstance(v, str), "a string or None"),
+    ("upstream_fn", lambda v: v is None or isinstance(v, str), "a string or None"),
+)
+
+#: The most values (a shared reference counted each time it is reached) and nesting a capture may have.
+MAX_VALUES = 100_000
+MAX_DEPTH = 100
+
+
+def _check_size(data: dict[str, Any], path: str) -> None:
+    """Refuse a capture too large or too deep to walk: a few KB of shared references can stand for more values
+    than memory holds (every later step walks them), and deep nesting exhausts the stack."""
+    pending = [(data[key], 1) for key in ("args", "kwargs", "legacy", "upstream") if key in data]
+    seen = 0
+    while pending:
+        value, depth = pending.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            raise ValueError(f"{path}: malformed capture: more than {MAX_VALUES} values (shared references count)")
+        if depth > MAX_DEPTH:
+            raise ValueError(f"{path}: malformed capture: nested deeper than {MAX_DEPTH}")
+        if isinstance(value, (list, tuple)):
+            pending.extend((item, depth + 1) for item in value)
+        elif isinstance(value, dict):
+            pending.extend((item, depth + 1) for item in value.values())
 
 
 #: The fields every capture has, with their types.

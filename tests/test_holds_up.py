@@ -613,3 +613,117 @@ def test_4_a_command_that_cannot_run_exits_as_a_shell_says(tmp_path):
     assert npu_shadow("run", "--", str(tmp_path)).returncode == 126
     assert npu_shadow("run", "--", str(tmp_path / "missing")).returncode == 127
     assert npu_shadow("run", "--", "no-such-command-npu-shadow").returncode == 127
+
+
+# --------------------------------------------------------------------------- 12. replay, verdict and report inputs
+
+
+def _capture(tmp_path, **fields):
+    data = {"format": 1, "target": "tensor_type", "outcome": "mismatch", "signature": "s", "detail": "d",
+            "args": [torch.ones(2), torch.float16], "kwargs": {}, **fields}  # fmt: skip
+    path = tmp_path / "capture.pt"
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)  # (pickling 3,000 levels needs it; loading them must not)
+    try:
+        torch.save(data, path)
+    finally:
+        sys.setrecursionlimit(limit)
+    return path
+
+
+def _dag_bomb(levels=40):
+    node = [1]
+    for _ in range(levels):
+        node = [node, node]  # 2**40 leaves in a few KB
+    return node
+
+
+def _deep(levels=3000):
+    node = []
+    for _ in range(levels):
+        node = [node]
+    return node
+
+
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({"args": [_dag_bomb()]}, "more than 100000 values"),
+        ({"args": [_deep()]}, "nested deeper than 100"),
+        ({"exact": torch.ones(3)}, "'exact' must be True or False"),
+        ({"module_state": [1, 2]}, "'module_state' must be a dict of tensors"),
+    ],
+    ids=["dag bomb", "deep", "exact tensor", "module_state list"],
+)
+def test_12_a_malformed_capture_is_refused_quickly_with_a_usage_error(tmp_path, fields, says):
+    import time
+
+    path = _capture(tmp_path, **fields)
+    start = time.monotonic()
+    done = npu_shadow("replay", str(path), timeout=120)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and time.monotonic() - start < 60
+
+
+def test_12_a_trickling_prometheus_is_given_up_on_within_the_timeout():
+    import socket
+    import threading
+    import time
+
+    from shadow.analysis import sources
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    stop = threading.Event()
+
+    def trickle():
+        connection, _ = server.accept()
+        with connection:
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+            while not stop.wait(0.5):
+                try:
+                    connection.sendall(b"{")
+                except OSError:
+                    return
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(sources.SourceError, match="did not answer within 3 s"):
+            sources.from_prometheus(f"http://127.0.0.1:{server.getsockname()[1]}", timeout=3)
+    finally:
+        stop.set()
+        server.close()
+    assert time.monotonic() - start < 10
+
+
+def test_12_the_report_survives_surrogates_and_never_passes_raw_html(tmp_path):
+    journal = tmp_path / "j.jsonl"
+    line = ('{"target": "op", "outcome": "mismatch", "signature": "call", "reasons": ["value"], '
+            '"detail": "bad \\ud800 value", "test": "tests/test_x.py::test_<!-- hidden"}\n')  # fmt: skip
+    journal.write_text(line)
+    markdown, page = tmp_path / "r.md", tmp_path / "r.html"
+    done = npu_shadow("report", "--journal", str(journal), "--markdown", str(markdown), "--html", str(page))
+    assert done.returncode == 0, done.stderr
+    text = markdown.read_text()
+    assert "<!--" not in text and "&lt;!--" in text
+    assert "\\ud800" in text and "<!-- hidden" not in page.read_text()
+
+
+def test_12_a_nul_in_a_custom_signature_keeps_the_textfile_readable(tmp_path):
+    from exporters import PrometheusExporter
+    from shadow.analysis import sources
+
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    exporter = PrometheusExporter()
+    target = Target("op", ops, "op", lambda x: x * 2, signature=lambda args, kwargs: "a\x00b\nc")
+    with shadow.install([target], sample_rate=1.0, exporters=[exporter]):
+        ops.op(torch.ones(1))
+    path = tmp_path / "tf.prom"
+    exporter.write_textfile(str(path))
+    counts = sources.from_exposition(sources.read_text(str(path)), str(path))
+    assert counts["op"].outcomes[("a?b?c", "match")] == 1.0
+    with pytest.raises(ValueError, match="without control characters"):
+        Target("a\x00b", ops, "op", lambda x: x)

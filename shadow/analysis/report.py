@@ -183,7 +183,13 @@ TITLE = "npu-shadow report: legacy (torch_npu patches) vs upstream PyTorch"
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    # (a test id is anyone's text: no HTML of its own reaches a pull request, `<!--` would hide the rest)
+    return html.escape(text, quote=False).replace("|", "\\|").replace("\n", " ")
+
+
+def _encodable(text: str) -> str:
+    """``text`` writable as UTF-8: a lone surrogate (a journal's ``\\ud800``) becomes its escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def to_markdown(overall: str, sections: list[Section]) -> str:
@@ -198,7 +204,7 @@ def to_markdown(overall: str, sections: list[Section]) -> str:
             lines += ["| " + " | ".join(_cell(str(c)) for c in row) + " |" for row in section.rows]
             lines.append("")
         lines += [*section.notes, ""] if section.notes else []
-    return "\n".join(lines).rstrip() + "\n"
+    return _encodable("\n".join(lines).rstrip() + "\n")
 
 
 _STYLE = """
@@ -238,4 +244,4 @@ def to_html(overall: str, sections: list[Section]) -> str:
             parts.append("</table>")
         parts += [f"<p><em>{e(n)}</em></p>" for n in section.notes]
     parts.append("</body></html>")
-    return "\n".join(parts) + "\n"
+    return _encodable("\n".join(parts) + "\n")

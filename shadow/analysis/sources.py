@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -91,13 +94,31 @@ def from_exposition(text: str, source: str = "exposition") -> dict[str, TargetCo
     return counts
 
 
+def _fetch(address: str, timeout: float) -> bytes:
+    """The body at ``address``, in at most ``timeout`` seconds however slowly the server answers (a server that
+    trickles a byte at a time is given up on, not waited for). Raises SourceError."""
+    outcome: list[Any] = []
+
+    def fetch() -> None:
+        try:
+            with urllib.request.urlopen(address, timeout=timeout) as response:
+                outcome.append(response.read(MAX_FILE_BYTES + 1))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=fetch, name="npu-shadow-query", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not outcome:  # (the daemon thread is abandoned: it ends with its socket's timeout, or with the process)
+        raise SourceError(f"{address.split('/api/')[0]} did not answer within {timeout:g} s")
+    if isinstance(outcome[0], BaseException):
+        raise SourceError(f"cannot query {address.split('/api/')[0]}: {outcome[0]}") from outcome[0]
+    return outcome[0]
+
+
 def _query(url: str, promql: str, timeout: float) -> list[dict]:
     address = f"{url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
-    try:
-        with urllib.request.urlopen(address, timeout=timeout) as response:
-            raw = response.read(MAX_FILE_BYTES + 1)
-    except (OSError, ValueError) as exc:
-        raise SourceError(f"cannot query {url}: {exc}") from exc
+    raw = _fetch(address, timeout)
     if len(raw) > MAX_FILE_BYTES:
         raise SourceError(f"{url} answered more than {MAX_FILE_BYTES >> 20} MiB")
     try:
@@ -125,7 +146,8 @@ def from_prometheus(
     url: str, window: str | None = None, selector: str = "", timeout: float = 30
 ) -> dict[str, TargetCounts]:
     """Counts from a Prometheus server: increases over ``window`` (e.g. '6h'), or the counters' current
-    values when no window is given; ``selector`` narrows the series, e.g. 'job="train"'."""
+    values when no window is given; ``selector`` narrows the series, e.g. 'job="train"'. All queries together
+    take at most ``timeout`` seconds."""
 
     def series(metric: str) -> str:
         selected = f"{metric}{{{selector}}}"
@@ -138,8 +160,12 @@ def from_prometheus(
         (SHARED, "target, reason"),
         (SKIPPED, "target, reason"),
     ]
+    deadline = time.monotonic() + timeout
     for metric, by in queries:
-        for item in _query(url, f"sum by ({by}) ({series(metric)})", timeout):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise SourceError(f"{url} did not answer within {timeout:g} s")
+        for item in _query(url, f"sum by ({by}) ({series(metric)})", remaining):
             labels = {str(k): str(v) for k, v in item["metric"].items()}
             where = f"{url}: {metric}{labels}"
             try:

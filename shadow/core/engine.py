@@ -46,6 +46,7 @@ from shadow.core.observation import (
     Outcome,
     TargetStats,
     bounded,
+    label_text,
 )
 from shadow.core.sampler import Gate, Sampler
 from shadow.core.targets import Target, patch_origin
@@ -335,7 +336,7 @@ class Experiment:
                 isolation, (up_args, up_kwargs) = None, detach_tensors((args, kwargs))
             signature = self.target.signature(args, kwargs) if self.target.signature else "call"
             return Plan(
-                isolation, up_args, up_kwargs, self._admit(bounded(str(signature), 64)), autocast, oracle, before
+                isolation, up_args, up_kwargs, self._admit(label_text(str(signature), 64)), autocast, oracle, before
             )
         except KeyboardInterrupt:
             raise

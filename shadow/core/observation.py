@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -77,6 +78,15 @@ DETAIL_LIMIT = 600
 def bounded(text: str, limit: int = DETAIL_LIMIT) -> str:
     """Cut ``text`` to ``limit`` characters, marking the cut."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def label_text(text: str, limit: int) -> str:
+    """``text`` fit for a metric label and a journal field: control characters (a NUL makes an exposition
+    unreadable) as ``?``, cut to ``limit``."""
+    return bounded(_CONTROL.sub("?", text), limit)
 
 
 @dataclasses.dataclass(frozen=True)

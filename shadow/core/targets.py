@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from shadow.core import oracle
+from shadow.core.observation import label_text
 from shadow.core.oracle import SingleDeviceCall
 from shadow.core.tolerance import ToleranceSpec
 from shadow.npu import reference
@@ -49,8 +50,8 @@ class Target:
     oracle: Callable[[tuple, dict], SingleDeviceCall | None] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"Target.name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.name, str) or not self.name or label_text(self.name, 200) != self.name:
+            raise ValueError(f"Target.name must be a non-empty string without control characters, got {self.name!r}")
         if not callable(self.upstream):
             raise ValueError(f"Target {self.name!r}: upstream must be callable, got {self.upstream!r}")
         if self.legacy is not None and not callable(self.legacy):
