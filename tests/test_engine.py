@@ -174,26 +174,39 @@ def test_nested_calls_are_part_of_the_callers_call_and_run_by_the_side_that_made
     assert stats.calls == 1 and stats.match == 1 and stats.skipped == 0
 
 
-def test_upstream_sees_legacy_inputs_before_in_place_changes_in_the_callers_grad_mode():
+def test_upstream_runs_in_the_callers_grad_mode_on_copies_of_the_arguments():
     seen = {}
+
+    def upstream(x):
+        seen["grad_enabled"] = torch.is_grad_enabled()
+        x.add_(100)  # on its own copy
+        return x * 2 - 200
+
+    ops = make_ops(lambda x: x * 2)
+    x = torch.zeros(3)
+    with shadow.install([Target("op", ops, "op", upstream)], sample_rate=1.0) as monitor:
+        ops.op(x)
+    assert seen["grad_enabled"] is True  # the caller's (its graph never reaches x: see test_same_call.py)
+    assert torch.equal(x, torch.zeros(3))
+    assert monitor.stats()["op"].match == 1
+
+
+def test_a_call_whose_legacy_writes_an_argument_in_place_is_skipped():
+    """Arguments are copied after legacy (never at the cost of legacy's memory): where legacy changed one, upstream
+    could not start from what legacy started from."""
+    ran = []
 
     def legacy(x):
         x.add_(1)
         return x * 2
 
-    def upstream(x):
-        seen["input"] = x.clone()
-        seen["grad_enabled"] = torch.is_grad_enabled()
-        return (x + 1) * 2
-
     ops = make_ops(legacy)
     x = torch.zeros(3)
-    with shadow.install([Target("op", ops, "op", upstream)], sample_rate=1.0) as monitor:
+    with shadow.install([Target("op", ops, "op", lambda x: ran.append(x) or x)], sample_rate=1.0) as monitor:
         ops.op(x)
-    assert torch.equal(seen["input"], torch.zeros(3))
-    assert seen["grad_enabled"] is True  # the caller's (its graph never reaches x: see test_same_call.py)
     assert torch.equal(x, torch.ones(3))  # legacy's in-place change, exactly once
-    assert monitor.stats()["op"].match == 1
+    assert ran == []
+    assert monitor.stats()["op"].by_reason == {"inplace": 1}
 
 
 def test_rng_is_replayed_for_upstream_and_left_where_legacy_left_it():

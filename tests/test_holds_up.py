@@ -727,3 +727,63 @@ def test_12_a_nul_in_a_custom_signature_keeps_the_textfile_readable(tmp_path):
     assert counts["op"].outcomes[("a?b?c", "match")] == 1.0
     with pytest.raises(ValueError, match="without control characters"):
         Target("a\x00b", ops, "op", lambda x: x)
+
+
+# --------------------------------------------------------------------------- 1. memory
+
+
+MEMORY_JOB = """
+import resource, sys, types
+import torch
+import shadow
+torch.set_num_threads(1)
+x = torch.ones(100_000_000)  # a 400 MB argument
+ops = types.SimpleNamespace(op=lambda t: t * 2)  # legacy: a 400 MB result
+monitor = shadow.install([shadow.Target("op", ops, "op", lambda t: t * 2)], sample_rate=1.0)
+monitor.uninstall()
+ops.op(x[:1000])  # every lazy start-up allocation made
+def vm_size():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+if sys.argv[1] == "limited":  # room for legacy's result and a little more, not for a copy of x besides
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (600 << 20), resource.RLIM_INFINITY))
+y = ops.op(x)  # legacy alone fits
+del y
+with shadow.install([shadow.Target("op", ops, "op", lambda t: t * 2)], sample_rate=1.0) as monitor:
+    y = ops.op(x)
+assert torch.equal(y[:3], torch.full((3,), 2.0))
+stats = monitor.stats()["op"]
+print(stats.match, dict(stats.by_reason))
+"""
+
+
+@pytest.mark.parametrize("limit, expected", [("limited", "0 {'oom': 1}"), ("unlimited", "1 {}")])
+def test_1_the_copies_never_take_legacys_headroom(limit, expected):
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_JOB, limit], capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == expected
+
+
+def test_1_the_emulated_npu_reports_its_free_memory_as_torch_npu_does():
+    from shadow.core import memory
+
+    free, total = torch.npu.mem_get_info()
+    assert 0 < free <= total
+    assert 0 < memory.free_bytes(torch.device("npu:1")) <= total
+    with pytest.raises(memory.InsufficientMemory, match="out of memory for the shadow side"):
+        memory.check_fits([_Huge()], 1, "test copies")
+
+
+class _Huge:
+    """Stands for a tensor larger than any host: only what check_fits reads."""
+
+    device = torch.device("npu:0")
+
+    def numel(self):
+        return 1 << 60
+
+    def element_size(self):
+        return 4

@@ -38,6 +38,7 @@ _UNCOVERED_WHY = {
     "hooks": "user module hooks; declare them free of side effects with --pure-hooks to compare such calls",
     "mode": "a user's TorchFunctionMode/TorchDispatchMode or tensor subclass was in the call",
     "compiling": "called inside torch.compile; compare compiled code with a suite A/B run",
+    "inplace": "legacy wrote a tensor argument in place; such calls cannot be re-run from their start",
 }
 DEFAULT_MAX_RATE = 0.001  # the divergence rate a rollout tolerates; the alert rules' budget too
 

@@ -30,6 +30,7 @@ from shadow.core.drill import Drill
 from shadow.core.exporting import call_hook
 from shadow.core.global_state import TorchGlobals
 from shadow.core.isolation import (
+    ArgumentsChanged,
     Isolation,
     detach_tensors,
     find_modules,
@@ -105,17 +106,21 @@ class Run:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What the upstream side of one sampled call needs, taken before legacy runs: the isolation (None for
-    targets that are not isolated), the arguments upstream receives (isolated copies, or the caller's own with
-    new leaves for those that require grad), the call's signature, the autocast state and torch settings legacy
-    starts from, and whether the single-device oracle runs too."""
+    targets that are not isolated; it copies the arguments after legacy), the arguments of a target that is not
+    isolated (the caller's own, with new leaves for those that require grad), the call's signature, the autocast
+    state and torch settings legacy starts from, and whether the single-device oracle runs too."""
 
     isolation: Isolation | None
-    args: tuple
-    kwargs: dict
+    args: tuple | None
+    kwargs: dict | None
     signature: str
     autocast: str
     oracle: bool
     before: TorchGlobals
+
+    def upstream_arguments(self) -> tuple[tuple, dict]:
+        """What upstream receives: the isolation's copies (once taken), or the arguments above."""
+        return self.isolation.arguments(0) if self.isolation is not None else (self.args, self.kwargs)
 
 
 def _make_wrapper(legacy: Callable, arrive: Callable[[tuple, dict], Any]) -> tuple[Callable, Callable[[Gate], None]]:
@@ -175,7 +180,7 @@ def _user_code_would_see_the_shadow(args: tuple, kwargs: dict, modules: list[tor
 
 
 def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
 
 
 def _free_after_oom() -> None:
@@ -331,7 +336,7 @@ class Experiment:
             )
             if self.target.isolate:
                 isolation = Isolation(args, kwargs, modules, runs=2 if oracle else 1)
-                up_args, up_kwargs = isolation.args, isolation.kwargs
+                up_args, up_kwargs = None, None
             else:
                 isolation, (up_args, up_kwargs) = None, detach_tensors((args, kwargs))
             signature = self.target.signature(args, kwargs) if self.target.signature else "call"
@@ -397,6 +402,17 @@ class Experiment:
         if legacy.error is None and any(map(_is_hooked_subclass, tree_iter(legacy.value))):
             # legacy returned a tensor subclass with hooks: comparing it would run its code
             return Observation(self.target.name, Outcome.SKIPPED, ("mode",), signature=plan.signature, timestamp=now)
+        if plan.isolation is not None:
+            try:
+                plan.isolation.take_arguments()
+            except ArgumentsChanged as exc:
+                return Observation(
+                    self.target.name, Outcome.SKIPPED, ("inplace",), signature=plan.signature, detail=str(exc),
+                    timestamp=now,
+                )  # fmt: skip
+            except MemoryError as exc:
+                return self._skipped(exc, timestamp=now)
+        up_args, up_kwargs = plan.upstream_arguments()
         upstream, drilled, left_by_upstream = self._run_upstream(plan, left_by_legacy)
         common = {
             "target": self.target.name,
@@ -420,7 +436,7 @@ class Experiment:
                 tolerance=self.tolerance,
                 exact=self.target.exact,
                 legacy_inputs=(args, kwargs),
-                upstream_inputs=(plan.args, plan.kwargs),
+                upstream_inputs=(up_args, up_kwargs),
             )
             if found.outcome == Outcome.MISMATCH:
                 autocast = f"autocast legacy: {plan.autocast}; upstream: {upstream.autocast}"
@@ -474,7 +490,8 @@ class Experiment:
                 autocast = _autocast_state()
                 if drilled:
                     self.drill.before_upstream()
-                value = self.target.upstream(*plan.args, **plan.kwargs)
+                args, kwargs = plan.upstream_arguments()
+                value = self.target.upstream(*args, **kwargs)
                 if drilled:
                     value = self.drill.corrupt(value)
         except KeyboardInterrupt:
@@ -488,7 +505,8 @@ class Experiment:
 
     def _evidence(self, plan: Plan, legacy: Run, upstream: Run) -> Evidence:
         """What a repro capture needs: the inputs as upstream received them, both outputs, the module state."""
-        modules = find_modules((plan.args, plan.kwargs))
+        args, kwargs = plan.upstream_arguments()
+        modules = find_modules((args, kwargs))
         with torch._C.DisableTorchFunction():  # (no subclass sees the detach)
             upstream_value = trees.map_only(torch.Tensor, torch.Tensor.detach, upstream.value)
         try:
@@ -497,8 +515,8 @@ class Experiment:
             self._log_limited("state_dict", "module state for the capture failed: %r", exc)
             module_state = None
         return Evidence(
-            plan.args,
-            plan.kwargs,
+            args,
+            kwargs,
             legacy=legacy.error or legacy.value,
             # (detached: the evidence never keeps upstream's autograd graph alive)
             upstream=upstream.error or upstream_value,

@@ -1,7 +1,8 @@
 """Keeping the upstream run from changing anything the training job can see, while it runs the same call.
 
-Only sampled calls of targets that ask for it pay for this. Before legacy runs we take the RNG states, clones of
-every module buffer reachable from the arguments and clones of the tensor arguments. The upstream run then starts
+Only sampled calls of targets that ask for it pay for this. Before legacy runs we take the RNG states and clones
+of every module buffer reachable from the arguments; after it, clones of the tensor arguments (which legacy must
+have left as they were: see :class:`Isolation`). The upstream run then starts
 from exactly what legacy started from, in the caller's grad mode, on tensors whose autograd graph never reaches
 the caller's: cloned arguments and buffers, and parameters as new leaves over the same storage (``detach``: no
 copy), each with the ``requires_grad`` of the tensor it stands for. The module's own dictionaries and attributes
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_iter
 
-from shadow.core import trees
+from shadow.core import memory, trees
 
 
 def _accelerator_rng_module() -> Any | None:
@@ -125,10 +126,11 @@ def _new_leaf(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
     return leaf.requires_grad_(tensor.requires_grad) if tensor.requires_grad else leaf
 
 
-def clone_tensors(tree: Any) -> Any:
+def clone_tensors(tree: Any, copied: dict[int, torch.Tensor] | None = None) -> Any:
     """``tree`` with every tensor replaced by a clone outside the caller's graph (same device, dtype, strides and
-    ``requires_grad``)."""
-    return trees.map_only(torch.Tensor, lambda t: _new_leaf(t, copy=True), tree)
+    ``requires_grad``), or by its clone in ``copied`` (by id) where one was made already."""
+    copied = copied or {}
+    return trees.map_only(torch.Tensor, lambda t: copied[id(t)] if id(t) in copied else _new_leaf(t, copy=True), tree)
 
 
 def detach_tensors(tree: Any) -> Any:
@@ -215,22 +217,50 @@ class _GlobalHooks:
 _Swap = tuple[dict, str, torch.Tensor]
 
 
-class Isolation:
-    """Taken before legacy runs; :meth:`upstream_run` then gives the upstream side its own world.
+class ArgumentsChanged(RuntimeError):
+    """Legacy wrote an argument in place: without a copy taken before it (which would have cost legacy that
+    memory), upstream cannot start from what legacy started from."""
 
-    ``modules``: every module the call reaches (:func:`modules_in_call`). ``runs``: how many isolated runs will
-    follow (the upstream run, and the single-device oracle's); each gets its own clones of the arguments and
-    buffers, so none starts from what another left.
+
+class Isolation:
+    """Taken before legacy runs; :meth:`take_arguments` after it; :meth:`upstream_run` then gives the upstream
+    side its own world.
+
+    Before legacy only what legacy changes by design is copied: the module buffers (BatchNorm's running
+    statistics), when the copies fit in the memory free (:mod:`shadow.core.memory`). Arguments are copied after
+    legacy, when legacy's own memory is no longer at stake, and only if legacy left them as they were (their
+    autograd version counters tell). ``modules``: every module the call reaches (:func:`modules_in_call`).
+    ``runs``: how many isolated runs will follow (the upstream run, and the single-device oracle's); each gets its
+    own copies, so none starts from what another left. Raises :class:`InsufficientMemory`.
     """
 
     def __init__(self, args: tuple, kwargs: dict, modules: list[torch.nn.Module], runs: int = 1) -> None:
+        buffers = {id(b): b for m in modules for b in m._buffers.values() if b is not None}
+        memory.check_fits(buffers.values(), runs, "module buffers")
         self.rng_before = RngSnapshot()
         self._modules = modules
-        self._worlds = [self._world(args, kwargs, modules) for _ in range(runs)]
-        self.args, self.kwargs = self._worlds[0][0]
+        self._runs = runs
+        self._given = (args, kwargs)
+        tensors = {id(t): t for t in tree_iter((args, kwargs)) if isinstance(t, torch.Tensor)}.values()
+        # An inference tensor keeps no version counter: what legacy does to it cannot be seen, so it is copied now.
+        early = [t for t in tensors if t.is_inference()]
+        memory.check_fits(early, runs, "inference-tensor arguments")
+        self._early = [{id(t): _new_leaf(t, copy=True) for t in early} for _ in range(runs)]
+        self._versions = [(t, t._version) for t in tensors if not t.is_inference()]
+        self._worlds = [self._swaps(modules) for _ in range(runs)]
+        self._arguments: list[tuple[tuple, dict]] = []
+
+    def take_arguments(self) -> None:
+        """Copy the arguments for every run, after legacy. Raises ArgumentsChanged where legacy wrote one in
+        place, InsufficientMemory where the copies would not fit."""
+        changed = sum(t._version != version for t, version in self._versions)
+        if changed:
+            raise ArgumentsChanged(f"legacy wrote {changed} of the call's tensor arguments in place")
+        memory.check_fits((t for t, _ in self._versions), self._runs, "argument copies")
+        self._arguments = [clone_tensors(self._given, early) for early in self._early]
 
     @staticmethod
-    def _world(args: tuple, kwargs: dict, modules: list[torch.nn.Module]) -> tuple[tuple[tuple, dict], list[_Swap]]:
+    def _swaps(modules: list[torch.nn.Module]) -> list[_Swap]:
         leaves: dict[int, torch.Tensor] = {}  # tied parameters and buffers stay tied in the isolated run
         swaps: list[_Swap] = []
         for module in modules:
@@ -244,17 +274,17 @@ class Isolation:
             for name, value in vars(module).items():  # a replica's parameters: non-leaf tensors in its __dict__
                 if isinstance(value, torch.Tensor) and value.requires_grad:
                     swaps.append((vars(module), name, leaves.setdefault(id(value), _new_leaf(value, copy=False))))
-        return clone_tensors((args, kwargs)), swaps
+        return swaps
 
     def arguments(self, run: int = 0) -> tuple[tuple, dict]:
-        """The cloned (args, kwargs) of one run."""
-        return self._worlds[run][0]
+        """The copied (args, kwargs) of one run (after :meth:`take_arguments`)."""
+        return self._arguments[run]
 
     @contextlib.contextmanager
     def upstream_run(self, run: int = 0) -> Iterator[None]:
         """Run the body isolated: legacy's starting state, its own graph, nothing leaks out."""
         rng_after_legacy = RngSnapshot()
-        _, swaps = self._worlds[run]
+        swaps = self._worlds[run]
         # Taken before the swaps: restoring the modules' attributes and dictionaries also swaps the originals back.
         states = [ModuleState(m) for m in self._modules]
         hooks = _GlobalHooks()

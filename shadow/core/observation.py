@@ -56,13 +56,15 @@ MISMATCH_REASONS = (
 #: TorchDispatchMode was active, or a tensor subclass with its own hooks was reached (an argument, a parameter or
 #: buffer of a module in the call, or legacy's output): their code would see the shadow side, and upstream's
 #: calls would come back through them; "hooks": a module in the call (or the global registry) has user forward,
-#: pre-forward or backward hooks, whose effects the shadow side could not undo; "budget": the shadow side had
-#: used its share of the job's wall time.
-SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "budget", "comparator")
+#: pre-forward or backward hooks, whose effects the shadow side could not undo; "inplace": legacy wrote a tensor
+#: argument in place (upstream could not start from what legacy started from: arguments are copied after legacy,
+#: never at the cost of legacy's memory); "oom": the shadow side's copies would not fit in the memory free, or
+#: upstream ran out of it; "budget": the shadow side had used its share of the job's wall time.
+SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "inplace", "budget", "comparator")
 
 #: Skip reasons that say the evidence does not reach a kind of call at all (not a passing condition such as the
 #: budget): the verdict shows them as coverage still missing.
-UNCOVERED_REASONS = ("compiling", "mode", "hooks")
+UNCOVERED_REASONS = ("compiling", "mode", "hooks", "inplace")
 
 #: Reasons a DataParallel call's result (legacy and upstream agreeing) departs from the single-device oracle's.
 SHARED_DIVERGENCE_REASONS = ("structure", "type", "dtype", "shape", "device", "nan", "value")

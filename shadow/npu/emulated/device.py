@@ -90,6 +90,17 @@ def synchronize(device: Any = None) -> None:
     torch.accelerator.synchronize(_index(device))
 
 
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """(free, total) bytes, as torch_npu's ``torch.npu.mem_get_info``: the emulated npu's memory is the host's."""
+    _index(device)  # (a bad device raises as it would)
+    fields = {}
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            name, _, rest = line.partition(":")
+            fields[name] = int(rest.split()[0]) * 1024 if rest.split() and rest.split()[0].isdigit() else 0
+    return fields.get("MemAvailable", 0), fields.get("MemTotal", 0)
+
+
 def get_amp_supported_dtype() -> list[torch.dtype]:
     return [torch.float16, torch.bfloat16]
 
