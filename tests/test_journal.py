@@ -59,7 +59,10 @@ def test_rotation_by_size_keeps_the_configured_backups(tmp_path):
             json.loads(line)  # rotation never splits a line
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.skipif(
+    not os.path.exists("/dev/full") or not stat.S_ISCHR(os.stat("/dev/full").st_mode),
+    reason="needs /dev/full as a character device",
+)
 def test_disk_full_is_counted_as_export_skip_and_training_goes_on(recwarn):
     prometheus = PrometheusExporter(registry=CollectorRegistry())
     journal = JsonlExporter("/dev/full", max_bytes=0)  # every write fails with ENOSPC
