@@ -13,6 +13,7 @@ names once, and ``'torch.npu.*'`` names are valid only if the backend was named 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
@@ -22,6 +23,7 @@ import shutil
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,26 @@ SOURCE = "csrc/emulated_npu.cpp"
 
 _lock = threading.Lock()
 _devices = 0
+
+
+def _autograd_threads() -> int:
+    """How many of the autograd engine's device threads (``pt_autograd_N``) this process has (Linux; 0 elsewhere)."""
+    count = 0
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as comm:
+                count += comm.read().startswith("pt_autograd")
+    return count
+
+
+def _stop_autograd_threads(backend: Any, wait: float = 5.0) -> None:
+    """At exit, while the interpreter is alive: stop the autograd engine's device threads and let them end (each
+    needs the GIL once more, which sleeping gives it), so that none is still ending when the interpreter goes and
+    aborts the process (see ``stop_autograd_threads`` in the C++ source)."""
+    backend.stop_autograd_threads()
+    deadline = time.monotonic() + wait
+    while _autograd_threads() and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 class EmulatorUnavailable(RuntimeError):
@@ -172,6 +194,7 @@ def install(devices: int = 2, seed: int = 67280421310721) -> int:
         _check_compiler()
         backend = _load()
         backend.install(devices, seed)
+        atexit.register(_stop_autograd_threads, backend)
         torch.utils.rename_privateuse1_backend("npu")
         device._bind(backend)
         torch._register_device_module("npu", device)

@@ -19,6 +19,7 @@
 #include <ATen/ops/view_native.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <torch/csrc/autograd/engine.h>
 
 #include <array>
 #include <atomic>
@@ -462,7 +463,18 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
 }
 }  // namespace at::autocast
 
+// The autograd engine runs one thread per device of every accelerator, npu's included. Left alone, they are
+// woken only by the engine's static destructor, after the interpreter is gone; one that then touches Python is
+// force-unwound through a noexcept frame and the process aborts ("terminate called without an active
+// exception"). Stopped at exit while the interpreter is alive (the GIL released, so they can finish), they end
+// cleanly. A later backward in the same process would start them again.
+void stop_autograd_threads() {
+  pybind11::gil_scoped_release no_gil;
+  torch::autograd::Engine::get_default_engine().stop();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("stop_autograd_threads", &stop_autograd_threads, "Stop the autograd engine's device threads (at exit).");
   m.def("install", &install, "Register the emulated devices (once per process).");
   m.def("device_count", [] { return static_cast<int64_t>(g_device_count.load()); });
   m.def("get_rng_state", &get_rng_state);
