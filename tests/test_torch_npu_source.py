@@ -327,3 +327,39 @@ def test_where_the_accelerator_is_not_an_npu_its_name_and_module_stand_in(monkey
     assert cast.device == torch.device("cpu") and cast.dtype == torch.float16  # device='npu' read as 'cpu'
     seen = loaded.parallel_apply_function.__globals__["torch"]
     assert seen is not torch and seen.npu is torch.npu and seen.float16 is torch.float16
+
+
+def _code_in(code: Any, name: str) -> Any:
+    """The code object of the function ``name`` defined at the top of a module's code."""
+    return next(c for c in code.co_consts if hasattr(c, "co_name") and c.co_name == name)
+
+
+def _same_code(first: Any, second: Any) -> bool:
+    """Equal bytecode, names and constants, nested code objects compared the same way."""
+    if (first.co_code, first.co_names, first.co_varnames) != (second.co_code, second.co_names, second.co_varnames):
+        return False
+    if len(first.co_consts) != len(second.co_consts):
+        return False
+    for a, b in zip(first.co_consts, second.co_consts):
+        if hasattr(a, "co_code") and hasattr(b, "co_code"):
+            if not _same_code(a, b):
+                return False
+        elif a != b or type(a) is not type(b):
+            return False
+    return True
+
+
+def test_each_loaded_function_is_the_wheels_own_bytecode(legacy: torch_npu_source.TorchNpuLegacy) -> None:
+    """The loader compiles torch_npu's source with torch_npu's compiler flags, not its own (this module and the
+    loader both use ``from __future__ import annotations``, which would turn annotations into strings)."""
+    with zipfile.ZipFile(wheel(legacy.version)) as archive:
+        sources = {m: archive.read(f"torch_npu/utils/{m}.py").decode() for m in ("_module", "tensor_methods")}
+    plain = {m: compile(text, m, "exec", dont_inherit=True) for m, text in sources.items()}
+    loaded = {
+        ("tensor_methods", "_npu_type"): legacy.tensor_type,
+        ("_module", "npu_parallel_apply"): legacy.parallel_apply,
+        ("_module", "npu_data_parallel"): legacy.data_parallel,
+        ("_module", "_parallel_apply"): legacy.parallel_apply_function,
+    }
+    for (member, name), function in loaded.items():
+        assert _same_code(function.__code__, _code_in(plain[member], name)), name

@@ -18,6 +18,7 @@ torch only. A release without an expected definition fails with :class:`LegacySo
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
 import builtins
@@ -330,11 +331,35 @@ class _Loader:
                 namespace[name] = self.package
             elif not hasattr(builtins, name) and name not in _PROBED:
                 raise LegacySourceError(f"{where}: the legacy code uses {name!r}, which the file does not import")
-        module = ast.Module(body=nodes, type_ignores=[])
+        # The file's imports, never run (``if False:``), so that the compiler sees which names are modules, as it
+        # does compiling the whole file (Python 3.11 calls a module's functions without LOAD_METHOD).
+        never = ast.If(test=ast.Constant(False), body=_imports(tree) or [ast.Pass()], orelse=[])
+        module = ast.fix_missing_locations(ast.Module(body=[never, *nodes], type_ignores=[]))
         if self.device_type != "npu":
             module = ast.fix_missing_locations(_DeviceRename(self.device_type).visit(module))
-        exec(compile(module, namespace["__file__"], "exec"), namespace)  # definitions only: no module-level code
+        # torch_npu's own compiler flags (its file's __future__ imports), never this module's
+        code = compile(module, namespace["__file__"], "exec", flags=_future_flags(tree), dont_inherit=True)
+        exec(code, namespace)  # definitions only: no module-level code
         return namespace
+
+
+def _imports(tree: ast.Module) -> list[ast.stmt]:
+    """The file's top-level import statements, but ``from __future__`` (a compiler flag, see below)."""
+    return [
+        node
+        for node in tree.body
+        if isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.module != "__future__")
+    ]
+
+
+def _future_flags(tree: ast.Module) -> int:
+    """The compiler flags of a file's ``from __future__ import ...`` statements."""
+    flags = 0
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            for alias in node.names:
+                flags |= getattr(__future__, alias.name).compiler_flag
+    return flags
 
 
 def check(path: str | os.PathLike) -> str:
