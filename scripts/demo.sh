@@ -2,22 +2,15 @@
 # Set up (see setup.sh), then the demo of the main job: the example training job run under
 # `npu-shadow run` on 2 emulated npu devices (DataParallel, data_parallel and npu casts, float16
 # autocast on every other step), serving its metrics on 127.0.0.1:9464 while it trains, then its
-# summary and the verdict. The legacy side is torch_npu 2.12.0's own code when its wheel is cached. The first run builds the emulated npu (about 45 s; cached afterwards).
+# summary and the verdict. The legacy side is torch_npu 2.12.0's own code, its wheel fetched first (the reference
+# only where it cannot be, said in the first lines). The first run builds the emulated npu (about 45 s; cached).
 # Extra arguments go to `npu-shadow run`, e.g. `bash scripts/demo.sh --drill value:1.0`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-# torch_npu's own legacy code when its 2.12.0 wheel is in the cache (scripts/fetch_torch_npu.sh), else ours.
-wheel=$(.venv/bin/python -c "from shadow.npu.torch_npu_source import cached_wheel; print(cached_wheel('2.12.0') or '')")
-legacy=()
-if [ -n "$wheel" ]; then
-  legacy=(--legacy-from "$wheel")
-  echo "== legacy: torch_npu 2.12.0's own code, read from $wheel"
-else
-  echo "== legacy: shadow.npu.reference (no torch_npu 2.12.0 wheel in the cache; bash scripts/fetch_torch_npu.sh gets it)"
-fi
+mapfile -t legacy < <(bash scripts/demo_legacy.sh)  # torch_npu 2.12.0's own code, fetched; said on stderr
 .venv/bin/npu-shadow doctor --emulate-npu 2 --port 9464 "${legacy[@]}" || true
 echo
 echo "== training, shadowed (metrics on http://127.0.0.1:9464/metrics while it runs)"

@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Fetch the torch_npu wheels that carry the patches (2.8.0 to 2.12.0) into npu-shadow's cache, outside the
-# repository, for the differential tests and the demo, which read their Python source (never import it).
-# Wheels already cached are kept. Without access to the package index this says so and exits 0: the tests
-# that need a wheel then skip, naming it.
+# Fetch the torch_npu wheels that carry the patches (2.8.0 to 2.12.0, or the versions given as arguments) into
+# npu-shadow's cache, outside the repository, for the differential tests and the demo, which read their Python
+# source (never import it). Wheels already cached are kept. A wheel that cannot be fetched is said on stderr; under
+# CI (CI=true) that fails the run (exit 1: its tests would otherwise skip and CI stay green), elsewhere it exits 0
+# and the tests that need it skip, named in pytest's summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cache=$(.venv/bin/python -c "from shadow.npu.torch_npu_source import wheel_cache; print(wheel_cache())")
-releases=$(.venv/bin/python -c "from shadow.npu.torch_npu_source import RELEASES; print(*RELEASES)")
+if [ $# -gt 0 ]; then
+  releases="$*"
+else
+  releases=$(.venv/bin/python -c "from shadow.npu.torch_npu_source import RELEASES; print(*RELEASES)")
+fi
 mkdir -p "$cache"
+missing=()
 for version in $releases; do
   if compgen -G "$cache/torch_npu-$version-*.whl" >/dev/null; then
     continue
@@ -18,8 +24,16 @@ for version in $releases; do
       --platform manylinux_2_28_x86_64 -d "$partial" "torch_npu==$version" >"$partial.log" 2>&1; then
     mv "$partial"/torch_npu-*.whl "$cache/"
   else
-    echo "npu-shadow: could not fetch torch_npu $version into $cache (tests that need it will skip):" \
-      "$(tail -1 "$partial.log")" >&2
+    echo "npu-shadow: could not fetch torch_npu $version into $cache:" "$(tail -1 "$partial.log")" >&2
+    missing+=("$version")
   fi
   rm -rf "$partial" "$partial.log"
 done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "${CI:-}" = "true" ]; then
+    echo "npu-shadow: under CI every torch_npu wheel is needed (missing: ${missing[*]}): failing" >&2
+    exit 1
+  fi
+  echo "npu-shadow: the tests that need torch_npu ${missing[*]} will skip, named in the test summary" >&2
+fi
+exit 0

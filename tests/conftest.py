@@ -19,6 +19,15 @@ def pytest_configure(config):
     emulated.install(devices=2)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """A loud line where differential tests skipped for want of a torch_npu wheel."""
+    from torch_npu_wheels import summary_line
+
+    line = summary_line()
+    if line is not None:
+        terminalreporter.write_line(line, red=True, bold=True)
+
+
 def _patched_objects():
     parallel = importlib.import_module("torch.nn.parallel")
     return (

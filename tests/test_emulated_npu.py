@@ -259,3 +259,24 @@ def test_a_process_that_ran_backward_on_two_emulated_devices_exits_cleanly():
     exception", exit code 134)."""
     codes = [run_python(FORWARD_BACKWARD) for _ in range(8)]
     assert [(c.returncode, c.stdout.strip()) for c in codes] == [(0, "done")] * 8, codes[0].stderr[-2000:]
+
+
+def test_a_type_table_fixed_before_install_is_refused_saying_why():
+    done = run_python(
+        """
+        import torch
+        torch.ones(1).type("torch.DoubleTensor")  # torch fixes its type names here, before npu exists
+        from shadow.npu import emulated
+        try:
+            emulated.install(devices=2)
+        except emulated.EmulatorUnavailable as exc:
+            print("refused:", exc)
+        from shadow.launcher import doctor
+        code, lines = doctor.diagnose(port=0, emulate_npu=2)
+        print("doctor:", code, *[line for line in lines if line.startswith("emulated npu")])
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refused: torch rejects 'torch.npu.FloatTensor'" in done.stdout
+    assert "doctor: 1 emulated npu: cannot install: torch rejects 'torch.npu.FloatTensor'" in done.stdout
+    assert "a Tensor.type(str) call ran in this process before emulated.install()" in done.stdout

@@ -6,8 +6,11 @@ The test command fetches the five torch_npu releases that carry the patches into
 
 from __future__ import annotations
 
+import functools
+import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -23,6 +26,8 @@ from torch_npu_wheels import wheel
 from shadow.core.compare import compare
 from shadow.npu import reference, torch_npu_source
 from shadow.npu.tensor_types import NPU_TENSOR_TYPES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RELEASES = torch_npu_source.RELEASES
 pytestmark = [
@@ -363,3 +368,63 @@ def test_each_loaded_function_is_the_wheels_own_bytecode(legacy: torch_npu_sourc
     }
     for (member, name), function in loaded.items():
         assert _same_code(function.__code__, _code_in(plain[member], name)), name
+
+
+def _fetch(tmp_path: Any, ci: str, *versions: str) -> subprocess.CompletedProcess:
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("PIP_")},
+        "NPU_SHADOW_WHEEL_DIR": str(tmp_path / "wheels"),
+        "PIP_CONFIG_FILE": os.devnull,  # no index, no local wheel folder: nothing can be fetched
+        "PIP_NO_INDEX": "1",
+        "CI": ci,
+    }
+    return subprocess.run(
+        ["bash", "scripts/fetch_torch_npu.sh", *versions], capture_output=True, text=True, env=env, cwd=ROOT,
+        timeout=300,
+    )  # fmt: skip
+
+
+def test_a_wheel_that_cannot_be_fetched_fails_ci_and_is_said_elsewhere(tmp_path: Any) -> None:
+    under_ci = _fetch(tmp_path, "true", "2.12.0")
+    assert under_ci.returncode == 1 and "missing: 2.12.0" in under_ci.stderr
+    local = _fetch(tmp_path, "", "2.12.0")
+    assert local.returncode == 0 and "tests that need torch_npu 2.12.0 will skip" in local.stderr
+
+
+def test_a_missing_wheel_fails_under_ci_and_skips_loudly_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch_npu_wheels
+
+    monkeypatch.setattr(torch_npu_wheels, "MISSING", {})
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="under CI the differential tests may not skip"):
+        torch_npu_wheels.wheel("0.0.1")
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match=r"torch_npu 0\.0\.1 wheel not in"):
+        torch_npu_wheels.wheel("0.0.1")
+    assert torch_npu_wheels.summary_line() == (
+        "npu-shadow: NOT tested against torch_npu 0.0.1 (wheel not fetched): 2 skipped"
+    )
+
+
+def test_the_demo_fetches_torch_npus_wheel_and_falls_back_only_where_it_cannot(tmp_path: Any) -> None:
+    index = tmp_path / "index"  # a local package folder standing for the package index
+    index.mkdir()
+    shutil.copy(wheel("2.12.0"), index)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("PIP_")},
+        "NPU_SHADOW_WHEEL_DIR": str(tmp_path / "empty-cache"),
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(index),
+    }
+    run = functools.partial(
+        subprocess.run, ["bash", "scripts/demo_legacy.sh"], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    fetched = run(env=env)
+    assert fetched.returncode == 0, fetched.stderr
+    option, path = fetched.stdout.split("\n")[:2]
+    assert option == "--legacy-from" and path.startswith(str(tmp_path / "empty-cache"))
+    assert "legacy: torch_npu 2.12.0's own code" in fetched.stderr
+    unreachable = run(env={**env, "NPU_SHADOW_WHEEL_DIR": str(tmp_path / "other"), "PIP_FIND_LINKS": ""})
+    assert unreachable.returncode == 0 and unreachable.stdout == ""
+    assert "legacy: shadow.npu.reference, NOT torch_npu's own code" in unreachable.stderr

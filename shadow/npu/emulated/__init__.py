@@ -39,6 +39,20 @@ SOURCE = "csrc/emulated_npu.cpp"
 
 _lock = threading.Lock()
 _devices = 0
+_refusal: EmulatorUnavailable | None = None  # a refusal after the backend was named: every later install repeats it
+
+
+def _check_type_names() -> None:
+    """Refuse where torch's table of tensor type names was fixed before the backend was named npu: torch builds it
+    at the process's first ``Tensor.type(str)`` call, and from then on would reject every 'torch.npu.*' name."""
+    try:
+        torch._C.TensorBase.type(torch.empty(0), "torch.npu.FloatTensor")
+    except (ValueError, RuntimeError) as exc:
+        raise EmulatorUnavailable(
+            f"torch rejects 'torch.npu.FloatTensor' ({exc}): a Tensor.type(str) call ran in this process before "
+            "emulated.install(), and torch fixed its tensor type names then, without npu's. Install the emulated "
+            "npu before the process's first Tensor.type(str) call (npu-shadow run and the tests do it first)"
+        ) from None
 
 
 def _autograd_threads() -> int:
@@ -182,7 +196,7 @@ def install(devices: int = 2, seed: int = 67280421310721) -> int:
     accelerator is present, or no C++ toolchain can build the backend; ``ValueError`` for a bad count
     or a second install asking for another count.
     """
-    global _devices
+    global _devices, _refusal
     if isinstance(devices, bool) or not isinstance(devices, int):
         raise ValueError(f"devices must be an integer from 1 to 16, got {devices!r}")
     with _lock:
@@ -190,6 +204,8 @@ def install(devices: int = 2, seed: int = 67280421310721) -> int:
             if devices != _devices:
                 raise ValueError(f"the emulated npu is installed with {_devices} devices; cannot change to {devices}")
             return _devices
+        if _refusal is not None:
+            raise _refusal
         _refuse_foreign_backend(devices)
         _check_compiler()
         backend = _load()
@@ -200,5 +216,10 @@ def install(devices: int = 2, seed: int = 67280421310721) -> int:
         torch._register_device_module("npu", device)
         torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
         collectives.provide_missing()
+        try:
+            _check_type_names()
+        except EmulatorUnavailable as exc:
+            _refusal = exc
+            raise
         _devices = devices
         return devices
