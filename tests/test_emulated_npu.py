@@ -6,6 +6,7 @@ import sys
 import textwrap
 import threading
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,22 +225,62 @@ def test_a_regular_wheel_install_ships_the_source_and_installs(tmp_path):
     assert installed_at.startswith(str(site)) and device == "npu:1"
 
 
-def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_process():
-    """cpp_extension's lock is a file: a build killed halfway leaves it, and every later load used to wait for it
-    forever (a job hung at start). The next process removes it under a lock of its own and loads."""
-    stale = emulated.build_directory() / "lock"
-    stale.write_text("")
+def test_a_load_never_waits_on_a_lock():
+    """A published build is imported straight away: neither cpp_extension's lock file (a killed build leaves it)
+    nor a builder holding its turn makes a load wait."""
+    import fcntl
+
+    build = emulated.build()
+    (build / "lock").write_text("")  # as a build killed halfway leaves it
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", "from shadow.npu import emulated; print(emulated.build())"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        with open(build.parent / f"{build.name}.flock", "a") as turn:
+            fcntl.flock(turn, fcntl.LOCK_EX)  # another process's builder, holding its turn
+            done = run_python(
+                """
+                import torch
+                from shadow.npu import emulated
+                emulated.install(devices=2)
+                print(torch.ones(1, device="npu:1").device)
+                """
+            )
     finally:
-        stale.unlink(missing_ok=True)
+        (build / "lock").unlink(missing_ok=True)
     assert done.returncode == 0, done.stderr
-    assert not stale.exists()
+    assert done.stdout.strip() == "npu:1"
+
+
+def test_the_build_key_follows_what_the_compiler_is_given(monkeypatch):
+    """build.ninja holds the include paths of the venv that built it: another venv gets a build of its own."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    first = emulated.build_directory()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"include": "/another/venv/include/python3.11"})
+    second = emulated.build_directory()
+    monkeypatch.setattr(cpp_extension, "include_paths", lambda *a, **k: ["/another/venv/site-packages/torch/include"])
+    third = emulated.build_directory()
+    assert len({first, second, third}) == 3 and first.parent == second.parent == third.parent
+
+
+def test_a_build_is_published_whole_by_a_rename(tmp_path, monkeypatch):
+    built_in = []
+
+    def fake_compile(workspace):
+        built_in.append(workspace)
+        (workspace / f"{emulated.EXTENSION_NAME}.so").write_bytes(b"built")
+
+    monkeypatch.setenv("NPU_SHADOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(emulated, "_compile", fake_compile)
+    build = emulated.build_directory()
+    emulated._build(build)
+    (workspace,) = built_in
+    assert Path(workspace).parent == build.parent and Path(workspace) != build  # built beside, under another name
+    assert (build / f"{emulated.EXTENSION_NAME}.so").read_bytes() == b"built"
+    assert not Path(workspace).exists()
+    assert sorted(p.name for p in build.parent.iterdir()) == sorted([build.name, f"{build.name}.flock"])
+    emulated._build(build)  # published already: nothing built again
+    assert len(built_in) == 1
 
 
 FORWARD_BACKWARD = """

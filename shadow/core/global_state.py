@@ -138,7 +138,7 @@ class Setting:
     read: Callable[[], Any]
     write: Callable[[Any], None]
     shown: Callable[[Any], Any] = _as_is
-    #: Read and written outside the warnings.catch_warnings() that quiets deprecated getters.
+    #: Written outside the warnings.catch_warnings() that quiets setters which warn (anomaly detection's).
     outside_catch_warnings: bool = False
 
 
@@ -214,11 +214,9 @@ class TorchGlobals:
 
     @staticmethod
     def _read() -> dict[str, Any]:
-        state = {s.name: s.read() for s in _LOUD}
-        with warnings.catch_warnings():  # (getters of settings with newer spellings warn)
-            warnings.simplefilter("ignore")
-            state.update((s.name, s.read()) for s in _QUIET)
-        return state
+        # (no warnings.catch_warnings() here: it changes the process's warning filters for a moment, and another
+        # thread's snapshot taken then would see a difference nobody made)
+        return {name: setting.read() for name, setting in SETTINGS.items()}
 
     def differences(self, other: TorchGlobals) -> dict[str, tuple[Any, Any]]:
         """{setting's name: (its value here, its value in ``other``)} for each setting the two differ in."""

@@ -18,13 +18,15 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.resources
+import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,15 +90,29 @@ def _source() -> bytes:
     return importlib.resources.files(__package__).joinpath(SOURCE).read_bytes()
 
 
+def _build_key() -> str:
+    """What makes one build differ from another: the source, and what the compiler is given beside it (torch's
+    and Python's headers, which live in each virtual environment, and the compiler). Two venvs sharing the cache
+    get a build each instead of rebuilding each other's."""
+    from torch.utils import cpp_extension
+
+    parts = [
+        hashlib.sha256(_source()).hexdigest(),
+        *cpp_extension.include_paths(),
+        sysconfig.get_paths()["include"],
+        os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "",
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
 def build_directory() -> Path:
     """Where the compiled backend is cached: ``$NPU_SHADOW_CACHE_DIR`` (default ``~/.cache/npu-shadow``),
-    then one folder per torch version, Python ABI and source hash."""
+    then one folder per torch version, Python ABI and build key (:func:`_build_key`)."""
     root = os.environ.get("NPU_SHADOW_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "npu-shadow"
     )
-    digest = hashlib.sha256(_source()).hexdigest()[:16]
     abi = sysconfig.get_config_var("SOABI") or f"py{sys.version_info.major}{sys.version_info.minor}"
-    return Path(root) / "emulated_npu" / f"torch-{torch.__version__}-{abi}-{digest}"
+    return Path(root) / "emulated_npu" / f"torch-{torch.__version__}-{abi}-{_build_key()}"
 
 
 def _refuse_foreign_backend(devices: int) -> None:
@@ -140,53 +156,80 @@ def _check_compiler() -> None:
         )
 
 
-def _load() -> Any:
-    from torch.utils import cpp_extension
+def _library(build: Path) -> Path:
+    return build / f"{EXTENSION_NAME}.so"
 
+
+def _load() -> Any:
+    """The compiled backend: imported straight from its published build (no build tool runs, no lock is
+    waited on), built first where there is none."""
+    if EXTENSION_NAME in sys.modules:
+        return sys.modules[EXTENSION_NAME]
     build = build_directory()
-    build.mkdir(parents=True, exist_ok=True)  # cpp_extension.load needs it to exist
-    source = build / "emulated_npu.cpp"
-    if not source.exists() or source.read_bytes() != _source():
-        source.write_bytes(_source())
+    if not _library(build).exists():
+        _build(build)
+    spec = importlib.util.spec_from_file_location(EXTENSION_NAME, _library(build))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[EXTENSION_NAME] = module
+    return module
+
+
+_COMPILE = """
+import sys
+from torch.utils import cpp_extension
+workspace = sys.argv[1]
+cpp_extension.load(sys.argv[2], [workspace + "/emulated_npu.cpp"], build_directory=workspace, extra_cflags=["-O2"])
+"""
+
+
+def _compile(workspace: Path) -> None:
+    """Compile the backend in ``workspace``, in a process of its own (which imports what it built: this process
+    imports only the published copy, once). Raises EmulatorUnavailable with the compiler's last words."""
+    env = dict(os.environ)
     ninja_directory = _ninja_directory()
-    path = os.environ.get("PATH", "")
     if ninja_directory:
-        os.environ["PATH"] = ninja_directory + os.pathsep + path
+        env["PATH"] = ninja_directory + os.pathsep + env.get("PATH", "")
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE, str(workspace), EXTENSION_NAME], capture_output=True, text=True, env=env
+    )
+    if done.returncode != 0:
+        raise EmulatorUnavailable(f"compiling the emulated npu failed: {(done.stderr or done.stdout)[-2000:]}")
+
+
+def _build(build: Path) -> None:
+    """Compile into a folder of this build's own and publish it by renaming it to ``build``: a folder under that
+    name is always a finished build. Builders of the same key take turns (a lock the kernel releases when its
+    holder dies); a load never takes it."""
     try:
-        with _build_lock(build):
-            return cpp_extension.load(
-                EXTENSION_NAME,
-                [str(source)],
-                build_directory=str(build),
-                extra_cflags=["-O2"],
-                verbose=False,
-            )
+        build.parent.mkdir(parents=True, exist_ok=True)
+        with open(build.parent / f"{build.name}.flock", "a") as turn:
+            fcntl.flock(turn, fcntl.LOCK_EX)  # (released by the kernel when this process ends, however it ends)
+            if _library(build).exists():
+                return  # another builder published it while this one waited
+            workspace = Path(tempfile.mkdtemp(prefix=f".{build.name}.", dir=build.parent))
+            try:
+                (workspace / "emulated_npu.cpp").write_bytes(_source())
+                _compile(workspace)
+                if build.exists():  # a folder an older layout left unfinished: replaced
+                    shutil.rmtree(build)
+                os.rename(workspace, build)
+            finally:
+                shutil.rmtree(workspace, ignore_errors=True)
+    except EmulatorUnavailable:
+        raise
     except Exception as exc:
         raise EmulatorUnavailable(f"building the emulated npu in {build} failed: {exc}") from exc
-    finally:
-        os.environ["PATH"] = path
-
-
-@contextlib.contextmanager
-def _build_lock(build: Path) -> Iterator[None]:
-    """One builder at a time, by a lock the kernel releases when its holder dies. cpp_extension's own lock is a
-    file that a killed build leaves behind, after which every later load waits for it forever: while we hold
-    ours, no live builder of ours holds that one, so a file left there is stale and goes."""
-    with open(build / "build.flock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            (build / "lock").unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build() -> Path:
     """Compile the backend into its cache now (a launcher does this once, before the job's processes
     start, so they only load it). Returns the build directory; raises :class:`EmulatorUnavailable`."""
     _check_compiler()
-    _load()
-    return build_directory()
+    build = build_directory()
+    if not _library(build).exists():
+        _build(build)
+    return build
 
 
 def install(devices: int = 2, seed: int = 67280421310721) -> int:
