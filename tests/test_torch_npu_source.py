@@ -428,3 +428,53 @@ def test_the_demo_fetches_torch_npus_wheel_and_falls_back_only_where_it_cannot(t
     unreachable = run(env={**env, "NPU_SHADOW_WHEEL_DIR": str(tmp_path / "other"), "PIP_FIND_LINKS": ""})
     assert unreachable.returncode == 0 and unreachable.stdout == ""
     assert "legacy: shadow.npu.reference, NOT torch_npu's own code" in unreachable.stderr
+
+
+# PyTorch's dynamo tests of Tensor.type (test/dynamo/test_functions.py, test_tensor_type to test_tensor_type5), as
+# torch_npu adapts them: cuda -> npu.
+def _tensor_type1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    m = a.to(torch.float16)
+    return b.type(m.type())
+
+
+def _tensor_type2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    m = a.to("npu")
+    return m + b.type(m.type())
+
+
+def _tensor_type3(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    m = a.type(torch.HalfTensor)
+    return b.type(m.type())
+
+
+def _tensor_type4(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    m = a.type("torch.HalfTensor")
+    return b.type(m.type())
+
+
+def _tensor_type5(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    m = a.type(torch.npu.HalfTensor)
+    return b.type(m.type())
+
+
+@pytest.mark.parametrize("shadowed", [False, True], ids=["legacy alone", "shadowed"])
+def test_compiled_code_runs_with_the_wheels_legacy(torch_npu_legacy: torch_npu_source.TorchNpuLegacy, shadowed) -> None:
+    """torch.compile imports a traced function's module by its name: the loaded files are modules of their own
+    (never named torch_npu), so compiled code calling .type() works with the wheel's legacy as with ours."""
+    import contextlib
+
+    import shadow
+
+    torch._dynamo.reset()
+    patches = torch_npu_legacy.patch_torch()
+    try:
+        with shadow.install(["tensor_type"], sample_rate=1.0) if shadowed else contextlib.nullcontext():
+            for function in (_tensor_type1, _tensor_type2, _tensor_type3, _tensor_type4, _tensor_type5):
+                a, b = torch.randn(10), torch.randn(10)
+                expected = function(a, b)
+                got = torch.compile(function, backend="eager", fullgraph=False)(a, b)
+                assert (got.device, got.dtype) == (expected.device, expected.dtype), function.__name__
+                assert torch.equal(got.cpu(), expected.cpu()), function.__name__
+    finally:
+        patches.undo()
+        torch._dynamo.reset()

@@ -26,8 +26,10 @@ import dataclasses
 import email.parser
 import importlib
 import importlib.metadata
+import itertools
 import os
 import symtable
+import sys
 import types
 import warnings
 import zipfile
@@ -51,6 +53,8 @@ DEFINITIONS: dict[str, tuple[str, ...]] = {
 }
 
 #: Top-level packages whose imports the extracted definitions may use.
+_LOADS = itertools.count(1)
+
 _IMPORTABLE = frozenset(
     {"torch", "typing", "collections", "itertools", "threading", "functools", "os", "sys", "re", "time", "enum"}
 )
@@ -249,6 +253,8 @@ class _Loader:
         self.namespaces: dict[str, dict[str, Any]] = {}
         self.trees: dict[str, ast.Module] = {}
         self.package = self._package()
+        #: The loaded files' modules are named under this (one prefix per load: two loads never share globals).
+        self.module_prefix = f"_npu_shadow_legacy_{next(_LOADS)}.torch_npu_{self.version.replace('.', '_')}"
         self.builtins = dict(builtins.__dict__, __import__=self._import)
 
     def _package(self) -> types.ModuleType:
@@ -299,14 +305,16 @@ class _Loader:
         where = f"torch_npu {self.version} ({self.source.path}): {member}"
         tree = self._tree(member)
         definitions = _definitions(tree)
-        namespace = self.namespaces.setdefault(
-            member,
-            {
-                "__name__": member.removesuffix(".py").replace("/", "."),
-                "__builtins__": self.builtins,
-                "__file__": f"{self.source.path}!{member}",
-            },
-        )
+        namespace = self.namespaces.get(member)
+        if namespace is None:
+            # A module of its own, importable by its name (torch.compile imports a traced function's module by
+            # its __name__), never named torch_npu: nothing here may pass for the real package.
+            name = f"{self.module_prefix}.{member.removesuffix('.py').replace('/', '.')}"
+            module = types.ModuleType(name)
+            module.__file__ = f"{self.source.path}!{member}"
+            module.__builtins__ = self.builtins
+            sys.modules[name] = module
+            namespace = self.namespaces[member] = vars(module)
         wanted = [n for n in names if n not in namespace]
         missing = [n for n in wanted if n not in definitions]
         if missing:
