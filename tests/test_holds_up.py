@@ -29,6 +29,7 @@ class Recorder:
     def export(self, observation):
         self.observations.append(observation)
 
+
 # --------------------------------------------------------------------------- 1. memory
 
 
@@ -87,6 +88,7 @@ class _Huge:
 
     def element_size(self):
         return 4
+
 
 # --------------------------------------------------------------------------- 2. tiny and huge rates
 
@@ -149,6 +151,7 @@ def test_2_the_verdict_takes_a_tiny_max_rate(tmp_path, max_rate):
     assert "more comparisons without divergence" in done.stdout
     assert npu_shadow("verdict", "--journal", str(journal), "--max-rate", "1e400").returncode == 2
 
+
 # --------------------------------------------------------------------------- 3. restore failures
 
 
@@ -172,6 +175,7 @@ def test_3_an_upstream_that_leaks_a_mode_never_leaves_the_thread_on_the_upstream
     stats = monitor.stats()["op"]
     assert stats.calls == stats.sampled == 2
     assert stats.error == 2 and stats.by_reason == {"exception": 2, "state": 2}  # upstream's own mode broke it
+
 
 # --------------------------------------------------------------------------- 4. signals, as a transparent wrapper
 
@@ -267,6 +271,7 @@ def test_4_a_command_that_cannot_run_exits_as_a_shell_says(tmp_path):
     assert npu_shadow("run", "--", str(tmp_path / "missing")).returncode == 127
     assert npu_shadow("run", "--", "no-such-command-npu-shadow").returncode == 127
 
+
 # --------------------------------------------------------------------------- 5. a full disk
 
 
@@ -321,6 +326,7 @@ def test_5_readers_skip_and_count_a_torn_final_line(tmp_path):
     with pytest.raises(sources.SourceError, match=r"j\.jsonl:1"):
         sources.from_journal([str(journal)])
 
+
 # --------------------------------------------------------------------------- 6. the textfile exporter
 
 
@@ -355,6 +361,7 @@ def test_6_a_failed_push_never_costs_the_textfile_and_each_failure_is_said(tmp_p
 def test_6_format_specs_are_refused_before_the_command(tmp_path, template):
     done = npu_shadow("run", "--textfile", str(tmp_path / template), "--", sys.executable, "-c", "pass")
     assert done.returncode == 2 and "--textfile=" in done.stderr and "format spec" in done.stderr
+
 
 # --------------------------------------------------------------------------- 7. forked workers
 
@@ -401,6 +408,7 @@ def test_7_forked_dataloader_workers_report_every_call(tmp_path, rate):
     assert sum(int(calls) for _, calls in reported) == 920
     assert len({pid for pid, _ in reported}) == 2  # both workers, the parent made no call
 
+
 # --------------------------------------------------------------------------- 8. what the user's objects raise
 
 
@@ -441,6 +449,7 @@ def test_8_an_argument_whose_repr_raises_never_costs_the_journal_line(tmp_path):
     from exporters import capture as capture_module
 
     assert capture_module.load(str(capture))["args"][1] == {"repr": "<Unprintable: repr raised RuntimeError>"}
+
 
 # --------------------------------------------------------------------------- 8. OpenTelemetry in a fork, SDK faults
 
@@ -500,6 +509,7 @@ def test_8_an_sdk_fault_during_collection_is_counted():
     reader.get_metrics_data()
     assert exporter.dropped == 1 and _otel_sum(reader, "npu_shadow.export_errors") == 1
 
+
 # --------------------------------------------------------------------------- 9. hostile files
 
 
@@ -538,6 +548,7 @@ print(m.stats()["op"].export_errors)
     done = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0 and done.stdout.split() == ["1"], done.stderr
 
+
 # --------------------------------------------------------------------------- 10. capture names
 
 
@@ -553,6 +564,7 @@ def test_10_target_names_never_write_captures_outside_capture_dir(tmp_path, name
     journal.close()
     (written,) = [p for p in tmp_path.rglob("*.pt")]
     assert written.parent == captures
+
 
 # --------------------------------------------------------------------------- 11. settings that pass and then break
 
@@ -600,6 +612,7 @@ def test_11_an_unbindable_port_loses_the_endpoint_not_the_monitor():
 
     with pytest.warns(RuntimeWarning, match="cannot serve metrics"):
         assert serve_registry(CollectorRegistry(), 65536) is None
+
 
 # --------------------------------------------------------------------------- 12. replay, verdict and report inputs
 
@@ -713,6 +726,7 @@ def test_12_a_nul_in_a_custom_signature_keeps_the_textfile_readable(tmp_path):
     assert counts["op"].outcomes[("a?b?c", "match")] == 1.0
     with pytest.raises(ValueError, match="without control characters"):
         Target("a\x00b", ops, "op", lambda x: x)
+
 
 # --------------------------------------------------------------------------- 13. settings outside torch's core
 
