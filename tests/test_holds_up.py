@@ -787,3 +787,33 @@ def test_13_upstream_turning_off_requires_grad_never_reaches_the_callers_paramet
         ops.op(module, torch.ones(2, 3))
     assert all(p.requires_grad for p in module.parameters())
     assert monitor.stats()["op"].by_reason == {"requires_grad": 1}
+
+
+def test_3_a_setting_that_cannot_be_put_back_is_counted_and_the_others_still_are(monkeypatch):
+    from shadow.core import global_state
+
+    def refuse(value):
+        raise RuntimeError("cannot write threads")
+
+    monkeypatch.setitem(
+        global_state.SETTINGS, "threads", global_state.Setting("threads", torch.get_num_threads, refuse)
+    )
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+
+    def upstream(x):
+        torch.set_num_threads(threads + 1)
+        torch.set_default_dtype(torch.float64)
+        return x * 2
+
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    try:
+        with shadow.install([Target("op", ops, "op", upstream)], sample_rate=1.0) as monitor:
+            first = ops.op(torch.ones(1))
+            assert torch.get_default_dtype() == dtype  # put back although threads could not be
+            second = ops.op(torch.ones(1))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(first, second) and first.dtype == torch.float32
+    stats = monitor.stats()["op"]
+    assert stats.calls == stats.sampled == stats.mismatch == 2  # still compared: upstream left settings changed
+    assert stats.settings_failures >= 1 and "comparator" not in stats.by_reason

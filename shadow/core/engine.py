@@ -246,6 +246,7 @@ class Experiment:
         self._signatures: set[str] = set()
         self._signatures_over_cap = 0
         self._export_errors = 0
+        self._settings_failures = 0
         self._last_logged: dict[str, float] = {}
         self.wrapper, set_gate = _make_wrapper(self.legacy, self._arrive)
         self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
@@ -382,11 +383,11 @@ class Experiment:
                     )
                 self._publish(observation)
             finally:
-                left_by_legacy.restore()
+                self._put_back(left_by_legacy)
         except KeyboardInterrupt:
             raise
-        except BaseException as exc:  # taking or putting back torch's settings failed: ours to log, not the job's
-            self._log_limited("settings", "torch settings could not be taken or put back: %r", exc)
+        except BaseException as exc:  # taking torch's settings failed: ours to count, not the job's
+            self._settings_failed(exc)
         finally:
             _local.upstream_side = outer
             self._spent += time.perf_counter() - started
@@ -465,6 +466,21 @@ class Experiment:
             **common,
         )
 
+    def _put_back(self, settings: TorchGlobals) -> None:
+        """Write back a snapshot of the global settings; whatever cannot be is counted and logged, never raised
+        (each setting is written on its own, so the others still are)."""
+        try:
+            settings.restore()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            self._settings_failed(exc)
+
+    def _settings_failed(self, failure: BaseException) -> None:
+        with self._lock:
+            self._settings_failures += 1
+        self._log_limited("settings", "global settings could not be taken or put back: %r", failure)
+
     def _skipped(self, failure: BaseException, timestamp: float) -> Observation:
         """The observation of a call whose plan failed: out of memory, or a fault of this tool."""
         reason = "oom" if _is_oom(failure) else "comparator"
@@ -483,7 +499,7 @@ class Experiment:
         value: Any = None
         error: BaseException | None = None
         autocast = ""
-        plan.before.restore()
+        self._put_back(plan.before)
         start = time.perf_counter()
         try:
             with context, _upstream_run(self):
@@ -500,7 +516,7 @@ class Experiment:
             error = exc
         seconds = time.perf_counter() - start
         left_by_upstream = TorchGlobals()
-        left_by_legacy.restore()
+        self._put_back(left_by_legacy)
         return Run(value, error, seconds, autocast), drilled, left_by_upstream
 
     def _evidence(self, plan: Plan, legacy: Run, upstream: Run) -> Evidence:
@@ -533,7 +549,7 @@ class Experiment:
         start = time.perf_counter()
         try:
             args, kwargs = plan.isolation.arguments(1)
-            plan.before.restore()
+            self._put_back(plan.before)
             try:
                 with plan.isolation.upstream_run(1):
                     call = self.target.oracle(args, kwargs)
@@ -541,7 +557,7 @@ class Experiment:
                         return {}
                     single = call.run()
             finally:
-                left_by_legacy.restore()
+                self._put_back(left_by_legacy)
             with self._lock:
                 self._oracle_runs += 1
             found = compare(call.legacy_part(legacy_result, single), single, tolerance=self.tolerance)
@@ -622,6 +638,7 @@ class Experiment:
                 oracle_runs=self._oracle_runs,
                 signatures_over_cap=self._signatures_over_cap,
                 export_errors=self._export_errors,
+                settings_failures=self._settings_failures,
             )
 
     def _after_fork_in_child(self) -> None:
@@ -633,6 +650,7 @@ class Experiment:
         self._shared.clear()
         self._oracle_runs = 0
         self._export_errors = 0
+        self._settings_failures = 0
         self._budget_skips_unreported = 0
         self._started, self._spent = time.monotonic(), 0.0
         self._calls_reported = 0

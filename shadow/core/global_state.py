@@ -200,8 +200,6 @@ SETTINGS: dict[str, Setting] = {
         Setting("recursion limit", sys.getrecursionlimit, sys.setrecursionlimit),
     )
 }
-_QUIET = [s for s in SETTINGS.values() if not s.outside_catch_warnings]
-_LOUD = [s for s in SETTINGS.values() if s.outside_catch_warnings]
 
 
 class TorchGlobals:
@@ -236,10 +234,12 @@ class TorchGlobals:
         failure: BaseException | None = None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for setting in _QUIET:
+            for setting in SETTINGS.values():
+                if not setting.outside_catch_warnings:
+                    failure = _write(setting, now, then) or failure
+        for setting in SETTINGS.values():
+            if setting.outside_catch_warnings:
                 failure = _write(setting, now, then) or failure
-        for setting in _LOUD:
-            failure = _write(setting, now, then) or failure
         if failure is not None:
             raise failure
 

@@ -176,6 +176,8 @@ class TargetStats:
     signatures_over_cap: int = 0
     #: Observations an exporter failed to export (one per failing exporter).
     export_errors: int = 0
+    #: Sampled calls after which a global setting could not be taken or put back (each said in the log).
+    settings_failures: int = 0
 
     @property
     def compared(self) -> int:
