@@ -25,7 +25,7 @@ from torch.utils._device import DeviceContext
 from torch.utils._pytree import tree_iter
 
 from shadow.core import compiling, forks, trees
-from shadow.core.compare import compare, compare_exceptions, with_state
+from shadow.core.compare import Comparison, compare, compare_exceptions, with_state
 from shadow.core.drill import Drill
 from shadow.core.exporting import call_hook
 from shadow.core.global_state import TorchGlobals
@@ -400,20 +400,9 @@ class Experiment:
         now = time.time()
         if isinstance(plan, BaseException):
             return self._skipped(plan, timestamp=now)
-        if legacy.error is None and any(map(_is_hooked_subclass, tree_iter(legacy.value))):
-            # legacy returned a tensor subclass with hooks: comparing it would run its code
-            return Observation(self.target.name, Outcome.SKIPPED, ("mode",), signature=plan.signature, timestamp=now)
-        if plan.isolation is not None:
-            try:
-                plan.isolation.take_arguments()
-            except ArgumentsChanged as exc:
-                return Observation(
-                    self.target.name, Outcome.SKIPPED, ("inplace",), signature=plan.signature, detail=str(exc),
-                    timestamp=now,
-                )  # fmt: skip
-            except MemoryError as exc:
-                return self._skipped(exc, timestamp=now)
-        up_args, up_kwargs = plan.upstream_arguments()
+        cannot = self._cannot_run_upstream(plan, legacy, now)
+        if cannot is not None:
+            return cannot
         upstream, drilled, left_by_upstream = self._run_upstream(plan, left_by_legacy)
         common = {
             "target": self.target.name,
@@ -430,20 +419,7 @@ class Experiment:
             return Observation(outcome=Outcome.SKIPPED, reasons=("oom",), **common)
         returned = legacy.error is None and upstream.error is None
         start = time.perf_counter()
-        if returned:
-            found = compare(
-                legacy.value,
-                upstream.value,
-                tolerance=self.tolerance,
-                exact=self.target.exact,
-                legacy_inputs=(args, kwargs),
-                upstream_inputs=(up_args, up_kwargs),
-            )
-            if found.outcome == Outcome.MISMATCH:
-                autocast = f"autocast legacy: {plan.autocast}; upstream: {upstream.autocast}"
-                found = dataclasses.replace(found, detail=bounded(f"{found.detail} | {autocast}"))
-        else:
-            found = compare_exceptions(legacy.error, upstream.error)
+        found = self._compare_runs(plan, args, kwargs, legacy, upstream)
         found = with_state(found, left_by_legacy.differences(left_by_upstream))
         compare_seconds = time.perf_counter() - start
         shared = {}
@@ -465,6 +441,43 @@ class Experiment:
             **shared,
             **common,
         )
+
+    def _cannot_run_upstream(self, plan: Plan, legacy: Run, now: float) -> Observation | None:
+        """The skip observation of a call whose upstream run would not be faithful, seen once legacy ran: legacy
+        returned a tensor subclass with hooks (comparing it would run its code), wrote an argument in place, or the
+        argument copies would not fit. None when upstream can run (the isolation's copies are then taken)."""
+        if legacy.error is None and any(map(_is_hooked_subclass, tree_iter(legacy.value))):
+            return Observation(self.target.name, Outcome.SKIPPED, ("mode",), signature=plan.signature, timestamp=now)
+        if plan.isolation is None:
+            return None
+        try:
+            plan.isolation.take_arguments()
+        except ArgumentsChanged as exc:
+            return Observation(
+                self.target.name, Outcome.SKIPPED, ("inplace",), signature=plan.signature, detail=str(exc),
+                timestamp=now,
+            )  # fmt: skip
+        except MemoryError as exc:
+            return self._skipped(exc, timestamp=now)
+        return None
+
+    def _compare_runs(self, plan: Plan, args: tuple, kwargs: dict, legacy: Run, upstream: Run) -> Comparison:
+        """Legacy's result against upstream's (with both runs' autocast state where they mismatch), or the one rule
+        for exceptions where either raised."""
+        if legacy.error is not None or upstream.error is not None:
+            return compare_exceptions(legacy.error, upstream.error)
+        found = compare(
+            legacy.value,
+            upstream.value,
+            tolerance=self.tolerance,
+            exact=self.target.exact,
+            legacy_inputs=(args, kwargs),
+            upstream_inputs=plan.upstream_arguments(),
+        )
+        if found.outcome == Outcome.MISMATCH:
+            autocast = f"autocast legacy: {plan.autocast}; upstream: {upstream.autocast}"
+            found = dataclasses.replace(found, detail=bounded(f"{found.detail} | {autocast}"))
+        return found
 
     def _put_back(self, settings: TorchGlobals) -> None:
         """Write back a snapshot of the global settings; whatever cannot be is counted and logged, never raised
