@@ -2,12 +2,12 @@
 
 Only sampled calls of targets that ask for it pay for this. Before legacy runs we take the RNG states and clones
 of every module buffer reachable from the arguments; after it, clones of the tensor arguments (which legacy must
-have left as they were: see :class:`Isolation`). The upstream run then starts
-from exactly what legacy started from, in the caller's grad mode, on tensors whose autograd graph never reaches
-the caller's: cloned arguments and buffers, and parameters as new leaves over the same storage (``detach``: no
-copy), each with the ``requires_grad`` of the tensor it stands for. The module's own dictionaries and attributes
-hold these while upstream runs, so the originals are never written and their autograd version counters never
-move. Afterwards every generator, module attribute and hook registry is put back where legacy left it.
+have left as they were: see :class:`Isolation`). The upstream run then starts from exactly what legacy started
+from, in the caller's grad mode, on tensors whose autograd graph never reaches the caller's: cloned arguments and
+buffers, and parameters as new leaves over the same storage (``detach``: no copy), each with the ``requires_grad``
+of the tensor it stands for. The module's own dictionaries and attributes hold these while upstream runs, so the
+originals are never written and their autograd version counters never move. Afterwards every generator, module
+attribute and hook registry is put back where legacy left it.
 """
 
 from __future__ import annotations
