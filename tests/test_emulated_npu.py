@@ -136,6 +136,42 @@ def test_npu_type_names_and_classes_work_with_upstream_type():
     assert (by_class.device, by_class.dtype) == (torch.device("npu:1"), torch.float32)  # keeps its npu
 
 
+def test_npu_tensor_type_classes_are_tensor_types_as_on_torch_npu():
+    """isinstance, the constructor and torch's set of tensor classes work as torch_npu makes them (its
+    TensorType.cpp): a metaclass whose isinstance asks the tensor's backend and dtype."""
+    names = ("Bool", "Byte", "Char", "Short", "Int", "Long", "Half", "Float", "Double", "BFloat16")
+    classes = [getattr(torch.npu, f"{name}Tensor") for name in names]
+    assert all(cls in torch._tensor_classes for cls in classes)
+    assert {type(cls).__name__ for cls in classes} == {"tensortype"}
+    x = torch.ones(2, 3, device="npu:1", requires_grad=True)
+    assert isinstance(x, torch.npu.FloatTensor) and isinstance(x.detach(), torch.npu.FloatTensor)
+    assert not isinstance(x.half(), torch.npu.FloatTensor) and isinstance(x.half(), torch.npu.HalfTensor)
+    assert not isinstance(x.cpu(), torch.npu.FloatTensor) and not isinstance("x", torch.npu.FloatTensor)
+    assert isinstance(x.cpu(), torch.FloatTensor) and not isinstance(x, torch.FloatTensor)
+    made = torch.npu.FloatTensor(3)
+    assert (made.shape, made.dtype, made.device) == ((3,), torch.float32, torch.device("npu:0"))
+    with torch.npu.device(1):
+        listed = torch.npu.HalfTensor([1, 2])
+    assert (listed.dtype, listed.device, listed.tolist()) == (torch.float16, torch.device("npu:1"), [1.0, 2.0])
+    assert [cls.dtype for cls in classes][:3] == [torch.bool, torch.uint8, torch.int8]
+    assert (torch.npu.FloatTensor.layout, torch.npu.FloatTensor.is_npu, torch.npu.FloatTensor.is_sparse) == (
+        torch.strided,
+        True,
+        False,
+    )
+    assert torch.npu.FloatTensor.add is torch.Tensor.add  # torch.Tensor's methods, as on torch's classes
+    with pytest.raises(TypeError):
+        type("Sub", (torch.npu.FloatTensor,), {})  # not subclassable, as torch's own
+
+
+def test_torch_npus_type_conversions_on_the_same_device():
+    """torch_npu's test_type_conversions_same_device, on the emulated npu."""
+    x = torch.randn(5, 5).to("npu:1")
+    assert x.int().device == x.device and x.type(torch.int).device == x.device
+    assert x.to(torch.int).device == x.device
+    assert isinstance(x.type(torch.npu.IntTensor), torch.npu.IntTensor)
+
+
 def test_build_directory_is_keyed_by_torch_version_and_source_hash(tmp_path, monkeypatch):
     monkeypatch.setenv("NPU_SHADOW_CACHE_DIR", str(tmp_path))
     path = emulated.build_directory()

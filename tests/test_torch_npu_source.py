@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -368,6 +369,87 @@ def test_each_loaded_function_is_the_wheels_own_bytecode(legacy: torch_npu_sourc
     }
     for (member, name), function in loaded.items():
         assert _same_code(function.__code__, _code_in(plain[member], name)), name
+
+
+def test_legacys_device_and_stream_code_is_torch_npus_own(legacy: torch_npu_source.TorchNpuLegacy) -> None:
+    """torch.npu.set_device, device, stream, current_stream, Stream... as the patches call them are torch_npu's own
+    runtime Python (torch_npu/npu/utils.py, streams.py), compiled as the wheel has it, never a re-implementation."""
+    assert set(legacy.runtime) == {n for names in torch_npu_source.RUNTIME.values() for n in names}
+    with zipfile.ZipFile(wheel(legacy.version)) as archive:
+        plain = {
+            member: compile(archive.read(member).decode(), member, "exec", dont_inherit=True)
+            for member in torch_npu_source.RUNTIME
+        }
+    compared = 0
+    for member, names in torch_npu_source.RUNTIME.items():
+        for name in names:
+            loaded, code = legacy.runtime[name], _code_in(plain[member], name)
+            functions = (
+                {name: loaded}
+                if not isinstance(loaded, type)
+                else {n: f for n, f in vars(loaded).items() if hasattr(f, "__code__")}
+            )
+            for function_name, function in functions.items():
+                expected = code if not isinstance(loaded, type) else _code_in(code, function_name)
+                assert _same_code(function.__code__, expected), f"{member}: {name}.{function_name}"
+                compared += 1
+    assert compared > 20
+    # the functions the patch calls are these: torch.npu as _parallel_apply sees it
+    npu = legacy.parallel_apply_function.__globals__["torch"].npu
+    for name in ("set_device", "current_stream", "device", "stream", "Stream"):
+        assert getattr(npu, name) is legacy.runtime[name]
+
+
+def test_legacy_runs_over_torch_npus_thread_local_device(legacy: torch_npu_source.TorchNpuLegacy) -> None:
+    """The emulator's torch_npu._C keeps the device as torch_npu's NPUFunctions.cpp does: per thread, -1 until set
+    (_npu_getLocalDevice); torch_npu's ``device`` context then leaves a thread that had none on device 0, its own
+    behaviour, which a re-implementation over torch.accelerator cannot show."""
+    from shadow.npu.emulated import torch_npu_c
+
+    seen: dict[str, Any] = {}
+
+    def fresh_thread() -> None:
+        seen["before"] = torch_npu_c._npu_getLocalDevice()
+        with legacy.runtime["device"](1):
+            seen["inside"] = (torch_npu_c._npu_getLocalDevice(), torch.accelerator.current_device_index())
+        seen["after"] = torch_npu_c._npu_getLocalDevice()
+        legacy.runtime["set_device"]("npu:1")
+        seen["set"] = torch.accelerator.current_device_index()
+        stream = legacy.runtime["Stream"](device=0)
+        with legacy.runtime["stream"](stream):
+            seen["stream"] = torch.accelerator.current_stream(0).stream_id == stream.stream_id
+        seen["left"] = (torch.accelerator.current_device_index(), torch.accelerator.current_stream(0).stream_id)
+
+    main_device = torch.accelerator.current_device_index()
+    thread = threading.Thread(target=fresh_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"before": -1, "inside": (1, 1), "after": 0, "set": 1, "stream": True, "left": (1, 0)}
+    assert torch.accelerator.current_device_index() == main_device  # another thread's device is its own
+
+
+def test_legacy_parallel_apply_sets_each_workers_device_through_torch_npus_c(
+    legacy: torch_npu_source.TorchNpuLegacy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The RFC's difference (legacy calls torch.npu.set_device in each worker) runs through torch_npu's own
+    set_device into torch_npu._C._npu_setDevice, where a real NPU's runtime would see it."""
+    from shadow.npu.emulated import torch_npu_c
+
+    calls: list[tuple[str, int]] = []
+    original = torch_npu_c._npu_setDevice
+
+    def recording(device: int) -> None:
+        calls.append((threading.current_thread().name, device))
+        original(device)
+
+    monkeypatch.setattr(torch_npu_c, "_npu_setDevice", recording)
+    module = torch.nn.Linear(3, 2).to("npu:0")
+    replicas = replicate(module, [0, 1])
+    inputs = [(torch.randn(4, 3, device=f"npu:{i}"),) for i in (0, 1)]
+    outputs = legacy.parallel_apply_function(replicas, inputs, None, [0, 1])
+    assert [o.device.index for o in outputs] == [0, 1]
+    assert sorted(device for _, device in calls) == [0, 1]
+    assert all(name != threading.current_thread().name for name, _ in calls)  # in the worker threads
 
 
 def _fetch(tmp_path: Any, ci: str, *versions: str) -> subprocess.CompletedProcess:

@@ -6,12 +6,16 @@ torch_npu wheel or an installed distribution (never importing the package, never
 extension), takes only the definitions the patches need (no module-level code runs), and executes them with
 the names they use bound to the accelerator this host has:
 
-- ``torch.npu`` is the npu device module (a real NPU's or the emulated npu's); on a CUDA host the functions see
+- ``torch.npu`` is torch_npu's own: on a real NPU the installed torch_npu's; on the emulated npu torch_npu's runtime
+  Python from the same source (``set_device``, ``device``, ``current_stream``, ``stream``, ``Stream``... of
+  ``torch_npu/npu/utils.py`` and ``streams.py``, :data:`RUNTIME`) over the emulator's ``torch_npu._C``
+  (:mod:`shadow.npu.emulated.torch_npu_c`), anything else the device module's; on a CUDA host the functions see
   ``torch.cuda`` as ``torch.npu`` and the device string ``'npu'`` reads ``'cuda'`` (the one named device branch);
 - ``torch_npu.npu.amp.autocast`` is torch_npu's own autocast class, from its source;
 - ``torch_npu.npu.<Bool..BFloat16>Tensor`` are the device module's tensor type classes;
 - ``pta_error``/``ErrCode`` are torch_npu's own (``torch_npu/utils/_error_code.py``), from source, with
-  ``torch_npu._C._npu_getLocalDevice`` answered by ``torch.accelerator.current_device_index``.
+  ``torch_npu._C._npu_getLocalDevice`` the emulator's (thread-local, -1 when unset, as torch_npu's) or, on other
+  hosts, ``torch.accelerator.current_device_index``.
 
 Imports those definitions need are taken from the file's own import statements, for the standard library and
 torch only. A release without an expected definition fails with :class:`LegacySourceError` naming it.
@@ -52,11 +56,43 @@ DEFINITIONS: dict[str, tuple[str, ...]] = {
     "torch_npu/utils/_module.py": ("_parallel_apply", "npu_parallel_apply", "npu_data_parallel"),
 }
 
-#: Top-level packages whose imports the extracted definitions may use.
+#: torch_npu's runtime Python that the patches call through ``torch.npu`` (device and stream handling), run from
+#: the same source where the accelerator is the emulated npu: ``torch_npu.npu.<name>`` for each name.
+RUNTIME: dict[str, tuple[str, ...]] = {
+    "torch_npu/npu/utils.py": (
+        "set_device",
+        "current_device",
+        "device",
+        "synchronize",
+        "stream",
+        "set_stream",
+        "current_stream",
+        "default_stream",
+        "_get_device_index",
+    ),
+    "torch_npu/npu/streams.py": ("Stream", "Event"),
+}
+
 _LOADS = itertools.count(1)
 
+#: Top-level packages whose imports the extracted definitions may use.
 _IMPORTABLE = frozenset(
-    {"torch", "typing", "collections", "itertools", "threading", "functools", "os", "sys", "re", "time", "enum"}
+    {
+        "torch",
+        "typing",
+        "collections",
+        "itertools",
+        "threading",
+        "functools",
+        "os",
+        "sys",
+        "re",
+        "time",
+        "enum",
+        "ctypes",
+        "warnings",
+        "contextlib",
+    }
 )
 
 #: Globals the definitions probe for inside ``try: ... except NameError`` (IPython's marker).
@@ -87,6 +123,9 @@ class TorchNpuLegacy:
     parallel_apply_function: Callable
     #: torch_npu's tensor type table: 'torch.npu.FloatTensor' and 'torch_npu.npu.FloatTensor' -> class.
     tensor_types: Mapping[str, type]
+    #: The runtime functions (``torch_npu.npu.set_device``, ...) loaded from this source (:data:`RUNTIME`), by
+    #: name; empty where the host's own ``torch.npu`` serves (a real NPU's torch_npu, or CUDA's).
+    runtime: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def origin(self) -> str:
@@ -224,7 +263,7 @@ class _DeviceRename(ast.NodeTransformer):
 
 
 class _TorchView(types.ModuleType):
-    """``torch`` as torch_npu's code sees it on a host whose accelerator is not an npu."""
+    """``torch`` as torch_npu's code sees it where ``torch.npu`` is not torch_npu's (the emulated npu, CUDA)."""
 
     def __init__(self, device_module: Any) -> None:
         super().__init__("torch")
@@ -232,6 +271,29 @@ class _TorchView(types.ModuleType):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
+
+
+class _NpuModule(types.ModuleType):
+    """``torch_npu.npu`` (which torch_npu also makes ``torch.npu``) on the emulated npu: torch_npu's runtime
+    functions from its source (set on it by the loader), anything else the emulated device module's."""
+
+    def __init__(self, device_module: Any) -> None:
+        super().__init__("torch_npu.npu")
+        self._device_module = device_module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._device_module, name)
+
+
+def _emulated_torch_npu_c() -> Any:
+    """The emulator's ``torch_npu._C`` where the accelerator is the emulated npu, else None."""
+    from shadow.npu import emulated
+
+    if not emulated.installed_devices():
+        return None
+    from shadow.npu.emulated import torch_npu_c
+
+    return torch_npu_c
 
 
 def _device_module() -> tuple[str, Any]:
@@ -249,24 +311,50 @@ class _Loader:
         self.source = source
         self.version = version
         self.device_type, self.device_module = _device_module()
-        self.torch = torch if self.device_type == "npu" else _TorchView(self.device_module)
+        self.torch_npu_c = _emulated_torch_npu_c() if self.device_type == "npu" else None
         self.namespaces: dict[str, dict[str, Any]] = {}
         self.trees: dict[str, ast.Module] = {}
         self.package = self._package()
         #: The loaded files' modules are named under this (one prefix per load: two loads never share globals).
         self.module_prefix = f"_npu_shadow_legacy_{next(_LOADS)}.torch_npu_{self.version.replace('.', '_')}"
         self.builtins = dict(builtins.__dict__, __import__=self._import)
+        if self.torch_npu_c is not None:
+            self.torch = _TorchView(self.package.npu)
+        elif self.device_type == "npu":
+            self.torch = torch  # a real NPU: torch.npu is the installed torch_npu's own
+        else:
+            self.torch = _TorchView(self.device_module)
 
     def _package(self) -> types.ModuleType:
         package = types.ModuleType("torch_npu")
-        npu = types.ModuleType("torch_npu.npu")
+        if self.torch_npu_c is not None:
+            npu = _NpuModule(self.device_module)
+            package._C = self.torch_npu_c
+            # torch_npu.npu._lazy_init lives in module state (torch_npu/npu/__init__.py), not in a definition the
+            # loader takes: the emulator's initialisation stands in for it (nothing to wait for).
+            npu._lazy_init = self.torch_npu_c._npu_init
+        else:
+            npu = types.ModuleType("torch_npu.npu")
+            package._C = types.SimpleNamespace(_npu_getLocalDevice=torch.accelerator.current_device_index)
         for name in TENSOR_TYPE_NAMES:
             cls = getattr(self.device_module, name, None)
             if cls is not None:
                 setattr(npu, name, cls)
         package.npu = npu
-        package._C = types.SimpleNamespace(_npu_getLocalDevice=torch.accelerator.current_device_index)
         return package
+
+    def load_runtime(self) -> dict[str, Any]:
+        """torch_npu's runtime functions (:data:`RUNTIME`) from the source, set on ``torch_npu.npu``, where the
+        accelerator is the emulated npu; {} elsewhere."""
+        if self.torch_npu_c is None:
+            return {}
+        loaded = {}
+        for member, names in RUNTIME.items():
+            namespace = self.execute(member, names)
+            for name in names:
+                loaded[name] = namespace[name]
+                setattr(self.package.npu, name, namespace[name])
+        return loaded
 
     def _import(self, name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
         # Imports inside the definitions (``import torch_npu._C`` in pta_error): never the real torch_npu.
@@ -399,6 +487,7 @@ def load(path: str | os.PathLike) -> TorchNpuLegacy:
     try:
         version = source.version()
         loader = _Loader(source, version)
+        runtime = loader.load_runtime()
         for member, names in DEFINITIONS.items():
             loader.execute(member, names)
     finally:
@@ -416,6 +505,7 @@ def load(path: str | os.PathLike) -> TorchNpuLegacy:
         data_parallel=module["npu_data_parallel"],
         parallel_apply_function=module["_parallel_apply"],
         tensor_types=types.MappingProxyType(dict(cache.get_tensortype_dict())),
+        runtime=types.MappingProxyType(runtime),
     )
     for function in (legacy.tensor_type, legacy.parallel_apply, legacy.data_parallel, legacy.parallel_apply_function):
         setattr(function, ORIGIN_ATTRIBUTE, origin)

@@ -135,19 +135,18 @@ def initial_seed() -> int:
     return _backend.initial_seed(current_device())
 
 
-#: The npu tensor type classes ('torch.npu.FloatTensor', ...) and their dtypes, created by install() as
-#: torch_npu has them.
+#: The npu tensor type classes ('torch.npu.FloatTensor', ...) and their dtypes, created by install() as torch
+#: and torch_npu make theirs (isinstance, constructor, among ``torch._tensor_classes``).
 TENSOR_TYPES = NPU_TENSOR_TYPES
 
 
 def _bind(backend: Any) -> None:
-    """Attach the compiled backend and create the tensor type classes on this module."""
+    """Attach the compiled backend and put its tensor type classes on this module and among torch's."""
     global _backend
     _backend = backend
-    for name, dtype in TENSOR_TYPES.items():
-        cls = backend.tensor_type_class(f"torch.npu.{name}")
-        cls.dtype, cls.layout, cls.is_sparse = dtype, torch.strided, False  # what torch's tensor types answer
+    for name, cls in backend.tensor_type_classes("torch.npu", list(TENSOR_TYPES.items())).items():
         globals()[name] = cls
+        torch._tensor_classes.add(cls)
 
 
 def _is_in_bad_fork() -> bool:

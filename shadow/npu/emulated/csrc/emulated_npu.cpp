@@ -5,6 +5,10 @@
 // N devices with a thread-local current device and current stream, an allocator, per-device random
 // generators, a handful of native kernels, and torch's CPU kernels (through the boxed CPU fallback)
 // for everything else. Streams and events are synchronous: work is done when the call returns.
+//
+// Beside the backend: the device functions torch_npu's own Python runtime calls in torch_npu._C (its
+// torch.npu.set_device, device, current_stream and stream run over them), and torch.npu's tensor type
+// classes (torch.npu.FloatTensor, ...) made as torch and torch_npu make theirs.
 #include <torch/extension.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -19,7 +23,14 @@
 #include <ATen/ops/view_native.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Layout.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/utils/wrap_outputs.h>
+#include <torch/csrc/utils/tensor_new.h>
 
 #include <array>
 #include <atomic>
@@ -35,7 +46,9 @@ constexpr auto kNpu = c10::DeviceType::PrivateUse1;
 constexpr int kMaxDevices = 16;
 
 std::atomic<c10::DeviceIndex> g_device_count{0};
-thread_local c10::DeviceIndex t_current_device = 0;
+// The thread's device, -1 until one is set, as torch_npu keeps it (NPUFunctions.cpp: `local_device`); reading the
+// current device of a thread that has none makes it device 0, as there.
+thread_local c10::DeviceIndex t_local_device = -1;
 thread_local std::array<c10::StreamId, kMaxDevices> t_current_stream{};  // 0: the default stream
 std::atomic<c10::StreamId> g_next_stream_id{1};
 std::vector<at::Generator> g_generators;  // one per device, created by install()
@@ -47,18 +60,30 @@ void check_index(c10::DeviceIndex index) {
       static_cast<int>(g_device_count.load()), " devices)");
 }
 
+c10::DeviceIndex current_device() {
+  if (t_local_device < 0) {
+    t_local_device = 0;
+  }
+  return t_local_device;
+}
+
+void set_current_device(c10::DeviceIndex device) {
+  check_index(device);
+  t_local_device = device;
+}
+
 c10::DeviceIndex index_or_current(std::optional<c10::Device> device) {
   if (device.has_value() && device->has_index()) {
     return device->index();
   }
-  return t_current_device;
+  return current_device();
 }
 
 // ---------------------------------------------------------------------------------- memory
 
 struct HostAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
-    const c10::DeviceIndex device = t_current_device;
+    const c10::DeviceIndex device = current_device();
     void* data = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
     if (data != nullptr) {
       std::lock_guard<std::mutex> lock(mutex());
@@ -87,7 +112,7 @@ struct HostAllocator final : c10::Allocator {
   static c10::DeviceIndex owner_of(void* data) {
     std::lock_guard<std::mutex> lock(mutex());
     auto found = owners().find(data);
-    return found == owners().end() ? t_current_device : found->second;
+    return found == owners().end() ? current_device() : found->second;
   }
 
  private:
@@ -127,12 +152,9 @@ struct NpuGuardImpl final : c10::impl::DeviceGuardImplInterface {
     setDevice(device);
     return previous;
   }
-  c10::Device getDevice() const override { return {kNpu, t_current_device}; }
-  void setDevice(c10::Device device) const override {
-    check_index(device.index());
-    t_current_device = device.index();
-  }
-  void uncheckedSetDevice(c10::Device device) const noexcept override { t_current_device = device.index(); }
+  c10::Device getDevice() const override { return {kNpu, current_device()}; }
+  void setDevice(c10::Device device) const override { set_current_device(device.index()); }
+  void uncheckedSetDevice(c10::Device device) const noexcept override { t_local_device = device.index(); }
 
   c10::Stream getStream(c10::Device device) const override {
     return c10::Stream(c10::Stream::UNSAFE, device, t_current_stream.at(device.index()));
@@ -177,20 +199,17 @@ struct NpuHooks final : at::PrivateUse1HooksInterface {
   bool isAvailable() const override { return g_device_count.load() > 0; }
   bool hasPrimaryContext(c10::DeviceIndex /*device*/) const override { return true; }
   c10::DeviceIndex deviceCount() const override { return g_device_count.load(); }
-  void setCurrentDevice(c10::DeviceIndex device) const override {
-    check_index(device);
-    t_current_device = device;
-  }
-  c10::DeviceIndex getCurrentDevice() const override { return t_current_device; }
+  void setCurrentDevice(c10::DeviceIndex device) const override { set_current_device(device); }
+  c10::DeviceIndex getCurrentDevice() const override { return current_device(); }
   c10::DeviceIndex exchangeDevice(c10::DeviceIndex device) const override {
-    const auto previous = t_current_device;
-    setCurrentDevice(device);
+    const auto previous = current_device();
+    set_current_device(device);
     return previous;
   }
   c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex device) const override { return exchangeDevice(device); }
 
   const at::Generator& getDefaultGenerator(c10::DeviceIndex device) const override {
-    const auto index = device < 0 ? t_current_device : device;
+    const auto index = device < 0 ? current_device() : device;
     check_index(index);
     return g_generators.at(index);
   }
@@ -404,20 +423,119 @@ void manual_seed(uint64_t seed, int64_t device) {
 
 uint64_t initial_seed(int64_t device) { return generator(device).current_seed(); }
 
-// A class named like torch_npu's tensor types ('torch.npu.FloatTensor'): module 'torch.npu', name
-// 'FloatTensor', and the full dotted name where torch's C code reads a type's name (tp_name).
-py::object tensor_type_class(const std::string& full_name) {
-  static std::mutex mutex;
-  static std::vector<std::unique_ptr<std::string>> names;  // a heap type keeps pointing at its spec's name
-  std::lock_guard<std::mutex> lock(mutex);
-  names.push_back(std::make_unique<std::string>(full_name));
-  static PyType_Slot slots[] = {{0, nullptr}};
-  PyType_Spec spec = {names.back()->c_str(), static_cast<int>(sizeof(PyObject)), 0, Py_TPFLAGS_DEFAULT, slots};
-  PyObject* type = PyType_FromSpec(&spec);
-  if (type == nullptr) {
-    throw py::error_already_set();
+// ---------------------------------------------------------------------------------- torch_npu._C's device functions
+
+// torch_npu's _npu_getDeviceWithoutSet and _npu_getLocalDevice: the thread's device, -1 when it has none.
+int64_t local_device() { return t_local_device; }
+
+// torch_npu's _npu_maybeExchangeDevice: make `device` current, return the device the thread had (-1: none).
+int64_t maybe_exchange_device(int64_t device) {
+  const int64_t previous = t_local_device;
+  if (device != previous) {
+    set_current_device(static_cast<c10::DeviceIndex>(device));
   }
-  return py::reinterpret_steal<py::object>(type);
+  return previous;
+}
+
+// ---------------------------------------------------------------------------------- tensor type classes
+
+// torch.npu.FloatTensor and its kin, made as torch makes torch.FloatTensor: each class is an instance of a
+// metaclass (named torch.tensortype, as torch's) whose isinstance asks a tensor's backend and dtype, whose call
+// builds a tensor on the current npu, and whose dtype, layout, is_npu and is_sparse describe it; the class
+// carries torch.Tensor's methods. They are static types: made once, never freed.
+struct TensorTypeClass {
+  PyTypeObject type;
+  at::ScalarType scalar_type;
+  char name[64];
+};
+
+PyObject* tensor_type_instancecheck(PyObject* self, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  const auto* cls = reinterpret_cast<TensorTypeClass*>(self);
+  if (THPVariable_Check(arg)) {
+    const auto& tensor = THPVariable_Unpack(arg);
+    if (c10::legacyExtractDispatchKey(tensor.key_set()) == c10::DispatchKey::PrivateUse1 &&
+        tensor.scalar_type() == cls->scalar_type) {
+      Py_RETURN_TRUE;
+    }
+  }
+  Py_RETURN_FALSE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* tensor_type_dtype(PyObject* self, void* /*unused*/) {
+  return torch::autograd::utils::wrap(torch::getTHPDtype(reinterpret_cast<TensorTypeClass*>(self)->scalar_type));
+}
+PyObject* tensor_type_layout(PyObject* /*self*/, void* /*unused*/) {
+  return torch::autograd::utils::wrap(torch::getTHPLayout(at::Layout::Strided));
+}
+PyObject* tensor_type_true(PyObject* /*self*/, void* /*unused*/) { Py_RETURN_TRUE; }
+PyObject* tensor_type_false(PyObject* /*self*/, void* /*unused*/) { Py_RETURN_FALSE; }
+
+PyMethodDef tensor_type_methods[] = {
+    {"__instancecheck__", tensor_type_instancecheck, METH_O, nullptr},
+    {nullptr, nullptr, 0, nullptr}};
+PyGetSetDef tensor_type_properties[] = {
+    {"dtype", tensor_type_dtype, nullptr, nullptr, nullptr},
+    {"layout", tensor_type_layout, nullptr, nullptr, nullptr},
+    {"is_npu", tensor_type_true, nullptr, nullptr, nullptr},
+    {"is_sparse", tensor_type_false, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyTypeObject g_tensor_type_metaclass = {PyVarObject_HEAD_INIT(nullptr, 0) "torch.tensortype", sizeof(PyTypeObject)};
+
+PyObject* tensor_type_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(g_device_count.load() > 0, "type ", type->tp_name, " not available: no emulated npu devices");
+  const auto scalar_type = reinterpret_cast<TensorTypeClass*>(type)->scalar_type;
+  return THPVariable_Wrap(torch::utils::legacy_tensor_ctor(c10::DispatchKey::PrivateUse1, scalar_type, args, kwargs));
+  END_HANDLE_TH_ERRORS
+}
+
+// {"FloatTensor": torch.npu.FloatTensor, ...} for the (name, dtype) pairs given, the classes living in `module`
+// ("torch.npu"); made on the first call, the same classes on every later one.
+py::dict tensor_type_classes(const std::string& module, const std::vector<std::pair<std::string, py::object>>& types) {
+  static std::mutex mutex;
+  static std::vector<TensorTypeClass*> made;  // (never freed: Python may hold the classes to its very end)
+  std::lock_guard<std::mutex> lock(mutex);
+  if (made.empty()) {
+    g_tensor_type_metaclass.tp_flags = Py_TPFLAGS_DEFAULT;
+    g_tensor_type_metaclass.tp_methods = tensor_type_methods;
+    g_tensor_type_metaclass.tp_getset = tensor_type_properties;
+    g_tensor_type_metaclass.tp_base = &PyType_Type;
+    if (PyType_Ready(&g_tensor_type_metaclass) < 0) {
+      throw py::error_already_set();
+    }
+    auto* tensor = reinterpret_cast<PyTypeObject*>(py::module_::import("torch").attr("Tensor").ptr());
+    py::dict methods;  // torch.Tensor's and its C base's, as torch's own tensor type classes carry
+    if (PyDict_Merge(methods.ptr(), tensor->tp_base->tp_dict, 1) < 0 || PyDict_Merge(methods.ptr(), tensor->tp_dict, 1) < 0) {
+      throw py::error_already_set();
+    }
+    for (const auto& [name, dtype] : types) {
+      TORCH_CHECK_TYPE(THPDtype_Check(dtype.ptr()), "tensor_type_classes: ", name, " needs a torch.dtype");
+      auto* cls = new TensorTypeClass();  // (zeroed)
+      Py_SET_TYPE(&cls->type, &g_tensor_type_metaclass);
+      Py_SET_REFCNT(&cls->type, 1);
+      std::snprintf(cls->name, sizeof(cls->name), "%s.%s", module.c_str(), name.c_str());
+      cls->scalar_type = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+      cls->type.tp_name = cls->name;  // what torch's Tensor.type(cls) reads
+      cls->type.tp_basicsize = sizeof(PyObject);
+      cls->type.tp_flags = Py_TPFLAGS_DEFAULT;  // not subclassable, as torch's own
+      cls->type.tp_new = tensor_type_new;
+      if (PyType_Ready(&cls->type) < 0 || PyDict_Merge(cls->type.tp_dict, methods.ptr(), 0) < 0) {
+        throw py::error_already_set();
+      }
+      Py_INCREF(&g_tensor_type_metaclass);
+      made.push_back(cls);
+    }
+  }
+  py::dict classes;
+  for (const auto* cls : made) {
+    const std::string full(cls->name);
+    classes[py::str(full.substr(full.rfind('.') + 1))] =
+        py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(const_cast<PyTypeObject*>(&cls->type)));
+  }
+  return classes;
 }
 
 }  // namespace
@@ -478,7 +596,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &install, "Register the emulated devices (once per process).");
   m.def("device_count", [] { return static_cast<int64_t>(g_device_count.load()); });
   m.def("get_rng_state", &get_rng_state);
-  m.def("tensor_type_class", &tensor_type_class);
+  m.def("tensor_type_classes", &tensor_type_classes, "torch.npu's tensor type classes (made on the first call).");
+  m.def("local_device", &local_device, "The thread's npu device, -1 when it has none.");
+  m.def("current_device", [] { return static_cast<int64_t>(current_device()); }, "The thread's device (0 if none).");
+  m.def("set_device", [](int64_t device) { set_current_device(static_cast<c10::DeviceIndex>(device)); });
+  m.def("maybe_exchange_device", &maybe_exchange_device, "Make a device current; return the thread's previous.");
   m.def("set_rng_state", &set_rng_state);
   m.def("manual_seed", &manual_seed);
   m.def("initial_seed", &initial_seed);
