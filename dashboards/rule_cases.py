@@ -186,7 +186,39 @@ def cases() -> list[dict]:
                 },
             ],
         ),
+        guided_case(),
     ]
+
+
+def guided_case() -> dict:
+    """Coverage-guided sampling: calls by signature weight the rate (the verdict's weighted_rate), and the bound's
+    sample size is Kish's effective one. A rare signature (0.1% of calls) compared 10 times with 5 divergences,
+    a common one compared 100 times with none: the rate is 0.1% x 50%, not 5/110."""
+    rare, common = {"signature": "rare"}, {"signature": "common"}
+    compared = {"common": 100.0, "rare": 10.0}
+    rate, effective = verdict.weighted_rate(compared, {"rare": 5.0}, {"common": 9990.0, "rare": 10.0})
+    labels = f'{{job="{JOB}",target="{TARGET}"}}'
+
+    def expect(record: str, value: float) -> dict:
+        return {"expr": record, "eval_time": "10m", "exp_samples": [{"labels": record + labels, "value": value}]}
+
+    return case(
+        "weighted by each signature's share of calls where calls are counted by signature",
+        [
+            series("npu_shadow_calls_total", "0+999x10", **common),
+            series("npu_shadow_calls_total", "0+1x10", **rare),
+            series("npu_shadow_comparisons_total", "0+10x10", outcome="match", **common),
+            series("npu_shadow_comparisons_total", "0+0.5x10", outcome="match", **rare),
+            series("npu_shadow_comparisons_total", "0+0.5x10", outcome="mismatch", **rare),
+        ],
+        [],
+        exprs=[
+            expect("npu_shadow:divergence:ratio_total", rate),
+            expect("npu_shadow:comparisons:effective_total", effective),
+            expect("npu_shadow:divergence:wilson_upper_total", verdict.wilson_upper(rate * effective, effective)),
+            expect("npu_shadow:divergence:ratio_rate5m", rate),
+        ],
+    )
 
 
 def render() -> str:

@@ -4,8 +4,11 @@ Run ``python -m dashboards.rules`` to rewrite ``dashboards/prometheus/npu_shadow
 regenerates it and fails when the committed file is stale.
 
 Divergence = comparisons whose outcome is ``mismatch`` or ``error``, over comparisons that were made
-(``skipped`` excluded). Everything is aggregated by ``job`` and ``target``: the ranks of a job are its
-instances. Burn-rate windows follow the SRE workbook, scaled down for training jobs (hours, not months).
+(``skipped`` excluded). Where calls are counted by signature (coverage-guided sampling over-represents rare
+signatures among comparisons), the rate weights each signature by its share of calls, and the bound's sample size
+is Kish's effective one, as ``npu-shadow verdict`` computes them; elsewhere it is the plain ratio. Everything is
+aggregated by ``job`` and ``target``: the ranks of a job are its instances. Burn-rate windows follow the SRE
+workbook, scaled down for training jobs (hours, not months).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ PARAMS: dict[str, Any] = {
     "max_divergence": verdict.DEFAULT_MAX_RATE,
     # comparisons a window must hold before a ratio alert may fire
     "min_samples": 100,
-    "fast_burn": {"factor": 14.4, "long": "30m", "short": "5m", "for": "1m"},
-    "slow_burn": {"factor": 6.0, "long": "2h", "short": "15m", "for": "5m"},
+    "fast_burn": {"factor": verdict.BURN_RATE_FACTORS["fast burn"], "long": "30m", "short": "5m", "for": "1m"},
+    "slow_burn": {"factor": verdict.BURN_RATE_FACTORS["slow burn"], "long": "2h", "short": "15m", "for": "5m"},
     "hard_window": "10m",
     # blind: calls * sample rate promised this many comparisons in the window, and none came
     "blind": {"window": "15m", "expected": 20, "for": "10m"},
@@ -50,13 +53,38 @@ Z95 = 1.6448536269514722  # one-sided 95%
 BY = "sum by (job, target)"
 
 
+BY_SIGNATURE = "sum by (job, target, signature)"
+
+
+def _per_signature(selector: str, window: str | None) -> str:
+    return f"{BY_SIGNATURE} ({f'rate({selector}[{window}])' if window else selector})"
+
+
+def _weighted(window: str | None) -> tuple[str, str]:
+    """PromQL for (the divergence rate with each signature weighted by its share of calls, Kish's effective sample
+    size) over the signatures compared, where calls are counted by signature (see the verdict)."""
+    compared = _per_signature(f"{COMPARISONS}{{{COMPARED}}}", window)
+    divergent = _per_signature(f"{COMPARISONS}{{{DIVERGENT}}}", window)
+    calls = _per_signature(f'{CALLS}{{signature!=""}}', window)
+    seen = f"({compared} > 0)"
+    share = f"({calls} and on (job, target, signature) {seen})"
+    rate = f"{BY} ((({divergent} or {compared} * 0) / {seen}) * on (job, target, signature) {calls}) / {BY} ({share})"
+    effective = f"{BY} ({share}) ^ 2 / {BY} ({calls} ^ 2 / on (job, target, signature) {seen})"
+    return rate, effective
+
+
 def _recording_rules() -> list[dict[str, str]]:
+    weighted_rate, weighted_effective = _weighted(None)
     rules = [
         {"record": "npu_shadow:comparisons:total", "expr": f"{BY} ({COMPARISONS}{{{COMPARED}}})"},
         {"record": "npu_shadow:divergent:total", "expr": f"{BY} ({COMPARISONS}{{{DIVERGENT}}})"},
         {
             "record": "npu_shadow:divergence:ratio_total",
-            "expr": "npu_shadow:divergent:total / npu_shadow:comparisons:total",
+            "expr": f"({weighted_rate}) or npu_shadow:divergent:total / npu_shadow:comparisons:total",
+        },
+        {
+            "record": "npu_shadow:comparisons:effective_total",
+            "expr": f"({weighted_effective}) or npu_shadow:comparisons:total",
         },
         {"record": "npu_shadow:calls:total", "expr": f"{BY} ({CALLS})"},
     ]
@@ -72,7 +100,8 @@ def _recording_rules() -> list[dict[str, str]]:
             },
             {
                 "record": f"npu_shadow:divergence:ratio_rate{window}",
-                "expr": f"npu_shadow:divergent:rate{window} / npu_shadow:comparisons:rate{window}",
+                "expr": f"({_weighted(window)[0]}) "
+                f"or npu_shadow:divergent:rate{window} / npu_shadow:comparisons:rate{window}",
             },
             {
                 "record": f"npu_shadow:comparisons:increase{window}",
@@ -82,7 +111,7 @@ def _recording_rules() -> list[dict[str, str]]:
     rules += [
         {
             "record": "npu_shadow:divergence:wilson_upper_total",
-            "expr": _wilson_upper("npu_shadow:divergence:ratio_total", "npu_shadow:comparisons:total"),
+            "expr": _wilson_upper("npu_shadow:divergence:ratio_total", "npu_shadow:comparisons:effective_total"),
         },
         {
             "record": "npu_shadow:overhead:ratio_rate15m",

@@ -66,7 +66,13 @@ class Metric:
         return self.prometheus_name + suffix
 
 
-CALLS = Metric("npu_shadow.calls", "{call}", "counter", ("target",), "Calls of the wrapped function, sampled or not.")
+CALLS = Metric(
+    "npu_shadow.calls",
+    "{call}",
+    "counter",
+    ("target", "signature"),
+    "Calls of the wrapped function, sampled or not; by call signature for a coverage-guided target (empty otherwise).",
+)
 COMPARISONS = Metric(
     "npu_shadow.comparisons",
     "{comparison}",
@@ -111,6 +117,22 @@ SHADOW = Metric(
 SHADOW_DURATION = Metric(
     "npu_shadow.shadow.duration", "s", "histogram", ("target",), "Shadow side time per sampled call."
 )
+AA_RUNS = Metric(
+    "npu_shadow.aa_runs",
+    "{run}",
+    "counter",
+    ("target", "signature", "result"),
+    "A/A runs (legacy run again, isolated as upstream is, against its own result), by whether the two differed "
+    "(result: same, differs).",
+)
+NOISE_FLOOR = Metric(
+    "npu_shadow.noise_floor",
+    "1",
+    "gauge",
+    ("target", "signature", "measure"),
+    "The noise floor: the greatest difference between two legacy runs of the same call (A/A), by signature and "
+    "measure (abs, rel). A legacy-vs-upstream value difference within twice it is counted as outcome noise.",
+)
 SAMPLE_RATE = Metric("npu_shadow.sample_rate", "1", "gauge", ("target",), "Configured fraction of calls shadowed.")
 DRILL_ACTIVE = Metric(
     "npu_shadow.drill_active", "1", "gauge", (), "1 while a fire drill injects synthetic divergence upstream, else 0."
@@ -131,6 +153,8 @@ ALL = (
     LEGACY,
     SHADOW,
     SHADOW_DURATION,
+    AA_RUNS,
+    NOISE_FLOOR,
     SAMPLE_RATE,
     DRILL_ACTIVE,
 )
@@ -139,7 +163,7 @@ ALL = (
 #: Pre-created for every target: (metric, labels) at zero, so that ratios exist before the first event.
 #: Comparisons are pre-created with an empty signature (Prometheus treats it as absent).
 def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:
-    series: list[tuple[Metric, dict[str, str]]] = [(CALLS, {"target": target})]
+    series: list[tuple[Metric, dict[str, str]]] = [(CALLS, {"target": target, "signature": ""})]
     series += [(COMPARISONS, {"target": target, "outcome": o, "signature": ""}) for o in COMPARED_OUTCOMES]
     series += [(MISMATCHES, {"target": target, "reason": r}) for r in MISMATCH_REASONS]
     series += [(SKIPPED, {"target": target, "reason": r}) for r in SKIP_REASONS]

@@ -132,7 +132,8 @@ class JsonlExporter:
             f'"legacy_seconds":{o.legacy_seconds!r},"upstream_seconds":{o.upstream_seconds!r},'
             f'"compare_seconds":{o.compare_seconds!r},"oracle_seconds":{o.oracle_seconds!r},'
             f'"shared_divergence":{_quote(o.shared_divergence) if o.shared_divergence else "null"},'
-            f'"shared_detail":{_quote(o.shared_detail)},'
+            f'"shared_detail":{_quote(o.shared_detail)},"aa":{"true" if o.aa else "false"},'
+            f'"aa_abs_error":{_number(o.aa_abs_error)},"aa_rel_error":{_number(o.aa_rel_error)},'
             f'"capture":{"null" if capture_path is None else _quote(capture_path)},'
             f'"drill":{"true" if o.drill else "false"},"legacy":{_quote(o.legacy)},'
             f"{self._annotations()}{self._process_fields or self._process()}\n"

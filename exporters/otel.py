@@ -39,6 +39,7 @@ _SUMS = (
     contract.SHARED_DIVERGENCES,
     contract.LEGACY,
     contract.SHADOW,
+    contract.AA_RUNS,
 )
 _HISTOGRAMS = (contract.ABS_ERROR, contract.REL_ERROR, contract.SHADOW_DURATION)
 
@@ -84,6 +85,13 @@ class OTelExporter:
             unit=contract.SAMPLE_RATE.unit,
             description=contract.SAMPLE_RATE.description,
         )
+        self._floors: dict[tuple[str, str, str], float] = {}  # (target, signature, measure) -> the greatest
+        self.meter.create_observable_gauge(
+            contract.NOISE_FLOOR.otel_name,
+            [self._observe_floors],
+            unit=contract.NOISE_FLOOR.unit,
+            description=contract.NOISE_FLOOR.description,
+        )
         self._drill = 0
         self.meter.create_observable_gauge(
             contract.DRILL_ACTIVE.otel_name,
@@ -105,6 +113,12 @@ class OTelExporter:
         with self._lock:
             rates = list(self._rates.items())
         return [metrics.Observation(rate, {"target": target}) for target, rate in rates]
+
+    def _observe_floors(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        with self._lock:
+            floors = list(self._floors.items())
+        labels = contract.NOISE_FLOOR.labels
+        return [metrics.Observation(value, dict(zip(labels, key))) for key, value in floors]
 
     def _record_pending(self) -> None:
         while True:
@@ -136,9 +150,9 @@ class OTelExporter:
         """Show whether a fire drill is injecting synthetic divergence."""
         self._drill = 1 if active else 0
 
-    def record_calls(self, target: str, calls: int) -> None:
+    def record_calls(self, target: str, calls: int, signature: str = "") -> None:
         with self._lock:
-            self._add(contract.CALLS, calls, target)
+            self._add(contract.CALLS, calls, target, signature)
 
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
@@ -161,6 +175,13 @@ class OTelExporter:
                 add(contract.MISMATCHES, 1, target, reason)
             if observation.shared_divergence:
                 add(contract.SHARED_DIVERGENCES, 1, target, observation.shared_divergence)
+            if observation.aa:
+                signature = observation.signature
+                differs = observation.aa_abs_error > 0 or observation.aa_rel_error > 0
+                add(contract.AA_RUNS, 1, target, signature, "differs" if differs else "same")
+                for measure, value in (("abs", observation.aa_abs_error), ("rel", observation.aa_rel_error)):
+                    key = (target, signature, measure)
+                    self._floors[key] = max(self._floors.get(key, 0.0), min(value, contract.ERROR_CAP))
             add(contract.LEGACY, observation.legacy_seconds, target)
             add(contract.SHADOW, observation.overhead_seconds, target)
         values = [(contract.SHADOW_DURATION, observation.overhead_seconds, target)]

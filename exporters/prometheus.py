@@ -90,6 +90,7 @@ class PrometheusExporter:
         forks.register(self)
         self._metrics = self._create(metric_registry)
         self._children: dict[tuple, Any] = {}
+        self._floors: dict[tuple[str, str, str], float] = {}  # (target, signature, measure) -> the greatest
         self._metrics[contract.BUILD_INFO].labels(**contract.versions()).set(1)
         self._metrics[contract.DRILL_ACTIVE].set(0)
         self.server: Any = None
@@ -140,8 +141,8 @@ class PrometheusExporter:
         """Show whether a fire drill is injecting synthetic divergence."""
         self._metrics[contract.DRILL_ACTIVE].set(1 if active else 0)
 
-    def record_calls(self, target: str, calls: int) -> None:
-        self._child(contract.CALLS, target).inc(calls)
+    def record_calls(self, target: str, calls: int, signature: str = "") -> None:
+        self._child(contract.CALLS, target, signature).inc(calls)
 
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
@@ -166,9 +167,22 @@ class PrometheusExporter:
         if observation.outcome != Outcome.ERROR and observation.numel:
             child(contract.ABS_ERROR, target).observe(min(observation.max_abs_error, contract.ERROR_CAP))
             child(contract.REL_ERROR, target).observe(min(observation.max_rel_error, contract.ERROR_CAP))
+        if observation.aa:
+            self._aa(observation)
         child(contract.LEGACY, target).inc(observation.legacy_seconds)
         child(contract.SHADOW, target).inc(observation.overhead_seconds)
         child(contract.SHADOW_DURATION, target).observe(observation.overhead_seconds)
+
+    def _aa(self, observation: Observation) -> None:
+        target, signature = observation.target, observation.signature
+        differs = observation.aa_abs_error > 0 or observation.aa_rel_error > 0
+        self._child(contract.AA_RUNS, target, signature, "differs" if differs else "same").inc()
+        for measure, value in (("abs", observation.aa_abs_error), ("rel", observation.aa_rel_error)):
+            key = (target, signature, measure)
+            value = min(value, contract.ERROR_CAP)
+            if value >= self._floors.get(key, -1.0):
+                self._floors[key] = value
+                self._child(contract.NOISE_FLOOR, *key).set(value)
 
     # ------------------------------------------------------------------ getting metrics out
 

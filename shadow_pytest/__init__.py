@@ -40,6 +40,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the suite's module hooks have no side effects: compare calls that run them (default: skip, reason hooks)",
     )
     group.addoption(
+        "--npu-shadow-world",
+        choices=("legacy", "upstream"),
+        default="legacy",
+        help="legacy: the patches installed and every call shadowed (default); upstream: the patches removed, "
+        "nothing shadowed (the second run of `npu-shadow ab`, a suite A/B)",
+    )
+    group.addoption(
+        "--npu-shadow-outcomes",
+        metavar="PATH",
+        help="write each test's outcome (and failure text) to this JSON file (what `npu-shadow ab` compares)",
+    )
+    group.addoption(
         "--npu-shadow-journal",
         default="npu-shadow-tests.jsonl",
         metavar="PATH",
@@ -51,9 +63,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if not config.getoption("npu_shadow"):
         return
-    from shadow_pytest.session import ShadowSession
+    from shadow_pytest.session import ShadowSession, UpstreamWorld
 
-    config.pluginmanager.register(ShadowSession(config), "npu-shadow-session")
+    world = UpstreamWorld if config.getoption("npu_shadow_world") == "upstream" else ShadowSession
+    config.pluginmanager.register(world(config), "npu-shadow-session")
+    if config.getoption("npu_shadow_outcomes"):
+        from shadow_pytest.session import OutcomeRecorder
+
+        config.pluginmanager.register(OutcomeRecorder(config.getoption("npu_shadow_outcomes")), "npu-shadow-outcomes")
 
 
 def pytest_report_header(config: pytest.Config) -> Any:

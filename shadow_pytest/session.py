@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import importlib.metadata
 import importlib.util
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,9 @@ from shadow.core.observation import DIVERGENT_OUTCOMES, Observation, bounded
 from shadow.npu import reference, torch_npu_source
 
 DIVERGENT = DIVERGENT_OUTCOMES
+
+#: The counts the summary shows, per target (an xdist worker sends them to the controller).
+_COUNTS = ("calls", "compared", "match", "close", "mismatch", "noise", "error", "skipped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,7 @@ class ShadowSession:
         self.where: tuple[str, str] = ("", "collection")
         self.divergences: dict[tuple[str, str], list[Divergence]] = collections.defaultdict(list)
         self.diverged_tests: dict[str, list[Divergence]] = {}
+        self.workers: list[dict[str, Any]] = []  # under pytest-xdist: each worker's evidence (the controller)
         if option("npu_shadow_emulate_npu"):
             from shadow.npu import emulated
 
@@ -145,31 +150,131 @@ class ShadowSession:
         else:  # the test failed on its own: its failure stays, the divergence is added
             report.sections.append(("npu-shadow", text))
 
+    # ------------------------------------------------------------------ pytest-xdist: workers report here
+
+    def _evidence(self) -> dict[str, Any]:
+        """This process's counts and divergences, as plain data (what an xdist worker sends the controller)."""
+        return {
+            "stats": {name: {k: getattr(s, k) for k in _COUNTS} for name, s in self.monitor.stats().items()},
+            "divergences": [(d.test, d.phase, d.describe()) for found in self.divergences.values() for d in found],
+        }
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        workeroutput = getattr(session.config, "workeroutput", None)
+        if workeroutput is not None:  # an xdist worker: its evidence goes to the controller's summary
+            workeroutput["npu_shadow"] = self._evidence()
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        """An xdist worker finished: its counts and divergences join this (the controller's) summary."""
+        evidence = getattr(node, "workeroutput", {}).get("npu_shadow")
+        if evidence is not None:
+            self.workers.append(evidence)
+
     # ------------------------------------------------------------------ the end
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         write = terminalreporter.write_line
         terminalreporter.section("npu-shadow")
-        write(f"legacy: {self.legacy}; journal: {self.journal_path}")
+        workers = f" (merged from {len(self.workers)} xdist workers)" if self.workers else ""
+        write(f"legacy: {self.legacy}; journal: {self.journal_path}{workers}")
         write(
             f"{'target':<16}{'calls':>8}{'compared':>10}{'match':>8}{'close':>7}{'mismatch':>10}{'error':>7}{'skipped':>9}"
         )
-        for name, s in self.monitor.stats().items():
+        evidence = [self._evidence(), *self.workers]
+        totals: dict[str, collections.Counter[str]] = {}
+        for part in evidence:
+            for name, counts in part["stats"].items():
+                totals.setdefault(name, collections.Counter()).update(counts)
+        for name, s in totals.items():
             write(
-                f"{name:<16}{s.calls:>8}{s.compared:>10}{s.match:>8}{s.close:>7}{s.mismatch:>10}{s.error:>7}"
-                f"{s.skipped:>9}"
+                f"{name:<16}{s['calls']:>8}{s['compared']:>10}{s['match']:>8}{s['close']:>7}{s['mismatch']:>10}"
+                f"{s['error']:>7}{s['skipped']:>9}"
             )
-        if not self.diverged_tests and not any(not test for test, _ in self.divergences):
+        divergences = [d for part in evidence for d in part["divergences"]]
+        if not divergences:
             write("no divergence")
-        for test, found in self.diverged_tests.items():
-            for divergence in found:
-                write(f"diverged: {test} ({divergence.phase}): {divergence.describe()}")
-        for (test, phase), found in self.divergences.items():
-            if not test:
-                for divergence in found:
-                    write(f"diverged outside a test ({phase}): {divergence.describe()}")
+        for test, phase, text in sorted(divergences, key=lambda d: not d[0]):  # (those of a test first)
+            if test:
+                write(f"diverged: {test} ({phase}): {text}")
+            else:
+                write(f"diverged outside a test ({phase}): {text}")
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.monitor.uninstall()
         self.journal.close()
         self._undo_legacy()
+
+
+class OutcomeRecorder:
+    """Each test's outcome by node id (``failed`` in its call, ``error`` in setup or teardown, ``skipped``,
+    ``passed``) with the first lines of its failure, written as JSON at the end of the session (by the controller
+    under pytest-xdist, which receives every worker's reports)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.outcomes: dict[str, dict[str, str]] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        found = self.outcomes.setdefault(report.nodeid, {"outcome": "passed", "text": ""})
+        if report.failed:
+            outcome = "failed" if report.when == "call" else "error"
+        elif report.skipped and found["outcome"] == "passed":
+            outcome = "skipped"
+        else:
+            return
+        if found["outcome"] in ("passed", "skipped"):
+            found["outcome"] = outcome
+            crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
+            lines = report.longreprtext.strip().splitlines() if report.longreprtext else [""]
+            found["text"] = bounded(crash or lines[-1], 300)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if getattr(session.config, "workeroutput", None) is None:  # (an xdist worker's reports reach the controller)
+            with open(self.path, "w") as handle:
+                json.dump(self.outcomes, handle)
+
+
+def _emulate_npu(config: pytest.Config) -> None:
+    devices = config.getoption("npu_shadow_emulate_npu")
+    if devices:
+        from shadow.npu import emulated
+
+        try:
+            emulated.install(devices)
+        except (emulated.EmulatorUnavailable, ValueError) as exc:
+            raise pytest.UsageError(f"--npu-shadow-emulate-npu: {exc}") from None
+
+
+class UpstreamWorld:
+    """``--npu-shadow-world upstream``: the suite runs with torch_npu's patches removed (upstream's functions where
+    the patches were) and nothing shadowed: the second run of a suite A/B (``npu-shadow ab``)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        from shadow.core.targets import BUILTINS, patch_origin
+
+        _emulate_npu(config)
+        if config.getoption("npu_shadow_legacy") != "reference" and importlib.util.find_spec("torch_npu") is not None:
+            try:
+                import torch_npu  # noqa: F401  (it patches torch; the patches are removed below)
+            except Exception as exc:
+                raise pytest.UsageError(f"--npu-shadow-world upstream: cannot import torch_npu: {exc}") from None
+        self._removed: list[tuple[Any, str, Any]] = []
+        for factory in BUILTINS.values():
+            target = factory()
+            current = getattr(target.owner, target.attribute)
+            if patch_origin(current) is not None:
+                self._removed.append((target.owner, target.attribute, current))
+                setattr(target.owner, target.attribute, target.upstream)
+
+    def header(self) -> str:
+        removed = ", ".join(f"{getattr(o, '__name__', o)}.{a}" for o, a, _ in self._removed) or "none were installed"
+        return f"npu-shadow: upstream world, torch_npu's patches removed ({removed})"
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        terminalreporter.section("npu-shadow")
+        terminalreporter.write_line(self.header())
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        for owner, attribute, patch in reversed(self._removed):
+            setattr(owner, attribute, patch)

@@ -20,7 +20,7 @@ def run_quick(script):
 
 def test_core_benchmark_runs_and_reports_both_ratios():
     out = run_quick("bench_core.py")
-    assert "shadow wrapper / bare wrapper = " in out
+    assert "shadow wrapper / bare wrapper = " in out and "coverage-guided wrapper / bare wrapper = " in out
     assert "idle: compare_seconds / assert_close = " in out and "cores busy: compare_seconds" in out
     assert "outcome close" in out  # the pair is within tolerance but not bitwise equal
     assert "comparator goals: idle" in out

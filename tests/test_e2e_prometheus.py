@@ -17,8 +17,6 @@ from exporters import PrometheusExporter
 from shadow.analysis import verdict
 from shadow.core import targets as builtin
 
-NPU_CLASS = type("FloatTensor", (), {"__module__": "torch.npu"})  # an NPU tensor class, by its import path
-
 
 def run_workload(server, job, target, calls):
     """Install at zero, let Prometheus see the zeros, then make the calls; return the monitor's stats."""
@@ -47,10 +45,11 @@ def clean_calls():
     x = torch.arange(6.0)
     for _ in range(verdict.comparisons_needed(rules.PARAMS["max_divergence"])):
         x.type(torch.float64)
-    for _ in range(40):  # the risky signatures: NPU type names and classes (both sides refuse them here)
-        for argument in ("torch.npu.FloatTensor", NPU_CLASS):
+    elsewhere = torch.arange(6.0, device="npu:1")  # the risky signatures: npu names and classes on a non-current
+    for _ in range(40):  # npu, torch_npu's own spelling (upstream against itself: they agree, refusals included)
+        for argument in ("torch.npu.FloatTensor", torch.npu.FloatTensor, "torch_npu.npu.FloatTensor"):
             with contextlib.suppress(RuntimeError, TypeError, ValueError):
-                x.type(argument)
+                elsewhere.type(argument)
 
 
 def run_verdict(server, job):

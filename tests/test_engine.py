@@ -265,7 +265,7 @@ class HookedExporter(RecordingExporter):
     def register(self, target, sample_rate):
         self.registered[target] = sample_rate
 
-    def record_calls(self, target, calls):
+    def record_calls(self, target, calls, signature=""):
         self.calls += calls
 
     def record_export_error(self, target):

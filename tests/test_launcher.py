@@ -95,6 +95,8 @@ INVALID = {
     "oracle": "sometimes",
     "budget": "0",
     "pure_hooks": "sometimes",
+    "first_per_signature": "-1",
+    "aa_rate": "1.5",
 }
 MORE_INVALID = [
     ("sample_rate", "tensor_type=x"),
@@ -303,8 +305,11 @@ def test_example_job_on_two_emulated_npus_shadows_all_three_targets_and_is_uncha
     assert total(parsed, "npu_shadow_comparisons_total", target="tensor_type", outcome="mismatch") == 0
     verdict = npu_shadow("verdict", "--metrics-file", str(textfile))
     assert verdict.returncode == 3  # honest: far too few comparisons to promote
-    assert "risky signatures compared: */autocast=on 2" in verdict.stdout
-    assert "risky signatures compared: npu_name/* 8, npu_class/* 8" in verdict.stdout
+    # every risky signature is named with its coverage: the job casts on the current npu only, one replica never
+    assert "risky signatures compared: replicas=1/* 0, */autocast=on 2" in verdict.stdout
+    assert "risky signatures compared: npu_name/noncurrent/* 0, npu_class/noncurrent/* 0, torch_npu_name/* 0" in (
+        verdict.stdout
+    )
     # legacy and upstream agree under autocast; the single-device oracle sees what both do
     for target in expected_calls:
         assert total(parsed, "npu_shadow_shared_divergences_total", target=target, reason="dtype") == 2
@@ -335,7 +340,7 @@ def test_torchrun_two_ranks_both_shadowed_and_scraped(tmp_path):
                 job.kill()
         assert job.returncode == 0, err[-3000:]
         # the ranks have exited: their series are stale now, so read the last value each scrape saw
-        query = 'max_over_time(npu_shadow_calls_total{target="tensor_type"}[5m])'
+        query = 'sum by (job) (max_over_time(npu_shadow_calls_total{target="tensor_type"}[5m]))'
         scraped = server.wait_for(lambda: len(server.query(query)) == 2 and server.query(query), "both ranks")
     by_job = {dict(labels)["job"]: value for labels, value in scraped.items()}
     for rank in (0, 1):
@@ -357,7 +362,9 @@ def test_library_form_reads_the_same_variables(monkeypatch):
         torch.ones(2).type(torch.float64)
         assert monitor.targets == ("tensor_type",) and monitor.stats()["tensor_type"].match == 1
         # a second call with other variables takes them (it used to keep the first call's settings)
-        monitor = shadow.install_from_env({"NPU_SHADOW_TARGETS": "tensor_type", "NPU_SHADOW_SAMPLE_RATE": "0"})
+        monitor = shadow.install_from_env(
+            {"NPU_SHADOW_TARGETS": "tensor_type", "NPU_SHADOW_SAMPLE_RATE": "0", "NPU_SHADOW_FIRST_PER_SIGNATURE": "0"}
+        )
         torch.ones(2).type(torch.float64)
         assert monitor.stats()["tensor_type"].calls == 1 and monitor.stats()["tensor_type"].sampled == 0
     finally:

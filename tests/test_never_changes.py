@@ -53,9 +53,12 @@ def test_an_exporter_or_a_signature_raising_anything_is_counted_and_swallowed(er
         ops.op(torch.ones(2))
     assert monitor.stats()["op"].by_reason == {} and monitor.stats()["op"].export_errors == 1
     ops, target = op_with(twice, signature=signature)
-    with shadow.install([target], sample_rate=1.0) as monitor:
+    with shadow.install([target], sample_rate=1.0, first_per_signature=0) as monitor:
         ops.op(torch.ones(2))
     assert monitor.stats()["op"].by_reason == {"comparator": 1}
+    with shadow.install([target], sample_rate=1.0) as monitor:  # coverage-guided: classified "unclassified"
+        ops.op(torch.ones(2))
+    assert monitor.stats()["op"].signature_calls == {"unclassified": 1} and monitor.stats()["op"].match == 1
 
 
 def test_keyboard_interrupt_still_stops_the_job():

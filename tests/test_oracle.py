@@ -54,7 +54,7 @@ def test_under_autocast_legacy_and_upstream_match_and_the_oracle_finds_the_share
     assert dp_out.dtype == data_parallel_out.dtype == torch.float32  # the shared defect
     for target in ("parallel_apply", "data_parallel"):
         observation = observations[target]
-        assert observation.signature == "replicas=2/grad=on/autocast=on"
+        assert observation.signature == "replicas=2+/grad=on/autocast=on"
         assert observation.outcome == "match"
         assert observation.shared_divergence == "dtype", observation
         assert "dtype torch.float32 vs torch.float16" in observation.shared_detail

@@ -19,7 +19,7 @@ from exporters import OTelExporter, PrometheusExporter, contract
 def run_workload(exporters):
     ops = types.SimpleNamespace(op=faults.scale)
     with shadow.install(
-        [shadow.Target("op", ops, "op", faults.scale_wrong)], sample_rate=1.0, exporters=exporters
+        [shadow.Target("op", ops, "op", faults.scale_wrong)], sample_rate=1.0, exporters=exporters, aa_rate=0.5, seed=1
     ) as m:
         for i in range(12):
             ops.op(torch.tensor([float(i % 4)]))

@@ -31,7 +31,7 @@ def test_all_series_exist_at_zero_right_after_install(exporter):
     ops = types.SimpleNamespace(op=faults.scale)
     with shadow.install([Target("op", ops, "op", faults.scale)], exporters=[exporter]):
         parsed = samples(scrape(exporter.port))
-    assert parsed[("npu_shadow_calls_total", (("target", "op"),))] == 0
+    assert parsed[("npu_shadow_calls_total", (("signature", ""), ("target", "op")))] == 0
     for outcome in COMPARED_OUTCOMES:
         key = ("npu_shadow_comparisons_total", (("outcome", outcome), ("signature", ""), ("target", "op")))
         assert parsed[key] == 0

@@ -110,6 +110,22 @@ def test_strict_mode_fails_exactly_the_tests_that_diverged(suite):
     assert code == 1
 
 
+def test_under_xdist_the_workers_evidence_is_merged_and_agrees_with_the_journal(suite):
+    """With ``-n 2`` the controller runs no test: its summary is the workers' counts and divergences merged, and
+    the same as the journal they all wrote."""
+    code, output, outcomes = run_pytest(suite, *SHADOWED, "--npu-shadow-strict", "-n", "2")
+    assert outcomes["test_suite::test_diverges"] == "failed" and code == 1, output
+    summary = output.split("= npu-shadow =")[1]
+    assert "(merged from 2 xdist workers)" in summary and "no divergence" not in summary
+    assert "diverged: test_suite.py::test_diverges (call): tensor_type mismatch (device)" in summary
+    assert "diverged: test_suite.py::test_diverges_in_setup (setup): tensor_type mismatch (device)" in summary
+    records = [json.loads(line) for line in (suite / "journal.jsonl").read_text().splitlines()]
+    row = next(line.split() for line in summary.splitlines() if line.startswith("tensor_type"))
+    calls, compared, match, _close, mismatch = map(int, row[1:6])
+    assert compared == len(records) == 4 and calls >= compared
+    assert (match, mismatch) == (sum(r["outcome"] == "match" for r in records), 2)
+
+
 def test_without_the_option_the_plugin_does_nothing(suite):
     _, output, outcomes = run_pytest(suite)
     assert "npu-shadow" not in output and not (suite / "npu-shadow-tests.jsonl").exists()

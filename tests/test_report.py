@@ -28,15 +28,15 @@ def record(target, outcome, signature, reasons=(), detail="", test=None, shared=
 
 
 def known_journal(path):
-    lines = [record("tensor_type", "match", "npu_name/npu/blocking", test="t.py::test_ok")] * 40
+    lines = [record("tensor_type", "match", "npu_name/noncurrent/blocking", test="t.py::test_ok")] * 40
     lines += [record("tensor_type", "match", "dtype/cpu/blocking", test="t.py::test_ok")] * 3000
     lines += [
-        record("tensor_type", "mismatch", "npu_name/npu/blocking", ["device"], f"device npu:0 vs npu:1 #{i}",
+        record("tensor_type", "mismatch", "npu_name/noncurrent/blocking", ["device"], f"device npu:0 vs npu:1 #{i}",
                test="t.py::test_cross_device")
         for i in range(7)
     ]  # fmt: skip
-    lines += [record("parallel_apply", "match", "replicas=2/grad=on/autocast=on", shared="dtype")] * 35
-    lines += [record("parallel_apply", "error", "replicas=2/grad=on/autocast=off", ["exception"], "legacy raised")]
+    lines += [record("parallel_apply", "match", "replicas=2+/grad=on/autocast=on", shared="dtype")] * 35
+    lines += [record("parallel_apply", "error", "replicas=2+/grad=on/autocast=off", ["exception"], "legacy raised")]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -66,14 +66,17 @@ Overall: **rollback** (max divergence rate 0.001; one-sided 95% Clopper-Pearson 
 |---|---|---|---|---|---|
 | parallel_apply | rollback | 36 | 1 | [0.00142, 0.125] | hard mismatches: 1 exception |
 | tensor_type | rollback | 3,047 | 7 | [0.00108, 0.00431] | hard mismatches: 7 device |
+| data_parallel | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never called) |
 
 ## Risky signatures
 
 | target | signature | compared |
 |---|---|---|
+| parallel_apply | replicas=1/* | 0 |
 | parallel_apply | */autocast=on | 35 |
-| tensor_type | npu_name/* | 47 |
-| tensor_type | npu_class/* | 0 |
+| tensor_type | npu_name/noncurrent/* | 47 |
+| tensor_type | npu_class/noncurrent/* | 0 |
+| tensor_type | torch_npu_name/* | 0 |
 
 ## Shared divergences
 
@@ -90,9 +93,9 @@ Grouped by target, signature, outcome and reasons, with the first details of eac
 
 | target | signature | outcome | reasons | count | first details |
 |---|---|---|---|---|---|
-| tensor_type | npu_name/npu/blocking | mismatch | device | 7 | t.py::test_cross_device (call): device npu:0 vs \
-npu:1 #0 / t.py::test_cross_device (call): device npu:0 vs npu:1 #1 |
-| parallel_apply | replicas=2/grad=on/autocast=off | error | exception | 1 | legacy raised |
+| tensor_type | npu_name/noncurrent/blocking | mismatch | device | 7 | t.py::test_cross_device (call): device npu:0 vs \
+npu:1 #0 (+56 characters more in the HTML report) |
+| parallel_apply | replicas=2+/grad=on/autocast=off | error | exception | 1 | legacy raised |
 
 ## Tests that diverged
 
@@ -151,9 +154,48 @@ def test_bad_sources_and_no_source_exit_2(tmp_path, capsys):
     assert "give --journal" in capsys.readouterr().err
 
 
+def charted_journal(path):
+    """The known journal, plus an hour of timestamped comparisons with errors and A/A runs: every chart has data."""
+    known_journal(path)
+    lines = []
+    for minute in range(60):
+        for i in range(20):
+            line = json.loads(
+                record(
+                    "tensor_type",
+                    "mismatch" if (minute % 7 == 0 and i == 0) else "match",
+                    "dtype/current/blocking",
+                    ["value"] if (minute % 7 == 0 and i == 0) else [],
+                )
+            )
+            line.update(timestamp=1_700_000_000 + 60 * minute + i, numel=4, max_abs_error=10.0 ** -(i % 9),
+                        aa=i == 5, aa_abs_error=1e-6 if i == 5 else 0.0)  # fmt: skip
+            lines.append(json.dumps(line))
+    with open(path, "a") as handle:
+        handle.write("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_html_holds_the_charts_as_inline_svg(tmp_path):
+    journal = charted_journal(tmp_path / "j.jsonl")
+    page = tmp_path / "report.html"
+    assert (
+        cli.main(["report", "--journal", str(journal), "--markdown", str(tmp_path / "r.md"), "--html", str(page)]) == 0
+    )
+    text = page.read_text()
+    charts = text.split('<h2 id="charts">')[1].split("<h2")[0]
+    assert charts.count("<svg") == 4
+    for title in ("Divergence rate over time", "Risky signatures", "Greatest absolute error", "Noise floor"):
+        assert title in charts
+    assert "fast burn 0.0144" in charts and "slow burn 0.006" in charts and "max rate 0.001" in charts
+    assert "## Charts" not in (tmp_path / "r.md").read_text()  # (Markdown: no room for pictures)
+
+
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (the test command installs it)")
 def test_the_html_renders_in_chromium_with_the_verdict_table(tmp_path):
-    journal = known_journal(tmp_path / "j.jsonl")
+    from shadow.analysis import charts
+
+    journal = charted_journal(tmp_path / "j.jsonl")
     page, shot = tmp_path / "report.html", tmp_path / "shot.png"
     assert (
         cli.main(["report", "--journal", str(journal), "--markdown", str(tmp_path / "r.md"), "--html", str(page)]) == 0
@@ -161,7 +203,7 @@ def test_the_html_renders_in_chromium_with_the_verdict_table(tmp_path):
     assert "<script" not in page.read_text() and "http" not in page.read_text()  # self-contained
     done = subprocess.run(
         ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--screenshot={shot}",
-         "--window-size=1000,900", page.as_uri()],
+         "--window-size=1000,2000", page.as_uri()],
         capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path)},
     )  # fmt: skip
     assert shot.exists(), done.stderr[-2000:]
@@ -170,6 +212,14 @@ def test_the_html_renders_in_chromium_with_the_verdict_table(tmp_path):
     header_cells = (np.abs(image - [241, 243, 245]).sum(-1) < 4).sum()
     assert rollback_cells > 2 * 500, rollback_cells  # two targets, each a cell of some 80 x 25 pixels
     assert header_cells > 1000
+
+    def painted(colour: str) -> int:
+        rgb = [int(colour[i : i + 2], 16) for i in (1, 3, 5)]
+        return int((np.abs(image - rgb).sum(-1) < 6).sum())
+
+    # every chart drew something: rate bars, coverage bars, error histogram, noise floor bars
+    drawn = {c: painted(c) for c in (charts.RATE, charts.COVERED, charts.ERRORS, charts.NOISE)}
+    assert all(count > 300 for count in drawn.values()), drawn
 
 
 def test_the_command_runs_as_a_process(tmp_path):

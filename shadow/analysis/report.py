@@ -12,17 +12,20 @@ import collections
 import dataclasses
 import datetime
 import html
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from shadow.analysis import verdict
+from shadow.analysis import charts, verdict
 from shadow.analysis.sources import add_record, journal_records
 from shadow.analysis.verdict import Decision, TargetCounts
-from shadow.core.observation import DIVERGENT_OUTCOMES
+from shadow.core.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES
 
 DIVERGENT = DIVERGENT_OUTCOMES
 #: Journal fields that describe the run rather than one call: collected as the report's environment.
 ENVIRONMENT_FIELDS = ("torch", "torch_npu", "device", "legacy", "host")
 MAX_TESTS = 200
+#: A known target with nothing in the sources: shown, not decided (it changes no overall decision).
+NOT_EXERCISED = "not exercised"
 
 
 @dataclasses.dataclass
@@ -44,6 +47,11 @@ class Evidence:
     tests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     test_run: bool = False
     lines: int = 0
+    #: For the charts (bounded: a key per minute, per decade, per signature): minute -> [compared, divergent];
+    #: error decade -> comparisons; (target, signature) -> [A/A runs, greatest A/A difference].
+    minutes: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    noise: dict[tuple[str, str], list[float]] = dataclasses.field(default_factory=dict)
 
 
 def collect(
@@ -59,6 +67,7 @@ def collect(
             value = record.get(field)
             if isinstance(value, str) and value:
                 evidence.environment.setdefault(field, collections.Counter())[value] += 1
+        _chart_data(evidence, record)
         test = record.get("test")
         if isinstance(test, str):
             evidence.test_run = True
@@ -80,7 +89,48 @@ def collect(
     return evidence
 
 
+def _chart_data(evidence: Evidence, record: dict) -> None:
+    outcome = record["outcome"]
+    if outcome not in COMPARED_OUTCOMES:
+        return
+    timestamp = record.get("timestamp")
+    if isinstance(timestamp, (int, float)) and math.isfinite(timestamp):
+        minute = evidence.minutes.setdefault(int(timestamp // 60), [0, 0])
+        minute[0] += 1
+        minute[1] += outcome in DIVERGENT
+    error = record.get("max_abs_error")
+    if outcome != "error" and isinstance(error, (int, float)) and record.get("numel"):
+        evidence.errors[charts.decade(float(error))] += 1
+    if record.get("aa") is True:
+        floor = evidence.noise.setdefault((record["target"], str(record.get("signature", ""))), [0, 0.0])
+        floor[0] += 1
+        aa = record.get("aa_abs_error")
+        if isinstance(aa, (int, float)) and math.isfinite(aa):
+            floor[1] = max(floor[1], float(aa))
+
+
 # --------------------------------------------------------------------------- the document
+
+
+@dataclasses.dataclass(frozen=True)
+class Fold:
+    """A long cell: its first line shown, the rest folded away (``<details>`` in HTML; Markdown shows the first
+    line and says how much more there is)."""
+
+    first: str
+    rest: str = ""
+
+    def __str__(self) -> str:
+        return self.first + (f" (+{len(self.rest):,} characters more in the HTML report)" if self.rest else "")
+
+
+def fold(texts: Sequence[str], first_limit: int = 200) -> Fold:
+    """The first line of the first text (cut to ``first_limit``), everything else folded."""
+    whole = "\n".join(texts)
+    first, _, rest = whole.partition("\n")
+    if len(first) > first_limit:
+        first, rest = first[: first_limit - 3] + "...", whole
+    return Fold(first, rest)
 
 
 @dataclasses.dataclass
@@ -90,6 +140,8 @@ class Section:
     header: Sequence[str] = ()
     rows: list[Sequence[str]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    figures: list[str] = dataclasses.field(default_factory=list)  # inline SVG
+    html_only: bool = False  # (the charts: a pull request's Markdown has no room for them)
 
 
 def build(
@@ -102,7 +154,9 @@ def build(
     """(overall decision, sections) for the evidence."""
     decisions = verdict.decide_all(evidence.counts, max_rate, risky or {}, min_per_signature)
     overall = verdict.overall(decisions)
-    sections = [_environment(evidence, sources), _verdict(decisions, overall, max_rate)]
+    absent = sorted(set(risky or {}) - set(evidence.counts))  # known targets the sources never saw
+    sections = [_environment(evidence, sources), _verdict(decisions, overall, max_rate, absent)]
+    sections.append(_charts(evidence, decisions, max_rate, min_per_signature))
     sections += [_coverage(decisions), _shared(decisions), _divergences(evidence)]
     if evidence.test_run:
         sections.append(_tests(evidence))
@@ -126,18 +180,61 @@ def _environment(evidence: Evidence, sources: Sequence[str]) -> Section:
     return Section("Environment", [f"Written {stamp}."], ["item", "value"], rows)
 
 
-def _verdict(decisions: list[Decision], overall: str, max_rate: float) -> Section:
+def _verdict(decisions: list[Decision], overall: str, max_rate: float, absent: Sequence[str] = ()) -> Section:
     rows = [
         [d.target, d.decision, f"{d.compared:,}", f"{d.divergent:,}", f"[{d.lower:.3g}, {d.upper:.3g}]", d.why]
         for d in decisions
     ]
+    rows += [
+        [
+            target,
+            NOT_EXERCISED,
+            "0",
+            "0",
+            "-",
+            "no call of this target is in the sources (not installed or never called)",
+        ]
+        for target in absent
+    ]
+    drill = verdict.drill_note(decisions)
     return Section(
         "Verdict",
-        [f"Overall: **{overall}** (max divergence rate {max_rate:g}; one-sided 95% Clopper-Pearson bounds)."],
+        [f"Overall: **{overall}** (max divergence rate {max_rate:g}; one-sided 95% Clopper-Pearson bounds)."]
+        + ([f"**{drill}**."] if drill else []),
         ["target", "decision", "compared", "divergent", "95% bounds", "why / evidence still missing"],
         rows,
         [] if decisions else ["No npu_shadow comparisons in these sources."],
     )
+
+
+def _charts(evidence: Evidence, decisions: list[Decision], max_rate: float, min_per_signature: int) -> Section:
+    """Where people would rather look than read (in the HTML report)."""
+    figures = []
+    if evidence.minutes:
+        first, last = min(evidence.minutes), max(evidence.minutes)
+        width = max(1, math.ceil((last - first + 1) / 48))  # at most 48 windows
+        windows: dict[int, list[int]] = {}
+        for minute, (compared, divergent) in evidence.minutes.items():
+            window = windows.setdefault((minute - first) // width, [0, 0])
+            window[0] += compared
+            window[1] += divergent
+        points = [(float((first + i * width) * 60), d / c if c else 0.0, c) for i, (c, d) in sorted(windows.items())]
+        thresholds = {"max rate": max_rate} | {n: f * max_rate for n, f in verdict.BURN_RATE_FACTORS.items()}
+        figures.append(charts.rate_over_time(points, thresholds, f"Divergence rate over time ({width}-minute windows)"))
+    coverage = [(f"{d.target} {pattern}", float(seen)) for d in decisions for pattern, seen in d.risky.items()]
+    figures.append(
+        charts.horizontal_bars(
+            coverage, "Risky signatures: comparisons made against those needed", charts.COVERED, min_per_signature
+        )
+    )
+    figures.append(
+        charts.histogram(dict(evidence.errors), "Greatest absolute error per comparison (by decade)", charts.ERRORS)
+    )
+    floors = [(f"{t} {s} ({int(runs)} A/A runs)", value) for (t, s), (runs, value) in sorted(evidence.noise.items())]
+    figures.append(charts.horizontal_bars(floors, "Noise floor: greatest A/A difference by signature", charts.NOISE))
+    figures = [f for f in figures if f]
+    notes = [] if figures else ["Nothing to draw: the charts need journals (--journal) or risky signatures."]
+    return Section("Charts", [], notes=notes, figures=figures, html_only=True)
 
 
 def _coverage(decisions: list[Decision]) -> Section:
@@ -157,8 +254,7 @@ def _shared(decisions: list[Decision]) -> Section:
 def _divergences(evidence: Evidence) -> Section:
     rows = []
     for (target, signature, outcome, reasons), group in sorted(evidence.groups.items(), key=lambda kv: -kv[1].count):
-        details = " / ".join(group.details)
-        rows.append([target, signature, outcome, ", ".join(reasons) or "-", f"{group.count:,}", details])
+        rows.append([target, signature, outcome, ", ".join(reasons) or "-", f"{group.count:,}", fold(group.details)])
     notes = [] if rows else ["None in the journals." if evidence.lines else "Details need journals (--journal)."]
     return Section(
         "Divergences",
@@ -197,6 +293,8 @@ def to_markdown(overall: str, sections: list[Section]) -> str:
     """The report as Markdown, for a pull request."""
     lines = [f"# {TITLE}", "", f"**Overall: {overall}**", ""]
     for section in sections:
+        if section.html_only:
+            continue
         lines += [f"## {section.title}", ""]
         lines += [*section.text, ""] if section.text else []
         if section.rows:
@@ -214,6 +312,7 @@ table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
 th, td { border: 1px solid #c9d1d9; padding: 4px 8px; text-align: left; vertical-align: top; }
 th { background: #f1f3f5; }
 td.promote { background: #c8f7c5; } td.rollback { background: #ffc9c9; } td.inconclusive { background: #ffec99; }
+td.not-exercised { background: #e9ecef; } details summary { cursor: pointer; } details pre { white-space: pre-wrap; }
 """
 
 
@@ -229,18 +328,25 @@ def to_html(overall: str, sections: list[Section]) -> str:
     ]
     for section in sections:
         parts.append(f'<h2 id="{e(section.title.lower().replace(" ", "-"))}">{e(section.title)}</h2>')
-        parts += [f"<p>{e(t).replace('**', '')}</p>" for t in section.text]
+        if section.figures:
+            parts.append('<div class="charts">' + "".join(f"<figure>{f}</figure>" for f in section.figures) + "</div>")
+        else:
+            parts += [f"<p>{e(t).replace('**', '')}</p>" for t in section.text]
         if section.rows:
             parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in section.header) + "</tr>")
             for row in section.rows:
                 cells = []
                 for value in row:
                     kind = (
-                        f' class="{value}"'
-                        if value in (verdict.PROMOTE, verdict.ROLLBACK, verdict.INCONCLUSIVE)
+                        f' class="{value.replace(" ", "-")}"'
+                        if value in (verdict.PROMOTE, verdict.ROLLBACK, verdict.INCONCLUSIVE, NOT_EXERCISED)
                         else ""
                     )
-                    cells.append(f"<td{kind}>{e(str(value))}</td>")
+                    if isinstance(value, Fold) and value.rest:
+                        text = f"<details><summary>{e(value.first)}</summary><pre>{e(value.rest)}</pre></details>"
+                    else:
+                        text = e(value.first if isinstance(value, Fold) else str(value))
+                    cells.append(f"<td{kind}>{text}</td>")
                 parts.append("<tr>" + "".join(cells) + "</tr>")
             parts.append("</table>")
         parts += [f"<p><em>{e(n)}</em></p>" for n in section.notes]

@@ -27,6 +27,10 @@ COMPARISONS = contract.COMPARISONS.series
 MISMATCHES = contract.MISMATCHES.series
 SHARED = contract.SHARED_DIVERGENCES.series
 SKIPPED = contract.SKIPPED.series
+CALLS = contract.CALLS.series
+DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
+#: Comparisons in one process within this many seconds form one cluster (the verdict's clustered bound).
+CLUSTER_WINDOW_SECONDS = 60.0
 
 #: The most a metrics file, a journal line or a Prometheus answer may hold.
 MAX_FILE_BYTES = 64 << 20
@@ -58,6 +62,8 @@ def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], val
         target.add_reason(labels.get("reason", ""), value)
     elif name == SKIPPED:
         target.add_skip(labels.get("reason", ""), value)
+    elif name == CALLS:
+        target.add_calls(labels.get("signature", ""), value)
     else:
         target.add_shared(labels.get("reason", ""), value)
 
@@ -86,11 +92,17 @@ def from_exposition(text: str, source: str = "exposition") -> dict[str, TargetCo
         families = list(text_string_to_metric_families(text))
     except Exception as exc:
         raise SourceError(f"{source}: not a Prometheus text exposition: {exc}") from exc
+    drill = False
     for family in families:
         for sample in family.samples:
-            if sample.name in (COMPARISONS, MISMATCHES, SHARED, SKIPPED):
+            if sample.name in (COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS):
                 where = f"{source}: {sample.name}{dict(sample.labels)}"
                 _add(counts, sample.name, sample.labels, _count(sample.value, where))
+            elif sample.name == DRILL_ACTIVE and sample.value > 0:
+                drill = True
+    if drill:
+        for entry in counts.values():
+            entry.drilled = -1
     return counts
 
 
@@ -159,6 +171,7 @@ def from_prometheus(
         (MISMATCHES, "target, reason"),
         (SHARED, "target, reason"),
         (SKIPPED, "target, reason"),
+        (CALLS, "target, signature"),
     ]
     deadline = time.monotonic() + timeout
     for metric, by in queries:
@@ -204,10 +217,22 @@ def journal_records(paths: Iterable[str], torn: list[str] | None = None) -> Iter
             raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
-def add_record(counts: dict[str, TargetCounts], record: dict) -> None:
-    """Count one journal record."""
+def clustering(window: float) -> str:
+    """How :func:`add_record` forms clusters, as the verdict says it."""
+    return f"process x {window:g} s windows" if window > 0 else "process"
+
+
+def add_record(counts: dict[str, TargetCounts], record: dict, window: float = CLUSTER_WINDOW_SECONDS) -> None:
+    """Count one journal record, in its cluster: its process (host, pid) and ``window`` seconds of its time."""
     entry = counts.setdefault(record["target"], TargetCounts())
     entry.add_outcome(record.get("signature", ""), record["outcome"], 1)
+    if record.get("drill") is True:
+        entry.drilled += 1
+    timestamp, pid = record.get("timestamp"), record.get("pid")
+    if isinstance(timestamp, (int, float)) and math.isfinite(timestamp) and pid is not None:
+        slot = int(timestamp // window) if window > 0 else 0
+        entry.add_to_cluster((record.get("host"), pid, slot), record["outcome"])
+        entry.clustering = clustering(window)
     for reason in record.get("reasons", []):
         if record["outcome"] == Outcome.SKIPPED:
             entry.add_skip(reason, 1)
@@ -217,12 +242,15 @@ def add_record(counts: dict[str, TargetCounts], record: dict) -> None:
         entry.add_shared(record["shared_divergence"], 1)
 
 
-def from_journal(paths: Iterable[str], torn: list[str] | None = None) -> dict[str, TargetCounts]:
-    """Counts from JSONL journals. Journals hold matches only when written with ``all_outcomes=True``; a torn
-    final line is skipped (see :func:`journal_records`)."""
+def from_journal(
+    paths: Iterable[str], torn: list[str] | None = None, window: float = CLUSTER_WINDOW_SECONDS
+) -> dict[str, TargetCounts]:
+    """Counts from JSONL journals, with each comparison's cluster (process and ``window`` seconds). Journals hold
+    matches only when written with ``all_outcomes=True``; a torn final line is skipped (see
+    :func:`journal_records`)."""
     counts: dict[str, TargetCounts] = {}
     for record in journal_records(paths, torn):
-        add_record(counts, record)
+        add_record(counts, record, window)
     return counts
 
 

@@ -26,7 +26,7 @@ from torch.utils._pytree import keystr, tree_iter
 
 from shadow.core import tolerance as tol
 from shadow.core import trees
-from shadow.core.observation import MISMATCH_REASONS, Outcome, bounded
+from shadow.core.observation import DETAIL_LIMIT, MISMATCH_REASONS, Outcome, bounded
 
 #: Elements per chunk on the host: the working set of one chunk (two inputs, three float and three bool
 #: scratch arrays) stays in a core's cache.
@@ -462,9 +462,11 @@ def compare_exceptions(legacy_error: BaseException | None, upstream_error: BaseE
     raising, is an ``error`` with reason ``exception``."""
 
     def describe(side: str, exc: BaseException | None) -> str:
-        return f"{side} returned normally" if exc is None else f"{side} raised {type(exc).__name__}: {exc}"
+        # (each side bounded on its own: a long legacy text, torch_npu's error-code suffix say, never hides upstream's)
+        text = f"{side} returned normally" if exc is None else f"{side} raised {type(exc).__name__}: {exc}"
+        return bounded(text, DETAIL_LIMIT // 2 - 1)
 
-    detail = bounded(f"{describe('legacy', legacy_error)}; {describe('upstream', upstream_error)}")
+    detail = f"{describe('legacy', legacy_error)}; {describe('upstream', upstream_error)}"
     if legacy_error is not None and type(legacy_error) is type(upstream_error):
         same_text = str(legacy_error) == str(upstream_error)
         return Comparison((Outcome.MATCH if same_text else Outcome.CLOSE).value, detail=detail)

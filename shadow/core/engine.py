@@ -60,6 +60,18 @@ _LOG_INTERVAL_SECONDS = 60.0
 #: Distinct signatures a target may have (each is a metric series); later ones count as "other".
 MAX_SIGNATURES = 100
 OTHER_SIGNATURE = "other"
+#: Coverage guidance's default: the first calls of every signature that are compared whatever the rate.
+DEFAULT_FIRST_PER_SIGNATURE = 30
+#: A legacy-vs-upstream value mismatch within this many times the signature's noise floor (the greatest difference
+#: between two legacy runs of the same call) is reported as noise.
+NOISE_MARGIN = 2.0
+
+#: Registered as the "upstream side" while legacy runs again for the noise floor: the calls it makes of wrapped
+#: functions are nested calls, and they run legacy (only an experiment's own upstream run routes them upstream).
+_LEGACY_AGAIN = object()
+
+#: The signature of a call whose target's signature function raised.
+UNCLASSIFIED_SIGNATURE = "unclassified"
 
 # Per thread: ``upstream_side``, the experiment whose upstream side this thread runs (upstream, comparison, oracle,
 # exporters); ``in_legacy``, the experiment whose legacy it runs; ``publishing`` while it hands an observation to
@@ -117,6 +129,12 @@ class Plan:
     autocast: str
     oracle: bool
     before: TorchGlobals
+    aa: bool = False  # legacy runs a second time (the noise floor's A/A run)
+
+    @property
+    def isolation_runs(self) -> int:
+        """Isolated runs after legacy: upstream's, then the oracle's and the A/A run's where they run."""
+        return 1 + self.oracle + self.aa
 
     def upstream_arguments(self) -> tuple[tuple, dict]:
         """What upstream receives: the isolation's copies (once taken), or the arguments above."""
@@ -139,11 +157,36 @@ def _make_wrapper(legacy: Callable, arrive: Callable[[tuple, dict], Any]) -> tup
         nonlocal gate
         gate = new_gate
 
+    _look_like(shadow_wrapper, legacy)
+    return shadow_wrapper, set_gate
+
+
+def _make_guided_wrapper(
+    legacy: Callable, classify: Callable[[tuple, dict], tuple[str, bool]], arrive: Callable[..., Any]
+) -> tuple[Callable, Callable[[Gate], None]]:
+    """The wrapper of a coverage-guided target: every call is classified (its signature counted), the first calls
+    of each signature are compared, the rest are sampled by the gate as in :func:`_make_wrapper`."""
+    gate = itertools.repeat(True, 0)
+
+    def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
+        signature, first = classify(args, kwargs)
+        if not first and next(gate, False):
+            return legacy(*args, **kwargs)
+        return arrive(args, kwargs, signature, first)
+
+    def set_gate(new_gate: Gate) -> None:
+        nonlocal gate
+        gate = new_gate
+
+    _look_like(shadow_wrapper, legacy)
+    return shadow_wrapper, set_gate
+
+
+def _look_like(wrapper: Callable, legacy: Callable) -> None:
     for name in ("__name__", "__qualname__", "__doc__"):
         with contextlib.suppress(AttributeError, TypeError):
-            setattr(shadow_wrapper, name, getattr(legacy, name))
-    shadow_wrapper.__wrapped__ = legacy  # type: ignore[attr-defined]
-    return shadow_wrapper, set_gate
+            setattr(wrapper, name, getattr(legacy, name))
+    wrapper.__wrapped__ = legacy  # type: ignore[attr-defined]
 
 
 _PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
@@ -216,6 +259,8 @@ class Experiment:
         oracle_rate: float | None = None,
         budget: float | None = None,
         pure_hooks: bool = False,
+        first_per_signature: int = 0,
+        aa_rate: float = 0.0,
     ) -> None:
         self.target = target
         self.drill = drill
@@ -234,6 +279,12 @@ class Experiment:
         # the others (targets that describe a single-device call only).
         self.oracle_rate = oracle_rate if target.oracle is not None and target.isolate else None
         self._oracle_random = random.Random(f"{seed}/{target.name}/oracle" if seed is not None else None)
+        # The noise floor: on this fraction of sampled calls legacy runs a second time, isolated as upstream is,
+        # and the difference between its two results is the target's own nondeterminism, by signature: the
+        # greatest absolute and relative difference seen (A/A runs, runs that differed).
+        self.aa_rate = aa_rate
+        self._aa_random = random.Random(f"{seed}/{target.name}/aa" if seed is not None else None)
+        self._noise: dict[str, list[float]] = {}  # signature -> [max abs, max rel, A/A runs, A/A runs that differed]
         self.legacy = target.resolve_legacy()
         self.legacy_origin = patch_origin(self.legacy) or ""
         self.tolerance = tolerance if tolerance is not None else target.tolerance
@@ -248,7 +299,16 @@ class Experiment:
         self._export_errors = 0
         self._settings_failures = 0
         self._last_logged: dict[str, float] = {}
-        self.wrapper, set_gate = _make_wrapper(self.legacy, self._arrive)
+        # Coverage guidance: the first calls of every signature are compared, later ones sampled at the rate.
+        # It classifies every call (the signature function runs on each), so it needs a signature function.
+        self.first_per_signature = first_per_signature if target.signature is not None else 0
+        self._signature_calls: dict[str, int] = {}  # signature -> calls (guided targets: every call is counted)
+        self._signature_calls_reported: dict[str, int] = {}
+        self._labels: dict[Any, str] = {}  # what the signature function returned -> the admitted label
+        if self.first_per_signature:
+            self.wrapper, set_gate = _make_guided_wrapper(self.legacy, self._classify, self._arrive)
+        else:
+            self.wrapper, set_gate = _make_wrapper(self.legacy, self._arrive)
         self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
         self.sampler = Sampler(sample_rate, seed, target.name, set_gate)
         self._calls_reported = 0
@@ -259,8 +319,28 @@ class Experiment:
 
     # ------------------------------------------------------------------ the call
 
-    def _arrive(self, args: tuple, kwargs: dict) -> Any:
-        """A call found the gate closed: maybe the sampled one."""
+    def _classify(self, args: tuple, kwargs: dict) -> tuple[str, bool]:
+        """A guided target's call: its signature, counted, and whether it is one of the first of its signature
+        (to be compared whatever the gate says). A signature function that fails classifies as "unclassified"."""
+        try:
+            with torch._C.DisableTorchFunction():  # (a user's mode or tensor subclass never sees the classifying)
+                raw = self.target.signature(args, kwargs)
+            label = self._labels.get(raw)
+            if label is None:
+                label = self._admit(label_text(str(raw), 64))
+                if len(self._labels) < 4 * MAX_SIGNATURES:
+                    self._labels[raw] = label
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # the user's signature function: its failure is counted, never the job's
+            label = UNCLASSIFIED_SIGNATURE
+        with self._lock:
+            count = self._signature_calls[label] = self._signature_calls.get(label, 0) + 1
+        return label, count <= self.first_per_signature
+
+    def _arrive(self, args: tuple, kwargs: dict, signature: str | None = None, first: bool = False) -> Any:
+        """A call found the gate closed (maybe the sampled one), or is one of the first of its signature
+        (``first``: compared). ``signature``: a guided target's call, already counted under it."""
         side = _upstream_side_of_this_thread()
         publishing = getattr(_local, "publishing", False)
         if side is not None or publishing or getattr(_local, "in_legacy", None) is self:
@@ -272,13 +352,17 @@ class Experiment:
             # job has today. So a comparison sees only its own target's difference, and another target's
             # difference is compared, counted and reported by that target, on the calls the job's legacy run makes.
             with self._lock:
-                self.sampler.arrive()
-                self.sampler.uncount()
+                if signature is not None:
+                    self._signature_calls[signature] -= 1
+                if not first:
+                    self.sampler.arrive()
+                    self.sampler.uncount()
             return (self.target.upstream if side is self and not publishing else self.legacy)(*args, **kwargs)
-        with self._lock:
-            sampled = self.sampler.arrive()
-        if not sampled:
-            return self.legacy(*args, **kwargs)
+        if not first:
+            with self._lock:
+                sampled = self.sampler.arrive()
+            if not sampled:
+                return self.legacy(*args, **kwargs)
         if self.budget is not None and self._spent > self.budget * (time.monotonic() - self._started):
             with self._lock:  # over budget: nothing but counting until the job's time catches up
                 self._outcomes[Outcome.SKIPPED.value] += 1
@@ -292,7 +376,7 @@ class Experiment:
             self._publish(Observation(self.target.name, Outcome.SKIPPED, (skip,), timestamp=time.time()))
             self._spent += time.perf_counter() - start
             return self._run_legacy(args, kwargs)
-        return self._sampled_call(args, kwargs, modules)
+        return self._sampled_call(args, kwargs, modules, signature)
 
     def _run_legacy(self, args: tuple, kwargs: dict) -> Any:
         """Legacy, marked as running on this thread: its own nested calls of the wrapper are not new calls."""
@@ -313,9 +397,11 @@ class Experiment:
             return "hooks"
         return None
 
-    def _sampled_call(self, args: tuple, kwargs: dict, modules: list[torch.nn.Module]) -> Any:
+    def _sampled_call(
+        self, args: tuple, kwargs: dict, modules: list[torch.nn.Module], signature: str | None = None
+    ) -> Any:
         """Plan the upstream run, run legacy (its result or exception is the caller's), then the upstream side."""
-        plan = self._plan(args, kwargs, modules)
+        plan = self._plan(args, kwargs, modules, signature)
         start = time.perf_counter()
         try:
             result = self._run_legacy(args, kwargs)
@@ -327,7 +413,9 @@ class Experiment:
 
     # ------------------------------------------------------------------ the upstream side
 
-    def _plan(self, args: tuple, kwargs: dict, modules: list[torch.nn.Module]) -> Plan | BaseException:
+    def _plan(
+        self, args: tuple, kwargs: dict, modules: list[torch.nn.Module], signature: str | None = None
+    ) -> Plan | BaseException:
         """What the upstream run (and the oracle's) needs, taken before legacy runs; an exception if that failed."""
         try:
             before = TorchGlobals()
@@ -335,15 +423,16 @@ class Experiment:
             oracle = self.oracle_rate is not None and (
                 "=on/" in autocast or self._oracle_random.random() < self.oracle_rate
             )
+            aa = self.aa_rate > 0 and self._aa_random.random() < self.aa_rate
             if self.target.isolate:
-                isolation = Isolation(args, kwargs, modules, runs=2 if oracle else 1)
+                isolation = Isolation(args, kwargs, modules, runs=1 + oracle + aa)
                 up_args, up_kwargs = None, None
             else:
                 isolation, (up_args, up_kwargs) = None, detach_tensors((args, kwargs))
-            signature = self.target.signature(args, kwargs) if self.target.signature else "call"
-            return Plan(
-                isolation, up_args, up_kwargs, self._admit(label_text(str(signature), 64)), autocast, oracle, before
-            )
+            if signature is None:  # (a guided target's call comes classified)
+                raw = self.target.signature(args, kwargs) if self.target.signature else "call"
+                signature = self._admit(label_text(str(raw), 64))
+            return Plan(isolation, up_args, up_kwargs, signature, autocast, oracle, before, aa)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
@@ -418,9 +507,11 @@ class Experiment:
             _free_after_oom()
             return Observation(outcome=Outcome.SKIPPED, reasons=("oom",), **common)
         returned = legacy.error is None and upstream.error is None
+        aa = self._aa_run(plan, legacy, left_by_legacy) if plan.aa and returned else {}
         start = time.perf_counter()
         found = self._compare_runs(plan, args, kwargs, legacy, upstream)
         found = with_state(found, left_by_legacy.differences(left_by_upstream))
+        found = self._within_noise(plan.signature, found)
         compare_seconds = time.perf_counter() - start
         shared = {}
         if plan.oracle and returned and found.outcome in (Outcome.MATCH, Outcome.CLOSE):
@@ -439,8 +530,64 @@ class Experiment:
             detail=found.detail,
             evidence=evidence,
             **shared,
+            **aa,
             **common,
         )
+
+    def _aa_run(self, plan: Plan, legacy: Run, left_by_legacy: TorchGlobals) -> dict[str, Any]:
+        """Legacy once more, from the same start and as isolated as upstream's run, compared with legacy's own
+        result: the Observation fields of the A/A run, its difference added to the signature's noise floor."""
+        start = time.perf_counter()
+        try:
+            if plan.isolation is not None:
+                args, kwargs = plan.isolation.arguments(plan.isolation_runs - 1)
+                context = plan.isolation.upstream_run(plan.isolation_runs - 1)
+            else:
+                args, kwargs = plan.upstream_arguments()
+                context = contextlib.nullcontext()
+            self._put_back(plan.before)
+            try:
+                # (a run of its own: the calls legacy makes of wrapped functions run legacy, never upstream)
+                with context, _upstream_run(_LEGACY_AGAIN):
+                    again = self.legacy(*args, **kwargs)
+            finally:
+                self._put_back(left_by_legacy)
+            found = compare(legacy.value, again, tolerance=self.tolerance, exact=True)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # legacy raising the second time is noise of a kind we do not measure
+            self._log_limited("aa", "A/A run failed: %r", exc)
+            return {"aa_seconds": time.perf_counter() - start}
+        differs = found.outcome != Outcome.MATCH
+        abs_error = found.max_abs_error if differs else 0.0
+        rel_error = found.max_rel_error if differs else 0.0
+        with self._lock:
+            floor = self._noise.setdefault(plan.signature, [0.0, 0.0, 0, 0])
+            floor[0], floor[1] = max(floor[0], abs_error), max(floor[1], rel_error)
+            floor[2] += 1
+            floor[3] += differs
+        seconds = time.perf_counter() - start
+        return {"aa": True, "aa_abs_error": abs_error, "aa_rel_error": rel_error, "aa_seconds": seconds}
+
+    def _within_noise(self, signature: str, found: Comparison) -> Comparison:
+        """A value mismatch (nothing else) inside twice the signature's noise floor is reported as noise: legacy
+        differs from itself as much. Anything beyond it, or of another kind, stays a mismatch."""
+        if found.outcome != Outcome.MISMATCH or set(found.reasons) != {"value"}:
+            return found
+        with self._lock:
+            floor = self._noise.get(signature)
+            if floor is None or not floor[3]:
+                return found
+            abs_floor, rel_floor = floor[0], floor[1]
+        if found.max_abs_error <= NOISE_MARGIN * abs_floor or found.max_rel_error <= NOISE_MARGIN * rel_floor:
+            detail = f"within the noise floor (A/A: abs {abs_floor:.3g}, rel {rel_floor:.3g}): {found.detail}"
+            return dataclasses.replace(found, outcome=Outcome.NOISE, reasons=(), detail=bounded(detail))
+        return found
+
+    def noise_floor(self) -> dict[str, tuple[float, float, int, int]]:
+        """{signature: (greatest abs difference, greatest rel difference, A/A runs, runs that differed)}."""
+        with self._lock:
+            return {s: (f[0], f[1], int(f[2]), int(f[3])) for s, f in self._noise.items()}
 
     def _cannot_run_upstream(self, plan: Plan, legacy: Run, now: float) -> Observation | None:
         """The skip observation of a call whose upstream run would not be faithful, seen once legacy ran: legacy
@@ -609,15 +756,24 @@ class Experiment:
             _local.publishing = publishing
 
     def report_calls(self) -> None:
-        """Tell exporters how many calls passed, and how many sampled calls the budget skipped, since the last
-        report (done at each publish and at flush)."""
+        """Tell exporters how many calls passed (by signature for a guided target), and how many sampled calls
+        the budget skipped, since the last report (done at each publish and at flush)."""
         with self._lock:
-            calls = self.sampler.calls()
-            delta, self._calls_reported = calls - self._calls_reported, calls
+            if self.first_per_signature:
+                deltas = {
+                    signature: calls - self._signature_calls_reported.get(signature, 0)
+                    for signature, calls in self._signature_calls.items()
+                }
+                self._signature_calls_reported = dict(self._signature_calls)
+            else:
+                calls = self.sampler.calls()
+                deltas = {"": calls - self._calls_reported}
+                self._calls_reported = calls
             skipped, self._budget_skips_unreported = self._budget_skips_unreported, 0
-        if delta:
-            for exporter in self.exporters:
-                self._call_exporter(exporter, "record_calls", self.target.name, delta)
+        for signature, delta in deltas.items():
+            if delta:
+                for exporter in self.exporters:
+                    self._call_exporter(exporter, "record_calls", self.target.name, delta, signature)
         if skipped:
             for exporter in self.exporters:
                 self._call_exporter(exporter, "record_skips", self.target.name, "budget", skipped)
@@ -643,7 +799,8 @@ class Experiment:
         with self._lock:
             outcomes = dict(self._outcomes)
             return TargetStats(
-                calls=self.sampler.calls(),
+                calls=sum(self._signature_calls.values()) if self.first_per_signature else self.sampler.calls(),
+                signature_calls=dict(self._signature_calls),
                 sampled=sum(outcomes.values()),
                 **{outcome: outcomes.get(outcome, 0) for outcome in OUTCOMES},
                 by_reason=dict(self._reasons),
@@ -667,6 +824,8 @@ class Experiment:
         self._budget_skips_unreported = 0
         self._started, self._spent = time.monotonic(), 0.0
         self._calls_reported = 0
+        self._signature_calls.clear()
+        self._signature_calls_reported.clear()
 
 
 def experiment_of(obj: Any) -> Experiment | None:

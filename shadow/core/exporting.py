@@ -23,8 +23,9 @@ class Exporter(Protocol):
     def register(self, target: str, sample_rate: float) -> None:
         """At install: create the target's series (at zero) and record its sample rate."""
 
-    def record_calls(self, target: str, calls: int) -> None:
-        """Calls of the target (sampled or not) since the last report."""
+    def record_calls(self, target: str, calls: int, signature: str = "") -> None:
+        """Calls of the target (sampled or not) since the last report; for a coverage-guided target, by
+        ``signature`` (passed only then: the calls of all signatures add up to the target's)."""
 
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped in bulk, without an observation each (the overhead budget)."""

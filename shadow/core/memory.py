@@ -88,4 +88,3 @@ def check_fits(tensors: Iterable[torch.Tensor], copies: int, what: str) -> None:
                 f"out of memory for the shadow side: {what} need {size >> 20} MiB on {device}, "
                 f"{free >> 20} MiB free (at most {SHARE:.0%} of it is taken)"
             )
-

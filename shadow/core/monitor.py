@@ -20,7 +20,7 @@ from shadow.core import exporting
 from shadow.core import targets as builtin
 from shadow.core import tolerance as tol
 from shadow.core.drill import Drill
-from shadow.core.engine import Experiment, experiment_of
+from shadow.core.engine import DEFAULT_FIRST_PER_SIGNATURE, Experiment, experiment_of
 from shadow.core.observation import TargetStats
 from shadow.core.rates import check_rate
 from shadow.core.targets import Target
@@ -210,6 +210,8 @@ def install(
     yields: bool = False,
     budget: float | None = None,
     pure_hooks: bool = False,
+    first_per_signature: int = DEFAULT_FIRST_PER_SIGNATURE,
+    aa_rate: float = 0.0,
 ) -> Monitor:
     """Shadow the given targets (by default every built-in whose legacy patch is active).
 
@@ -224,7 +226,14 @@ def install(
     calls are skipped with reason "budget" (None: no limit). ``pure_hooks``: the user's forward, pre-forward and
     backward hooks on the modules in a call (and the global ones) are free of side effects, so calls that reach
     them are compared, running them again on the upstream side (by default such calls are skipped with reason
-    "hooks": what a hook does outside the module cannot be undone). ``yields``: this monitor steps aside while a later
+    "hooks": what a hook does outside the module cannot be undone). ``first_per_signature``: coverage guidance for
+    targets with a signature function: the first this many calls of every signature are compared whatever the
+    rate (rare code paths are reached at once), the rest are sampled at the rate; every call of such a target is
+    classified and counted by signature, so estimates can weight each signature by its share of calls (0: uniform
+    sampling, calls not classified). ``aa_rate``: the fraction of sampled calls on which legacy also runs a second
+    time, isolated as upstream is (an A/A run), to measure the target's own nondeterminism by signature (the noise
+    floor); a legacy-vs-upstream value difference within twice that floor is reported as ``noise``, not as a
+    mismatch. ``yields``: this monitor steps aside while a later
     monitor shadows the same target (instead of that one raising "already shadowed"). Raises ValueError on
     any bad argument, before patching.
     """
@@ -246,10 +255,25 @@ def install(
     budget = None if budget is None else check_rate(budget, "budget", low="(0")
     if not isinstance(pure_hooks, bool):
         raise ValueError(f"pure_hooks: expected True or False, got {pure_hooks!r}")
+    if isinstance(first_per_signature, bool) or not isinstance(first_per_signature, int) or first_per_signature < 0:
+        raise ValueError(f"first_per_signature: expected an int >= 0, got {first_per_signature!r}")
+    aa_rate = check_rate(aa_rate, "aa_rate")
 
     suspended = _step_aside(resolved)  # before the experiments read what is installed as their legacy
     experiments = [
-        Experiment(t, rates[t.name], tolerances[t.name], exporters, seed, drill, oracle, budget, pure_hooks)
+        Experiment(
+            t,
+            rates[t.name],
+            tolerances[t.name],
+            exporters,
+            seed,
+            drill,
+            oracle,
+            budget,
+            pure_hooks,
+            first_per_signature,
+            aa_rate,
+        )
         for t in resolved
     ]
     monitor = Monitor(experiments, yields=yields)

@@ -16,6 +16,7 @@ class Outcome(str, enum.Enum):
     MATCH = "match"  # bitwise equal
     CLOSE = "close"  # within tolerance
     MISMATCH = "mismatch"  # outside it
+    NOISE = "noise"  # outside it, but within what legacy itself varies by (its A/A runs): not a divergence
     ERROR = "error"  # exactly one side raised, or the two raised different exception types
     SKIPPED = "skipped"  # sampled but not compared
 
@@ -133,6 +134,12 @@ class Observation:
     shared_detail: str = ""
     #: Time the single-device oracle run and its comparison took (part of the shadow side's time).
     oracle_seconds: float = 0.0
+    #: An A/A run (legacy again, isolated as upstream is) ran on this call: its greatest absolute and relative
+    #: difference from legacy's own result (0.0 for a deterministic target), and the time it took.
+    aa: bool = False
+    aa_abs_error: float = 0.0
+    aa_rel_error: float = 0.0
+    aa_seconds: float = 0.0
     #: Where the legacy side came from: 'torch_npu', 'torch_npu X source', 'reference', or '' (a custom target).
     legacy: str = ""
     #: For mismatches and errors: what a repro capture needs (never compared, never printed).
@@ -148,14 +155,14 @@ class Observation:
     @property
     def overhead_seconds(self) -> float:
         """Time the upstream side cost the caller: the upstream run, the comparison, the oracle."""
-        return self.upstream_seconds + self.compare_seconds + self.oracle_seconds
+        return self.upstream_seconds + self.compare_seconds + self.oracle_seconds + self.aa_seconds
 
 
 @dataclasses.dataclass(frozen=True)
 class TargetStats:
     """Counts for one installed target since it was installed.
 
-    ``sampled == compared + skipped`` and ``compared == match + close + mismatch + error`` always hold for a
+    ``sampled == compared + skipped`` and ``compared == match + close + mismatch + noise + error`` always hold for a
     consistent snapshot. ``by_reason`` counts each reason of each observation (an observation may carry
     several): mismatch reasons and skip reasons. ``export_errors`` counts exporter failures, which change no
     observation's outcome.
@@ -166,6 +173,7 @@ class TargetStats:
     match: int = 0
     close: int = 0
     mismatch: int = 0
+    noise: int = 0  # value differences within the noise floor (legacy differs from itself as much)
     error: int = 0
     skipped: int = 0
     by_reason: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
@@ -178,8 +186,10 @@ class TargetStats:
     export_errors: int = 0
     #: Sampled calls after which a global setting could not be taken or put back (each said in the log).
     settings_failures: int = 0
+    #: Calls by signature, for a coverage-guided target (every call classified); empty otherwise.
+    signature_calls: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def compared(self) -> int:
         """Sampled calls that were actually compared."""
-        return self.match + self.close + self.mismatch + self.error
+        return self.match + self.close + self.mismatch + self.noise + self.error

@@ -79,8 +79,27 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) 
     return args[index] if len(args) > index else kwargs.get(name, default)
 
 
+def _placement(tensor: Any) -> str:
+    """Where a call's tensor is: ``cpu``; ``current`` or ``noncurrent``, on the accelerator's current device or
+    another of its devices (where legacy's ``.type()`` differs: it moves to the current npu); else its device type."""
+    device = getattr(tensor, "device", None)
+    if device is None:
+        return "none"
+    if device.type == "cpu":
+        return "cpu"
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None and device.type == accelerator.type:
+        return "current" if device.index == torch.accelerator.current_device_index() else "noncurrent"
+    return device.type
+
+
 def tensor_type_signature(args: tuple, kwargs: dict) -> str:
-    """``<argument kind>/<source device type>/<blocking|nonblocking>``."""
+    """``<destination>/<source>/<blocking|nonblocking>`` of a ``Tensor.type`` call.
+
+    Destination: ``none``, ``dtype``, ``npu_name`` (``'torch.npu.HalfTensor'``), ``torch_npu_name`` (torch_npu's
+    own spelling ``'torch_npu.npu.HalfTensor'``, which upstream rejects), ``name`` (any other name),
+    ``npu_class``, ``class`` or ``other``. Source: see :func:`_placement`.
+    """
     tensor, dtype = args[0], _arg(args, kwargs, 1, "dtype")
     nonblocking = _arg(args, kwargs, 2, "non_blocking", False)
     if dtype is None:
@@ -88,13 +107,15 @@ def tensor_type_signature(args: tuple, kwargs: dict) -> str:
     elif isinstance(dtype, torch.dtype):
         kind = "dtype"
     elif isinstance(dtype, str):
-        kind = "npu_name" if reference.npu_type_dtype(dtype) is not None else "name"
+        if reference.npu_type_dtype(dtype) is None:
+            kind = "name"
+        else:
+            kind = "torch_npu_name" if dtype.startswith("torch_npu.") else "npu_name"
     elif isinstance(dtype, type):
         kind = "npu_class" if reference.npu_type_dtype(dtype) is not None else "class"
     else:
         kind = "other"
-    device = getattr(getattr(tensor, "device", None), "type", "none")
-    return f"{kind}/{device}/{'nonblocking' if nonblocking else 'blocking'}"
+    return f"{kind}/{_placement(tensor)}/{'nonblocking' if nonblocking else 'blocking'}"
 
 
 def _dp_signature(replicas: int) -> str:
@@ -102,12 +123,12 @@ def _dp_signature(replicas: int) -> str:
     device_type = accelerator.type if accelerator is not None else "cpu"
     grad = "on" if torch.is_grad_enabled() else "off"
     autocast = "on" if torch.is_autocast_enabled(device_type) else "off"
-    count = str(replicas) if replicas <= 16 else "17+"
-    return f"replicas={count}/grad={grad}/autocast={autocast}"
+    return f"replicas={'1' if replicas == 1 else '2+' if replicas > 1 else '0'}/grad={grad}/autocast={autocast}"
 
 
 def parallel_apply_signature(args: tuple, kwargs: dict) -> str:
-    """``replicas=<n>/grad=<on|off>/autocast=<on|off>`` of a ``DataParallel.parallel_apply`` call."""
+    """``replicas=<1|2+>/grad=<on|off>/autocast=<on|off>`` of a ``DataParallel.parallel_apply`` call (a single
+    replica is legacy's path where its worker's ``set_device`` stays behind)."""
     return _dp_signature(len(_arg(args, kwargs, 1, "replicas", ())))
 
 
@@ -117,6 +138,11 @@ def data_parallel_signature(args: tuple, kwargs: dict) -> str:
     if device_ids is None:
         device_ids = range(torch.accelerator.device_count() or 1)
     return _dp_signature(len(device_ids))
+
+
+#: Where torch_npu 2.12's legacy and upstream are known to differ (the README's "what really differs").
+TENSOR_TYPE_RISKY = ("npu_name/noncurrent/*", "npu_class/noncurrent/*", "torch_npu_name/*")
+DATA_PARALLEL_RISKY = ("replicas=1/*", "*/autocast=on")
 
 
 # --------------------------------------------------------------------------- built-ins
@@ -142,7 +168,7 @@ def tensor_type() -> Target:
         exact=True,
         isolate=False,
         signature=tensor_type_signature,
-        risky_signatures=("npu_name/*", "npu_class/*"),
+        risky_signatures=TENSOR_TYPE_RISKY,
     )
 
 
@@ -162,7 +188,7 @@ def parallel_apply(apply: Callable | None = None) -> Target:
         attribute="parallel_apply",
         upstream=upstream_parallel_apply,
         signature=parallel_apply_signature,
-        risky_signatures=("*/autocast=on",),
+        risky_signatures=DATA_PARALLEL_RISKY,
         oracle=oracle.parallel_apply_call,
     )
 
@@ -175,7 +201,7 @@ def data_parallel(function: Callable | None = None) -> Target:
         attribute="data_parallel",
         upstream=function or _torch_data_parallel(),
         signature=data_parallel_signature,
-        risky_signatures=("*/autocast=on",),
+        risky_signatures=DATA_PARALLEL_RISKY,
         oracle=oracle.data_parallel_call,
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from shadow.core.observation import DIVERGENT_OUTCOMES
 from shadow.core.rates import parse_rate
@@ -59,7 +60,7 @@ def _verdict(args: argparse.Namespace) -> int:
         elif args.metrics_file:
             counts = from_exposition(read_text(args.metrics_file), args.metrics_file)
         else:
-            counts = from_journal(args.journal, torn := [])
+            counts = from_journal(args.journal, torn := [], args.cluster_window)
             if torn:
                 print(f"npu-shadow verdict: skipped {len(torn)} torn final line(s): {', '.join(torn)}", file=sys.stderr)
     except (SourceError, OSError) as exc:
@@ -78,6 +79,7 @@ def _verdict(args: argparse.Namespace) -> int:
         for d in decisions:
             bounds = f"[{d.lower:.3g}, {d.upper:.3g}]"
             print(f"{d.target:<16}{d.decision:<14}{d.compared:>10}{d.divergent:>11}  {bounds:<22} {d.why}")
+            print(f"{'':<16}{_evidence(d)}")
             if d.risky:
                 coverage = ", ".join(f"{pattern} {seen}" for pattern, seen in d.risky.items())
                 print(f"{'':<16}risky signatures compared: {coverage}")
@@ -92,11 +94,20 @@ def _verdict(args: argparse.Namespace) -> int:
                 )
         if not decisions:
             print("(no npu_shadow comparisons found)")
-        print(
-            f"overall: {result} (max rate {args.max_rate:g}; divergences within one step are correlated, "
-            "so the bounds are optimistic when many comparisons share a step)"
-        )
+        note = verdict.drill_note(decisions)
+        if note:
+            print(note)
+        print(f"overall: {result} (max rate {args.max_rate:g}){' - a FIRE DRILL' if note else ''}")
     return verdict.EXIT_CODES[result]
+
+
+def _evidence(d: Any) -> str:
+    """What the bounds of one decision rest on: the estimate, its effective sample size, weights and clusters."""
+    calls = f"rate {d.rate:.3g} over {d.effective:,.0f} effective comparisons"
+    calls += " (signatures weighted by their share of calls)" if d.weighted else " (unweighted: no calls by signature)"
+    if d.cluster_effective is None:
+        return calls + "; clusters: not known from this source (journals have them)"
+    return f"{calls}; {d.clusters} clusters ({d.clustering}), {d.cluster_effective:,.1f} effective"
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -151,6 +162,23 @@ def _count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _ab(args: argparse.Namespace) -> int:
+    from shadow.launcher import ab
+
+    pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
+    return ab.main(pytest_args, args.journal)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be finite and >= 0, got {text}")
     return value
 
 
@@ -214,6 +242,13 @@ def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._Mut
     parser.add_argument("--selector", default="", help='with --prometheus: series selector, e.g. job="train"')
     parser.add_argument("--max-rate", type=_rate, default=DEFAULT_MAX_RATE, help="tolerated divergence rate")
     parser.add_argument("--min-per-signature", type=_count, default=30, help="comparisons each risky signature needs")
+    parser.add_argument(
+        "--cluster-window",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --journal: comparisons of one process within this many seconds form a cluster (0: by process)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,9 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name, setting in SETTINGS.items():
         if name in FLAGS:
-            run.add_argument(
-                setting.option, dest=name, action="store_true", help=f"{FLAGS[name]} ({setting.variable})"
-            )
+            run.add_argument(setting.option, dest=name, action="store_true", help=f"{FLAGS[name]} ({setting.variable})")
         elif name == "emulate_npu":
             _add_emulate_npu(run, "give every process of the job N emulated npu devices")
         else:
@@ -269,6 +302,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     decide.add_argument("--format", choices=("table", "json"), default="table")
     decide.set_defaults(handler=_verdict)
+
+    ab = commands.add_parser(
+        "ab",
+        help="run a pytest suite with and without torch_npu's patches and compare each test's outcome (exit 0, 1)",
+        description="A suite A/B, for what call-level shadowing cannot see (compiled code): the suite runs in the "
+        "legacy world (--npu-shadow) and in the upstream world (--npu-shadow-world upstream); each test is one "
+        "comparison of target suite_ab in the journal. Exit code: 0 no test changed, 1 some did, 2 a world could "
+        "not run.",
+    )
+    ab.add_argument("--journal", default="npu-shadow-tests.jsonl", metavar="PATH", help="the journal both write to")
+    ab.add_argument("pytest_args", nargs=argparse.REMAINDER, help="-- PYTEST_ARGS (with --npu-shadow-* options)")
+    ab.set_defaults(handler=_ab)
 
     paper = commands.add_parser(
         "report",

@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable, Mapping
 
 from shadow.core.drill import DRILL_KINDS
+from shadow.core.engine import DEFAULT_FIRST_PER_SIGNATURE
 from shadow.core.rates import parse_rate
 from shadow.core.safe_paths import directory_problem, long_component, template_problem
 from shadow.core.targets import BUILTINS
@@ -95,6 +96,12 @@ def _tolerance(text: str) -> float:
 
 def _port(text: str) -> int:
     if not (text.isascii() and text.isdigit()) or int(text) > 65535:
+        raise Invalid()
+    return int(text)
+
+
+def _non_negative(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
         raise Invalid()
     return int(text)
 
@@ -276,6 +283,20 @@ SETTINGS = {
         "them are compared (they run again on the upstream side) instead of skipped with reason hooks",
         _flag,
     ),
+    "first_per_signature": Setting(
+        "NPU_SHADOW_FIRST_PER_SIGNATURE",
+        "--first-per-signature",
+        "an integer >= 0: the first calls of every call signature compared whatever the sample rate (coverage "
+        "guidance; default 30; 0: uniform sampling)",
+        _non_negative,
+    ),
+    "aa_rate": Setting(
+        "NPU_SHADOW_AA_RATE",
+        "--aa-rate",
+        "a fraction in [0, 1] of sampled calls on which legacy also runs against itself (the A/A noise floor; "
+        "default 0.05; 0: none)",
+        lambda text: _rate(text, "[0"),
+    ),
     "oracle": Setting(
         "NPU_SHADOW_ORACLE",
         "--oracle",
@@ -316,6 +337,8 @@ class Config:
     oracle: float | None = 0.1
     budget: float | None = 0.2
     pure_hooks: bool = False
+    first_per_signature: int = DEFAULT_FIRST_PER_SIGNATURE
+    aa_rate: float = 0.05
 
 
 def from_sources(environ: Mapping[str, str], options: Mapping[str, str | None] | None = None) -> Config:

@@ -119,6 +119,8 @@ class Launcher:
                     oracle=config.oracle,
                     budget=config.budget,
                     pure_hooks=config.pure_hooks,
+                    first_per_signature=config.first_per_signature,
+                    aa_rate=config.aa_rate,
                 )
             LEGACY_PATCHED.subscribe(refresh)
             if not self._at_exit_registered:

@@ -1,0 +1,410 @@
+"""Evidence that reaches the rare paths and says how sure it is: signatures that separate the known risky paths,
+coverage-guided sampling weighted by each signature's share of calls, clustered bounds."""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+import types
+
+import pytest
+import torch
+
+import shadow
+from shadow.core import targets as builtin
+
+pytestmark = pytest.mark.skipif(torch.accelerator.current_accelerator() is None, reason="needs the emulated npu")
+
+
+def _risky(target: builtin.Target, signature: str) -> list[str]:
+    return [p for p in target.risky_signatures if fnmatch.fnmatchcase(signature, p)]
+
+
+# --------------------------------------------------------------------------- 1. signatures
+
+
+def test_tensor_type_signatures_separate_the_known_risky_paths():
+    """An npu name or class on a tensor on a non-current npu, and torch_npu's own spelling, are paths of their own,
+    and they are the risky ones; the common casts are not."""
+    target = builtin.tensor_type()
+    signature = builtin.tensor_type_signature
+    here, there = torch.ones(2, device="npu:0"), torch.ones(2, device="npu:1")
+    assert torch.accelerator.current_device_index() == 0
+    cases = {
+        (there, "torch.npu.HalfTensor"): "npu_name/noncurrent/blocking",
+        (here, "torch.npu.HalfTensor"): "npu_name/current/blocking",
+        (there, torch.npu.HalfTensor): "npu_class/noncurrent/blocking",
+        (here, "torch_npu.npu.HalfTensor"): "torch_npu_name/current/blocking",
+        (here.cpu(), "torch.npu.HalfTensor"): "npu_name/cpu/blocking",
+        (there, torch.half): "dtype/noncurrent/blocking",
+        (here, "torch.FloatTensor"): "name/current/blocking",
+        (here, torch.FloatTensor): "class/current/blocking",
+        (here,): "none/current/blocking",
+    }
+    assert {s: signature(args, {}) for args, s in cases.items()} == {s: s for s in cases.values()}
+    assert signature((here,), {"dtype": torch.half, "non_blocking": True}) == "dtype/current/nonblocking"
+    risky = {s for s in cases.values() if _risky(target, s)}
+    assert risky == {"npu_name/noncurrent/blocking", "npu_class/noncurrent/blocking", "torch_npu_name/current/blocking"}
+    with torch.npu.device(1):  # what is current decides
+        assert signature((there, "torch.npu.HalfTensor"), {}) == "npu_name/current/blocking"
+
+
+def test_data_parallel_signatures_separate_a_single_replica_and_autocast():
+    target = builtin.parallel_apply()
+    one = builtin.parallel_apply_signature((None, [1], [], None), {})
+    two = builtin.parallel_apply_signature((None, [1, 2], [], None), {})
+    many = builtin.parallel_apply_signature((None, list(range(40)), [], None), {})
+    with torch.autocast("npu", dtype=torch.float16):
+        autocast = builtin.parallel_apply_signature((None, [1, 2], [], None), {})
+    with torch.no_grad():
+        no_grad = builtin.data_parallel_signature((None, None, [0]), {})
+    assert (one, many) == ("replicas=1/grad=on/autocast=off", two) and two == "replicas=2+/grad=on/autocast=off"
+    assert (autocast, no_grad) == ("replicas=2+/grad=on/autocast=on", "replicas=1/grad=off/autocast=off")
+    assert _risky(target, one) and _risky(target, autocast) and not _risky(target, two)
+    assert builtin.data_parallel().risky_signatures == target.risky_signatures == builtin.DATA_PARALLEL_RISKY
+
+
+# --------------------------------------------------------------------------- 2. coverage-guided sampling
+
+
+class _Ops:
+    """A target of our own: ``op(x, kind)``, whose signature is ``kind``."""
+
+    def __init__(self) -> None:
+        self.classified = 0
+
+    @staticmethod
+    def op(x: torch.Tensor, kind: str) -> torch.Tensor:
+        return x * 2
+
+    def signature(self, args: tuple, kwargs: dict) -> str:
+        self.classified += 1
+        return args[1]
+
+    def target(self, name: str = "op") -> builtin.Target:
+        return builtin.Target(name, self, "op", _Ops.op, isolate=False, signature=self.signature)
+
+
+def test_the_first_calls_of_every_signature_are_compared_whatever_the_rate():
+    """At rate 0 nothing would ever be compared; guided, the first calls of each signature are, a rare one (0.1% of
+    the calls) included, and every call is counted under its signature."""
+    ops = _Ops()
+    x = torch.ones(3)
+    kinds = ["common"] * 999 + ["rare"]
+    with shadow.install([ops.target()], sample_rate=0.0, first_per_signature=5) as monitor:
+        for kind in kinds * 3:
+            assert torch.equal(ops.op(x, kind), x * 2)
+        stats = monitor.stats()["op"]
+    assert dict(stats.signature_calls) == {"common": 2997, "rare": 3}
+    assert stats.calls == 3000 and stats.compared == 5 + 3 and stats.match == 8
+    assert ops.classified == 3000  # every call once: a compared call is not classified again
+
+
+def test_without_guidance_unsampled_calls_are_not_classified():
+    ops = _Ops()
+    with shadow.install([ops.target()], sample_rate=0.0, first_per_signature=0) as monitor:
+        for _ in range(100):
+            ops.op(torch.ones(1), "common")
+        stats = monitor.stats()["op"]
+    assert (ops.classified, stats.calls, stats.compared, dict(stats.signature_calls)) == (0, 100, 0, {})
+
+
+def test_a_failing_signature_function_never_reaches_the_job():
+    def broken(args: tuple, kwargs: dict) -> str:
+        raise RuntimeError("the user's signature function is broken")
+
+    ops = _Ops()
+    target = builtin.Target("op", ops, "op", _Ops.op, isolate=False, signature=broken)
+    with shadow.install([target], sample_rate=0.0, first_per_signature=2) as monitor:
+        outs = [ops.op(torch.ones(1), "x") for _ in range(4)]
+        stats = monitor.stats()["op"]
+    assert all(torch.equal(o, torch.full((1,), 2.0)) for o in outs)
+    assert dict(stats.signature_calls) == {"unclassified": 4} and stats.compared == 2
+
+
+def test_calls_by_signature_reach_the_metrics_and_weight_the_verdict():
+    """npu_shadow_calls_total has a series per signature; the verdict weights each signature by its share of calls,
+    so 30 clean comparisons of a signature that is 99.9% of the calls count for it, not 30 of a rare one."""
+    from prometheus_client.exposition import generate_latest
+
+    from exporters.prometheus import PrometheusExporter
+    from shadow.analysis import sources, verdict
+
+    ops = _Ops()
+    exporter = PrometheusExporter()
+    with shadow.install([ops.target()], sample_rate=0.0, first_per_signature=30, exporters=[exporter]):
+        for i in range(30_000):
+            ops.op(torch.ones(1), "rare" if i % 1000 == 0 else "common")
+    counts = sources.from_exposition(generate_latest(exporter.registry).decode())["op"]
+    assert counts.calls == {"": 0, "common": 29_970, "rare": 30}
+    assert counts.compared == 60
+    weighted = verdict.weighted_rate(counts.by_signature({"match"}), {}, counts.calls)
+    assert weighted == (0.0, pytest.approx(30_000**2 / (29_970**2 / 30 + 30**2 / 30)))
+    decision = verdict.decide("op", counts, 0.001)
+    assert decision.weighted and decision.effective == pytest.approx(30.06, abs=0.01)
+    unweighted = verdict.TargetCounts(outcomes=dict(counts.outcomes))
+    assert verdict.decide("op", unweighted, 0.001).effective == 60
+    # a divergence in the rare signature weighs its share of calls (0.1%), not half
+    counts.add_outcome("rare", "mismatch", 1)
+    counts.outcomes[("rare", "match")] -= 1
+    assert verdict.decide("op", counts, 0.001).rate == pytest.approx(0.001 / 30)
+
+
+def test_nested_calls_of_a_guided_target_are_not_counted():
+    ops = _Ops()
+
+    def legacy(x: torch.Tensor, kind: str) -> torch.Tensor:
+        return x * 2 if kind == "inner" else ops.op(x, "inner")  # legacy calls the wrapped function itself
+
+    target = builtin.Target("op", ops, "op", _Ops.op, legacy=legacy, isolate=False, signature=ops.signature)
+    with shadow.install([target], sample_rate=1.0, first_per_signature=3) as monitor:
+        for _ in range(5):
+            ops.op(torch.ones(1), "outer")
+        stats = monitor.stats()["op"]
+    assert dict(stats.signature_calls) == {"outer": 5, "inner": 0} and stats.compared == 5
+
+
+def test_guided_counts_are_exact_under_threads():
+    ops = _Ops()
+    with shadow.install([ops.target()], sample_rate=0.01, first_per_signature=10, seed=1) as monitor:
+
+        def work(kind: str) -> None:
+            for _ in range(500):
+                ops.op(torch.ones(1), kind)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in ("a", "b", "a", "b")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        stats = monitor.stats()["op"]
+    assert dict(stats.signature_calls) == {"a": 1000, "b": 1000} and stats.calls == 2000
+    assert stats.compared >= 20
+
+
+def test_first_per_signature_is_checked_at_start_up():
+    with pytest.raises(ValueError, match="first_per_signature"):
+        shadow.install([_Ops().target()], first_per_signature=-1)
+
+
+# --------------------------------------------------------------------------- 4. clustered bounds
+
+
+def _journal(path, windows: int, per_window: int, divergent_windows: int = 0, pids: int = 1):
+    import json
+
+    lines = []
+    for pid in range(pids):
+        for w in range(windows):
+            for i in range(per_window):
+                outcome = "mismatch" if w < divergent_windows and i == 0 else "match"
+                reasons = ["value"] if outcome == "mismatch" else []
+                lines.append(
+                    {"target": "op", "outcome": outcome, "signature": "call", "reasons": reasons,
+                     "timestamp": 1_699_999_980.0 + 60 * w + i * 0.01, "host": "h", "pid": 100 + pid}
+                )  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_a_clean_million_calls_from_one_process_minute_are_not_a_million_trials(tmp_path):
+    from shadow.analysis import sources, verdict
+
+    one_window = sources.from_journal([_journal(tmp_path / "a.jsonl", 1, 5000)])["op"]
+    decision = verdict.decide("op", one_window, 0.001)
+    assert decision.compared == 5000 and decision.effective == 5000
+    assert decision.clusters == 1 and decision.cluster_effective == 1.0
+    assert decision.decision == verdict.INCONCLUSIVE and decision.upper == pytest.approx(0.95)
+    spread = sources.from_journal([_journal(tmp_path / "b.jsonl", 5000, 1)])["op"]
+    decision = verdict.decide("op", spread, 0.001)
+    assert (decision.clusters, decision.cluster_effective, decision.decision) == (5000, 5000.0, verdict.PROMOTE)
+    by_process = sources.from_journal([_journal(tmp_path / "c.jsonl", 2, 10, pids=3)], window=0)["op"]
+    assert verdict.decide("op", by_process, 0.001).clusters == 3
+
+
+def test_divergences_bunched_in_clusters_widen_the_bounds(tmp_path):
+    """10 divergences in 10 of 1000 windows (spread) against 10 in one window (bunched): the same call rate, but
+    the bunched ones are one incident, and the cluster bound says so."""
+    from shadow.analysis import sources, verdict
+
+    spread = verdict.decide("op", sources.from_journal([_journal(tmp_path / "s.jsonl", 1000, 10, 10)])["op"], 0.5)
+    path = _journal(tmp_path / "b.jsonl", 1000, 10)
+    lines = path.read_text().splitlines()
+    lines[:10] = [line.replace('"match"', '"mismatch"').replace("[]", '["value"]') for line in lines[:10]]
+    path.write_text("\n".join(lines) + "\n")
+    bunched = verdict.decide("op", sources.from_journal([path])["op"], 0.5)
+    assert spread.divergent == bunched.divergent == 10 and spread.compared == bunched.compared == 10_000
+    assert bunched.cluster_effective < spread.cluster_effective <= 10_000
+    assert bunched.upper > spread.upper
+
+
+def test_the_verdict_names_its_statistic_and_effective_sample_size(tmp_path):
+    import subprocess
+    import sys
+
+    path = _journal(tmp_path / "j.jsonl", 40, 10)
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "verdict", "--journal", str(path), "--cluster-window", "30"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "rate 0 over 400 effective comparisons (unweighted: no calls by signature)" in done.stdout
+    assert "40 clusters (process x 30 s windows), 40.0 effective" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "shadow", "verdict", "--journal", str(path), "--cluster-window", "-1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--cluster-window" in bad.stderr
+
+
+# --------------------------------------------------------------------------- 3. the noise floor (A/A)
+
+
+def _jitter(scale: float) -> float:
+    """Noise no RNG state controls (the isolation restores torch's and Python's generators between runs): what
+    a nondeterministic kernel (atomics, reduction order) looks like from outside."""
+    import os
+
+    return (int.from_bytes(os.urandom(2), "little") / 65535 - 0.5) * scale
+
+
+class _Noisy:
+    """A deliberately nondeterministic target: legacy and upstream add a jitter of their own to ``2 x``;
+    ``offset`` moves upstream beyond it (a real divergence)."""
+
+    def __init__(self, offset: float = 0.0) -> None:
+        self.offset = offset
+
+    @staticmethod
+    def op(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + _jitter(1e-3)
+
+    def upstream(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + _jitter(1e-3) + self.offset
+
+    def target(self) -> builtin.Target:
+        return builtin.Target("noisy", self, "op", self.upstream, exact=True, signature=lambda a, k: "call")
+
+
+def test_a_nondeterministic_targets_own_noise_is_measured_and_not_called_a_divergence():
+    noisy = _Noisy()
+    with shadow.install([noisy.target()], sample_rate=1.0, aa_rate=1.0, seed=3) as monitor:
+        for _ in range(200):
+            noisy.op(torch.ones(4))
+        stats = monitor.stats()["noisy"]
+        (experiment,) = monitor._experiments
+        floor = experiment.noise_floor()["call"]
+    assert floor[2] == 200 and floor[3] >= 190 and 5e-4 < floor[0] <= 1e-3  # (two jitters may round alike)
+    assert stats.compared == 200 and stats.noise >= 190  # (the very first call had no floor yet)
+    assert stats.mismatch == 200 - stats.noise and stats.mismatch <= 10
+
+
+def test_a_difference_beyond_the_noise_floor_stays_a_divergence():
+    beyond = _Noisy(offset=0.01)
+    with shadow.install([beyond.target()], sample_rate=1.0, aa_rate=1.0, seed=3) as monitor:
+        for _ in range(50):
+            beyond.op(torch.ones(4))
+        stats = monitor.stats()["noisy"]
+    assert (stats.mismatch, stats.noise) == (50, 0)
+
+
+def test_a_deterministic_target_has_a_floor_of_zero_and_its_differences_stay_mismatches():
+    """On the emulated npu the ops are deterministic: the floor is 0, so nothing is excused as noise."""
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    target = builtin.Target("det", ops, "op", lambda x: x * 2 + 1e-3, exact=True, signature=lambda a, k: "call")
+    with shadow.install([target], sample_rate=1.0, aa_rate=1.0) as monitor:
+        for _ in range(20):
+            ops.op(torch.ones(4, device="npu:0"))
+        stats = monitor.stats()["det"]
+        (experiment,) = monitor._experiments
+        assert experiment.noise_floor() == {"call": (0.0, 0.0, 20, 0)}
+    assert (stats.mismatch, stats.noise) == (20, 0)
+
+
+def test_the_noise_floor_is_exported_and_journaled(tmp_path):
+    import json
+
+    from prometheus_client.exposition import generate_latest
+
+    from exporters.journal import JsonlExporter
+    from exporters.prometheus import PrometheusExporter
+    from shadow.analysis import sources
+
+    noisy = _Noisy()
+    exporter = PrometheusExporter()
+    journal = JsonlExporter(str(tmp_path / "j.jsonl"), all_outcomes=True)
+    with shadow.install([noisy.target()], sample_rate=1.0, aa_rate=0.5, seed=5, exporters=[exporter, journal]):
+        for _ in range(100):
+            noisy.op(torch.ones(4))
+    journal.close()
+    text = generate_latest(exporter.registry).decode()
+    floor = [line for line in text.splitlines() if line.startswith('npu_shadow_noise_floor{measure="abs"')]
+    assert len(floor) == 1 and 5e-4 < float(floor[0].split()[-1]) <= 1e-3
+    runs = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("npu_shadow_aa_runs_total{"))
+    assert 30 < runs < 70  # about half the sampled calls
+    records = [json.loads(line) for line in (tmp_path / "j.jsonl").read_text().splitlines()]
+    assert sum(r["aa"] for r in records) == runs and max(r["aa_abs_error"] for r in records) > 5e-4
+    counts = sources.from_exposition(text)["noisy"]
+    assert counts.divergent < 10 and counts.compared == 100  # noise is compared, not divergent
+
+
+def test_aa_rate_is_checked_at_start_up():
+    with pytest.raises(ValueError, match="aa_rate"):
+        shadow.install([_Noisy().target()], aa_rate=2.0)
+
+
+# --------------------------------------------------------------------------- 5. suite A/B
+
+
+AB_SUITE = """
+import torch
+
+
+def test_cast_in_compiled_code():
+    torch.accelerator.set_device_index(0)
+    compiled = torch.compile(lambda a: a.type("torch.npu.HalfTensor"), backend="eager")
+    out = compiled(torch.ones(3, device="npu:1"))
+    assert out.device == torch.device("npu:0")  # what the job relies on: legacy casts onto the current npu
+
+
+def test_plain():
+    assert torch.ones(2).type(torch.float16).dtype == torch.float16
+"""
+
+
+def test_a_suite_ab_finds_the_difference_compiled_code_hides_from_call_level_shadowing(tmp_path):
+    """In compiled code the legacy patch is traced into the graph: no call reaches the shadow wrapper, and
+    ``--npu-shadow`` alone reports no divergence. Run with and without the patches, the test's outcome changes, and
+    the A/B says so in the journal that the verdict and the report read."""
+    import json
+    import subprocess
+    import sys
+
+    from torch_npu_wheels import wheel
+
+    (tmp_path / "test_suite.py").write_text(AB_SUITE)
+    journal = tmp_path / "j.jsonl"
+    legacy = ["-q", "--npu-shadow-emulate-npu", "2", "--npu-shadow-legacy-from", wheel("2.12.0")]
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "ab", "--journal", str(journal), "--", *legacy],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "2 tests, 1 changed their outcome without the patches" in done.stdout
+    assert "test_suite.py::test_cast_in_compiled_code: legacy world: passed; upstream world: failed" in done.stdout
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    call_level = [r for r in records if r["target"] == "tensor_type"]
+    assert call_level and all(r["outcome"] == "match" for r in call_level)  # what call-level shadowing saw
+    ab = {r["test"]: r for r in records if r["target"] == "suite_ab"}
+    assert ab["test_suite.py::test_plain"]["outcome"] == "match"
+    changed = ab["test_suite.py::test_cast_in_compiled_code"]
+    assert (changed["outcome"], changed["reasons"], changed["signature"]) == (
+        "mismatch",
+        ["exception"],
+        "test/passed->failed",
+    )
+    assert "assert device(type='npu', index=1) == device(type='npu', index=0)" in changed["detail"]
+    verdict = subprocess.run(
+        [sys.executable, "-m", "shadow", "verdict", "--journal", str(journal)], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert verdict.returncode == 1 and "suite_ab" in verdict.stdout and "hard mismatches: 1 exception" in verdict.stdout
