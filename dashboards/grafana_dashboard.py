@@ -25,6 +25,7 @@ from dashboards.series import (
     EXPORT_ERRORS,
     LEGACY_TIME,
     MISMATCHES,
+    NOISE_FLOOR,
     REL_ERROR,
     SAMPLE_RATE,
     SHADOW_TIME,
@@ -144,9 +145,21 @@ def build() -> Dashboard:
         )
         .with_panel(
             series_panel(
+                "Noise floor (A/A)",
+                "The greatest difference between two legacy runs of the same call, by signature (abs, rel): the "
+                "target's own nondeterminism. A legacy-vs-upstream value difference within twice it is outcome noise.",
+                "none",
+                query(
+                    f'max by (target, signature, measure) ({NOISE_FLOOR}{{job=~"$job", target=~"$target"}})',
+                    "{{target}} {{signature}} {{measure}}",
+                ),
+            )
+        )
+        .with_panel(
+            series_panel(
                 "Comparisons by outcome",
-                "Compared calls per second by outcome: match (bitwise), close (within tolerance), mismatch, error "
-                "(skipped calls are in Skipped by reason).",
+                "Compared calls per second by outcome: match (bitwise), close (within tolerance), noise (within "
+                "the noise floor), mismatch, error (skipped calls are in Skipped by reason).",
                 "ops",
                 query(f"sum by (outcome) (rate({COMPARISONS}{{{SEL}}}{rate}))", "{{outcome}}"),
                 stacked=True,

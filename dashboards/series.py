@@ -17,6 +17,8 @@ LEGACY_TIME = contract.LEGACY.series
 SHADOW_TIME = contract.SHADOW.series
 SAMPLE_RATE = contract.SAMPLE_RATE.prometheus_name
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
+NOISE_FLOOR = contract.NOISE_FLOOR.prometheus_name
+AA_RUNS = contract.AA_RUNS.series
 
 HARD_REASONS = contract.VOCABULARY["hard_reasons"]
 COMPARED = f'outcome=~"{"|".join(contract.VOCABULARY["compared_outcomes"])}"'

@@ -20,6 +20,7 @@ from shadow.core.observation import (
     SHARED_DIVERGENCE_REASONS,
     SKIP_REASONS,
 )
+from shadow.core.observation import LEGACY as LEGACY_SIDE
 
 PREFIX = "npu_shadow"
 
@@ -77,8 +78,9 @@ COMPARISONS = Metric(
     "npu_shadow.comparisons",
     "{comparison}",
     "counter",
-    ("target", "outcome", "signature"),
-    "Compared calls by outcome (match, close, mismatch, error) and call signature; sampled = compared + skipped.",
+    ("target", "outcome", "signature", "primary"),
+    "Compared calls by outcome (match, close, noise, mismatch, error), call signature and the side whose result the "
+    "caller got (primary: legacy, or upstream in a canary); sampled = compared + skipped.",
 )
 MISMATCHES = Metric(
     "npu_shadow.mismatches",
@@ -116,6 +118,20 @@ SHADOW = Metric(
 )
 SHADOW_DURATION = Metric(
     "npu_shadow.shadow.duration", "s", "histogram", ("target",), "Shadow side time per sampled call."
+)
+PRIMARY = Metric(
+    "npu_shadow.primary",
+    "1",
+    "gauge",
+    ("target", "side"),
+    "1 for the side whose result the caller gets now (legacy, or upstream in a canary), 0 for the other.",
+)
+ROLLBACKS = Metric(
+    "npu_shadow.rollbacks",
+    "{rollback}",
+    "counter",
+    ("target", "source"),
+    "Times the rollback switch made legacy the primary, by what threw it (http, file, api).",
 )
 AA_RUNS = Metric(
     "npu_shadow.aa_runs",
@@ -155,19 +171,35 @@ ALL = (
     SHADOW_DURATION,
     AA_RUNS,
     NOISE_FLOOR,
+    PRIMARY,
+    ROLLBACKS,
     SAMPLE_RATE,
     DRILL_ACTIVE,
 )
+
+
+#: What can throw the rollback switch (the ``source`` label of npu_shadow_rollbacks_total).
+ROLLBACK_SOURCES = ("http", "file", "api")
+
+
+def rollback_source(by: str) -> str:
+    """The bounded label of a rollback's ``by`` ("http:alertmanager ..." -> "http"; anything unknown: "other")."""
+    source = by.partition(":")[0]
+    return source if source in ROLLBACK_SOURCES else "other"
 
 
 #: Pre-created for every target: (metric, labels) at zero, so that ratios exist before the first event.
 #: Comparisons are pre-created with an empty signature (Prometheus treats it as absent).
 def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:
     series: list[tuple[Metric, dict[str, str]]] = [(CALLS, {"target": target, "signature": ""})]
-    series += [(COMPARISONS, {"target": target, "outcome": o, "signature": ""}) for o in COMPARED_OUTCOMES]
+    series += [
+        (COMPARISONS, {"target": target, "outcome": o, "signature": "", "primary": LEGACY_SIDE})
+        for o in COMPARED_OUTCOMES
+    ]
     series += [(MISMATCHES, {"target": target, "reason": r}) for r in MISMATCH_REASONS]
     series += [(SKIPPED, {"target": target, "reason": r}) for r in SKIP_REASONS]
     series += [(EXPORT_ERRORS, {"target": target})]
     series += [(SHARED_DIVERGENCES, {"target": target, "reason": r}) for r in SHARED_DIVERGENCE_REASONS]
     series += [(LEGACY, {"target": target}), (SHADOW, {"target": target})]
+    series += [(ROLLBACKS, {"target": target, "source": source}) for source in ROLLBACK_SOURCES]
     return series

@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from json.encoder import encode_basestring_ascii
 
@@ -118,6 +119,19 @@ class JsonlExporter:
             if failure is not None:
                 raise failure
 
+    def record_rollback(self, target: str, by: str) -> None:
+        """A line of its own for each rollback (``"event": "rollback"``): when, which target, who or what threw it."""
+        now = time.time()
+        fields = {
+            "event": "rollback",
+            "time": datetime.datetime.fromtimestamp(now, _UTC).isoformat(),
+            "timestamp": now,
+            "target": target,
+            "by": by,
+        }
+        with self._lock:
+            self._write(f"{_encode(fields)[:-1]},{self._process_fields or self._process()}\n")
+
     def _line(self, observation: Observation, capture_path: str | None) -> str:
         """One JSON object. Strings go through json's own (C) escaper; the object is framed here, which
         is several times faster than encoding a dict (the journal writes on the training thread)."""
@@ -135,7 +149,7 @@ class JsonlExporter:
             f'"shared_detail":{_quote(o.shared_detail)},"aa":{"true" if o.aa else "false"},'
             f'"aa_abs_error":{_number(o.aa_abs_error)},"aa_rel_error":{_number(o.aa_rel_error)},'
             f'"capture":{"null" if capture_path is None else _quote(capture_path)},'
-            f'"drill":{"true" if o.drill else "false"},"legacy":{_quote(o.legacy)},'
+            f'"drill":{"true" if o.drill else "false"},"legacy":{_quote(o.legacy)},"primary":{_quote(o.primary)},'
             f"{self._annotations()}{self._process_fields or self._process()}\n"
         )
 

@@ -40,6 +40,7 @@ _SUMS = (
     contract.LEGACY,
     contract.SHADOW,
     contract.AA_RUNS,
+    contract.ROLLBACKS,
 )
 _HISTOGRAMS = (contract.ABS_ERROR, contract.REL_ERROR, contract.SHADOW_DURATION)
 
@@ -85,6 +86,13 @@ class OTelExporter:
             unit=contract.SAMPLE_RATE.unit,
             description=contract.SAMPLE_RATE.description,
         )
+        self._primary: dict[tuple[str, str], int] = {}  # (target, side) -> 1 for the side the caller gets
+        self.meter.create_observable_gauge(
+            contract.PRIMARY.otel_name,
+            [self._observe_primary],
+            unit=contract.PRIMARY.unit,
+            description=contract.PRIMARY.description,
+        )
         self._floors: dict[tuple[str, str, str], float] = {}  # (target, signature, measure) -> the greatest
         self.meter.create_observable_gauge(
             contract.NOISE_FLOOR.otel_name,
@@ -113,6 +121,11 @@ class OTelExporter:
         with self._lock:
             rates = list(self._rates.items())
         return [metrics.Observation(rate, {"target": target}) for target, rate in rates]
+
+    def _observe_primary(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        with self._lock:
+            primary = list(self._primary.items())
+        return [metrics.Observation(value, {"target": t, "side": side}) for (t, side), value in primary]
 
     def _observe_floors(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
         with self._lock:
@@ -154,6 +167,15 @@ class OTelExporter:
         with self._lock:
             self._add(contract.CALLS, calls, target, signature)
 
+    def set_primary(self, target: str, side: str) -> None:
+        with self._lock:
+            for each in ("legacy", "upstream"):
+                self._primary[(target, each)] = 1 if each == side else 0
+
+    def record_rollback(self, target: str, by: str) -> None:
+        with self._lock:
+            self._add(contract.ROLLBACKS, 1, target, contract.rollback_source(by))
+
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
         with self._lock:
@@ -170,7 +192,7 @@ class OTelExporter:
                 for reason in observation.reasons:
                     add(contract.SKIPPED, 1, target, reason)
                 return
-            add(contract.COMPARISONS, 1, target, observation.outcome, observation.signature)
+            add(contract.COMPARISONS, 1, target, observation.outcome, observation.signature, observation.primary)
             for reason in observation.reasons:
                 add(contract.MISMATCHES, 1, target, reason)
             if observation.shared_divergence:

@@ -25,7 +25,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from exporters import contract
 from shadow.core import forks
-from shadow.core.observation import Observation, Outcome
+from shadow.core.observation import PRIMARY_SIDES, Observation, Outcome
 from shadow.core.safe_paths import check_private_directory, replace_regular_file
 
 log = logging.getLogger("shadow")
@@ -144,6 +144,13 @@ class PrometheusExporter:
     def record_calls(self, target: str, calls: int, signature: str = "") -> None:
         self._child(contract.CALLS, target, signature).inc(calls)
 
+    def set_primary(self, target: str, side: str) -> None:
+        for each in PRIMARY_SIDES:
+            self._child(contract.PRIMARY, target, each).set(1 if each == side else 0)
+
+    def record_rollback(self, target: str, by: str) -> None:
+        self._child(contract.ROLLBACKS, target, contract.rollback_source(by)).inc()
+
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
         self._child(contract.SKIPPED, target, reason).inc(count)
@@ -159,7 +166,7 @@ class PrometheusExporter:
             for reason in observation.reasons:
                 child(contract.SKIPPED, target, reason).inc()
             return
-        child(contract.COMPARISONS, target, observation.outcome, observation.signature).inc()
+        child(contract.COMPARISONS, target, observation.outcome, observation.signature, observation.primary).inc()
         for reason in observation.reasons:
             child(contract.MISMATCHES, target, reason).inc()
         if observation.shared_divergence:

@@ -17,4 +17,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[dev]"
+# (PYTHONWARNINGS: setuptools' editable build prints a BuildBackendWarning banner on every install otherwise)
+PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[dev]"

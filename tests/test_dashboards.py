@@ -114,7 +114,9 @@ def test_every_dashboard_expression_parses(tmp_path):
 def scraped_metric_names():
     exporter = PrometheusExporter(registry=CollectorRegistry())
     ops = types.SimpleNamespace(op=faults.scale)
-    with shadow.install([shadow.Target("op", ops, "op", faults.scale_wrong)], sample_rate=1.0, exporters=[exporter]):
+    with shadow.install(
+        [shadow.Target("op", ops, "op", faults.scale_wrong)], sample_rate=1.0, exporters=[exporter], aa_rate=1.0
+    ):
         for i in range(4):
             ops.op(torch.tensor([float(i)]))
     text = generate_latest(exporter.registry).decode()

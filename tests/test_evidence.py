@@ -408,3 +408,59 @@ def test_a_suite_ab_finds_the_difference_compiled_code_hides_from_call_level_sha
         timeout=120,
     )  # fmt: skip
     assert verdict.returncode == 1 and "suite_ab" in verdict.stdout and "hard mismatches: 1 exception" in verdict.stdout
+
+
+# --------------------------------------------------------------------------- 7. a report people look at
+
+
+def test_an_exception_divergence_shows_both_sides_however_long_legacys_text():
+    from shadow.core.compare import compare_exceptions
+    from shadow.core.observation import DETAIL_LIMIT
+
+    legacy = RuntimeError("torch_npu says no " + "[ERR00001] PTA invalid parameter " * 40)
+    found = compare_exceptions(legacy, TypeError("upstream: 'torch_npu.npu.HalfTensor' is not a type"))
+    assert found.outcome == "error" and len(found.detail) <= DETAIL_LIMIT
+    assert found.detail.startswith("legacy raised RuntimeError: torch_npu says no")
+    assert found.detail.endswith("; upstream raised TypeError: upstream: 'torch_npu.npu.HalfTensor' is not a type")
+
+
+def test_a_fire_drill_is_named_in_the_verdict_and_the_report(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    lines = [
+        {"target": "op", "outcome": "mismatch", "signature": "call", "reasons": ["value"], "drill": True,
+         "detail": "(drill) value 1 of 4 differs " + "x" * 400}
+        for _ in range(3)
+    ] + [{"target": "op", "outcome": "match", "signature": "call", "reasons": [], "drill": False}] * 10  # fmt: skip
+    journal = tmp_path / "j.jsonl"
+    journal.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    verdict = subprocess.run(
+        [sys.executable, "-m", "shadow", "verdict", "--journal", str(journal)], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert "FIRE DRILL: 3 comparisons carry synthetic divergence injected by a fire drill (op)" in verdict.stdout
+    assert verdict.stdout.rstrip().endswith("- a FIRE DRILL")
+    report = subprocess.run(
+        [sys.executable, "-m", "shadow", "report", "--journal", str(journal), "--html", str(tmp_path / "r.html"),
+         "--markdown", str(tmp_path / "r.md")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    markdown = (tmp_path / "r.md").read_text()
+    assert "**FIRE DRILL: 3 comparisons carry synthetic divergence" in markdown
+    row = next(line for line in markdown.splitlines() if line.startswith("| op | call | mismatch"))
+    assert len(row) < 300 and "characters more in the HTML report" in row  # the repeated details folded
+    assert "<details><summary>(drill) value 1 of 4 differs" in (tmp_path / "r.html").read_text()
+
+
+def test_the_metrics_of_a_drill_name_it_too():
+    from shadow.analysis import sources, verdict
+
+    text = (
+        'npu_shadow_comparisons_total{target="op",outcome="mismatch",signature="call"} 5\nnpu_shadow_drill_active 1\n'
+    )
+    decisions = verdict.decide_all(sources.from_exposition(text), 0.001, {}, 30)
+    assert decisions[0].drilled == -1
+    assert verdict.drill_note(decisions).startswith("FIRE DRILL: the metrics show synthetic divergence")

@@ -31,11 +31,13 @@ def test_discovers_the_fake_torch_npu_patches_and_restores_identity(fake_torch_n
 
 def test_without_torch_npu_nothing_is_installed_and_it_says_so_once(caplog, monkeypatch):
     monkeypatch.setattr(shadow.core.monitor, "_NOTICES", shadow.core.monitor._Notices())
-    with caplog.at_level(logging.INFO, logger="shadow"):
+    with caplog.at_level(logging.INFO, logger="shadow"), pytest.warns(RuntimeWarning) as warned:
         first = shadow.install()
         second = shadow.install()
-    assert first.targets == () and second.targets == ()
-    assert sum("nothing to shadow" in r.getMessage() for r in caplog.records) == 1
+    assert first.targets == () and second.targets == () and first.stats() == {}
+    assert sum("nothing is shadowed" in r.getMessage() for r in caplog.records) == 1
+    (warning,) = [w for w in warned if "npu-shadow" in str(w.message)]  # said once, naming what was looked for
+    assert "torch.Tensor.type" in str(warning.message) and "stats() stays empty" in str(warning.message)
 
 
 def test_reference_patches_count_as_a_rehearsal(caplog):

@@ -33,7 +33,10 @@ def test_all_series_exist_at_zero_right_after_install(exporter):
         parsed = samples(scrape(exporter.port))
     assert parsed[("npu_shadow_calls_total", (("signature", ""), ("target", "op")))] == 0
     for outcome in COMPARED_OUTCOMES:
-        key = ("npu_shadow_comparisons_total", (("outcome", outcome), ("signature", ""), ("target", "op")))
+        key = (
+            "npu_shadow_comparisons_total",
+            (("outcome", outcome), ("primary", "legacy"), ("signature", ""), ("target", "op")),
+        )
         assert parsed[key] == 0
     assert not [k for k in parsed if k[0] == "npu_shadow_comparisons_total" and ("outcome", "skipped") in k[1]]
     for reason in MISMATCH_REASONS:

@@ -55,6 +55,7 @@ Written TIME.
 | torch | 2.13.0+cpu |
 | torch_npu | none |
 | legacy | torch_npu 2.12.0 source |
+| returned to the caller (primary) | not recorded |
 | device | npu x2 (emulated) |
 | journal lines read | 3,083 |
 

@@ -22,7 +22,7 @@ from shadow.core.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES
 
 DIVERGENT = DIVERGENT_OUTCOMES
 #: Journal fields that describe the run rather than one call: collected as the report's environment.
-ENVIRONMENT_FIELDS = ("torch", "torch_npu", "device", "legacy", "host")
+ENVIRONMENT_FIELDS = ("torch", "torch_npu", "device", "legacy", "primary", "host")
 MAX_TESTS = 200
 #: A known target with nothing in the sources: shown, not decided (it changes no overall decision).
 NOT_EXERCISED = "not exercised"
@@ -52,6 +52,7 @@ class Evidence:
     minutes: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     noise: dict[tuple[str, str], list[float]] = dataclasses.field(default_factory=dict)
+    rollbacks: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (time, target, by)
 
 
 def collect(
@@ -63,6 +64,9 @@ def collect(
     for record in journal_records(journals):
         evidence.lines += 1
         add_record(own, record)
+        if record.get("event") == "rollback":
+            evidence.rollbacks.append((str(record.get("time", "")), record["target"], str(record["by"])))
+            continue
         for field in ENVIRONMENT_FIELDS:
             value = record.get(field)
             if isinstance(value, str) and value:
@@ -158,6 +162,15 @@ def build(
     sections = [_environment(evidence, sources), _verdict(decisions, overall, max_rate, absent)]
     sections.append(_charts(evidence, decisions, max_rate, min_per_signature))
     sections += [_coverage(decisions), _shared(decisions), _divergences(evidence)]
+    if evidence.rollbacks:
+        sections.append(
+            Section(
+                "Rollbacks",
+                ["The rollback switch made legacy the primary in a running job (canary): when, and who threw it."],
+                ["time", "target", "by"],
+                [list(r) for r in evidence.rollbacks[:MAX_TESTS]],
+            )
+        )
     if evidence.test_run:
         sections.append(_tests(evidence))
     return overall, sections
@@ -173,6 +186,7 @@ def _environment(evidence: Evidence, sources: Sequence[str]) -> Section:
         ["torch", values("torch")],
         ["torch_npu", values("torch_npu")],
         ["legacy", values("legacy")],
+        ["returned to the caller (primary)", values("primary")],
         ["device", values("device")],
         ["journal lines read", f"{evidence.lines:,}"],
     ]

@@ -225,6 +225,9 @@ def clustering(window: float) -> str:
 def add_record(counts: dict[str, TargetCounts], record: dict, window: float = CLUSTER_WINDOW_SECONDS) -> None:
     """Count one journal record, in its cluster: its process (host, pid) and ``window`` seconds of its time."""
     entry = counts.setdefault(record["target"], TargetCounts())
+    if record.get("event") == "rollback":
+        entry.rollbacks.append(str(record["by"]))
+        return
     entry.add_outcome(record.get("signature", ""), record["outcome"], 1)
     if record.get("drill") is True:
         entry.drilled += 1
@@ -265,6 +268,12 @@ def _journal_record(raw: bytes, where: str) -> dict | None:
         raise SourceError(f"{where}: not a journal line ({type(exc).__name__}: {str(exc)[:120]})") from None
     if not isinstance(record, dict):
         raise SourceError(f"{where}: not a journal line (a JSON {type(record).__name__})")
+    if "event" in record:  # (a rollback: when the switch made legacy the primary, and who threw it)
+        if record["event"] != "rollback" or not isinstance(record.get("target"), str) or not isinstance(
+            record.get("by"), str
+        ):
+            raise SourceError(f"{where}: not a journal line (an event other than a rollback, or without target/by)")
+        return record
     target, outcome = record.get("target"), record.get("outcome")
     signature, reasons = record.get("signature", ""), record.get("reasons", [])
     shared = record.get("shared_divergence")

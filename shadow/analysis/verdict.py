@@ -140,6 +140,8 @@ class TargetCounts:
     #: A fire drill injected synthetic divergence into these sources: how many comparisons carry it (journals),
     #: or -1 where only that a drill was active is known (metrics).
     drilled: float = 0
+    #: Rollbacks the journals recorded (who or what threw the switch), in order.
+    rollbacks: list[str] = dataclasses.field(default_factory=list)
 
     def add_outcome(self, signature: str, outcome: str, count: float) -> None:
         key = (signature, outcome)
@@ -264,7 +266,9 @@ def decide(
         "drilled": round(counts.drilled),
     }
     if n == 0:
-        return Decision(decision=INCONCLUSIVE, why="not exercised: no call of this target was compared", **made)
+        needed = comparisons_needed(max_rate)
+        why = f"not exercised: no call of this target was compared (about {needed} more comparisons without divergence)"
+        return Decision(decision=INCONCLUSIVE, why=why, **made)
     if hard:
         kinds = ", ".join(f"{count} {reason}" for reason, count in sorted(hard.items()))
         return Decision(decision=ROLLBACK, why=f"hard mismatches: {kinds}", **made)

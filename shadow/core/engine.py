@@ -40,8 +40,10 @@ from shadow.core.isolation import (
 )
 from shadow.core.observation import (
     DIVERGENT_OUTCOMES,
+    LEGACY,
     OUTCOMES,
     SHARED_DIVERGENCE_REASONS,
+    UPSTREAM,
     Evidence,
     Observation,
     Outcome,
@@ -141,29 +143,37 @@ class Plan:
         return self.isolation.arguments(0) if self.isolation is not None else (self.args, self.kwargs)
 
 
-def _make_wrapper(legacy: Callable, arrive: Callable[[tuple, dict], Any]) -> tuple[Callable, Callable[[Gate], None]]:
-    """The function installed in legacy's place, and the setter that hands it a new gate.
+Setters = tuple[Callable[[Gate], None], Callable[[Callable], None]]
 
-    The unsampled path is ``next(gate, False)`` and the legacy call: nothing else runs there.
+
+def _make_wrapper(primary: Callable, arrive: Callable[[tuple, dict], Any]) -> tuple[Callable, Setters]:
+    """The function installed in legacy's place, and the setters that hand it a new gate and a new primary (the
+    function whose result the caller gets: legacy, or upstream in a canary until a rollback).
+
+    The unsampled path is ``next(gate, False)`` and the primary's call: nothing else runs there.
     """
     gate = itertools.repeat(True, 0)
 
     def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
         if next(gate, False):
-            return legacy(*args, **kwargs)
+            return primary(*args, **kwargs)
         return arrive(args, kwargs)
 
     def set_gate(new_gate: Gate) -> None:
         nonlocal gate
         gate = new_gate
 
-    _look_like(shadow_wrapper, legacy)
-    return shadow_wrapper, set_gate
+    def set_primary(new_primary: Callable) -> None:
+        nonlocal primary
+        primary = new_primary
+
+    _look_like(shadow_wrapper, primary)
+    return shadow_wrapper, (set_gate, set_primary)
 
 
 def _make_guided_wrapper(
-    legacy: Callable, classify: Callable[[tuple, dict], tuple[str, bool]], arrive: Callable[..., Any]
-) -> tuple[Callable, Callable[[Gate], None]]:
+    primary: Callable, classify: Callable[[tuple, dict], tuple[str, bool]], arrive: Callable[..., Any]
+) -> tuple[Callable, Setters]:
     """The wrapper of a coverage-guided target: every call is classified (its signature counted), the first calls
     of each signature are compared, the rest are sampled by the gate as in :func:`_make_wrapper`."""
     gate = itertools.repeat(True, 0)
@@ -171,15 +181,19 @@ def _make_guided_wrapper(
     def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
         signature, first = classify(args, kwargs)
         if not first and next(gate, False):
-            return legacy(*args, **kwargs)
+            return primary(*args, **kwargs)
         return arrive(args, kwargs, signature, first)
 
     def set_gate(new_gate: Gate) -> None:
         nonlocal gate
         gate = new_gate
 
-    _look_like(shadow_wrapper, legacy)
-    return shadow_wrapper, set_gate
+    def set_primary(new_primary: Callable) -> None:
+        nonlocal primary
+        primary = new_primary
+
+    _look_like(shadow_wrapper, primary)
+    return shadow_wrapper, (set_gate, set_primary)
 
 
 def _look_like(wrapper: Callable, legacy: Callable) -> None:
@@ -261,6 +275,7 @@ class Experiment:
         pure_hooks: bool = False,
         first_per_signature: int = 0,
         aa_rate: float = 0.0,
+        primary: str = LEGACY,
     ) -> None:
         self.target = target
         self.drill = drill
@@ -287,6 +302,15 @@ class Experiment:
         self._noise: dict[str, list[float]] = {}  # signature -> [max abs, max rel, A/A runs, A/A runs that differed]
         self.legacy = target.resolve_legacy()
         self.legacy_origin = patch_origin(self.legacy) or ""
+        # The primary side's result is the caller's (legacy while shadowing; upstream in a canary), the other side
+        # runs as the shadow, isolated. A rollback makes legacy the primary (never the other way round).
+        if primary not in (LEGACY, UPSTREAM):
+            raise ValueError(f"primary: expected {LEGACY!r} or {UPSTREAM!r}, got {primary!r}")
+        self.primary = primary
+        self.primary_fn, self.shadow_fn = (
+            (self.legacy, target.upstream) if primary == LEGACY else (target.upstream, self.legacy)
+        )
+        self.rolled_back_by: str | None = None
         self.tolerance = tolerance if tolerance is not None else target.tolerance
         self.exporters = tuple(exporters)
         self._lock = threading.Lock()
@@ -306,15 +330,18 @@ class Experiment:
         self._signature_calls_reported: dict[str, int] = {}
         self._labels: dict[Any, str] = {}  # what the signature function returned -> the admitted label
         if self.first_per_signature:
-            self.wrapper, set_gate = _make_guided_wrapper(self.legacy, self._classify, self._arrive)
+            self.wrapper, (set_gate, self._set_primary) = _make_guided_wrapper(
+                self.primary_fn, self._classify, self._arrive
+            )
         else:
-            self.wrapper, set_gate = _make_wrapper(self.legacy, self._arrive)
+            self.wrapper, (set_gate, self._set_primary) = _make_wrapper(self.primary_fn, self._arrive)
         self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
         self.sampler = Sampler(sample_rate, seed, target.name, set_gate)
         self._calls_reported = 0
         for exporter in self.exporters:
             self._call_exporter(exporter, "register", target.name, sample_rate)
-        compiling.trace_as_legacy(self.wrapper, self.legacy)
+            self._call_exporter(exporter, "set_primary", target.name, self.primary)
+        compiling.trace_as_legacy(self.wrapper, self.primary_fn)
         forks.register(self)
 
     # ------------------------------------------------------------------ the call
@@ -357,12 +384,12 @@ class Experiment:
                 if not first:
                     self.sampler.arrive()
                     self.sampler.uncount()
-            return (self.target.upstream if side is self and not publishing else self.legacy)(*args, **kwargs)
+            return (self.shadow_fn if side is self and not publishing else self.primary_fn)(*args, **kwargs)
         if not first:
             with self._lock:
                 sampled = self.sampler.arrive()
             if not sampled:
-                return self.legacy(*args, **kwargs)
+                return self.primary_fn(*args, **kwargs)
         if self.budget is not None and self._spent > self.budget * (time.monotonic() - self._started):
             with self._lock:  # over budget: nothing but counting until the job's time catches up
                 self._outcomes[Outcome.SKIPPED.value] += 1
@@ -382,7 +409,7 @@ class Experiment:
         """Legacy, marked as running on this thread: its own nested calls of the wrapper are not new calls."""
         outer, _local.in_legacy = getattr(_local, "in_legacy", None), self
         try:
-            return self.legacy(*args, **kwargs)
+            return self.primary_fn(*args, **kwargs)
         finally:
             _local.in_legacy = outer
 
@@ -495,6 +522,7 @@ class Experiment:
         upstream, drilled, left_by_upstream = self._run_upstream(plan, left_by_legacy)
         common = {
             "target": self.target.name,
+            "primary": self.primary,
             "legacy": self.legacy_origin,
             "signature": plan.signature,
             "legacy_seconds": legacy.seconds,
@@ -509,8 +537,12 @@ class Experiment:
         returned = legacy.error is None and upstream.error is None
         aa = self._aa_run(plan, legacy, left_by_legacy) if plan.aa and returned else {}
         start = time.perf_counter()
-        found = self._compare_runs(plan, args, kwargs, legacy, upstream)
-        found = with_state(found, left_by_legacy.differences(left_by_upstream))
+        # (``legacy`` and ``left_by_legacy`` are the primary's run; in a canary that is upstream's)
+        runs, left = (legacy, upstream), (left_by_legacy, left_by_upstream)
+        if self.primary == UPSTREAM:
+            runs, left = runs[::-1], left[::-1]
+        found = self._compare_runs(plan, args, kwargs, *runs)
+        found = with_state(found, left[0].differences(left[1]))
         found = self._within_noise(plan.signature, found)
         compare_seconds = time.perf_counter() - start
         shared = {}
@@ -518,7 +550,7 @@ class Experiment:
             shared = self._single_device(plan, legacy.value, left_by_legacy)
         evidence = None
         if found.outcome in DIVERGENT_OUTCOMES:
-            evidence = self._evidence(plan, legacy, upstream)
+            evidence = self._evidence(plan, *runs)
         return Observation(
             outcome=found.outcome,
             reasons=found.reasons,
@@ -549,7 +581,7 @@ class Experiment:
             try:
                 # (a run of its own: the calls legacy makes of wrapped functions run legacy, never upstream)
                 with context, _upstream_run(_LEGACY_AGAIN):
-                    again = self.legacy(*args, **kwargs)
+                    again = self.primary_fn(*args, **kwargs)
             finally:
                 self._put_back(left_by_legacy)
             found = compare(legacy.value, again, tolerance=self.tolerance, exact=True)
@@ -583,6 +615,22 @@ class Experiment:
             detail = f"within the noise floor (A/A: abs {abs_floor:.3g}, rel {rel_floor:.3g}): {found.detail}"
             return dataclasses.replace(found, outcome=Outcome.NOISE, reasons=(), detail=bounded(detail))
         return found
+
+    def roll_back(self, by: str) -> bool:
+        """Make legacy the primary from the next call on (upstream runs as the shadow): the rollback switch. Only
+        toward legacy; True when this changed anything. Exporters hear of it (``record_rollback``)."""
+        with self._lock:
+            if self.primary == LEGACY:
+                return False
+            self.primary, self.primary_fn, self.shadow_fn = LEGACY, self.legacy, self.target.upstream
+            self.rolled_back_by = by
+            self._set_primary(self.legacy)
+        compiling.trace_as_legacy(self.wrapper, self.legacy)  # (graphs compiled from now on trace legacy)
+        for exporter in self.exporters:
+            self._call_exporter(exporter, "set_primary", self.target.name, LEGACY)
+            self._call_exporter(exporter, "record_rollback", self.target.name, by)
+        log.warning("npu-shadow [%s]: rolled back to legacy by %s", self.target.name, by)
+        return True
 
     def noise_floor(self) -> dict[str, tuple[float, float, int, int]]:
         """{signature: (greatest abs difference, greatest rel difference, A/A runs, runs that differed)}."""
@@ -667,7 +715,7 @@ class Experiment:
                 if drilled:
                     self.drill.before_upstream()
                 args, kwargs = plan.upstream_arguments()
-                value = self.target.upstream(*args, **kwargs)
+                value = self.shadow_fn(*args, **kwargs)
                 if drilled:
                     value = self.drill.corrupt(value)
         except KeyboardInterrupt:
@@ -801,6 +849,7 @@ class Experiment:
             return TargetStats(
                 calls=sum(self._signature_calls.values()) if self.first_per_signature else self.sampler.calls(),
                 signature_calls=dict(self._signature_calls),
+                primary=self.primary,
                 sampled=sum(outcomes.values()),
                 **{outcome: outcomes.get(outcome, 0) for outcome in OUTCOMES},
                 by_reason=dict(self._reasons),

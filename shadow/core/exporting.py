@@ -30,6 +30,14 @@ class Exporter(Protocol):
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped in bulk, without an observation each (the overhead budget)."""
 
+    def set_primary(self, target: str, side: str) -> None:
+        """The side whose result the caller gets for ``target`` ('legacy' or 'upstream'): at install, and at a
+        rollback."""
+
+    def record_rollback(self, target: str, by: str) -> None:
+        """The rollback switch made legacy the primary of ``target``; ``by`` says who or what threw it
+        ("http:<requester>", "file:<path>", "api:<caller>")."""
+
     def record_export_error(self, target: str) -> None:
         """Another exporter failed to export one of the target's observations."""
 
@@ -41,7 +49,17 @@ class Exporter(Protocol):
 
 
 #: Every hook, in the order of the protocol above.
-HOOKS = ("export", "register", "record_calls", "record_skips", "record_export_error", "set_drill", "close")
+HOOKS = (
+    "export",
+    "register",
+    "record_calls",
+    "record_skips",
+    "set_primary",
+    "record_rollback",
+    "record_export_error",
+    "set_drill",
+    "close",
+)
 
 
 def call_hook(exporter: Any, hook: str, *args: Any) -> BaseException | None:

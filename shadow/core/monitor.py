@@ -21,7 +21,7 @@ from shadow.core import targets as builtin
 from shadow.core import tolerance as tol
 from shadow.core.drill import Drill
 from shadow.core.engine import DEFAULT_FIRST_PER_SIGNATURE, Experiment, experiment_of
-from shadow.core.observation import TargetStats
+from shadow.core.observation import PRIMARY_SIDES, TargetStats
 from shadow.core.rates import check_rate
 from shadow.core.targets import Target
 
@@ -34,10 +34,13 @@ class _Notices:
     def __init__(self) -> None:
         self._said: set[str] = set()
 
-    def once(self, message: str) -> None:
+    def once(self, message: str, warn: bool = False) -> None:
+        """Log ``message`` once per process; ``warn``: warn too (what a user would otherwise not notice)."""
         if message not in self._said:
             self._said.add(message)
             log.info(message)
+            if warn:
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 _NOTICES = _Notices()
@@ -70,6 +73,12 @@ class Monitor:
     def stats(self) -> dict[str, TargetStats]:
         """{target name: counts so far}."""
         return {s.target.name: s.stats() for s in self._experiments}
+
+    def roll_back(self, by: str) -> list[str]:
+        """The rollback switch: every target whose primary is upstream (a canary) returns legacy's result from the
+        next call on, upstream then compared as the shadow. ``by`` says who or what threw it (recorded by the
+        exporters). Only toward legacy. Returns the targets that changed."""
+        return [s.target.name for s in self._experiments if s.roll_back(by)]
 
     def legacy_origins(self) -> dict[str, str]:
         """{target name: where its legacy comes from} for the built-in legacies (see targets.patch_origin)."""
@@ -167,7 +176,13 @@ def _resolve_targets(targets: Iterable[str | Target] | None) -> list[Target]:
     if targets is None:
         active = builtin.active_builtins()
         if not active:
-            _NOTICES.once("npu-shadow: no torch_npu patch is active in this process; nothing to shadow")
+            looked_for = ", ".join(factory().where for factory in builtin.BUILTINS.values())
+            _NOTICES.once(
+                "npu-shadow: no torch_npu patch is active in this process, so nothing is shadowed and "
+                f"stats() stays empty (looked for torch_npu's patch on {looked_for}; import torch_npu first, or "
+                "rehearse with shadow.npu.torch_npu_source.load(WHEEL).patch_torch())",
+                warn=True,
+            )
         for name, origin in active.items():
             if origin == "reference":
                 log.info("npu-shadow: %s shadows shadow.npu.reference's legacy (a rehearsal, not torch_npu)", name)
@@ -212,6 +227,7 @@ def install(
     pure_hooks: bool = False,
     first_per_signature: int = DEFAULT_FIRST_PER_SIGNATURE,
     aa_rate: float = 0.0,
+    primary: str = "legacy",
 ) -> Monitor:
     """Shadow the given targets (by default every built-in whose legacy patch is active).
 
@@ -233,7 +249,9 @@ def install(
     sampling, calls not classified). ``aa_rate``: the fraction of sampled calls on which legacy also runs a second
     time, isolated as upstream is (an A/A run), to measure the target's own nondeterminism by signature (the noise
     floor); a legacy-vs-upstream value difference within twice that floor is reported as ``noise``, not as a
-    mismatch. ``yields``: this monitor steps aside while a later
+    mismatch. ``primary``: the side whose result the caller gets, ``"legacy"`` (shadowing: upstream is compared)
+    or ``"upstream"`` (a canary: legacy is compared, and :meth:`Monitor.roll_back` returns to legacy).
+    ``yields``: this monitor steps aside while a later
     monitor shadows the same target (instead of that one raising "already shadowed"). Raises ValueError on
     any bad argument, before patching.
     """
@@ -258,6 +276,8 @@ def install(
     if isinstance(first_per_signature, bool) or not isinstance(first_per_signature, int) or first_per_signature < 0:
         raise ValueError(f"first_per_signature: expected an int >= 0, got {first_per_signature!r}")
     aa_rate = check_rate(aa_rate, "aa_rate")
+    if primary not in PRIMARY_SIDES:
+        raise ValueError(f"primary: expected one of {PRIMARY_SIDES}, got {primary!r}")
 
     suspended = _step_aside(resolved)  # before the experiments read what is installed as their legacy
     experiments = [
@@ -273,6 +293,7 @@ def install(
             pure_hooks,
             first_per_signature,
             aa_rate,
+            primary,
         )
         for t in resolved
     ]

@@ -26,6 +26,10 @@ class Outcome(str, enum.Enum):
 
 OUTCOMES = tuple(o.value for o in Outcome)
 
+#: Which side's result the caller gets: legacy while shadowing, upstream in a canary (until a rollback).
+LEGACY, UPSTREAM = "legacy", "upstream"
+PRIMARY_SIDES = (LEGACY, UPSTREAM)
+
 #: Sampled calls are compared or skipped: a *compared* call really ran legacy and upstream and compared them.
 COMPARED_OUTCOMES = tuple(o.value for o in Outcome if o is not Outcome.SKIPPED)
 
@@ -142,6 +146,8 @@ class Observation:
     aa_seconds: float = 0.0
     #: Where the legacy side came from: 'torch_npu', 'torch_npu X source', 'reference', or '' (a custom target).
     legacy: str = ""
+    #: The side whose result the caller got (the other ran as the shadow): 'legacy', or 'upstream' in a canary.
+    primary: str = LEGACY
     #: For mismatches and errors: what a repro capture needs (never compared, never printed).
     evidence: Evidence | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -186,6 +192,8 @@ class TargetStats:
     export_errors: int = 0
     #: Sampled calls after which a global setting could not be taken or put back (each said in the log).
     settings_failures: int = 0
+    #: The side whose result the caller gets now ('legacy', or 'upstream' in a canary until a rollback).
+    primary: str = LEGACY
     #: Calls by signature, for a coverage-guided target (every call classified); empty otherwise.
     signature_calls: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 

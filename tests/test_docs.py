@@ -1,0 +1,114 @@
+"""The documentation: a README a newcomer can hold, the reference in docs/ by topic, every link and anchor real,
+every documented command one the project really accepts, and no paragraph in two places."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+
+import pytest
+
+from shadow.launcher import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+PAGES = [os.path.join(ROOT, "README.md"), *DOCS]
+LINK = re.compile(r"\]\(([^)#\s]+\.md)(#[^)\s]+)?\)")
+FENCE = re.compile(r"```(?:bash|sh)?\n(.*?)```", re.S)
+
+
+def read(path: str) -> str:
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_the_readme_is_one_screen_with_the_two_commands_and_a_way_to_every_page():
+    readme = read(os.path.join(ROOT, "README.md"))
+    assert len(readme.encode()) < 8_000, "the README is the first screen; the reference lives in docs/"
+    assert "bash scripts/demo.sh" in readme and "bash scripts/test.sh" in readme
+    assert "chromium" in readme and "prometheus" in readme  # what the test command installs, said
+    linked = {os.path.normpath(os.path.join(ROOT, target)) for target, _ in LINK.findall(readme)}
+    assert linked == {os.path.normpath(page) for page in DOCS}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=os.path.basename)
+def test_every_link_and_anchor_exists(page):
+    text = read(page)
+    for target, anchor in LINK.findall(text):
+        path = os.path.normpath(os.path.join(os.path.dirname(page), target))
+        assert os.path.exists(path), f"{os.path.basename(page)} links to {target}, which does not exist"
+        if anchor:
+            headings = {slug(h) for h in re.findall(r"^#+ (.+)$", read(path), re.M)}
+            assert anchor[1:] in headings, f"{os.path.basename(page)}: no heading {anchor} in {target}"
+
+
+def _commands(text: str):
+    for block in FENCE.findall(text):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            if line and not line.startswith("#"):
+                yield line
+
+
+def _pytest_options() -> set[str]:
+    import shadow_pytest
+
+    options: set[str] = set()
+
+    class Group:
+        def addoption(self, *names, **kwargs):
+            options.update(names)
+
+    class Parser:
+        def getgroup(self, *args, **kwargs):
+            return Group()
+
+    shadow_pytest.pytest_addoption(Parser())
+    return options
+
+
+@pytest.mark.parametrize("page", PAGES, ids=os.path.basename)
+def test_every_documented_command_is_one_the_project_accepts(page):
+    """``npu-shadow ...`` lines parse with the real command line; pytest lines use the plugin's real options;
+    scripts, benchmarks and modules named exist."""
+    parser, plugin_options = cli.build_parser(), _pytest_options()
+    for line in _commands(read(page)):
+        words = shlex.split(line.replace("...", "x"))
+        if words[:1] == ["npu-shadow"] or words[:3] == ["python", "-m", "shadow"]:
+            arguments = words[1:] if words[0] == "npu-shadow" else words[3:]
+            try:
+                parser.parse_args(arguments)
+            except SystemExit as exc:
+                raise AssertionError(f"{os.path.basename(page)}: `{line}` is not a valid command") from exc
+        elif words[:1] == ["pytest"]:
+            for word in words[1:]:
+                if word.startswith("--npu-shadow"):
+                    assert word.split("=")[0] in plugin_options, f"{os.path.basename(page)}: {word} in `{line}`"
+        elif words[:1] == ["bash"] or (words[:1] == ["python"] and words[1].endswith(".py")):
+            assert os.path.exists(os.path.join(ROOT, words[1])), f"{os.path.basename(page)}: `{line}`"
+        elif words[:2] == ["python", "-m"]:
+            module = words[2].replace(".", "/")
+            assert os.path.exists(os.path.join(ROOT, module + ".py")) or os.path.isdir(os.path.join(ROOT, module))
+
+
+def _paragraphs(text: str):
+    for paragraph in re.split(r"\n\s*\n", text):
+        flat = " ".join(paragraph.split())
+        if len(flat) >= 200 and not flat.startswith(("```", "|")):
+            yield flat
+
+
+def test_no_paragraph_is_in_two_places():
+    seen: dict[str, str] = {}
+    for page in PAGES:
+        for paragraph in _paragraphs(read(page)):
+            assert paragraph not in seen, f"in {os.path.basename(page)} and {seen[paragraph]}: {paragraph[:80]}"
+            seen[paragraph] = os.path.basename(page)
