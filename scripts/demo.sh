@@ -4,7 +4,9 @@
 # autocast on every other step), serving its metrics on 127.0.0.1:9464 while it trains, then its
 # summary and the verdict. The legacy side is torch_npu 2.12.0's own code, its wheel fetched first (the reference
 # only where it cannot be, said in the first lines). The first run builds the emulated npu (about 45 s; cached).
-# Extra arguments go to `npu-shadow run`, e.g. `bash scripts/demo.sh --drill value:1.0`.
+# Extra arguments go to `npu-shadow run`, e.g. `bash scripts/demo.sh --drill value:1.0`. `bash scripts/demo.sh
+# --canary-drill` runs the canary phase instead (upstream returned) with a fire drill, and shows the rollback switch
+# taking effect in the running job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -13,10 +15,61 @@ trap 'rm -rf "$work"' EXIT
 mapfile -t legacy < <(bash scripts/demo_legacy.sh)  # torch_npu 2.12.0's own code, fetched; said on stderr
 .venv/bin/npu-shadow doctor --emulate-npu 2 --port 9464 "${legacy[@]}" || true
 echo
-echo "== training, shadowed (metrics on http://127.0.0.1:9464/metrics while it runs)"
-# (a rehearsal compares every call: no overhead budget)
-.venv/bin/npu-shadow run --emulate-npu 2 "${legacy[@]}" --sample-rate 1 --budget off --port 9464 --textfile "$work/metrics.prom" \
-  --journal "$work/journal-{pid}.jsonl" "$@" -- .venv/bin/python examples/train_dataparallel.py --autocast
+if [ "${1:-}" = "--canary-drill" ]; then
+  # The canary phase and its rollback: upstream's result returned, legacy compared, a fire drill injecting a dtype
+  # divergence. A watcher stands in for Prometheus, Alertmanager and `npu-shadow receiver` (tests/test_e2e_rollback.py
+  # runs the real ones): it reads the job's metrics while it trains and, at the first hard mismatch, throws the job's
+  # rollback switch (a file). The job returns legacy's result from the next call on, without a restart.
+  shift
+  echo "== canary with a fire drill (upstream returned; metrics on http://127.0.0.1:9464/metrics); watcher armed"
+  .venv/bin/python - "$work/rollback" <<'WATCH' &
+import re, sys, time, urllib.request
+deadline = time.monotonic() + 300
+while time.monotonic() < deadline:
+    try:
+        text = urllib.request.urlopen("http://127.0.0.1:9464/metrics", timeout=2).read().decode()
+    except OSError:
+        time.sleep(0.2)
+        continue
+    hard = re.findall(r'npu_shadow_mismatches_total\{reason="(dtype|device|exception)",target="(\w+)"\} ([0-9.]+)', text)
+    found = [(reason, target) for reason, target, value in hard if float(value) > 0]
+    if found:
+        open(sys.argv[1], "w").write(f"demo watcher: hard mismatch {found[0][0]} in {found[0][1]}\n")
+        print(f"watcher: hard mismatch ({found[0][0]} in {found[0][1]}): rollback switch thrown", flush=True)
+        break
+    time.sleep(0.2)
+WATCH
+  .venv/bin/npu-shadow run --emulate-npu 2 "${legacy[@]}" --sample-rate 1 --budget off --port 9464 \
+    --textfile "$work/metrics.prom" --journal "$work/journal-{pid}.jsonl" --primary upstream --drill dtype:0.5 \
+    --rollback-file "$work/rollback" "$@" -- .venv/bin/python examples/train_dataparallel.py --autocast --epochs 4
+  wait
+  echo
+  echo "== the rollback, as the job recorded it (journal), and comparisons by the side the caller got (metrics)"
+  cat "$work"/journal-*.jsonl | .venv/bin/python -c '
+import json, sys
+for line in sys.stdin:
+    event = json.loads(line)
+    if event.get("event") == "rollback":
+        print(event["time"], event["target"], "rolled back to legacy by", event["by"], "pid", event["pid"])
+' | sort | head -n 6
+  .venv/bin/python - "$work/metrics.prom" <<'COUNT'
+import collections, sys
+from prometheus_client.parser import text_string_to_metric_families
+returned = collections.Counter()
+for family in text_string_to_metric_families(open(sys.argv[1]).read()):
+    for sample in family.samples:
+        if sample.name == "npu_shadow_comparisons_total" and sample.value:
+            returned[(sample.labels["target"], sample.labels["primary"])] += int(sample.value)
+for (target, primary), count in sorted(returned.items()):
+    print(f"{target:<16} {count:>6} comparisons with {primary}'s result returned")
+COUNT
+else
+  echo "== training, shadowed (metrics on http://127.0.0.1:9464/metrics while it runs)"
+  # (a rehearsal compares every call: no overhead budget)
+  .venv/bin/npu-shadow run --emulate-npu 2 "${legacy[@]}" --sample-rate 1 --budget off --port 9464 \
+    --textfile "$work/metrics.prom" --journal "$work/journal-{pid}.jsonl" "$@" \
+    -- .venv/bin/python examples/train_dataparallel.py --autocast
+fi
 echo
 echo "== verdict"
 set +e

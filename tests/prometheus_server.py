@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -69,8 +70,16 @@ class PrometheusServer:
 
 
 @contextlib.contextmanager
-def prometheus(tmp_path, scrape_jobs: dict[str, int], rule_files: list[str]) -> Iterator[PrometheusServer]:
-    """Run Prometheus scraping ``{job: port}`` every second and evaluating ``rule_files`` every second."""
+def prometheus(
+    tmp_path,
+    scrape_jobs: dict[str, int],
+    rule_files: list[str],
+    alertmanager: str | None = None,
+    honor_labels: tuple[str, ...] = (),
+) -> Iterator[PrometheusServer]:
+    """Run Prometheus scraping ``{job: port}`` every second and evaluating ``rule_files`` every second; alerts go to
+    ``alertmanager`` (host:port) when given; the jobs in ``honor_labels`` keep their samples' own labels (a
+    Pushgateway's)."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("prometheus not installed (apt-get install prometheus)")
@@ -78,10 +87,16 @@ def prometheus(tmp_path, scrape_jobs: dict[str, int], rule_files: list[str]) -> 
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": rule_files,
         "scrape_configs": [
-            {"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
+            {
+                "job_name": job,
+                "static_configs": [{"targets": [f"127.0.0.1:{port}"]}],
+                "honor_labels": job in honor_labels,
+            }
             for job, port in scrape_jobs.items()
         ],
-    }
+    }  # fmt: skip
+    if alertmanager:
+        config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
     config_path = tmp_path / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config))
     port = free_port()
@@ -118,4 +133,36 @@ def prometheus(tmp_path, scrape_jobs: dict[str, int], rule_files: list[str]) -> 
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(15)
+        log.close()
+
+
+@contextlib.contextmanager
+def process(tmp_path, name: str, argv: list[str], ready_url: str, env: dict | None = None) -> Iterator[None]:
+    """A server process (Alertmanager, a Pushgateway, a receiver) on 127.0.0.1 with its log in ``tmp_path``, ready
+    when ``ready_url`` answers; stopped after."""
+    log_path = tmp_path / f"{name}.log"
+    log = open(log_path, "w")  # noqa: SIM115 - closed below
+    child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+
+        def ready():
+            if child.poll() is not None:
+                raise AssertionError(f"{name} exited: {log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(ready_url, timeout=2) as response:
+                    return response.status < 500
+            except urllib.error.HTTPError as exc:
+                return exc.code < 500
+            except OSError:
+                return False
+
+        PrometheusServer("").wait_for(ready, f"{name} to be ready", timeout=60)
+        yield
+    finally:
+        child.terminate()
+        try:
+            child.wait(15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(15)
         log.close()

@@ -52,10 +52,10 @@ def test_every_link_and_anchor_exists(page):
 
 def _commands(text: str):
     for block in FENCE.findall(text):
-        for line in block.splitlines():
+        for line in block.replace("\\\n", " ").splitlines():  # (continued lines joined)
             line = line.split("  #")[0].strip()
             if line and not line.startswith("#"):
-                yield line
+                yield re.sub(r"^(\w+=\S+ )+", "", line)  # (without the variables set for the command)
 
 
 def _pytest_options() -> set[str]:

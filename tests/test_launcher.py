@@ -97,6 +97,11 @@ INVALID = {
     "pure_hooks": "sometimes",
     "first_per_signature": "-1",
     "aa_rate": "1.5",
+    "primary": "both",
+    "rollback_file": "",
+    "rollback_port": "70000",
+    "rollback_addr": "local host",
+    "rollback_token": "short",
 }
 MORE_INVALID = [
     ("sample_rate", "tensor_type=x"),

@@ -269,8 +269,10 @@ def _journal_record(raw: bytes, where: str) -> dict | None:
     if not isinstance(record, dict):
         raise SourceError(f"{where}: not a journal line (a JSON {type(record).__name__})")
     if "event" in record:  # (a rollback: when the switch made legacy the primary, and who threw it)
-        if record["event"] != "rollback" or not isinstance(record.get("target"), str) or not isinstance(
-            record.get("by"), str
+        if (
+            record["event"] != "rollback"
+            or not isinstance(record.get("target"), str)
+            or not isinstance(record.get("by"), str)
         ):
             raise SourceError(f"{where}: not a journal line (an event other than a rollback, or without target/by)")
         return record

@@ -306,7 +306,7 @@ class Experiment:
         # runs as the shadow, isolated. A rollback makes legacy the primary (never the other way round).
         if primary not in (LEGACY, UPSTREAM):
             raise ValueError(f"primary: expected {LEGACY!r} or {UPSTREAM!r}, got {primary!r}")
-        self.primary = primary
+        self.primary = self.configured_primary = primary
         self.primary_fn, self.shadow_fn = (
             (self.legacy, target.upstream) if primary == LEGACY else (target.upstream, self.legacy)
         )
@@ -341,7 +341,14 @@ class Experiment:
         for exporter in self.exporters:
             self._call_exporter(exporter, "register", target.name, sample_rate)
             self._call_exporter(exporter, "set_primary", target.name, self.primary)
-        compiling.trace_as_legacy(self.wrapper, self.primary_fn)
+        # Compiled code traces the primary of the moment it compiles (a rollback re-routes graphs compiled later).
+        self._traced = [self.primary_fn]
+        traced = self._traced
+
+        def primary_of_the_moment(*args: Any, **kwargs: Any) -> Any:
+            return traced[0](*args, **kwargs)
+
+        compiling.trace_as_legacy(self.wrapper, primary_of_the_moment)
         forks.register(self)
 
     # ------------------------------------------------------------------ the call
@@ -625,11 +632,26 @@ class Experiment:
             self.primary, self.primary_fn, self.shadow_fn = LEGACY, self.legacy, self.target.upstream
             self.rolled_back_by = by
             self._set_primary(self.legacy)
-        compiling.trace_as_legacy(self.wrapper, self.legacy)  # (graphs compiled from now on trace legacy)
+            self._traced[0] = self.legacy
         for exporter in self.exporters:
             self._call_exporter(exporter, "set_primary", self.target.name, LEGACY)
             self._call_exporter(exporter, "record_rollback", self.target.name, by)
         log.warning("npu-shadow [%s]: rolled back to legacy by %s", self.target.name, by)
+        return True
+
+    def reset_primary(self, by: str) -> bool:
+        """A person's reset after a rollback: the primary configured at install again. True when it changed."""
+        with self._lock:
+            if self.primary == self.configured_primary:
+                return False
+            self.primary = self.configured_primary
+            self.primary_fn, self.shadow_fn = self.target.upstream, self.legacy
+            self.rolled_back_by = None
+            self._set_primary(self.primary_fn)
+            self._traced[0] = self.primary_fn
+        for exporter in self.exporters:
+            self._call_exporter(exporter, "set_primary", self.target.name, self.primary)
+        log.warning("npu-shadow [%s]: primary reset to %s by %s", self.target.name, self.primary, by)
         return True
 
     def noise_floor(self) -> dict[str, tuple[float, float, int, int]]:
@@ -850,6 +872,7 @@ class Experiment:
                 calls=sum(self._signature_calls.values()) if self.first_per_signature else self.sampler.calls(),
                 signature_calls=dict(self._signature_calls),
                 primary=self.primary,
+                rolled_back_by=self.rolled_back_by or "",
                 sampled=sum(outcomes.values()),
                 **{outcome: outcomes.get(outcome, 0) for outcome in OUTCOMES},
                 by_reason=dict(self._reasons),

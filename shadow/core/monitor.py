@@ -80,6 +80,11 @@ class Monitor:
         exporters). Only toward legacy. Returns the targets that changed."""
         return [s.target.name for s in self._experiments if s.roll_back(by)]
 
+    def reset_primary(self, by: str) -> list[str]:
+        """A person's reset of the rollback switch: each target's configured primary again. Returns those that
+        changed."""
+        return [s.target.name for s in self._experiments if s.reset_primary(by)]
+
     def legacy_origins(self) -> dict[str, str]:
         """{target name: where its legacy comes from} for the built-in legacies (see targets.patch_origin)."""
         origins = {s.target.name: builtin.patch_origin(s.legacy) for s in self._experiments}

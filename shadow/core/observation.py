@@ -192,8 +192,10 @@ class TargetStats:
     export_errors: int = 0
     #: Sampled calls after which a global setting could not be taken or put back (each said in the log).
     settings_failures: int = 0
-    #: The side whose result the caller gets now ('legacy', or 'upstream' in a canary until a rollback).
+    #: The side whose result the caller gets now ('legacy', or 'upstream' in a canary until a rollback), and who
+    #: or what threw the rollback switch ('' if nobody did).
     primary: str = LEGACY
+    rolled_back_by: str = ""
     #: Calls by signature, for a coverage-guided target (every call classified); empty otherwise.
     signature_calls: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 

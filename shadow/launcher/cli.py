@@ -165,6 +165,12 @@ def _count(text: str) -> int:
     return value
 
 
+def _receiver(args: argparse.Namespace) -> int:
+    from shadow.launcher import receiver
+
+    return receiver.main(args.listen, args.switch, os.environ.get("NPU_SHADOW_ROLLBACK_TOKEN"))
+
+
 def _ab(args: argparse.Namespace) -> int:
     from shadow.launcher import ab
 
@@ -314,6 +320,17 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--journal", default="npu-shadow-tests.jsonl", metavar="PATH", help="the journal both write to")
     ab.add_argument("pytest_args", nargs=argparse.REMAINDER, help="-- PYTEST_ARGS (with --npu-shadow-* options)")
     ab.set_defaults(handler=_ab)
+
+    receiver = commands.add_parser(
+        "receiver",
+        help="an Alertmanager webhook receiver that throws the rollback switch of the job an alert names",
+        description="Receives Alertmanager's webhooks on LISTEN/alerts; each firing alert labelled action=rollback "
+        "throws the switch of its job (--switch JOB=URL, the job's --rollback-port endpoint), with the token in "
+        "NPU_SHADOW_ROLLBACK_TOKEN. Prints one JSON line per flip.",
+    )
+    receiver.add_argument("--listen", default="127.0.0.1:9095", metavar="HOST:PORT")
+    receiver.add_argument("--switch", action="append", default=[], metavar="JOB=URL", help="a job's rollback endpoint")
+    receiver.set_defaults(handler=_receiver)
 
     paper = commands.add_parser(
         "report",

@@ -100,6 +100,27 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in allowed:
+            raise Invalid()
+        return text
+
+    return parse
+
+
+def _nonempty(text: str) -> str:
+    if not text:
+        raise Invalid()
+    return text
+
+
+def _token(text: str) -> str:
+    if len(text) < 16 or not text.isprintable() or " " in text:
+        raise Invalid("too short, or with spaces or control characters")
+    return text
+
+
 def _non_negative(text: str) -> int:
     if not (text.isascii() and text.isdigit()):
         raise Invalid()
@@ -297,6 +318,34 @@ SETTINGS = {
         "default 0.05; 0: none)",
         lambda text: _rate(text, "[0"),
     ),
+    "primary": Setting(
+        "NPU_SHADOW_PRIMARY",
+        "--primary",
+        "legacy (shadowing: the caller gets legacy's result, upstream is compared) or upstream (a canary: the caller "
+        "gets upstream's, legacy is compared; the rollback switch returns to legacy)",
+        _choice("legacy", "upstream"),
+    ),
+    "rollback_file": Setting(
+        "NPU_SHADOW_ROLLBACK_FILE",
+        "--rollback-file",
+        "a file path: when the file appears, the job returns legacy's result from the next call on",
+        _nonempty,
+    ),
+    "rollback_port": Setting(
+        "NPU_SHADOW_ROLLBACK_PORT",
+        "--rollback-port",
+        "a port number in 0..65535 for the rollback endpoint (LOCAL_RANK is added; needs NPU_SHADOW_ROLLBACK_TOKEN)",
+        _port,
+    ),
+    "rollback_addr": Setting(
+        "NPU_SHADOW_ROLLBACK_ADDR", "--rollback-addr", "an address to bind, e.g. 127.0.0.1", _matching(_ADDRESS)
+    ),
+    "rollback_token": Setting(
+        "NPU_SHADOW_ROLLBACK_TOKEN",
+        "--rollback-token",
+        "the bearer token the rollback endpoint requires (at least 16 characters; prefer the variable to the option)",
+        _token,
+    ),
     "oracle": Setting(
         "NPU_SHADOW_ORACLE",
         "--oracle",
@@ -339,6 +388,11 @@ class Config:
     pure_hooks: bool = False
     first_per_signature: int = DEFAULT_FIRST_PER_SIGNATURE
     aa_rate: float = 0.05
+    primary: str = "legacy"
+    rollback_file: str | None = None
+    rollback_port: int | None = None
+    rollback_addr: str = "127.0.0.1"
+    rollback_token: str | None = None
 
 
 def from_sources(environ: Mapping[str, str], options: Mapping[str, str | None] | None = None) -> Config:
@@ -356,6 +410,9 @@ def from_sources(environ: Mapping[str, str], options: Mapping[str, str | None] |
         raise ConfigError(
             f"{port.option}={values['port']} ({port.variable}) plus LOCAL_RANK={local_rank} is past port 65535"
         )
+    if "rollback_port" in values and "rollback_token" not in values:
+        port, token = SETTINGS["rollback_port"], SETTINGS["rollback_token"]
+        raise ConfigError(f"{port.option} ({port.variable}) needs {token.variable}: no endpoint runs without one")
     if ("rtol" in values) != ("atol" in values):
         given = "rtol" if "rtol" in values else "atol"
         missing = SETTINGS["atol" if given == "rtol" else "rtol"]

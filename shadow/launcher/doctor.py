@@ -38,6 +38,15 @@ def _cann() -> str | None:
     return None
 
 
+def _removed(version: str) -> bool:
+    """Whether this torch_npu release no longer carries the patches (2.13 and later)."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) >= (2, 13)
+    except (ValueError, IndexError):
+        return False
+
+
 def _torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)
@@ -122,6 +131,14 @@ def diagnose(
         except (torch_npu_source.LegacySourceError, OSError) as exc:
             lines.append(f"legacy: --legacy-from {legacy_from}: {exc}")
             return 1, lines
+    if npu_version is not None and loaded is None and not targets.active_builtins() and _removed(npu_version):
+        # (torch_npu 2.13 deleted the patches: upstream is all this host has; the canary compares 2.12's legacy)
+        lines.append(
+            f"torch_npu {npu_version} has no legacy patches (they were removed in 2.13): run a canary, the caller "
+            "getting upstream's result with torch_npu 2.12.0's legacy compared: npu-shadow run --primary upstream "
+            "--legacy-from ~/.cache/npu-shadow/wheels/torch_npu-2.12.0-*.whl (scripts/fetch_torch_npu.sh 2.12.0 "
+            "fetches it)"
+        )
     if imported_npu:
         ignored = "; --legacy-from ignored" if legacy_from else ""
         lines.append(f"legacy: torch_npu {npu_version} (imported){ignored}")

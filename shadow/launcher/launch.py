@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import warnings
@@ -25,6 +26,9 @@ from shadow.core.exporting import call_hook
 from shadow.npu.patching import LEGACY_PATCHED
 
 log = logging.getLogger("shadow")
+
+#: A push at exit waits at most this long for the Pushgateway: a slow or silent one never holds the job up longer.
+PUSH_TIMEOUT_SECONDS = 3.0
 
 
 def _is_job_process() -> bool:
@@ -76,6 +80,9 @@ class Launcher:
         self._lock = threading.RLock()
         #: Outputs at exit (a push, a textfile) that failed, by what they were: each said once on stderr.
         self.output_failures: dict[str, int] = {}
+        #: The rollback switch (a file, a loopback endpoint) of a canary job, and who threw it.
+        self.switch: Any = None
+        self.rolled_back_by: str | None = None
 
     def install(self, environ: Mapping[str, str] | None = None) -> Any:
         """Install (or re-install) the monitor described by the NPU_SHADOW_* variables of ``environ`` (when given)
@@ -103,6 +110,9 @@ class Launcher:
                 self._legacy_from(config.legacy_from)
             if not self.exporters:
                 self.exporters = _exporters(config)
+            if config.rollback_file and not self.rolled_back_by and os.path.exists(config.rollback_file):
+                # (a process started after the switch was thrown, a DataLoader worker say, starts rolled back)
+                self.rolled_back_by = f"file:{config.rollback_file}"
             tolerance = Tolerance(config.rtol, config.atol) if config.rtol is not None else None
             drill = Drill(*config.drill, seed=config.seed) if config.drill else None
             with warnings.catch_warnings():
@@ -121,13 +131,41 @@ class Launcher:
                     pure_hooks=config.pure_hooks,
                     first_per_signature=config.first_per_signature,
                     aa_rate=config.aa_rate,
+                    # (a switch thrown stays thrown when the monitor is installed anew over new legacy patches)
+                    primary="legacy" if self.rolled_back_by else config.primary,
                 )
+            self._start_switch(config)
             LEGACY_PATCHED.subscribe(refresh)
             if not self._at_exit_registered:
                 self._at_exit_registered = True
                 atexit.register(self.at_exit)
                 _flush_on_sigterm(self.at_exit)
             return self.monitor
+
+    def _start_switch(self, config: Any) -> None:
+        if self.switch is not None or not (config.rollback_file or config.rollback_port is not None):
+            return
+        from shadow.launcher.switch import RollbackSwitch
+
+        port = None
+        if config.rollback_port is not None and _is_job_process():  # (DataLoader workers only watch the file)
+            port = config.rollback_port + _local_rank() if config.rollback_port else 0
+        self.switch = RollbackSwitch(
+            self.roll_back, self.reset_primary, config.rollback_file, port, config.rollback_addr, config.rollback_token
+        )
+
+    def roll_back(self, by: str) -> list[str]:
+        """Make legacy the primary of every target, now and in any monitor installed later; returns those that
+        changed. What the rollback switch calls."""
+        with self._lock:
+            self.rolled_back_by = by
+            return self.monitor.roll_back(by) if self.monitor is not None else []
+
+    def reset_primary(self, by: str) -> list[str]:
+        """A person's reset of the switch: the configured primary again."""
+        with self._lock:
+            self.rolled_back_by = None
+            return self.monitor.reset_primary(by) if self.monitor is not None else []
 
     def refresh(self) -> None:
         """Re-install when something patched over the wrappers, or new legacy patches appeared. Called from the
@@ -159,11 +197,14 @@ class Launcher:
             for exporter in self.exporters:
                 # each output on its own: a failed push never costs the textfile, nor the textfile the push
                 if config.pushgateway and hasattr(exporter, "push_to_gateway"):
+                    # grouped by job and instance (host and rank): the ranks of a job never overwrite each other
                     self._at_exit_output(
                         f"push to {config.pushgateway}",
                         exporter.push_to_gateway,
                         config.pushgateway,
                         job=os.environ.get("NPU_SHADOW_JOB", "npu-shadow"),
+                        grouping_key={"instance": f"{socket.gethostname()}:rank{_local_rank()}"},
+                        timeout=PUSH_TIMEOUT_SECONDS,
                     )
                 if config.textfile and hasattr(exporter, "write_textfile"):
                     path = config.textfile.format(rank=_local_rank(), pid=os.getpid())
@@ -253,6 +294,10 @@ def summary(stats: dict, legacy: dict[str, str] | None = None) -> str:
         lines.append(
             f"{name:<16}{s.calls:>10}{s.sampled:>9}{s.match:>8}{s.close:>7}{s.mismatch:>10}{s.error:>7}{s.skipped:>9}"
         )
+        if s.rolled_back_by:
+            lines.append(f"{'':<16}rolled back: legacy's result returned since the switch thrown by {s.rolled_back_by}")
+        elif s.primary == "upstream":
+            lines.append(f"{'':<16}canary: upstream's result returned, legacy compared")
         if s.shared_divergences:
             found = ", ".join(f"{reason} {count}" for reason, count in sorted(s.shared_divergences.items()))
             lines.append(
