@@ -210,3 +210,70 @@ def test_a_short_job_pushes_at_exit_and_the_verdict_reads_it_through_prometheus(
         assert time.monotonic() - started < PUSH_TIMEOUT_SECONDS + 30  # (interpreter starts included)
     finally:
         silent.close()
+
+
+def test_a_fleet_of_two_torchrun_jobs_adds_up_per_job_and_fleet_wide(tmp_path):
+    """Two jobs of four ranks each (gloo on the CPU, the emulated npu in every rank, DataParallel in one), each rank
+    serving its own endpoint, one Prometheus: the recording rules and the verdict with --selector give per-job and
+    fleet-wide counts equal to the sums of the ranks' own (their exposition written at exit)."""
+    from prometheus_server import consecutive_free_ports
+
+    ranks = 4
+    bases = {"fleet_a": consecutive_free_ports(ranks), "fleet_b": consecutive_free_ports(ranks)}
+    stop = tmp_path / "stop"
+    jobs = {}
+    for name, base in bases.items():
+        textfile = str(tmp_path / f"{name}-rank{{rank}}.prom")
+        jobs[name] = subprocess.Popen(
+            [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.12.0"),
+             "--sample-rate", "1", "--budget", "off", "--port", str(base), "--textfile", textfile, "--",
+             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+             str(free_port()), os.path.join(ROOT, "tests", "fleet_rank.py"), "--stop", str(stop),
+             *(["--dp"] if name == "fleet_a" else [])],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.err", "w"),  # noqa: SIM115
+        )  # fmt: skip
+    scrape = {f"{name}-rank{r}": base + r for name, base in bases.items() for r in range(ranks)}
+    seen: list[dict[str, float]] = []
+    try:
+        with prometheus(tmp_path, scrape, [str(rules.RULES_PATH)]) as server:
+            # (each endpoint is a scrape job of its own here: a rank's job is its name's prefix)
+            def per_job(record: str) -> dict[str, float]:
+                found: dict[str, float] = {}
+                for labels, value in server.query(f'{record}{{target="tensor_type"}}').items():
+                    job = dict(labels)["job"].split("-rank")[0]
+                    found[job] = found.get(job, 0) + value
+                return found
+
+            def settled() -> bool:  # every rank scraped, its calls done (the ranks then wait for the stop file)
+                seen.append(per_job("npu_shadow:calls:total"))
+                up = server.query('sum(up{job=~"fleet_.*"})')
+                return up.get((), 0) == 2 * ranks and len(seen) > 4 and seen[-1] == seen[-4] and len(seen[-1]) == 2
+
+            server.wait_for(settled, "every rank scraped and done", timeout=240)
+            calls = seen[-1]
+            compared = per_job("npu_shadow:comparisons:total")
+            fleet = server.query('sum(npu_shadow:comparisons:total{target="tensor_type"})')[()]
+            assert fleet == sum(compared.values())  # fleet-wide: the sum over the jobs
+            dp = server.query('sum by (job) (npu_shadow:comparisons:total{target="parallel_apply"})')
+            assert {dict(k)["job"].split("-rank")[0] for k, v in dp.items() if v > 0} == {"fleet_a"}
+            verdict = subprocess.run(
+                [sys.executable, "-m", "shadow", "verdict", "--prometheus", server.url, "--selector",
+                 'job=~"fleet_b-rank.*"'], capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            row = next(line.split() for line in verdict.stdout.splitlines() if line.startswith("tensor_type"))
+            assert int(row[2]) == compared["fleet_b"], verdict.stdout
+    finally:
+        stop.write_text("done")
+        for job in jobs.values():
+            try:
+                job.wait(120)
+            except subprocess.TimeoutExpired:
+                job.kill()
+    for name in bases:  # each rank's own count, written at its exit, is what was scraped
+        assert jobs[name].returncode == 0, (tmp_path / f"{name}.err").read_text()[-3000:]
+        own = 0.0
+        for r in range(ranks):
+            for line in (tmp_path / f"{name}-rank{r}.prom").read_text().splitlines():
+                if line.startswith("npu_shadow_calls_total{") and 'target="tensor_type"' in line:
+                    own += float(line.split()[-1])
+        assert own == calls[name] > 0, (name, own, calls)

@@ -119,6 +119,8 @@ class Launcher:
                 warnings.filterwarnings(
                     "ignore", "npu-shadow: torch_npu is installed but not imported"
                 )  # see bootstrap
+                # (the exit summary says it: "no target installed")
+                warnings.filterwarnings("ignore", "npu-shadow: no torch_npu patch is active")
                 self.monitor = install(
                     targets=config.targets,
                     sample_rate=config.sample_rate,
