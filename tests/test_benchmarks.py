@@ -35,6 +35,11 @@ def test_exporter_benchmark_runs():
 
 def test_step_benchmark_runs_on_the_emulated_npu_and_reports_every_ratio():
     out = run_quick("bench_step.py")
-    assert "step time, rate 0.01 / unwrapped = " in out
+    assert "step time, rate 0.01 / unwrapped = " in out and "coverage-guided after its first 30" in out
     assert "step time, rate 1.0 / unwrapped = " in out
     assert "peak RSS of a step, rate 1.0 / unwrapped = " in out or "peak RSS: unavailable" in out
+
+
+def test_coverage_benchmark_runs_and_reports_the_ratio():
+    out = run_quick("bench_coverage.py")
+    assert "guided: " in out and "uniform: " in out and "uniform / guided comparisons = " in out
