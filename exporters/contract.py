@@ -71,8 +71,9 @@ CALLS = Metric(
     "npu_shadow.calls",
     "{call}",
     "counter",
-    ("target", "signature"),
-    "Calls of the wrapped function, sampled or not; by call signature for a coverage-guided target (empty otherwise).",
+    ("target", "signature", "primary"),
+    "Calls of the wrapped function, sampled or not; by call signature for a coverage-guided target (empty otherwise) "
+    "and the side whose result the caller got.",
 )
 COMPARISONS = Metric(
     "npu_shadow.comparisons",
@@ -86,14 +87,14 @@ MISMATCHES = Metric(
     "npu_shadow.mismatches",
     "{mismatch}",
     "counter",
-    ("target", "reason"),
+    ("target", "reason", "primary"),
     "Reasons found in mismatching or erroring comparisons (one comparison can have several).",
 )
 SKIPPED = Metric(
     "npu_shadow.skipped",
     "{comparison}",
     "counter",
-    ("target", "reason"),
+    ("target", "reason", "primary"),
     "Sampled calls not compared, by reason.",
 )
 EXPORT_ERRORS = Metric(
@@ -107,7 +108,7 @@ SHARED_DIVERGENCES = Metric(
     "npu_shadow.shared_divergences",
     "{comparison}",
     "counter",
-    ("target", "reason"),
+    ("target", "reason", "primary"),
     "Comparisons where legacy and upstream agree but both depart from the single-device oracle, by reason.",
 )
 ABS_ERROR = Metric("npu_shadow.abs_error", "1", "histogram", ("target",), "Greatest absolute error per comparison.")
@@ -191,15 +192,18 @@ def rollback_source(by: str) -> str:
 #: Pre-created for every target: (metric, labels) at zero, so that ratios exist before the first event.
 #: Comparisons are pre-created with an empty signature (Prometheus treats it as absent).
 def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:
-    series: list[tuple[Metric, dict[str, str]]] = [(CALLS, {"target": target, "signature": ""})]
+    legacy = LEGACY_SIDE
+    series: list[tuple[Metric, dict[str, str]]] = [(CALLS, {"target": target, "signature": "", "primary": legacy})]
     series += [
         (COMPARISONS, {"target": target, "outcome": o, "signature": "", "primary": LEGACY_SIDE})
         for o in COMPARED_OUTCOMES
     ]
-    series += [(MISMATCHES, {"target": target, "reason": r}) for r in MISMATCH_REASONS]
-    series += [(SKIPPED, {"target": target, "reason": r}) for r in SKIP_REASONS]
+    series += [(MISMATCHES, {"target": target, "reason": r, "primary": legacy}) for r in MISMATCH_REASONS]
+    series += [(SKIPPED, {"target": target, "reason": r, "primary": legacy}) for r in SKIP_REASONS]
     series += [(EXPORT_ERRORS, {"target": target})]
-    series += [(SHARED_DIVERGENCES, {"target": target, "reason": r}) for r in SHARED_DIVERGENCE_REASONS]
+    series += [
+        (SHARED_DIVERGENCES, {"target": target, "reason": r, "primary": legacy}) for r in SHARED_DIVERGENCE_REASONS
+    ]
     series += [(LEGACY, {"target": target}), (SHADOW, {"target": target})]
     series += [(ROLLBACKS, {"target": target, "source": source}) for source in ROLLBACK_SOURCES]
     return series

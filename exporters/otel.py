@@ -165,7 +165,11 @@ class OTelExporter:
 
     def record_calls(self, target: str, calls: int, signature: str = "") -> None:
         with self._lock:
-            self._add(contract.CALLS, calls, target, signature)
+            self._add(contract.CALLS, calls, target, signature, self._side(target))
+
+    def _side(self, target: str) -> str:
+        """The side the caller of ``target`` gets now (as set_primary last said)."""
+        return "upstream" if self._primary.get((target, "upstream")) else "legacy"
 
     def set_primary(self, target: str, side: str) -> None:
         with self._lock:
@@ -179,7 +183,7 @@ class OTelExporter:
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
         with self._lock:
-            self._add(contract.SKIPPED, count, target, reason)
+            self._add(contract.SKIPPED, count, target, reason, self._side(target))
 
     def record_export_error(self, target: str) -> None:
         with self._lock:
@@ -190,13 +194,13 @@ class OTelExporter:
         with self._lock:
             if observation.outcome == Outcome.SKIPPED:
                 for reason in observation.reasons:
-                    add(contract.SKIPPED, 1, target, reason)
+                    add(contract.SKIPPED, 1, target, reason, observation.primary)
                 return
             add(contract.COMPARISONS, 1, target, observation.outcome, observation.signature, observation.primary)
             for reason in observation.reasons:
-                add(contract.MISMATCHES, 1, target, reason)
+                add(contract.MISMATCHES, 1, target, reason, observation.primary)
             if observation.shared_divergence:
-                add(contract.SHARED_DIVERGENCES, 1, target, observation.shared_divergence)
+                add(contract.SHARED_DIVERGENCES, 1, target, observation.shared_divergence, observation.primary)
             if observation.aa:
                 signature = observation.signature
                 differs = observation.aa_abs_error > 0 or observation.aa_rel_error > 0

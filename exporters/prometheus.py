@@ -25,7 +25,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from exporters import contract
 from shadow.core import forks
-from shadow.core.observation import PRIMARY_SIDES, Observation, Outcome
+from shadow.core.observation import LEGACY, PRIMARY_SIDES, Observation, Outcome
 from shadow.core.safe_paths import check_private_directory, replace_regular_file
 
 log = logging.getLogger("shadow")
@@ -91,6 +91,7 @@ class PrometheusExporter:
         self._metrics = self._create(metric_registry)
         self._children: dict[tuple, Any] = {}
         self._floors: dict[tuple[str, str, str], float] = {}  # (target, signature, measure) -> the greatest
+        self._primary: dict[str, str] = {}  # target -> the side the caller gets now (for calls and bulk skips)
         self._metrics[contract.BUILD_INFO].labels(**contract.versions()).set(1)
         self._metrics[contract.DRILL_ACTIVE].set(0)
         self.server: Any = None
@@ -142,9 +143,10 @@ class PrometheusExporter:
         self._metrics[contract.DRILL_ACTIVE].set(1 if active else 0)
 
     def record_calls(self, target: str, calls: int, signature: str = "") -> None:
-        self._child(contract.CALLS, target, signature).inc(calls)
+        self._child(contract.CALLS, target, signature, self._primary.get(target, LEGACY)).inc(calls)
 
     def set_primary(self, target: str, side: str) -> None:
+        self._primary[target] = side
         for each in PRIMARY_SIDES:
             self._child(contract.PRIMARY, target, each).set(1 if each == side else 0)
 
@@ -153,7 +155,7 @@ class PrometheusExporter:
 
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
-        self._child(contract.SKIPPED, target, reason).inc(count)
+        self._child(contract.SKIPPED, target, reason, self._primary.get(target, LEGACY)).inc(count)
 
     def record_export_error(self, target: str) -> None:
         self._child(contract.EXPORT_ERRORS, target).inc()
@@ -164,13 +166,13 @@ class PrometheusExporter:
         child, target = self._child, observation.target
         if observation.outcome == Outcome.SKIPPED:
             for reason in observation.reasons:
-                child(contract.SKIPPED, target, reason).inc()
+                child(contract.SKIPPED, target, reason, observation.primary).inc()
             return
         child(contract.COMPARISONS, target, observation.outcome, observation.signature, observation.primary).inc()
         for reason in observation.reasons:
-            child(contract.MISMATCHES, target, reason).inc()
+            child(contract.MISMATCHES, target, reason, observation.primary).inc()
         if observation.shared_divergence:
-            child(contract.SHARED_DIVERGENCES, target, observation.shared_divergence).inc()
+            child(contract.SHARED_DIVERGENCES, target, observation.shared_divergence, observation.primary).inc()
         if observation.outcome != Outcome.ERROR and observation.numel:
             child(contract.ABS_ERROR, target).observe(min(observation.max_abs_error, contract.ERROR_CAP))
             child(contract.REL_ERROR, target).observe(min(observation.max_rel_error, contract.ERROR_CAP))

@@ -31,7 +31,7 @@ def test_all_series_exist_at_zero_right_after_install(exporter):
     ops = types.SimpleNamespace(op=faults.scale)
     with shadow.install([Target("op", ops, "op", faults.scale)], exporters=[exporter]):
         parsed = samples(scrape(exporter.port))
-    assert parsed[("npu_shadow_calls_total", (("signature", ""), ("target", "op")))] == 0
+    assert parsed[("npu_shadow_calls_total", (("primary", "legacy"), ("signature", ""), ("target", "op")))] == 0
     for outcome in COMPARED_OUTCOMES:
         key = (
             "npu_shadow_comparisons_total",
@@ -40,9 +40,11 @@ def test_all_series_exist_at_zero_right_after_install(exporter):
         assert parsed[key] == 0
     assert not [k for k in parsed if k[0] == "npu_shadow_comparisons_total" and ("outcome", "skipped") in k[1]]
     for reason in MISMATCH_REASONS:
-        assert parsed[("npu_shadow_mismatches_total", (("reason", reason), ("target", "op")))] == 0
+        assert (
+            parsed[("npu_shadow_mismatches_total", (("primary", "legacy"), ("reason", reason), ("target", "op")))] == 0
+        )
     for reason in SKIP_REASONS:
-        assert parsed[("npu_shadow_skipped_total", (("reason", reason), ("target", "op")))] == 0
+        assert parsed[("npu_shadow_skipped_total", (("primary", "legacy"), ("reason", reason), ("target", "op")))] == 0
     assert parsed[("npu_shadow_export_errors_total", (("target", "op"),))] == 0
     assert parsed[("npu_shadow_sample_rate", (("target", "op"),))] == 0.01
     build = [k for k in parsed if k[0] == "npu_shadow_build_info"]

@@ -42,6 +42,10 @@ def test_a_canary_returns_upstreams_result_and_compares_legacys(tmp_path):
     assert 'npu_shadow_primary{side="legacy",target="op"} 1.0' in text
     assert 'npu_shadow_primary{side="upstream",target="op"} 0.0' in text
     assert 'outcome="mismatch",primary="upstream",signature="call",target="op"' in text
+    # every count names the side the caller got: upstream's before the rollback, legacy's after
+    for side in ("upstream", "legacy"):
+        assert f'npu_shadow_mismatches_total{{primary="{side}",reason="value",target="op"}}' in text
+        assert f'npu_shadow_calls_total{{primary="{side}",signature="call",target="op"}}' in text
     records = [json.loads(line) for line in (tmp_path / "j.jsonl").read_text().splitlines()]
     events = [r for r in records if r.get("event")]
     assert [(e["event"], e["target"], e["by"]) for e in events] == [("rollback", "op", "api:test")]
