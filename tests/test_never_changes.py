@@ -79,6 +79,7 @@ def test_keyboard_interrupt_still_stops_the_job():
         ({"tolerance": "tight"}, "tolerance"),
     ],
 )
+@pytest.mark.filterwarnings("ignore:npu-shadow. no torch_npu patch is active")  # (it says so: tested elsewhere)
 def test_bad_arguments_fail_even_where_no_target_is_active(kwargs, message):
     assert shadow.install().targets == ()  # nothing active in this process
     with pytest.raises(ValueError, match=message):
