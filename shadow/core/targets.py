@@ -79,29 +79,37 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) 
     return args[index] if len(args) > index else kwargs.get(name, default)
 
 
+#: The accelerator's device type, once torch has one (it does not change for the life of the process).
+_ACCELERATOR: list[str | None] = [None]
+
+
 def _placement(tensor: Any) -> str:
     """Where a call's tensor is: ``cpu``; ``current`` or ``noncurrent``, on the accelerator's current device or
     another of its devices (where legacy's ``.type()`` differs: it moves to the current npu); else its device type."""
     device = getattr(tensor, "device", None)
     if device is None:
         return "none"
-    if device.type == "cpu":
+    kind = device.type
+    if kind == "cpu":
         return "cpu"
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is not None and device.type == accelerator.type:
+    accelerator = _ACCELERATOR[0]
+    if accelerator is None:
+        found = torch.accelerator.current_accelerator()
+        accelerator = _ACCELERATOR[0] = found.type if found is not None else None
+    if kind == accelerator:
         return "current" if device.index == torch.accelerator.current_device_index() else "noncurrent"
-    return device.type
+    return kind
 
 
-def tensor_type_signature(args: tuple, kwargs: dict) -> str:
-    """``<destination>/<source>/<blocking|nonblocking>`` of a ``Tensor.type`` call.
+#: The destination kind of each ``.type()`` argument seen (bounded): the classification runs on every call.
+_KINDS: dict[Any, str] = {}
 
-    Destination: ``none``, ``dtype``, ``npu_name`` (``'torch.npu.HalfTensor'``), ``torch_npu_name`` (torch_npu's
-    own spelling ``'torch_npu.npu.HalfTensor'``, which upstream rejects), ``name`` (any other name),
-    ``npu_class``, ``class`` or ``other``. Source: see :func:`_placement`.
-    """
-    tensor, dtype = args[0], _arg(args, kwargs, 1, "dtype")
-    nonblocking = _arg(args, kwargs, 2, "non_blocking", False)
+
+def _destination(dtype: Any) -> str:
+    try:
+        return _KINDS[dtype]
+    except (KeyError, TypeError):  # (not seen yet, or not hashable)
+        pass
     if dtype is None:
         kind = "none"
     elif isinstance(dtype, torch.dtype):
@@ -114,8 +122,24 @@ def tensor_type_signature(args: tuple, kwargs: dict) -> str:
     elif isinstance(dtype, type):
         kind = "npu_class" if reference.npu_type_dtype(dtype) is not None else "class"
     else:
-        kind = "other"
-    return f"{kind}/{_placement(tensor)}/{'nonblocking' if nonblocking else 'blocking'}"
+        return "other"
+    if len(_KINDS) < 1024:
+        _KINDS[dtype] = kind
+    return kind
+
+
+def tensor_type_signature(args: tuple, kwargs: dict) -> str:
+    """``<destination>/<source>/<blocking|nonblocking>`` of a ``Tensor.type`` call.
+
+    Destination: ``none``, ``dtype``, ``npu_name`` (``'torch.npu.HalfTensor'``), ``torch_npu_name`` (torch_npu's
+    own spelling ``'torch_npu.npu.HalfTensor'``, which upstream rejects), ``name`` (any other name),
+    ``npu_class``, ``class`` or ``other``. Source: see :func:`_placement`.
+    """
+    dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+    nonblocking = (
+        (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) if kwargs or len(args) > 2 else False
+    )
+    return f"{_destination(dtype)}/{_placement(args[0])}/{'nonblocking' if nonblocking else 'blocking'}"
 
 
 def _dp_signature(replicas: int) -> str:
