@@ -13,6 +13,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--calls", type=int, default=25)
 parser.add_argument("--dp", action="store_true")
 parser.add_argument("--stop", required=True)
+parser.add_argument("--done", required=True, help="this rank writes PREFIX<rank> when its calls are made")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -26,6 +27,8 @@ if args.dp:
 total = torch.tensor([1.0])
 dist.all_reduce(total)  # (the ranks really form one job)
 assert total.item() == dist.get_world_size()
+with open(f"{args.done}{dist.get_rank()}", "w") as done:
+    done.write("done\n")
 deadline = time.monotonic() + 240
 while not os.path.exists(args.stop) and time.monotonic() < deadline:
     time.sleep(0.1)

@@ -229,6 +229,7 @@ def test_a_fleet_of_two_torchrun_jobs_adds_up_per_job_and_fleet_wide(tmp_path):
              "--sample-rate", "1", "--budget", "off", "--port", str(base), "--textfile", textfile, "--",
              sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
              str(free_port()), os.path.join(ROOT, "tests", "fleet_rank.py"), "--stop", str(stop),
+             "--done", str(tmp_path / f"{name}.done-"),
              *(["--dp"] if name == "fleet_a" else [])],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.err", "w"),  # noqa: SIM115
         )  # fmt: skip
@@ -244,10 +245,14 @@ def test_a_fleet_of_two_torchrun_jobs_adds_up_per_job_and_fleet_wide(tmp_path):
                     found[job] = found.get(job, 0) + value
                 return found
 
-            def settled() -> bool:  # every rank scraped, its calls done (the ranks then wait for the stop file)
+            def settled() -> (
+                bool
+            ):  # every rank done with its calls (it then waits for the stop file), and scraped since
+                if len(list(tmp_path.glob("fleet_*.done-*"))) < 2 * ranks:
+                    return False
                 seen.append(per_job("npu_shadow:calls:total"))
                 up = server.query('sum(up{job=~"fleet_.*"})')
-                return up.get((), 0) == 2 * ranks and len(seen) > 4 and seen[-1] == seen[-4] and len(seen[-1]) == 2
+                return up.get((), 0) == 2 * ranks and len(seen) > 6 and seen[-1] == seen[-6] and len(seen[-1]) == 2
 
             server.wait_for(settled, "every rank scraped and done", timeout=240)
             calls = seen[-1]
