@@ -100,40 +100,15 @@ def prometheus(
     config_path = tmp_path / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config))
     port = free_port()
-    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed below
-    process = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={config_path}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    server = PrometheusServer(f"http://127.0.0.1:{port}")
-    try:
-
-        def ready():
-            if process.poll() is not None:
-                raise AssertionError(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{server.url}/-/ready", timeout=2) as response:
-                    return response.status == 200
-            except OSError:
-                return False
-
-        server.wait_for(ready, "prometheus to be ready", timeout=60)
-        yield server
-    finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(15)
-        log.close()
+    argv = [
+        binary,
+        f"--config.file={config_path}",
+        f"--storage.tsdb.path={tmp_path / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--log.level=warn",
+    ]
+    with process(tmp_path, "prometheus", argv, f"http://127.0.0.1:{port}/-/ready"):
+        yield PrometheusServer(f"http://127.0.0.1:{port}")
 
 
 @contextlib.contextmanager

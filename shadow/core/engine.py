@@ -146,43 +146,34 @@ class Plan:
 Setters = tuple[Callable[[Gate], None], Callable[[Callable], None]]
 
 
-def _make_wrapper(primary: Callable, arrive: Callable[[tuple, dict], Any]) -> tuple[Callable, Setters]:
+def _make_wrapper(
+    primary: Callable,
+    arrive: Callable[..., Any],
+    classify: Callable[[tuple, dict], tuple[str, bool]] | None = None,
+) -> tuple[Callable, Setters]:
     """The function installed in legacy's place, and the setters that hand it a new gate and a new primary (the
     function whose result the caller gets: legacy, or upstream in a canary until a rollback).
 
-    The unsampled path is ``next(gate, False)`` and the primary's call: nothing else runs there.
+    The unsampled path is ``next(gate, False)`` and the primary's call: nothing else runs there. With ``classify``
+    (a coverage-guided target) every call is classified first (its signature counted), and the first calls of each
+    signature go to ``arrive`` whatever the gate says.
     """
     gate = itertools.repeat(True, 0)
 
-    def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
-        if next(gate, False):
-            return primary(*args, **kwargs)
-        return arrive(args, kwargs)
+    if classify is None:
 
-    def set_gate(new_gate: Gate) -> None:
-        nonlocal gate
-        gate = new_gate
+        def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
+            if next(gate, False):
+                return primary(*args, **kwargs)
+            return arrive(args, kwargs)
 
-    def set_primary(new_primary: Callable) -> None:
-        nonlocal primary
-        primary = new_primary
+    else:
 
-    _look_like(shadow_wrapper, primary)
-    return shadow_wrapper, (set_gate, set_primary)
-
-
-def _make_guided_wrapper(
-    primary: Callable, classify: Callable[[tuple, dict], tuple[str, bool]], arrive: Callable[..., Any]
-) -> tuple[Callable, Setters]:
-    """The wrapper of a coverage-guided target: every call is classified (its signature counted), the first calls
-    of each signature are compared, the rest are sampled by the gate as in :func:`_make_wrapper`."""
-    gate = itertools.repeat(True, 0)
-
-    def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
-        signature, first = classify(args, kwargs)
-        if not first and next(gate, False):
-            return primary(*args, **kwargs)
-        return arrive(args, kwargs, signature, first)
+        def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
+            signature, first = classify(args, kwargs)
+            if not first and next(gate, False):
+                return primary(*args, **kwargs)
+            return arrive(args, kwargs, signature, first)
 
     def set_gate(new_gate: Gate) -> None:
         nonlocal gate
@@ -329,12 +320,8 @@ class Experiment:
         self._signature_calls: dict[str, int] = {}  # signature -> calls (guided targets: every call is counted)
         self._signature_calls_reported: dict[str, int] = {}
         self._labels: dict[Any, str] = {}  # what the signature function returned -> the admitted label
-        if self.first_per_signature:
-            self.wrapper, (set_gate, self._set_primary) = _make_guided_wrapper(
-                self.primary_fn, self._classify, self._arrive
-            )
-        else:
-            self.wrapper, (set_gate, self._set_primary) = _make_wrapper(self.primary_fn, self._arrive)
+        classify = self._classify if self.first_per_signature else None
+        self.wrapper, (set_gate, self._set_primary) = _make_wrapper(self.primary_fn, self._arrive, classify)
         self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
         self.sampler = Sampler(sample_rate, seed, target.name, set_gate)
         self._calls_reported = 0
