@@ -94,8 +94,9 @@ SKIPPED = Metric(
     "npu_shadow.skipped",
     "{comparison}",
     "counter",
-    ("target", "reason", "primary"),
-    "Sampled calls not compared, by reason.",
+    ("target", "reason", "signature", "primary"),
+    "Sampled calls not compared, by reason and call signature (empty where it is not known: the budget's skips, a "
+    "call whose signature could not be taken).",
 )
 EXPORT_ERRORS = Metric(
     "npu_shadow.export_errors",
@@ -148,7 +149,8 @@ NOISE_FLOOR = Metric(
     "gauge",
     ("target", "signature", "measure"),
     "The noise floor: the greatest difference between two legacy runs of the same call (A/A), by signature and "
-    "measure (abs, rel). A legacy-vs-upstream value difference within twice it is counted as outcome noise.",
+    "measure (abs, rel). A legacy-vs-upstream value difference is outcome noise only within twice a robust floor "
+    "of the A/A errors and while a rank test finds the A/B errors no larger than the A/A ones.",
 )
 SAMPLE_RATE = Metric("npu_shadow.sample_rate", "1", "gauge", ("target",), "Configured fraction of calls shadowed.")
 DRILL_ACTIVE = Metric(
@@ -199,7 +201,7 @@ def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:
         for o in COMPARED_OUTCOMES
     ]
     series += [(MISMATCHES, {"target": target, "reason": r, "primary": legacy}) for r in MISMATCH_REASONS]
-    series += [(SKIPPED, {"target": target, "reason": r, "primary": legacy}) for r in SKIP_REASONS]
+    series += [(SKIPPED, {"target": target, "reason": r, "signature": "", "primary": legacy}) for r in SKIP_REASONS]
     series += [(EXPORT_ERRORS, {"target": target})]
     series += [
         (SHARED_DIVERGENCES, {"target": target, "reason": r, "primary": legacy}) for r in SHARED_DIVERGENCE_REASONS

@@ -13,12 +13,13 @@ import re
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from json.encoder import encode_basestring_ascii
 
 from exporters import capture, contract
 from shadow.core import forks
-from shadow.core.observation import Observation, Outcome
+from shadow.core.observation import LEGACY, Observation, Outcome
 from shadow.core.safe_paths import check_private_directory, make_private_directory, open_own_file, template_problem
 
 
@@ -40,9 +41,61 @@ def _number(value: float) -> str:
     return repr(float(value)) if math.isfinite(value) else f'"{value}"'
 
 
+#: Count records are written at most this often while observations arrive (and at every flush, close, rollback
+#: and reset): a process killed between two loses at most this long of counts.
+COUNT_INTERVAL_SECONDS = 10.0
+
+
+class _Counts:
+    """What one (target, primary) phase of this process saw since the exporter started: every observation (those
+    not written as lines too), calls and budget skips. Written whole (cumulative) in count records."""
+
+    __slots__ = ("calls", "drilled", "outcomes", "reasons", "shared", "skipped")
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, dict[str, int]] = {}  # signature -> outcome -> count
+        self.skipped: dict[str, dict[str, int]] = {}  # signature -> reason -> count
+        self.reasons: dict[str, int] = {}
+        self.shared: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        self.drilled = 0
+
+    def observe(self, o: Observation) -> None:
+        if o.outcome == Outcome.SKIPPED:
+            for reason in o.reasons:
+                self.skip(o.signature, reason, 1)
+            return
+        by_outcome = self.outcomes.setdefault(o.signature, {})
+        by_outcome[o.outcome] = by_outcome.get(o.outcome, 0) + 1
+        for reason in o.reasons:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        if o.shared_divergence:
+            self.shared[o.shared_divergence] = self.shared.get(o.shared_divergence, 0) + 1
+        self.drilled += o.drill
+
+    def skip(self, signature: str, reason: str, count: int) -> None:
+        by_reason = self.skipped.setdefault(signature, {})
+        by_reason[reason] = by_reason.get(reason, 0) + count
+
+    def fields(self) -> dict:
+        return {
+            "outcomes": self.outcomes,
+            "skipped": self.skipped,
+            "reasons": self.reasons,
+            "shared": self.shared,
+            "calls": self.calls,
+            "drilled": self.drilled,
+        }
+
+
 class JsonlExporter:
-    """One JSON line per observation that is not a bitwise match or found a shared divergence (every one with
-    ``all_outcomes``).
+    """One JSON line per observation that is not a bitwise match, found a shared divergence or ran an A/A run
+    (every one with ``all_outcomes``), and count records: every ``count_interval`` seconds while observations
+    arrive, and at every flush, close, rollback and reset, one ``{"event": "counts"}`` line per target and primary
+    side with everything this process counted so far (comparisons by signature and outcome, skips by signature and
+    reason, calls by signature). The first line of each process says whether it writes every outcome
+    (``{"event": "journal", "all_outcomes": ...}``). Counts are cumulative, so a lost line or a rotated-away file
+    loses no count: ``npu-shadow verdict`` counts every comparison from them.
 
     ``path`` may hold ``{pid}`` and ``{rank}``; give each process its own file that way when several
     processes journal. The file rotates past ``max_bytes`` keeping ``backups`` old files (path.1, ...).
@@ -62,6 +115,7 @@ class JsonlExporter:
         max_captures: int = 20,
         max_capture_bytes: int = 256 << 20,
         annotate: Callable[[], Mapping[str, str]] | None = None,
+        count_interval: float = COUNT_INTERVAL_SECONDS,
     ) -> None:
         numbers = {"max_bytes": max_bytes, "backups": backups, "max_captures": max_captures}
         numbers["max_capture_bytes"] = max_capture_bytes
@@ -71,8 +125,15 @@ class JsonlExporter:
         problem = template_problem(path) if isinstance(path, str) else "not a string"
         if problem is not None:
             raise ValueError(f"JsonlExporter: path={path!r} is not valid: {problem}")
+        if (
+            isinstance(count_interval, bool)
+            or not isinstance(count_interval, (int, float))
+            or not (0 <= count_interval < math.inf)
+        ):
+            raise ValueError(f"JsonlExporter: count_interval must be seconds >= 0, got {count_interval!r}")
         if capture_dir is not None:
             check_private_directory(capture_dir, "capture_dir")
+        self.count_interval = float(count_interval)
         self.annotate = annotate
         self.path_template = path
         self.max_bytes = max_bytes
@@ -86,6 +147,7 @@ class JsonlExporter:
         self.lines_lost = 0
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self._primary: dict[str, str] = {}  # target -> the side the caller gets now (set_primary)
         self._reset_process_state()
         forks.register(self)
 
@@ -98,39 +160,98 @@ class JsonlExporter:
         self.captures_failed = 0
         self.capture_bytes = 0
         self._process_fields: str | None = None  # at the first line: the device may come after the exporter
+        self.stream = uuid.uuid4().hex[:16]  # this process's writing, whatever pid a later process gets
+        self._counts: dict[tuple[str, str], _Counts] = {}  # (target, primary) -> counts
+        self._dirty: set[tuple[str, str]] = set()
+        self._counts_written_at = time.monotonic()
+        self._header_written = False
 
     # ------------------------------------------------------------------ export
 
-    def export(self, observation: Observation) -> None:
-        if observation.outcome == Outcome.MATCH and not observation.shared_divergence and not self.all_outcomes:
-            return
+    def _phase(self, target: str, primary: str) -> _Counts:
+        key = (target, primary)
+        self._dirty.add(key)
+        counts = self._counts.get(key)
+        if counts is None:
+            counts = self._counts[key] = _Counts()
+        return counts
+
+    def set_primary(self, target: str, side: str) -> None:
         with self._lock:
-            # The line first: it never depends on the capture. A capture that then fails is removed and raised
-            # (the engine counts it as an export skip); its line names a file that is not there.
+            self._primary[target] = side
+
+    def record_calls(self, target: str, calls: int, signature: str = "") -> None:
+        with self._lock:
+            phase = self._phase(target, self._primary.get(target, LEGACY))
+            phase.calls[signature] = phase.calls.get(signature, 0) + calls
+
+    def record_skips(self, target: str, reason: str, count: int) -> None:
+        with self._lock:
+            self._phase(target, self._primary.get(target, LEGACY)).skip("", reason, count)
+
+    def flush(self) -> None:
+        """Write the count records of whatever changed since the last ones."""
+        with self._lock:
+            self._write_counts()
+
+    def export(self, observation: Observation) -> None:
+        with self._lock:
+            self._phase(observation.target, observation.primary).observe(observation)
             try:
-                data, failure = self._capture_data(observation), None
-            except Exception as exc:  # the evidence could not be described (a __repr__ that raises, ...)
-                data, failure = None, exc
-                self.captures_failed += 1
-            capture_path = self._capture_path(observation) if data is not None else None
-            self._write(self._line(observation, capture_path))
-            if capture_path is not None:
-                self._capture(data, capture_path)
-            if failure is not None:
-                raise failure
+                if (
+                    observation.outcome != Outcome.MATCH
+                    or observation.shared_divergence
+                    or observation.aa
+                    or self.all_outcomes
+                ):
+                    self._export_line(observation)
+            finally:  # (after the line: a count record covers every line before it, never one after it)
+                if self.count_interval == 0 or time.monotonic() - self._counts_written_at >= self.count_interval:
+                    self._write_counts()
+
+    def _export_line(self, observation: Observation) -> None:
+        """The observation's line (under the lock). The line first: it never depends on the capture. A capture
+        that then fails is removed and raised (the engine counts it as an export skip); its line names a file that
+        is not there."""
+        try:
+            data, failure = self._capture_data(observation), None
+        except Exception as exc:  # the evidence could not be described (a __repr__ that raises, ...)
+            data, failure = None, exc
+            self.captures_failed += 1
+        capture_path = self._capture_path(observation) if data is not None else None
+        self._write(self._line(observation, capture_path))
+        if capture_path is not None:
+            self._capture(data, capture_path)
+        if failure is not None:
+            raise failure
 
     def record_rollback(self, target: str, by: str) -> None:
-        """A line of its own for each rollback (``"event": "rollback"``): when, which target, who or what threw it."""
-        now = time.time()
-        fields = {
-            "event": "rollback",
-            "time": datetime.datetime.fromtimestamp(now, _UTC).isoformat(),
-            "timestamp": now,
-            "target": target,
-            "by": by,
-        }
+        """A line of its own for each rollback (``"event": "rollback"``): when, which target, who or what threw it;
+        the count records first, so that the counts before it are known exactly."""
+        self._event("rollback", target, by)
+
+    def record_reset(self, target: str, by: str) -> None:
+        """A person's reset after a rollback (``"event": "reset"``): evidence from before it is set aside."""
+        self._event("reset", target, by)
+
+    def _event(self, event: str, target: str, by: str) -> None:
         with self._lock:
-            self._write(f"{_encode(fields)[:-1]},{self._process_fields or self._process()}\n")
+            self._write_counts()
+            self._write_record({"event": event, "target": target, "by": by})
+
+    def _write_record(self, fields: dict) -> None:
+        now = time.time()
+        stamp = {"time": datetime.datetime.fromtimestamp(now, _UTC).isoformat(), "timestamp": now}
+        self._write(f"{_encode({**fields, **stamp})[:-1]},{self._process_fields or self._process()}\n")
+
+    def _write_counts(self) -> None:
+        """The count records of the phases that changed (under the lock). A failed write keeps them due: the next
+        record carries the same cumulative counts and more."""
+        self._counts_written_at = time.monotonic()
+        for key in sorted(self._dirty):
+            target, primary = key
+            self._write_record({"event": "counts", "target": target, "primary": primary, **self._counts[key].fields()})
+            self._dirty.discard(key)
 
     def _line(self, observation: Observation, capture_path: str | None) -> str:
         """One JSON object. Strings go through json's own (C) escaper; the object is framed here, which
@@ -148,14 +269,15 @@ class JsonlExporter:
             f'"shared_divergence":{_quote(o.shared_divergence) if o.shared_divergence else "null"},'
             f'"shared_detail":{_quote(o.shared_detail)},"aa":{"true" if o.aa else "false"},'
             f'"aa_abs_error":{_number(o.aa_abs_error)},"aa_rel_error":{_number(o.aa_rel_error)},'
+            f'"noise_test":{_quote(o.noise_test)},'
             f'"capture":{"null" if capture_path is None else _quote(capture_path)},'
             f'"drill":{"true" if o.drill else "false"},"legacy":{_quote(o.legacy)},"primary":{_quote(o.primary)},'
             f"{self._annotations()}{self._process_fields or self._process()}\n"
         )
 
     def _process(self) -> str:
-        """This process's fields, the same on every line: host, pid, rank, versions and device."""
-        fields = {"host": self.host, "pid": self.pid, "rank": self.rank}
+        """This process's fields, the same on every line: host, pid, stream, rank, versions and device."""
+        fields = {"host": self.host, "pid": self.pid, "stream": self.stream, "rank": self.rank}
         fields.update({k: v for k, v in contract.versions().items() if k != "version"}, device=contract.device())
         self._process_fields = _encode(fields)[1:]
         return self._process_fields
@@ -185,6 +307,13 @@ class JsonlExporter:
         return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
     def _write(self, line: str) -> None:
+        if not self._header_written:
+            self._header_written = True  # (first: the header's own write comes through here)
+            try:
+                self._write_record({"event": "journal", "all_outcomes": self.all_outcomes})
+            except BaseException:
+                self._header_written = False
+                raise
         data = line.encode()
         if self._fd is not None and not self._still_named():
             os.close(self._fd)
@@ -255,6 +384,8 @@ class JsonlExporter:
 
     def close(self) -> None:
         with self._lock:
+            with contextlib.suppress(OSError):
+                self._write_counts()
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None

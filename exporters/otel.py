@@ -183,7 +183,7 @@ class OTelExporter:
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
         with self._lock:
-            self._add(contract.SKIPPED, count, target, reason, self._side(target))
+            self._add(contract.SKIPPED, count, target, reason, "", self._side(target))
 
     def record_export_error(self, target: str) -> None:
         with self._lock:
@@ -194,7 +194,7 @@ class OTelExporter:
         with self._lock:
             if observation.outcome == Outcome.SKIPPED:
                 for reason in observation.reasons:
-                    add(contract.SKIPPED, 1, target, reason, observation.primary)
+                    add(contract.SKIPPED, 1, target, reason, observation.signature, observation.primary)
                 return
             add(contract.COMPARISONS, 1, target, observation.outcome, observation.signature, observation.primary)
             for reason in observation.reasons:

@@ -155,7 +155,7 @@ class PrometheusExporter:
 
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
-        self._child(contract.SKIPPED, target, reason, self._primary.get(target, LEGACY)).inc(count)
+        self._child(contract.SKIPPED, target, reason, "", self._primary.get(target, LEGACY)).inc(count)
 
     def record_export_error(self, target: str) -> None:
         self._child(contract.EXPORT_ERRORS, target).inc()
@@ -166,7 +166,7 @@ class PrometheusExporter:
         child, target = self._child, observation.target
         if observation.outcome == Outcome.SKIPPED:
             for reason in observation.reasons:
-                child(contract.SKIPPED, target, reason, observation.primary).inc()
+                child(contract.SKIPPED, target, reason, observation.signature, observation.primary).inc()
             return
         child(contract.COMPARISONS, target, observation.outcome, observation.signature, observation.primary).inc()
         for reason in observation.reasons:

@@ -32,7 +32,7 @@ def test_one_line_per_non_match_with_its_facts(tmp_path, monkeypatch):
     journal = JsonlExporter(str(path))
     stats = run([journal])
     journal.close()
-    lines = [json.loads(line) for line in (tmp_path / "journal-3.jsonl").read_text().splitlines()]
+    lines = [r for r in map(json.loads, (tmp_path / "journal-3.jsonl").read_text().splitlines()) if "outcome" in r]
     assert len(lines) == stats.mismatch == 2  # inputs 3.0 differ; matches are not journaled
     first = lines[0]
     assert first["target"] == "op" and first["outcome"] == "mismatch" and first["reasons"] == ["value"]
@@ -42,7 +42,8 @@ def test_one_line_per_non_match_with_its_facts(tmp_path, monkeypatch):
     everything = JsonlExporter(str(tmp_path / "all.jsonl"), all_outcomes=True)
     run([everything])
     everything.close()
-    assert len((tmp_path / "all.jsonl").read_text().splitlines()) == 8
+    written = (tmp_path / "all.jsonl").read_text().splitlines()
+    assert sum('"outcome"' in line for line in written) == 8
 
 
 def test_rotation_by_size_keeps_the_configured_backups(tmp_path):
@@ -91,7 +92,7 @@ def test_capture_files_are_private_safe_and_bounded(tmp_path):
         data = torch.load(path, weights_only=True)
         assert data["target"] == "op" and data["outcome"] == "mismatch"
         assert data["upstream_fn"] == "faults:scale_wrong"
-    lines = [json.loads(line) for line in (tmp_path / "j.jsonl").read_text().splitlines()]
+    lines = [r for r in map(json.loads, (tmp_path / "j.jsonl").read_text().splitlines()) if "outcome" in r]
     assert [line["capture"] for line in lines[:2]] == [str(p) for p in captures]
     assert all(line["capture"] is None for line in lines[2:])
 
@@ -161,7 +162,7 @@ def test_every_field_survives_a_json_round_trip_including_awkward_strings(tmp_pa
     )
     journal.export(awkward)
     journal.close()
-    (record,) = [json.loads(line) for line in (tmp_path / "j.jsonl").read_text().splitlines()]
+    (record,) = [r for r in map(json.loads, (tmp_path / "j.jsonl").read_text().splitlines()) if "outcome" in r]
     assert record["detail"] == awkward.detail and record["signature"] == awkward.signature
     assert record["reasons"] == ["nan", "value"] and record["drill"] is True
     assert record["max_abs_error"] == "inf" and record["max_rel_error"] == "nan"

@@ -309,11 +309,11 @@ def test_a_slow_exporter_cannot_hold_up_every_sampled_call(tmp_path):
     assert elapsed < 0.2 * 3  # one slow export, not twenty
     assert monitor.stats()["op"].by_reason["budget"] >= 17
     text = __import__("prometheus_client").generate_latest(prometheus.registry).decode()
-    assert 'npu_shadow_skipped_total{primary="legacy",reason="budget",target="op"}' in text
+    assert 'npu_shadow_skipped_total{primary="legacy",reason="budget",signature="",target="op"}' in text
     skipped = [
         line
         for line in text.splitlines()
-        if line.startswith('npu_shadow_skipped_total{primary="legacy",reason="budget"')
+        if line.startswith('npu_shadow_skipped_total{primary="legacy",reason="budget",signature=""')
     ]
     assert float(skipped[0].split()[-1]) == monitor.stats()["op"].by_reason["budget"]  # reported in bulk at flush
 

@@ -6,10 +6,11 @@ import json
 import subprocess
 import sys
 
+import journals
 import pytest
 from scipy.stats import beta
 
-from shadow.analysis import verdict
+from shadow.analysis import bounds, verdict
 from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, ROLLBACK, TargetCounts, decide
 from shadow.launcher import cli
 
@@ -26,31 +27,36 @@ def counts(match=0, mismatch=0, error=0, reasons=None, signature="dtype/cpu/bloc
     return c
 
 
-def test_bounds_are_clopper_pearson():
-    assert verdict.upper_bound(0, 3000) == pytest.approx(1 - 0.05 ** (1 / 3000))
-    assert verdict.upper_bound(5, 1000) == pytest.approx(beta.ppf(0.95, 6, 995))
-    assert verdict.lower_bound(5, 1000) == pytest.approx(beta.ppf(0.05, 5, 996))
-    assert verdict.lower_bound(0, 10) == 0.0 and verdict.upper_bound(0, 0) == 1.0
+def test_bounds_are_the_anytime_valid_sequences():
+    """(The statistic itself is checked against independent computations in test_verdict_honesty.py.)"""
+    prior = bounds.Prior.for_max_rate(MAX)
+    # at least the fixed-n Clopper-Pearson bound: validity at every look costs width
+    assert bounds.upper_bound(0, 3000, prior) > 1 - 0.05 ** (1 / 3000)
+    assert bounds.upper_bound(5, 1000, prior) > beta.ppf(0.95, 6, 995)
+    assert bounds.lower_bound(5, 1000) < beta.ppf(0.05, 5, 996)
+    assert bounds.lower_bound(0, 10) == 0.0 and bounds.upper_bound(0, 0, prior) == 1.0
 
 
 def test_zero_samples_is_inconclusive():
     decision = decide("t", counts(), MAX)
     assert decision.decision == INCONCLUSIVE and decision.compared == 0
-    assert "2995 more comparisons" in decision.why
+    assert "about 4,742 comparisons" in decision.why
 
 
 def test_zero_mismatches_just_below_and_at_the_needed_n():
     needed = verdict.comparisons_needed(MAX)
-    assert needed == 2995  # the rule of three: about 3 / max rate
-    assert verdict.upper_bound(0, needed) < MAX <= verdict.upper_bound(0, needed - 1)
+    prior = bounds.Prior.for_max_rate(MAX)
+    assert needed == 4742  # about 4.5 / max rate: the rule of three's 3 / max rate, valid at one look only
+    assert bounds.upper_bound(0, needed, prior) < MAX <= bounds.upper_bound(0, needed - 1, prior)
     below = decide("t", counts(match=needed - 1), MAX)
-    assert below.decision == INCONCLUSIVE and "about 1 more comparisons" in below.why
+    assert below.decision == INCONCLUSIVE and "about 1 more effective comparisons" in below.why
     assert decide("t", counts(match=needed), MAX).decision == PROMOTE
 
 
 def test_needed_n_with_some_divergences_is_the_least_that_suffices():
     needed = verdict.comparisons_needed(MAX, k=3)
-    assert verdict.upper_bound(3, needed) < MAX <= verdict.upper_bound(3, needed - 1)
+    prior = bounds.Prior.for_max_rate(MAX)
+    assert bounds.upper_bound(3, needed, prior) < MAX <= bounds.upper_bound(3, needed - 1, prior)
 
 
 def test_one_hard_mismatch_among_millions_of_matches_is_rollback():
@@ -136,12 +142,11 @@ def test_command_on_a_saved_exposition(tmp_path):
 
 
 def test_command_on_journals(tmp_path):
-    path = tmp_path / "j.jsonl"
-    lines = [{"target": "op", "outcome": "match", "signature": "call", "reasons": []}] * 3000
-    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    """Every outcome of 5,000 processes (5,000 clusters: enough to promote); then an exception mismatch."""
+    path = journals.write(tmp_path / "j.jsonl", [journals.line(pid=pid) for pid in range(5000)])
     assert run_verdict("--journal", str(path)).returncode == 0
     with path.open("a") as handle:
-        handle.write(json.dumps({"target": "op", "outcome": "error", "signature": "call", "reasons": ["exception"]}))
+        handle.write(json.dumps(journals.line("error", reasons=["exception"], pid=1)))
     assert run_verdict("--journal", str(path)).returncode == 1
 
 

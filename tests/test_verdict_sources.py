@@ -69,12 +69,13 @@ def test_an_endless_file_is_refused_in_bounded_time_and_memory():
 )
 def test_bad_journals_exit_2_naming_the_line(tmp_path, line, words):
     path = tmp_path / "j.jsonl"
-    path.write_bytes(b'{"target": "op", "outcome": "match", "signature": "call", "reasons": []}\n' + line)
+    first = b'{"target": "op", "outcome": "match", "signature": "call", "reasons": [], "host": "h", "pid": 1}\n'
+    path.write_bytes(first + line)
     assert_source_error(run_verdict("--journal", str(path)), f"{path}:2", *words)
 
 
 class FakePrometheus:
-    """An HTTP server on 127.0.0.1 answering every query with one canned body."""
+    """An HTTP server on 127.0.0.1 answering every query with one canned body (rollbacks: none)."""
 
     def __init__(self, body: bytes):
         class Handler(BaseHTTPRequestHandler):
@@ -82,7 +83,8 @@ class FakePrometheus:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
-                self.wfile.write(body)
+                none = b'{"status": "success", "data": {"resultType": "vector", "result": []}}'
+                self.wfile.write(none if "rollbacks" in self.path else body)
 
             def log_message(self, *args):
                 pass

@@ -16,9 +16,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from shadow.analysis import charts, verdict
-from shadow.analysis.sources import add_record, journal_records
+from shadow.analysis.sources import CLUSTER_WINDOW_SECONDS, JournalReader, journal_records, with_rotated
 from shadow.analysis.verdict import Decision, TargetCounts
-from shadow.core.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES
+from shadow.core.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, Outcome
 
 DIVERGENT = DIVERGENT_OUTCOMES
 #: Journal fields that describe the run rather than one call: collected as the report's environment.
@@ -52,20 +52,44 @@ class Evidence:
     minutes: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     noise: dict[tuple[str, str], list[float]] = dataclasses.field(default_factory=dict)
-    rollbacks: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (time, target, by)
+    rollbacks: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)  # (time, target, event, by)
 
 
 def collect(
-    journals: Iterable[str] = (), counts: Mapping[str, TargetCounts] | None = None, details: int = 5
+    journals: Iterable[str] = (),
+    counts: Mapping[str, TargetCounts] | None = None,
+    details: int = 5,
+    window: float = CLUSTER_WINDOW_SECONDS,
 ) -> Evidence:
-    """Read the journals once. ``counts`` (from a metrics source) take precedence over the journals' own."""
+    """Read the journals (with their rotated siblings). ``counts`` (from a metrics source) take precedence over
+    the journals' own; the journals' counts come from their count records (every comparison, not only the lines
+    written), the details from their lines."""
     evidence = Evidence(counts=dict(counts) if counts is not None else {})
+    read, _ = with_rotated(journals)
     own: dict[str, TargetCounts] = {}
-    for record in journal_records(journals):
-        evidence.lines += 1
-        add_record(own, record)
-        if record.get("event") == "rollback":
-            evidence.rollbacks.append((str(record.get("time", "")), record["target"], str(record["by"])))
+    if read:
+        reader = JournalReader(window)
+        reader.read(read)
+        own = reader.counts()
+        evidence.lines = reader.lines
+        for stream in reader.streams.values():
+            for phase in stream.phases.values():
+                for timestamp, compared, divergent in phase.intervals:
+                    if isinstance(timestamp, (int, float)) and math.isfinite(timestamp):
+                        minute = evidence.minutes.setdefault(int(timestamp // 60), [0, 0])
+                        minute[0] += round(compared)
+                        minute[1] += round(divergent)
+        for entry in own.values():
+            for phase in entry.phases.values():
+                matches = round(sum(v for (_, o), v in phase.outcomes.items() if o == Outcome.MATCH))
+                if matches:
+                    evidence.errors[charts.decade(0.0)] += matches
+    for record in journal_records(read):
+        event = record.get("event")
+        if event in ("rollback", "reset"):
+            evidence.rollbacks.append((str(record.get("time", "")), record["target"], event, str(record["by"])))
+            continue
+        if event is not None:
             continue
         for field in ENVIRONMENT_FIELDS:
             value = record.get(field)
@@ -75,15 +99,16 @@ def collect(
         test = record.get("test")
         if isinstance(test, str):
             evidence.test_run = True
-        if record["outcome"] not in DIVERGENT:
+        if record["outcome"] not in DIVERGENT and not record.get("noise_test"):
             continue
         key = (record["target"], record.get("signature", ""), record["outcome"], tuple(record.get("reasons", [])))
         group = evidence.groups.setdefault(key, Group())
         group.count += 1
         where = f"{test} ({record.get('phase', '')}): " if isinstance(test, str) and test else ""
         if len(group.details) < details:
-            group.details.append(where + str(record.get("detail", "")))
-        if isinstance(test, str) and test:
+            noise = record.get("noise_test")
+            group.details.append(where + str(record.get("detail", "")) + (f" [noise test: {noise}]" if noise else ""))
+        if isinstance(test, str) and test and record["outcome"] in DIVERGENT:
             if len(group.tests) < MAX_TESTS:
                 group.tests.add(test)
             if test in evidence.tests or len(evidence.tests) < MAX_TESTS:
@@ -94,23 +119,20 @@ def collect(
 
 
 def _chart_data(evidence: Evidence, record: dict) -> None:
+    """What the error histogram and the noise-floor chart take from one outcome line (the rate chart comes from
+    count records: the lines of a journal without every outcome are not a sample of the comparisons)."""
     outcome = record["outcome"]
     if outcome not in COMPARED_OUTCOMES:
         return
-    timestamp = record.get("timestamp")
-    if isinstance(timestamp, (int, float)) and math.isfinite(timestamp):
-        minute = evidence.minutes.setdefault(int(timestamp // 60), [0, 0])
-        minute[0] += 1
-        minute[1] += outcome in DIVERGENT
-    error = record.get("max_abs_error")
-    if outcome != "error" and isinstance(error, (int, float)) and record.get("numel"):
-        evidence.errors[charts.decade(float(error))] += 1
     if record.get("aa") is True:
         floor = evidence.noise.setdefault((record["target"], str(record.get("signature", ""))), [0, 0.0])
         floor[0] += 1
         aa = record.get("aa_abs_error")
         if isinstance(aa, (int, float)) and math.isfinite(aa):
             floor[1] = max(floor[1], float(aa))
+    error = record.get("max_abs_error")
+    if outcome not in ("error", "match") and isinstance(error, (int, float)) and record.get("numel"):
+        evidence.errors[charts.decade(float(error))] += 1  # (matches: from the count records, error 0)
 
 
 # --------------------------------------------------------------------------- the document
@@ -159,16 +181,21 @@ def build(
     decisions = verdict.decide_all(evidence.counts, max_rate, risky or {}, min_per_signature)
     overall = verdict.overall(decisions)
     absent = sorted(set(risky or {}) - set(evidence.counts))  # known targets the sources never saw
-    sections = [_environment(evidence, sources), _verdict(decisions, overall, max_rate, absent)]
+    sections = [_environment(evidence, sources), _verdict(decisions, overall, max_rate, absent), _phases(decisions)]
     sections.append(_charts(evidence, decisions, max_rate, min_per_signature))
     sections += [_coverage(decisions), _shared(decisions), _divergences(evidence)]
-    if evidence.rollbacks:
+    if evidence.rollbacks or any(d.rollbacks for d in decisions):
         sections.append(
             Section(
-                "Rollbacks",
-                ["The rollback switch made legacy the primary in a running job (canary): when, and who threw it."],
-                ["time", "target", "by"],
+                "Rollbacks and resets",
+                [
+                    "The rollback switch made legacy the primary in a running job (canary), and a person's reset "
+                    "gave the canary back its primary: when, and who. A rollback not reset since blocks promote; "
+                    "evidence from before a reset is set aside."
+                ],
+                ["time", "target", "event", "by"],
                 [list(r) for r in evidence.rollbacks[:MAX_TESTS]],
+                [f"{d.target}: not reset since: {'; '.join(d.rollbacks)}" for d in decisions if d.rollbacks],
             )
         )
     if evidence.test_run:
@@ -213,7 +240,11 @@ def _verdict(decisions: list[Decision], overall: str, max_rate: float, absent: S
     drill = verdict.drill_note(decisions)
     return Section(
         "Verdict",
-        [f"Overall: **{overall}** (max divergence rate {max_rate:g}; one-sided 95% Clopper-Pearson bounds)."]
+        [
+            f"Overall: **{overall}** (max divergence rate {max_rate:g}; 95% bounds valid however often they are "
+            "read: a beta-binomial confidence sequence over signatures weighted by their share of calls, calls never "
+            "compared counted as unknown, each process's time block one comparison where journals say which)."
+        ]
         + ([f"**{drill}**."] if drill else []),
         ["target", "decision", "compared", "divergent", "95% bounds", "why / evidence still missing"],
         rows,
@@ -234,7 +265,11 @@ def _charts(evidence: Evidence, decisions: list[Decision], max_rate: float, min_
             window[1] += divergent
         points = [(float((first + i * width) * 60), d / c if c else 0.0, c) for i, (c, d) in sorted(windows.items())]
         thresholds = {"max rate": max_rate} | {n: f * max_rate for n, f in verdict.BURN_RATE_FACTORS.items()}
-        figures.append(charts.rate_over_time(points, thresholds, f"Divergence rate over time ({width}-minute windows)"))
+        figures.append(
+            charts.rate_over_time(
+                points, thresholds, f"Divergence rate over time ({width}-minute windows; journals' count records)"
+            )
+        )
     coverage = [(f"{d.target} {pattern}", float(seen)) for d in decisions for pattern, seen in d.risky.items()]
     figures.append(
         charts.horizontal_bars(
@@ -242,13 +277,44 @@ def _charts(evidence: Evidence, decisions: list[Decision], max_rate: float, min_
         )
     )
     figures.append(
-        charts.histogram(dict(evidence.errors), "Greatest absolute error per comparison (by decade)", charts.ERRORS)
+        charts.histogram(
+            dict(evidence.errors),
+            "Greatest absolute error per comparison (by decade; matches from count records, the rest from lines)",
+            charts.ERRORS,
+        )
     )
     floors = [(f"{t} {s} ({int(runs)} A/A runs)", value) for (t, s), (runs, value) in sorted(evidence.noise.items())]
     figures.append(charts.horizontal_bars(floors, "Noise floor: greatest A/A difference by signature", charts.NOISE))
     figures = [f for f in figures if f]
     notes = [] if figures else ["Nothing to draw: the charts need journals (--journal) or risky signatures."]
     return Section("Charts", [], notes=notes, figures=figures, html_only=True)
+
+
+def _phases(decisions: list[Decision]) -> Section:
+    """Each phase of each target on its own evidence: what decided, the share of calls never compared, clusters."""
+    rows = []
+    for d in decisions:
+        for p in d.phases:
+            uncovered = ", ".join(f"{r} {v:.3g}" for r, v in sorted(p.uncovered_by.items())) or "-"
+            rows.append(
+                [
+                    d.target,
+                    p.primary,
+                    p.decision,
+                    f"{p.compared:,}",
+                    f"{p.divergent:,}",
+                    f"[{p.lower:.3g}, {p.upper:.3g}]",
+                    f"{p.effective:,.1f}" + (f" ({p.clusters:,} clusters)" if p.clusters else ""),
+                    f"{p.uncovered_share:.3g} ({uncovered})" if p.uncovered_share else "0",
+                ]
+            )
+    text = [
+        "Calls whose result came from legacy (shadowing) and from upstream (a canary) are judged apart, never "
+        "pooled; a target gets the worst of its phases. Uncovered: the share of calls of a kind never compared, "
+        "added whole to the upper bound."
+    ]
+    header = ["target", "primary", "decision", "compared", "divergent", "95% bounds", "effective n", "uncovered"]
+    return Section("Phases", text, header, rows, [] if rows else ["No phase has evidence."])
 
 
 def _coverage(decisions: list[Decision]) -> Section:

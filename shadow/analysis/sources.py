@@ -8,8 +8,11 @@ Reading is bounded in time and memory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
+import re
 import threading
 import time
 import urllib.parse
@@ -21,13 +24,21 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporters import contract
 from shadow.analysis.verdict import TargetCounts
-from shadow.core.observation import OUTCOMES, Outcome
+from shadow.core.observation import (
+    COMPARED_OUTCOMES,
+    DIVERGENT_OUTCOMES,
+    LEGACY,
+    OUTCOMES,
+    PRIMARY_SIDES,
+    Outcome,
+)
 
 COMPARISONS = contract.COMPARISONS.series
 MISMATCHES = contract.MISMATCHES.series
 SHARED = contract.SHARED_DIVERGENCES.series
 SKIPPED = contract.SKIPPED.series
 CALLS = contract.CALLS.series
+ROLLBACKS = contract.ROLLBACKS.series
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
 #: Comparisons in one process within this many seconds form one cluster (the verdict's clustered bound).
 CLUSTER_WINDOW_SECONDS = 60.0
@@ -55,17 +66,23 @@ def _count(value: object, where: str, whole: bool = True) -> float:
 
 
 def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], value: float) -> None:
+    if name == ROLLBACKS and value <= 0:
+        return
     target = counts.setdefault(labels.get("target", ""), TargetCounts())
-    if name == COMPARISONS:
-        target.add_outcome(labels.get("signature", ""), labels.get("outcome", ""), value)
+    primary = labels.get("primary") or LEGACY  # (series from before the primary label: legacy's)
+    if name == ROLLBACKS:
+        if value > 0:
+            target.rollbacks.append(f"{round(value)} by {labels.get('source', '?')} ({ROLLBACKS})")
+    elif name == COMPARISONS:
+        target.add_outcome(labels.get("signature", ""), labels.get("outcome", ""), value, primary)
     elif name == MISMATCHES:
-        target.add_reason(labels.get("reason", ""), value)
+        target.add_reason(labels.get("reason", ""), value, primary)
     elif name == SKIPPED:
-        target.add_skip(labels.get("reason", ""), value)
+        target.add_skip(labels.get("reason", ""), value, primary, labels.get("signature", ""))
     elif name == CALLS:
-        target.add_calls(labels.get("signature", ""), value)
+        target.add_calls(labels.get("signature", ""), value, primary)
     else:
-        target.add_shared(labels.get("reason", ""), value)
+        target.add_shared(labels.get("reason", ""), value, primary)
 
 
 def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
@@ -95,7 +112,7 @@ def from_exposition(text: str, source: str = "exposition") -> dict[str, TargetCo
     drill = False
     for family in families:
         for sample in family.samples:
-            if sample.name in (COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS):
+            if sample.name in (COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, ROLLBACKS):
                 where = f"{source}: {sample.name}{dict(sample.labels)}"
                 _add(counts, sample.name, sample.labels, _count(sample.value, where))
             elif sample.name == DRILL_ACTIVE and sample.value > 0:
@@ -167,11 +184,12 @@ def from_prometheus(
 
     counts: dict[str, TargetCounts] = {}
     queries = [
-        (COMPARISONS, "target, signature, outcome"),
-        (MISMATCHES, "target, reason"),
-        (SHARED, "target, reason"),
-        (SKIPPED, "target, reason"),
-        (CALLS, "target, signature"),
+        (COMPARISONS, "target, signature, outcome, primary"),
+        (MISMATCHES, "target, reason, primary"),
+        (SHARED, "target, reason, primary"),
+        (SKIPPED, "target, reason, signature, primary"),
+        (CALLS, "target, signature, primary"),
+        (ROLLBACKS, "target, source"),
     ]
     deadline = time.monotonic() + timeout
     for metric, by in queries:
@@ -218,42 +236,384 @@ def journal_records(paths: Iterable[str], torn: list[str] | None = None) -> Iter
 
 
 def clustering(window: float) -> str:
-    """How :func:`add_record` forms clusters, as the verdict says it."""
-    return f"process x {window:g} s windows" if window > 0 else "process"
+    """How journals' comparisons are clustered, as the verdict says it."""
+    return f"process x {window:g} s blocks from its start" if window > 0 else "process"
 
 
-def add_record(counts: dict[str, TargetCounts], record: dict, window: float = CLUSTER_WINDOW_SECONDS) -> None:
-    """Count one journal record, in its cluster: its process (host, pid) and ``window`` seconds of its time."""
-    entry = counts.setdefault(record["target"], TargetCounts())
-    if record.get("event") == "rollback":
-        entry.rollbacks.append(str(record["by"]))
-        return
-    entry.add_outcome(record.get("signature", ""), record["outcome"], 1)
-    if record.get("drill") is True:
-        entry.drilled += 1
-    timestamp, pid = record.get("timestamp"), record.get("pid")
-    if isinstance(timestamp, (int, float)) and math.isfinite(timestamp) and pid is not None:
-        slot = int(timestamp // window) if window > 0 else 0
-        entry.add_to_cluster((record.get("host"), pid, slot), record["outcome"])
-        entry.clustering = clustering(window)
-    for reason in record.get("reasons", []):
-        if record["outcome"] == Outcome.SKIPPED:
-            entry.add_skip(reason, 1)
+def rotated_siblings(path: str) -> list[str]:
+    """``path`` with the files its rotation left (``path.1`` ... ``path.N``, oldest first, then ``path``)."""
+    siblings = []
+    index = 1
+    while os.path.exists(f"{path}.{index}"):
+        siblings.append(f"{path}.{index}")
+        index += 1
+    return [*reversed(siblings), path]
+
+
+def with_rotated(paths: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(every journal to read: each path with its rotated siblings, oldest first, each once; the siblings added)."""
+    given = list(dict.fromkeys(os.fspath(p) for p in paths))
+    read, added = [], []
+    for path in given:
+        for each in rotated_siblings(path) if not _ROTATED.search(path) else [path]:
+            if each not in read:
+                read.append(each)
+                if each not in given:
+                    added.append(each)
+    return read, added
+
+
+_ROTATED = re.compile(r"\.\d+$")
+#: An outcome line as the journal exporter frames it: its process is read without parsing the line (fast path).
+_OUTCOME_LINE = re.compile(rb'^\{"time":')
+_PROCESS = re.compile(rb'"host":("(?:[^"\\]|\\.)*"|null),"pid":(\d+),"stream":"([0-9a-f]*)"')
+#: Unparsed lines a process may leave after its last count record before they are folded into counts.
+_TAIL_LINES = 10_000
+
+
+@dataclasses.dataclass
+class _Phase:
+    """One (target, primary) of one process stream."""
+
+    counts: dict | None = None  # the last count record (cumulative)
+    baseline: dict | None = None  # the count record at its target's last reset (set aside)
+    intervals: list = dataclasses.field(default_factory=list)  # (timestamp, compared, divergent)
+    previous: tuple[float, float] = (0.0, 0.0)  # cumulative (compared, divergent) at the last count record
+
+
+@dataclasses.dataclass
+class _Tail:
+    """The lines of one (target, primary) after a process's last count record, counted: bounded memory however
+    many (their times by the second)."""
+
+    outcomes: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, outcome)
+    skipped: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, reason)
+    reasons: dict[tuple[str, bool], float] = dataclasses.field(default_factory=dict)  # (reason, divergent line)
+    shared: dict[str, float] = dataclasses.field(default_factory=dict)
+    drilled: dict[bool, float] = dataclasses.field(default_factory=dict)  # divergent line -> drilled lines
+    seconds: dict[int, list[float]] = dataclasses.field(default_factory=dict)  # second -> [compared, divergent]
+    lines: int = 0
+
+    def add(self, record: dict) -> None:
+        self.lines += 1
+        signature, outcome = record.get("signature", ""), record["outcome"]
+        if outcome == Outcome.SKIPPED:
+            for reason in record.get("reasons", []):
+                self.skipped[(signature, reason)] = self.skipped.get((signature, reason), 0) + 1
+            return
+        divergent = outcome in DIVERGENT_OUTCOMES
+        self.outcomes[(signature, outcome)] = self.outcomes.get((signature, outcome), 0) + 1
+        for reason in record.get("reasons", []):
+            self.reasons[(reason, divergent)] = self.reasons.get((reason, divergent), 0) + 1
+        if record.get("shared_divergence"):
+            self.shared[record["shared_divergence"]] = self.shared.get(record["shared_divergence"], 0) + 1
+        if record.get("drill") is True:
+            self.drilled[divergent] = self.drilled.get(divergent, 0) + 1
+        timestamp = record.get("timestamp")
+        second = int(timestamp) if isinstance(timestamp, (int, float)) and math.isfinite(timestamp) else 0
+        counts = self.seconds.setdefault(second, [0.0, 0.0])
+        counts[0] += 1
+        counts[1] += divergent
+
+
+@dataclasses.dataclass
+class _Stream:
+    """One process's writing (host, pid, stream): whether it writes every outcome, its count records, its events,
+    the lines after its last count record."""
+
+    where: str
+    all_outcomes: bool | None = None
+    start: float | None = None
+    phases: dict[tuple[str, str], _Phase] = dataclasses.field(default_factory=dict)
+    events: list[dict] = dataclasses.field(default_factory=list)  # rollbacks and resets, in order
+    tail: list[tuple[bytes, str]] = dataclasses.field(default_factory=list)  # raw lines and where
+    folded: dict[tuple[str, str], _Tail] = dataclasses.field(default_factory=dict)  # tail lines counted (bounded)
+    counted: bool = False  # has count records
+
+    def see(self, timestamp: object) -> None:
+        if isinstance(timestamp, (int, float)) and math.isfinite(timestamp):
+            self.start = timestamp if self.start is None else min(self.start, timestamp)
+
+
+def _compared(counts: dict) -> tuple[float, float]:
+    compared = divergent = 0.0
+    for by_outcome in counts.get("outcomes", {}).values():
+        for outcome, value in by_outcome.items():
+            compared += value if outcome in COMPARED_OUTCOMES else 0
+            divergent += value if outcome in DIVERGENT_OUTCOMES else 0
+    return compared, divergent
+
+
+def _check_counts(record: dict, where: str) -> dict:
+    """A count record's fields, checked: nested maps of strings to whole counts."""
+    if not isinstance(record.get("target"), str) or record.get("primary") not in PRIMARY_SIDES:
+        raise SourceError(f"{where}: a count record without a target or a known primary")
+
+    def table(name: str, depth: int) -> dict:
+        value = record.get(name, {})
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise SourceError(f"{where}: a count record whose {name} is not a map")
+        if depth == 2:
+            return {k: table_of(v, f"{name}.{k}") for k, v in value.items()}
+        return {k: _count(v, f"{where}: {name}.{k}") for k, v in value.items()}
+
+    def table_of(value: object, name: str) -> dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise SourceError(f"{where}: a count record whose {name} is not a map")
+        return {k: _count(v, f"{where}: {name}.{k}") for k, v in value.items()}
+
+    for outcomes in (table("outcomes", 2)).values():
+        if any(o not in COMPARED_OUTCOMES for o in outcomes):
+            raise SourceError(f"{where}: a count record with an unknown outcome")
+    return {
+        "outcomes": table("outcomes", 2),
+        "skipped": table("skipped", 2),
+        "reasons": table("reasons", 1),
+        "shared": table("shared", 1),
+        "calls": table("calls", 1),
+        "drilled": _count(record.get("drilled", 0), f"{where}: drilled"),
+    }
+
+
+def _minus(now: dict, base: dict | None) -> dict:
+    """Count record ``now`` less ``base`` (the evidence after a reset)."""
+    if base is None:
+        return now
+
+    def less(a: dict, b: dict) -> dict:
+        return {k: (less(v, b.get(k, {})) if isinstance(v, dict) else v - b.get(k, 0)) for k, v in a.items()}
+
+    return {k: (less(v, base.get(k, {})) if isinstance(v, dict) else v - base.get(k, 0)) for k, v in now.items()}
+
+
+class JournalReader:
+    """Counts from JSONL journals, complete: every comparison of every process is counted, from its count records
+    (cumulative, so a rotated-away file or a lost line loses no count) and the lines it wrote after its last one;
+    a process that did not write every outcome and left lines after its last count record (killed before its
+    final flush) has those lines' divergences counted as comparisons whose matches are not known. A process whose
+    completeness cannot be told (no count record, no header saying it wrote every outcome) is refused.
+
+    Each comparison's cluster is its process, in blocks of ``window`` seconds counted from the process's own first
+    record (0: the whole process), a run of blocks with divergences kept whole (one incident). Evidence from before
+    a target's last reset (after a rollback) is set aside."""
+
+    def __init__(self, window: float = CLUSTER_WINDOW_SECONDS) -> None:
+        self.window = window
+        self.streams: dict[tuple, _Stream] = {}
+        self.torn: list[str] = []
+        self.lines = 0
+
+    def read(self, paths: Iterable[str]) -> None:
+        for path in paths:
+            self._read_file(path)
+
+    def _read_file(self, path: str) -> None:
+        try:
+            with open(path, "rb") as handle:
+                for number, raw in enumerate(iter(lambda h=handle: h.readline(MAX_LINE_BYTES + 1), b""), 1):
+                    self.lines += 1
+                    where = f"{path}:{number}"
+                    if _OUTCOME_LINE.match(raw) and raw.endswith(b"\n"):
+                        found = _PROCESS.search(raw, max(0, len(raw) - 4096))
+                        if found is not None:
+                            stream = self._stream((json.loads(found[1]), int(found[2]), found[3].decode()), where)
+                            stream.tail.append((raw, where))
+                            if len(stream.tail) > _TAIL_LINES:
+                                self._fold(stream)
+                            continue
+                    try:
+                        record = _journal_record(raw, where)
+                    except SourceError:
+                        if raw.endswith(b"\n") or len(raw) > MAX_LINE_BYTES:
+                            raise
+                        self.torn.append(where)
+                        continue
+                    if record is not None:
+                        self._add(record, raw, where)
+        except OSError as exc:
+            raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+    def _stream(self, key: tuple, where: str) -> _Stream:
+        stream = self.streams.get(key)
+        if stream is None:
+            stream = self.streams[key] = _Stream(where)
+        return stream
+
+    @staticmethod
+    def _key(record: dict, where: str) -> tuple:
+        pid = record.get("pid")
+        if isinstance(pid, bool) or not isinstance(pid, int):
+            raise SourceError(
+                f"{where}: a record without its process (pid): which process's counts it belongs to, and its "
+                "cluster, cannot be told"
+            )
+        host, stream = record.get("host"), record.get("stream", "")
+        if not (host is None or isinstance(host, str)) or not isinstance(stream, str):
+            raise SourceError(f"{where}: a record whose host or stream is not a string")
+        return (host, pid, stream)
+
+    def _add(self, record: dict, raw: bytes, where: str) -> None:
+        stream = self._stream(self._key(record, where), where)
+        stream.see(record.get("timestamp"))
+        event = record.get("event")
+        if event == "journal":
+            stream.all_outcomes = record.get("all_outcomes") is True
+        elif event == "counts":
+            stream.counted = True
+            stream.tail.clear()  # (a count record covers every line before it: see the journal exporter)
+            stream.folded.clear()
+            counts = _check_counts(record, where)
+            phase = stream.phases.setdefault((record["target"], record["primary"]), _Phase())
+            phase.counts = counts
+            compared, divergent = _compared(_minus(counts, phase.baseline))
+            before = phase.previous
+            phase.previous = (compared, divergent)
+            if compared - before[0] > 0:
+                phase.intervals.append((record.get("timestamp", 0.0), compared - before[0], divergent - before[1]))
+        elif event in ("rollback", "reset"):
+            stream.events.append(record)
+            if event == "reset":
+                for (target, _), phase in stream.phases.items():
+                    if target == record["target"] and phase.counts is not None:
+                        phase.baseline = phase.counts
+                        phase.previous = (0.0, 0.0)
+                        phase.intervals.clear()
         else:
-            entry.add_reason(reason, 1)
-    if record.get("shared_divergence"):
-        entry.add_shared(record["shared_divergence"], 1)
+            stream.tail.append((raw, where))
+            if len(stream.tail) > _TAIL_LINES:
+                self._fold(stream)
+
+    def _fold(self, stream: _Stream) -> None:
+        """Count the lines after the last count record so far (bounded memory)."""
+        for raw, where in stream.tail:
+            record = _journal_record(raw, where)
+            if record is not None and "event" not in record:
+                stream.see(record.get("timestamp"))
+                primary = record.get("primary") if record.get("primary") in PRIMARY_SIDES else LEGACY
+                stream.folded.setdefault((record["target"], primary), _Tail()).add(record)
+        stream.tail.clear()
+
+    def counts(self) -> dict[str, TargetCounts]:
+        """The counts of every target, by phase, with clusters; refuses (SourceError) what cannot be counted."""
+        counts: dict[str, TargetCounts] = {}
+        for key, stream in self.streams.items():
+            self._fold(stream)
+            if not stream.counted and stream.all_outcomes is not True and stream.folded:
+                raise SourceError(
+                    f"{stream.where}: process {key[0]}/{key[1]} wrote outcome lines but no count record and no header "
+                    "saying it wrote every outcome: its matches are not known, so no rate can be computed from it "
+                    "(journals of npu-shadow before count records; write them with all_outcomes=True)"
+                )
+            self._add_stream(counts, key, stream)
+        return counts
+
+    def _add_stream(self, counts: dict[str, TargetCounts], key: tuple, stream: _Stream) -> None:
+        complete_tail = stream.all_outcomes is True
+        last_reset: dict[str, int] = {}
+        for index, event in enumerate(stream.events):
+            if event["event"] == "reset":
+                last_reset[event["target"]] = index
+        for index, event in enumerate(stream.events):
+            entry = counts.setdefault(event["target"], TargetCounts())
+            said = f"{event['by']} at {event.get('time', '?')}"
+            if event["event"] == "reset":
+                entry.resets.append(said)
+            elif index > last_reset.get(event["target"], -1):
+                entry.rollbacks.append(said)
+        for (target, primary), phase in stream.phases.items():
+            entry = counts.setdefault(target, TargetCounts())
+            if phase.counts is None:
+                continue
+            if phase.baseline is not None:
+                entry.set_aside += _compared(phase.baseline)[0]
+            self._add_counts(entry, primary, _minus(phase.counts, phase.baseline))
+        for (target, primary), tail in stream.folded.items():
+            entry = counts.setdefault(target, TargetCounts())
+            self._add_tail(entry, primary, tail, complete_tail)
+            intervals = stream.phases.setdefault((target, primary), _Phase()).intervals
+            for second, (compared, divergent) in tail.seconds.items():
+                counted = compared if complete_tail else divergent  # (incomplete: only the divergences count)
+                if counted:
+                    intervals.append((float(second), counted, divergent))
+            if not complete_tail and any(o in DIVERGENT_OUTCOMES for (_, o) in tail.outcomes):
+                entry.notes.append(
+                    f"process {key[0]}/{key[1]} left {tail.lines} lines after its last count record (it did not "
+                    "exit cleanly): their divergences count as comparisons whose matches are not known"
+                )
+        for (target, primary), phase in stream.phases.items():
+            entry = counts.setdefault(target, TargetCounts())
+            entry.clustering = clustering(self.window)
+            for block, (compared, divergent) in enumerate(_blocks(phase.intervals, stream.start, self.window)):
+                entry.add_to_cluster((*key, block), compared, divergent, primary)
+
+    @staticmethod
+    def _add_counts(entry: TargetCounts, primary: str, counts: dict) -> None:
+        for signature, by_outcome in counts["outcomes"].items():
+            for outcome, value in by_outcome.items():
+                entry.add_outcome(signature, outcome, value, primary)
+        for signature, by_reason in counts["skipped"].items():
+            for reason, value in by_reason.items():
+                entry.add_skip(reason, value, primary, signature)
+        for reason, value in counts["reasons"].items():
+            entry.add_reason(reason, value, primary)
+        for reason, value in counts["shared"].items():
+            entry.add_shared(reason, value, primary)
+        for signature, value in counts["calls"].items():
+            entry.add_calls(signature, value, primary)
+        entry.drilled += counts["drilled"]
+
+    @staticmethod
+    def _add_tail(entry: TargetCounts, primary: str, tail: _Tail, complete: bool) -> None:
+        """A process's lines after its last count record: all of them where it wrote every outcome; else skips and
+        divergences only (comparisons whose matches are not known: never counted as agreement)."""
+        for (signature, reason), value in tail.skipped.items():
+            entry.add_skip(reason, value, primary, signature)
+        for (signature, outcome), value in tail.outcomes.items():
+            if complete:
+                entry.add_outcome(signature, outcome, value, primary)
+            elif outcome in DIVERGENT_OUTCOMES:
+                phase = entry.phase(primary)
+                phase.unmatched[signature] = phase.unmatched.get(signature, 0) + value
+        for (reason, divergent), value in tail.reasons.items():
+            if complete or divergent:
+                entry.add_reason(reason, value, primary)
+        for reason, value in tail.shared.items():
+            entry.add_shared(reason, value, primary)
+        entry.drilled += sum(v for divergent, v in tail.drilled.items() if complete or divergent)
+
+
+def _blocks(intervals: list, start: float | None, window: float) -> list[tuple[float, float]]:
+    """(compared, divergent) per block: ``window`` seconds counted from the process's start; a block that ends
+    in divergence runs on while divergence does (an incident is never cut)."""
+    blocks: list[list[float]] = []
+    origin = start or 0.0
+    current = None
+    diverging = False
+    for timestamp, compared, divergent in sorted(intervals, key=lambda i: i[0]):
+        cell = int((timestamp - origin) // window) if window > 0 else 0
+        if current is None or (cell != current and not (diverging and divergent > 0)):
+            blocks.append([0.0, 0.0])
+            current = cell
+        blocks[-1][0] += compared
+        blocks[-1][1] += divergent
+        diverging = divergent > 0
+    return [(c, d) for c, d in blocks]
 
 
 def from_journal(
     paths: Iterable[str], torn: list[str] | None = None, window: float = CLUSTER_WINDOW_SECONDS
 ) -> dict[str, TargetCounts]:
-    """Counts from JSONL journals, with each comparison's cluster (process and ``window`` seconds). Journals hold
-    matches only when written with ``all_outcomes=True``; a torn final line is skipped (see
-    :func:`journal_records`)."""
-    counts: dict[str, TargetCounts] = {}
-    for record in journal_records(paths, torn):
-        add_record(counts, record, window)
+    """Counts from JSONL journals and their rotated siblings (see :class:`JournalReader`); a torn final line is
+    skipped (its place appended to ``torn`` when given)."""
+    reader = JournalReader(window)
+    read, added = with_rotated(paths)
+    reader.read(read)
+    if torn is not None:
+        torn.extend(reader.torn)
+    counts = reader.counts()
+    if added:
+        for entry in counts.values():
+            entry.notes.append(f"read with the rotated files beside them: {', '.join(added)}")
     return counts
 
 
@@ -268,13 +628,14 @@ def _journal_record(raw: bytes, where: str) -> dict | None:
         raise SourceError(f"{where}: not a journal line ({type(exc).__name__}: {str(exc)[:120]})") from None
     if not isinstance(record, dict):
         raise SourceError(f"{where}: not a journal line (a JSON {type(record).__name__})")
-    if "event" in record:  # (a rollback: when the switch made legacy the primary, and who threw it)
-        if (
-            record["event"] != "rollback"
-            or not isinstance(record.get("target"), str)
-            or not isinstance(record.get("by"), str)
-        ):
-            raise SourceError(f"{where}: not a journal line (an event other than a rollback, or without target/by)")
+    if "event" in record:
+        event = record["event"]
+        if event in ("journal", "counts"):  # (a process's header; its counts, checked where they are read)
+            return record
+        if event not in ("rollback", "reset") or not isinstance(record.get("target"), str):
+            raise SourceError(f"{where}: not a journal line (an unknown event, or one without its target)")
+        if not isinstance(record.get("by"), str):
+            raise SourceError(f"{where}: not a journal line (a {event} without who made it: by)")
         return record
     target, outcome = record.get("target"), record.get("outcome")
     signature, reasons = record.get("signature", ""), record.get("reasons", [])

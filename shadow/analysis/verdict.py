@@ -1,31 +1,27 @@
 """Turning counts into a decision: promote, rollback or inconclusive, per target.
 
-Divergence counts whole comparisons: a comparison diverges when its outcome is ``mismatch`` or
-``error``. With k divergent comparisons out of n, the one-sided 95% Clopper-Pearson bounds of the
-divergence rate are ``beta.ppf(0.05, k, n - k + 1)`` (lower) and ``beta.ppf(0.95, k + 1, n - k)``
-(upper).
+Divergence counts whole comparisons: a comparison diverges when its outcome is ``mismatch`` or ``error``. The
+bounds are those of :mod:`shadow.analysis.bounds`: anytime-valid (a verdict re-read as evidence grows stays
+valid), jointly over signatures weighted by their share of calls, with calls never compared counted as
+non-response (their whole share added to the upper bound). Each target's evidence is judged:
 
-Two corrections make those bounds honest where comparisons are not a simple random sample of calls, both by
-an effective sample size in the same Clopper-Pearson formula (Korn and Graubard's method for survey data: k and n
-replaced by p * n_eff and n_eff, real numbers):
+- **by phase.** Calls whose result came from legacy (shadowing) and from upstream (a canary) are two bodies of
+  evidence, never pooled: each phase is decided on its own and the target gets the worst decision of its phases.
+  A rollback (the switch thrown in a running job) that no person has reset since is a rollback decision: promote
+  needs a person's reset and fresh evidence after it (evidence from before a reset is set aside, and said so).
+- **in clusters.** Comparisons of one process share its steps, batches and state: they are not independent trials.
+  Where the source knows each comparison's process (journals), the process, cut into time blocks counted from its
+  own start (``--cluster-window``; a run of blocks with divergences is one incident and never cut), is the unit:
+  the counts are scaled to ``C`` effective comparisons, C the number of clusters, as if everything inside a
+  cluster were one trial. This is conservative, and monotone: adding a divergence never narrows the bounds.
 
-- **Weights.** Coverage-guided sampling compares the first calls of every signature, so rare signatures are
-  over-represented among comparisons. Where the source has calls by signature, the rate is estimated as
-  ``sum_s (N_s / N) * (k_s / n_s)`` (each signature weighted by its share of calls) with Kish's effective sample
-  size ``n_eff = N**2 / sum_s (N_s**2 / n_s)`` (n itself when sampling was uniform).
-- **Clusters.** Comparisons inside one process and one time window share a step, a batch, a state: they are not
-  independent trials. Where the source has each comparison's process and time (journals), comparisons are grouped
-  into clusters and the design effect of the cluster-robust variance of the rate gives ``n_eff = n / deff``; with
-  no divergence at all the data cannot show how correlated a cluster is, and the cluster bound assumes it wholly
-  is (``n_eff`` = Kish's effective number of clusters, ``(sum n_c)**2 / sum n_c**2``). The decision takes the more
-  conservative of the call bound and the cluster bound (the wider interval).
+Decisions:
 
 - rollback: any hard mismatch (a difference in kind: dtype, shape, NaN/inf, structure, device, requires_grad,
-  the torch state left behind, an exception), or the lower bound above ``max_rate``;
-- promote: no hard mismatch, the upper bound below ``max_rate`` (zero divergences need about
-  3 / max_rate comparisons), every risky signature of the target compared ``min_per_signature`` times, and no
-  sampled call skipped for a reason that keeps the evidence from a kind of call (user hooks or modes, compiled
-  code: ``UNCOVERED_REASONS``);
+  the torch state left behind, an exception), the lower bound above ``max_rate``, or a rollback not reset;
+- promote: no hard mismatch, the upper bound below ``max_rate`` in every phase, every risky signature of the
+  target compared ``min_per_signature`` times, and no sampled call skipped for a reason that keeps the evidence
+  from a kind of call (user hooks or modes, compiled code, in-place legacy: ``UNCOVERED_REASONS``);
 - inconclusive otherwise, saying what more is needed.
 """
 
@@ -36,16 +32,22 @@ import fnmatch
 import math
 from collections.abc import Iterable, Mapping
 
-from scipy.stats import beta
-
-from shadow.core.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, HARD_REASONS, UNCOVERED_REASONS
+from shadow.analysis import bounds
+from shadow.analysis.bounds import Prior, Stratum
+from shadow.core.observation import (
+    COMPARED_OUTCOMES,
+    DIVERGENT_OUTCOMES,
+    HARD_REASONS,
+    LEGACY,
+    NONRESPONSE_REASONS,
+    PRIMARY_SIDES,
+    UNCOVERED_REASONS,
+)
 
 PROMOTE, ROLLBACK, INCONCLUSIVE = "promote", "rollback", "inconclusive"
 EXIT_CODES = {PROMOTE: 0, ROLLBACK: 1, INCONCLUSIVE: 3}  # 2 is left to usage errors
 _SEVERITY = {PROMOTE: 0, INCONCLUSIVE: 1, ROLLBACK: 2}
-CONFIDENCE = 0.95
-#: More comparisons than any job makes: what the tiniest max rates would need is reported as this.
-_MOST_COMPARISONS = 2**63
+CONFIDENCE = 1 - bounds.ALPHA
 
 #: What to do about each kind of call the evidence does not reach (the verdict's "why").
 _UNCOVERED_WHY = {
@@ -59,116 +61,28 @@ DEFAULT_MAX_RATE = 0.001  # the divergence rate a rollout tolerates; the alert r
 BURN_RATE_FACTORS = {"fast burn": 14.4, "slow burn": 6.0}
 
 
-def upper_bound(k: float, n: float, confidence: float = CONFIDENCE) -> float:
-    """One-sided Clopper-Pearson upper bound of a rate with k events in n trials (1.0 when n == 0); k and n may be
-    effective (real) counts."""
-    return 1.0 if k >= n else float(beta.ppf(confidence, k + 1, n - k))
-
-
-def lower_bound(k: float, n: float, confidence: float = CONFIDENCE) -> float:
-    """One-sided Clopper-Pearson lower bound (0.0 when k == 0)."""
-    return 0.0 if k <= 0 else float(beta.ppf(1 - confidence, k, n - k + 1))
-
-
-def weighted_rate(
-    compared: Mapping[str, float], divergent: Mapping[str, float], calls: Mapping[str, float]
-) -> tuple[float, float] | None:
-    """(rate, effective sample size) with each signature weighted by its share of calls (see the module
-    docstring), over the signatures that were compared; None where calls by signature are not known for them."""
-    seen = {s: n for s, n in compared.items() if n > 0}
-    if not seen or any(calls.get(s, 0) <= 0 for s in seen):
-        return None
-    total = sum(calls[s] for s in seen)
-    rate = sum(calls[s] / total * divergent.get(s, 0) / n for s, n in seen.items())
-    return rate, total * total / sum(calls[s] ** 2 / n for s, n in seen.items())
-
-
-def clustered_rate(clusters: Iterable[tuple[float, float]]) -> tuple[float, float] | None:
-    """(rate, effective sample size) of (compared, divergent) clusters (see the module docstring); None for none."""
-    clusters = [(n, k) for n, k in clusters if n > 0]
-    if not clusters:
-        return None
-    n = sum(c for c, _ in clusters)
-    k = sum(d for _, d in clusters)
-    rate = k / n
-    kish = n * n / sum(c * c for c, _ in clusters)  # clusters, weighted by size: full correlation inside each
-    if k == 0 or k == n or len(clusters) < 2:
-        return rate, kish
-    variance = len(clusters) / (len(clusters) - 1) * sum((d - rate * c) ** 2 for c, d in clusters) / (n * n)
-    design_effect = variance / (rate * (1 - rate) / n)
-    return rate, min(n, max(kish, n / design_effect)) if design_effect > 1 else n
-
-
-def comparisons_needed(max_rate: float, k: int = 0, confidence: float = CONFIDENCE) -> int:
-    """The least n whose upper bound with k divergences is below max_rate (about 3 / max_rate for k = 0)."""
-    if k == 0:  # closed form: 1 - (1 - confidence) ** (1 / n) < max_rate
-        needed = math.log(1 - confidence) / math.log1p(-max_rate)  # inf for the tiniest rates
-        return math.floor(needed) + 1 if needed < _MOST_COMPARISONS else _MOST_COMPARISONS
-    low, high = k + 1, max(k + 2, comparisons_needed(max_rate, 0, confidence))
-    while upper_bound(k, high, confidence) >= max_rate:
-        low, high = high, high * 2
-    while low < high:
-        middle = (low + high) // 2
-        if upper_bound(k, middle, confidence) < max_rate:
-            high = middle
-        else:
-            low = middle + 1
-    return low
-
-
-def wilson_upper(k: int, n: int, z: float = 1.6448536269514722) -> float:
-    """One-sided 95% Wilson score upper bound (what the dashboard shows; cheap enough for PromQL)."""
-    if n == 0:
-        return 1.0
-    p = k / n
-    return (p + z * z / (2 * n) + z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (1 + z * z / n)
+def comparisons_needed(max_rate: float, k: float = 0) -> float:
+    """The least effective number of comparisons whose anytime-valid upper bound with k divergences is below
+    max_rate (about 4.5 / max_rate for k = 0)."""
+    return bounds.effective_needed(max_rate, k, Prior.for_max_rate(max_rate))
 
 
 @dataclasses.dataclass
-class TargetCounts:
-    """What a source knows about one target: comparisons by signature and outcome, reasons."""
+class PhaseCounts:
+    """The evidence of one phase (the side whose result the caller got): comparisons by signature and outcome,
+    mismatch reasons, shared divergences, sampled calls not compared by signature and reason, calls by signature,
+    clusters."""
 
     outcomes: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, outcome)
     reasons: dict[str, float] = dataclasses.field(default_factory=dict)
-    shared: dict[str, float] = dataclasses.field(default_factory=dict)  # shared divergences by reason
-    skipped: dict[str, float] = dataclasses.field(default_factory=dict)  # sampled calls not compared, by reason
-    calls: dict[str, float] = dataclasses.field(default_factory=dict)  # calls by signature ("" when not guided)
-    #: (compared, divergent) by cluster (process and time window), where the source knows them (journals).
+    shared: dict[str, float] = dataclasses.field(default_factory=dict)
+    skipped: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, reason)
+    calls: dict[str, float] = dataclasses.field(default_factory=dict)  # "" where calls are not by signature
+    #: (compared, divergent) by cluster, where the source knows them (journals).
     clusters: dict[tuple, list[float]] = dataclasses.field(default_factory=dict)
-    #: How the clusters were formed, for the output ("process x 60 s windows").
-    clustering: str = ""
-    #: A fire drill injected synthetic divergence into these sources: how many comparisons carry it (journals),
-    #: or -1 where only that a drill was active is known (metrics).
-    drilled: float = 0
-    #: Rollbacks the journals recorded (who or what threw the switch), in order.
-    rollbacks: list[str] = dataclasses.field(default_factory=list)
-
-    def add_outcome(self, signature: str, outcome: str, count: float) -> None:
-        key = (signature, outcome)
-        self.outcomes[key] = self.outcomes.get(key, 0) + count
-
-    def add_reason(self, reason: str, count: float) -> None:
-        self.reasons[reason] = self.reasons.get(reason, 0) + count
-
-    def add_shared(self, reason: str, count: float) -> None:
-        self.shared[reason] = self.shared.get(reason, 0) + count
-
-    def add_skip(self, reason: str, count: float) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + count
-
-    def add_calls(self, signature: str, count: float) -> None:
-        self.calls[signature] = self.calls.get(signature, 0) + count
-
-    def add_to_cluster(self, cluster: tuple, outcome: str) -> None:
-        if outcome in COMPARED_OUTCOMES:
-            counts = self.clusters.setdefault(cluster, [0.0, 0.0])
-            counts[0] += 1
-            counts[1] += outcome in DIVERGENT_OUTCOMES
-
-    @property
-    def clustered(self) -> int:
-        """Comparisons whose cluster is known."""
-        return round(sum(c for c, _ in self.clusters.values()))
+    #: Divergent comparisons whose matches are not known (lines a process wrote after its last count record,
+    #: without every outcome): they raise the upper bound (as comparisons that all diverged), never the lower.
+    unmatched: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def by_signature(self, outcomes: Iterable[str]) -> dict[str, float]:
         found: dict[str, float] = {}
@@ -178,22 +92,115 @@ class TargetCounts:
         return found
 
     @property
+    def compared(self) -> float:
+        return sum(v for (_, o), v in self.outcomes.items() if o in COMPARED_OUTCOMES)
+
+    @property
+    def divergent(self) -> float:
+        return sum(v for (_, o), v in self.outcomes.items() if o in DIVERGENT_OUTCOMES)
+
+    def skipped_by_reason(self) -> dict[str, float]:
+        found: dict[str, float] = {}
+        for (_, reason), value in self.skipped.items():
+            found[reason] = found.get(reason, 0) + value
+        return found
+
+    def empty(self) -> bool:
+        return not (self.compared or sum(self.calls.values()) or sum(self.skipped.values()) or self.unmatched)
+
+
+@dataclasses.dataclass
+class TargetCounts:
+    """What a source knows about one target, by phase (primary side), and its rollbacks."""
+
+    phases: dict[str, PhaseCounts] = dataclasses.field(default_factory=dict)
+    #: How the clusters were formed, for the output ("process x 60 s blocks").
+    clustering: str = ""
+    #: A fire drill injected synthetic divergence into these sources: how many comparisons carry it (journals),
+    #: or -1 where only that a drill was active is known (metrics).
+    drilled: float = 0
+    #: Rollbacks no person has reset since (who or what threw the switch, and when where known).
+    rollbacks: list[str] = dataclasses.field(default_factory=list)
+    #: Resets, and the comparisons from before the last one that were set aside (not evidence any more).
+    resets: list[str] = dataclasses.field(default_factory=list)
+    set_aside: float = 0
+    #: What the source says about its own completeness (unread siblings, processes without a final count).
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def phase(self, primary: str = LEGACY) -> PhaseCounts:
+        return self.phases.setdefault(primary, PhaseCounts())
+
+    def add_outcome(self, signature: str, outcome: str, count: float, primary: str = LEGACY) -> None:
+        phase = self.phase(primary)
+        phase.outcomes[(signature, outcome)] = phase.outcomes.get((signature, outcome), 0) + count
+
+    def add_reason(self, reason: str, count: float, primary: str = LEGACY) -> None:
+        phase = self.phase(primary)
+        phase.reasons[reason] = phase.reasons.get(reason, 0) + count
+
+    def add_shared(self, reason: str, count: float, primary: str = LEGACY) -> None:
+        phase = self.phase(primary)
+        phase.shared[reason] = phase.shared.get(reason, 0) + count
+
+    def add_skip(self, reason: str, count: float, primary: str = LEGACY, signature: str = "") -> None:
+        phase = self.phase(primary)
+        phase.skipped[(signature, reason)] = phase.skipped.get((signature, reason), 0) + count
+
+    def add_calls(self, signature: str, count: float, primary: str = LEGACY) -> None:
+        phase = self.phase(primary)
+        phase.calls[signature] = phase.calls.get(signature, 0) + count
+
+    def add_to_cluster(self, cluster: tuple, compared: float, divergent: float, primary: str = LEGACY) -> None:
+        counts = self.phase(primary).clusters.setdefault(cluster, [0.0, 0.0])
+        counts[0] += compared
+        counts[1] += divergent
+
+    @property
     def compared(self) -> int:
-        return round(sum(v for (_, o), v in self.outcomes.items() if o in COMPARED_OUTCOMES))
+        return round(sum(p.compared for p in self.phases.values()))
 
     @property
     def divergent(self) -> int:
-        return round(sum(v for (_, o), v in self.outcomes.items() if o in DIVERGENT_OUTCOMES))
+        return round(sum(p.divergent for p in self.phases.values()))
 
     def compared_matching(self, pattern: str) -> int:
+        """Comparisons, in every phase, of the signatures matching ``pattern``."""
         return round(
-            sum(v for (s, o), v in self.outcomes.items() if o in COMPARED_OUTCOMES and fnmatch.fnmatchcase(s, pattern))
+            sum(
+                v
+                for p in self.phases.values()
+                for (s, o), v in p.outcomes.items()
+                if o in COMPARED_OUTCOMES and fnmatch.fnmatchcase(s, pattern)
+            )
         )
 
 
 @dataclasses.dataclass(frozen=True)
+class PhaseDecision:
+    """The decision on one phase of a target, with the numbers behind it."""
+
+    primary: str
+    decision: str
+    compared: int
+    divergent: int
+    lower: float
+    upper: float
+    #: The divergence rate (signatures weighted by their share of calls) and the effective comparisons behind the
+    #: bounds (after clustering: ``clusters`` when the source knows them).
+    rate: float
+    effective: float
+    weighted: bool
+    clusters: int
+    #: The share of calls whose kind was never compared (non-response), and why, by skip reason ("never
+    #: sampled" for signatures with calls and no comparison).
+    uncovered_share: float
+    uncovered_by: dict[str, float]
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Decision:
-    """The verdict on one target, with the numbers behind it."""
+    """The verdict on one target: the worst of its phases, with the numbers of the phase that decided."""
 
     target: str
     decision: str
@@ -210,20 +217,143 @@ class Decision:
     #: Sampled calls the evidence does not reach, by skip reason (UNCOVERED_REASONS: a user's hooks or modes,
     #: compiled code): coverage still missing, whatever the bounds say.
     uncovered: dict[str, int] = dataclasses.field(default_factory=dict)
-    #: The rate and the effective sample size behind the bounds: over calls (weighted by each signature's share of
-    #: calls where the source has calls by signature) and over clusters (where it has them); see the module doc.
     rate: float = 0.0
     effective: float = 0.0
     weighted: bool = False
     clusters: int = 0
     clustering: str = ""
-    cluster_effective: float | None = None
+    uncovered_share: float = 0.0
+    phases: tuple[PhaseDecision, ...] = ()
+    rollbacks: tuple[str, ...] = ()
+    resets: tuple[str, ...] = ()
+    set_aside: int = 0
+    notes: tuple[str, ...] = ()
     #: Comparisons a fire drill injected divergence into (-1: a drill was active, how many is not known); a
     #: verdict over a drill is a rehearsal of the alerting and rollback, not evidence about upstream.
     drilled: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _strata(phase: PhaseCounts, cap: float | None) -> tuple[list[Stratum], list[Stratum], dict[str, float], bool]:
+    """(strata for the lower bound, strata for the upper bound, uncovered share by reason, weighted): each
+    signature weighted by its share of the phase's calls (one stratum where calls are not known by signature),
+    its non-response (skips tied to the call) a free stratum of its own; where the phase's comparisons fall in
+    ``cap`` clusters, a stratum with more comparisons counts as ``cap`` comparisons at its own rate."""
+    compared = phase.by_signature(COMPARED_OUTCOMES)
+    divergent = phase.by_signature(DIVERGENT_OUTCOMES)
+    nonresponse: dict[str, dict[str, float]] = {}
+    for (signature, reason), value in phase.skipped.items():
+        if reason in NONRESPONSE_REASONS and value > 0:
+            nonresponse.setdefault(signature, {})[reason] = nonresponse.get(signature, {}).get(reason, 0) + value
+    unmatched = dict(phase.unmatched)
+    by_signature = any(s for s in phase.calls if phase.calls[s] > 0)
+    if not by_signature:  # one stratum: uniform sampling weights every comparison alike
+        merge = [compared, divergent, unmatched]
+        compared, divergent, unmatched = ({"": sum(m.values())} for m in merge)
+        nonresponse = {"": _merged(nonresponse.values())}
+        calls = {"": max(sum(phase.calls.values()), 1.0)}
+    else:
+        calls = dict(phase.calls)
+        loose = nonresponse.pop("", None)  # skips whose signature is not known: their share of all sampled calls
+        for signature in set(compared) | set(nonresponse) | set(unmatched):
+            seen = compared.get(signature, 0) + sum(nonresponse.get(signature, {}).values())
+            calls[signature] = max(calls.get(signature, 0), seen + unmatched.get(signature, 0))
+    total = sum(calls.values())
+    lower: list[Stratum] = []
+    upper: list[Stratum] = []
+    uncovered: dict[str, float] = {}
+    for signature, count in calls.items():
+        if count <= 0:
+            continue
+        weight = count / total
+        n, k = compared.get(signature, 0), divergent.get(signature, 0)
+        skipped = nonresponse.get(signature, {})
+        extra = unmatched.get(signature, 0)
+        sampled = n + sum(skipped.values()) + extra
+        if sampled <= 0:
+            upper.append(Stratum(weight, 0, 0))
+            lower.append(Stratum(weight, 0, 0))
+            uncovered["never sampled"] = uncovered.get("never sampled", 0) + weight
+            continue
+        for reason, value in skipped.items():
+            uncovered[reason] = uncovered.get(reason, 0) + weight * value / sampled
+        free = weight * sum(skipped.values()) / sampled
+        if free:
+            upper.append(Stratum(free, 0, 0))
+            lower.append(Stratum(free, 0, 0))
+        scale = (n + extra) / cap if cap is not None and n + extra > cap else 1.0
+        upper.append(Stratum(weight * (n + extra) / sampled, (k + extra) / scale, (n + extra) / scale))
+        lower.append(Stratum(weight * (n + extra) / sampled, k / scale, (n + extra) / scale))
+    if by_signature and loose:
+        sampled = sum(compared.values()) + sum(_merged(nonresponse.values()).values()) + sum(loose.values())
+        share = sum(loose.values()) / sampled
+        for reason, value in loose.items():
+            uncovered[reason] = uncovered.get(reason, 0) + value / sampled
+        upper = [dataclasses.replace(s, weight=s.weight * (1 - share)) for s in upper] + [Stratum(share, 0, 0)]
+        lower = [dataclasses.replace(s, weight=s.weight * (1 - share)) for s in lower] + [Stratum(share, 0, 0)]
+    return lower, upper, uncovered, by_signature
+
+
+def _merged(maps: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    merged: dict[str, float] = {}
+    for each in maps:
+        for key, value in each.items():
+            merged[key] = merged.get(key, 0) + value
+    return merged
+
+
+def decide_phase(primary: str, phase: PhaseCounts, max_rate: float) -> PhaseDecision:
+    """The decision on one phase's evidence (hard mismatches and coverage are the target's: see :func:`decide`)."""
+    n, k = phase.compared, phase.divergent
+    counted = n + sum(phase.unmatched.values())
+    clusters = [c for c in phase.clusters.values() if c[0] > 0]
+    clustered = bool(clusters) and round(sum(c[0] for c in clusters)) == round(counted)
+    lower_strata, upper_strata, uncovered, weighted = _strata(phase, len(clusters) if clustered else None)
+    prior = Prior.for_max_rate(max_rate)
+    lower = bounds.bounds(lower_strata, prior)[0]
+    upper = bounds.bounds(upper_strata, prior)[1]
+    covered = sum(s.weight for s in lower_strata if s.n > 0)
+    rate = sum(s.weight * s.k / s.n for s in lower_strata if s.n > 0) / covered if covered else 0.0
+    effective = sum(s.n for s in lower_strata)
+    share = sum(uncovered.values())
+    common = {
+        "primary": primary,
+        "compared": round(n),
+        "divergent": round(k),
+        "lower": lower,
+        "upper": upper,
+        "rate": rate,
+        "effective": effective,
+        "weighted": weighted,
+        "clusters": len(clusters) if clustered else 0,
+        "uncovered_share": share,
+        "uncovered_by": uncovered,
+    }
+    if n == 0:
+        return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: no call compared", **common)
+    if lower > max_rate:
+        why = f"divergence rate is at least {lower:.3g} (95% lower bound, {k:.0f}/{n:.0f}) > max rate {max_rate:g}"
+        return PhaseDecision(decision=ROLLBACK, why=why, **common)
+    if upper < max_rate:
+        why = f"divergence rate below {upper:.3g} (95% upper bound, {k:.0f}/{n:.0f}) < max rate {max_rate:g}"
+        return PhaseDecision(decision=PROMOTE, why=why, **common)
+    missing = []
+    if share >= max_rate:
+        kinds = ", ".join(f"{reason} {value:.3g}" for reason, value in sorted(uncovered.items()))
+        missing.append(
+            f"{share:.3g} of the calls are of a kind never compared ({kinds}): no number of comparisons of the "
+            "others can bound the rate below max rate"
+        )
+    else:
+        units = "clusters" if clustered else "effective comparisons"
+        needed = bounds.effective_needed(max_rate - share, rate * effective, prior)
+        more = "more than any job makes:" if math.isinf(needed) else f"about {max(1, math.ceil(needed - effective)):,}"
+        missing.append(
+            f"upper bound {upper:.3g} >= max rate {max_rate:g}: {more} more {units} at the rate seen ({rate:.3g})"
+        )
+    return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: " + "; ".join(missing), **common)
 
 
 def decide(
@@ -234,70 +364,77 @@ def decide(
     min_per_signature: int = 30,
 ) -> Decision:
     """The decision for one target (see the module docstring)."""
-    n, k = counts.compared, counts.divergent
-    weighted = weighted_rate(
-        counts.by_signature(COMPARED_OUTCOMES), counts.by_signature(DIVERGENT_OUTCOMES), counts.calls
+    order = {side: i for i, side in enumerate(PRIMARY_SIDES)}
+    phases = tuple(
+        decide_phase(primary, phase, max_rate)
+        for primary, phase in sorted(counts.phases.items(), key=lambda kv: order.get(kv[0], len(order)))
+        if not phase.empty()
     )
-    rate, effective = weighted if weighted is not None else (k / n if n else 0.0, float(n))
-    lower, upper = lower_bound(rate * effective, effective), upper_bound(rate * effective, effective)
-    # (only where every comparison's cluster is known: records without process and time say nothing of theirs)
-    clustered = clustered_rate(counts.clusters.values()) if counts.clustered == n else None
-    if clustered is not None:
-        lower = min(lower, lower_bound(clustered[0] * clustered[1], clustered[1]))
-        upper = max(upper, upper_bound(clustered[0] * clustered[1], clustered[1]))
-    hard = {r: round(v) for r, v in counts.reasons.items() if r in HARD_REASONS and v > 0}
+    hard: dict[str, int] = {}
+    shared: dict[str, int] = {}
+    uncovered: dict[str, int] = {}
+    for phase in counts.phases.values():
+        for reason, value in phase.reasons.items():
+            if reason in HARD_REASONS and value > 0:
+                hard[reason] = hard.get(reason, 0) + round(value)
+        for reason, value in phase.shared.items():
+            if value > 0:
+                shared[reason] = shared.get(reason, 0) + round(value)
+        for reason, value in phase.skipped_by_reason().items():
+            if reason in UNCOVERED_REASONS and value > 0:
+                uncovered[reason] = uncovered.get(reason, 0) + round(value)
     coverage = {pattern: counts.compared_matching(pattern) for pattern in risky}
+    worst = max(phases, key=lambda p: (_SEVERITY[p.decision], p.upper), default=None)
     made = {
         "target": target,
-        "compared": n,
-        "divergent": k,
-        "lower": lower,
-        "upper": upper,
+        "compared": counts.compared,
+        "divergent": counts.divergent,
+        "lower": worst.lower if worst else 0.0,
+        "upper": worst.upper if worst else 1.0,
         "hard": hard,
         "risky": coverage,
-        "shared": {r: round(v) for r, v in counts.shared.items() if v > 0},
-        "uncovered": {r: round(v) for r, v in counts.skipped.items() if r in UNCOVERED_REASONS and v > 0},
-        "rate": rate,
-        "effective": effective,
-        "weighted": weighted is not None,
-        "clusters": len(counts.clusters) if clustered is not None else 0,
+        "shared": shared,
+        "uncovered": uncovered,
+        "rate": worst.rate if worst else 0.0,
+        "effective": worst.effective if worst else 0.0,
+        "weighted": worst.weighted if worst else False,
+        "clusters": worst.clusters if worst else 0,
         "clustering": counts.clustering,
-        "cluster_effective": clustered[1] if clustered is not None else None,
+        "uncovered_share": worst.uncovered_share if worst else 0.0,
+        "phases": phases,
+        "rollbacks": tuple(counts.rollbacks),
+        "resets": tuple(counts.resets),
+        "set_aside": round(counts.set_aside),
+        "notes": tuple(counts.notes),
         "drilled": round(counts.drilled),
     }
-    if n == 0:
+    if counts.compared == 0 and worst is None:
         needed = comparisons_needed(max_rate)
-        why = f"not exercised: no call of this target was compared (about {needed} more comparisons without divergence)"
+        about = f"about {needed:,.0f}" if math.isfinite(needed) else "more than any job makes:"
+        why = f"not exercised: no call of this target was compared ({about} comparisons without divergence)"
         return Decision(decision=INCONCLUSIVE, why=why, **made)
     if hard:
         kinds = ", ".join(f"{count} {reason}" for reason, count in sorted(hard.items()))
         return Decision(decision=ROLLBACK, why=f"hard mismatches: {kinds}", **made)
-    if lower > max_rate:
+    if counts.rollbacks:
         return Decision(
             decision=ROLLBACK,
-            why=f"divergence rate is at least {lower:.3g} (95% lower bound, {k}/{n}) > max rate {max_rate:g}",
+            why=f"rolled back in a running job ({'; '.join(counts.rollbacks[:3])}) and not reset since: promote "
+            "needs a person's reset (Monitor.reset_primary) and fresh evidence after it",
             **made,
         )
-    missing = []
-    if upper >= max_rate:
-        effective_now = min(effective, clustered[1]) if clustered is not None else effective
-        more = max(1, comparisons_needed(max_rate, k) - math.floor(effective_now))
-        missing.append(
-            f"upper bound {upper:.3g} >= max rate {max_rate:g}: about {more} more "
-            f"{'independent ' if effective_now < n else ''}comparisons without divergence"
-        )
+    assert worst is not None
+    if worst.decision == ROLLBACK:
+        return Decision(decision=ROLLBACK, why=f"{worst.primary} phase: {worst.why}", **made)
+    missing = [p.why for p in phases if p.decision == INCONCLUSIVE]
     for pattern, seen in coverage.items():
         if seen < min_per_signature:
             missing.append(f"risky signature {pattern} compared {seen} times, needs {min_per_signature}")
-    for reason, count in sorted(made["uncovered"].items()):
+    for reason, count in sorted(uncovered.items()):
         missing.append(f"{count} sampled calls not compared ({reason}: {_UNCOVERED_WHY[reason]})")
     if missing:
         return Decision(decision=INCONCLUSIVE, why="; ".join(missing), **made)
-    return Decision(
-        decision=PROMOTE,
-        why=f"divergence rate below {upper:.3g} (95% upper bound, {k}/{n}) < max rate {max_rate:g}",
-        **made,
-    )
+    return Decision(decision=PROMOTE, why="; ".join(f"{p.primary} phase: {p.why}" for p in phases), **made)
 
 
 def overall(decisions: Iterable[Decision]) -> str:

@@ -44,6 +44,9 @@ class Comparison:
     mismatched: int = 0
     numel: int = 0
     detail: str = ""
+    #: The greatest absolute error of each output leaf that has values (its path inside the output: "" for a lone
+    #: tensor), for the noise floor.
+    leaf_errors: tuple[tuple[str, float], ...] = ()
 
 
 # --------------------------------------------------------------------------- structure
@@ -397,12 +400,14 @@ def _check_leaves(
     return reports
 
 
-def _apply_statistics(reports: list[_LeafReport]) -> tuple[float, float, int]:
+def _apply_statistics(reports: list[_LeafReport]) -> tuple[float, float, int, tuple[tuple[str, float], ...]]:
     """Bring every leaf's statistics to the host at once (the one synchronisation), turn them into reasons and
-    notes on the reports, and return (greatest abs error, greatest rel error, elements out of tolerance)."""
+    notes on the reports, and return (greatest abs error, greatest rel error, elements out of tolerance, each
+    leaf's greatest abs error)."""
     with_stats = [r for r in reports if r.stats is not None]
     if not with_stats:
-        return 0.0, 0.0, 0
+        return 0.0, 0.0, 0, ()
+    leaves = []
     home = with_stats[0].stats.device
     values = torch.cat([r.stats.to(home) for r in with_stats]).tolist()  # the one host sync
     max_abs = max_rel = 0.0
@@ -411,6 +416,7 @@ def _apply_statistics(reports: list[_LeafReport]) -> tuple[float, float, int]:
         bitdiff, bad, nonfinite, first, abs_bits, rel_bits, at_legacy, at_upstream = values[8 * i : 8 * i + 8]
         leaf_abs, leaf_rel = _unbits(abs_bits, report.compute), _unbits(rel_bits, report.compute)
         max_abs, max_rel = max(max_abs, leaf_abs), max(max_rel, leaf_rel)
+        leaves.append((report.path, leaf_abs))
         bad = bitdiff if report.exact else bad  # (float32 cannot hold every int64 exactly)
         mismatched += bad
         report.bitwise_equal = report.bitwise_equal and bitdiff == 0
@@ -427,10 +433,12 @@ def _apply_statistics(reports: list[_LeafReport]) -> tuple[float, float, int]:
                 f"upstream {_unbits(at_upstream, report.compute):.9g}; greatest abs diff {leaf_abs:.3g}, "
                 f"rel diff {leaf_rel:.3g} (rtol {report.tolerance.rtol:g}, atol {report.tolerance.atol:g})"
             )
-    return max_abs, max_rel, mismatched
+    return max_abs, max_rel, mismatched, tuple(leaves)
 
 
-def _verdict(reports: list[_LeafReport], structure: str | None, errors: tuple[float, float, int]) -> Comparison:
+def _verdict(
+    reports: list[_LeafReport], structure: str | None, errors: tuple[float, float, int, tuple[tuple[str, float], ...]]
+) -> Comparison:
     """The outcome: mismatch when any reason was found, match when every leaf is bitwise equal, else close."""
     reasons: set[str] = {"structure"} if structure is not None else set()
     notes: list[str] = [structure] if structure is not None else []
@@ -444,7 +452,7 @@ def _verdict(reports: list[_LeafReport], structure: str | None, errors: tuple[fl
         outcome = Outcome.MATCH
     else:
         outcome = Outcome.CLOSE
-    max_abs, max_rel, mismatched = errors
+    max_abs, max_rel, mismatched, leaves = errors
     return Comparison(
         outcome=outcome.value,
         reasons=_ordered(reasons),
@@ -453,6 +461,7 @@ def _verdict(reports: list[_LeafReport], structure: str | None, errors: tuple[fl
         mismatched=mismatched,
         numel=sum(r.numel for r in reports),
         detail=bounded(" | ".join(notes)),
+        leaf_errors=leaves,
     )
 
 

@@ -38,6 +38,7 @@ from shadow.core.isolation import (
     module_tensors,
     modules_in_call,
 )
+from shadow.core.noise import NoiseFloor
 from shadow.core.observation import (
     DIVERGENT_OUTCOMES,
     LEGACY,
@@ -64,9 +65,6 @@ MAX_SIGNATURES = 100
 OTHER_SIGNATURE = "other"
 #: Coverage guidance's default: the first calls of every signature that are compared whatever the rate.
 DEFAULT_FIRST_PER_SIGNATURE = 30
-#: A legacy-vs-upstream value mismatch within this many times the signature's noise floor (the greatest difference
-#: between two legacy runs of the same call) is reported as noise.
-NOISE_MARGIN = 2.0
 
 #: Registered as the "upstream side" while legacy runs again for the noise floor: the calls it makes of wrapped
 #: functions are nested calls, and they run legacy (only an experiment's own upstream run routes them upstream).
@@ -290,7 +288,8 @@ class Experiment:
         # greatest absolute and relative difference seen (A/A runs, runs that differed).
         self.aa_rate = aa_rate
         self._aa_random = random.Random(f"{seed}/{target.name}/aa" if seed is not None else None)
-        self._noise: dict[str, list[float]] = {}  # signature -> [max abs, max rel, A/A runs, A/A runs that differed]
+        # (per primary: a canary's A/B errors are upstream-vs-legacy; never carried across a rollback or a reset)
+        self._noise = NoiseFloor()
         self.legacy = target.resolve_legacy()
         self.legacy_origin = patch_origin(self.legacy) or ""
         # The primary side's result is the caller's (legacy while shadowing; upstream in a canary), the other side
@@ -394,7 +393,11 @@ class Experiment:
         skip = self._skip_reason(args, kwargs, modules)
         if skip is not None:
             start = time.perf_counter()
-            self._publish(Observation(self.target.name, Outcome.SKIPPED, (skip,), timestamp=time.time()))
+            skipped = Observation(
+                self.target.name, Outcome.SKIPPED, (skip,), signature=signature or "", timestamp=time.time(),
+                primary=self.primary,
+            )  # fmt: skip
+            self._publish(skipped)
             self._spent += time.perf_counter() - start
             return self._run_legacy(args, kwargs)
         return self._sampled_call(args, kwargs, modules, signature)
@@ -489,8 +492,9 @@ class Experiment:
                 except BaseException as exc:  # SystemExit too
                     self._log_limited("comparator", "upstream side failed: %r", exc)
                     observation = Observation(
-                        self.target.name, Outcome.SKIPPED, ("comparator",), detail=bounded(repr(exc))
-                    )
+                        self.target.name, Outcome.SKIPPED, ("comparator",), detail=bounded(repr(exc)), signature="",
+                        primary=self.primary,
+                    )  # fmt: skip
                 self._publish(observation)
             finally:
                 self._put_back(left_by_legacy)
@@ -529,15 +533,15 @@ class Experiment:
             _free_after_oom()
             return Observation(outcome=Outcome.SKIPPED, reasons=("oom",), **common)
         returned = legacy.error is None and upstream.error is None
-        aa = self._aa_run(plan, legacy, left_by_legacy) if plan.aa and returned else {}
-        start = time.perf_counter()
         # (``legacy`` and ``left_by_legacy`` are the primary's run; in a canary that is upstream's)
         runs, left = (legacy, upstream), (left_by_legacy, left_by_upstream)
         if self.primary == UPSTREAM:
             runs, left = runs[::-1], left[::-1]
+        aa = self._aa_run(plan, runs[0], left_by_legacy) if plan.aa and returned else {}
+        start = time.perf_counter()
         found = self._compare_runs(plan, args, kwargs, *runs)
         found = with_state(found, left[0].differences(left[1]))
-        found = self._within_noise(plan.signature, found)
+        found, noise_test = self._within_noise(plan.signature, found)
         compare_seconds = time.perf_counter() - start
         shared = {}
         if plan.oracle and returned and found.outcome in (Outcome.MATCH, Outcome.CLOSE):
@@ -554,6 +558,7 @@ class Experiment:
             numel=found.numel,
             compare_seconds=compare_seconds,
             detail=found.detail,
+            noise_test=noise_test,
             evidence=evidence,
             **shared,
             **aa,
@@ -561,8 +566,9 @@ class Experiment:
         )
 
     def _aa_run(self, plan: Plan, legacy: Run, left_by_legacy: TorchGlobals) -> dict[str, Any]:
-        """Legacy once more, from the same start and as isolated as upstream's run, compared with legacy's own
-        result: the Observation fields of the A/A run, its difference added to the signature's noise floor."""
+        """Legacy once more (legacy, whatever the primary: the noise floor is the reference's own variation), from
+        the same start and as isolated as the shadow run, compared with legacy's result (``legacy``): the
+        Observation fields of the A/A run, its errors added to the noise floor."""
         start = time.perf_counter()
         try:
             if plan.isolation is not None:
@@ -573,9 +579,9 @@ class Experiment:
                 context = contextlib.nullcontext()
             self._put_back(plan.before)
             try:
-                # (a run of its own: the calls legacy makes of wrapped functions run legacy, never upstream)
+                # (a run of its own: the calls legacy makes of wrapped functions are nested calls, never upstream's)
                 with context, _upstream_run(_LEGACY_AGAIN):
-                    again = self.primary_fn(*args, **kwargs)
+                    again = self.legacy(*args, **kwargs)
             finally:
                 self._put_back(left_by_legacy)
             found = compare(legacy.value, again, tolerance=self.tolerance, exact=True)
@@ -587,35 +593,33 @@ class Experiment:
         differs = found.outcome != Outcome.MATCH
         abs_error = found.max_abs_error if differs else 0.0
         rel_error = found.max_rel_error if differs else 0.0
-        with self._lock:
-            floor = self._noise.setdefault(plan.signature, [0.0, 0.0, 0, 0])
-            floor[0], floor[1] = max(floor[0], abs_error), max(floor[1], rel_error)
-            floor[2] += 1
-            floor[3] += differs
+        self._noise.add_aa(plan.signature, found.leaf_errors, rel_error, differs)
         seconds = time.perf_counter() - start
         return {"aa": True, "aa_abs_error": abs_error, "aa_rel_error": rel_error, "aa_seconds": seconds}
 
-    def _within_noise(self, signature: str, found: Comparison) -> Comparison:
-        """A value mismatch (nothing else) inside twice the signature's noise floor is reported as noise: legacy
-        differs from itself as much. Anything beyond it, or of another kind, stays a mismatch."""
+    def _within_noise(self, signature: str, found: Comparison) -> tuple[Comparison, str]:
+        """(the comparison, the noise test as text): a value mismatch (nothing else) is reported as noise while
+        the noise floor says legacy differs from itself as much (:mod:`shadow.core.noise`). Anything beyond it, or
+        of another kind, stays a mismatch. Every value comparison's errors join the A/B sample."""
+        if found.outcome == Outcome.MATCH or found.outcome == Outcome.CLOSE or set(found.reasons) == {"value"}:
+            self._noise.add_ab(signature, found.leaf_errors)
         if found.outcome != Outcome.MISMATCH or set(found.reasons) != {"value"}:
-            return found
-        with self._lock:
-            floor = self._noise.get(signature)
-            if floor is None or not floor[3]:
-                return found
-            abs_floor, rel_floor = floor[0], floor[1]
-        if found.max_abs_error <= NOISE_MARGIN * abs_floor or found.max_rel_error <= NOISE_MARGIN * rel_floor:
-            detail = f"within the noise floor (A/A: abs {abs_floor:.3g}, rel {rel_floor:.3g}): {found.detail}"
-            return dataclasses.replace(found, outcome=Outcome.NOISE, reasons=(), detail=bounded(detail))
-        return found
+            return found, ""
+        noise, test = self._noise.judge(signature, found.leaf_errors)
+        if not noise:
+            return found, test
+        detail = bounded(f"within the noise floor ({test}): {found.detail}")
+        return dataclasses.replace(found, outcome=Outcome.NOISE, reasons=(), detail=detail), test
 
     def roll_back(self, by: str) -> bool:
         """Make legacy the primary from the next call on (upstream runs as the shadow): the rollback switch. Only
-        toward legacy; True when this changed anything. Exporters hear of it (``record_rollback``)."""
+        toward legacy; True when this changed anything. Exporters hear of it (``record_rollback``); the noise
+        floor starts again (the other phase's errors are not this one's)."""
+        self.report_calls()  # (the calls so far are the phase's that ends)
         with self._lock:
             if self.primary == LEGACY:
                 return False
+            self._noise = NoiseFloor()
             self.primary, self.primary_fn, self.shadow_fn = LEGACY, self.legacy, self.target.upstream
             self.rolled_back_by = by
             self._set_primary(self.legacy)
@@ -628,9 +632,11 @@ class Experiment:
 
     def reset_primary(self, by: str) -> bool:
         """A person's reset after a rollback: the primary configured at install again. True when it changed."""
+        self.report_calls()
         with self._lock:
             if self.primary == self.configured_primary:
                 return False
+            self._noise = NoiseFloor()
             self.primary = self.configured_primary
             self.primary_fn, self.shadow_fn = self.target.upstream, self.legacy
             self.rolled_back_by = None
@@ -638,20 +644,25 @@ class Experiment:
             self._traced[0] = self.primary_fn
         for exporter in self.exporters:
             self._call_exporter(exporter, "set_primary", self.target.name, self.primary)
+            self._call_exporter(exporter, "record_reset", self.target.name, by)
         log.warning("npu-shadow [%s]: primary reset to %s by %s", self.target.name, self.primary, by)
         return True
 
     def noise_floor(self) -> dict[str, tuple[float, float, int, int]]:
-        """{signature: (greatest abs difference, greatest rel difference, A/A runs, runs that differed)}."""
+        """{signature: (greatest abs difference, greatest rel difference, A/A runs, runs that differed)} of the
+        current phase's A/A runs."""
         with self._lock:
-            return {s: (f[0], f[1], int(f[2]), int(f[3])) for s, f in self._noise.items()}
+            return {s: (f[0], f[1], int(f[2]), int(f[3])) for s, f in self._noise.summary.items()}
 
     def _cannot_run_upstream(self, plan: Plan, legacy: Run, now: float) -> Observation | None:
         """The skip observation of a call whose upstream run would not be faithful, seen once legacy ran: legacy
         returned a tensor subclass with hooks (comparing it would run its code), wrote an argument in place, or the
         argument copies would not fit. None when upstream can run (the isolation's copies are then taken)."""
         if legacy.error is None and any(map(_is_hooked_subclass, tree_iter(legacy.value))):
-            return Observation(self.target.name, Outcome.SKIPPED, ("mode",), signature=plan.signature, timestamp=now)
+            return Observation(
+                self.target.name, Outcome.SKIPPED, ("mode",), signature=plan.signature, timestamp=now,
+                primary=self.primary,
+            )  # fmt: skip
         if plan.isolation is None:
             return None
         try:
@@ -659,7 +670,7 @@ class Experiment:
         except ArgumentsChanged as exc:
             return Observation(
                 self.target.name, Outcome.SKIPPED, ("inplace",), signature=plan.signature, detail=str(exc),
-                timestamp=now,
+                timestamp=now, primary=self.primary,
             )  # fmt: skip
         except MemoryError as exc:
             return self._skipped(exc, timestamp=now)
@@ -704,8 +715,9 @@ class Experiment:
         if reason == "oom":
             _free_after_oom()
         return Observation(
-            self.target.name, Outcome.SKIPPED, (reason,), detail=bounded(repr(failure)), timestamp=timestamp
-        )
+            self.target.name, Outcome.SKIPPED, (reason,), detail=bounded(repr(failure)), timestamp=timestamp,
+            signature="", primary=self.primary,
+        )  # fmt: skip
 
     def _run_upstream(self, plan: Plan, left_by_legacy: TorchGlobals) -> tuple[Run, bool, TorchGlobals]:
         """Upstream on the plan's arguments, from the torch settings the caller had before the call (legacy's
@@ -881,6 +893,7 @@ class Experiment:
         self._export_errors = 0
         self._settings_failures = 0
         self._budget_skips_unreported = 0
+        self._noise = NoiseFloor()
         self._started, self._spent = time.monotonic(), 0.0
         self._calls_reported = 0
         self._signature_calls.clear()

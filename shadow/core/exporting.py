@@ -38,6 +38,12 @@ class Exporter(Protocol):
         """The rollback switch made legacy the primary of ``target``; ``by`` says who or what threw it
         ("http:<requester>", "file:<path>", "api:<caller>")."""
 
+    def record_reset(self, target: str, by: str) -> None:
+        """A person reset ``target``'s primary after a rollback (the verdict sets evidence before it aside)."""
+
+    def flush(self) -> None:
+        """Write out what is buffered (the monitor's flush: at exit, at uninstall)."""
+
     def record_export_error(self, target: str) -> None:
         """Another exporter failed to export one of the target's observations."""
 
@@ -56,6 +62,8 @@ HOOKS = (
     "record_skips",
     "set_primary",
     "record_rollback",
+    "record_reset",
+    "flush",
     "record_export_error",
     "set_drill",
     "close",

@@ -140,9 +140,13 @@ class Monitor:
         ]
 
     def flush(self) -> None:
-        """Report calls not yet reported to the exporters (done at every sampled call, and here)."""
+        """Report calls not yet reported to the exporters (done at every sampled call, and here), then let each
+        exporter write out what it buffers (the journal's count records)."""
         for s in self._experiments:
             s.report_calls()
+        exporters = {id(e): (s, e) for s in self._experiments for e in s.exporters}
+        for s, exporter in exporters.values():
+            s._call_exporter(exporter, "flush")
 
     def uninstall(self) -> None:
         """Flush, then put back exactly the objects that were there before install (safe to call twice)."""

@@ -71,6 +71,12 @@ SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "inplace", "budget", "compa
 #: budget): the verdict shows them as coverage still missing.
 UNCOVERED_REASONS = ("compiling", "mode", "hooks", "inplace")
 
+#: Skip reasons tied to the call itself (its size, its hooks, its modes, a fault of ours on it): the calls skipped
+#: for them are non-response, and nothing says how they would have compared, so the verdict counts their share of
+#: calls as unknown (Manski's worst case). Only the budget skips calls whatever they hold (by time spent): the calls
+#: compared are then still a random sample of the sampled ones.
+NONRESPONSE_REASONS = tuple(r for r in SKIP_REASONS if r != "budget")
+
 #: Reasons a DataParallel call's result (legacy and upstream agreeing) departs from the single-device oracle's.
 SHARED_DIVERGENCE_REASONS = ("structure", "type", "dtype", "shape", "device", "nan", "value")
 
@@ -144,6 +150,9 @@ class Observation:
     aa_abs_error: float = 0.0
     aa_rel_error: float = 0.0
     aa_seconds: float = 0.0
+    #: For a value difference: the noise floor's test of it (A/A and A/B runs, Mann-Whitney p, the floor), whether
+    #: it made the outcome noise or not.
+    noise_test: str = ""
     #: Where the legacy side came from: 'torch_npu', 'torch_npu X source', 'reference', or '' (a custom target).
     legacy: str = ""
     #: The side whose result the caller got (the other ran as the shadow): 'legacy', or 'upstream' in a canary.

@@ -79,7 +79,8 @@ def _verdict(args: argparse.Namespace) -> int:
         for d in decisions:
             bounds = f"[{d.lower:.3g}, {d.upper:.3g}]"
             print(f"{d.target:<16}{d.decision:<14}{d.compared:>10}{d.divergent:>11}  {bounds:<22} {d.why}")
-            print(f"{'':<16}{_evidence(d)}")
+            for line in _evidence(d):
+                print(f"{'':<16}{line}")
             if d.risky:
                 coverage = ", ".join(f"{pattern} {seen}" for pattern, seen in d.risky.items())
                 print(f"{'':<16}risky signatures compared: {coverage}")
@@ -94,6 +95,10 @@ def _verdict(args: argparse.Namespace) -> int:
                 )
         if not decisions:
             print("(no npu_shadow comparisons found)")
+        print(
+            "bounds: anytime-valid 95% (a beta-binomial confidence sequence, valid however often the verdict is "
+            "re-run as evidence grows; docs/operations.md)"
+        )
         note = verdict.drill_note(decisions)
         if note:
             print(note)
@@ -101,13 +106,27 @@ def _verdict(args: argparse.Namespace) -> int:
     return verdict.EXIT_CODES[result]
 
 
-def _evidence(d: Any) -> str:
-    """What the bounds of one decision rest on: the estimate, its effective sample size, weights and clusters."""
-    calls = f"rate {d.rate:.3g} over {d.effective:,.0f} effective comparisons"
-    calls += " (signatures weighted by their share of calls)" if d.weighted else " (unweighted: no calls by signature)"
-    if d.cluster_effective is None:
-        return calls + "; clusters: not known from this source (journals have them)"
-    return f"{calls}; {d.clusters} clusters ({d.clustering}), {d.cluster_effective:,.1f} effective"
+def _evidence(d: Any) -> list[str]:
+    """What the bounds of one decision rest on, phase by phase: the estimate, its effective sample size, weights,
+    clusters and the share of calls never compared; then rollbacks, resets and what the source says of itself."""
+    lines = []
+    for p in d.phases:
+        line = f"{p.primary} phase: rate {p.rate:.3g} over {p.effective:,.1f} effective comparisons"
+        line += " (signatures weighted by their share of calls)" if p.weighted else " (one stratum)"
+        if p.clusters:
+            line += f"; {p.clusters} clusters ({d.clustering}), each counted as one comparison"
+        else:
+            line += "; clusters: not known from this source (journals have them)"
+        if p.uncovered_by:
+            kinds = ", ".join(f"{reason} {share:.3g}" for reason, share in sorted(p.uncovered_by.items()))
+            line += f"; calls never compared: {p.uncovered_share:.3g} of all ({kinds})"
+        lines.append(line)
+    if d.rollbacks:
+        lines.append(f"rollbacks not reset: {'; '.join(d.rollbacks)}")
+    if d.resets:
+        lines.append(f"resets: {'; '.join(d.resets)}; {d.set_aside:,} comparisons from before the last set aside")
+    lines += list(d.notes)
+    return lines
 
 
 def _report(args: argparse.Namespace) -> int:
