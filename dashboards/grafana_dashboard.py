@@ -119,10 +119,11 @@ def build() -> Dashboard:
         )
         .with_panel(
             stat_panel(
-                "Divergence, 95% upper bound",
-                "Wilson score upper bound of the divergence rate since the job started (the verdict uses "
-                "Clopper-Pearson).",
-                f"npu_shadow:divergence:wilson_upper_total{{{SEL}}}",
+                "Promotion bound (anytime-valid)",
+                "Per phase (primary: legacy shadowing, upstream in a canary), a conservative 95% upper bound of the "
+                "divergence rate while no divergence was seen, valid however often it is looked at: the one "
+                "NpuShadowPromotionEvidence reads (npu-shadow verdict computes the exact one, with clusters).",
+                f"npu_shadow:promotion:upper_bound_approx{{{SEL}}}",
                 "percentunit",
             )
         )
@@ -139,15 +140,20 @@ def build() -> Dashboard:
                 "Divergence rate per target",
                 "Divergent over compared comparisons (30m window), and the 95% upper bound since the start.",
                 "percentunit",
-                query(f"npu_shadow:divergence:ratio_rate30m{{{SEL}}}", "{{job}} {{target}} rate (30m)"),
-                query(f"npu_shadow:divergence:wilson_upper_total{{{SEL}}}", "{{job}} {{target}} 95% upper", "B"),
+                query(f"npu_shadow:divergence:ratio_rate30m{{{SEL}}}", "{{job}} {{target}} {{primary}} rate (30m)"),
+                query(
+                    f"npu_shadow:divergence:wilson_upper_total{{{SEL}}}",
+                    "{{job}} {{target}} {{primary}} Wilson 95% upper (one look: display only)",
+                    "B",
+                ),
             )
         )
         .with_panel(
             series_panel(
                 "Noise floor (A/A)",
                 "The greatest difference between two legacy runs of the same call, by signature (abs, rel): the "
-                "target's own nondeterminism. A legacy-vs-upstream value difference within twice it is outcome noise.",
+                "target's own nondeterminism. A legacy-vs-upstream value difference is outcome noise only within "
+                "twice a robust floor of these and while a rank test finds it no larger.",
                 "none",
                 query(
                     f'max by (target, signature, measure) ({NOISE_FLOOR}{{job=~"$job", target=~"$target"}})',

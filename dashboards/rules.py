@@ -5,15 +5,26 @@ regenerates it and fails when the committed file is stale.
 
 Divergence = comparisons whose outcome is ``mismatch`` or ``error``, over comparisons that were made
 (``skipped`` excluded). Where calls are counted by signature (coverage-guided sampling over-represents rare
-signatures among comparisons), the rate weights each signature by its share of calls, and the bound's sample size
-is Kish's effective one, as ``npu-shadow verdict`` computes them; elsewhere it is the plain ratio. Everything is
-aggregated by ``job`` and ``target``: the ranks of a job are its instances. Burn-rate windows follow the SRE
-workbook, scaled down for training jobs (hours, not months).
+signatures among comparisons), the rate weights each signature by its share of calls, and the sample size the
+alerts' gates read is Kish's effective one; elsewhere it is the plain ratio. Everything is aggregated by ``job``,
+``target`` and ``primary``: the ranks of a job are its instances, and the phases (legacy's result returned, or
+upstream's in a canary) are never pooled, as ``npu-shadow verdict`` keeps them apart. Burn-rate windows follow the
+SRE workbook, scaled down for training jobs (hours, not months).
+
+``NpuShadowPromotionEvidence`` cannot compute the verdict's bound (a convex program) in PromQL; it uses a
+conservative approximation that never promotes where the verdict would not (see :func:`promotion_bound` and the
+promtool cases that check it against the verdict): with no divergence in any phase, no call skipped for a reason
+tied to the call, every signature with calls compared, every risky signature compared enough times, and no
+rollback, the verdict's zero-divergence upper bound is at most
+``(log(1/alpha) - log(w) + log(1 + N / b)) / min_s(n_s / W_s)`` (since -log(1 - p) >= p; N comparisons, n_s of
+signature s whose share of calls is W_s, b and w the mixture's prior and shared-rate weight).
 """
 
 from __future__ import annotations
 
+import math
 import pathlib
+import re
 from typing import Any
 
 from dashboards.series import (
@@ -24,11 +35,13 @@ from dashboards.series import (
     HARD_REASONS,
     LEGACY_TIME,
     MISMATCHES,
+    ROLLBACKS,
     SAMPLE_RATE,
     SHADOW_TIME,
     SKIPPED,
 )
-from shadow.analysis import verdict
+from shadow.analysis import bounds, verdict
+from shadow.core.observation import NONRESPONSE_REASONS
 
 #: Every threshold, in one place.
 PARAMS: dict[str, Any] = {
@@ -50,26 +63,26 @@ PARAMS: dict[str, Any] = {
 WINDOWS = ("5m", "15m", "30m", "1h", "2h", "6h")
 Z95 = 1.6448536269514722  # one-sided 95%
 
-BY = "sum by (job, target)"
+PHASE = "job, target, primary"
+BY = f"sum by ({PHASE})"
+BY_SIGNATURE = f"sum by ({PHASE}, signature)"
+ON_SIGNATURE = f"on ({PHASE}, signature)"
 
 
-BY_SIGNATURE = "sum by (job, target, signature)"
+def _per_signature(selector: str, window: str | None, over: str = "rate") -> str:
+    return f"{BY_SIGNATURE} ({f'{over}({selector}[{window}])' if window else selector})"
 
 
-def _per_signature(selector: str, window: str | None) -> str:
-    return f"{BY_SIGNATURE} ({f'rate({selector}[{window}])' if window else selector})"
-
-
-def _weighted(window: str | None) -> tuple[str, str]:
+def _weighted(window: str | None, over: str = "rate") -> tuple[str, str]:
     """PromQL for (the divergence rate with each signature weighted by its share of calls, Kish's effective sample
-    size) over the signatures compared, where calls are counted by signature (see the verdict)."""
-    compared = _per_signature(f"{COMPARISONS}{{{COMPARED}}}", window)
-    divergent = _per_signature(f"{COMPARISONS}{{{DIVERGENT}}}", window)
-    calls = _per_signature(f'{CALLS}{{signature!=""}}', window)
+    size) over the signatures compared, where calls are counted by signature (see the verdict), per phase."""
+    compared = _per_signature(f"{COMPARISONS}{{{COMPARED}}}", window, over)
+    divergent = _per_signature(f"{COMPARISONS}{{{DIVERGENT}}}", window, over)
+    calls = _per_signature(f'{CALLS}{{signature!=""}}', window, over)
     seen = f"({compared} > 0)"
-    share = f"({calls} and on (job, target, signature) {seen})"
-    rate = f"{BY} ((({divergent} or {compared} * 0) / {seen}) * on (job, target, signature) {calls}) / {BY} ({share})"
-    effective = f"{BY} ({share}) ^ 2 / {BY} ({calls} ^ 2 / on (job, target, signature) {seen})"
+    share = f"({calls} and {ON_SIGNATURE} {seen})"
+    rate = f"{BY} ((({divergent} or {compared} * 0) / {seen}) * {ON_SIGNATURE} {calls}) / {BY} ({share})"
+    effective = f"{BY} ({share}) ^ 2 / {BY} ({calls} ^ 2 / {ON_SIGNATURE} {seen})"
     return rate, effective
 
 
@@ -107,6 +120,10 @@ def _recording_rules() -> list[dict[str, str]]:
                 "record": f"npu_shadow:comparisons:increase{window}",
                 "expr": f"{BY} (increase({COMPARISONS}{{{COMPARED}}}[{window}]))",
             },
+            {
+                "record": f"npu_shadow:comparisons:effective_increase{window}",
+                "expr": f"({_weighted(window, 'increase')[1]}) or npu_shadow:comparisons:increase{window}",
+            },
         ]
     rules += [
         {
@@ -115,10 +132,49 @@ def _recording_rules() -> list[dict[str, str]]:
         },
         {
             "record": "npu_shadow:overhead:ratio_rate15m",
-            "expr": f"{BY} (rate({SHADOW_TIME}[15m])) / {BY} (rate({LEGACY_TIME}[15m]))",
+            "expr": f"sum by (job, target) (rate({SHADOW_TIME}[15m]))"
+            f" / sum by (job, target) (rate({LEGACY_TIME}[15m]))",
         },
+        {"record": "npu_shadow:promotion:upper_bound_approx", "expr": promotion_bound()},
     ]
     return rules
+
+
+def promotion_bound() -> str:
+    """PromQL for a conservative approximation of the verdict's upper bound of a phase with no divergence (module
+    docstring): at least the verdict's (without clusters), whatever the allocation of comparisons to signatures."""
+    prior = bounds.Prior.for_max_rate(PARAMS["max_divergence"])
+    budget = math.log(1 / bounds.ALPHA) - math.log(bounds.SHARED_RATE_WEIGHT)
+    compared = _per_signature(f"{COMPARISONS}{{{COMPARED}}}", None)
+    calls = _per_signature(f'{CALLS}{{signature!=""}}', None)
+    share = f"({calls} / on ({PHASE}) group_left {BY} ({calls}))"
+    # n_s / W_s over the signatures with calls (a signature with calls and no comparison: 0); one stratum: N
+    per_share = f"min by ({PHASE}) ((({compared} or {calls} * 0) / {ON_SIGNATURE} ({share} > 0)))"
+    least = f"({per_share} or npu_shadow:comparisons:total)"
+    return f"({budget!r} + ln(1 + npu_shadow:comparisons:total / {prior.b!r})) / {least}"
+
+
+def _fnmatch_regex(pattern: str) -> str:
+    """A risky signature's fnmatch pattern as a PromQL (RE2) regex."""
+    return "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern).replace("\\", "\\\\")
+
+
+def _risky_uncovered() -> str:
+    """PromQL: the (job, target) of a built-in target whose risky signatures were compared fewer times than the
+    verdict's default --min-per-signature."""
+    from shadow.core.targets import BUILTINS
+
+    needed = verdict.DEFAULT_MIN_PER_SIGNATURE
+    parts = []
+    for name, factory in sorted(BUILTINS.items()):
+        for pattern in factory().risky_signatures:
+            selector = f'{COMPARISONS}{{{COMPARED},target="{name}"}}'
+            risky = f'{COMPARISONS}{{{COMPARED},target="{name}",signature=~"{_fnmatch_regex(pattern)}"}}'
+            parts.append(
+                f"(group by (job, target) ({selector}) unless on (job, target) "
+                f"sum by (job, target) ({risky}) >= {needed})"
+            )
+    return " or ".join(parts)
 
 
 def _wilson_upper(p: str, n: str) -> str:
@@ -142,7 +198,7 @@ def _burn(params: dict, name: str, severity: str, action: str, runbook: str) -> 
     expr = (
         f"npu_shadow:divergence:ratio_rate{long_w} > {threshold:g}"
         f" and npu_shadow:divergence:ratio_rate{short_w} > {threshold:g}"
-        f" and npu_shadow:comparisons:increase{long_w} >= {PARAMS['min_samples']}"
+        f" and npu_shadow:comparisons:effective_increase{long_w} >= {PARAMS['min_samples']}"
     )
     summary = (
         f"{{{{ $labels.target }}}} in {{{{ $labels.job }}}} diverges at {params['factor']:g}x the budget of "
@@ -154,7 +210,9 @@ def _burn(params: dict, name: str, severity: str, action: str, runbook: str) -> 
 def _alerting_rules() -> list[dict]:
     hard = "|".join(HARD_REASONS)
     blind, errors, overhead = PARAMS["blind"], PARAMS["upstream_errors"], PARAMS["overhead"]
-    needed = verdict.comparisons_needed(PARAMS["max_divergence"])  # with zero divergences: about 3 / max
+    nonresponse = "|".join(NONRESPONSE_REASONS)
+    called = _per_signature(f'{CALLS}{{signature!=""}}', None)
+    compared = _per_signature(f"{COMPARISONS}{{{COMPARED}}}", None)
     return [
         _burn(
             PARAMS["fast_burn"],
@@ -226,12 +284,23 @@ def _alerting_rules() -> list[dict]:
         ),
         _alert(
             "NpuShadowPromotionEvidence",
-            f"npu_shadow:comparisons:total >= {needed} and npu_shadow:divergent:total == 0",
+            f"npu_shadow:promotion:upper_bound_approx < {PARAMS['max_divergence']!r}"
+            # no divergence in any phase of the target
+            " unless on (job, target) (npu_shadow:divergent:total > 0)"
+            # no call skipped for a reason tied to the call (non-response)
+            f' unless on (job, target) sum by (job, target) ({SKIPPED}{{reason=~"{nonresponse}"}}) > 0'
+            # every signature with calls compared
+            f" unless on (job, target) ({called} > 0 unless {ON_SIGNATURE} {compared} > 0)"
+            # never after a rollback (a person's reset and fresh evidence: judge a window after it)
+            f" unless on (job, target) sum by (job, target) ({ROLLBACKS}) > 0"
+            # every risky signature of a built-in target compared as often as the verdict asks
+            f" unless on (job, target) ({_risky_uncovered()})",
             "info",
             "promote",
-            f"{{{{ $labels.target }}}} in {{{{ $labels.job }}}}: no divergence in at least {needed} comparisons",
-            "Enough evidence that upstream behaves as legacy. Confirm with `npu-shadow verdict` (which also checks "
-            "that the risky call signatures were exercised) before removing the patch.",
+            f"{{{{ $labels.target }}}} in {{{{ $labels.job }}}} ({{{{ $labels.primary }}}} phase): no divergence, and "
+            f"a conservative bound of the divergence rate below {PARAMS['max_divergence']:g}",
+            "Evidence that upstream behaves as legacy, valid however often it is looked at. Confirm with "
+            "`npu-shadow verdict` (which also clusters journals by process) before removing the patch.",
             PARAMS["promotion"]["for"],
         ),
     ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from exporters import contract
 
 CALLS = contract.CALLS.series
+ROLLBACKS = contract.ROLLBACKS.series
 COMPARISONS = contract.COMPARISONS.series
 MISMATCHES = contract.MISMATCHES.series
 SKIPPED = contract.SKIPPED.series

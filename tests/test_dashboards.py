@@ -134,3 +134,60 @@ def test_dashboard_and_rules_name_only_real_metrics():
     unknown = {name for name in used if name not in emitted and name not in recorded}
     assert not unknown, f"expressions name metrics nobody emits: {sorted(unknown)}"
     assert "npu_shadow_drill_active" in used and "npu_shadow_abs_error_bucket" in used
+
+
+def _counts_at_eval(spec: dict):
+    """A promotion case's series as the verdict would read them at the case's evaluation time."""
+    from shadow.analysis.verdict import TargetCounts
+
+    counts = TargetCounts()
+    minutes = rule_cases.PROMOTION_EVAL_MINUTES
+    for primary, signatures in spec["phases"].items():
+        for signature, (calls, compared, divergent) in signatures.items():
+            counts.add_calls(signature, calls * minutes, primary)
+            counts.add_outcome(signature, "match", (compared - divergent) * minutes, primary)
+            counts.add_outcome(signature, "mismatch", divergent * minutes, primary)
+            counts.add_reason("value", divergent * minutes, primary)
+    for (primary, signature, reason), per_minute in spec.get("skipped", {}).items():
+        counts.add_skip(reason, per_minute * minutes, primary, signature)
+    if spec.get("rollbacks"):
+        counts.rollbacks.append("http")
+    return counts
+
+
+def test_the_promotion_alert_never_fires_where_the_verdict_would_not():
+    """Each promtool case of NpuShadowPromotionEvidence (dashboards/rule_cases.py) decided by the verdict on the
+    same counts: where the alert fires, the verdict promotes; the pooled, under-sampled, skipped, never-compared,
+    rolled-back and risky cases are not promoted by either."""
+    from shadow.analysis import verdict
+    from shadow.core.targets import BUILTINS
+
+    for spec in rule_cases.PROMOTION_CASES:
+        target = spec.get("target", "op")
+        risky = BUILTINS[target]().risky_signatures if target in BUILTINS else ()
+        decision = verdict.decide(target, _counts_at_eval(spec), verdict.DEFAULT_MAX_RATE, risky)
+        assert (decision.decision == verdict.PROMOTE) == bool(spec.get("fires")), (spec["name"], decision.why)
+
+
+def test_the_promotion_rules_bound_is_never_below_the_verdicts():
+    """The rule's closed form (log(1/alpha) - log(w) + log(1 + N/b)) / min_s(n_s / W_s) against the verdict's bound
+    of a phase with no divergence, over random allocations of comparisons to signatures."""
+    import math
+    import random
+
+    from shadow.analysis import bounds
+    from shadow.analysis.verdict import TargetCounts, decide
+
+    rng = random.Random(14)
+    prior = bounds.Prior.for_max_rate(0.001)
+    for _ in range(200):
+        counts = TargetCounts()
+        strata = {f"s{i}": (rng.randint(1, 10**6), rng.randint(1, 50_000)) for i in range(rng.randint(1, 6))}
+        for signature, (calls, compared) in strata.items():
+            counts.add_calls(signature, calls)
+            counts.add_outcome(signature, "match", compared)
+        total_calls = sum(c for c, _ in strata.values())
+        n = sum(m for _, m in strata.values())
+        least = min(m / (c / total_calls) for c, m in strata.values())
+        budget = math.log(1 / bounds.ALPHA) - math.log(bounds.SHARED_RATE_WEIGHT) + math.log1p(n / prior.b)
+        assert budget / least >= decide("op", counts, 0.001).upper * (1 - 1e-9)

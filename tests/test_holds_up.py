@@ -315,9 +315,9 @@ def test_5_a_full_disk_loses_whole_lines_counted_and_the_journal_stays_readable(
 
 
 def test_5_readers_skip_and_count_a_torn_final_line(tmp_path):
-    from shadow.analysis import sources
-
     import journals
+
+    from shadow.analysis import sources
 
     journal = tmp_path / "j.jsonl"
     whole = json.dumps(journals.line()) + "\n"
@@ -707,8 +707,9 @@ def test_12_the_report_survives_surrogates_and_never_passes_raw_html(tmp_path):
     import journals
 
     journal = tmp_path / "j.jsonl"
-    line = ('{"target": "op", "outcome": "mismatch", "signature": "call", "reasons": ["value"], "pid": 1, "host": "h", '
-            '"stream": "sh1", "detail": "bad \\ud800 value", "test": "tests/test_x.py::test_<!-- hidden"}\n')  # fmt: skip
+    line = ('{"target": "op", "outcome": "mismatch", "signature": "call", "reasons": ["value"], "pid": 1, '
+            '"host": "h", "stream": "sh1", "detail": "bad \\ud800 value", '
+            '"test": "tests/test_x.py::test_<!-- hidden"}\n')  # fmt: skip
     journal.write_text(json.dumps(journals.header()) + "\n" + line)
     markdown, page = tmp_path / "r.md", tmp_path / "r.html"
     done = npu_shadow("report", "--journal", str(journal), "--markdown", str(markdown), "--html", str(page))

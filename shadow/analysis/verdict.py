@@ -57,6 +57,7 @@ _UNCOVERED_WHY = {
     "inplace": "legacy wrote a tensor argument in place; such calls cannot be re-run from their start",
 }
 DEFAULT_MAX_RATE = 0.001  # the divergence rate a rollout tolerates; the alert rules' budget too
+DEFAULT_MIN_PER_SIGNATURE = 30  # comparisons each risky signature needs (--min-per-signature)
 #: The burn-rate alerts fire at these multiples of the max rate (the rules and the report's chart share them).
 BURN_RATE_FACTORS = {"fast burn": 14.4, "slow burn": 6.0}
 
@@ -65,6 +66,15 @@ def comparisons_needed(max_rate: float, k: float = 0) -> float:
     """The least effective number of comparisons whose anytime-valid upper bound with k divergences is below
     max_rate (about 4.5 / max_rate for k = 0)."""
     return bounds.effective_needed(max_rate, k, Prior.for_max_rate(max_rate))
+
+
+def wilson_upper(k: float, n: float, z: float = 1.6448536269514722) -> float:
+    """One-sided 95% Wilson score upper bound at a single look: what the dashboard draws for display (cheap in
+    PromQL); never what a decision rests on."""
+    if n == 0:
+        return 1.0
+    p = k / n
+    return (p + z * z / (2 * n) + z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (1 + z * z / n)
 
 
 @dataclasses.dataclass
@@ -361,7 +371,7 @@ def decide(
     counts: TargetCounts,
     max_rate: float,
     risky: Iterable[str] = (),
-    min_per_signature: int = 30,
+    min_per_signature: int = DEFAULT_MIN_PER_SIGNATURE,
 ) -> Decision:
     """The decision for one target (see the module docstring)."""
     order = {side: i for i, side in enumerate(PRIMARY_SIDES)}

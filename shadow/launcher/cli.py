@@ -146,7 +146,7 @@ def _report(args: argparse.Namespace) -> int:
             counts = from_prometheus(args.prometheus, args.window, args.selector)
         elif args.metrics_file:
             counts = from_exposition(read_text(args.metrics_file), args.metrics_file)
-        evidence = report.collect(args.journal or (), counts, details=args.details)
+        evidence = report.collect(args.journal or (), counts, details=args.details, window=args.cluster_window)
     except SourceError as exc:
         print(f"npu-shadow report: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -272,7 +272,8 @@ def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._Mut
         type=_seconds,
         default=60.0,
         metavar="SECONDS",
-        help="with --journal: comparisons of one process within this many seconds form a cluster (0: by process)",
+        help="with --journal: each process's comparisons are clustered in blocks of this many seconds from its own "
+        "start, a run of blocks with divergences kept whole (0: by process; default 60)",
     )
 
 
@@ -321,7 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = decide.add_mutually_exclusive_group(required=True)
     _add_evidence_options(decide, source)
-    source.add_argument("--journal", metavar="PATH", nargs="+", help="JSONL journals (written with all_outcomes)")
+    source.add_argument(
+        "--journal", metavar="PATH", nargs="+", help="JSONL journals (their rotated files PATH.1, ... are read too)"
+    )
     decide.add_argument(
         "--risky", type=_risky, action="append", default=[], metavar="TARGET=PATTERN", help="another risky signature"
     )
