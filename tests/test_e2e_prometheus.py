@@ -80,7 +80,7 @@ def test_rules_alerts_and_verdict_against_a_real_prometheus(tmp_path):
 
             # the recording rules hold what the monitors counted
             for job, s in stats.items():
-                key = (("job", job), ("target", "tensor_type"))
+                key = (("job", job), ("primary", "legacy"), ("target", "tensor_type"))  # (by phase)
                 expected = {
                     "npu_shadow:calls:total": s.calls,
                     "npu_shadow:comparisons:total": s.compared,

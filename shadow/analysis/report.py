@@ -273,7 +273,10 @@ def _charts(evidence: Evidence, decisions: list[Decision], max_rate: float, min_
     coverage = [(f"{d.target} {pattern}", float(seen)) for d in decisions for pattern, seen in d.risky.items()]
     figures.append(
         charts.horizontal_bars(
-            coverage, "Risky signatures: comparisons made against those needed", charts.COVERED, min_per_signature
+            coverage,
+            "Risky signatures: comparisons made against those needed (the verdict's counts)",
+            charts.COVERED,
+            min_per_signature,
         )
     )
     figures.append(
@@ -284,7 +287,11 @@ def _charts(evidence: Evidence, decisions: list[Decision], max_rate: float, min_
         )
     )
     floors = [(f"{t} {s} ({int(runs)} A/A runs)", value) for (t, s), (runs, value) in sorted(evidence.noise.items())]
-    figures.append(charts.horizontal_bars(floors, "Noise floor: greatest A/A difference by signature", charts.NOISE))
+    figures.append(
+        charts.horizontal_bars(
+            floors, "Noise floor: greatest A/A difference by signature (journals' A/A lines)", charts.NOISE
+        )
+    )
     figures = [f for f in figures if f]
     notes = [] if figures else ["Nothing to draw: the charts need journals (--journal) or risky signatures."]
     return Section("Charts", [], notes=notes, figures=figures, html_only=True)

@@ -265,10 +265,8 @@ def with_rotated(paths: Iterable[str]) -> tuple[list[str], list[str]]:
 
 _ROTATED = re.compile(r"\.\d+$")
 #: An outcome line as the journal exporter frames it: its process is read without parsing the line (fast path).
-_OUTCOME_LINE = re.compile(rb'^\{"time":')
-_PROCESS = re.compile(rb'"host":("(?:[^"\\]|\\.)*"|null),"pid":(\d+),"stream":"([0-9a-f]*)"')
-#: Unparsed lines a process may leave after its last count record before they are folded into counts.
-_TAIL_LINES = 10_000
+_OUTCOME_START = b'{"time":'
+_PROCESS_FIELDS = re.compile(rb',"host":("(?:[^"\\]|\\.)*"|null),"pid":(\d+),"stream":"([0-9a-f]*)"')
 
 
 @dataclasses.dataclass
@@ -326,8 +324,10 @@ class _Stream:
     start: float | None = None
     phases: dict[tuple[str, str], _Phase] = dataclasses.field(default_factory=dict)
     events: list[dict] = dataclasses.field(default_factory=list)  # rollbacks and resets, in order
-    tail: list[tuple[bytes, str]] = dataclasses.field(default_factory=list)  # raw lines and where
-    folded: dict[tuple[str, str], _Tail] = dataclasses.field(default_factory=dict)  # tail lines counted (bounded)
+    #: Where its unparsed lines after the last count record begin, file by file (path, offset, line number): read
+    #: again at the end, so that lines a count record covers are never parsed and memory stays bounded.
+    marks: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    folded: dict[tuple[str, str], _Tail] = dataclasses.field(default_factory=dict)  # tail lines counted
     counted: bool = False  # has count records
 
     def see(self, timestamp: object) -> None:
@@ -400,6 +400,7 @@ class JournalReader:
     def __init__(self, window: float = CLUSTER_WINDOW_SECONDS) -> None:
         self.window = window
         self.streams: dict[tuple, _Stream] = {}
+        self._located: dict[bytes, _Stream] = {}  # an outcome line's process fields -> its process's stream
         self.torn: list[str] = []
         self.lines = 0
 
@@ -407,20 +408,31 @@ class JournalReader:
         for path in paths:
             self._read_file(path)
 
-    def _read_file(self, path: str) -> None:
+    def _read_file(self, path: str, only: _Stream | None = None, start: tuple[int, int] = (0, 0)) -> None:
+        """Read one journal from ``start`` (offset, line number). An outcome line framed as the journal exporter
+        frames it is only located (its process read from its last fields); everything else is parsed. With
+        ``only``: the second reading of one process's tail, whose outcome lines are counted now."""
+        offset, number = start
+        located = self._located  # process fields (bytes) -> stream
         try:
             with open(path, "rb") as handle:
-                for number, raw in enumerate(iter(lambda h=handle: h.readline(MAX_LINE_BYTES + 1), b""), 1):
-                    self.lines += 1
-                    where = f"{path}:{number}"
-                    if _OUTCOME_LINE.match(raw) and raw.endswith(b"\n"):
-                        found = _PROCESS.search(raw, max(0, len(raw) - 4096))
-                        if found is not None:
-                            stream = self._stream((json.loads(found[1]), int(found[2]), found[3].decode()), where)
-                            stream.tail.append((raw, where))
-                            if len(stream.tail) > _TAIL_LINES:
-                                self._fold(stream)
+                handle.seek(offset)
+                readline = handle.readline
+                while raw := readline(MAX_LINE_BYTES + 1):
+                    number += 1
+                    at, offset = offset, offset + len(raw)
+                    if raw.startswith(_OUTCOME_START) and raw.endswith(b"\n"):
+                        fields = raw[raw.rfind(b',"host":') :]
+                        stream = located.get(fields) or self._locate(fields, f"{path}:{number}")
+                        if stream is not None:
+                            if only is stream:
+                                self._count_tail_line(stream, raw, f"{path}:{number}")
+                            elif only is None and path not in stream.marks:
+                                stream.marks[path] = (at, number - 1)
                             continue
+                    if only is not None:
+                        continue
+                    where = f"{path}:{number}"
                     try:
                         record = _journal_record(raw, where)
                     except SourceError:
@@ -429,9 +441,31 @@ class JournalReader:
                         self.torn.append(where)
                         continue
                     if record is not None:
-                        self._add(record, raw, where)
+                        self._add(record, where)
         except OSError as exc:
             raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        if only is None:
+            self.lines += number - start[1]
+
+    def _locate(self, fields: bytes, where: str) -> _Stream | None:
+        """The process whose last fields an outcome line ends with (never inside a string: the exporter escapes
+        quotes), or None where they are not as the exporter writes them."""
+        found = _PROCESS_FIELDS.match(fields)
+        if found is None:
+            return None
+        try:
+            host = json.loads(found[1])
+        except ValueError:
+            return None
+        stream = self._located[fields] = self._stream((host, int(found[2]), found[3].decode()), where)
+        return stream
+
+    def _count_tail_line(self, stream: _Stream, raw: bytes, where: str) -> None:
+        record = _journal_record(raw, where)
+        if record is not None and "event" not in record:
+            stream.see(record.get("timestamp"))
+            primary = record.get("primary") if record.get("primary") in PRIMARY_SIDES else LEGACY
+            stream.folded.setdefault((record["target"], primary), _Tail()).add(record)
 
     def _stream(self, key: tuple, where: str) -> _Stream:
         stream = self.streams.get(key)
@@ -452,7 +486,7 @@ class JournalReader:
             raise SourceError(f"{where}: a record whose host or stream is not a string")
         return (host, pid, stream)
 
-    def _add(self, record: dict, raw: bytes, where: str) -> None:
+    def _add(self, record: dict, where: str) -> None:
         stream = self._stream(self._key(record, where), where)
         stream.see(record.get("timestamp"))
         event = record.get("event")
@@ -460,7 +494,7 @@ class JournalReader:
             stream.all_outcomes = record.get("all_outcomes") is True
         elif event == "counts":
             stream.counted = True
-            stream.tail.clear()  # (a count record covers every line before it: see the journal exporter)
+            stream.marks.clear()  # (a count record covers every line before it: see the journal exporter)
             stream.folded.clear()
             counts = _check_counts(record, where)
             phase = stream.phases.setdefault((record["target"], record["primary"]), _Phase())
@@ -478,20 +512,17 @@ class JournalReader:
                         phase.baseline = phase.counts
                         phase.previous = (0.0, 0.0)
                         phase.intervals.clear()
-        else:
-            stream.tail.append((raw, where))
-            if len(stream.tail) > _TAIL_LINES:
-                self._fold(stream)
+        else:  # an outcome line not framed as the exporter frames it: counted now, forgotten at a count record
+            stream.see(record.get("timestamp"))
+            primary = record.get("primary") if record.get("primary") in PRIMARY_SIDES else LEGACY
+            stream.folded.setdefault((record["target"], primary), _Tail()).add(record)
 
     def _fold(self, stream: _Stream) -> None:
-        """Count the lines after the last count record so far (bounded memory)."""
-        for raw, where in stream.tail:
-            record = _journal_record(raw, where)
-            if record is not None and "event" not in record:
-                stream.see(record.get("timestamp"))
-                primary = record.get("primary") if record.get("primary") in PRIMARY_SIDES else LEGACY
-                stream.folded.setdefault((record["target"], primary), _Tail()).add(record)
-        stream.tail.clear()
+        """Count the framed outcome lines after the process's last count record: read again from where they
+        begin."""
+        marks, stream.marks = stream.marks, {}
+        for path, start in marks.items():
+            self._read_file(path, only=stream, start=start)
 
     def counts(self) -> dict[str, TargetCounts]:
         """The counts of every target, by phase, with clusters; refuses (SourceError) what cannot be counted."""
