@@ -360,9 +360,8 @@ def decide_phase(primary: str, phase: PhaseCounts, max_rate: float) -> PhaseDeci
         units = "clusters" if clustered else "effective comparisons"
         needed = bounds.effective_needed(max_rate - share, rate * effective, prior)
         more = "more than any job makes:" if math.isinf(needed) else f"about {max(1, math.ceil(needed - effective)):,}"
-        missing.append(
-            f"upper bound {upper:.3g} >= max rate {max_rate:g}: {more} more {units} at the rate seen ({rate:.3g})"
-        )
+        seen = f"at the rate seen ({rate:.3g})" if rate else "without divergence"
+        missing.append(f"upper bound {upper:.3g} >= max rate {max_rate:g}: {more} more {units} {seen}")
     return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: " + "; ".join(missing), **common)
 
 
