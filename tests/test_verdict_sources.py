@@ -131,3 +131,16 @@ def test_a_good_answer_still_decides():
     with FakePrometheus(vector("5000")) as url:
         done = run_verdict("--prometheus", url)
     assert done.returncode == 0 and "promote" in done.stdout, done.stdout + done.stderr
+
+
+def test_count_records_that_go_backwards_are_refused(tmp_path):
+    import journals
+
+    records = [
+        journals.counts({"call": {"match": 100}}, timestamp=1),
+        journals.counts({"call": {"match": 40}}, timestamp=2),
+    ]
+    path = journals.write(tmp_path / "j.jsonl", records, all_outcomes=False)
+    assert_source_error(run_verdict("--journal", str(path)), f"{path}:3", "counts only grow")
+    bad = journals.counts({"call": {"match": -1}})
+    assert_source_error(run_verdict("--journal", str(journals.write(tmp_path / "k.jsonl", [bad]))), "cannot be a count")

@@ -223,13 +223,22 @@ def bounds(strata: Sequence[Stratum], prior: Prior, alpha: float = ALPHA) -> tup
     each stratum's own lower bound at level ``alpha * W_s`` (a union bound over strata): each stratum's depends on
     its own evidence alone, so that removing a divergence anywhere never raises it, and a stratum with a small
     share of calls cannot roll a target back alone."""
-    lower = sum(s.weight * _one_lower(s.k, s.n, alpha * s.weight) for s in strata if s.weight > 0)
-    return min(lower, 1.0), _greatest(strata, upper_budget(strata, prior, alpha))
+    return lower(strata, alpha), upper(strata, prior, alpha)
+
+
+def lower(strata: Sequence[Stratum], alpha: float = ALPHA) -> float:
+    """The lower bound of :func:`bounds`."""
+    return min(sum(s.weight * _one_lower(s.k, s.n, alpha * s.weight) for s in strata if s.weight > 0), 1.0)
+
+
+def upper(strata: Sequence[Stratum], prior: Prior, alpha: float = ALPHA) -> float:
+    """The upper bound of :func:`bounds`."""
+    return _greatest(strata, upper_budget(strata, prior, alpha))
 
 
 def upper_bound(k: float, n: float, prior: Prior, alpha: float = ALPHA) -> float:
     """The one-stratum upper bound (1.0 when n == 0)."""
-    return bounds([Stratum(1.0, k, n)], prior, alpha)[1]
+    return upper([Stratum(1.0, k, n)], prior, alpha)
 
 
 def lower_bound(k: float, n: float, alpha: float = ALPHA) -> float:

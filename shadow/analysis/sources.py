@@ -220,15 +220,7 @@ def journal_records(paths: Iterable[str], torn: list[str] | None = None) -> Iter
         try:
             with open(path, "rb") as handle:
                 for number, raw in enumerate(iter(lambda h=handle: h.readline(MAX_LINE_BYTES + 1), b""), 1):
-                    where = f"{path}:{number}"
-                    try:
-                        record = _journal_record(raw, where)
-                    except SourceError:
-                        if raw.endswith(b"\n") or len(raw) > MAX_LINE_BYTES:
-                            raise
-                        if torn is not None:
-                            torn.append(where)
-                        continue
+                    record = _whole_record(raw, f"{path}:{number}", torn)
                     if record is not None:
                         yield record
         except OSError as exc:
@@ -433,13 +425,7 @@ class JournalReader:
                     if only is not None:
                         continue
                     where = f"{path}:{number}"
-                    try:
-                        record = _journal_record(raw, where)
-                    except SourceError:
-                        if raw.endswith(b"\n") or len(raw) > MAX_LINE_BYTES:
-                            raise
-                        self.torn.append(where)
-                        continue
+                    record = _whole_record(raw, where, self.torn)
                     if record is not None:
                         self._add(record, where)
         except OSError as exc:
@@ -501,6 +487,8 @@ class JournalReader:
             phase.counts = counts
             compared, divergent = _compared(_minus(counts, phase.baseline))
             before = phase.previous
+            if compared < before[0] or divergent < before[1]:
+                raise SourceError(f"{where}: a count record below the process's earlier one (counts only grow)")
             phase.previous = (compared, divergent)
             if compared - before[0] > 0:
                 phase.intervals.append((record.get("timestamp", 0.0), compared - before[0], divergent - before[1]))
@@ -646,6 +634,19 @@ def from_journal(
         for entry in counts.values():
             entry.notes.append(f"read with the rotated files beside them: {', '.join(added)}")
     return counts
+
+
+def _whole_record(raw: bytes, where: str, torn: list[str] | None) -> dict | None:
+    """The record on one line, checked; None for a blank line, or for a torn final line (a writer killed mid-line,
+    a full disk: no newline), whose place is appended to ``torn``."""
+    try:
+        return _journal_record(raw, where)
+    except SourceError:
+        if raw.endswith(b"\n") or len(raw) > MAX_LINE_BYTES:
+            raise
+        if torn is not None:
+            torn.append(where)
+        return None
 
 
 def _journal_record(raw: bytes, where: str) -> dict | None:

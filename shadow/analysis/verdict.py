@@ -256,7 +256,8 @@ def _strata(phase: PhaseCounts, cap: float | None) -> tuple[list[Stratum], list[
     nonresponse: dict[str, dict[str, float]] = {}
     for (signature, reason), value in phase.skipped.items():
         if reason in NONRESPONSE_REASONS and value > 0:
-            nonresponse.setdefault(signature, {})[reason] = nonresponse.get(signature, {}).get(reason, 0) + value
+            by_reason = nonresponse.setdefault(signature, {})
+            by_reason[reason] = by_reason.get(reason, 0) + value
     unmatched = dict(phase.unmatched)
     by_signature = any(s for s in phase.calls if phase.calls[s] > 0)
     if not by_signature:  # one stratum: uniform sampling weights every comparison alike
@@ -322,8 +323,7 @@ def decide_phase(primary: str, phase: PhaseCounts, max_rate: float) -> PhaseDeci
     clustered = bool(clusters) and round(sum(c[0] for c in clusters)) == round(counted)
     lower_strata, upper_strata, uncovered, weighted = _strata(phase, len(clusters) if clustered else None)
     prior = Prior.for_max_rate(max_rate)
-    lower = bounds.bounds(lower_strata, prior)[0]
-    upper = bounds.bounds(upper_strata, prior)[1]
+    lower, upper = bounds.lower(lower_strata), bounds.upper(upper_strata, prior)
     covered = sum(s.weight for s in lower_strata if s.n > 0)
     rate = sum(s.weight * s.k / s.n for s in lower_strata if s.n > 0) / covered if covered else 0.0
     effective = sum(s.n for s in lower_strata)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_iter
 
 from shadow.core import oracle
 from shadow.core.observation import label_text
@@ -157,11 +158,18 @@ def parallel_apply_signature(args: tuple, kwargs: dict) -> str:
 
 
 def data_parallel_signature(args: tuple, kwargs: dict) -> str:
-    """The same classification for a ``data_parallel(module, inputs, device_ids, ...)`` call."""
+    """The same classification for a ``data_parallel(module, inputs, device_ids, output_device, dim, ...)`` call,
+    by the replicas that run: scatter cuts the batch into at most as many chunks as it has rows along ``dim``, so a
+    batch of one runs one replica however many device ids are given."""
     device_ids = _arg(args, kwargs, 2, "device_ids")
     if device_ids is None:
         device_ids = range(torch.accelerator.device_count() or 1)
-    return _dp_signature(len(device_ids))
+    dim = _arg(args, kwargs, 4, "dim", 0)
+    rows = next(
+        (t.size(dim) for t in tree_iter(_arg(args, kwargs, 1, "inputs")) if isinstance(t, torch.Tensor) and t.dim()),
+        None,
+    )
+    return _dp_signature(len(device_ids) if rows is None else min(len(device_ids), rows))
 
 
 #: Where torch_npu 2.12's legacy and upstream are known to differ (the README's "what really differs").

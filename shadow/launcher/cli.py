@@ -273,14 +273,37 @@ def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._Mut
         default=60.0,
         metavar="SECONDS",
         help="with --journal: each process's comparisons are clustered in blocks of this many seconds from its own "
-        "start, a run of blocks with divergences kept whole (0: by process; default 60)",
+        "start, a run of blocks with divergences kept whole (0: by process)",
     )
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows each option's default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, [], "") or action.help is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import PackageNotFoundError, version
+
     parser = argparse.ArgumentParser(prog="npu-shadow", description="Shadow torch_npu's patches against upstream.")
+    try:
+        known = version("npu-shadow")
+    except PackageNotFoundError:  # (run from a checkout that was never installed)
+        known = "unknown (not installed)"
+    parser.add_argument("--version", action="version", version=f"npu-shadow {known}")
     commands = parser.add_subparsers(dest="command", required=True)
-    replay = commands.add_parser("replay", help="re-run legacy and upstream on a repro capture and compare")
+    replay = commands.add_parser(
+        "replay",
+        help="re-run legacy and upstream on a repro capture and compare",
+        description="Re-run legacy and upstream on a repro capture (a .pt file a journal's capture_dir holds) and "
+        "compare them as the monitor did. Exit code: 0 they agree, 1 they still differ, 2 a capture that cannot be "
+        "read or asks for anything else.",
+        formatter_class=_Defaults,
+    )
     replay.add_argument("capture", help="a .pt file written by JsonlExporter(capture_dir=...)")
     replay.add_argument("--legacy", metavar="MODULE:FUNCTION", help="a custom target's legacy function")
     replay.add_argument("--upstream", metavar="MODULE:FUNCTION", help="a custom target's upstream function")
@@ -304,9 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(handler=_run)
 
-    doctor = commands.add_parser("doctor", help="check that this host can shadow (exit 0) or say why not (1)")
+    doctor = commands.add_parser(
+        "doctor",
+        help="check that this host can shadow (exit 0) or say why not (1)",
+        description="Check that this host can shadow: torch, the accelerator, the legacy side npu-shadow run would "
+        "use, the Prometheus port, and a self-test of tensor_type. Exit code: 0 ok, 1 not (each line says why).",
+        formatter_class=_Defaults,
+    )
     doctor.add_argument("--port", type=int, default=9464, help="the Prometheus port to try (default 9464)")
-    doctor.add_argument("--addr", default="127.0.0.1")
+    doctor.add_argument("--addr", default="127.0.0.1", help="the address to try the port on")
     _add_emulate_npu(doctor, "check with N emulated npu devices installed")
     legacy = SETTINGS["legacy_from"]
     doctor.add_argument(
@@ -319,8 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="promote, rollback or inconclusive, per target (exit 0, 1, 3)",
         description="Decide from the evidence whether upstream can replace the legacy patches. Exit code: "
         "0 promote, 1 rollback, 3 inconclusive (the worst target's), 2 usage or source error.",
+        formatter_class=_Defaults,
     )
-    source = decide.add_mutually_exclusive_group(required=True)
+    source = decide.add_mutually_exclusive_group(required=True)  # (formatter below)
     _add_evidence_options(decide, source)
     source.add_argument(
         "--journal", metavar="PATH", nargs="+", help="JSONL journals (their rotated files PATH.1, ... are read too)"
@@ -328,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     decide.add_argument(
         "--risky", type=_risky, action="append", default=[], metavar="TARGET=PATTERN", help="another risky signature"
     )
-    decide.add_argument("--format", choices=("table", "json"), default="table")
+    decide.add_argument("--format", choices=("table", "json"), default="table", help="how to print the decisions")
     decide.set_defaults(handler=_verdict)
 
     ab = commands.add_parser(
@@ -338,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
         "legacy world (--npu-shadow) and in the upstream world (--npu-shadow-world upstream); each test is one "
         "comparison of target suite_ab in the journal. Exit code: 0 no test changed, 1 some did, 2 a world could "
         "not run.",
+        formatter_class=_Defaults,
     )
     ab.add_argument("--journal", default="npu-shadow-tests.jsonl", metavar="PATH", help="the journal both write to")
     ab.add_argument("pytest_args", nargs=argparse.REMAINDER, help="-- PYTEST_ARGS (with --npu-shadow-* options)")
@@ -349,8 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Receives Alertmanager's webhooks on LISTEN/alerts; each firing alert labelled action=rollback "
         "throws the switch of its job (--switch JOB=URL, the job's --rollback-port endpoint), with the token in "
         "NPU_SHADOW_ROLLBACK_TOKEN. Prints one JSON line per flip.",
+        formatter_class=_Defaults,
     )
-    receiver.add_argument("--listen", default="127.0.0.1:9095", metavar="HOST:PORT")
+    receiver.add_argument("--listen", default="127.0.0.1:9095", metavar="HOST:PORT", help="where Alertmanager posts")
     receiver.add_argument("--switch", action="append", default=[], metavar="JOB=URL", help="a job's rollback endpoint")
     receiver.set_defaults(handler=_receiver)
 
@@ -359,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the evidence as Markdown (and HTML) for the pull request that deletes the patches",
         description="Counts from --prometheus or --metrics-file (else from the journals); details and tests "
         "from --journal. Exit 0, or 2 on a source or usage error.",
+        formatter_class=_Defaults,
     )
     _add_evidence_options(paper, paper.add_mutually_exclusive_group())
     paper.add_argument("--journal", metavar="PATH", nargs="+", help="JSONL journals (details, tests)")

@@ -1,0 +1,80 @@
+"""What a user sees is true: labels on the side the caller got, signatures that count what runs, the commands'
+own help."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from prometheus_client import generate_latest
+from torch import nn
+
+import shadow
+from exporters import PrometheusExporter
+from shadow.core.targets import data_parallel_signature
+
+
+def test_3_in_a_canary_skipped_calls_name_upstream_as_the_side_returned():
+    """A call skipped for its module's hooks returned upstream's result in a canary: its skip says so."""
+    ops = types.SimpleNamespace(op=lambda module, x: module(x))
+    model = nn.Linear(2, 2)
+    model.register_forward_hook(lambda m, i, o: None)
+    exporter = PrometheusExporter()
+    target = shadow.Target("op", ops, "op", lambda module, x: module(x))
+    with shadow.install([target], sample_rate=1.0, primary="upstream", exporters=[exporter]) as monitor:
+        ops.op(model, torch.ones(1, 2))
+        assert monitor.stats()["op"].by_reason == {"hooks": 1}
+    text = generate_latest(exporter.registry).decode()
+    assert 'npu_shadow_skipped_total{primary="upstream",reason="hooks",signature="",target="op"} 1.0' in text
+
+
+def test_4_data_parallels_signature_counts_the_replicas_that_run():
+    """A batch of one on [1, 0] runs one replica (scatter cuts no more chunks than rows): the risky replicas=1."""
+    model = nn.Linear(2, 2)
+    assert data_parallel_signature((model, torch.ones(1, 2), [1, 0]), {}).startswith("replicas=1/")
+    assert data_parallel_signature((model, torch.ones(4, 2), [1, 0]), {}).startswith("replicas=2+/")
+    assert data_parallel_signature((model, torch.ones(4, 1), [1, 0]), {"dim": 1}).startswith("replicas=1/")
+    assert data_parallel_signature((model, (torch.ones(3, 2),), [0]), {}).startswith("replicas=1/")
+
+
+def _npu_shadow(*args: str) -> str:
+    """What the command prints for these arguments (in this process: --help and --version exit)."""
+    import contextlib
+    import io
+
+    import pytest
+
+    from shadow.launcher import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exited:
+        cli.main(list(args))
+    assert exited.value.code == 0
+    return out.getvalue()
+
+
+def test_12_the_command_says_its_version_and_each_subcommand_its_defaults():
+    from importlib.metadata import version
+
+    assert _npu_shadow("--version").strip() == f"npu-shadow {version('npu-shadow')}"
+    verdict = _npu_shadow("verdict", "--help")
+    for shown in ("(default: 0.001)", "(default: 30)", "(default: 60.0)", "(default: table)"):
+        assert shown in verdict, shown
+    assert "(default: 127.0.0.1:9095)" in _npu_shadow("receiver", "--help")
+    assert "(default: npu-shadow-tests.jsonl)" in _npu_shadow("ab", "--help")
+    for command in ("replay", "run", "doctor", "verdict", "ab", "receiver", "report"):
+        _, _, rest = _npu_shadow(command, "--help").partition("\n\n")
+        assert rest.strip() and not rest.startswith(("positional arguments", "options")), command  # a description
+
+
+def test_15_the_docs_never_suggest_an_unpinned_install():
+    """Every `pip install` of this project in the docs comes after torch is pinned."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = page.read_text()
+        assert "a regular `pip install` works" not in text, page
+        for found in re.finditer(r"pip install (?:-e )?\.", text):
+            assert "torch==2.13.0" in text[max(0, found.start() - 300) : found.start()], (page, found.group())
