@@ -6,6 +6,10 @@
 >>> monitor.stats()
 """
 
+# torch first: under `npu-shadow run` the monitor is installed right after torch is imported, and it must find
+# none of this package's modules half-imported (a job may import shadow before torch).
+import torch  # noqa: F401  (isort: skip)
+
 from shadow.core.compare import Comparison, compare
 from shadow.core.engine import Experiment
 from shadow.core.environment import VERSION

@@ -78,3 +78,32 @@ def test_15_the_docs_never_suggest_an_unpinned_install():
         assert "a regular `pip install` works" not in text, page
         for found in re.finditer(r"pip install (?:-e )?\.", text):
             assert "torch==2.13.0" in text[max(0, found.start() - 300) : found.start()], (page, found.group())
+
+
+IMPORTS_SHADOW_FIRST = """
+import shadow  # before torch
+import torch
+assert torch.accelerator.current_accelerator().type == "npu"  # --emulate-npu applied
+for _ in range(3):
+    torch.ones(2).type(torch.float64)
+print(sorted(shadow.BUILTINS))
+"""
+
+
+def test_2_a_job_that_imports_shadow_before_torch_is_shadowed(tmp_path):
+    """`import shadow` first under the launcher: installed (no circular import), the emulated npu applied, and
+    the calls counted in the exit summary."""
+    import subprocess
+    import sys
+
+    from torch_npu_wheels import wheel
+
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "run", "--sample-rate", "1", "--emulate-npu", "2",
+         "--legacy-from", wheel("2.12.0"), "--", sys.executable, "-c", IMPORTS_SHADOW_FIRST],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "not installed" not in done.stderr and "circular import" not in done.stderr
+    summary = next(line for line in done.stderr.splitlines() if line.startswith("tensor_type"))
+    assert summary.split()[1] == "3", summary  # three calls
