@@ -17,28 +17,12 @@ mapfile -t legacy < <(bash scripts/demo_legacy.sh)  # torch_npu 2.12.0's own cod
 echo
 if [ "${1:-}" = "--canary-drill" ]; then
   # The canary phase and its rollback: upstream's result returned, legacy compared, a fire drill injecting a dtype
-  # divergence. A watcher stands in for Prometheus, Alertmanager and `npu-shadow receiver` (tests/test_e2e_rollback.py
-  # runs the real ones): it reads the job's metrics while it trains and, at the first hard mismatch, throws the job's
-  # rollback switch (a file). The job returns legacy's result from the next call on, without a restart.
+  # divergence. A watcher (scripts/demo_watcher.py) stands in for Prometheus, Alertmanager and `npu-shadow receiver`:
+  # at the first hard mismatch it throws the job's rollback switch (a file). The job returns legacy's result from
+  # the next call on, without a restart.
   shift
   echo "== canary with a fire drill (upstream returned; metrics on http://127.0.0.1:9464/metrics); watcher armed"
-  .venv/bin/python - "$work/rollback" <<'WATCH' &
-import re, sys, time, urllib.request
-deadline = time.monotonic() + 300
-while time.monotonic() < deadline:
-    try:
-        text = urllib.request.urlopen("http://127.0.0.1:9464/metrics", timeout=2).read().decode()
-    except OSError:
-        time.sleep(0.2)
-        continue
-    hard = re.findall(r'npu_shadow_mismatches_total\{reason="(dtype|device|exception)",target="(\w+)"\} ([0-9.]+)', text)
-    found = [(reason, target) for reason, target, value in hard if float(value) > 0]
-    if found:
-        open(sys.argv[1], "w").write(f"demo watcher: hard mismatch {found[0][0]} in {found[0][1]}\n")
-        print(f"watcher: hard mismatch ({found[0][0]} in {found[0][1]}): rollback switch thrown", flush=True)
-        break
-    time.sleep(0.2)
-WATCH
+  .venv/bin/python scripts/demo_watcher.py http://127.0.0.1:9464/metrics "$work/rollback" &
   .venv/bin/npu-shadow run --emulate-npu 2 "${legacy[@]}" --sample-rate 1 --budget off --port 9464 \
     --textfile "$work/metrics.prom" --journal "$work/journal-{pid}.jsonl" --primary upstream --drill dtype:0.5 \
     --rollback-file "$work/rollback" "$@" -- .venv/bin/python examples/train_dataparallel.py --autocast --epochs 4

@@ -107,3 +107,22 @@ def test_2_a_job_that_imports_shadow_before_torch_is_shadowed(tmp_path):
     assert "not installed" not in done.stderr and "circular import" not in done.stderr
     summary = next(line for line in done.stderr.splitlines() if line.startswith("tensor_type"))
     assert summary.split()[1] == "3", summary  # three calls
+
+
+def test_5_the_canary_demos_watcher_sees_a_hard_mismatch_whatever_the_labels():
+    """Its pattern predated the primary label, so the canary drill never rolled back."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "demo_watcher.py"
+    spec = importlib.util.spec_from_file_location("demo_watcher", path)
+    watcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(watcher)
+    exporter = PrometheusExporter()
+    exporter.register("tensor_type", 1.0)
+    assert watcher.hard_mismatch(generate_latest(exporter.registry).decode()) is None  # (zeros)
+    exporter.set_primary("tensor_type", "upstream")
+    from shadow.core.observation import Observation
+
+    exporter.export(Observation("tensor_type", "mismatch", ("dtype",), signature="s", primary="upstream"))
+    assert watcher.hard_mismatch(generate_latest(exporter.registry).decode()) == ("dtype", "tensor_type")
