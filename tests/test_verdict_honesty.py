@@ -327,19 +327,19 @@ def test_3_more_divergences_never_turn_inconclusive_into_promote(tmp_path):
 
 
 def test_3_a_real_engine_journal_with_more_mismatches_is_never_promoted(tmp_path):
-    """One process, 20,000 comparisons: 0 mismatches was inconclusive, 10 mismatches promoted (here 8,000 and 4)."""
+    """One process, 20,000 comparisons: 0 mismatches was inconclusive, 10 mismatches promoted (here 4,000 and 2)."""
     ops = types.SimpleNamespace(op=lambda x: x * 2)
-    upstream = {0: lambda x: x * 2, 4: lambda x: x * 2 + (x == 7).float()}
+    upstream = {0: lambda x: x * 2, 2: lambda x: x * 2 + (x == 7).float()}
     decisions = []
     for k, wrong in upstream.items():
         path = tmp_path / f"j{k}.jsonl"
         journal = JsonlExporter(str(path))
         with shadow.install([shadow.Target("op", ops, "op", wrong, exact=True)], sample_rate=1.0, exporters=[journal]):
-            for i in range(8_000):
+            for i in range(4_000):
                 ops.op(torch.tensor([7.0 if i % 2000 == 0 else 1.0]))
         journal.close()
         decisions.append(verdict.decide("op", sources.from_journal([str(path)])["op"], MAX))
-    assert [(d.compared, d.divergent) for d in decisions] == [(8_000, 0), (8_000, 4)]
+    assert [(d.compared, d.divergent) for d in decisions] == [(4_000, 0), (4_000, 2)]
     assert decisions[1].decision != PROMOTE and decisions[1].upper >= decisions[0].upper
 
 
@@ -400,7 +400,7 @@ def test_property_a_divergence_never_makes_promote_likelier_and_less_evidence_ne
     lower bound; removing a match never lowers the upper bound beyond the mixture's wobble (docs/operations.md)."""
     rng = random.Random(26)
     checked = 0
-    for _ in range(200):
+    for _ in range(150):
         counts = _random_counts(rng)
         before = decide(counts)
         for primary, phase in counts.phases.items():
@@ -421,7 +421,7 @@ def test_property_a_divergence_never_makes_promote_likelier_and_less_evidence_ne
                 fewer = decide(_copy_with(counts, primary, rng.choice(diverged), "mismatch", -1))
                 assert _phase(fewer, primary).lower <= old.lower + 1e-15
                 assert not (fewer.decision == ROLLBACK and before.decision != ROLLBACK)
-    assert checked > 150
+    assert checked > 110
 
 
 # --------------------------------------------------------------------------- 4. what was never compared
