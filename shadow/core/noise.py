@@ -22,7 +22,6 @@ import threading
 from collections.abc import Iterable
 
 import numpy as np
-from scipy.stats import mannwhitneyu
 
 #: A value difference within this many times the robust floor can be noise.
 MARGIN = 2.0
@@ -110,4 +109,6 @@ def _greater(ab: list[float], aa: list[float]) -> float:
         return 1.0
     if max(ab) == min(ab) == max(aa) == min(aa):
         return 1.0
+    from scipy.stats import mannwhitneyu  # (here: scipy.stats takes seconds to import, and few jobs run A/A)
+
     return float(mannwhitneyu(ab, aa, alternative="greater").pvalue)
