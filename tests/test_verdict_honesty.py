@@ -255,10 +255,11 @@ def test_1_a_shift_inside_the_floor_is_found_by_the_rank_test(tmp_path):
     journal = JsonlExporter(str(tmp_path / "j.jsonl"))
     stats, _ = _shadow(pair, [torch.ones(1)] * 300, journal=journal)
     journal.close()
-    assert stats.mismatch >= 230 and stats.noise <= 70
     records = [json.loads(line) for line in (tmp_path / "j.jsonl").read_text().splitlines()]
     counts = sources.from_journal([str(tmp_path / "j.jsonl")])["noisy"]
     lines = [r for r in records if "outcome" in r]
+    # (the first calls wait for 10 A/A runs and 20 errors a side; once the windows hold the shift, every call)
+    assert stats.noise <= 150 and sum(r["outcome"] == "mismatch" for r in lines[150:]) >= 145
     # the journal keeps both samples: a reviewer redoes the test from it
     aa = [r["aa_abs_error"] for r in lines if r["aa"]]
     ab = [r["max_abs_error"] for r in lines if r["outcome"] in ("mismatch", "noise", "close", "match")]
@@ -275,7 +276,7 @@ def test_1_honest_noise_is_still_noise():
     level 0.001 rejects only by chance)."""
     pair = _Pair(lambda x: x * 2 + _uniform(1e-3), lambda x: x * 2 + _uniform(1e-3))
     stats, experiment = _shadow(pair, [torch.ones(1)] * 200)
-    assert stats.noise >= 170  # (the first 10 calls had too few A/A runs)
+    assert stats.noise >= 160  # (the first 10 calls had too few A/A runs; the rank test errs at level 0.001)
     assert experiment.noise_floor()["call"][2] == 200
 
 
