@@ -177,7 +177,12 @@ def test_guided_counts_are_exact_under_threads():
     ops = _Ops()
     with shadow.install([ops.target()], sample_rate=0.01, first_per_signature=10, seed=1) as monitor:
 
+        # (all four alive before any call: a thread started while an upstream run is under way counts as that run's
+        # own, as DataParallel's workers are)
+        ready = threading.Barrier(4)
+
         def work(kind: str) -> None:
+            ready.wait()
             for _ in range(500):
                 ops.op(torch.ones(1), kind)
 
