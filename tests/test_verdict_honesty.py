@@ -87,10 +87,9 @@ def _log_evidence_by_integration(s1: Stratum, s2: Stratum) -> float:
     def integral(f, s):
         # (the likelihood lives within a few standard deviations of k/n: integrate there and beyond apart)
         edge = min(0.5, (s.k + 60 + 10 * math.sqrt(s.k + 1)) / s.n)
-        pieces = [(0, edge), (edge, 1)]
-        return sum(
-            quad(lambda q: f(q) * density(q), lo, hi, limit=500, epsabs=0, epsrel=1e-10)[0] for lo, hi in pieces
-        )
+        main = quad(lambda q: f(q) * density(q), 0, edge, limit=500, epsabs=0, epsrel=1e-10)[0]
+        # (beyond the edge the integrand is nothing next to the main part: an absolute tolerance there)
+        return main + quad(lambda q: f(q) * density(q), edge, 1, limit=500, epsabs=1e-12 * main)[0]
 
     pooled = Stratum(1, s1.k + s2.k, s1.n + s2.n)
     shared = integral(lambda q: likelihood(q, s1) * likelihood(q, s2), pooled)
