@@ -284,11 +284,11 @@ class Experiment:
         self.oracle_rate = oracle_rate if target.oracle is not None and target.isolate else None
         self._oracle_random = random.Random(f"{seed}/{target.name}/oracle" if seed is not None else None)
         # The noise floor: on this fraction of sampled calls legacy runs a second time, isolated as upstream is,
-        # and the difference between its two results is the target's own nondeterminism, by signature: the
-        # greatest absolute and relative difference seen (A/A runs, runs that differed).
+        # and the difference between its two results is the target's own nondeterminism, by signature and output
+        # leaf, as a distribution (shadow.core.noise).
         self.aa_rate = aa_rate
         self._aa_random = random.Random(f"{seed}/{target.name}/aa" if seed is not None else None)
-        # (per primary: a canary's A/B errors are upstream-vs-legacy; never carried across a rollback or a reset)
+        # (of the current phase: started again at a rollback or a reset)
         self._noise = NoiseFloor()
         self.legacy = target.resolve_legacy()
         self.legacy_origin = patch_origin(self.legacy) or ""
@@ -601,7 +601,9 @@ class Experiment:
         """(the comparison, the noise test as text): a value mismatch (nothing else) is reported as noise while
         the noise floor says legacy differs from itself as much (:mod:`shadow.core.noise`). Anything beyond it, or
         of another kind, stays a mismatch. Every value comparison's errors join the A/B sample."""
-        if found.outcome == Outcome.MATCH or found.outcome == Outcome.CLOSE or set(found.reasons) == {"value"}:
+        if not self.aa_rate:  # (no A/A runs: no floor, nothing is noise, and no sample is kept)
+            return found, ""
+        if found.outcome in (Outcome.MATCH, Outcome.CLOSE) or set(found.reasons) == {"value"}:
             self._noise.add_ab(signature, found.leaf_errors)
         if found.outcome != Outcome.MISMATCH or set(found.reasons) != {"value"}:
             return found, ""
