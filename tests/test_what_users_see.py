@@ -4,6 +4,7 @@ own help."""
 from __future__ import annotations
 
 import types
+import warnings
 
 import torch
 from prometheus_client import generate_latest
@@ -126,3 +127,86 @@ def test_5_the_canary_demos_watcher_sees_a_hard_mismatch_whatever_the_labels():
 
     exporter.export(Observation("tensor_type", "mismatch", ("dtype",), signature="s", primary="upstream"))
     assert watcher.hard_mismatch(generate_latest(exporter.registry).decode()) == ("dtype", "tensor_type")
+
+
+class _ChecksItsReplica(nn.Module):
+    """PyTorch's test_parameter_list_dict_replica (test/distributed/test_data_parallel.py), cuda -> npu: a
+    forward that asserts what real DataParallel replicas hold (broadcast parameters: non-leaf, with a grad_fn)."""
+
+    def __init__(self, data, check_fn):
+        super().__init__()
+        self.data = data
+        self.check_fn = check_fn
+
+    def forward(self, inp):
+        self.check_fn(self)
+        return inp
+
+
+def test_1_pytorchs_parameter_list_dict_replica_holds_on_the_shadow_side(legacy_patches):
+    p1 = nn.Parameter(torch.rand(10))
+    p2 = nn.Parameter(torch.rand(10))
+    checked = []
+
+    def check_fn(self_, key0, key1):
+        torch.testing.assert_close(self_.data[key0], p1.to(self_.data[key0].device))
+        torch.testing.assert_close(self_.data[key1], p2.to(self_.data[key1].device))
+        assert self_.data[key0].requires_grad and self_.data[key1].requires_grad
+        assert self_.data[key0].grad_fn is not None and self_.data[key1].grad_fn is not None
+        checked.append(self_)
+
+    exporter = Recorder()
+    containers = ((nn.ParameterList([p1, p2]), (0, 1)), (nn.ParameterDict({"0": p1, "1": p2}), ("0", "1")))
+    targets = ["parallel_apply", "data_parallel"]
+    with shadow.install(targets, sample_rate=1.0, oracle=None, exporters=[exporter]) as monitor:
+        for container, keys in containers:
+            module = _ChecksItsReplica(container, lambda m, keys=keys: check_fn(m, *keys)).to("npu:0")
+            model = nn.DataParallel(module, device_ids=[0, 1])
+            model(torch.randn((8, 8), device="npu:0"))
+        stats = monitor.stats()["parallel_apply"]
+    outcomes = [(o.outcome, o.detail) for o in exporter.observations]
+    assert outcomes == [("match", "")] * 2, outcomes
+    assert (stats.match, stats.compared) == (2, 2)
+    assert len(checked) == 2 * 2 * 2  # two containers, two replicas, legacy and upstream
+    assert p1.grad is None and p2.grad is None
+
+
+class Recorder:
+    def __init__(self):
+        self.observations = []
+
+    def export(self, observation):
+        self.observations.append(observation)
+
+
+def test_1_a_filter_written_by_legacys_first_import_is_no_difference(tmp_path, monkeypatch):
+    """Legacy's first call imports a module that writes a warning filter at import (sympy does): upstream, run
+    from the state before the call, finds it imported and cannot write it again. A filter the call itself writes
+    is still a difference."""
+    (tmp_path / "writes_a_filter_once.py").write_text(
+        "import warnings\nwarnings.filterwarnings('once', category=FutureWarning, module='writes_a_filter_once')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def legacy(x):
+        import writes_a_filter_once  # noqa: F401
+
+        return x + 1
+
+    def writes_a_filter(x):
+        warnings.filterwarnings("ignore", message="written by the call")
+        return x + 1
+
+    ops = types.SimpleNamespace(op=legacy, other=writes_a_filter)
+    exporter = Recorder()
+    targets = [shadow.Target("op", ops, "op", lambda x: x + 1), shadow.Target("other", ops, "other", lambda x: x + 1)]
+    with warnings.catch_warnings(), shadow.install(targets, sample_rate=1.0, exporters=[exporter]):
+        ops.op(torch.ones(2))
+        ops.op(torch.ones(2))
+        ops.other(torch.ones(2))
+    assert [(o.target, o.outcome) for o in exporter.observations] == [
+        ("op", "match"),
+        ("op", "match"),
+        ("other", "mismatch"),
+    ]
+    assert "warning filters" in exporter.observations[2].detail

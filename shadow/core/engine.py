@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import logging
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +29,7 @@ from shadow.core import compiling, forks, trees
 from shadow.core.compare import Comparison, compare, compare_exceptions, with_state
 from shadow.core.drill import Drill
 from shadow.core.exporting import call_hook
-from shadow.core.global_state import TorchGlobals
+from shadow.core.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
 from shadow.core.isolation import (
     ArgumentsChanged,
     Isolation,
@@ -130,6 +131,7 @@ class Plan:
     oracle: bool
     before: TorchGlobals
     aa: bool = False  # legacy runs a second time (the noise floor's A/A run)
+    modules_loaded: int = dataclasses.field(default_factory=lambda: len(sys.modules))
 
     @property
     def isolation_runs(self) -> int:
@@ -540,7 +542,7 @@ class Experiment:
         aa = self._aa_run(plan, runs[0], left_by_legacy) if plan.aa and returned else {}
         start = time.perf_counter()
         found = self._compare_runs(plan, args, kwargs, *runs)
-        found = with_state(found, left[0].differences(left[1]))
+        found = with_state(found, self._state_differences(plan, *left))
         found, noise_test = self._within_noise(plan.signature, found)
         compare_seconds = time.perf_counter() - start
         shared = {}
@@ -720,6 +722,17 @@ class Experiment:
             self.target.name, Outcome.SKIPPED, (reason,), detail=bounded(repr(failure)), timestamp=timestamp,
             signature="", primary=self.primary,
         )  # fmt: skip
+
+    @staticmethod
+    def _state_differences(plan: Plan, first: TorchGlobals, second: TorchGlobals) -> dict[str, tuple[Any, Any]]:
+        """The settings the two runs left differently, less those a module's first import writes (warning
+        filters) where the first run imported modules: the second, started from the state before it, finds them
+        imported and cannot write them again."""
+        found = first.differences(second)
+        if len(sys.modules) != plan.modules_loaded:
+            for name in IMPORT_TIME_SETTINGS:
+                found.pop(name, None)
+        return found
 
     def _run_upstream(self, plan: Plan, left_by_legacy: TorchGlobals) -> tuple[Run, bool, TorchGlobals]:
         """Upstream on the plan's arguments, from the torch settings the caller had before the call (legacy's

@@ -202,6 +202,11 @@ SETTINGS: dict[str, Setting] = {
 }
 
 
+#: Settings a module writes when it is first imported (``warnings.filterwarnings`` at import time): one run of a
+#: call can write them and the same call run again cannot.
+IMPORT_TIME_SETTINGS = ("warning filters",)
+
+
 class TorchGlobals:
     """A snapshot of the global settings; :meth:`restore` writes back those that changed since."""
 

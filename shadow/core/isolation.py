@@ -126,6 +126,29 @@ def _new_leaf(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
     return leaf.requires_grad_(tensor.requires_grad) if tensor.requires_grad else leaf
 
 
+class _Replicated(torch.autograd.Function):
+    """The identity, as an autograd node: what stands for a broadcast replica parameter is, like it, a non-leaf
+    with a ``grad_fn``, over the same storage (no copy), whose graph ends at a leaf of the shadow side's own."""
+
+    @staticmethod
+    def forward(ctx: Any, leaf: torch.Tensor) -> torch.Tensor:
+        return leaf.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor outside the caller's graph with ``tensor``'s autograd shape: a new leaf for a leaf, a non-leaf over
+    a new leaf for a non-leaf (a DataParallel replica's parameters: forwards may check their ``grad_fn``)."""
+    leaf = _new_leaf(tensor, copy=False)
+    if tensor.is_leaf or not tensor.requires_grad:
+        return leaf
+    with torch.enable_grad():
+        return _Replicated.apply(leaf)
+
+
 def clone_tensors(tree: Any, copied: dict[int, torch.Tensor] | None = None) -> Any:
     """``tree`` with every tensor replaced by a clone outside the caller's graph (same device, dtype, strides and
     ``requires_grad``), or by its clone in ``copied`` (by id) where one was made already."""
@@ -273,7 +296,7 @@ class Isolation:
                     swaps.append((module._parameters, name, leaf))
             for name, value in vars(module).items():  # a replica's parameters: non-leaf tensors in its __dict__
                 if isinstance(value, torch.Tensor) and value.requires_grad:
-                    swaps.append((vars(module), name, leaves.setdefault(id(value), _new_leaf(value, copy=False))))
+                    swaps.append((vars(module), name, leaves.setdefault(id(value), _stand_in(value))))
         return swaps
 
     def arguments(self, run: int = 0) -> tuple[tuple, dict]:
