@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo's legacy side: torch_npu 2.12.0's own code, its wheel fetched into the cache as the test command
 # fetches it; shadow.npu.reference only where it cannot be. Says which on stderr; prints the launcher's option
-# (--legacy-from PATH, or nothing) on stdout.
+# (--legacy-from PATH, or --legacy-from reference) on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CI= bash scripts/fetch_torch_npu.sh 2.12.0 >&2
@@ -11,4 +11,5 @@ if [ -n "$wheel" ]; then
   printf '%s\n' --legacy-from "$wheel"
 else
   echo "== legacy: shadow.npu.reference, NOT torch_npu's own code: its 2.12.0 wheel could not be fetched (above)" >&2
+  printf "%s\n" --legacy-from reference
 fi

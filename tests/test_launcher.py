@@ -237,15 +237,22 @@ def test_fire_drill_gives_rollback_and_leaves_the_job_alone(plain_run, tmp_path)
     assert verdict.returncode == 1 and "rollback" in verdict.stdout, verdict.stdout
     lines = [json.loads(line) for path in tmp_path.glob("journal-*.jsonl") for line in path.read_text().splitlines()]
     lines = [line for line in lines if "outcome" in line]
-    assert lines and all(line["drill"] for line in lines)
+    # (a call whose output aliases its argument cannot be drilled without writing the argument: it compares as is)
+    assert lines and all(line["drill"] or line["outcome"] == "match" for line in lines), [
+        (line["outcome"], line["reasons"], line["detail"]) for line in lines if not line["drill"]
+    ]
+    assert sum(line["drill"] for line in lines) > len(lines) / 2
 
 
 def test_doctor_on_this_cpu_host_and_with_the_emulated_npu():
     done = npu_shadow("doctor", "--port", str(free_port()))  # a fresh process: no accelerator
-    assert done.returncode == 0 and "ok: this host can shadow" in done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+    # (no torch_npu and no --legacy-from: npu-shadow run would shadow nothing, and doctor says so)
+    assert "ok: this host can shadow\n" not in done.stdout
+    assert done.stdout.rstrip().endswith("npu-shadow run without it shadows nothing here")
     assert "device: cpu only" in done.stdout
     assert "torch_npu: not installed" in done.stdout
-    assert "legacy: shadow.npu.reference (our reading of torch_npu 2.12" in done.stdout
+    assert "legacy: none for npu-shadow run: torch_npu is not importable here" in done.stdout
     assert "parallel_apply, data_parallel cannot run without an accelerator" in done.stdout
     assert "self-test tensor_type: passed" in done.stdout
 

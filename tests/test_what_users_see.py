@@ -12,6 +12,7 @@ from torch import nn
 
 import shadow
 from exporters import PrometheusExporter
+from shadow.core.drill import Drill
 from shadow.core.targets import data_parallel_signature
 
 
@@ -210,3 +211,80 @@ def test_1_a_filter_written_by_legacys_first_import_is_no_difference(tmp_path, m
         ("other", "mismatch"),
     ]
     assert "warning filters" in exporter.observations[2].detail
+
+
+def _drilled(kind, fn, *args):
+    ops = types.SimpleNamespace(op=fn)
+    exporter = Recorder()
+    with shadow.install(
+        [shadow.Target("op", ops, "op", fn)], sample_rate=1.0, exporters=[exporter], drill=Drill(kind, 1.0)
+    ):
+        ops.op(*args)
+    (observation,) = exporter.observations
+    return observation
+
+
+def test_6_a_drill_injects_only_its_own_kind():
+    x = torch.randn(3, 4, requires_grad=True)
+    value = _drilled("value", lambda t: (t * 2, t.t() * 3), x)  # outputs that require grad, one transposed
+    assert (value.outcome, value.reasons, value.drill) == ("mismatch", ("value",), True), value.detail
+    nan = _drilled("nan", lambda t: t * 2, x)
+    assert (nan.outcome, nan.reasons, nan.drill) == ("mismatch", ("nan",), True), nan.detail
+    dtype = _drilled("dtype", lambda t: t * 2, x)
+    assert (dtype.outcome, dtype.reasons, dtype.drill) == ("mismatch", ("dtype",), True), dtype.detail
+    flags = _drilled("value", lambda t: t > 0, torch.tensor([True, False]))
+    assert (flags.outcome, flags.reasons) == ("mismatch", ("value",))
+    shared = _drilled("value", lambda t: (t + 1,) * 2, torch.ones(2))  # one tensor returned twice stays one
+    assert (shared.outcome, shared.reasons) == ("mismatch", ("value",)), shared.detail
+
+
+def test_6_a_drill_that_cannot_inject_its_kind_injects_nothing():
+    """An output that aliases an argument cannot be changed without writing the argument; a nan has no place in
+    an integer tensor: the call compares as it is and is not counted as drilled."""
+    same = _drilled("value", lambda t: t, torch.ones(2))
+    assert (same.outcome, same.drill) == ("match", False), same.detail
+    integers = _drilled("nan", lambda t: t + 1, torch.arange(3))
+    assert (integers.outcome, integers.drill) == ("match", False), integers.detail
+
+
+def test_6_the_report_marks_the_rows_a_drill_made(tmp_path):
+    import journals
+
+    from shadow.analysis import report
+
+    lines = [journals.line("mismatch", drill=True, reasons=["value"]), journals.line("mismatch", reasons=["value"])]
+    evidence = report.collect([str(journals.write(tmp_path / "j.jsonl", lines))])
+    outcomes = sorted(outcome for (_, _, outcome, _) in evidence.groups)
+    assert outcomes == ["mismatch", "mismatch (fire drill)"]
+
+
+CASTS = "import torch\nx = torch.ones(2)\nfor _ in range(5):\n    x.type(torch.float16)\n"
+
+
+def test_7_run_and_doctor_agree_on_a_host_without_torch_npu(tmp_path):
+    """Without torch_npu and without --legacy-from, run shadows nothing and doctor says so; --legacy-from
+    reference rehearses on shadow.npu.reference in both."""
+    import subprocess
+    import sys
+
+    def npu_shadow(*args):
+        done = subprocess.run([sys.executable, "-m", "shadow", *args], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    bare = npu_shadow("run", "--sample-rate", "1", "--", sys.executable, "-c", CASTS)
+    assert "(no target installed: no active legacy patch in this process)" in bare.stderr
+    rehearsal = npu_shadow(
+        "run", "--legacy-from", "reference", "--sample-rate", "1", "--budget", "off", "--", sys.executable, "-c", CASTS
+    )
+    line = next(line for line in rehearsal.stderr.splitlines() if line.startswith("tensor_type"))
+    assert line.split()[1:4] == ["5", "5", "5"], rehearsal.stderr  # calls, sampled, match
+    assert "npu-shadow legacy: reference" in rehearsal.stderr
+
+    doctor = npu_shadow("doctor", "--port", "0")
+    assert doctor.stdout.rstrip().endswith("npu-shadow run without it shadows nothing here")
+    doctor = npu_shadow("doctor", "--port", "0", "--legacy-from", "reference")
+    assert "legacy: shadow.npu.reference (--legacy-from reference: a rehearsal" in doctor.stdout
+    assert doctor.stdout.rstrip().endswith(
+        "ok: this host can rehearse shadowing on shadow.npu.reference (--legacy-from reference)"
+    )

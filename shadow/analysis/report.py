@@ -101,7 +101,8 @@ def collect(
             evidence.test_run = True
         if record["outcome"] not in DIVERGENT and not record.get("noise_test"):
             continue
-        key = (record["target"], record.get("signature", ""), record["outcome"], tuple(record.get("reasons", [])))
+        outcome = record["outcome"] + (" (fire drill)" if record.get("drill") is True else "")
+        key = (record["target"], record.get("signature", ""), outcome, tuple(record.get("reasons", [])))
         group = evidence.groups.setdefault(key, Group())
         group.count += 1
         where = f"{test} ({record.get('phase', '')}): " if isinstance(test, str) and test else ""
@@ -345,7 +346,10 @@ def _divergences(evidence: Evidence) -> Section:
     notes = [] if rows else ["None in the journals." if evidence.lines else "Details need journals (--journal)."]
     return Section(
         "Divergences",
-        ["Grouped by target, signature, outcome and reasons, with the first details of each."],
+        [
+            "Grouped by target, signature, outcome and reasons, with the first details of each; divergence a fire"
+            " drill injected is marked (fire drill)."
+        ],
         ["target", "signature", "outcome", "reasons", "count", "first details"],
         rows,
         notes,

@@ -74,7 +74,9 @@ def _flatten(obj: Any, prefix: str = "") -> tuple[dict[str, Any], list[tuple[str
     return leaves, specs
 
 
-def _storage_key(t: torch.Tensor) -> tuple | None:
+def storage_key(t: torch.Tensor) -> tuple | None:
+    """Where a tensor's storage lives, (device, address), or None where it has none: two tensors alias when
+    their keys are equal."""
     try:
         ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
@@ -85,7 +87,7 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
 def _alias_map(inputs: Any) -> dict[tuple, int]:
     keys: dict[tuple, int] = {}
     for index, leaf in enumerate(x for x in tree_iter(inputs) if isinstance(x, torch.Tensor)):
-        key = _storage_key(leaf)
+        key = storage_key(leaf)
         if key is not None:
             keys.setdefault(key, index)
     return keys
@@ -389,7 +391,7 @@ def _check_leaves(
         b = upstream_leaves[path]
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             report = _check_tensor(path, a, b, tolerance, exact)
-            aliases = legacy_alias.get(_storage_key(a)), upstream_alias.get(_storage_key(b))
+            aliases = legacy_alias.get(storage_key(a)), upstream_alias.get(storage_key(b))
             if aliases[0] != aliases[1]:
                 report.reasons.append("alias")
                 report.notes.append("aliases input {} vs {}".format(*("no" if x is None else x for x in aliases)))

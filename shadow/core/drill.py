@@ -8,8 +8,10 @@ import random
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_iter
 
 from shadow.core import trees
+from shadow.core.compare import storage_key
 from shadow.core.rates import check_rate
 
 #: The faults a drill can inject into the upstream result.
@@ -37,24 +39,51 @@ class Drill:
         if self.kind == "exception":
             raise DrillError("npu-shadow fire drill: synthetic upstream exception")
 
-    def corrupt(self, result: Any) -> Any:
-        """A copy of an upstream result with the drill's divergence in it."""
-        return trees.map_only(object, self._corrupt_leaf, result)
+    def corrupt(self, result: Any, inputs: Any = ()) -> tuple[Any, bool]:
+        """A copy of an upstream result with the drill's divergence, and only its own kind, in it; and whether
+        any was injected.
 
-    def _corrupt_leaf(self, leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            if self.kind == "dtype":
-                return leaf.detach().to(torch.float32 if leaf.dtype == torch.float16 else torch.float16)
-            out = leaf.detach().clone()
-            if out.numel():
-                flat = out.view(-1) if out.is_contiguous() else out.reshape(-1)
-                if self.kind == "nan" and out.is_floating_point():
-                    flat[0] = float("nan")
+        Every other property the comparison checks is kept: ``requires_grad``, tensors shared between outputs,
+        and tensors that alias one of ``inputs`` (those are left as they are: corrupting them would write the
+        call's arguments). A ``nan`` drill corrupts floating-point tensors only, a ``dtype`` drill floating-point
+        tensors, a ``value`` drill tensors and strings."""
+        aliased = {key for key in map(storage_key, _tensors(inputs)) if key is not None}
+        done: dict[int, Any] = {}
+        injected = False
+
+        def leaf(value: Any) -> Any:
+            nonlocal injected
+            if id(value) in done:
+                return done[id(value)]
+            corrupted = self._corrupt_leaf(value, aliased)
+            done[id(value)] = corrupted
+            injected = injected or corrupted is not value
+            return corrupted
+
+        corrupted = trees.map_only(object, leaf, result)
+        return corrupted, injected
+
+    def _corrupt_leaf(self, leaf: Any, aliased: set[tuple]) -> Any:
+        if isinstance(leaf, str):
+            return leaf + " (drill)" if self.kind == "value" else leaf
+        if not isinstance(leaf, torch.Tensor) or not leaf.numel() or storage_key(leaf) in aliased:
+            return leaf
+        if self.kind in ("dtype", "nan") and not leaf.is_floating_point():
+            return leaf
+        dtype = leaf.dtype
+        if self.kind == "dtype":
+            dtype = torch.float32 if leaf.dtype == torch.float16 else torch.float16
+        with torch.no_grad():  # (a copy with the leaf's own strides: a layout difference is not this drill's kind)
+            out = torch.empty_strided(leaf.size(), leaf.stride(), dtype=dtype, device=leaf.device).copy_(leaf)
+            if self.kind != "dtype":
+                index = (0,) * out.dim()
+                if self.kind == "nan":
+                    out[index] = float("nan")
                 else:
-                    flat[0] = flat[0] + 1
-                if not out.is_contiguous():
-                    out = flat.reshape(out.shape)
-            return out
-        if isinstance(leaf, str) and self.kind == "value":
-            return leaf + " (drill)"
-        return leaf
+                    out[index] = ~out[index] if out.dtype == torch.bool else out[index] + 1
+        return out.requires_grad_() if leaf.requires_grad else out
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_iter(tree) if isinstance(leaf, torch.Tensor)]
+

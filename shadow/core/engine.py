@@ -739,7 +739,8 @@ class Experiment:
         start), in the caller's grad mode, isolated where the target asks for it; whether a fire drill corrupted
         it; and the torch settings it left behind (legacy's are put back before this returns)."""
         context = plan.isolation.upstream_run() if plan.isolation is not None else contextlib.nullcontext()
-        drilled = self.drill is not None and self.drill.fires()
+        drill = self.drill if self.drill is not None and self.drill.fires() else None
+        drilled = False
         value: Any = None
         error: BaseException | None = None
         autocast = ""
@@ -748,12 +749,13 @@ class Experiment:
         try:
             with context, _upstream_run(self):
                 autocast = _autocast_state()
-                if drilled:
-                    self.drill.before_upstream()
+                if drill is not None and drill.kind == "exception":
+                    drilled = True
+                    drill.before_upstream()
                 args, kwargs = plan.upstream_arguments()
                 value = self.shadow_fn(*args, **kwargs)
-                if drilled:
-                    value = self.drill.corrupt(value)
+                if drill is not None and drill.kind != "exception":
+                    value, drilled = drill.corrupt(value, (args, kwargs))
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # SystemExit, GeneratorExit: upstream's outcome, never the caller's

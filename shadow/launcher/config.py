@@ -135,8 +135,12 @@ def _device_count(text: str) -> int:
     return int(text)
 
 
+#: ``--legacy-from reference``: shadow.npu.reference's legacy, a rehearsal on a host without torch_npu.
+REFERENCE = "reference"
+
+
 def _legacy_source(text: str) -> str:
-    if text != "installed" and not os.path.exists(text):
+    if text not in ("installed", REFERENCE) and not os.path.exists(text):
         raise Invalid("no such file or directory")
     return text
 
@@ -288,7 +292,8 @@ SETTINGS = {
     "legacy_from": Setting(
         "NPU_SHADOW_LEGACY_FROM",
         "--legacy-from",
-        "a torch_npu wheel file, a directory holding the torch_npu package, or 'installed'",
+        "a torch_npu wheel file, a directory holding the torch_npu package, 'installed', or 'reference' "
+        "(shadow.npu.reference: a rehearsal where no torch_npu is at hand)",
         _legacy_source,
     ),
     "budget": Setting(

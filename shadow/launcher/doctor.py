@@ -13,6 +13,7 @@ import socket
 import torch
 
 from shadow.core import targets
+from shadow.launcher.config import REFERENCE
 from shadow.npu import reference
 
 KNOWN_DEFECT_VERSIONS = ((2, 10), (2, 13))  # upstream parallel_apply reads CUDA's autocast state, at least
@@ -97,7 +98,8 @@ def diagnose(
     port: int, addr: str = "127.0.0.1", emulate_npu: int = 0, legacy_from: str | None = None
 ) -> tuple[int, list[str]]:
     """(exit code, report lines). ``emulate_npu``: install that many emulated npu devices first;
-    ``legacy_from``: use torch_npu's own legacy from that source (:mod:`shadow.npu.torch_npu_source`)."""
+    ``legacy_from``: use torch_npu's own legacy from that source (:mod:`shadow.npu.torch_npu_source`), or
+    "reference". The last line says whether ``npu-shadow run`` with these options would have a legacy to shadow."""
     lines = [
         f"python {platform.python_version()}, torch {torch.__version__}",
     ]
@@ -123,7 +125,8 @@ def diagnose(
         except Exception as exc:
             lines.append(f"torch_npu {npu_version} is installed but does not import ({exc})")
     loaded = None
-    if legacy_from and not imported_npu:
+    rehearsal = legacy_from == REFERENCE and not imported_npu
+    if legacy_from and not imported_npu and not rehearsal:
         from shadow.npu import torch_npu_source
 
         try:
@@ -144,14 +147,32 @@ def diagnose(
         lines.append(f"legacy: torch_npu {npu_version} (imported){ignored}")
     elif loaded is not None:
         lines.append(f"legacy: {loaded.origin}")
+    elif rehearsal:
+        lines.append(
+            "legacy: shadow.npu.reference (--legacy-from reference: a rehearsal, our reading of torch_npu 2.12, "
+            "checked bitwise against the source of 2.8.0-2.12.0)"
+        )
     else:
         lines.append(
-            "legacy: shadow.npu.reference (our reading of torch_npu 2.12, checked bitwise against the source of "
-            "2.8.0-2.12.0; --legacy-from uses torch_npu's own)"
+            "legacy: none for npu-shadow run: torch_npu is not importable here and no --legacy-from is given, so "
+            "a job shadows only legacy patches it installs itself; --legacy-from reference rehearses on "
+            "shadow.npu.reference, --legacy-from WHEEL compares torch_npu's own code (the self-test below uses "
+            "the reference)"
         )
     patches = loaded.patch_torch() if loaded is not None else None
     try:
-        return _diagnose_shadowing(lines, port, addr, imported_npu)
+        code, lines = _diagnose_shadowing(lines, port, addr, imported_npu)
+        if code == 0:
+            if imported_npu or loaded is not None or npu_version is not None:
+                lines.append("ok: this host can shadow")
+            elif rehearsal:
+                lines.append("ok: this host can rehearse shadowing on shadow.npu.reference (--legacy-from reference)")
+            else:
+                lines.append(
+                    "ok: this host can shadow with --legacy-from (reference, or a torch_npu wheel); npu-shadow run "
+                    "without it shadows nothing here"
+                )
+        return code, lines
     finally:
         if patches is not None:
             patches.undo()

@@ -239,9 +239,10 @@ class Launcher:
                 print(f"npu-shadow: --emulate-npu ignored: {exc}", file=sys.stderr)
 
     def _legacy_from(self, path: str) -> None:
-        """Install torch_npu's own legacy from its source at ``path`` (once per process). Where torch_npu itself
-        is imported its patches are the legacy; where the source cannot be loaded, say so once and shadow what the
-        process has."""
+        """Install torch_npu's own legacy from its source at ``path``, or :mod:`shadow.npu.reference`'s where
+        ``path`` is "reference" (once per process). Where torch_npu itself is imported its patches are the legacy;
+        where the source cannot be loaded, say so once and shadow what the process has."""
+        from shadow.launcher.config import REFERENCE
         from shadow.npu import torch_npu_source
 
         if self.legacy is not _NOT_LOADED:
@@ -252,6 +253,11 @@ class Launcher:
                 "npu-shadow: --legacy-from ignored: torch_npu is imported, its own patches are the legacy",
                 file=sys.stderr,
             )
+            return
+        if path == REFERENCE:
+            from shadow.npu import reference
+
+            self.legacy = reference.patch_torch()
             return
         try:
             legacy = torch_npu_source.load(path)

@@ -136,7 +136,7 @@ def _run(
         except emulated.EmulatorUnavailable as exc:
             print(f"npu-shadow run: --emulate-npu: {exc}", file=sys.stderr)
             return 2
-    if config.legacy_from:
+    if config.legacy_from and config.legacy_from != cfg.REFERENCE:
         from shadow.npu import torch_npu_source
 
         try:
