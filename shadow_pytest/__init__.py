@@ -8,6 +8,8 @@ attributes every observation to the test that made the call.
 
 from __future__ import annotations
 
+import itertools
+import os
 from typing import Any
 
 import pytest
@@ -59,8 +61,40 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+#: The plugin's options that take a value: pytest finds its rootdir before it knows them, so a value given as
+#: the next argument (``--npu-shadow-legacy-from PATH``) is taken for a test path there.
+VALUE_OPTIONS = (
+    "--npu-shadow-legacy",
+    "--npu-shadow-legacy-from",
+    "--npu-shadow-emulate-npu",
+    "--npu-shadow-targets",
+    "--npu-shadow-world",
+    "--npu-shadow-outcomes",
+    "--npu-shadow-journal",
+)
+
+
+def values_apart(args: list[str]) -> list[tuple[str, str]]:
+    """(option, value) for each of the plugin's options given with its value as the next argument, where that
+    value names an existing file or directory (which pytest took for a test path when finding its rootdir)."""
+    found = []
+    for option, value in itertools.pairwise(args):
+        if option == "--":
+            break
+        if option in VALUE_OPTIONS and os.path.exists(value):
+            found.append((option, value))
+    return found
+
+
 @pytest.hookimpl(trylast=True)  # after conftest.py files have configured (an emulated npu, say)
 def pytest_configure(config: pytest.Config) -> None:
+    apart = values_apart(list(config.invocation_params.args))
+    if apart:
+        option, value = apart[0]
+        raise pytest.UsageError(
+            f"{option} {value}: pytest took {value!r} for a test path when it chose its rootdir ({config.rootpath}) "
+            f"and config file, before this plugin's options were known; write {option}={value}"
+        )
     if not config.getoption("npu_shadow"):
         return
     from shadow_pytest.session import ShadowSession, UpstreamWorld

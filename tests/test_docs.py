@@ -11,6 +11,7 @@ import shlex
 import pytest
 
 from shadow.launcher import cli
+from shadow_pytest import VALUE_OPTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -88,7 +89,11 @@ def test_every_documented_command_is_one_the_project_accepts(page):
                 parser.parse_args(arguments)
             except SystemExit as exc:
                 raise AssertionError(f"{os.path.basename(page)}: `{line}` is not a valid command") from exc
-        elif words[:1] == ["pytest"]:
+        if words[:1] == ["pytest"] or words[:2] == ["npu-shadow", "ab"]:
+            # (a value apart from its option is taken for a test path when pytest chooses its rootdir)
+            apart = [word for word in words if word in VALUE_OPTIONS]
+            assert not apart, f"{os.path.basename(page)}: `{line}` gives {apart} a value apart: write --option=value"
+        if words[:1] == ["pytest"]:
             for word in words[1:]:
                 if word.startswith("--npu-shadow"):
                     assert word.split("=")[0] in plugin_options, f"{os.path.basename(page)}: {word} in `{line}`"

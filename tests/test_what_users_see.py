@@ -288,3 +288,40 @@ def test_7_run_and_doctor_agree_on_a_host_without_torch_npu(tmp_path):
     assert doctor.stdout.rstrip().endswith(
         "ok: this host can rehearse shadowing on shadow.npu.reference (--legacy-from reference)"
     )
+
+
+def test_8_a_plugin_value_apart_from_its_option_is_refused_by_pytest_and_joined_by_ab(tmp_path):
+    """pytest chooses its rootdir before it knows the plugin's options: ``--npu-shadow-journal PATH`` (space form)
+    would make PATH's directory the rootdir and drop the suite's own config."""
+    import subprocess
+    import sys
+
+    from shadow.launcher.ab import joined
+
+    suite, elsewhere = tmp_path / "suite", tmp_path / "elsewhere"
+    (suite / "sub").mkdir(parents=True)
+    elsewhere.mkdir()
+    (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    suites_own: a marker only this config declares\n")
+    (suite / "sub" / "test_one.py").write_text("import pytest\n\n@pytest.mark.suites_own\ndef test_one():\n    pass\n")
+    journal = elsewhere / "journal.jsonl"
+    journal.write_text("")
+
+    def pytest_in_suite(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--strict-markers", *args],
+            capture_output=True, text=True, cwd=suite, timeout=120,
+        )  # fmt: skip
+
+    apart = pytest_in_suite("--npu-shadow-journal", str(journal))
+    assert apart.returncode == 4, apart.stdout + apart.stderr
+    assert f"--npu-shadow-journal {journal}: pytest took" in apart.stderr
+    assert f"write --npu-shadow-journal={journal}" in apart.stderr
+    together = pytest_in_suite(f"--npu-shadow-journal={journal}")
+    assert together.returncode == 0 and f"rootdir: {suite}" in together.stdout, together.stdout + together.stderr
+
+    assert joined(["tests/", "--npu-shadow-legacy-from", "W.whl", "-k", "x", "--npu-shadow-emulate-npu", "2"]) == [
+        "tests/", "--npu-shadow-legacy-from=W.whl", "-k", "x", "--npu-shadow-emulate-npu=2"
+    ]  # fmt: skip
+    assert joined(["--npu-shadow-targets=tensor_type", "--", "--npu-shadow-journal", "j"]) == [
+        "--npu-shadow-targets=tensor_type", "--", "--npu-shadow-journal", "j"
+    ]  # fmt: skip

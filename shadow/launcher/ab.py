@@ -40,11 +40,27 @@ def _outcomes(path: str) -> dict[str, TestOutcome]:
     return {str(test): TestOutcome(str(o.get("outcome", "")), str(o.get("text", ""))) for test, o in data.items()}
 
 
+def joined(pytest_args: Sequence[str]) -> list[str]:
+    """The suite's arguments with each of the plugin's options and its value as one token (``--opt=value``)."""
+    from shadow_pytest import VALUE_OPTIONS
+
+    out: list[str] = []
+    args = iter(pytest_args)
+    for arg in args:
+        if arg == "--":
+            out += [arg, *args]
+            break
+        value = next(args, None) if arg in VALUE_OPTIONS else None
+        out.append(arg if value is None else f"{arg}={value}")
+    return out
+
+
 def _run(world: str, pytest_args: Sequence[str], journal: str, report: str) -> int:
     # (options as one token each: pytest takes a bare value for a path when it looks for the rootdir, and the two
     # worlds must see the same tests by the same ids)
     options = ["--npu-shadow", f"--npu-shadow-journal={journal}", f"--npu-shadow-outcomes={report}"]
     options += ["-p", "no:cacheprovider", f"--npu-shadow-world={world}"]
+    pytest_args = joined(pytest_args)
     print(f"npu-shadow ab: the {world} world: pytest {' '.join(pytest_args)}", file=sys.stderr, flush=True)
     return subprocess.run([sys.executable, "-m", "pytest", *options, *pytest_args]).returncode
 
