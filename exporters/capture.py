@@ -9,6 +9,7 @@ their import path, ``{"class": "module:qualname"}``).
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
@@ -67,6 +68,7 @@ def payload(observation: Observation) -> dict[str, Any]:
         "legacy_fn": import_path(evidence.legacy_fn),
         "upstream_fn": import_path(evidence.upstream_fn),
         "exact": evidence.exact,
+        "device": evidence.device,
     }
 
 
@@ -82,13 +84,20 @@ def save(data: dict[str, Any], path: str) -> None:
         torch.save(data, handle)
 
 
-def load(path: str) -> dict[str, Any]:
-    """Read a capture safely (weights_only); tensors of devices absent here come to the CPU."""
-    try:
+def load(path: str, locations: set[str] | None = None) -> dict[str, Any]:
+    """Read a capture safely (weights_only); tensors of devices absent here come to the CPU. ``locations``, when
+    given, receives the device each tensor was saved from ("npu:1"), present here or not."""
+
+    def place(storage: Any, location: str) -> Any:
+        if locations is not None:
+            locations.add(location)
         try:
-            data = torch.load(path, weights_only=True)
-        except RuntimeError:
-            data = torch.load(path, weights_only=True, map_location="cpu")
+            return torch.serialization.default_restore_location(storage, location)
+        except RuntimeError:  # (a device this process does not have)
+            return storage
+
+    try:
+        data = torch.load(path, weights_only=True, map_location=place)
     except Exception as exc:  # unpickling errors come in many types
         raise ValueError(f"{path} is not a loadable capture: {exc}") from exc
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -116,6 +125,11 @@ _OPTIONAL_FIELDS = (
     ),
     ("legacy_fn", lambda v: v is None or isinstance(v, str), "a string or None"),
     ("upstream_fn", lambda v: v is None or isinstance(v, str), "a string or None"),
+    (
+        "device",
+        lambda v: v is None or (isinstance(v, str) and re.fullmatch(r"[a-z][a-z0-9_]{0,31}:\d{1,4}", v) is not None),
+        "a device such as 'npu:1', or None",
+    ),
 )
 
 #: The most values (a shared reference counted each time it is reached) and nesting a capture may have.

@@ -325,3 +325,38 @@ def test_8_a_plugin_value_apart_from_its_option_is_refused_by_pytest_and_joined_
     assert joined(["--npu-shadow-targets=tensor_type", "--", "--npu-shadow-journal", "j"]) == [
         "--npu-shadow-targets=tensor_type", "--", "--npu-shadow-journal", "j"
     ]  # fmt: skip
+
+
+def _replay(path):
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "shadow", "replay", str(path)], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_9_an_npu_capture_replays_on_the_emulated_npu_as_it_was_recorded(tmp_path):
+    """Captures taken on npu:1 (this process has the emulated npu): a fresh replay process has no npu of its own."""
+    base = {"format": 1, "target": "tensor_type", "outcome": "match", "signature": "s", "detail": "", "kwargs": {}}
+    on_npu = {**base, "args": [torch.ones(3, device="npu:1"), "torch.npu.HalfTensor"], "device": "npu:1"}
+    by_class = {**base, "args": [torch.ones(3), {"class": "torch.npu:HalfTensor"}], "device": "npu:1"}
+    for name, data in (("on_npu", on_npu), ("by_class", by_class)):
+        torch.save(data, tmp_path / f"{name}.pt")
+        done = _replay(tmp_path / f"{name}.pt")
+        assert done.returncode == 0, name + ": " + done.stdout + done.stderr
+        assert "replayed: match" in done.stdout, name + ": " + done.stdout
+        assert "on the emulated npu (2 devices), current device npu:1" in done.stdout, done.stdout
+
+
+def test_9_a_capture_records_the_current_device(tmp_path):
+    from exporters import JsonlExporter, capture
+
+    ops = types.SimpleNamespace(op=lambda x: x + 1)
+    journal = JsonlExporter(str(tmp_path / "j.jsonl"), capture_dir=str(tmp_path / "captures"))
+    target = shadow.Target("op", ops, "op", lambda x: x + 2)
+    with shadow.install([target], sample_rate=1.0, exporters=[journal]), torch.accelerator.device_index(1):
+        ops.op(torch.ones(2, device="npu:1"))
+    journal.close()
+    (path,) = (tmp_path / "captures").iterdir()
+    assert capture.load(str(path))["device"] == "npu:1"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_iter, tree_map
 
 from shadow.core.compare import Comparison, compare, compare_exceptions
 from shadow.core.observation import Outcome
@@ -63,6 +63,40 @@ def tensor_type_class(path: str) -> type:
     return found
 
 
+def devices_needed(data: dict[str, Any], locations: set[str]) -> tuple[str, int] | None:
+    """(device type, count) the captured call ran on where this process has no such accelerator: from the
+    devices its tensors were saved from (``locations``, see :func:`exporters.capture.load`), the current device
+    it recorded and the device classes it names ('torch.npu:HalfTensor'). None when this process has them."""
+    named = {str(data.get("device") or ""), *locations}
+    named |= {str(leaf["class"]).split(":")[0].removeprefix("torch.") + ":0" for leaf in _classes(data)}
+    wanted: dict[str, int] = {}
+    for text in named:
+        kind, _, index = text.partition(":")
+        if kind and kind != "cpu" and "." not in kind:
+            wanted[kind] = max(wanted.get(kind, 0), int(index) + 1 if index.isdigit() else 1)
+    accelerator = torch.accelerator.current_accelerator()
+    here = accelerator.type if accelerator is not None else None
+    count_here = torch.accelerator.device_count() if here is not None else 0
+    missing = {kind: count for kind, count in wanted.items() if kind != here or count > count_here}
+    if not missing:
+        return None
+    kind = max(missing, key=lambda k: missing[k])
+    return kind, missing[kind]
+
+
+def _classes(data: dict[str, Any]) -> list[dict]:
+    return [leaf for leaf in tree_iter((data["args"], data["kwargs"]), is_leaf=_is_class) if _is_class(leaf)]
+
+
+def current_device(data: dict[str, Any]) -> int | None:
+    """The device index the capture recorded as current, where this process's accelerator is of its type."""
+    kind, _, index = str(data.get("device") or "").partition(":")
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or kind != accelerator.type or not index.isdigit():
+        return None
+    return int(index) if int(index) < torch.accelerator.device_count() else None
+
+
 def _is_class(leaf: Any) -> bool:
     return isinstance(leaf, dict) and set(leaf) == {"class"}
 
@@ -107,7 +141,8 @@ def replay(
     results = []
     for function in (legacy, upstream):
         try:
-            results.append((function(*args, **kwargs), None))
+            with torch.accelerator.device_index(current_device(data)):
+                results.append((function(*args, **kwargs), None))
         except Exception as exc:
             results.append((None, exc))
     (legacy_out, legacy_error), (upstream_out, upstream_error) = results

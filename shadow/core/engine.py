@@ -237,6 +237,12 @@ def _free_after_oom() -> None:
             torch.accelerator.empty_cache()
 
 
+def _current_device() -> str | None:
+    """The accelerator's current device ("npu:1"), or None without an accelerator."""
+    accelerator = torch.accelerator.current_accelerator()
+    return None if accelerator is None else f"{accelerator.type}:{torch.accelerator.current_device_index()}"
+
+
 def _autocast_state() -> str:
     accelerator = torch.accelerator.current_accelerator()
     device_types = ["cpu"] + ([accelerator.type] if accelerator is not None else [])
@@ -786,6 +792,7 @@ class Experiment:
             legacy_fn=self.legacy,
             upstream_fn=self.target.upstream,
             exact=self.target.exact,
+            device=_current_device(),
         )
 
     def _single_device(self, plan: Plan, legacy_result: Any, left_by_legacy: TorchGlobals) -> dict[str, Any]:

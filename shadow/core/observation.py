@@ -117,6 +117,9 @@ class Evidence:
     legacy_fn: Any = None
     upstream_fn: Any = None
     exact: bool = False
+    #: The accelerator's current device when the call ran ("npu:1"; None without one): where a cast to a device
+    #: type puts a host tensor, and what a replay makes current again.
+    device: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,20 @@ EXIT_OK, EXIT_DIFFERENT, EXIT_USAGE = 0, 1, 2
 
 def _replay(args: argparse.Namespace) -> int:
     from exporters import capture
-    from shadow.analysis.replay import replay, resolve
+    from shadow.analysis.replay import current_device, devices_needed, replay, resolve
+    from shadow.npu import emulated
 
     try:
-        data = capture.load(args.capture)
+        locations: set[str] = set()
+        data = capture.load(args.capture, locations)
+        needed = devices_needed(data, locations)
+        if needed is not None and needed[0] == "npu":
+            print("(the capture ran on npu: replaying on the emulated npu)", flush=True)
+            emulated.install(max(2, needed[1]))
+            data = capture.load(args.capture)  # (its tensors onto the npu now)
+    except emulated.EmulatorUnavailable as exc:
+        print(f"npu-shadow replay: the capture ran on npu, and the emulated npu is unavailable: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"npu-shadow replay: cannot read {args.capture}: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -31,6 +41,7 @@ def _replay(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(f"capture: target {data['target']}, signature {data['signature']}, recorded {data['outcome']}")
     print(f"  recorded: {data['detail']}")
+    print(f"  {_where(data, current_device(data))}")
     try:
         result, text = replay(data, legacy, upstream)
     except ValueError as exc:
@@ -45,6 +56,26 @@ def _replay(args: argparse.Namespace) -> int:
         reasons = f" ({', '.join(result.reasons)})" if result.reasons else ""
         print(f"  replayed: {result.outcome}{reasons}: {text}")
     return EXIT_DIFFERENT if result.outcome in DIVERGENT_OUTCOMES else EXIT_OK
+
+
+def _where(data: dict, index: int | None) -> str:
+    """Where the replay runs: the device (emulated or not) and the current device the capture recorded."""
+    import torch
+
+    from shadow.npu import emulated
+
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        place = "on the CPU"
+    elif emulated.installed_devices():
+        place = f"on the emulated npu ({emulated.installed_devices()} devices)"
+    else:
+        place = f"on {accelerator.type} ({torch.accelerator.device_count()} devices)"
+    current = f"current device {accelerator.type}:{index}" if accelerator is not None and index is not None else ""
+    recorded = data.get("device")
+    if not current:
+        current = f"the recorded current device {recorded} is not here" if recorded else "no current device recorded"
+    return f"replaying {place}, {current}"
 
 
 def _verdict(args: argparse.Namespace) -> int:

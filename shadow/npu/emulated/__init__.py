@@ -115,6 +115,11 @@ def build_directory() -> Path:
     return Path(root) / "emulated_npu" / f"torch-{torch.__version__}-{abi}-{_build_key()}"
 
 
+def is_built() -> bool:
+    """Whether this torch and Python have a finished build in the cache (an install then only loads it)."""
+    return _library(build_directory()).exists()
+
+
 def _refuse_foreign_backend(devices: int) -> None:
     if "torch_npu" in sys.modules:
         raise EmulatorUnavailable(
@@ -210,7 +215,16 @@ def _build(build: Path) -> None:
             workspace = Path(tempfile.mkdtemp(prefix=f".{build.name}.", dir=build.parent))
             try:
                 (workspace / "emulated_npu.cpp").write_bytes(_source())
+                # (the one long step a first run has: said, so that a silent minute is not taken for a hang)
+                print(
+                    f"npu-shadow: building the emulated npu into {build.parent} (once per torch and Python: "
+                    "about 2 minutes, longer on a busy machine)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                started = time.monotonic()
                 _compile(workspace)
+                print(f"npu-shadow: emulated npu built in {time.monotonic() - started:.0f} s", file=sys.stderr)
                 if build.exists():  # a folder an older layout left unfinished: replaced
                     shutil.rmtree(build)
                 os.rename(workspace, build)
