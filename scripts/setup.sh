@@ -16,6 +16,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q torch==2.13.0
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  echo "== setup: installing torch 2.13.0 into .venv (about 200 MB for the CPU build: a few minutes on a slow link)" >&2
+  .venv/bin/python -m pip install -q torch==2.13.0
+fi
 # (PYTHONWARNINGS: setuptools' editable build prints a BuildBackendWarning banner on every install otherwise)
+[ -x .venv/bin/npu-shadow ] || echo "== setup: installing npu-shadow and its dev tools into .venv (a minute)" >&2
 PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[dev]"

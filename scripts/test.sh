@@ -15,6 +15,7 @@ command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # renders the report
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  echo "== installing Debian packages: ${missing[*]} (a few minutes)" >&2
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi

@@ -4,47 +4,62 @@
 >>> with shadow.install(sample_rate=0.01) as monitor:
 ...     train()
 >>> monitor.stats()
+
+The public names load on first use: ``import shadow`` alone imports neither torch nor the engine, so a job may
+import it before torch (under ``npu-shadow run`` the monitor is installed right after torch is imported, and finds
+no module of this package half-imported), and the ``npu-shadow`` commands that need no torch (the receiver, the
+verdict's help) start at once.
 """
 
-# torch first: under `npu-shadow run` the monitor is installed right after torch is imported, and it must find
-# none of this package's modules half-imported (a job may import shadow before torch).
-import torch  # noqa: F401  (isort: skip)
+from __future__ import annotations
 
-from shadow.core.compare import Comparison, compare
-from shadow.core.engine import Experiment
-from shadow.core.environment import VERSION
-from shadow.core.exporting import Exporter
-from shadow.core.monitor import Monitor, install
-from shadow.core.observation import (
-    HARD_REASONS,
-    MISMATCH_REASONS,
-    OUTCOMES,
-    SKIP_REASONS,
-    Observation,
-    TargetStats,
-)
-from shadow.core.targets import BUILTINS, Target
-from shadow.core.tolerance import Tolerance
-from shadow.launcher.launch import install_from_env
+import importlib
+from typing import Any
 
-__version__ = VERSION
+#: Each public name and the module that defines it.
+_PUBLIC = {
+    "Comparison": "shadow.core.compare",
+    "compare": "shadow.core.compare",
+    "Experiment": "shadow.core.engine",
+    "Exporter": "shadow.core.exporting",
+    "Monitor": "shadow.core.monitor",
+    "install": "shadow.core.monitor",
+    "HARD_REASONS": "shadow.core.observation",
+    "MISMATCH_REASONS": "shadow.core.observation",
+    "OUTCOMES": "shadow.core.observation",
+    "SKIP_REASONS": "shadow.core.observation",
+    "Observation": "shadow.core.observation",
+    "TargetStats": "shadow.core.observation",
+    "BUILTINS": "shadow.core.targets",
+    "Target": "shadow.core.targets",
+    "Tolerance": "shadow.core.tolerance",
+    "install_from_env": "shadow.launcher.launch",
+}
 
-__all__ = [
-    "BUILTINS",
-    "HARD_REASONS",
-    "MISMATCH_REASONS",
-    "OUTCOMES",
-    "SKIP_REASONS",
-    "Comparison",
-    "Experiment",
-    "Exporter",
-    "Monitor",
-    "Observation",
-    "Target",
-    "TargetStats",
-    "Tolerance",
-    "__version__",
-    "compare",
-    "install",
-    "install_from_env",
-]
+_SUBPACKAGES = ("analysis", "core", "launcher", "npu")
+
+__all__ = sorted([*_PUBLIC, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            value = version("npu-shadow")
+        except PackageNotFoundError:
+            value = "0+unknown"
+    elif name in _PUBLIC:
+        import torch  # noqa: F401  (torch first: see the module's docstring)
+
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"shadow.{name}")
+    else:
+        raise AttributeError(f"module 'shadow' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

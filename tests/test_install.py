@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import shadow
+import shadow.core.monitor
 from shadow import Target, Tolerance
 from shadow.core import targets as builtin
 

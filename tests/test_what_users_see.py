@@ -360,3 +360,119 @@ def test_9_a_capture_records_the_current_device(tmp_path):
     journal.close()
     (path,) = (tmp_path / "captures").iterdir()
     assert capture.load(str(path))["device"] == "npu:1"
+
+
+WORKERS_JOB = """
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+class Casts(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.full((2,), float(index)).type(torch.float16)  # in a worker process
+
+if __name__ == "__main__":
+    for batch in DataLoader(Casts(), batch_size=2, num_workers=2, multiprocessing_context="fork"):
+        batch.type(torch.float32)  # in the job's main process
+"""
+
+
+def test_10_the_exit_summary_covers_the_workers_or_says_it_does_not(tmp_path):
+    import subprocess
+    import sys
+
+    from metrics_helpers import samples, total
+
+    job = tmp_path / "job.py"
+    job.write_text(WORKERS_JOB)
+    common = ["run", "--legacy-from", "reference", "--sample-rate", "1", "--budget", "off"]
+
+    def run(*options):
+        done = subprocess.run(
+            [sys.executable, "-m", "shadow", *common, *options, "--", sys.executable, str(job)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    textfile = tmp_path / "metrics.prom"
+    with_metrics = run("--textfile", str(textfile))
+    calls = total(samples(textfile.read_text()), "npu_shadow_calls_total", target="tensor_type")
+    assert calls == 8 + 4  # 8 casts in the workers, 4 in the main process
+    own = next(line for line in with_metrics.splitlines() if line.startswith("tensor_type"))
+    assert own.split()[1] == "4"
+    assert "npu-shadow job: 3 processes shared these metrics" in with_metrics, with_metrics
+    job_line = next(line for line in with_metrics.split("npu-shadow job:")[1].splitlines() if "tensor_type" in line)
+    assert job_line.split()[:5] == ["tensor_type", "12", "calls,", "12", "compared,"], with_metrics
+
+    without_metrics = run()
+    assert "(this process only: it forked 2 processes" in without_metrics, without_metrics
+
+
+def test_10_every_skip_reason_is_named_in_the_summary():
+    import subprocess
+    import sys
+
+    model = "import torch\nm = torch.nn.Linear(2, 2)\nm.register_forward_hook(lambda *a: None)\n"
+    calls = "ops = __import__('types').SimpleNamespace(op=lambda m, x: m(x))\n"
+    job = CASTS + "import shadow\n" + model + calls + (
+        "t = shadow.Target('op', ops, 'op', lambda m, x: m(x))\n"
+        "with shadow.install([t], sample_rate=1.0) as monitor:\n"
+        "    ops.op(m, torch.ones(1, 2))\n"
+        "import shadow.launcher.launch\n"
+        "print(shadow.launcher.launch.summary(monitor.stats()))\n"
+    )  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "skipped 1 for hooks: a module in the call has user hooks" in done.stdout, done.stdout
+
+
+def test_11_the_emulated_npus_first_build_says_what_it_is_doing(tmp_path, monkeypatch, capsys):
+    from shadow.npu import emulated
+
+    monkeypatch.setenv("NPU_SHADOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(emulated, "_compile", lambda w: (w / f"{emulated.EXTENSION_NAME}.so").write_bytes(b"built"))
+    emulated._build(emulated.build_directory())
+    said = capsys.readouterr().err
+    assert "npu-shadow: building the emulated npu into" in said and "about 2 minutes" in said
+    assert "npu-shadow: emulated npu built in" in said
+    emulated._build(emulated.build_directory())  # built: nothing to say
+    assert capsys.readouterr().err == ""
+
+
+def test_11_the_receiver_says_it_listens_before_torch_could_load():
+    """The receiver needs no torch: it listens within a few seconds even where importing torch takes many."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = (
+        "import sys, runpy\n"
+        "sys.modules['torch'] = None  # (an import of torch would raise)\n"
+        "sys.argv = ['npu-shadow', 'receiver', '--listen', sys.argv[1], '--switch', 'job=http://127.0.0.1:9']\n"
+        "runpy.run_module('shadow', run_name='__main__')\n"
+    )
+    env = dict(__import__("os").environ, NPU_SHADOW_ROLLBACK_TOKEN="t" * 32)
+    receiver = subprocess.Popen(
+        [sys.executable, "-c", code, f"127.0.0.1:{port}"], stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        first = receiver.stderr.readline()
+        assert first.startswith(f"npu-shadow receiver: listening on http://127.0.0.1:{port}/alerts"), first
+    finally:
+        receiver.terminate()
+        receiver.wait(timeout=30)
+
+
+def test_11_setup_says_what_it_installs_when_it_installs():
+    import pathlib
+
+    setup = (pathlib.Path(__file__).parent.parent / "scripts" / "setup.sh").read_text()
+    torch_line = next(i for i, line in enumerate(setup.splitlines()) if "pip install -q torch==" in line)
+    assert "installing torch 2.13.0" in setup.splitlines()[torch_line - 1]
+    assert "installing npu-shadow" in setup

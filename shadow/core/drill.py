@@ -12,10 +12,8 @@ from torch.utils._pytree import tree_iter
 
 from shadow.core import trees
 from shadow.core.compare import storage_key
+from shadow.core.observation import DRILL_KINDS
 from shadow.core.rates import check_rate
-
-#: The faults a drill can inject into the upstream result.
-DRILL_KINDS = ("value", "dtype", "nan", "exception")
 
 
 class DrillError(RuntimeError):

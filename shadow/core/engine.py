@@ -64,8 +64,6 @@ _LOG_INTERVAL_SECONDS = 60.0
 #: Distinct signatures a target may have (each is a metric series); later ones count as "other".
 MAX_SIGNATURES = 100
 OTHER_SIGNATURE = "other"
-#: Coverage guidance's default: the first calls of every signature that are compared whatever the rate.
-DEFAULT_FIRST_PER_SIGNATURE = 30
 
 #: Registered as the "upstream side" while legacy runs again for the noise floor: the calls it makes of wrapped
 #: functions are nested calls, and they run legacy (only an experiment's own upstream run routes them upstream).

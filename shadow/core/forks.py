@@ -35,5 +35,26 @@ def register(obj: ForkAware) -> None:
     FORK_HOOKS.register(obj)
 
 
+class _Forked:
+    """How many children this process has forked (a DataLoader's workers, say): their calls are counted in
+    their own monitors, which this process's summary cannot see."""
+
+    count = 0
+
+    @classmethod
+    def one_more(cls) -> None:
+        cls.count += 1
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.count = 0
+
+
+def forked_children() -> int:
+    """How many children this process has forked since it started (a child starts again from 0)."""
+    return _Forked.count
+
+
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=FORK_HOOKS.run)
+    os.register_at_fork(after_in_parent=_Forked.one_more, after_in_child=_Forked.reset)

@@ -20,9 +20,10 @@ from shadow.core import exporting
 from shadow.core import targets as builtin
 from shadow.core import tolerance as tol
 from shadow.core.drill import Drill
-from shadow.core.engine import DEFAULT_FIRST_PER_SIGNATURE, Experiment, experiment_of
+from shadow.core.engine import Experiment, experiment_of
 from shadow.core.observation import PRIMARY_SIDES, TargetStats
 from shadow.core.rates import check_rate
+from shadow.core.sampler import DEFAULT_FIRST_PER_SIGNATURE
 from shadow.core.targets import Target
 
 log = logging.getLogger("shadow")

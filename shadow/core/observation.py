@@ -67,6 +67,23 @@ MISMATCH_REASONS = (
 #: upstream ran out of it; "budget": the shadow side had used its share of the job's wall time.
 SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "inplace", "budget", "comparator")
 
+#: The built-in targets' names (their Targets are in shadow.core.targets).
+BUILTIN_TARGETS = ("parallel_apply", "data_parallel", "tensor_type")
+
+#: The faults a fire drill can inject into the upstream result (shadow.core.drill).
+DRILL_KINDS = ("value", "dtype", "nan", "exception")
+
+#: What each skip reason means, in a few words (the exit summary names every reason it counts).
+SKIP_REASON_MEANING = {
+    "oom": "the shadow side's copies would not fit in the memory free, or upstream ran out of it",
+    "compiling": "the call ran inside torch.compile tracing",
+    "mode": "a user's torch mode or tensor subclass would have seen the shadow side",
+    "hooks": "a module in the call has user hooks the shadow side could not undo (--pure-hooks)",
+    "inplace": "legacy wrote a tensor argument in place",
+    "budget": "the shadow side had used its share of the job's wall time (--budget)",
+    "comparator": "a fault of npu-shadow's own on the shadow side (logged)",
+}
+
 #: Skip reasons that say the evidence does not reach a kind of call at all (not a passing condition such as the
 #: budget): the verdict shows them as coverage still missing.
 UNCOVERED_REASONS = ("compiling", "mode", "hooks", "inplace")

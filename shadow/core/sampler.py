@@ -23,6 +23,9 @@ from collections.abc import Callable
 from shadow.core import forks
 from shadow.core.rates import check_rate
 
+#: Coverage guidance's default: the first calls of every signature that are compared whatever the rate.
+DEFAULT_FIRST_PER_SIGNATURE = 30
+
 Gate = itertools.repeat
 
 _NEVER = sys.maxsize

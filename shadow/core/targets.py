@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_iter
 
 from shadow.core import oracle
-from shadow.core.observation import label_text
+from shadow.core.observation import BUILTIN_TARGETS, label_text
 from shadow.core.oracle import SingleDeviceCall
 from shadow.core.tolerance import ToleranceSpec
 from shadow.npu import reference
@@ -243,6 +243,9 @@ BUILTINS: dict[str, Callable[[], Target]] = {
     "data_parallel": data_parallel,
     "tensor_type": tensor_type,
 }
+
+
+assert tuple(BUILTINS) == BUILTIN_TARGETS, "the vocabulary's names are the built-in targets'"
 
 
 def patch_origin(obj: Any) -> str | None:

@@ -12,11 +12,11 @@ import os
 import re
 from collections.abc import Callable, Mapping
 
-from shadow.core.drill import DRILL_KINDS
-from shadow.core.engine import DEFAULT_FIRST_PER_SIGNATURE
+from shadow.core.observation import BUILTIN_TARGETS as BUILTINS
+from shadow.core.observation import DRILL_KINDS
 from shadow.core.rates import parse_rate
 from shadow.core.safe_paths import directory_problem, long_component, template_problem
-from shadow.core.targets import BUILTINS
+from shadow.core.sampler import DEFAULT_FIRST_PER_SIGNATURE
 
 
 class ConfigError(ValueError):

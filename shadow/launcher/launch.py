@@ -11,6 +11,7 @@ over the wrappers: the monitor is then installed anew over the new legacy, never
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -22,7 +23,9 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from shadow.core import forks
 from shadow.core.exporting import call_hook
+from shadow.core.observation import SKIP_REASON_MEANING
 from shadow.npu.patching import LEGACY_PATCHED
 
 log = logging.getLogger("shadow")
@@ -211,7 +214,12 @@ class Launcher:
                 if config.textfile and hasattr(exporter, "write_textfile"):
                     path = config.textfile.format(rank=_local_rank(), pid=os.getpid())
                     self._at_exit_output(f"textfile {path}", exporter.write_textfile, path)
-            print(summary(self.monitor.stats(), self.monitor.legacy_origins()), file=sys.stderr)
+            job, processes = _job_totals(self.exporters)
+            text = summary(
+                self.monitor.stats(), self.monitor.legacy_origins(), job=job, processes=processes,
+                forked=forks.forked_children(),
+            )  # fmt: skip
+            print(text, file=sys.stderr)
 
     def _at_exit_output(self, what: str, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """One output at exit; a failure is counted (``output_failures``) and said once, never raised."""
@@ -287,8 +295,57 @@ def refresh() -> None:
     LAUNCHER.refresh()
 
 
-def summary(stats: dict, legacy: dict[str, str] | None = None) -> str:
-    """One screen: where the legacy comes from, then a line per target."""
+@dataclasses.dataclass
+class JobTotals:
+    """One target's counts over every process that shares this process's metrics (its DataLoader workers)."""
+
+    calls: int = 0
+    compared: int = 0
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _job_totals(exporters: list[Any]) -> tuple[dict[str, JobTotals] | None, int]:
+    """Totals by target from the job's shared metrics (the Prometheus multiprocess files every process of the job
+    writes), and how many processes wrote them; (None, 0) where this process's metrics are its own."""
+    from prometheus_client import generate_latest
+
+    from shadow.analysis import sources
+
+    shared = next((e for e in exporters if getattr(e, "multiprocess", False)), None)
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if shared is None or not directory:
+        return None, 0
+    try:
+        counts = sources.from_exposition(generate_latest(shared.registry).decode(), "the job's metrics")
+        names = os.listdir(directory)
+    except Exception:  # (the summary goes on with this process's own counts)
+        return None, 0
+    processes = {name.rsplit("_", 1)[-1].removesuffix(".db") for name in names if name.endswith(".db")}
+    totals = {}
+    for target, entry in counts.items():
+        total = totals[target] = JobTotals()
+        for phase in entry.phases.values():
+            total.calls += round(sum(phase.calls.values()))
+            total.compared += round(sum(phase.outcomes.values()))
+            for (_, reason), count in phase.skipped.items():
+                total.skipped[reason] = total.skipped.get(reason, 0) + round(count)
+    return totals, len(processes)
+
+
+def _skips(by_reason: Mapping[str, int]) -> str:
+    return ", ".join(f"{reason} {count}" for reason, count in sorted(by_reason.items()) if count)
+
+
+def summary(
+    stats: dict,
+    legacy: dict[str, str] | None = None,
+    job: Mapping[str, JobTotals] | None = None,
+    processes: int = 0,
+    forked: int = 0,
+) -> str:
+    """One screen: where the legacy comes from, then a line per target with every skip reason named; then the
+    job's totals over every process sharing its metrics (``job``, written by ``processes`` processes), or, where
+    this process ``forked`` children and there are no shared metrics, that their calls are not in it."""
     origins = sorted(set((legacy or {}).values()))
     lines = [f"npu-shadow legacy: {', '.join(origins)}"] if origins else []
     lines += [
@@ -302,6 +359,9 @@ def summary(stats: dict, legacy: dict[str, str] | None = None) -> str:
         lines.append(
             f"{name:<16}{s.calls:>10}{s.sampled:>9}{s.match:>8}{s.close:>7}{s.mismatch:>10}{s.error:>7}{s.skipped:>9}"
         )
+        skipped = {r: n for r, n in s.by_reason.items() if r in SKIP_REASON_MEANING and n}
+        for reason, count in sorted(skipped.items()):
+            lines.append(f"{'':<16}skipped {count} for {reason}: {SKIP_REASON_MEANING[reason]}")
         if s.rolled_back_by:
             lines.append(f"{'':<16}rolled back: legacy's result returned since the switch thrown by {s.rolled_back_by}")
         elif s.primary == "upstream":
@@ -314,6 +374,19 @@ def summary(stats: dict, legacy: dict[str, str] | None = None) -> str:
             )
     if not stats:
         lines.append("(no target installed: no active legacy patch in this process)")
+    if job is not None and processes > 1:
+        lines.append(f"npu-shadow job: {processes} processes shared these metrics (this one and those it started)")
+        for name, total in job.items():
+            if not (total.calls or total.compared or total.skipped):
+                continue  # (never called: the table above says so)
+            skipped = sum(total.skipped.values())
+            reasons = f" ({_skips(total.skipped)})" if skipped else ""
+            lines.append(f"{name:<16}{total.calls:>10} calls, {total.compared} compared, {skipped} skipped{reasons}")
+    elif forked and job is None and stats:
+        lines.append(
+            f"(this process only: it forked {forked} processes, DataLoader workers say; any calls of theirs are "
+            "counted in their own metrics and journals, not here: npu-shadow verdict reads them all)"
+        )
     return "\n".join(lines)
 
 
