@@ -10,8 +10,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# The run's evidence (metrics, journals) stays beside the report that names it, until the next demo run.
+work=npu-shadow-demo
+rm -rf "$work"
+mkdir -m 700 "$work"
 mapfile -t legacy < <(bash scripts/demo_legacy.sh)  # torch_npu 2.12.0's own code, fetched; said on stderr
 .venv/bin/npu-shadow doctor --emulate-npu 2 --port 9464 "${legacy[@]}" || true
 echo
@@ -65,7 +67,7 @@ case $code in
   *) exit "$code";;
 esac
 echo
-echo "== report for the pull request (counts from the metrics, details from the journals)"
+echo "== report for the pull request (counts from the metrics, details from the journals; both kept in $work/)"
 .venv/bin/npu-shadow report --metrics-file "$work/metrics.prom" --journal "$work"/journal-*.jsonl \
   --markdown npu-shadow-report.md --html npu-shadow-report.html
 sed -n '/^## Verdict/,/^## Risky/p' npu-shadow-report.md | head -n -1

@@ -56,6 +56,7 @@ Written TIME.
 | item | value |
 |---|---|
 | sources | journals JOURNAL |
+| npu-shadow | not recorded |
 | torch | 2.13.0+cpu |
 | torch_npu | none |
 | legacy | torch_npu 2.12.0 source |
@@ -109,6 +110,7 @@ removing the patch changes nothing there; an upstream issue to file, not a reaso
 ## Divergences
 
 Grouped by target, signature, outcome and reasons, with the first details of each.
+Rows marked (fire drill) hold divergence a fire drill injected.
 
 | target | signature | outcome | reasons | count | first details |
 |---|---|---|---|---|---|

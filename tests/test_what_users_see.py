@@ -3,9 +3,12 @@ own help."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import types
 import warnings
 
+import pytest
 import torch
 from prometheus_client import generate_latest
 from torch import nn
@@ -476,3 +479,110 @@ def test_11_setup_says_what_it_installs_when_it_installs():
     torch_line = next(i for i, line in enumerate(setup.splitlines()) if "pip install -q torch==" in line)
     assert "installing torch 2.13.0" in setup.splitlines()[torch_line - 1]
     assert "installing npu-shadow" in setup
+
+
+MEASURE = """
+<script>
+const found = [];
+document.querySelectorAll("svg").forEach((svg, chart) => {
+  const frame = svg.getBoundingClientRect();
+  const boxes = [...svg.querySelectorAll(":scope > text")].map(t => [t.textContent, t.getBoundingClientRect()]);
+  boxes.forEach(([text, b]) => {
+    if (b.left < frame.left - 0.5 || b.right > frame.right + 0.5 || b.top < frame.top - 0.5 ||
+        b.bottom > frame.bottom + 0.5) found.push(`chart ${chart}: "${text}" leaves the picture`);
+  });
+  boxes.forEach(([a, p], i) => boxes.slice(i + 1).forEach(([b, q]) => {
+    const x = Math.min(p.right, q.right) - Math.max(p.left, q.left);
+    const y = Math.min(p.bottom, q.bottom) - Math.max(p.top, q.top);
+    if (x > 0.5 && y > 0.5) found.push(`chart ${chart}: "${a}" overlaps "${b}"`);
+  }));
+});
+const out = document.createElement("pre");
+out.id = "layout";
+out.textContent = JSON.stringify({charts: document.querySelectorAll("svg").length, found});
+document.body.appendChild(out);
+</script>
+"""
+
+
+def _layout_journal(path, drill_rate):
+    import journals
+
+    records = []
+    start = 1_790_000_000.0
+    for minute in range(45):  # a drill or a canary: a divergence rate far above every threshold
+        compared = 40 * (minute + 1)
+        divergent = int(compared * drill_rate)
+        by_signature = {"dtype=float16/float32/contiguous": {"match": compared - divergent, "mismatch": divergent}}
+        records.append(journals.counts(by_signature, target="tensor_type", timestamp=start + 60 * minute))
+    long_signatures = [
+        "replicas=2+/autocast=on/dtype=float16/kwargs=none/module=TransformerEncoderLayer",
+        "replicas=1/autocast=off/dtype=bfloat16/kwargs=dict/module=ResNet",
+        "dtype=float16/float32/non-contiguous/blocking",
+    ]
+    for i, signature in enumerate(long_signatures):
+        for _ in range(3):
+            records.append(journals.line("match", "parallel_apply", signature, timestamp=start + i, aa=True,
+                                         aa_abs_error=10.0 ** -(3 * i + 2), numel=8))  # fmt: skip
+    for exponent in range(-12, 7):  # every decade of the error histogram
+        records.append(journals.line("close", "tensor_type", "dtype=float16/float32/contiguous", timestamp=start,
+                                     max_abs_error=10.0**exponent, numel=4))  # fmt: skip
+    return journals.write(path, records)
+
+
+def _chart_problems(tmp_path, page):
+    import json
+    import os
+    import re
+    import subprocess
+
+    svgs = re.findall(r"<svg.*?</svg>", page, flags=re.S)
+    probe = tmp_path / "probe.html"
+    probe.write_text("<!doctype html><html><body>" + "".join(svgs) + MEASURE + "</body></html>")
+    done = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", probe.as_uri()],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path)},
+    )  # fmt: skip
+    result = re.search(r'<pre id="layout">(.*?)</pre>', done.stdout, flags=re.S)
+    assert result, done.stderr[-2000:]
+    measured = json.loads(result.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+    assert measured["charts"] == len(svgs)
+    return measured["found"]
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (the test command installs it)")
+@pytest.mark.parametrize("rate", [0.5, 0.002], ids=["drill", "near-thresholds"])
+def test_13_no_chart_text_overlaps_or_leaves_its_picture_in_chromium(tmp_path, rate):
+    from shadow.launcher import cli
+
+    journal = _layout_journal(tmp_path / "j.jsonl", rate)
+    page = tmp_path / "report.html"
+    assert (
+        cli.main(["report", "--journal", str(journal), "--markdown", str(tmp_path / "r.md"), "--html", str(page)]) == 0
+    )
+    text = page.read_text()
+    assert text.count("<svg") == 4
+    assert _chart_problems(tmp_path, text) == []
+    rate_chart = re.search(r"<svg.*?</svg>", text, flags=re.S).group(0)
+    assert ">time (UTC)" in rate_chart and re.search(r">\d\d:\d\d</text>", rate_chart)  # a time axis
+    histogram = next(s for s in re.findall(r"<svg.*?</svg>", text, flags=re.S) if "Greatest absolute error" in s)
+    assert ">comparisons</text>" in histogram and ">greatest absolute error" in histogram  # axis titles
+
+
+def test_13_the_reports_environment_comes_from_the_metrics_build_info(tmp_path):
+    from shadow.launcher import cli
+
+    exporter = PrometheusExporter()
+    with shadow.install(
+        [shadow.Target("op", types.SimpleNamespace(op=lambda x: x), "op", lambda x: x)],
+        sample_rate=1.0,
+        exporters=[exporter],
+    ):
+        pass
+    metrics = tmp_path / "metrics.prom"
+    exporter.write_textfile(str(metrics))
+    out = tmp_path / "r.md"
+    assert cli.main(["report", "--metrics-file", str(metrics), "--markdown", str(out)]) == 0
+    text = out.read_text()
+    assert f"| torch | {torch.__version__} |" in text, text
+    assert "| torch_npu | none |" in text and "| npu-shadow | 0." in text

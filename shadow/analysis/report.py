@@ -60,11 +60,14 @@ def collect(
     counts: Mapping[str, TargetCounts] | None = None,
     details: int = 5,
     window: float = CLUSTER_WINDOW_SECONDS,
+    environment: Mapping[str, Iterable[str]] | None = None,
 ) -> Evidence:
     """Read the journals (with their rotated siblings). ``counts`` (from a metrics source) take precedence over
     the journals' own; the journals' counts come from their count records (every comparison, not only the lines
     written), the details from their lines."""
     evidence = Evidence(counts=dict(counts) if counts is not None else {})
+    for field, values in (environment or {}).items():  # (the metrics' build info)
+        evidence.environment.setdefault(field, collections.Counter()).update(values)
     read, _ = with_rotated(journals)
     own: dict[str, TargetCounts] = {}
     if read:
@@ -211,6 +214,7 @@ def _environment(evidence: Evidence, sources: Sequence[str]) -> Section:
 
     rows = [
         ["sources", "; ".join(sources)],
+        ["npu-shadow", values("npu-shadow")],
         ["torch", values("torch")],
         ["torch_npu", values("torch_npu")],
         ["legacy", values("legacy")],
@@ -268,29 +272,40 @@ def _charts(evidence: Evidence, decisions: list[Decision], max_rate: float, min_
         thresholds = {"max rate": max_rate} | {n: f * max_rate for n, f in verdict.BURN_RATE_FACTORS.items()}
         figures.append(
             charts.rate_over_time(
-                points, thresholds, f"Divergence rate over time ({width}-minute windows; journals' count records)"
+                points,
+                thresholds,
+                "Divergence rate over time",
+                f"{width}-minute windows, from the journals' count records; dashed: the alert thresholds",
+                window_seconds=60.0 * width,
             )
         )
     coverage = [(f"{d.target} {pattern}", float(seen)) for d in decisions for pattern, seen in d.risky.items()]
     figures.append(
         charts.horizontal_bars(
             coverage,
-            "Risky signatures: comparisons made against those needed (the verdict's counts)",
+            "Risky signatures: comparisons made against those needed",
             charts.COVERED,
             min_per_signature,
+            subtitle="the verdict's counts; short of the dashed line: orange",
+            x_title="comparisons",
         )
     )
     figures.append(
         charts.histogram(
             dict(evidence.errors),
-            "Greatest absolute error per comparison (by decade; matches from count records, the rest from lines)",
+            "Greatest absolute error per comparison",
             charts.ERRORS,
+            "by decade; matches from the journals' count records, the rest from their lines",
         )
     )
     floors = [(f"{t} {s} ({int(runs)} A/A runs)", value) for (t, s), (runs, value) in sorted(evidence.noise.items())]
     figures.append(
         charts.horizontal_bars(
-            floors, "Noise floor: greatest A/A difference by signature (journals' A/A lines)", charts.NOISE
+            floors,
+            "Noise floor: greatest A/A difference by signature",
+            charts.NOISE,
+            subtitle="legacy against itself, from the journals' A/A lines",
+            x_title="greatest absolute difference",
         )
     )
     figures = [f for f in figures if f]
@@ -347,8 +362,8 @@ def _divergences(evidence: Evidence) -> Section:
     return Section(
         "Divergences",
         [
-            "Grouped by target, signature, outcome and reasons, with the first details of each; divergence a fire"
-            " drill injected is marked (fire drill)."
+            "Grouped by target, signature, outcome and reasons, with the first details of each.",
+            "Rows marked (fire drill) hold divergence a fire drill injected.",
         ],
         ["target", "signature", "outcome", "reasons", "count", "first details"],
         rows,

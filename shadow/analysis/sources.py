@@ -31,6 +31,7 @@ from shadow.core.observation import (
     OUTCOMES,
     PRIMARY_SIDES,
     Outcome,
+    label_text,
 )
 
 COMPARISONS = contract.COMPARISONS.series
@@ -40,6 +41,7 @@ SKIPPED = contract.SKIPPED.series
 CALLS = contract.CALLS.series
 ROLLBACKS = contract.ROLLBACKS.series
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
+BUILD_INFO = contract.BUILD_INFO.prometheus_name
 #: Comparisons in one process within this many seconds form one cluster (the verdict's clustered bound).
 CLUSTER_WINDOW_SECONDS = 60.0
 
@@ -121,6 +123,22 @@ def from_exposition(text: str, source: str = "exposition") -> dict[str, TargetCo
         for entry in counts.values():
             entry.drilled = -1
     return counts
+
+
+def environment_from_exposition(text: str) -> dict[str, set[str]]:
+    """What the processes behind an exposition ran ({"torch": {...}, "torch_npu": {...}, "npu-shadow": {...}}),
+    from their ``npu_shadow_build_info`` series; {} where there is none (or the text is not an exposition)."""
+    found: dict[str, set[str]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == BUILD_INFO and sample.value > 0:
+                    for label, field in (("torch", "torch"), ("torch_npu", "torch_npu"), ("version", "npu-shadow")):
+                        if sample.labels.get(label):
+                            found.setdefault(field, set()).add(label_text(sample.labels[label], 64))
+    except Exception:  # (from_exposition says what is wrong with the text)
+        return {}
+    return found
 
 
 def _fetch(address: str, timeout: float) -> bytes:

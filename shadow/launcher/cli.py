@@ -162,7 +162,13 @@ def _evidence(d: Any) -> list[str]:
 
 def _report(args: argparse.Namespace) -> int:
     from shadow.analysis import report
-    from shadow.analysis.sources import SourceError, from_exposition, from_prometheus, read_text
+    from shadow.analysis.sources import (
+        SourceError,
+        environment_from_exposition,
+        from_exposition,
+        from_prometheus,
+        read_text,
+    )
     from shadow.core.targets import BUILTINS
 
     if not (args.journal or args.metrics_file or args.prometheus):
@@ -173,11 +179,15 @@ def _report(args: argparse.Namespace) -> int:
     sources += [f"journals {', '.join(args.journal)}"] if args.journal else []
     try:
         counts = None
+        environment = {}
         if args.prometheus:
             counts = from_prometheus(args.prometheus, args.window, args.selector)
         elif args.metrics_file:
-            counts = from_exposition(read_text(args.metrics_file), args.metrics_file)
-        evidence = report.collect(args.journal or (), counts, details=args.details, window=args.cluster_window)
+            text = read_text(args.metrics_file)
+            counts, environment = from_exposition(text, args.metrics_file), environment_from_exposition(text)
+        evidence = report.collect(
+            args.journal or (), counts, details=args.details, window=args.cluster_window, environment=environment
+        )
     except SourceError as exc:
         print(f"npu-shadow report: {exc}", file=sys.stderr)
         return EXIT_USAGE
