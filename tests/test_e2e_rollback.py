@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -184,7 +185,6 @@ def test_a_short_job_pushes_at_exit_and_the_verdict_reads_it_through_prometheus(
             "import torch; from shadow.npu import reference; reference.patch_torch(); "
             "[torch.ones(2).type(torch.float16) for _ in range(40)]"
         )
-        started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "shadow", "run", "--sample-rate", "1", "--budget", "off",
              "--pushgateway", f"127.0.0.1:{gateway}", "--", sys.executable, "-c", script],
@@ -205,16 +205,17 @@ def test_a_short_job_pushes_at_exit_and_the_verdict_reads_it_through_prometheus(
     silent.bind(("127.0.0.1", 0))
     silent.listen(1)
     try:
-        started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "shadow", "run", "--pushgateway", f"127.0.0.1:{silent.getsockname()[1]}", "--",
              sys.executable, "-c", "import torch, sys; sys.exit(7)"], cwd=ROOT, capture_output=True, text=True,
             timeout=120,
         )  # fmt: skip
-        assert done.returncode == 7 and "push" in done.stderr
+        assert done.returncode == 7, done.stderr
         from shadow.launcher.launch import PUSH_TIMEOUT_SECONDS
 
-        assert time.monotonic() - started < PUSH_TIMEOUT_SECONDS + 30  # (interpreter starts included)
+        # (the push's own duration, as the job measured it: no interpreter start in it, whatever the machine's load)
+        waited = re.search(r"push to \S+ failed after ([0-9.]+) s", done.stderr)
+        assert waited and float(waited.group(1)) < PUSH_TIMEOUT_SECONDS + 2, done.stderr
     finally:
         silent.close()
 

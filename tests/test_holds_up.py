@@ -4,6 +4,7 @@ Each test names the point of the issue it covers ("holds up" 1-13)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -662,11 +663,16 @@ def _deep(levels=3000):
 def test_12_a_malformed_capture_is_refused_quickly_with_a_usage_error(tmp_path, fields, says):
     import time
 
+    from exporters import capture
+
     path = _capture(tmp_path, **fields)
-    start = time.monotonic()
-    done = npu_shadow("replay", str(path), timeout=120)
+    done = npu_shadow("replay", str(path), timeout=600)
     assert done.returncode == 2 and says in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr and time.monotonic() - start < 60
+    assert "Traceback" not in done.stderr
+    start = time.process_time()  # (this process's CPU: what a walk of the bomb would spend, whatever the load)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        capture.load(str(path))
+    assert time.process_time() - start < 10
 
 
 def test_12_a_trickling_prometheus_is_given_up_on_within_the_timeout():
@@ -700,7 +706,7 @@ def test_12_a_trickling_prometheus_is_given_up_on_within_the_timeout():
     finally:
         stop.set()
         server.close()
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # (deadline: 3 s, in this process; the trickle alone takes hours)
 
 
 def test_12_the_report_survives_surrogates_and_never_passes_raw_html(tmp_path):

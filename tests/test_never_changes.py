@@ -269,7 +269,10 @@ def test_under_a_device_context_calls_are_compared_once_and_meta_values_never_co
 def test_a_slow_upstream_costs_one_call_then_the_budget_skips_until_the_job_catches_up():
     import time
 
+    ran = []
+
     def slow(x):
+        ran.append(x)
         time.sleep(0.3)
         return x * 2
 
@@ -277,13 +280,11 @@ def test_a_slow_upstream_costs_one_call_then_the_budget_skips_until_the_job_catc
     recorder = Recorder()
     with shadow.install([target], sample_rate=1.0, budget=0.1, exporters=[recorder]) as monitor:
         ops.op(torch.ones(2))  # the one slow call: 0.3 s of shadow side
-        start = time.perf_counter()
         for _ in range(20):
             ops.op(torch.ones(2))
-        fast = time.perf_counter() - start
         monitor.flush()
     stats = monitor.stats()["op"]
-    assert fast < 0.25  # none of the 20 waited for upstream (0.3 s each)
+    assert len(ran) == 1  # none of the 20 waited for upstream (0.3 s each): it never ran for them
     assert stats.calls == 21 and stats.match == 1 and stats.by_reason == {"budget": 20}
     assert len(recorder.observations) == 1  # skipped calls were not handed to exporters one by one
 
@@ -296,17 +297,18 @@ def test_a_slow_exporter_cannot_hold_up_every_sampled_call(tmp_path):
     from exporters import PrometheusExporter
 
     class Slow:
+        exported = 0
+
         def export(self, observation):
+            Slow.exported += 1
             time.sleep(0.2)
 
     prometheus = PrometheusExporter(registry=CollectorRegistry())
     ops, target = op_with(twice)
     with shadow.install([target], sample_rate=1.0, budget=0.1, exporters=[Slow(), prometheus]) as monitor:
-        start = time.perf_counter()
         for _ in range(20):
             ops.op(torch.ones(2))
-        elapsed = time.perf_counter() - start
-    assert elapsed < 0.2 * 3  # one slow export, not twenty
+    assert Slow.exported <= 3  # one slow export (and what the budget allowed before it), not twenty
     assert monitor.stats()["op"].by_reason["budget"] >= 17
     text = __import__("prometheus_client").generate_latest(prometheus.registry).decode()
     assert 'npu_shadow_skipped_total{primary="legacy",reason="budget",signature="",target="op"}' in text

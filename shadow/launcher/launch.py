@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -222,12 +223,14 @@ class Launcher:
             print(text, file=sys.stderr)
 
     def _at_exit_output(self, what: str, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-        """One output at exit; a failure is counted (``output_failures``) and said once, never raised."""
+        """One output at exit; a failure is counted (``output_failures``) and said once, with how long it took,
+        never raised."""
+        started = time.monotonic()
         try:
             write(*args, **kwargs)
         except Exception as exc:
             self.output_failures[what] = self.output_failures.get(what, 0) + 1
-            print(f"npu-shadow: {what} failed: {exc}", file=sys.stderr)
+            print(f"npu-shadow: {what} failed after {time.monotonic() - started:.1f} s: {exc}", file=sys.stderr)
 
     def _close_exporters(self) -> None:
         for exporter in self.exporters:
