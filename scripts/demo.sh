@@ -11,11 +11,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The run's evidence (metrics, journals) stays beside the report that names it, until the next demo run.
-work=npu-shadow-demo
+# (NPU_SHADOW_DEMO_OUT and NPU_SHADOW_DEMO_PORT move the outputs and the metrics port: the tests run the demo so.)
+out=${NPU_SHADOW_DEMO_OUT:-.}
+port=${NPU_SHADOW_DEMO_PORT:-9464}
+work=$out/npu-shadow-demo
 rm -rf "$work"
+mkdir -p "$out"
 mkdir -m 700 "$work"
 mapfile -t legacy < <(bash scripts/demo_legacy.sh)  # torch_npu 2.12.0's own code, fetched; said on stderr
-.venv/bin/npu-shadow doctor --emulate-npu 2 --port 9464 "${legacy[@]}" || true
+.venv/bin/npu-shadow doctor --emulate-npu 2 --port "$port" "${legacy[@]}" || true
 echo
 if [ "${1:-}" = "--canary-drill" ]; then
   # The canary phase and its rollback: upstream's result returned, legacy compared, a fire drill injecting a dtype
@@ -23,9 +27,9 @@ if [ "${1:-}" = "--canary-drill" ]; then
   # at the first hard mismatch it throws the job's rollback switch (a file). The job returns legacy's result from
   # the next call on, without a restart.
   shift
-  echo "== canary with a fire drill (upstream returned; metrics on http://127.0.0.1:9464/metrics); watcher armed"
-  .venv/bin/python scripts/demo_watcher.py http://127.0.0.1:9464/metrics "$work/rollback" &
-  .venv/bin/npu-shadow run --emulate-npu 2 "${legacy[@]}" --sample-rate 1 --budget off --port 9464 \
+  echo "== canary with a fire drill (upstream returned; metrics on http://127.0.0.1:$port/metrics); watcher armed"
+  .venv/bin/python scripts/demo_watcher.py http://127.0.0.1:$port/metrics "$work/rollback" &
+  .venv/bin/npu-shadow run --emulate-npu 2 "${legacy[@]}" --sample-rate 1 --budget off --port "$port" \
     --textfile "$work/metrics.prom" --journal "$work/journal-{pid}.jsonl" --primary upstream --drill dtype:0.5 \
     --rollback-file "$work/rollback" "$@" -- .venv/bin/python examples/train_dataparallel.py --autocast --epochs 4
   wait
@@ -50,9 +54,9 @@ for (target, primary), count in sorted(returned.items()):
     print(f"{target:<16} {count:>6} comparisons with {primary}'s result returned")
 COUNT
 else
-  echo "== training, shadowed (metrics on http://127.0.0.1:9464/metrics while it runs)"
+  echo "== training, shadowed (metrics on http://127.0.0.1:$port/metrics while it runs)"
   # (a rehearsal compares every call: no overhead budget)
-  .venv/bin/npu-shadow run --emulate-npu 2 "${legacy[@]}" --sample-rate 1 --budget off --port 9464 \
+  .venv/bin/npu-shadow run --emulate-npu 2 "${legacy[@]}" --sample-rate 1 --budget off --port "$port" \
     --textfile "$work/metrics.prom" --journal "$work/journal-{pid}.jsonl" "$@" \
     -- .venv/bin/python examples/train_dataparallel.py --autocast
 fi
@@ -69,5 +73,5 @@ esac
 echo
 echo "== report for the pull request (counts from the metrics, details from the journals; both kept in $work/)"
 .venv/bin/npu-shadow report --metrics-file "$work/metrics.prom" --journal "$work"/journal-*.jsonl \
-  --markdown npu-shadow-report.md --html npu-shadow-report.html
-sed -n '/^## Verdict/,/^## Risky/p' npu-shadow-report.md | head -n -1
+  --markdown "$out/npu-shadow-report.md" --html "$out/npu-shadow-report.html"
+sed -n '/^## Verdict/,/^## Risky/p' "$out/npu-shadow-report.md" | head -n -1

@@ -21,4 +21,5 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 bash scripts/fetch_torch_npu.sh
 .venv/bin/python -m ruff check .
-.venv/bin/python -m pytest -q "$@"
+# (two workers: the suite takes half as long, and its tests wait for conditions, never for an idle machine)
+.venv/bin/python -m pytest -q -n 2 "$@"

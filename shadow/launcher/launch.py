@@ -309,29 +309,38 @@ class JobTotals:
 
 def _job_totals(exporters: list[Any]) -> tuple[dict[str, JobTotals] | None, int]:
     """Totals by target from the job's shared metrics (the Prometheus multiprocess files every process of the job
-    writes), and how many processes wrote them; (None, 0) where this process's metrics are its own."""
-    from prometheus_client import generate_latest
+    writes), and how many processes wrote them; (None, 0) where this process's metrics are its own.
 
-    from shadow.analysis import sources
+    Read from the registry's own samples, importing nothing: this runs at exit, where an import could run code
+    that clears the interpreter's note of a Ctrl-C (and the job would exit 1, not as SIGINT)."""
+    from exporters import contract
 
     shared = next((e for e in exporters if getattr(e, "multiprocess", False)), None)
     directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if shared is None or not directory:
         return None, 0
     try:
-        counts = sources.from_exposition(generate_latest(shared.registry).decode(), "the job's metrics")
         names = os.listdir(directory)
+        processes = {name.rsplit("_", 1)[-1].removesuffix(".db") for name in names if name.endswith(".db")}
+        if len(processes) <= 1:
+            return None, len(processes)
+        totals: dict[str, JobTotals] = {}
+        for family in shared.registry.collect():
+            for sample in family.samples:
+                target = sample.labels.get("target")
+                if target is None:
+                    continue
+                count = round(sample.value)
+                total = totals.setdefault(target, JobTotals())
+                if sample.name == contract.CALLS.series:
+                    total.calls += count
+                elif sample.name == contract.COMPARISONS.series:
+                    total.compared += count
+                elif sample.name == contract.SKIPPED.series and count:
+                    reason = sample.labels.get("reason", "")
+                    total.skipped[reason] = total.skipped.get(reason, 0) + count
     except Exception:  # (the summary goes on with this process's own counts)
         return None, 0
-    processes = {name.rsplit("_", 1)[-1].removesuffix(".db") for name in names if name.endswith(".db")}
-    totals = {}
-    for target, entry in counts.items():
-        total = totals[target] = JobTotals()
-        for phase in entry.phases.values():
-            total.calls += round(sum(phase.calls.values()))
-            total.compared += round(sum(phase.outcomes.values()))
-            for (_, reason), count in phase.skipped.items():
-                total.skipped[reason] = total.skipped.get(reason, 0) + round(count)
     return totals, len(processes)
 
 
