@@ -25,6 +25,7 @@ SHIPPED = os.path.join(ROOT, "dashboards")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 PUSHGATEWAY = shutil.which("prometheus-pushgateway") or shutil.which("pushgateway")
 TOKEN = "canary-token-0123456789abcdef"
+RECEIVER_TOKEN = "alertmanager-token-0123456789abcdef"  # (what Alertmanager sends the receiver)
 
 
 def test_the_shipped_alertmanager_and_prometheus_configs_are_valid():
@@ -48,6 +49,9 @@ def _alertmanager_config(tmp_path, receiver_port: int) -> str:
     config["route"]["group_interval"] = "1s"
     (hook,) = [r for r in config["receivers"] if r["name"] == "npu-shadow-rollback"]
     hook["webhook_configs"][0]["url"] = f"http://127.0.0.1:{receiver_port}/alerts"
+    credentials = tmp_path / "receiver.token"
+    credentials.write_text(RECEIVER_TOKEN)
+    hook["webhook_configs"][0]["http_config"]["authorization"]["credentials_file"] = str(credentials)
     path = tmp_path / "alertmanager.yml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
@@ -79,7 +83,7 @@ def test_an_alert_rolls_the_diverging_canary_back_to_legacy_and_leaves_the_healt
     ports = {name: (free_port(), free_port()) for name in ("drilled", "healthy")}
     receiver_port, alertmanager_port = free_port(), free_port()
     switches = [f"--switch=canary_{name}=http://127.0.0.1:{switch}" for name, (_, switch) in ports.items()]
-    env = {**os.environ, "NPU_SHADOW_ROLLBACK_TOKEN": TOKEN}
+    env = {**os.environ, "NPU_SHADOW_ROLLBACK_TOKEN": TOKEN, "NPU_SHADOW_RECEIVER_TOKEN": RECEIVER_TOKEN}
     jobs = {
         # a cast on a non-current npu (legacy: onto npu:0; upstream: stays on npu:1), and a fire drill
         "drilled": _job(tmp_path, "drilled", *ports["drilled"], "npu:1", "--drill", "dtype:0.5"),

@@ -539,14 +539,15 @@ def test_9_a_fifo_at_the_journal_path_never_blocks_the_job(tmp_path, where):
         path.write_text("x" * 100)
         path.chmod(0o600)
         os.mkfifo(f"{path}.lock")
-    else:
-        os.mkfifo(path)
-    # in a child, so that a blocked open could be timed out: the line rotates (max_bytes=50), taking the lock
+    # in a child, so that a blocked open could be timed out: the line rotates (max_bytes=50), taking the lock; a
+    # FIFO already at the journal path is refused when the exporter is made (a setting that would lose every line)
     job = f"""
-import torch, types, shadow
+import os, torch, types, shadow
 from exporters import JsonlExporter
 ops = types.SimpleNamespace(op=lambda x: x * 2)
 journal = JsonlExporter({str(path)!r}, all_outcomes=True, max_bytes=50)
+if {where!r} == "journal":
+    os.mkfifo({str(path)!r})  # planted after start-up
 with shadow.install([shadow.Target("op", ops, "op", lambda x: x * 3)], sample_rate=1.0, exporters=[journal]) as m:
     ops.op(torch.ones(2))
 print(m.stats()["op"].export_errors)

@@ -225,7 +225,7 @@ def test_the_html_renders_in_chromium_with_the_verdict_table(tmp_path):
     assert "<script" not in page.read_text() and "http" not in page.read_text()  # self-contained
     done = subprocess.run(
         ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--screenshot={shot}",
-         "--window-size=1000,2000", page.as_uri()],
+         "--window-size=1000,3000", page.as_uri()],
         capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path)},
     )  # fmt: skip
     assert shot.exists(), done.stderr[-2000:]

@@ -232,3 +232,20 @@ class TargetStats:
     def compared(self) -> int:
         """Sampled calls that were actually compared."""
         return self.match + self.close + self.mismatch + self.noise + self.error
+
+    def then(self, later: TargetStats) -> TargetStats:
+        """The counts of this install of the target followed by ``later``'s (the monitor installed anew over new
+        legacy patches): every count added, the side returned and the rollback as they are now."""
+        fields: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(later, field.name)
+            if isinstance(mine, int):
+                fields[field.name] = mine + theirs
+            elif isinstance(mine, Mapping):
+                merged = dict(mine)
+                for key, count in theirs.items():
+                    merged[key] = merged.get(key, 0) + count
+                fields[field.name] = MappingProxyType(merged)
+            else:
+                fields[field.name] = theirs
+        return TargetStats(**fields)

@@ -78,8 +78,11 @@ def template_problem(template: str) -> str | None:
     too_long = long_component(longest)
     if too_long is not None:
         return f"a name of {len(too_long.encode())} bytes is longer than a file name can be"
-    if os.path.isdir(template.format(pid=os.getpid(), rank="none")):
+    example = template.format(pid=os.getpid(), rank="none")
+    if template.endswith(os.sep) or os.path.isdir(example):
         return "a directory, not a file"
+    if os.path.lexists(example) and not stat.S_ISREG(os.lstat(example).st_mode):
+        return "not a regular file (a device, a FIFO, a socket or a link): every line written there would be lost"
     return None
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import re
+import tempfile
 from collections.abc import Callable, Mapping
 
 from shadow.core.observation import BUILTIN_TARGETS as BUILTINS
@@ -115,9 +116,20 @@ def _nonempty(text: str) -> str:
     return text
 
 
+#: What a bearer token must be (the jobs' switch token, the receiver's).
+TOKEN_RULE = "at least 16 printable ASCII characters, no spaces"
+
+
+def token_problem(text: str) -> str | None:
+    """Why ``text`` cannot be a bearer token, or None."""
+    if len(text) < 16 or not text.isascii() or not text.isprintable() or " " in text:
+        return "is too short, or has spaces, control or non-ASCII characters"
+    return None
+
+
 def _token(text: str) -> str:
-    if len(text) < 16 or not text.isprintable() or " " in text:
-        raise Invalid("too short, or with spaces or control characters")
+    if token_problem(text):
+        raise Invalid("too short, or with spaces, control or non-ASCII characters")
     return text
 
 
@@ -209,6 +221,12 @@ def _creatable(folder: str) -> None:
         path = parent
     if not (os.path.isdir(path) and os.access(path, os.W_OK)):
         raise Invalid(f"cannot create or write {folder}")
+    try:  # (a folder of a kernel filesystem, /sys or /proc, says it is writable and takes no file)
+        handle, probe = tempfile.mkstemp(prefix=".npu-shadow-probe-", dir=path)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise Invalid(f"cannot create a file in {path}: {exc.strerror or exc}") from None
 
 
 _ADDRESS = re.compile(r"[A-Za-z0-9.\-]+|\[?[0-9A-Fa-f:]+\]?")

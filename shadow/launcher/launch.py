@@ -87,6 +87,8 @@ class Launcher:
         #: The rollback switch (a file, a loopback endpoint) of a canary job, and who threw it.
         self.switch: Any = None
         self.rolled_back_by: str | None = None
+        #: The counts of the monitors installed before this one (each time new legacy patches came), by target.
+        self._earlier: dict[str, Any] = {}
 
     def install(self, environ: Mapping[str, str] | None = None) -> Any:
         """Install (or re-install) the monitor described by the NPU_SHADOW_* variables of ``environ`` (when given)
@@ -105,6 +107,7 @@ class Launcher:
                 config = config_module.from_sources(os.environ if environ is None else environ)
             if self.monitor is not None:
                 self.monitor.uninstall()  # its last counts go to the exporters it had
+                self._earlier = _then(self._earlier, self.monitor.stats())  # (the summary counts every install)
             if self.config is not None and config != self.config:
                 self._close_exporters()
             self.config = config
@@ -217,7 +220,7 @@ class Launcher:
                     self._at_exit_output(f"textfile {path}", exporter.write_textfile, path)
             job, processes = _job_totals(self.exporters)
             text = summary(
-                self.monitor.stats(), self.monitor.legacy_origins(), job=job, processes=processes,
+                _then(self._earlier, self.monitor.stats()), self.monitor.legacy_origins(), job=job, processes=processes,
                 forked=forks.forked_children(),
             )  # fmt: skip
             print(text, file=sys.stderr)
@@ -296,6 +299,12 @@ def install_from_env(environ: Mapping[str, str] | None = None) -> Any:
 def refresh() -> None:
     """Move the process's monitor over new legacy patches (subscribed to ``LEGACY_PATCHED``)."""
     LAUNCHER.refresh()
+
+
+def _then(earlier: Mapping[str, Any], later: Mapping[str, Any]) -> dict[str, Any]:
+    """Counts by target of one monitor followed by another's (TargetStats.then), in the later's order."""
+    merged = {name: earlier[name].then(stats) if name in earlier else stats for name, stats in later.items()}
+    return merged | {name: stats for name, stats in earlier.items() if name not in later}
 
 
 @dataclasses.dataclass

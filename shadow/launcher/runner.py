@@ -60,6 +60,11 @@ def _resolve(command: str, env: Mapping[str, str]) -> str:
 _WAITED = {*FORWARDED, signal.SIGCHLD}
 
 
+#: Signals Python ignores in itself at start-up: a job gets them back at their defaults, as a shell starts it
+#: (a job killed by SIGPIPE exits 141 under the launcher too), as subprocess's ``restore_signals`` does.
+_PYTHON_IGNORES = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name))
+
+
 def _run_forwarding_signals(command: list[str], env: dict[str, str], mask: set[signal.Signals]) -> int:
     """Run the command as a transparent wrapper would: signals sent to the launcher (FORWARDED) go on to the job
     once, a signal the terminal already sent to the job's process group is not sent again, and the exit code is
@@ -71,7 +76,7 @@ def _run_forwarding_signals(command: list[str], env: dict[str, str], mask: set[s
     if early is not None:
         return 128 + early.si_signo
     try:
-        pid = os.posix_spawn(executable, command, env, setsigmask=mask)
+        pid = os.posix_spawn(executable, command, env, setsigmask=mask, setsigdef=_PYTHON_IGNORES)
     except OSError as exc:
         raise CannotStart(f"{command[0]}: {exc.strerror or exc}", 126) from None
     while True:
