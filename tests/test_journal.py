@@ -64,9 +64,20 @@ def test_rotation_by_size_keeps_the_configured_backups(tmp_path):
     not os.path.exists("/dev/full") or not stat.S_ISCHR(os.stat("/dev/full").st_mode),
     reason="needs /dev/full as a character device",
 )
-def test_disk_full_is_counted_as_export_skip_and_training_goes_on(recwarn):
+def test_disk_full_is_counted_as_export_skip_and_training_goes_on(recwarn, tmp_path, monkeypatch):
+    import errno
+
+    path = str(tmp_path / "j.jsonl")
+    real_write = os.write
+
+    def full(fd, data):  # every write to the journal fails as on a full disk
+        if os.readlink(f"/proc/self/fd/{fd}") == path:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
     prometheus = PrometheusExporter(registry=CollectorRegistry())
-    journal = JsonlExporter("/dev/full", max_bytes=0)  # every write fails with ENOSPC
+    journal = JsonlExporter(path, max_bytes=0)
     stats = run([prometheus, journal])
     assert stats.mismatch == 2 and stats.export_errors == 2
     value = prometheus.registry.get_sample_value("npu_shadow_export_errors_total", {"target": "op"})

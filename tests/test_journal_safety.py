@@ -34,10 +34,13 @@ def lines(path):
 def test_a_symlink_planted_at_the_journal_path_is_refused_not_followed(tmp_path):
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
-    (tmp_path / "j.jsonl").symlink_to(victim)
-    stats = run([JsonlExporter(str(tmp_path / "j.jsonl"))], calls=3)
+    journal = JsonlExporter(str(tmp_path / "j.jsonl"))
+    (tmp_path / "j.jsonl").symlink_to(victim)  # planted after start-up
+    stats = run([journal], calls=3)
     assert victim.read_text() == "precious\n"
     assert stats.mismatch == 3 and stats.export_errors == 3  # counted, never raised into the job
+    with pytest.raises(ValueError, match="not a regular file"):  # there at start-up: refused, naming the path
+        JsonlExporter(str(tmp_path / "j.jsonl"))
 
 
 def test_journal_files_are_private(tmp_path):

@@ -31,7 +31,7 @@ def test_11_the_job_starts_with_the_default_dispositions_a_shell_gives(signal_na
     [
         ("{tmp}/sub/", "a directory, not a file"),
         ("/dev/null", "not a regular file"),
-        ("/sys/kernel/npu-shadow.jsonl", "cannot create a file in /sys/kernel"),
+        ("/sys/kernel/npu-shadow.jsonl", "no file can be made in /sys/kernel"),
     ],
     ids=["a-directory", "dev-null", "sysfs"],
 )

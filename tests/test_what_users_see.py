@@ -460,7 +460,7 @@ def test_11_the_receiver_says_it_listens_before_torch_could_load():
         "sys.argv = ['npu-shadow', 'receiver', '--listen', sys.argv[1], '--switch', 'job=http://127.0.0.1:9']\n"
         "runpy.run_module('shadow', run_name='__main__')\n"
     )
-    env = dict(__import__("os").environ, NPU_SHADOW_ROLLBACK_TOKEN="t" * 32)
+    env = dict(__import__("os").environ, NPU_SHADOW_ROLLBACK_TOKEN="t" * 32, NPU_SHADOW_RECEIVER_TOKEN="r" * 32)
     receiver = subprocess.Popen(
         [sys.executable, "-c", code, f"127.0.0.1:{port}"], stderr=subprocess.PIPE, text=True, env=env
     )

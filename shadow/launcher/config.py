@@ -226,7 +226,7 @@ def _creatable(folder: str) -> None:
         os.close(handle)
         os.unlink(probe)
     except OSError as exc:
-        raise Invalid(f"cannot create a file in {path}: {exc.strerror or exc}") from None
+        raise Invalid(f"cannot create it: no file can be made in {path} ({exc.strerror or exc})") from None
 
 
 _ADDRESS = re.compile(r"[A-Za-z0-9.\-]+|\[?[0-9A-Fa-f:]+\]?")
