@@ -255,3 +255,166 @@ def test_9_the_receiver_refuses_to_start_saying_why(args, env, says):
     env = {"NPU_SHADOW_ROLLBACK_TOKEN": JOBS_TOKEN, "NPU_SHADOW_RECEIVER_TOKEN": RECEIVER_TOKEN, **env}
     done = npu_shadow("receiver", *args, env={**os.environ, **env}, timeout=60)
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+# --------------------------------------------------------------------------- the switch
+
+
+def _switch(**options):
+    import threading
+
+    from shadow.launcher.switch import RollbackSwitch
+
+    thrown = threading.Event()
+    seen: list[str] = []
+    switch = RollbackSwitch(lambda by: (seen.append(by), thrown.set()), lambda by: None, **options)
+    return switch, thrown, seen
+
+
+def _get(url: str) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+@pytest.mark.parametrize("planted", ["symlink", "other-writable", "fifo"])
+def test_1_2_the_rollback_file_is_read_only_when_it_is_the_jobs_own_regular_file(tmp_path, planted):
+    """A symlink to a secret, a file others could have written, a FIFO: refused and counted, never read nor waited
+    on; /status never says what a file holds; a regular file of the job's own, later, still throws the switch."""
+    import time
+
+    secret = tmp_path / "secret"
+    secret.write_text("API_KEY=hunter2\n")
+    path = tmp_path / "rollback"
+    switch, thrown, seen = _switch(file=str(path), port=0, token="t" * 24)
+    try:
+        if planted == "symlink":
+            path.symlink_to(secret)
+        elif planted == "other-writable":
+            path.write_text("someone else\n")
+            path.chmod(0o666)
+        else:
+            os.mkfifo(path)
+        deadline = time.monotonic() + 30
+        while switch.refused_files == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert switch.refused_files == 1 and not thrown.is_set()
+        code, status = _get(f"http://127.0.0.1:{switch.port}/status")
+        assert code == 200 and status == {"thrown": False, "thrown_at": None, "source": None}
+        path.unlink()
+        path.write_text("oncall: bob\n")  # the job's own file
+        path.chmod(0o600)
+        assert thrown.wait(30) and seen == ["file:oncall: bob"]
+        code, status = _get(f"http://127.0.0.1:{switch.port}/status")
+        assert status["thrown"] and status["source"] == "file" and "bob" not in str(status)
+    finally:
+        switch.close()
+
+
+def _raw(port: int, data: bytes, wait: float = 10) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as connection:
+        connection.sendall(data)
+        chunks = []
+        try:
+            while chunk := connection.recv(4096):
+                chunks.append(chunk)
+        except TimeoutError:
+            pass
+        return b"".join(chunks)
+
+
+def test_4_idle_connections_are_bounded_and_the_token_is_checked_before_any_body(tmp_path, monkeypatch):
+    import socket
+    import threading
+    import time
+
+    from shadow.launcher import switch as switch_module
+
+    monkeypatch.setattr(switch_module, "REQUEST_SECONDS", 1.0)
+    switch, thrown, _ = _switch(port=0, token="t" * 24)
+    try:
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", switch.port)) for _ in range(200)]
+        time.sleep(0.5)
+        assert threading.active_count() - before <= switch_module.MAX_CONNECTIONS + 1
+        deadline = time.monotonic() + 30  # idle ones are dropped after REQUEST_SECONDS
+        while threading.active_count() - before > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert threading.active_count() - before <= 1
+        for connection in idle:
+            connection.close()
+        # a negative Content-Length without a token: refused at once, no body waited for
+        answer = _raw(switch.port, b"POST /rollback HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.0 403") or answer.startswith(b"HTTP/1.1 403"), answer[:80]
+        token = b"Authorization: Bearer " + b"t" * 24 + b"\r\n"
+        answer = _raw(switch.port, b"POST /rollback HTTP/1.1\r\nHost: x\r\n" + token + b"Content-Length: -1\r\n\r\n")
+        assert b" 400 " in answer.split(b"\r\n")[0] and not thrown.is_set()
+    finally:
+        switch.close()
+
+
+def test_5_every_other_method_is_refused_counted_and_logged_escaped_and_rate_limited(caplog):
+    import logging
+
+    switch, thrown, _ = _switch(port=0, token="t" * 24)
+    try:
+        with caplog.at_level(logging.WARNING, logger="shadow"):
+            for method in (b"HEAD", b"OPTIONS", b"TRACE", b"CONNECT", b"BREW", b"DELETE"):
+                answer = _raw(switch.port, method + b" /rollback HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert b" 405 " in answer.split(b"\r\n")[0], (method, answer[:80])
+            for _ in range(50):
+                _raw(switch.port, b"GET /\x1b[31mred\x07 HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert switch.refused == 56 and not thrown.is_set()
+        lines = [r.getMessage() for r in caplog.records if "rollback endpoint refused" in r.getMessage()]
+        assert len(lines) == 1  # one a minute, the rest counted
+        assert all(line.isprintable() and "\x1b" not in line for line in lines)
+    finally:
+        switch.close()
+
+
+SPAWNS_AFTER_ROLLBACK = """
+import os, sys, urllib.request, multiprocessing as mp
+import torch
+
+
+def worker(queue):
+    from shadow.launcher.launch import LAUNCHER
+
+    torch.ones(2).type(torch.float16)
+    queue.put(LAUNCHER.monitor.stats()["tensor_type"].primary)
+
+
+if __name__ == "__main__":
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{sys.argv[1]}/rollback", data=b"{}", method="POST",
+        headers={"Authorization": "Bearer " + os.environ["NPU_SHADOW_ROLLBACK_TOKEN"]},
+    )
+    urllib.request.urlopen(request, timeout=30).read()
+    for method in ("spawn", "forkserver", "fork"):
+        context = mp.get_context(method)
+        queue = context.Queue()
+        process = context.Process(target=worker, args=(queue,))
+        process.start()
+        print(method, queue.get(timeout=120), flush=True)
+        process.join()
+"""
+
+
+def test_3_a_rollback_reaches_every_process_started_after_it_whatever_the_start_method(tmp_path):
+    job = tmp_path / "job.py"
+    job.write_text(SPAWNS_AFTER_ROLLBACK)
+    port = free_port()
+    done = npu_shadow(
+        "run", "--legacy-from", "reference", "--primary", "upstream", "--rollback-port", str(port), "--",
+        sys.executable, str(job), str(port), env={**os.environ, "NPU_SHADOW_ROLLBACK_TOKEN": JOBS_TOKEN},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["spawn legacy", "forkserver legacy", "fork legacy"], done.stdout

@@ -117,9 +117,16 @@ class Launcher:
                 self._legacy_from(config.legacy_from)
             if not self.exporters:
                 self.exporters = _exporters(config)
-            if config.rollback_file and not self.rolled_back_by and os.path.exists(config.rollback_file):
-                # (a process started after the switch was thrown, a DataLoader worker say, starts rolled back)
-                self.rolled_back_by = f"file:{config.rollback_file}"
+            if not self.rolled_back_by:
+                # (a process started after the switch was thrown, a DataLoader worker say, starts rolled back:
+                # told by its environment whatever its start method, or by the file)
+                self.rolled_back_by = os.environ.get(ROLLED_BACK_BY) or None
+            if config.rollback_file and not self.rolled_back_by:
+                from shadow.launcher.switch import own_first_line
+
+                who = own_first_line(config.rollback_file)
+                if who is not None:
+                    self.rolled_back_by = f"file:{who or config.rollback_file}"
             tolerance = Tolerance(config.rtol, config.atol) if config.rtol is not None else None
             drill = Drill(*config.drill, seed=config.seed) if config.drill else None
             with warnings.catch_warnings():
@@ -168,12 +175,14 @@ class Launcher:
         changed. What the rollback switch calls."""
         with self._lock:
             self.rolled_back_by = by
+            os.environ[ROLLED_BACK_BY] = by  # (every process the job starts from now on, spawned too)
             return self.monitor.roll_back(by) if self.monitor is not None else []
 
     def reset_primary(self, by: str) -> list[str]:
         """A person's reset of the switch: the configured primary again."""
         with self._lock:
             self.rolled_back_by = None
+            os.environ.pop(ROLLED_BACK_BY, None)
             return self.monitor.reset_primary(by) if self.monitor is not None else []
 
     def refresh(self) -> None:
@@ -283,6 +292,9 @@ class Launcher:
 
 
 _NOT_LOADED = object()
+
+#: Set in the job's environment when its switch is thrown: processes it starts later begin rolled back.
+ROLLED_BACK_BY = "NPU_SHADOW_ROLLED_BACK_BY"
 
 #: The process's launcher: what ``npu-shadow run`` and :func:`install_from_env` install.
 LAUNCHER = Launcher()

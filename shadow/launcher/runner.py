@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from shadow.core.safe_paths import make_private_directory
 from shadow.launcher import config as cfg
 from shadow.launcher.bootstrap import npu_shadow_boot as boot
-from shadow.launcher.launch import wants_prometheus
+from shadow.launcher.launch import ROLLED_BACK_BY, wants_prometheus
 
 BOOTSTRAP_DIR = os.path.dirname(os.path.abspath(boot.__file__))
 
@@ -159,6 +159,7 @@ def _run(
     env[boot.ENABLED] = "1"
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *filter(None, [env.get("PYTHONPATH")])])
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.pop(ROLLED_BACK_BY, None)  # (a new job starts with its configured primary)
     temporary = server = None
     if wants_prometheus(config):
         base = job_metrics_dir or tempfile.mkdtemp(prefix="npu-shadow-metrics-")

@@ -1,13 +1,18 @@
 """The rollback switch of a running canary job: a file, and/or a loopback HTTP endpoint, that make legacy the
 primary from the next call on, without a restart.
 
-- **File** (``--rollback-file PATH``): a thread looks for the file every :data:`POLL_SECONDS`; when it appears the
-  switch is thrown, by ``file:<its first line, or its path>``. The file stays the record; deleting it resets
-  nothing (only a person's reset over HTTP does).
+- **File** (``--rollback-file PATH``): a thread looks for the file every :data:`POLL_SECONDS`; when a regular file
+  of the job's own user that no one else can write appears there, the switch is thrown, by ``file:<its first line,
+  or its path>``. Anything else at the path (a symbolic link, a FIFO, a device, another user's file, a file others
+  can write) is refused, never read nor waited on, counted in :attr:`RollbackSwitch.refused_files` and said once.
+  The file stays the record; deleting it resets nothing (only a person's reset over HTTP does).
 - **HTTP** (``--rollback-port PORT``, 127.0.0.1 unless ``--rollback-addr``): ``POST /rollback`` throws the switch,
   ``POST /reset`` puts the configured primary back; both need ``Authorization: Bearer <token>``
-  (``NPU_SHADOW_ROLLBACK_TOKEN``), and ``X-NPU-Shadow-By`` says who asks (recorded). Anything else (another path or
-  method, no token, a wrong one) is refused and counted in :attr:`RollbackSwitch.refused`.
+  (``NPU_SHADOW_ROLLBACK_TOKEN``, checked before any body is read), and ``X-NPU-Shadow-By`` says who asks
+  (recorded, as printable ASCII). ``GET /status`` says only whether it is thrown, when, and by which kind of source
+  (``file`` or ``http``). Anything else (another path or method, no token, a wrong one, a bad ``Content-Length``) is
+  refused and counted in :attr:`RollbackSwitch.refused`; refusals are logged at most once a minute. At most
+  :data:`MAX_CONNECTIONS` connections are served at once, each for at most :data:`REQUEST_SECONDS`.
 
 The switch only ever turns toward legacy on its own; the unsampled path of the wrappers pays nothing for it (the
 primary is a closure cell the flip rebinds).
@@ -20,15 +25,64 @@ import http.server
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from shadow.core.safe_paths import open_own_file
+
 log = logging.getLogger("shadow")
 
 POLL_SECONDS = 0.2
 MAX_BODY = 4096
+MAX_CONNECTIONS = 32
+REQUEST_SECONDS = 10.0
+#: The least time between two log lines about refused requests (the others are counted, and said in the next).
+REFUSAL_LOG_SECONDS = 60.0
+_UNSAFE = re.compile(r"[^\x20-\x7e]")
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """Text from the network fit for a log line, a journal and a report: printable ASCII only, at most ``limit``."""
+    return _UNSAFE.sub("?", text)[:limit]
+
+
+def own_first_line(path: str) -> str | None:
+    """The first line (printable, at most 200 characters) of the file at ``path`` where it is a regular file of
+    this user's own that no one else can write; None where there is none or it is anything else (never followed,
+    never waited on). Raises nothing."""
+    try:
+        fd = open_own_file(path, os.O_RDONLY)
+    except OSError:
+        return None
+    with os.fdopen(fd, errors="replace") as handle:
+        return printable(handle.readline(200).strip())
+
+
+class _BoundedServer(http.server.ThreadingHTTPServer):
+    """A threading server that serves at most MAX_CONNECTIONS connections at once: one more is closed at once."""
+
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.turned_away = 0
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.turned_away += 1
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class RollbackSwitch:
@@ -48,9 +102,13 @@ class RollbackSwitch:
         self._roll_back, self._reset = roll_back, reset
         self.file, self.token = file, token
         self.refused = 0
+        self.refused_files = 0
         self.thrown_by: str | None = None
         self.thrown_at: float | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._last_refusal_log = -REFUSAL_LOG_SECONDS
+        self._unlogged = 0
         self.server: http.server.ThreadingHTTPServer | None = None
         self.port: int | None = None
         if file:
@@ -65,74 +123,117 @@ class RollbackSwitch:
             self.thrown_by, self.thrown_at = by, time.time()
         self._roll_back(by)
 
+    def status(self) -> dict[str, Any]:
+        """What ``GET /status`` says: thrown or not, when, and by which kind of source; never who or what it read."""
+        kind = None if self.thrown_by is None else self.thrown_by.partition(":")[0]
+        return {"thrown": self.thrown_by is not None, "thrown_at": self.thrown_at, "source": kind}
+
     def _watch(self) -> None:
+        refused: tuple | None = None  # (what was refused last: said once, until something else is there)
         while not self._stop.wait(POLL_SECONDS):
-            if self.thrown_by is None and os.path.exists(self.file):
+            if self.thrown_by is not None or not os.path.lexists(self.file):
+                continue
+            try:
+                fd = open_own_file(self.file, os.O_RDONLY)
+            except OSError as exc:
                 try:
-                    with open(self.file, errors="replace") as handle:
-                        who = handle.readline(200).strip()
+                    info = os.lstat(self.file)
+                    seen = (info.st_ino, info.st_mode, info.st_uid)
                 except OSError:
-                    who = ""
-                self.throw(f"file:{who or self.file}")
+                    seen = None
+                if seen != refused:
+                    refused = seen
+                    self.refused_files += 1
+                    log.warning("npu-shadow: rollback file refused, not read (%s)", printable(str(exc)))
+                continue
+            with os.fdopen(fd, errors="replace") as handle:
+                who = printable(handle.readline(200).strip())
+            self.throw(f"file:{who or self.file}")
+
+    def _refusal(self, command: str, path: str, client: str, why: str) -> None:
+        """Count a refused request; log it unless another was logged within REFUSAL_LOG_SECONDS."""
+        with self._lock:
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._last_refusal_log < REFUSAL_LOG_SECONDS:
+                self._unlogged += 1
+                return
+            self._last_refusal_log, unlogged, self._unlogged = now, self._unlogged, 0
+        more = f" ({unlogged} more refused since the last such line)" if unlogged else ""
+        log.warning(
+            "npu-shadow: rollback endpoint refused %s %s from %s: %s%s",
+            printable(command, 20), printable(path, 100), client, why, more,
+        )  # fmt: skip
 
     def _serve(self, addr: str, port: int) -> None:
         switch = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            timeout = REQUEST_SECONDS  # (a client that sends nothing holds its connection this long, no longer)
+
             def log_message(self, format: str, *args: Any) -> None:  # (the job's stderr is not ours)
-                log.debug("npu-shadow rollback endpoint: " + format, *args)
+                pass
 
             def _answer(self, code: int, body: dict) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                self.send_header("Connection", "close")
                 self.end_headers()
-                self.wfile.write(data)
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                self.close_connection = True
 
             def _refuse(self, code: int, why: str) -> None:
-                switch.refused += 1
-                log.warning("npu-shadow: rollback endpoint refused %s %s from %s: %s", self.command, self.path,
-                            self.client_address[0], why)  # fmt: skip
+                switch._refusal(self.command or "?", self.path or "?", self.client_address[0], why)
                 self._answer(code, {"refused": why})
+
+            def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+                # (http.server's own refusals: a malformed request line, an unknown method, headers too long)
+                self._refuse(code, printable(message or "bad request", 100))
+
+            def parse_request(self) -> bool:
+                if not super().parse_request():
+                    return False
+                if self.command not in ("GET", "POST"):
+                    self._refuse(405, "method not allowed")
+                    return False
+                return True
 
             def do_GET(self) -> None:
                 if self.path == "/status":
-                    self._answer(200, {"thrown_by": switch.thrown_by, "thrown_at": switch.thrown_at})
+                    self._answer(200, switch.status())
                 else:
                     self._refuse(404, "no such endpoint")
 
             def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_BODY:
-                    return self._refuse(413, "body too large")
-                self.rfile.read(length)
                 given = self.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {switch.token}".encode()):
+                if not hmac.compare_digest(given.encode(errors="replace"), f"Bearer {switch.token}".encode()):
                     return self._refuse(403, "missing or wrong token")
-                by = "http:" + (self.headers.get("X-NPU-Shadow-By") or self.client_address[0])[:200]
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    return self._refuse(400, "bad Content-Length")
+                if not 0 <= length <= MAX_BODY:
+                    return self._refuse(413 if length > MAX_BODY else 400, "bad Content-Length")
+                self.rfile.read(length)
+                by = "http:" + printable(self.headers.get("X-NPU-Shadow-By") or self.client_address[0])
                 if self.path == "/rollback":
                     switch.throw(by)
-                    self._answer(200, {"rolled_back": True, "by": switch.thrown_by})
+                    self._answer(200, {"rolled_back": True})
                 elif self.path == "/reset":
                     switch.thrown_by = switch.thrown_at = None
                     switch._reset(by)
-                    self._answer(200, {"reset": True, "by": by})
+                    self._answer(200, {"reset": True})
                 else:
                     self._refuse(404, "no such endpoint")
 
-            def do_PUT(self) -> None:
-                self._refuse(405, "method not allowed")
-
-            do_DELETE = do_PATCH = do_PUT
-
         try:
-            self.server = http.server.ThreadingHTTPServer((addr, port), Handler)
-        except (OSError, OverflowError) as exc:  # a busy port degrades the switch, never the job
-            log.warning("npu-shadow: cannot serve the rollback endpoint on %s:%s (%s); the file switch still works",
-                        addr, port, exc)  # fmt: skip
+            self.server = _BoundedServer((addr, port), Handler)
+        except (OSError, OverflowError) as exc:  # the launcher decides what a canary does without its switch
+            log.warning("npu-shadow: cannot serve the rollback endpoint on %s:%s (%s)", addr, port, exc)
             return
-        self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, name="npu-shadow-rollback-http", daemon=True).start()
 
