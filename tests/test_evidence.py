@@ -309,7 +309,8 @@ def test_a_nondeterministic_targets_own_noise_is_measured_and_not_called_a_diver
         floor = experiment.noise_floor()["call"]
     assert floor[2] == 200 and floor[3] >= 190 and 5e-4 < floor[0] <= 1e-3  # (two jitters may round alike)
     assert stats.compared == 200 and stats.noise >= 190  # (the very first call had no floor yet)
-    assert stats.mismatch == 200 - stats.noise and stats.mismatch <= 10
+    # (two jitters rounding to one float32, about 1 call in 4,000, compare as a plain match)
+    assert stats.mismatch == 200 - stats.noise - stats.match and stats.mismatch <= 10 and stats.match <= 2
 
 
 def test_a_difference_beyond_the_noise_floor_stays_a_divergence():
