@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -418,3 +419,126 @@ def test_3_a_rollback_reaches_every_process_started_after_it_whatever_the_start_
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:3] == ["spawn legacy", "forkserver legacy", "fork legacy"], done.stdout
+
+
+# --------------------------------------------------------------------------- the push, the launcher, the job
+
+
+def test_10_the_exit_push_has_one_deadline_then_the_textfile_and_exit(tmp_path):
+    """A gateway that drips its answer a byte at a time never trips a socket timeout: the push as a whole is given
+    up on at its deadline, and the textfile is still written."""
+    import socket
+    import threading
+
+    from metrics_helpers import samples, total
+
+    from shadow.launcher.launch import PUSH_TIMEOUT_SECONDS
+
+    gateway = socket.socket()
+    gateway.bind(("127.0.0.1", 0))
+    gateway.listen()
+    stop = threading.Event()
+
+    def drip():
+        connection, _ = gateway.accept()
+        with connection:
+            for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n" * 100:
+                if stop.wait(0.5):
+                    return
+                try:
+                    connection.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+    threading.Thread(target=drip, daemon=True).start()
+    textfile = tmp_path / "metrics.prom"
+    script = (
+        "import torch\nfrom shadow.npu import reference\nreference.patch_torch()\ntorch.ones(2).type(torch.float16)\n"
+    )
+    try:
+        done = npu_shadow(
+            "run", "--sample-rate", "1", "--pushgateway", f"127.0.0.1:{gateway.getsockname()[1]}",
+            "--textfile", str(textfile), "--", sys.executable, "-c", script,
+        )  # fmt: skip
+    finally:
+        stop.set()
+        gateway.close()
+    assert done.returncode == 0, done.stderr
+    waited = re.search(r"push to \S+ failed after ([0-9.]+) s: not finished within", done.stderr)
+    assert waited and float(waited.group(1)) < PUSH_TIMEOUT_SECONDS + 1, done.stderr
+    assert total(samples(textfile.read_text()), "npu_shadow_calls_total", target="tensor_type") == 1
+
+
+def _interrupt_points(code, cache={}):  # noqa: B006 (a cache by code object)
+    """The offsets where CPython 3.11+ can raise a pending KeyboardInterrupt in ``code`` (its eval breaker's
+    checks): a function's start (RESUME), a loop's backward jump, and each call (raised there as if the call
+    had been interrupted: the exception belongs to the call's offset, inside whatever try covers it)."""
+    import dis
+
+    if code not in cache:
+        names = ("RESUME", "JUMP_BACKWARD", "CALL", "CALL_FUNCTION_EX")
+        instructions = list(dis.get_instructions(code))
+        points = set()
+        for j, instruction in enumerate(instructions):
+            before = [(i.opname, i.argval) for i in instructions[max(0, j - 4) : j] if i.opname != "PRECALL"]
+            if instruction.opname == "CALL" and before[-3:] == [("LOAD_CONST", None)] * 3:
+                continue  # (a with block's __exit__: the interrupt lands inside the block, at its last call)
+            if instruction.opname in names:
+                points.add(instruction.offset)
+        cache[code] = points
+    return cache[code]
+
+
+def test_12_no_interrupt_at_any_point_leaves_the_caller_on_the_upstream_side():
+    """Ctrl-C raised at each point of a sampled call where CPython can raise it (every eval-breaker check in
+    npu-shadow's own code, one run each); after every one, a call returns legacy's result and is counted, and no
+    thread is left marked as an upstream side."""
+    import sys
+    import types
+
+    import torch
+
+    import shadow
+    from shadow.core import engine
+
+    here = os.path.dirname(engine.__file__)
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    target = shadow.Target("op", ops, "op", lambda x: x * 3)
+
+    def interrupted_at(k: int) -> bool:
+        """Run one sampled call raising KeyboardInterrupt at its k-th interrupt point; whether it got there."""
+        seen = 0
+
+        def opcodes(frame, event, arg):
+            nonlocal seen
+            if event == "opcode" and frame.f_lasti in _interrupt_points(frame.f_code):
+                seen += 1
+                if seen == k:
+                    where.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
+                    raise KeyboardInterrupt
+            return opcodes
+
+        def calls(frame, event, arg):
+            if frame.f_code.co_filename.startswith(here):
+                frame.f_trace_opcodes = True
+                return opcodes
+            return None
+
+        sys.settrace(calls)
+        try:
+            ops.op(torch.ones(2))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        return seen >= k
+
+    where: list[str] = []
+    with shadow.install([target], sample_rate=1.0, budget=None) as monitor:
+        k = 0
+        while interrupted_at(k := k + 1):
+            calls = monitor.stats()["op"].calls
+            assert ops.op(torch.ones(2)).tolist() == [2.0, 2.0], f"interrupted at {where[-1]}: upstream's result after"
+            assert monitor.stats()["op"].calls == calls + 1, f"interrupted at {where[-1]}: a call not counted after"
+            assert getattr(engine._local, "upstream_side", None) is None and not engine._upstream_runs, where[-1]
+    assert k > 100  # (every point of a sampled call was tried)

@@ -77,22 +77,21 @@ UNCLASSIFIED_SIGNATURE = "unclassified"
 # the exporters.
 _local = threading.local()
 
-# The upstream runs under way: the threads alive when each began, and its experiment. A thread not among them was
-# started by that run (the worker threads of DataParallel's parallel_apply): its calls belong to that run.
-_upstream_runs: list[tuple[frozenset[int], Experiment]] = []
-_upstream_runs_lock = threading.Lock()
+# The upstream runs under way, by a key of their own: the threads alive when each began, and its experiment. A
+# thread not among them was started by that run (the worker threads of DataParallel's parallel_apply): its calls
+# belong to that run. (A dict's item assignment and ``del`` are atomic and call nothing: no lock, and no point
+# where an interrupt could leave a run behind.)
+_upstream_runs: dict[object, tuple[frozenset[int], Experiment]] = {}
 
 
 @contextlib.contextmanager
 def _upstream_run(experiment: Experiment) -> Iterator[None]:
-    run = (frozenset(t.ident for t in threading.enumerate()), experiment)
-    with _upstream_runs_lock:
-        _upstream_runs.append(run)
+    run, key = (frozenset(t.ident for t in threading.enumerate()), experiment), object()
     try:
+        _upstream_runs[key] = run
         yield
     finally:
-        with _upstream_runs_lock:
-            _upstream_runs.remove(run)
+        del _upstream_runs[key]
 
 
 def _upstream_side_of_this_thread() -> Experiment | None:
@@ -101,7 +100,7 @@ def _upstream_side_of_this_thread() -> Experiment | None:
     if side is not None or not _upstream_runs:
         return side
     ident = threading.get_ident()
-    return next((experiment for alive, experiment in tuple(_upstream_runs) if ident not in alive), None)
+    return next((experiment for alive, experiment in tuple(_upstream_runs.values()) if ident not in alive), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,8 +409,9 @@ class Experiment:
 
     def _run_legacy(self, args: tuple, kwargs: dict) -> Any:
         """Legacy, marked as running on this thread: its own nested calls of the wrapper are not new calls."""
-        outer, _local.in_legacy = getattr(_local, "in_legacy", None), self
+        outer = getattr(_local, "in_legacy", None)
         try:
+            _local.in_legacy = self
             return self.primary_fn(*args, **kwargs)
         finally:
             _local.in_legacy = outer
@@ -486,9 +486,12 @@ class Experiment:
         """Everything after legacy: observe, publish. Whatever it does to torch's global state is undone, and
         whatever it raises is this tool's fault: counted as a "comparator" skip, never the caller's problem."""
         # Calls of wrapped functions from here on (upstream's, the oracle's, exporters') are not compared again.
-        outer, _local.upstream_side = getattr(_local, "upstream_side", None), self
+        # (set inside the try, put back first thing in its finally: no interrupt, wherever it lands, leaves this
+        # thread marked, and the caller's later calls on upstream)
+        outer = getattr(_local, "upstream_side", None)
         started = time.perf_counter()
         try:
+            _local.upstream_side = self
             left_by_legacy = TorchGlobals()  # the upstream side's changes never reach the job
             try:
                 try:
@@ -833,8 +836,9 @@ class Experiment:
             self._reasons.update(observation.reasons)
             if observation.shared_divergence:
                 self._shared[observation.shared_divergence] += 1
-        publishing, _local.publishing = getattr(_local, "publishing", False), True
+        publishing = getattr(_local, "publishing", False)
         try:
+            _local.publishing = True
             self.report_calls()
             failed = [e for e in self.exporters if not self._call_exporter(e, "export", observation)]
             if failed:

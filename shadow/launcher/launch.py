@@ -223,6 +223,7 @@ class Launcher:
                         job=os.environ.get("NPU_SHADOW_JOB", "npu-shadow"),
                         grouping_key={"instance": f"{socket.gethostname()}:rank{_local_rank()}"},
                         timeout=PUSH_TIMEOUT_SECONDS,
+                        deadline=PUSH_TIMEOUT_SECONDS,
                     )
                 if config.textfile and hasattr(exporter, "write_textfile"):
                     path = config.textfile.format(rank=_local_rank(), pid=os.getpid())
@@ -234,15 +235,33 @@ class Launcher:
             )  # fmt: skip
             print(text, file=sys.stderr)
 
-    def _at_exit_output(self, what: str, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    def _at_exit_output(
+        self, what: str, write: Callable[..., None], *args: Any, deadline: float | None = None, **kwargs: Any
+    ) -> None:
         """One output at exit; a failure is counted (``output_failures``) and said once, with how long it took,
-        never raised."""
+        never raised. With a ``deadline`` (seconds), the output runs in a thread of its own and is given up on
+        when the deadline passes, however slowly the other end answers (a socket timeout bounds each read, not a
+        server that drips its answer): the thread is left behind, the job goes on to exit."""
         started = time.monotonic()
-        try:
-            write(*args, **kwargs)
-        except Exception as exc:
+        failure: list[BaseException] = []
+
+        def attempt() -> None:
+            try:
+                write(*args, **kwargs)
+            except Exception as exc:
+                failure.append(exc)
+
+        if deadline is None:
+            attempt()
+        else:
+            thread = threading.Thread(target=attempt, name=f"npu-shadow {what}", daemon=True)
+            thread.start()
+            thread.join(deadline)
+            if thread.is_alive():
+                failure.append(TimeoutError(f"not finished within its {deadline:g} s deadline; given up"))
+        if failure:
             self.output_failures[what] = self.output_failures.get(what, 0) + 1
-            print(f"npu-shadow: {what} failed after {time.monotonic() - started:.1f} s: {exc}", file=sys.stderr)
+            print(f"npu-shadow: {what} failed after {time.monotonic() - started:.1f} s: {failure[0]}", file=sys.stderr)
 
     def _close_exporters(self) -> None:
         for exporter in self.exporters:
