@@ -23,6 +23,35 @@ DIVERGENT = DIVERGENT_OUTCOMES
 _COUNTS = ("calls", "compared", "match", "close", "mismatch", "noise", "error", "skipped")
 
 
+#: At most this many divergences are taken from one xdist worker's evidence.
+MAX_WORKER_DIVERGENCES = 10_000
+
+
+def worker_evidence(raw: Any) -> tuple[dict[str, Any] | None, str]:
+    """An xdist worker's evidence checked (it crosses a process boundary): ``({"stats", "divergences"}, "")`` when
+    every count is a whole number >= 0 of a known kind and every divergence three strings; else ``(None, why)``."""
+    if (
+        not isinstance(raw, dict)
+        or not isinstance(raw.get("stats"), dict)
+        or not isinstance(raw.get("divergences"), list)
+    ):
+        return None, "not a mapping with stats and divergences"
+    stats: dict[str, dict[str, int]] = {}
+    for name, counts in raw["stats"].items():
+        if not isinstance(name, str) or not isinstance(counts, dict):
+            return None, f"stats of {name!r:.40} are not a mapping"
+        for kind, value in counts.items():
+            if kind not in _COUNTS or isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                return None, f"{name:.40}: {kind!r:.20} = {value!r:.20} is not a count"
+        stats[name] = {kind: counts.get(kind, 0) for kind in _COUNTS}
+    divergences = raw["divergences"]
+    if len(divergences) > MAX_WORKER_DIVERGENCES or not all(
+        isinstance(d, (list, tuple)) and len(d) == 3 and all(isinstance(x, str) for x in d) for d in divergences
+    ):
+        return None, "divergences are not (test, phase, text) strings"
+    return {"stats": stats, "divergences": [tuple(bounded(x, 400) for x in d) for d in divergences]}, ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Divergence:
     """One divergent observation, and where in the run it happened."""
@@ -47,6 +76,8 @@ class ShadowSession:
         self.divergences: dict[tuple[str, str], list[Divergence]] = collections.defaultdict(list)
         self.diverged_tests: dict[str, list[Divergence]] = {}
         self.workers: list[dict[str, Any]] = []  # under pytest-xdist: each worker's evidence (the controller)
+        #: Workers whose evidence is not in the summary: (worker id, why), a crash or a refusal.
+        self.workers_missing: list[tuple[str, str]] = []
         if option("npu_shadow_emulate_npu"):
             from shadow.npu import emulated
 
@@ -167,8 +198,17 @@ class ShadowSession:
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         """An xdist worker finished: its counts and divergences join this (the controller's) summary."""
-        evidence = getattr(node, "workeroutput", {}).get("npu_shadow")
-        if evidence is not None:
+        gateway = getattr(node, "gateway", None)
+        worker = str(getattr(gateway, "id", None) or getattr(node, "workerinput", {}).get("workerid", "?"))
+        output = getattr(node, "workeroutput", None)
+        if not isinstance(output, dict) or "npu_shadow" not in output:
+            why = f"it ended without reporting ({bounded(str(error), 120)})" if error else "it sent no evidence"
+            self.workers_missing.append((worker, why))
+            return
+        evidence, why = worker_evidence(output["npu_shadow"])
+        if evidence is None:
+            self.workers_missing.append((worker, f"its evidence was refused: {why}"))
+        else:
             self.workers.append(evidence)
 
     # ------------------------------------------------------------------ the end
@@ -191,6 +231,8 @@ class ShadowSession:
                 f"{name:<16}{s['calls']:>8}{s['compared']:>10}{s['match']:>8}{s['close']:>7}{s['mismatch']:>10}"
                 f"{s['error']:>7}{s['skipped']:>9}"
             )
+        for worker, why in self.workers_missing:
+            write(f"missing from this summary: xdist worker {worker}: {why} (the journal holds what it wrote)")
         divergences = [d for part in evidence for d in part["divergences"]]
         if not divergences:
             write("no divergence")

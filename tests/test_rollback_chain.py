@@ -542,3 +542,60 @@ def test_12_no_interrupt_at_any_point_leaves_the_caller_on_the_upstream_side():
             assert monitor.stats()["op"].calls == calls + 1, f"interrupted at {where[-1]}: a call not counted after"
             assert getattr(engine._local, "upstream_side", None) is None and not engine._upstream_runs, where[-1]
     assert k > 100  # (every point of a sampled call was tried)
+
+
+# --------------------------------------------------------------------------- pytest-xdist
+
+XDIST_SUITE = """
+import os
+import pytest
+import torch
+
+
+def test_casts():
+    assert torch.arange(4.0).type(torch.float16).dtype == torch.float16
+
+
+def test_crashes_its_worker():
+    torch.ones(2).type(torch.float16)
+    if os.environ.get("CRASH_A_WORKER"):
+        os._exit(3)
+"""
+
+TAMPERING_CONFTEST = """
+import pytest
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None and "npu_shadow" in output:
+        output["npu_shadow"] = {"stats": {"tensor_type": {"calls": -5, "compared": "x"}}, "divergences": [1]}
+"""
+
+
+def _xdist(tmp_path, *options, env=None):
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "2", "--npu-shadow",
+         "--npu-shadow-legacy=reference", f"--npu-shadow-journal={tmp_path / 'j.jsonl'}", *options],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_16_malformed_worker_counts_are_refused_and_said_never_crash_the_summary(tmp_path):
+    (tmp_path / "test_suite.py").write_text(XDIST_SUITE)
+    (tmp_path / "conftest.py").write_text(TAMPERING_CONFTEST)
+    code, output = _xdist(tmp_path)
+    assert code == 0, output  # every test passed: so does the run
+    summary = output.split("= npu-shadow =")[1]
+    assert summary.count("missing from this summary: xdist worker gw") == 2, summary
+    assert "its evidence was refused" in summary and "INTERNALERROR" not in output
+
+
+def test_16_a_crashed_workers_calls_are_said_to_be_missing(tmp_path):
+    (tmp_path / "test_suite.py").write_text(XDIST_SUITE)
+    code, output = _xdist(tmp_path, env={"CRASH_A_WORKER": "1"})
+    assert code == 1, output  # (the crashed test fails; xdist replaced the worker)
+    summary = output.split("= npu-shadow =")[1]
+    assert "missing from this summary: xdist worker gw" in summary and "ended without reporting" in summary, summary
