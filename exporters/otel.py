@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Iterable
 
 from opentelemetry import metrics
@@ -29,6 +30,11 @@ METER_NAME = "npu_shadow"
 #: collections are slower than the job) keeps its sums but loses its histogram values, and is counted in
 #: ``npu_shadow.export_errors`` and :attr:`OTelExporter.dropped`.
 MAX_PENDING = 100_000
+
+#: What one collection may spend recording queued histogram values: at most this many values, for at most this
+#: many seconds (the SDK gives a whole collection 10 s and drops it past that). The rest wait for the next one.
+MAX_RECORDED_PER_COLLECTION = 10_000
+RECORD_SECONDS = 1.0
 
 _SUMS = (
     contract.CALLS,
@@ -112,7 +118,8 @@ class OTelExporter:
     # ------------------------------------------------------------------ collection time
 
     def _observe_totals(self, metric: contract.Metric) -> Iterable[metrics.Observation]:
-        self._record_pending()
+        if metric is _SUMS[0]:  # (once per collection: one callback records the queued values)
+            self._record_pending()
         with self._lock:
             totals = list(self._totals[metric].items())
         return [metrics.Observation(value, dict(zip(metric.labels, labels))) for labels, value in totals]
@@ -134,7 +141,12 @@ class OTelExporter:
         return [metrics.Observation(value, dict(zip(labels, key))) for key, value in floors]
 
     def _record_pending(self) -> None:
-        while True:
+        """Record queued histogram values, a bounded share per collection (MAX_RECORDED_PER_COLLECTION values,
+        RECORD_SECONDS): a collection never takes on the whole queue, however long it grew."""
+        deadline = time.monotonic() + RECORD_SECONDS
+        for done in range(MAX_RECORDED_PER_COLLECTION):
+            if done % 256 == 255 and time.monotonic() > deadline:
+                return
             try:
                 metric, value, target = self._pending.popleft()
             except IndexError:

@@ -599,3 +599,41 @@ def test_16_a_crashed_workers_calls_are_said_to_be_missing(tmp_path):
     assert code == 1, output  # (the crashed test fails; xdist replaced the worker)
     summary = output.split("= npu-shadow =")[1]
     assert "missing from this summary: xdist worker gw" in summary and "ended without reporting" in summary, summary
+
+
+# --------------------------------------------------------------------------- OpenTelemetry
+
+
+def test_17_one_collection_records_a_bounded_share_of_the_queue_and_none_is_lost():
+    """60,000 observations queue 180,000 histogram values: a collection records at most its share (the SDK drops
+    a collection past 10 s), the rest wait for the next ones, and the sums are whole at every collection."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from exporters import OTelExporter, otel
+    from shadow.core.observation import Observation
+
+    reader = InMemoryMetricReader()
+    exporter = OTelExporter(meter_provider=MeterProvider(metric_readers=[reader]))
+    exporter.register("op", 1.0)
+    observation = Observation("op", "close", numel=4, max_abs_error=1e-6, upstream_seconds=0.001)
+    for _ in range(60_000):
+        exporter.export(observation)
+    queued = 100_000 - 100_000 % 3  # (MAX_PENDING: whole observations of 3 values each)
+    assert exporter.dropped == 60_000 - queued // 3
+
+    def collect():
+        data = reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics
+        by_name = {m.name: m for m in data}
+        histogram = sum(p.count for p in by_name["npu_shadow.shadow.duration"].data.data_points)
+        comparisons = sum(p.value for p in by_name["npu_shadow.comparisons"].data.data_points)
+        return histogram, comparisons
+
+    first, comparisons = collect()
+    assert comparisons == 60_000  # every sum, at once
+    assert 0 < first <= otel.MAX_RECORDED_PER_COLLECTION  # a bounded share of the queue
+    collections = 1
+    while len(exporter._pending) and collections < 100:
+        collect()
+        collections += 1
+    assert not exporter._pending and collect()[0] == queued // 3  # every queued value, in later collections
