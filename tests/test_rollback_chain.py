@@ -637,3 +637,45 @@ def test_17_one_collection_records_a_bounded_share_of_the_queue_and_none_is_lost
         collect()
         collections += 1
     assert not exporter._pending and collect()[0] == queued // 3  # every queued value, in later collections
+
+
+# --------------------------------------------------------------------------- 6. a canary and its switch
+
+CANARY = ["run", "--legacy-from", "reference", "--primary", "upstream", "--sample-rate", "1"]
+PRINTS = [sys.executable, "-c", "print('the job ran')"]
+
+
+def test_6_a_canary_whose_switch_cannot_start_refuses_to_start_unless_told(tmp_path):
+    import socket
+
+    env = {**os.environ, "NPU_SHADOW_ROLLBACK_TOKEN": JOBS_TOKEN}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        refused = npu_shadow(*CANARY, "--rollback-port", port, "--", *PRINTS, env=env)
+        assert refused.returncode == 2 and "the job ran" not in refused.stdout, refused.stdout + refused.stderr
+        assert "cannot listen on 127.0.0.1:" in refused.stderr and "--rollback-optional" in refused.stderr
+        told = npu_shadow(*CANARY, "--rollback-port", port, "--rollback-optional", "--", *PRINTS, env=env)
+        assert told.returncode == 0 and "the job ran" in told.stdout, told.stderr
+        assert "the file switch still works" not in told.stderr  # (none was configured)
+    past = npu_shadow(*CANARY, "--rollback-port", "65535", "--", *PRINTS, env={**env, "LOCAL_RANK": "1"})
+    assert past.returncode == 2 and "past port 65535" in past.stderr and "the job ran" not in past.stdout
+
+
+def test_6_the_token_never_on_the_command_line_and_an_open_address_is_said(tmp_path):
+    on_the_line = npu_shadow(*CANARY, "--rollback-port", "0", "--rollback-token", JOBS_TOKEN, "--", *PRINTS)
+    assert on_the_line.returncode == 2 and "the job ran" not in on_the_line.stdout
+    token = tmp_path / "token"
+    token.write_text(JOBS_TOKEN + "\n")
+    token.chmod(0o644)
+    readable = npu_shadow(*CANARY, "--rollback-port", "0", "--rollback-token-file", str(token), "--", *PRINTS)
+    assert readable.returncode == 2 and "others can read it" in readable.stderr
+    token.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k != "NPU_SHADOW_ROLLBACK_TOKEN"}
+    from_file = npu_shadow(
+        *CANARY, "--rollback-port", "0", "--rollback-token-file", str(token), "--rollback-addr", "0.0.0.0", "--",
+        *PRINTS, env=env,
+    )  # fmt: skip
+    assert from_file.returncode == 0 and "the job ran" in from_file.stdout, from_file.stderr
+    assert "will listen on 0.0.0.0: other hosts can reach it" in from_file.stderr

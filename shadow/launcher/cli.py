@@ -267,7 +267,7 @@ def _run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    options = {name: getattr(args, name) for name in cfg.SETTINGS}
+    options = {name: getattr(args, name, None) for name in cfg.SETTINGS}
     for flag in cfg.FLAGS:
         options[flag] = "1" if getattr(args, flag) else None
     return run(command, options)
@@ -366,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
         "here with exit code 2, before COMMAND starts. The exit code is COMMAND's.",
     )
     for name, setting in SETTINGS.items():
+        if setting.option is None:  # (a secret: from the environment only)
+            continue
         if name in FLAGS:
             run.add_argument(setting.option, dest=name, action="store_true", help=f"{FLAGS[name]} ({setting.variable})")
         elif name == "emulate_npu":

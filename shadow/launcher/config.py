@@ -127,6 +127,32 @@ def token_problem(text: str) -> str | None:
     return None
 
 
+def read_token_file(path: str) -> str:
+    """The token in ``path``: a regular file of this user's own that no one else can read or write. Raises
+    Invalid saying what is wrong."""
+    import stat as stat_module
+
+    from shadow.core.safe_paths import open_own_file
+
+    try:
+        fd = open_own_file(path, os.O_RDONLY)
+    except OSError as exc:
+        raise Invalid(str(exc)) from None
+    with os.fdopen(fd) as handle:
+        if os.fstat(handle.fileno()).st_mode & (stat_module.S_IRGRP | stat_module.S_IROTH):
+            raise Invalid("others can read it (chmod 600)")
+        token = handle.read(4096).strip()
+    problem = token_problem(token)
+    if problem:
+        raise Invalid(f"the token in it {problem}")
+    return token
+
+
+def _token_file(text: str) -> str:
+    read_token_file(text)
+    return text
+
+
 def _token(text: str) -> str:
     if token_problem(text):
         raise Invalid("too short, or with spaces, control or non-ASCII characters")
@@ -241,7 +267,7 @@ class Setting:
     """One setting: its variable, its launcher option, what it accepts (for messages) and its parser."""
 
     variable: str
-    option: str
+    option: str | None  # None: from the environment only (a secret)
     accepts: str
     parse: Callable[[str], object]
 
@@ -365,9 +391,21 @@ SETTINGS = {
     ),
     "rollback_token": Setting(
         "NPU_SHADOW_ROLLBACK_TOKEN",
-        "--rollback-token",
-        "the bearer token the rollback endpoint requires (at least 16 characters; prefer the variable to the option)",
+        None,  # (never an option: a command line is visible to every user in ps)
+        "the bearer token the rollback endpoint requires (at least 16 characters; the variable or a token file)",
         _token,
+    ),
+    "rollback_token_file": Setting(
+        "NPU_SHADOW_ROLLBACK_TOKEN_FILE",
+        "--rollback-token-file",
+        "a file of yours that only you can read, holding the rollback endpoint's token",
+        _token_file,
+    ),
+    "rollback_optional": Setting(
+        "NPU_SHADOW_ROLLBACK_OPTIONAL",
+        "--rollback-optional",
+        "run a canary even where its rollback endpoint cannot start (default: refuse to start it)",
+        _flag,
     ),
     "oracle": Setting(
         "NPU_SHADOW_ORACLE",
@@ -382,6 +420,7 @@ SETTINGS = {
 #: The settings given as bare launcher flags (``--otel``), with their help.
 FLAGS = {
     "otel": "export through OpenTelemetry",
+    "rollback_optional": "run a canary even where its rollback endpoint cannot start",
     "pure_hooks": "the job's module hooks have no side effects: compare calls that run them",
 }
 
@@ -416,6 +455,8 @@ class Config:
     rollback_port: int | None = None
     rollback_addr: str = "127.0.0.1"
     rollback_token: str | None = None
+    rollback_token_file: str | None = None
+    rollback_optional: bool = False
 
 
 def from_sources(environ: Mapping[str, str], options: Mapping[str, str | None] | None = None) -> Config:
@@ -433,6 +474,11 @@ def from_sources(environ: Mapping[str, str], options: Mapping[str, str | None] |
         raise ConfigError(
             f"{port.option}={values['port']} ({port.variable}) plus LOCAL_RANK={local_rank} is past port 65535"
         )
+    if "rollback_token_file" in values and "rollback_token" not in values:
+        try:
+            values["rollback_token"] = read_token_file(str(values["rollback_token_file"]))
+        except Invalid as exc:
+            raise ConfigError(f"{SETTINGS['rollback_token_file'].variable}: {exc.why}") from None
     if "rollback_port" in values and "rollback_token" not in values:
         port, token = SETTINGS["rollback_port"], SETTINGS["rollback_token"]
         raise ConfigError(f"{port.option} ({port.variable}) needs {token.variable}: no endpoint runs without one")

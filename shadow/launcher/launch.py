@@ -169,6 +169,14 @@ class Launcher:
         self.switch = RollbackSwitch(
             self.roll_back, self.reset_primary, config.rollback_file, port, config.rollback_addr, config.rollback_token
         )
+        if port is not None and self.switch.port is None:
+            if config.primary == "upstream" and not config.rollback_optional:
+                # (the port was free when the launcher checked: taken since. Never a canary without its switch.)
+                print("npu-shadow: the rollback endpoint could not start: legacy's result returned", file=sys.stderr)
+                self.roll_back("no-switch: the rollback endpoint could not start")
+            else:
+                fallback = "the file switch still works" if config.rollback_file else "no switch in this process"
+                print(f"npu-shadow: the rollback endpoint could not start; {fallback}", file=sys.stderr)
 
     def roll_back(self, by: str) -> list[str]:
         """Make legacy the primary of every target, now and in any monitor installed later; returns those that

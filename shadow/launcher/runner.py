@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -122,6 +123,36 @@ def run(command: Sequence[str], options: Mapping[str, str | None], environ: Mapp
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _canary_switch_problem(config: cfg.Config, environ: Mapping[str, str]) -> str | None:
+    """Why a canary asked for an HTTP switch would run without one (its port past 65535 with LOCAL_RANK added,
+    or not free), or None; None also where --rollback-optional says to run it anyway."""
+    if config.primary != "upstream" or config.rollback_port is None or config.rollback_optional:
+        return None
+    rank = environ.get("LOCAL_RANK", "0")
+    port = config.rollback_port + (int(rank) if rank.isascii() and rank.isdigit() else 0)
+    option, optional = cfg.SETTINGS["rollback_port"].option, cfg.SETTINGS["rollback_optional"].option
+    advice = f"a canary does not run without its rollback switch ({optional} runs it anyway)"
+    if port > 65535:
+        return f"{option}={config.rollback_port} plus LOCAL_RANK={rank} is past port 65535: {advice}"
+    if port == 0:
+        return None
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in config.rollback_addr else socket.AF_INET) as probe:
+            probe.bind((config.rollback_addr.strip("[]"), port))
+    except OSError as exc:
+        return f"the rollback endpoint cannot listen on {config.rollback_addr}:{port} ({exc.strerror or exc}): {advice}"
+    return None
+
+
 def _run(
     command: Sequence[str], options: Mapping[str, str | None], environ: Mapping[str, str], mask: set[signal.Signals]
 ) -> int:
@@ -149,6 +180,16 @@ def _run(
         except (torch_npu_source.LegacySourceError, OSError) as exc:
             print(f"npu-shadow run: --legacy-from: {exc}", file=sys.stderr)
             return 2
+    refusal = _canary_switch_problem(config, environ)
+    if refusal:
+        print(f"npu-shadow run: {refusal}", file=sys.stderr)
+        return 2
+    if config.rollback_port is not None and not _loopback(config.rollback_addr):
+        print(
+            f"npu-shadow run: the rollback endpoint will listen on {config.rollback_addr}: other hosts can reach it, "
+            "its token is its only guard",
+            file=sys.stderr,
+        )
     try:
         job_metrics_dir = _directories(config, options)
     except ValueError as exc:
