@@ -218,7 +218,6 @@ def render() -> str:
     return header + yaml.safe_dump(content, sort_keys=False, width=1000)
 
 
-
 #: NpuShadowPromotionEvidence against the verdict: per case, the per-minute growth of each series of one job by
 #: phase and signature (calls, comparisons, divergent comparisons), extra series, and whether the alert fires at
 #: EVAL; tests/test_dashboards.py decides the same counts with the verdict and checks that the alert never fires

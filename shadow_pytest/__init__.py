@@ -54,6 +54,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write each test's outcome (and failure text) to this JSON file (what `npu-shadow ab` compares)",
     )
     group.addoption(
+        "--npu-shadow-resume",
+        action="store_true",
+        help="with --npu-shadow-outcomes: keep the file's outcomes and run only the tests it does not hold "
+        "(how `npu-shadow ab` runs the rest of a world after a test crashed the interpreter)",
+    )
+    group.addoption(
         "--npu-shadow-journal",
         default="npu-shadow-tests.jsonl",
         metavar="PATH",
@@ -101,10 +107,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
     world = UpstreamWorld if config.getoption("npu_shadow_world") == "upstream" else ShadowSession
     config.pluginmanager.register(world(config), "npu-shadow-session")
-    if config.getoption("npu_shadow_outcomes"):
-        from shadow_pytest.session import OutcomeRecorder
+    # (an xdist worker's reports reach the controller, which records them all)
+    if config.getoption("npu_shadow_outcomes") and not hasattr(config, "workerinput"):
+        from shadow_pytest.outcomes import OutcomeRecorder
 
-        config.pluginmanager.register(OutcomeRecorder(config.getoption("npu_shadow_outcomes")), "npu-shadow-outcomes")
+        recorder = OutcomeRecorder(config.getoption("npu_shadow_outcomes"), config.getoption("npu_shadow_resume"))
+        config.pluginmanager.register(recorder, "npu-shadow-outcomes")
 
 
 def pytest_report_header(config: pytest.Config) -> Any:

@@ -6,7 +6,6 @@ import collections
 import dataclasses
 import importlib.metadata
 import importlib.util
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -246,35 +245,6 @@ class ShadowSession:
         self.monitor.uninstall()
         self.journal.close()
         self._undo_legacy()
-
-
-class OutcomeRecorder:
-    """Each test's outcome by node id (``failed`` in its call, ``error`` in setup or teardown, ``skipped``,
-    ``passed``) with the first lines of its failure, written as JSON at the end of the session (by the controller
-    under pytest-xdist, which receives every worker's reports)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.outcomes: dict[str, dict[str, str]] = {}
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        found = self.outcomes.setdefault(report.nodeid, {"outcome": "passed", "text": ""})
-        if report.failed:
-            outcome = "failed" if report.when == "call" else "error"
-        elif report.skipped and found["outcome"] == "passed":
-            outcome = "skipped"
-        else:
-            return
-        if found["outcome"] in ("passed", "skipped"):
-            found["outcome"] = outcome
-            crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
-            lines = report.longreprtext.strip().splitlines() if report.longreprtext else [""]
-            found["text"] = bounded(crash or lines[-1], 300)
-
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if getattr(session.config, "workeroutput", None) is None:  # (an xdist worker's reports reach the controller)
-            with open(self.path, "w") as handle:
-                json.dump(self.outcomes, handle)
 
 
 def _emulate_npu(config: pytest.Config) -> None:

@@ -176,7 +176,6 @@ def test_nested_calls_of_a_guided_target_are_not_counted():
 def test_guided_counts_are_exact_under_threads():
     ops = _Ops()
     with shadow.install([ops.target()], sample_rate=0.01, first_per_signature=10, seed=1) as monitor:
-
         # (all four alive before any call: a thread started while an upstream run is under way counts as that run's
         # own, as DataParallel's workers are)
         ready = threading.Barrier(4)

@@ -679,3 +679,106 @@ def test_6_the_token_never_on_the_command_line_and_an_open_address_is_said(tmp_p
     )  # fmt: skip
     assert from_file.returncode == 0 and "the job ran" in from_file.stdout, from_file.stderr
     assert "will listen on 0.0.0.0: other hosts can reach it" in from_file.stderr
+
+
+# --------------------------------------------------------------------------- 15. npu-shadow ab
+
+AB_SUITE = """
+import os
+import signal
+import time
+
+import torch
+
+
+def test_plain():
+    assert torch.ones(2).type(torch.float16).dtype == torch.float16
+
+
+def test_crashes_only_without_the_patches():
+    if getattr(torch.Tensor.type, "__wrapped__", None) is None:  # the upstream world: no patch, no shadow
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_after_the_crash():
+    assert True
+
+
+def test_waits_for_a_signal():
+    if os.environ.get("AB_MARKER"):
+        open(os.environ["AB_MARKER"], "w").close()
+        time.sleep(120)
+"""
+
+
+def _ab(tmp_path: pathlib.Path, *pytest_args: str, journal: str | None = None, **popen: object) -> list[str]:
+    (tmp_path / "test_suite.py").write_text(AB_SUITE)
+    journal = journal if journal is not None else str(tmp_path / "j.jsonl")
+    return [sys.executable, "-m", "shadow", "ab", "--journal", journal, "--", "-q", "-p", "no:xdist",
+            "--npu-shadow-legacy=reference", *pytest_args]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argument, says",
+    [
+        ("--npu-shadow-world=legacy", "--npu-shadow-world: ab runs the suite in both worlds itself"),
+        ("--npu-shadow-outcomes=x.json", "--npu-shadow-outcomes: ab records"),
+        ("--npu-shadow-journal=other.jsonl", "--npu-shadow-journal: give the journal as ab's own --journal"),
+        ("--co", "--co: a collection runs no test"),
+        ("--collect-only", "--collect-only: a collection runs no test"),
+    ],
+)
+def test_15_ab_refuses_options_that_would_make_its_comparison_empty_or_one_sided(tmp_path, argument, says):
+    done = subprocess.run(_ab(tmp_path, argument), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and says in done.stderr, done.stdout + done.stderr
+    assert "the legacy world" not in done.stderr  # refused before any world ran
+
+
+def test_15_a_symlink_at_the_journal_path_is_refused_before_anything_runs(tmp_path):
+    (tmp_path / "elsewhere").write_text("")
+    (tmp_path / "j.jsonl").symlink_to(tmp_path / "elsewhere")
+    done = subprocess.run(_ab(tmp_path), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "--journal" in done.stderr and "not a regular file" in done.stderr, done.stderr
+    assert (tmp_path / "elsewhere").read_text() == ""
+
+
+def test_15_a_test_that_crashes_the_interpreter_in_one_world_is_the_finding(tmp_path):
+    import json
+
+    command = _ab(tmp_path, "-k", "not waits")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "3 tests, 1 changed their outcome without the patches" in done.stdout, done.stdout
+    assert "test_crashes_only_without_the_patches: legacy world: passed; upstream world: crashed" in done.stdout
+    assert "SIGSEGV" in done.stdout
+    records = [json.loads(line) for line in (tmp_path / "j.jsonl").read_text().splitlines()]
+    ab = {r["test"]: r for r in records if r.get("target") == "suite_ab" and "outcome" in r}
+    assert ab["test_suite.py::test_crashes_only_without_the_patches"]["signature"] == "test/passed->crashed"
+    # the tests after the crash ran in the upstream world too (a fresh pytest for the rest)
+    assert ab["test_suite.py::test_after_the_crash"]["outcome"] == "match"
+    assert ab["test_suite.py::test_plain"]["outcome"] == "match"
+
+
+def test_15_sigterm_to_ab_stops_the_running_pytest_too(tmp_path):
+    import signal
+    import time
+
+    marker = tmp_path / "running"
+    env = {**os.environ, "AB_MARKER": str(marker)}
+    ab = subprocess.Popen(
+        _ab(tmp_path, "-k", "waits"), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120  # (deadline: the world's pytest starts and reaches the test)
+        while not marker.exists() and ab.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the test never started"
+        children = subprocess.run(["pgrep", "-P", str(ab.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 1
+        ab.send_signal(signal.SIGTERM)
+        _, err = ab.communicate(timeout=60)
+    finally:
+        ab.kill()
+    assert ab.returncode == 2 and "stopped by SIGTERM" in err, err
+    assert not os.path.exists(f"/proc/{children[0]}"), "the world's pytest outlived ab"

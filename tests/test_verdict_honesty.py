@@ -288,7 +288,8 @@ def test_2_in_a_canary_the_aa_run_repeats_legacy_not_upstream():
     pair = _Pair(lambda x: x * 2, lambda x: x * 2 + _uniform(1e-3) + 3e-4)
     for primary in ("legacy", "upstream"):
         stats, experiment = _shadow(pair, [torch.ones(1)] * 100, primary=primary)
-        assert stats.mismatch == 100 and stats.noise == 0, primary
+        # (a jitter that cancels the bias to within float32 rounding, about 1 call in 4,000, is a plain match)
+        assert stats.noise == 0 and stats.mismatch == 100 - stats.match and stats.match <= 2, primary
         assert experiment.noise_floor()["call"][3] == 0  # legacy repeated itself bitwise
 
 
@@ -651,9 +652,7 @@ def test_9_a_journal_that_cannot_count_every_comparison_is_refused(tmp_path):
     """Mismatch lines only (no count record, no header saying every outcome is there): the old verdict read 10 of 10
     divergent and said rollback."""
     path = tmp_path / "old.jsonl"
-    path.write_text(
-        "".join(json.dumps(journals.line("mismatch", timestamp=i)) + "\n" for i in range(10))
-    )
+    path.write_text("".join(json.dumps(journals.line("mismatch", timestamp=i)) + "\n" for i in range(10)))
     done = verdict_cli("--journal", str(path))
     assert done.returncode == 2 and "matches are not known" in done.stderr
 

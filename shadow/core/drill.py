@@ -84,4 +84,3 @@ class Drill:
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_iter(tree) if isinstance(leaf, torch.Tensor)]
-

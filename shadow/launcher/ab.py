@@ -12,32 +12,92 @@ text in the detail), so ``npu-shadow verdict`` and ``report`` weigh it with the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from exporters.journal import JsonlExporter
 from shadow.core.observation import Observation, Outcome, bounded
+from shadow_pytest.outcomes import STARTED, recorded_outcomes
 
 TARGET = "suite_ab"
 WORLDS = ("legacy", "upstream")
 
 
+#: Options of the suite's that ab sets itself (each world, its outcomes and the journal) or that would run no test.
+REFUSED_OPTIONS = {
+    "--npu-shadow-world": "ab runs the suite in both worlds itself",
+    "--npu-shadow-outcomes": "ab records each world's outcomes itself",
+    "--npu-shadow-resume": "ab resumes a world itself after a crash",
+    "--npu-shadow-journal": "give the journal as ab's own --journal",
+    "--co": "a collection runs no test, so nothing would be compared",
+    "--collect-only": "a collection runs no test, so nothing would be compared",
+    "--collectonly": "a collection runs no test, so nothing would be compared",
+}
+
+#: A world whose tests crash the interpreter is run again for the rest of its tests at most this many times.
+MAX_CRASHES = 50
+
+#: The outcome of a test that started and never ended: it took the interpreter down.
+CRASHED = "crashed"
+
+
+class Stopped(Exception):
+    """ab itself was interrupted or terminated: the running world's pytest was stopped with it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TestOutcome:
-    outcome: str  # passed, failed, error, skipped
+    outcome: str  # passed, failed, error, skipped, crashed
     text: str = ""  # the failure's message, first lines
 
 
-def _outcomes(path: str) -> dict[str, TestOutcome]:
-    """{test node id: outcome} as the plugin wrote them (``--npu-shadow-outcomes``)."""
-    with open(path) as handle:
-        data = json.load(handle)
-    return {str(test): TestOutcome(str(o.get("outcome", "")), str(o.get("text", ""))) for test, o in data.items()}
+def refused_argument(pytest_args: Sequence[str]) -> str | None:
+    """Why one of the suite's arguments cannot be given to ab (an option ab sets itself, or a collection only), or
+    None."""
+    for arg in pytest_args:
+        if arg == "--":
+            return None
+        option = arg.split("=", 1)[0]
+        if option in REFUSED_OPTIONS:
+            return f"{option}: {REFUSED_OPTIONS[option]}"
+    return None
+
+
+def journal_problem(journal: str) -> str | None:
+    """Why ab cannot write its journal there (the rule of the launcher's --journal), or None."""
+    from shadow.launcher.config import SETTINGS, Invalid
+
+    try:
+        SETTINGS["journal"].parse(journal)
+    except Invalid as exc:
+        return exc.why or "not valid"
+    return None
+
+
+def _outcomes(path: str, exit_code: int) -> dict[str, TestOutcome]:
+    """{test node id: outcome} as the plugin recorded them; a test that started and never ended crashed."""
+    found = {}
+    for test, record in recorded_outcomes(path).items():
+        if record["outcome"] == STARTED:
+            found[test] = TestOutcome(CRASHED, f"the interpreter died in this test ({_exit_text(exit_code)})")
+        else:
+            found[test] = TestOutcome(record["outcome"], record["text"])
+    return found
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {code}"
 
 
 def joined(pytest_args: Sequence[str]) -> list[str]:
@@ -55,14 +115,57 @@ def joined(pytest_args: Sequence[str]) -> list[str]:
     return out
 
 
-def _run(world: str, pytest_args: Sequence[str], journal: str, report: str) -> int:
+def _run(world: str, pytest_args: Sequence[str], journal: str, report: str, resume: bool) -> int:
+    """One world's pytest, to its end; SIGTERM or an interrupt to ab stops it too (raises Stopped)."""
     # (options as one token each: pytest takes a bare value for a path when it looks for the rootdir, and the two
     # worlds must see the same tests by the same ids)
     options = ["--npu-shadow", f"--npu-shadow-journal={journal}", f"--npu-shadow-outcomes={report}"]
-    options += ["-p", "no:cacheprovider", f"--npu-shadow-world={world}"]
+    options += ["-p", "no:cacheprovider", f"--npu-shadow-world={world}"] + ["--npu-shadow-resume"] * resume
     pytest_args = joined(pytest_args)
-    print(f"npu-shadow ab: the {world} world: pytest {' '.join(pytest_args)}", file=sys.stderr, flush=True)
-    return subprocess.run([sys.executable, "-m", "pytest", *options, *pytest_args]).returncode
+    again = " (the rest of its tests, after a crash)" if resume else ""
+    print(f"npu-shadow ab: the {world} world{again}: pytest {' '.join(pytest_args)}", file=sys.stderr, flush=True)
+    child = subprocess.Popen([sys.executable, "-m", "pytest", *options, *pytest_args])
+    stopped: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        stopped.append(signum)
+        child.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        while True:
+            try:
+                code = child.wait()
+                break
+            except KeyboardInterrupt:
+                forward(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if stopped:
+        raise Stopped(f"{signal.Signals(stopped[0]).name}: the {world} world's pytest was stopped (exit {code})")
+    return code
+
+
+def _run_world(world: str, pytest_args: Sequence[str], journal: str, report: str) -> dict[str, TestOutcome] | None:
+    """Each test's outcome in one world, or None when pytest could not run it. A test that crashes the
+    interpreter is a finding (``crashed``): the world goes on with the tests after it, in a fresh pytest."""
+    code = _run(world, pytest_args, journal, report, resume=False)
+    outcomes = _outcomes(report, code) if os.path.exists(report) else {}
+    for _ in range(MAX_CRASHES):
+        crashed = [test for test, outcome in outcomes.items() if outcome.outcome == CRASHED]
+        if code in (0, 1) or not crashed:  # (1: tests failed, which is data here)
+            break
+        print(f"npu-shadow ab: {crashed[-1]} crashed the {world} world ({_exit_text(code)})", file=sys.stderr)
+        code = _run(world, pytest_args, journal, report, resume=True)
+        # (a crash is said with the exit of the pytest it ended; the file holds its ``started`` line still)
+        crashes = {test: outcome for test, outcome in outcomes.items() if outcome.outcome == CRASHED}
+        outcomes = {**_outcomes(report, code), **crashes}
+    if code not in (0, 1) and not any(o.outcome == CRASHED for o in outcomes.values()):
+        print(f"npu-shadow ab: pytest could not run the {world} world ({_exit_text(code)})", file=sys.stderr)
+        return None
+    if code not in (0, 1):
+        print(f"npu-shadow ab: the {world} world crashed {MAX_CRASHES + 1} times; the rest not run", file=sys.stderr)
+    return outcomes
 
 
 def compare_outcomes(legacy: dict[str, TestOutcome], upstream: dict[str, TestOutcome]) -> list[tuple[str, Observation]]:
@@ -90,16 +193,25 @@ def compare_outcomes(legacy: dict[str, TestOutcome], upstream: dict[str, TestOut
 
 
 def main(pytest_args: Sequence[str], journal: str) -> int:
-    """Run the A/B; 0 when no test changes its outcome, 1 when some do, 2 when pytest could not run a world."""
+    """Run the A/B; 0 when no test changes its outcome, 1 when some do (a test that crashes one world's
+    interpreter included), 2 when ab's arguments are refused, pytest could not run a world, or ab was stopped."""
+    refused = refused_argument(pytest_args)
+    problem = journal_problem(journal)
+    if refused is not None or problem is not None:
+        why = refused if refused is not None else f"--journal {journal}: {problem}"
+        print(f"npu-shadow ab: {why}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="npu-shadow-ab-") as scratch:
         outcomes = {}
         for world in WORLDS:
-            report = os.path.join(scratch, f"{world}.json")
-            code = _run(world, pytest_args, journal, report)
-            if code not in (0, 1) or not os.path.exists(report):  # (1: tests failed, which is data here)
-                print(f"npu-shadow ab: pytest could not run the {world} world (exit {code})", file=sys.stderr)
+            try:
+                found = _run_world(world, pytest_args, journal, os.path.join(scratch, f"{world}.jsonl"))
+            except Stopped as exc:
+                print(f"npu-shadow ab: stopped by {exc}; nothing compared", file=sys.stderr)
                 return 2
-            outcomes[world] = _outcomes(report)
+            if found is None:
+                return 2
+            outcomes[world] = found
     compared = compare_outcomes(outcomes["legacy"], outcomes["upstream"])
     where = {"test": "", "phase": "suite A/B"}
     exporter = JsonlExporter(journal, all_outcomes=True, annotate=lambda: where)
