@@ -94,6 +94,7 @@ INVALID = {
     "legacy_from": "/nonexistent/torch_npu-2.12.0.whl",
     "oracle": "sometimes",
     "budget": "0",
+    "deadline": "0",
     "pure_hooks": "sometimes",
     "first_per_signature": "-1",
     "aa_rate": "1.5",
@@ -116,6 +117,9 @@ MORE_INVALID = [
     ("oracle", "1.5"),
     ("budget", "1.5"),
     ("budget", "lots"),
+    ("deadline", "-1"),
+    ("deadline", "inf"),
+    ("deadline", "soon"),
     ("legacy_from", ""),
     ("port", "²"),  # a digit to str.isdigit, not to int()
     ("multiproc_dir", "/etc/passwd/sub"),  # below a file
@@ -230,7 +234,7 @@ def test_fire_drill_gives_rollback_and_leaves_the_job_alone(plain_run, tmp_path)
     _, weights = plain_run
     textfile, out = tmp_path / "metrics.prom", tmp_path / "weights.pt"
     done = npu_shadow(
-        "run", "--sample-rate", "1", "--drill", "value:1.0", "--textfile", str(textfile),
+        "run", "--sample-rate", "1", "--budget", "off", "--drill", "value:1.0", "--textfile", str(textfile),
         "--journal", str(tmp_path / "journal-{pid}.jsonl"),
         "--", sys.executable, EXAMPLE, *JOB, "--out", str(out),
     )  # fmt: skip
@@ -246,7 +250,9 @@ def test_fire_drill_gives_rollback_and_leaves_the_job_alone(plain_run, tmp_path)
     assert lines and all(line["drill"] or line["outcome"] == "match" for line in lines), [
         (line["outcome"], line["reasons"], line["detail"]) for line in lines if not line["drill"]
     ]
-    assert sum(line["drill"] for line in lines) > len(lines) / 2
+    # (the training process's casts change the dtype and take the drill; the DataLoader workers' casts to their own
+    # dtype return their argument, and compare as is)
+    assert sum(line["drill"] for line in lines) >= 4
 
 
 def test_doctor_on_this_cpu_host_and_with_the_emulated_npu():

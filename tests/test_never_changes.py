@@ -273,18 +273,18 @@ def test_a_slow_upstream_costs_one_call_then_the_budget_skips_until_the_job_catc
 
     def slow(x):
         ran.append(x)
-        time.sleep(0.3)
+        time.sleep(0.6)  # (more than the 0.5 s of shadow side a target may save up)
         return x * 2
 
     ops, target = op_with(slow)
     recorder = Recorder()
     with shadow.install([target], sample_rate=1.0, budget=0.1, exporters=[recorder]) as monitor:
-        ops.op(torch.ones(2))  # the one slow call: 0.3 s of shadow side
+        ops.op(torch.ones(2))  # the one slow call: 0.6 s of shadow side
         for _ in range(20):
             ops.op(torch.ones(2))
         monitor.flush()
     stats = monitor.stats()["op"]
-    assert len(ran) == 1  # none of the 20 waited for upstream (0.3 s each): it never ran for them
+    assert len(ran) == 1  # none of the 20 waited for upstream (0.6 s each): it never ran for them
     assert stats.calls == 21 and stats.match == 1 and stats.by_reason == {"budget": 20}
     assert len(recorder.observations) == 1  # skipped calls were not handed to exporters one by one
 

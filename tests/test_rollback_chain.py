@@ -782,3 +782,160 @@ def test_15_sigterm_to_ab_stops_the_running_pytest_too(tmp_path):
         ab.kill()
     assert ab.returncode == 2 and "stopped by SIGTERM" in err, err
     assert not os.path.exists(f"/proc/{children[0]}"), "the world's pytest outlived ab"
+
+
+# --------------------------------------------------------------------------- 13. a deadline and a windowed budget
+
+
+def _op_target(upstream, **options):
+    import types
+
+    from shadow import Target
+
+    def twice(x):
+        return x * 2
+
+    ops = types.SimpleNamespace(op=twice)
+    return ops, Target("op", ops, "op", upstream, **options)
+
+
+def test_13_a_hanging_upstream_is_abandoned_at_its_deadline_and_the_target_stops_shadowing(caplog):
+    import threading
+    import time
+
+    import torch
+
+    import shadow
+
+    release, calls = threading.Event(), []
+
+    def hangs(x):
+        calls.append(x)
+        release.wait()  # (a lock never released: no exception reaches a thread blocked here)
+        return x * 3
+
+    ops, target = _op_target(hangs)
+    try:
+        with shadow.install([target], sample_rate=1.0, deadline=0.3) as monitor:
+            start = time.monotonic()
+            first = ops.op(torch.ones(2))
+            waited = time.monotonic() - start
+            later = [ops.op(torch.ones(2)) for _ in range(5)]
+            stats = monitor.stats()["op"]
+    finally:
+        release.set()
+    assert first.tolist() == [2.0, 2.0] and all(x.tolist() == [2.0, 2.0] for x in later)  # legacy's result
+    assert 0.3 <= waited < 30  # (deadline: the caller waited for its deadline, then went on)
+    assert len(calls) == 1  # the target shadowed no more
+    assert stats.calls == 6 and stats.skipped == 6 and stats.by_reason == {"deadline": 6} and stats.compared == 0
+    assert any("took longer than its deadline (0.3 s)" in r.getMessage() for r in caplog.records)
+
+
+HANGING_JOB = """
+import threading, types
+import torch
+import shadow
+from shadow import Target
+
+ops = types.SimpleNamespace(op=lambda x: x * 2)
+target = Target("op", ops, "op", lambda x: threading.Event().wait() or x)
+with shadow.install([target], sample_rate=1.0, deadline=0.2):
+    print(ops.op(torch.ones(1)).tolist(), flush=True)
+"""
+
+
+def test_13_a_job_whose_upstream_hangs_forever_still_ends():
+    done = subprocess.run([sys.executable, "-c", HANGING_JOB], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip() == "[2.0]", done.stdout + done.stderr
+
+
+def test_13_the_shadow_side_runs_the_same_call_on_its_own_thread():
+    """Thread-local torch state reaches the upstream run's thread (grad mode, inference mode, autocast, intra-op
+    threads, a default device, NumPy's error settings), and what upstream leaves there is still compared."""
+    import numpy as np
+    import torch
+
+    import shadow
+
+    seen = []
+
+    def upstream(x):
+        seen.append((
+            torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"), torch.get_num_threads(), torch.empty(1).device.type,
+            np.geterr()["divide"],
+        ))  # fmt: skip
+        torch.set_num_threads(torch.get_num_threads() + 1)  # (thread-local for OpenMP: seen on that thread)
+        return x * 2
+
+    ops, target = _op_target(upstream)
+    threads = torch.get_num_threads()
+    with shadow.install([target], sample_rate=1.0, deadline=30) as monitor:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), np.errstate(divide="raise"):
+            torch.set_num_threads(max(1, threads - 1))
+            try:
+                with torch.device("meta"):
+                    ops.op(torch.ones(2))
+            finally:
+                torch.set_num_threads(threads)
+        with torch.inference_mode():
+            ops.op(torch.ones(2))
+    assert seen[0] == (False, False, True, torch.bfloat16, max(1, threads - 1), "meta", "raise")
+    assert seen[1][:2] == (False, True)  # (inference mode: no grad)
+    stats = monitor.stats()["op"]
+    assert stats.mismatch == 2 and stats.by_reason == {"state": 2}
+
+
+def test_13_the_budget_holds_over_a_window_after_a_long_idle_time(monkeypatch):
+    """Since install alone, an hour idle banks an hour's share: every call of a burst then compared."""
+    import time
+
+    import torch
+
+    import shadow
+
+    clock = [time.monotonic()]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+
+    def slow(x):
+        time.sleep(0.02)  # (real time: what the shadow side's cost is measured in)
+        return x * 2
+
+    ops, target = _op_target(slow)
+    with shadow.install([target], sample_rate=1.0, budget=0.1) as monitor:
+        clock[0] += 3600  # the job idle for an hour
+        for _ in range(100):  # then 100 calls, 0.05 s of job time each, in 5 s
+            clock[0] += 0.05
+            ops.op(torch.ones(2))
+        stats = monitor.stats()["op"]
+    # over the 5 s: 0.5 s saved up + 0.1 x 5 s, and the call that overran: at most 1.0 s / 0.02 s + 1
+    assert stats.compared <= 51 and stats.by_reason == {"budget": 100 - stats.compared}, stats
+
+
+def test_13_a_slow_signature_function_is_paid_from_the_budget():
+    """Every call of a guided target is classified: a 5 ms signature function on every call was outside the
+    budget. Within it, classifying stops once it alone has used the budget (its calls count as unclassified)."""
+    import time
+
+    import torch
+
+    import shadow
+
+    classified = []
+
+    def signature(args, kwargs):
+        classified.append(1)
+        time.sleep(0.005)
+        return "call"
+
+    ops, target = _op_target(lambda x: x * 2, signature=signature)
+    start = time.monotonic()
+    with shadow.install([target], sample_rate=0.0, budget=0.1, first_per_signature=1) as monitor:
+        for _ in range(400):
+            ops.op(torch.ones(2))
+        calls = monitor.stats()["op"].signature_calls
+    wall = time.monotonic() - start
+    # the signature function's time within the budget over the run: 0.5 s saved up + 0.1 of the wall time, and
+    # the 16 calls a timed one stands for
+    assert len(classified) * 0.005 <= 0.5 + 0.1 * wall + 16 * 0.005 + 0.2, (len(classified), wall)
+    assert calls["unclassified"] == 400 - len(classified) and sum(calls.values()) == 400

@@ -26,7 +26,9 @@ from torch.utils._device import DeviceContext
 from torch.utils._pytree import tree_iter
 
 from shadow.core import compiling, forks, trees
+from shadow.core.budget import DEFAULT_DEADLINE, Budget
 from shadow.core.compare import Comparison, compare, compare_exceptions, with_state
+from shadow.core.deadline import Finished, run_within
 from shadow.core.drill import Drill
 from shadow.core.exporting import call_hook
 from shadow.core.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
@@ -69,8 +71,13 @@ OTHER_SIGNATURE = "other"
 #: functions are nested calls, and they run legacy (only an experiment's own upstream run routes them upstream).
 _LEGACY_AGAIN = object()
 
-#: The signature of a call whose target's signature function raised.
+#: The signature of a call whose target's signature function raised, or that the budget did not classify.
 UNCLASSIFIED_SIGNATURE = "unclassified"
+
+
+class _NotClassified(Exception):
+    """The budget is too deep in debt for a call to be classified."""
+
 
 # Per thread: ``upstream_side``, the experiment whose upstream side this thread runs (upstream, comparison, oracle,
 # exporters); ``in_legacy``, the experiment whose legacy it runs; ``publishing`` while it hands an observation to
@@ -270,6 +277,7 @@ class Experiment:
         first_per_signature: int = 0,
         aa_rate: float = 0.0,
         primary: str = LEGACY,
+        deadline: float | None = DEFAULT_DEADLINE,
     ) -> None:
         self.target = target
         self.drill = drill
@@ -277,13 +285,19 @@ class Experiment:
         # such hooks are compared (the hooks run again on the upstream side) instead of skipped.
         self.pure_hooks = pure_hooks
         self.monitor: Any = None  # the Monitor that installed this experiment (set by it)
-        # The overhead budget: the upstream side's time (upstream, comparison, oracle, exporters) may use at most
-        # this fraction of the wall time since install; sampled calls beyond it are skipped (reason "budget")
-        # without calling exporters, and reported to them in bulk at the next publish or flush.
+        # The overhead budget: the upstream side's time (upstream, comparison, oracle, exporters) and a guided
+        # target's classifying may use at most this fraction of wall time over every 10 s window
+        # (shadow.core.budget); sampled calls beyond it are skipped (reason "budget") without calling exporters,
+        # and reported to them in bulk at the next publish or flush.
         self.budget = budget
-        self._started = time.monotonic()
-        self._spent = 0.0
-        self._budget_skips_unreported = 0
+        self._budget = Budget(budget) if budget is not None else None
+        self._classify_budget = Budget(budget) if budget is not None else None  # (classifying's own share)
+        self._classified = 0
+        # The deadline of one call's shadow side (seconds, None: none): past it the call is skipped (reason
+        # "deadline"), its run abandoned on its own thread, and every later sampled call is skipped too.
+        self.deadline = deadline
+        self.deadline_passed = False
+        self._skips_unreported: collections.Counter[str] = collections.Counter()
         # The single-device oracle: None is off; else every sampled call under autocast and this fraction of
         # the others (targets that describe a single-device call only).
         self.oracle_rate = oracle_rate if target.oracle is not None and target.isolate else None
@@ -347,7 +361,14 @@ class Experiment:
     def _classify(self, args: tuple, kwargs: dict) -> tuple[str, bool]:
         """A guided target's call: its signature, counted, and whether it is one of the first of its signature
         (to be compared whatever the gate says). A signature function that fails classifies as "unclassified"."""
+        budget = self._classify_budget
         try:
+            if budget is not None and not budget.allows():
+                raise _NotClassified  # (classifying alone has used the budget)
+            # (one call in 16 is timed and charged 16 times what it took: the budget sees the signature function)
+            self._classified += 1
+            timed = budget is not None and not self._classified & 15
+            start = time.perf_counter() if timed else 0.0
             with torch._C.DisableTorchFunction():  # (a user's mode or tensor subclass never sees the classifying)
                 raw = self.target.signature(args, kwargs)
             label = self._labels.get(raw)
@@ -355,6 +376,10 @@ class Experiment:
                 label = self._admit(label_text(str(raw), 64))
                 if len(self._labels) < 4 * MAX_SIGNATURES:
                     self._labels[raw] = label
+            if timed:
+                seconds = 16 * (time.perf_counter() - start)
+                budget.charge(seconds)
+                self._charge(seconds)
         except KeyboardInterrupt:
             raise
         except BaseException:  # the user's signature function: its failure is counted, never the job's
@@ -388,11 +413,14 @@ class Experiment:
                 sampled = self.sampler.arrive()
             if not sampled:
                 return self.primary_fn(*args, **kwargs)
-        if self.budget is not None and self._spent > self.budget * (time.monotonic() - self._started):
-            with self._lock:  # over budget: nothing but counting until the job's time catches up
+        passed = "deadline" if self.deadline_passed else None
+        if passed is None and self._budget is not None and not self._budget.allows():
+            passed = "budget"
+        if passed is not None:
+            with self._lock:  # nothing but counting: until the job's time catches up, or for good
                 self._outcomes[Outcome.SKIPPED.value] += 1
-                self._reasons["budget"] += 1
-                self._budget_skips_unreported += 1
+                self._reasons[passed] += 1
+                self._skips_unreported[passed] += 1
             return self._run_legacy(args, kwargs)
         modules = modules_in_call(args, kwargs)
         skip = self._skip_reason(args, kwargs, modules)
@@ -403,7 +431,7 @@ class Experiment:
                 primary=self.primary,
             )  # fmt: skip
             self._publish(skipped)
-            self._spent += time.perf_counter() - start
+            self._charge(time.perf_counter() - start)
             return self._run_legacy(args, kwargs)
         return self._sampled_call(args, kwargs, modules, signature)
 
@@ -513,7 +541,40 @@ class Experiment:
             self._settings_failed(exc)
         finally:
             _local.upstream_side = outer
-            self._spent += time.perf_counter() - started
+            self._charge(time.perf_counter() - started)
+
+    def _charge(self, seconds: float) -> None:
+        if self._budget is not None:
+            self._budget.charge(seconds)
+
+    def _within_deadline(self, side: object, before: TorchGlobals, body: Callable[[], Any]) -> Finished:
+        """``body()`` (a run of the shadow side, as ``side``'s upstream side, from the settings ``before``, which
+        this thread has written already): on a thread of its own within the deadline (:mod:`shadow.core.deadline`),
+        or here where there is none. Past the deadline the run is abandoned and the target stops shadowing
+        (counted, logged). An interrupt the body raised is raised here, as it would be on the caller's thread."""
+        if self.deadline is None:
+            try:
+                return Finished(True, body())
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:
+                return Finished(True, error=exc)
+
+        def start() -> None:
+            _local.upstream_side = side
+            self._put_back(before)  # (on the new thread: its thread-local settings the caller's)
+
+        found = run_within(self.deadline, body, start=start)
+        if isinstance(found.error, KeyboardInterrupt):
+            raise found.error
+        if not found.finished and not self.deadline_passed:
+            self.deadline_passed = True
+            log.warning(
+                "npu-shadow [%s]: the shadow side of a call took longer than its deadline (%g s): the job went on "
+                "with the primary's result, and this target shadows no more (its run is left to end alone)",
+                self.target.name, self.deadline,
+            )  # fmt: skip
+        return found
 
     def _observe(
         self, plan: Plan | BaseException, args: tuple, kwargs: dict, legacy: Run, left_by_legacy: TorchGlobals
@@ -527,6 +588,11 @@ class Experiment:
         if cannot is not None:
             return cannot
         upstream, drilled, left_by_upstream = self._run_upstream(plan, left_by_legacy)
+        if upstream is None:
+            return Observation(
+                self.target.name, Outcome.SKIPPED, ("deadline",), signature=plan.signature, timestamp=now,
+                primary=self.primary, detail=f"the shadow side took longer than its deadline ({self.deadline:g} s)",
+            )  # fmt: skip
         common = {
             "target": self.target.name,
             "primary": self.primary,
@@ -590,7 +656,12 @@ class Experiment:
             try:
                 # (a run of its own: the calls legacy makes of wrapped functions are nested calls, never upstream's)
                 with context, _upstream_run(_LEGACY_AGAIN):
-                    again = self.legacy(*args, **kwargs)
+                    ran = self._within_deadline(_LEGACY_AGAIN, plan.before, lambda: self.legacy(*args, **kwargs))
+                if not ran.finished:
+                    return {"aa_seconds": time.perf_counter() - start}
+                if ran.error is not None:
+                    raise ran.error
+                again = ran.value
             finally:
                 self._put_back(left_by_legacy)
             found = compare(legacy.value, again, tolerance=self.tolerance, exact=True)
@@ -741,36 +812,51 @@ class Experiment:
                 found.pop(name, None)
         return found
 
-    def _run_upstream(self, plan: Plan, left_by_legacy: TorchGlobals) -> tuple[Run, bool, TorchGlobals]:
+    def _run_upstream(self, plan: Plan, left_by_legacy: TorchGlobals) -> tuple[Run | None, bool, TorchGlobals]:
         """Upstream on the plan's arguments, from the torch settings the caller had before the call (legacy's
         start), in the caller's grad mode, isolated where the target asks for it; whether a fire drill corrupted
-        it; and the torch settings it left behind (legacy's are put back before this returns)."""
+        it; and the torch settings it left behind (legacy's are put back before this returns). The run is None
+        where it passed its deadline."""
         context = plan.isolation.upstream_run() if plan.isolation is not None else contextlib.nullcontext()
         drill = self.drill if self.drill is not None and self.drill.fires() else None
         drilled = False
-        value: Any = None
-        error: BaseException | None = None
         autocast = ""
         self._put_back(plan.before)
-        start = time.perf_counter()
-        try:
-            with context, _upstream_run(self):
+        shadow_fn = self.shadow_fn
+
+        left: TorchGlobals | None = None
+
+        def body() -> Any:
+            nonlocal autocast, drilled, left
+            try:
                 autocast = _autocast_state()
                 if drill is not None and drill.kind == "exception":
                     drilled = True
                     drill.before_upstream()
                 args, kwargs = plan.upstream_arguments()
-                value = self.shadow_fn(*args, **kwargs)
+                value = shadow_fn(*args, **kwargs)
                 if drill is not None and drill.kind != "exception":
                     value, drilled = drill.corrupt(value, (args, kwargs))
+                return value
+            finally:
+                left = TorchGlobals()  # (on the thread that ran it: its thread-local settings too)
+
+        start = time.perf_counter()
+        finished = Finished(False)
+        try:
+            with context, _upstream_run(self):
+                finished = self._within_deadline(self, plan.before, body)
         except KeyboardInterrupt:
             raise
-        except BaseException as exc:  # SystemExit, GeneratorExit: upstream's outcome, never the caller's
-            error = exc
+        except BaseException as exc:  # the isolation's own failure: the run's outcome, never the caller's
+            finished = Finished(True, error=exc)
         seconds = time.perf_counter() - start
-        left_by_upstream = TorchGlobals()
+        left_by_upstream = left if left is not None and finished.finished else TorchGlobals()
         self._put_back(left_by_legacy)
-        return Run(value, error, seconds, autocast), drilled, left_by_upstream
+        if not finished.finished:
+            return None, drilled, left_by_upstream
+        # (SystemExit, GeneratorExit: upstream's outcome, never the caller's)
+        return Run(finished.value, finished.error, seconds, autocast), drilled, left_by_upstream
 
     def _evidence(self, plan: Plan, legacy: Run, upstream: Run) -> Evidence:
         """What a repro capture needs: the inputs as upstream received them, both outputs, the module state."""
@@ -809,7 +895,12 @@ class Experiment:
                     call = self.target.oracle(args, kwargs)
                     if call is None:
                         return {}
-                    single = call.run()
+                    ran = self._within_deadline(self, plan.before, call.run)
+                    if not ran.finished:
+                        return {"oracle_seconds": time.perf_counter() - start}
+                    if ran.error is not None:
+                        raise ran.error
+                    single = ran.value
             finally:
                 self._put_back(left_by_legacy)
             with self._lock:
@@ -864,14 +955,14 @@ class Experiment:
                 calls = self.sampler.calls()
                 deltas = {"": calls - self._calls_reported}
                 self._calls_reported = calls
-            skipped, self._budget_skips_unreported = self._budget_skips_unreported, 0
+            skipped, self._skips_unreported = self._skips_unreported, collections.Counter()
         for signature, delta in deltas.items():
             if delta:
                 for exporter in self.exporters:
                     self._call_exporter(exporter, "record_calls", self.target.name, delta, signature)
-        if skipped:
+        for reason, count in skipped.items():
             for exporter in self.exporters:
-                self._call_exporter(exporter, "record_skips", self.target.name, "budget", skipped)
+                self._call_exporter(exporter, "record_skips", self.target.name, reason, count)
 
     def _call_exporter(self, exporter: Any, hook: str, *args: Any) -> bool:
         """Call an exporter hook if it has it; False if it raised (logged at most once a minute)."""
@@ -918,9 +1009,10 @@ class Experiment:
         self._oracle_runs = 0
         self._export_errors = 0
         self._settings_failures = 0
-        self._budget_skips_unreported = 0
+        self._skips_unreported.clear()
         self._noise = NoiseFloor()
-        self._started, self._spent = time.monotonic(), 0.0
+        self._budget = Budget(self.budget) if self.budget is not None else None
+        self._classify_budget = Budget(self.budget) if self.budget is not None else None
         self._calls_reported = 0
         self._signature_calls.clear()
         self._signature_calls_reported.clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import multiprocessing.util
 import sys
 import warnings
@@ -19,6 +20,7 @@ import torch
 from shadow.core import exporting
 from shadow.core import targets as builtin
 from shadow.core import tolerance as tol
+from shadow.core.budget import DEFAULT_DEADLINE
 from shadow.core.drill import Drill
 from shadow.core.engine import Experiment, experiment_of
 from shadow.core.observation import PRIMARY_SIDES, TargetStats
@@ -234,6 +236,7 @@ def install(
     oracle: float | None = 0.1,
     yields: bool = False,
     budget: float | None = None,
+    deadline: float | None = DEFAULT_DEADLINE,
     pure_hooks: bool = False,
     first_per_signature: int = DEFAULT_FIRST_PER_SIGNATURE,
     aa_rate: float = 0.0,
@@ -249,7 +252,11 @@ def install(
     targets, the fraction of sampled calls without autocast that also run replica 0 alone on its device, to find
     divergences legacy and upstream share (sampled calls under autocast always do); None turns it off.
     ``budget``: the fraction of wall time (per target, since install) the upstream side may use; beyond it sampled
-    calls are skipped with reason "budget" (None: no limit). ``pure_hooks``: the user's forward, pre-forward and
+    calls are skipped with reason "budget" (None: no limit); it holds over every 10 s window (``shadow.core.budget``).
+    ``deadline``: the seconds the shadow side of one sampled call may take (its upstream, A/A and oracle runs each
+    on a thread of their own that starts in the caller's torch context); past it the caller goes on with the
+    primary's result, the call is skipped with reason "deadline" and the target stops shadowing (None: no deadline,
+    the runs on the caller's thread). ``pure_hooks``: the user's forward, pre-forward and
     backward hooks on the modules in a call (and the global ones) are free of side effects, so calls that reach
     them are compared, running them again on the upstream side (by default such calls are skipped with reason
     "hooks": what a hook does outside the module cannot be undone). ``first_per_signature``: coverage guidance for
@@ -281,6 +288,10 @@ def install(
         raise ValueError(f"drill: expected a shadow.core.drill.Drill or None, got {drill!r}")
     oracle = None if oracle is None else check_rate(oracle, "oracle")
     budget = None if budget is None else check_rate(budget, "budget", low="(0")
+    if deadline is not None and (
+        isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < math.inf
+    ):
+        raise ValueError(f"deadline: expected seconds > 0 or None, got {deadline!r}")
     if not isinstance(pure_hooks, bool):
         raise ValueError(f"pure_hooks: expected True or False, got {pure_hooks!r}")
     if isinstance(first_per_signature, bool) or not isinstance(first_per_signature, int) or first_per_signature < 0:
@@ -304,6 +315,7 @@ def install(
             first_per_signature,
             aa_rate,
             primary,
+            deadline=deadline,
         )
         for t in resolved
     ]

@@ -64,8 +64,9 @@ MISMATCH_REASONS = (
 #: pre-forward or backward hooks, whose effects the shadow side could not undo; "inplace": legacy wrote a tensor
 #: argument in place (upstream could not start from what legacy started from: arguments are copied after legacy,
 #: never at the cost of legacy's memory); "oom": the shadow side's copies would not fit in the memory free, or
-#: upstream ran out of it; "budget": the shadow side had used its share of the job's wall time.
-SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "inplace", "budget", "comparator")
+#: upstream ran out of it; "budget": the shadow side had used its share of the job's wall time; "deadline": the
+#: shadow side of a call took longer than its deadline (that call), or one did earlier (the target stopped shadowing).
+SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "inplace", "budget", "deadline", "comparator")
 
 #: The built-in targets' names (their Targets are in shadow.core.targets).
 BUILTIN_TARGETS = ("parallel_apply", "data_parallel", "tensor_type")
@@ -81,6 +82,7 @@ SKIP_REASON_MEANING = {
     "hooks": "a module in the call has user hooks the shadow side could not undo (--pure-hooks)",
     "inplace": "legacy wrote a tensor argument in place",
     "budget": "the shadow side had used its share of the job's wall time (--budget)",
+    "deadline": "the shadow side of a call took longer than --deadline: that call, and every later one",
     "comparator": "a fault of npu-shadow's own on the shadow side (logged)",
 }
 

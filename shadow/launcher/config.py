@@ -13,6 +13,7 @@ import re
 import tempfile
 from collections.abc import Callable, Mapping
 
+from shadow.core.budget import DEFAULT_DEADLINE
 from shadow.core.observation import BUILTIN_TARGETS as BUILTINS
 from shadow.core.observation import DRILL_KINDS
 from shadow.core.rates import parse_rate
@@ -69,6 +70,18 @@ def _sample_rate(text: str) -> float | dict[str, float]:
             raise Invalid(f"bad pair {pair!r}")
         table[target.strip()] = rate
     return table
+
+
+def _off_or_seconds(text: str) -> float | None:
+    if text.lower() == "off":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise Invalid() from None
+    if not 0 < seconds < math.inf:
+        raise Invalid("seconds > 0")
+    return seconds
 
 
 def _off_or_rate(low: str) -> Callable[[str], float | None]:
@@ -346,6 +359,13 @@ SETTINGS = {
         "'off', or the fraction in (0, 1] of the job's wall time the shadow side may use per target (default 0.2)",
         _off_or_rate("(0"),
     ),
+    "deadline": Setting(
+        "NPU_SHADOW_DEADLINE",
+        "--deadline",
+        "'off', or the seconds > 0 the shadow side of one sampled call may take before the job goes on without it "
+        "and the target stops shadowing (default 60)",
+        _off_or_seconds,
+    ),
     "pure_hooks": Setting(
         "NPU_SHADOW_PURE_HOOKS",
         "--pure-hooks",
@@ -447,6 +467,7 @@ class Config:
     legacy_from: str | None = None
     oracle: float | None = 0.1
     budget: float | None = 0.2
+    deadline: float | None = DEFAULT_DEADLINE
     pure_hooks: bool = False
     first_per_signature: int = DEFAULT_FIRST_PER_SIGNATURE
     aa_rate: float = 0.05

@@ -144,6 +144,7 @@ class Launcher:
                     drill=drill,
                     oracle=config.oracle,
                     budget=config.budget,
+                    deadline=config.deadline,
                     pure_hooks=config.pure_hooks,
                     first_per_signature=config.first_per_signature,
                     aa_rate=config.aa_rate,
