@@ -353,7 +353,8 @@ def test_6_a_failed_push_never_costs_the_textfile_and_each_failure_is_said(tmp_p
     missing = tmp_path / "missing" / "tf.prom"
     job = "import torch; from shadow.npu import reference; reference.patch_torch(); torch.ones(2).type(torch.float16)"
     done = npu_shadow(
-        "run", "--sample-rate", "1", "--pushgateway", "127.0.0.1:1", "--textfile", str(textfile), "--",
+        "run", "--sample-rate", "1", "--budget", "off", "--pushgateway", "127.0.0.1:1", "--textfile", str(textfile),
+        "--",
         sys.executable, "-c", job,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

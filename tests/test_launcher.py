@@ -224,7 +224,16 @@ print(json.dumps(second.stats()["tensor_type"].match))
 
 def test_torch_npu_imported_late_is_shadowed_once():
     done = npu_shadow(
-        "run", "--sample-rate", "1", "--", sys.executable, "-c", "import json\n" + LATE_IMPORT, FAKE_TORCH_NPU
+        "run",
+        "--sample-rate",
+        "1",
+        "--budget",
+        "off",
+        "--",
+        sys.executable,
+        "-c",
+        "import json\n" + LATE_IMPORT,
+        FAKE_TORCH_NPU,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1"
@@ -295,7 +304,7 @@ def test_example_job_on_two_emulated_npus_shadows_all_three_targets_and_is_uncha
     )  # fmt: skip
     assert plain.returncode == 0, plain.stderr
     done = npu_shadow(
-        "run", "--emulate-npu", "2", *legacy_from, "--sample-rate", "1", "--textfile", str(textfile),
+        "run", "--emulate-npu", "2", *legacy_from, "--sample-rate", "1", "--budget", "off", "--textfile", str(textfile),
         "--", sys.executable, EXAMPLE, *EMULATED_JOB, "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -350,7 +359,7 @@ def test_torchrun_two_ranks_both_shadowed_and_scraped(tmp_path):
     with prometheus(tmp_path, {"rank0": port, "rank1": port + 1}, []) as server:
         job = subprocess.Popen(
             [
-                sys.executable, "-m", "shadow", "run", "--sample-rate", "1", "--port", str(port),
+                sys.executable, "-m", "shadow", "run", "--sample-rate", "1", "--budget", "off", "--port", str(port),
                 "--textfile", str(textfile), "--",
                 sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(free_port()), EXAMPLE, *TORCHRUN_JOB,
@@ -403,7 +412,8 @@ def test_one_endpoint_per_node_aggregates_every_process(tmp_path):
     port = free_port()
     job = subprocess.Popen(
         [
-            sys.executable, "-m", "shadow", "run", "--sample-rate", "1", "--multiproc-dir", str(tmp_path / "node"),
+            sys.executable, "-m", "shadow", "run", "--sample-rate", "1", "--budget", "off",
+            "--multiproc-dir", str(tmp_path / "node"),
             "--port", str(port), "--", sys.executable, EXAMPLE, *JOB, "--linger", "30",
         ],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -461,7 +471,9 @@ def test_emulate_npu_where_torch_npu_is_imported_warns_and_still_shadows():
         "from shadow.launcher import launch\nfrom shadow.npu import emulated\n"
         "print(emulated.installed_devices(), sorted(launch.LAUNCHER.monitor.targets))"
     )
-    done = npu_shadow("run", "--emulate-npu", "2", "--sample-rate", "1", "--", sys.executable, "-c", job)
+    done = npu_shadow(
+        "run", "--emulate-npu", "2", "--sample-rate", "1", "--budget", "off", "--", sys.executable, "-c", job
+    )
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("--emulate-npu ignored: torch_npu is imported") == 1
     assert done.stdout.split("\n")[0] == "0 ['data_parallel', 'parallel_apply', 'tensor_type']"
@@ -526,7 +538,7 @@ def test_each_job_gets_a_fresh_private_folder_inside_the_multiproc_dir(tmp_path)
     for run in (1, 2):
         textfile = tmp_path / f"run{run}.prom"
         done = npu_shadow(
-            "run", "--multiproc-dir", str(base), "--targets", "tensor_type", "--sample-rate", "1",
+            "run", "--multiproc-dir", str(base), "--targets", "tensor_type", "--sample-rate", "1", "--budget", "off",
             "--textfile", str(textfile), "--", sys.executable, "-c", CASTS,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr

@@ -15,7 +15,7 @@ JOB = "import os, time, torch\ntorch.ones(2).type(torch.float64)\nprint(os.getpi
 
 def start(tmp_path):
     return subprocess.Popen(
-        [sys.executable, "-m", "shadow", "run", "--targets", "tensor_type", "--sample-rate", "1",
+        [sys.executable, "-m", "shadow", "run", "--targets", "tensor_type", "--sample-rate", "1", "--budget", "off",
          "--textfile", str(tmp_path / "metrics.prom"), "--", sys.executable, "-c", JOB],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests", "fake_torch_npu")),

@@ -104,7 +104,7 @@ def test_2_a_job_that_imports_shadow_before_torch_is_shadowed(tmp_path):
     from torch_npu_wheels import wheel
 
     done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--sample-rate", "1", "--emulate-npu", "2",
+        [sys.executable, "-m", "shadow", "run", "--sample-rate", "1", "--budget", "off", "--emulate-npu", "2",
          "--legacy-from", wheel("2.12.0"), "--", sys.executable, "-c", IMPORTS_SHADOW_FIRST],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
@@ -275,7 +275,7 @@ def test_7_run_and_doctor_agree_on_a_host_without_torch_npu(tmp_path):
         assert done.returncode == 0, done.stdout + done.stderr
         return done
 
-    bare = npu_shadow("run", "--sample-rate", "1", "--", sys.executable, "-c", CASTS)
+    bare = npu_shadow("run", "--sample-rate", "1", "--budget", "off", "--", sys.executable, "-c", CASTS)
     assert "(no target installed: no active legacy patch in this process)" in bare.stderr
     rehearsal = npu_shadow(
         "run", "--legacy-from", "reference", "--sample-rate", "1", "--budget", "off", "--", sys.executable, "-c", CASTS

@@ -84,16 +84,18 @@ class _NotClassified(Exception):
 # the exporters.
 _local = threading.local()
 
-# The upstream runs under way, by a key of their own: the threads alive when each began, and its experiment. A
-# thread not among them was started by that run (the worker threads of DataParallel's parallel_apply): its calls
-# belong to that run. (A dict's item assignment and ``del`` are atomic and call nothing: no lock, and no point
-# where an interrupt could leave a run behind.)
-_upstream_runs: dict[object, tuple[frozenset[int], Experiment]] = {}
+# The upstream runs under way, by a key of their own: the threads alive when each began, whether it runs on a
+# daemon thread of its own (shadow.core.deadline), and its experiment. A thread not among them was started by that
+# run (the worker threads of DataParallel's parallel_apply), and where the run is on a daemon thread, is a daemon
+# too (a thread is a daemon where the thread that made it is): its calls belong to that run. (A job's threads started
+# meanwhile, the replicas of legacy's own parallel_apply, are not daemons.) (A dict's item assignment and ``del``
+# are atomic and call nothing: no lock, and no point where an interrupt could leave a run behind.)
+_upstream_runs: dict[object, tuple[frozenset[int], bool, Experiment]] = {}
 
 
 @contextlib.contextmanager
-def _upstream_run(experiment: Experiment) -> Iterator[None]:
-    run, key = (frozenset(t.ident for t in threading.enumerate()), experiment), object()
+def _upstream_run(experiment: Experiment, on_daemon: bool) -> Iterator[None]:
+    run, key = (frozenset(t.ident for t in threading.enumerate()), on_daemon, experiment), object()
     try:
         _upstream_runs[key] = run
         yield
@@ -106,8 +108,15 @@ def _upstream_side_of_this_thread() -> Experiment | None:
     side = getattr(_local, "upstream_side", None)
     if side is not None or not _upstream_runs:
         return side
-    ident = threading.get_ident()
-    return next((experiment for alive, experiment in tuple(_upstream_runs.values()) if ident not in alive), None)
+    ident, daemon = threading.get_ident(), threading.current_thread().daemon
+    return next(
+        (
+            experiment
+            for alive, on_daemon, experiment in tuple(_upstream_runs.values())
+            if ident not in alive and (daemon or not on_daemon)
+        ),
+        None,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,7 +407,7 @@ class Experiment:
             # or recursion), by an upstream side (upstream, the oracle, the comparison) on its own thread or on a
             # thread its upstream run started (DataParallel's workers), or by an exporter. Not a call of the
             # job's: not counted, not compared. One rule on every thread: an upstream side's calls of its own
-            # target run upstream (upstream calling itself); every other nested call runs legacy, the world the
+            # target run upstream (upstream calling itself, on its marked thread); every other nested call runs legacy, the world the
             # job has today. So a comparison sees only its own target's difference, and another target's
             # difference is compared, counted and reported by that target, on the calls the job's legacy run makes.
             with self._lock:
@@ -407,7 +416,10 @@ class Experiment:
                 if not first:
                     self.sampler.arrive()
                     self.sampler.uncount()
-            return (self.shadow_fn if side is self and not publishing else self.primary_fn)(*args, **kwargs)
+            # (upstream only on a thread marked as this target's upstream side: a thread told apart by when it
+            # started could be one of the job's, and the job never gets upstream's result by a guess)
+            marked = getattr(_local, "upstream_side", None)
+            return (self.shadow_fn if marked is self and not publishing else self.primary_fn)(*args, **kwargs)
         if not first:
             with self._lock:
                 sampled = self.sampler.arrive()
@@ -655,7 +667,7 @@ class Experiment:
             self._put_back(plan.before)
             try:
                 # (a run of its own: the calls legacy makes of wrapped functions are nested calls, never upstream's)
-                with context, _upstream_run(_LEGACY_AGAIN):
+                with context, _upstream_run(_LEGACY_AGAIN, self.deadline is not None):
                     ran = self._within_deadline(_LEGACY_AGAIN, plan.before, lambda: self.legacy(*args, **kwargs))
                 if not ran.finished:
                     return {"aa_seconds": time.perf_counter() - start}
@@ -844,7 +856,7 @@ class Experiment:
         start = time.perf_counter()
         finished = Finished(False)
         try:
-            with context, _upstream_run(self):
+            with context, _upstream_run(self, self.deadline is not None):
                 finished = self._within_deadline(self, plan.before, body)
         except KeyboardInterrupt:
             raise
