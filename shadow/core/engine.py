@@ -407,9 +407,10 @@ class Experiment:
             # or recursion), by an upstream side (upstream, the oracle, the comparison) on its own thread or on a
             # thread its upstream run started (DataParallel's workers), or by an exporter. Not a call of the
             # job's: not counted, not compared. One rule on every thread: an upstream side's calls of its own
-            # target run upstream (upstream calling itself, on its marked thread); every other nested call runs legacy, the world the
-            # job has today. So a comparison sees only its own target's difference, and another target's
-            # difference is compared, counted and reported by that target, on the calls the job's legacy run makes.
+            # target run upstream (upstream calling itself, on its marked thread); every other nested call runs
+            # legacy, the world the job has today. So a comparison sees only its own target's difference, and
+            # another target's difference is compared, counted and reported by that target, on the calls the job's
+            # legacy run makes.
             with self._lock:
                 if signature is not None:
                     self._signature_calls[signature] -= 1
