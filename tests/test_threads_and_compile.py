@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 
 import shadow
@@ -98,3 +99,40 @@ def test_compiled_code_sees_legacy_alone():
     # eager calls (the 30 of the eager loop, and what dynamo left to run eagerly), all compared.
     assert stats["calls"] >= 30 and stats["sampled"] == stats["calls"]
     assert stats["skipped"] == stats["by_reason"].get("compiling", 0)
+
+
+@pytest.mark.parametrize("deadline", [60, None])
+def test_a_job_thread_started_while_an_upstream_run_is_under_way_is_the_jobs(deadline):
+    """The job's own threads, started one after another (legacy's replicas), call a target: the first thread's
+    call is sampled and its upstream run is slow; the second thread starts meanwhile. It is the job's: its call is
+    counted and compared, and it gets legacy's result, never upstream's (it once was taken for a thread of the
+    first call's upstream run: upstream's result, and not counted)."""
+    import threading
+    import time
+    import types
+
+    started = threading.Event()
+
+    def slow_upstream(x):
+        started.set()
+        time.sleep(0.5)
+        return x * 3
+
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    target = shadow.Target("op", ops, "op", slow_upstream)
+    results = {}
+
+    def job_thread(name):
+        results[name] = ops.op(torch.ones(1)).item()
+
+    with shadow.install([target], sample_rate=1.0, budget=None, deadline=deadline) as monitor:
+        first = threading.Thread(target=job_thread, args=("first",))
+        first.start()
+        assert started.wait(30)  # (deadline: the first call's upstream run is under way)
+        second = threading.Thread(target=job_thread, args=("second",))
+        second.start()
+        first.join()
+        second.join()
+        stats = monitor.stats()["op"]
+    assert results == {"first": 2.0, "second": 2.0}
+    assert stats.calls == 2 and stats.mismatch == 2

@@ -69,8 +69,9 @@ class Finished:
     error: BaseException | None = None
 
 
-def run_within(seconds: float, body: Callable[[], Any], start: Callable[[], None] | None = None) -> Finished:
-    """``body()`` on a new daemon thread started in this thread's torch context, waited for at most ``seconds``.
+def run_within(seconds: float | None, body: Callable[[], Any], start: Callable[[], None] | None = None) -> Finished:
+    """``body()`` on a new daemon thread started in this thread's torch context, waited for at most ``seconds``
+    (None: until it ends).
     ``start`` runs first on that thread (to mark it and write the caller's settings). An exception of the body's is
     its result, never raised here; an interrupt of the caller's (Ctrl-C while waiting) is raised here, the run
     abandoned."""

@@ -84,18 +84,18 @@ class _NotClassified(Exception):
 # the exporters.
 _local = threading.local()
 
-# The upstream runs under way, by a key of their own: the threads alive when each began, whether it runs on a
-# daemon thread of its own (shadow.core.deadline), and its experiment. A thread not among them was started by that
-# run (the worker threads of DataParallel's parallel_apply), and where the run is on a daemon thread, is a daemon
-# too (a thread is a daemon where the thread that made it is): its calls belong to that run. (A job's threads started
-# meanwhile, the replicas of legacy's own parallel_apply, are not daemons.) (A dict's item assignment and ``del``
-# are atomic and call nothing: no lock, and no point where an interrupt could leave a run behind.)
-_upstream_runs: dict[object, tuple[frozenset[int], bool, Experiment]] = {}
+# The upstream runs under way, by a key of their own: the threads alive when each began, and its experiment. Each
+# run is on a daemon thread of its own (shadow.core.deadline), so a thread not among them that is a daemon (a thread
+# is a daemon where the thread that made it is) was started by that run (the worker threads of DataParallel's
+# parallel_apply): its calls belong to that run. The job's threads started meanwhile (the replicas of legacy's own
+# parallel_apply on another thread) are not daemons: they stay the job's. (A dict's item assignment and ``del`` are
+# atomic and call nothing: no lock, and no point where an interrupt could leave a run behind.)
+_upstream_runs: dict[object, tuple[frozenset[int], Experiment]] = {}
 
 
 @contextlib.contextmanager
-def _upstream_run(experiment: Experiment, on_daemon: bool) -> Iterator[None]:
-    run, key = (frozenset(t.ident for t in threading.enumerate()), on_daemon, experiment), object()
+def _upstream_run(experiment: Experiment) -> Iterator[None]:
+    run, key = (frozenset(t.ident for t in threading.enumerate()), experiment), object()
     try:
         _upstream_runs[key] = run
         yield
@@ -108,15 +108,10 @@ def _upstream_side_of_this_thread() -> Experiment | None:
     side = getattr(_local, "upstream_side", None)
     if side is not None or not _upstream_runs:
         return side
-    ident, daemon = threading.get_ident(), threading.current_thread().daemon
-    return next(
-        (
-            experiment
-            for alive, on_daemon, experiment in tuple(_upstream_runs.values())
-            if ident not in alive and (daemon or not on_daemon)
-        ),
-        None,
-    )
+    if not threading.current_thread().daemon:
+        return None
+    ident = threading.get_ident()
+    return next((experiment for alive, experiment in tuple(_upstream_runs.values()) if ident not in alive), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,7 +402,7 @@ class Experiment:
             # or recursion), by an upstream side (upstream, the oracle, the comparison) on its own thread or on a
             # thread its upstream run started (DataParallel's workers), or by an exporter. Not a call of the
             # job's: not counted, not compared. One rule on every thread: an upstream side's calls of its own
-            # target run upstream (upstream calling itself, on its marked thread); every other nested call runs
+            # target run upstream (upstream calling itself); every other nested call runs
             # legacy, the world the job has today. So a comparison sees only its own target's difference, and
             # another target's difference is compared, counted and reported by that target, on the calls the job's
             # legacy run makes.
@@ -417,10 +412,7 @@ class Experiment:
                 if not first:
                     self.sampler.arrive()
                     self.sampler.uncount()
-            # (upstream only on a thread marked as this target's upstream side: a thread told apart by when it
-            # started could be one of the job's, and the job never gets upstream's result by a guess)
-            marked = getattr(_local, "upstream_side", None)
-            return (self.shadow_fn if marked is self and not publishing else self.primary_fn)(*args, **kwargs)
+            return (self.shadow_fn if side is self and not publishing else self.primary_fn)(*args, **kwargs)
         if not first:
             with self._lock:
                 sampled = self.sampler.arrive()
@@ -562,16 +554,10 @@ class Experiment:
 
     def _within_deadline(self, side: object, before: TorchGlobals, body: Callable[[], Any]) -> Finished:
         """``body()`` (a run of the shadow side, as ``side``'s upstream side, from the settings ``before``, which
-        this thread has written already): on a thread of its own within the deadline (:mod:`shadow.core.deadline`),
-        or here where there is none. Past the deadline the run is abandoned and the target stops shadowing
-        (counted, logged). An interrupt the body raised is raised here, as it would be on the caller's thread."""
-        if self.deadline is None:
-            try:
-                return Finished(True, body())
-            except KeyboardInterrupt:
-                raise
-            except BaseException as exc:
-                return Finished(True, error=exc)
+        this thread has written already): on a daemon thread of its own, waited for at most the deadline
+        (:mod:`shadow.core.deadline`; without one, until it ends). Past the deadline the run is abandoned and the
+        target stops shadowing (counted, logged). An interrupt the body raised is raised here, as it would be on the
+        caller's thread."""
 
         def start() -> None:
             _local.upstream_side = side
@@ -668,7 +654,7 @@ class Experiment:
             self._put_back(plan.before)
             try:
                 # (a run of its own: the calls legacy makes of wrapped functions are nested calls, never upstream's)
-                with context, _upstream_run(_LEGACY_AGAIN, self.deadline is not None):
+                with context, _upstream_run(_LEGACY_AGAIN):
                     ran = self._within_deadline(_LEGACY_AGAIN, plan.before, lambda: self.legacy(*args, **kwargs))
                 if not ran.finished:
                     return {"aa_seconds": time.perf_counter() - start}
@@ -857,7 +843,7 @@ class Experiment:
         start = time.perf_counter()
         finished = Finished(False)
         try:
-            with context, _upstream_run(self, self.deadline is not None):
+            with context, _upstream_run(self):
                 finished = self._within_deadline(self, plan.before, body)
         except KeyboardInterrupt:
             raise

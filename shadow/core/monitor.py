@@ -256,7 +256,7 @@ def install(
     ``deadline``: the seconds the shadow side of one sampled call may take (its upstream, A/A and oracle runs each
     on a thread of their own that starts in the caller's torch context); past it the caller goes on with the
     primary's result, the call is skipped with reason "deadline" and the target stops shadowing (None: no deadline,
-    the runs on the caller's thread). ``pure_hooks``: the user's forward, pre-forward and
+    each run waited for until it ends). ``pure_hooks``: the user's forward, pre-forward and
     backward hooks on the modules in a call (and the global ones) are free of side effects, so calls that reach
     them are compared, running them again on the upstream side (by default such calls are skipped with reason
     "hooks": what a hook does outside the module cannot be undone). ``first_per_signature``: coverage guidance for
