@@ -43,3 +43,9 @@ def test_step_benchmark_runs_on_the_emulated_npu_and_reports_every_ratio():
 def test_coverage_benchmark_runs_and_reports_the_ratio():
     out = run_quick("bench_coverage.py")
     assert "guided: " in out and "uniform: " in out and "uniform / guided comparisons = " in out
+
+
+def test_budget_benchmark_runs_and_reports_every_figure():
+    out = run_quick("bench_budget.py")
+    assert "signature function, worst 3 s window: " in out and "compared (goal <= 51)" in out
+    assert "deadline 0.3 s: the caller waited 0.3" in out

@@ -936,6 +936,6 @@ def test_13_a_slow_signature_function_is_paid_from_the_budget():
         calls = monitor.stats()["op"].signature_calls
     wall = time.monotonic() - start  # (deadline: the budget's share is of the wall time it ran)
     # the signature function's time within the budget over the run: 0.5 s saved up + 0.1 of the wall time, and
-    # the 16 calls a timed one stands for
+    # a timed call's cost charged to the calls after it
     assert len(classified) * 0.005 <= 0.5 + 0.1 * wall + 16 * 0.005 + 0.2, (len(classified), wall)
     assert calls["unclassified"] == 400 - len(classified) and sum(calls.values()) == 400

@@ -297,6 +297,7 @@ class Experiment:
         self._budget = Budget(budget) if budget is not None else None
         self._classify_budget = Budget(budget) if budget is not None else None  # (classifying's own share)
         self._classified = 0
+        self._classify_seconds = 0.0  # (what the last timed call of the signature function took)
         # The deadline of one call's shadow side (seconds, None: none): past it the call is skipped (reason
         # "deadline"), its run abandoned on its own thread, and every later sampled call is skipped too.
         self.deadline = deadline
@@ -369,9 +370,10 @@ class Experiment:
         try:
             if budget is not None and not budget.allows():
                 raise _NotClassified  # (classifying alone has used the budget)
-            # (one call in 16 is timed and charged 16 times what it took: the budget sees the signature function)
+            # (one call in 16 is timed, the first among them; every call is charged what the last timed one took:
+            # the budget sees the signature function without a clock read on every call)
             self._classified += 1
-            timed = budget is not None and not self._classified & 15
+            timed = budget is not None and self._classified & 15 == 1
             start = time.perf_counter() if timed else 0.0
             with torch._C.DisableTorchFunction():  # (a user's mode or tensor subclass never sees the classifying)
                 raw = self.target.signature(args, kwargs)
@@ -381,9 +383,10 @@ class Experiment:
                 if len(self._labels) < 4 * MAX_SIGNATURES:
                     self._labels[raw] = label
             if timed:
-                seconds = 16 * (time.perf_counter() - start)
-                budget.charge(seconds)
-                self._charge(seconds)
+                self._classify_seconds = time.perf_counter() - start
+            if budget is not None:
+                budget.charge(self._classify_seconds)
+                self._charge(self._classify_seconds)
         except KeyboardInterrupt:
             raise
         except BaseException:  # the user's signature function: its failure is counted, never the job's
