@@ -499,9 +499,9 @@ def test_12_no_interrupt_at_any_point_leaves_the_caller_on_the_upstream_side():
     import torch
 
     import shadow
-    from shadow.core import engine
+    from shadow.core import sides
 
-    here = os.path.dirname(engine.__file__)
+    here = os.path.dirname(sides.__file__)
     ops = types.SimpleNamespace(op=lambda x: x * 2)
     target = shadow.Target("op", ops, "op", lambda x: x * 3)
 
@@ -540,7 +540,7 @@ def test_12_no_interrupt_at_any_point_leaves_the_caller_on_the_upstream_side():
             calls = monitor.stats()["op"].calls
             assert ops.op(torch.ones(2)).tolist() == [2.0, 2.0], f"interrupted at {where[-1]}: upstream's result after"
             assert monitor.stats()["op"].calls == calls + 1, f"interrupted at {where[-1]}: a call not counted after"
-            assert getattr(engine._local, "upstream_side", None) is None and not engine._upstream_runs, where[-1]
+            assert getattr(sides.marks, "upstream_side", None) is None and not sides.upstream_runs, where[-1]
     assert k > 100  # (every point of a sampled call was tried)
 
 

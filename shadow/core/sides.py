@@ -1,0 +1,52 @@
+"""Which side of which experiment a thread is running: the marks the call path reads to tell a job's own call
+from a nested one.
+
+Per thread (``marks``): ``upstream_side``, the experiment whose upstream side this thread runs (upstream, the
+comparison, the oracle, the exporters); ``in_legacy``, the experiment whose legacy it runs; ``publishing`` while it
+hands an observation to the exporters.
+
+Each upstream run is on a daemon thread of its own (:mod:`shadow.core.deadline`), and the threads it starts
+(DataParallel's workers in upstream's ``parallel_apply``) are daemons too (a thread is a daemon where the thread
+that made it is). So the runs under way are kept with the threads alive when each began: a daemon thread not among
+those was started by that run, and its calls belong to it. The job's threads started meanwhile (the replicas of
+legacy's own ``parallel_apply`` on another thread) are not daemons: they stay the job's. (A dict's item assignment
+and ``del`` are atomic and call nothing: no lock, and no point where an interrupt could leave a run behind.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+marks = threading.local()
+
+#: The upstream runs under way, by a key of their own: the threads alive when each began, and its experiment.
+upstream_runs: dict[object, tuple[frozenset[int], Any]] = {}
+
+#: Registered as the "upstream side" while legacy runs again for the noise floor: the calls it makes of wrapped
+#: functions are nested calls, and they run legacy (only an experiment's own upstream run routes them upstream).
+LEGACY_AGAIN = object()
+
+
+@contextlib.contextmanager
+def upstream_run(experiment: Any) -> Iterator[None]:
+    """While the body runs, the daemon threads started meanwhile are ``experiment``'s upstream side."""
+    run, key = (frozenset(t.ident for t in threading.enumerate()), experiment), object()
+    try:
+        upstream_runs[key] = run
+        yield
+    finally:
+        del upstream_runs[key]
+
+
+def upstream_side_of_this_thread() -> Any | None:
+    """The experiment whose upstream side this thread is part of: running it, or started by its upstream run."""
+    side = getattr(marks, "upstream_side", None)
+    if side is not None or not upstream_runs:
+        return side
+    if not threading.current_thread().daemon:
+        return None
+    ident = threading.get_ident()
+    return next((experiment for alive, experiment in tuple(upstream_runs.values()) if ident not in alive), None)

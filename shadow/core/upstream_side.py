@@ -1,0 +1,499 @@
+"""The upstream side of one sampled call: everything that runs after legacy, in a room of its own.
+
+An :class:`UpstreamSide` is made for each sampled call before legacy runs (its :class:`Plan`: the isolation, the
+signature, the settings legacy starts from, whether the oracle and the A/A run join in). Once legacy has run,
+:meth:`UpstreamSide.observe` runs the shadow side the way legacy ran (on a thread of its own, within the deadline,
+isolated), the A/A run and the single-device oracle where the plan asks for them, compares, and returns the
+:class:`Observation`. It never publishes and never counts calls: the experiment that made it does
+(:mod:`shadow.core.engine`), and it catches whatever this room raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.utils._pytree import tree_iter
+
+from shadow.core import trees
+from shadow.core.compare import Comparison, compare, compare_exceptions, with_state
+from shadow.core.deadline import Finished, run_within
+from shadow.core.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
+from shadow.core.isolation import ArgumentsChanged, Isolation, detach_tensors, find_modules
+from shadow.core.noise import NoiseFloor
+from shadow.core.observation import (
+    DIVERGENT_OUTCOMES,
+    SHARED_DIVERGENCE_REASONS,
+    UPSTREAM,
+    Evidence,
+    Observation,
+    Outcome,
+    bounded,
+    label_text,
+)
+from shadow.core.sides import LEGACY_AGAIN, marks, upstream_run
+from shadow.core.targets import Target
+from shadow.core.tolerance import ToleranceSpec
+
+_PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
+
+
+def is_hooked_subclass(leaf: Any) -> bool:
+    """A tensor subclass with its own __torch_function__ or __torch_dispatch__ (nn.Parameter has neither)."""
+    cls = type(leaf)
+    if cls is torch.Tensor or not isinstance(leaf, torch.Tensor):
+        return False
+    function = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+    return function not in _PLAIN_TORCH_FUNCTION or cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
+
+
+def _free_after_oom() -> None:
+    with contextlib.suppress(Exception):
+        if torch.accelerator.current_accelerator() is not None:
+            torch.accelerator.empty_cache()
+
+
+def _current_device() -> str | None:
+    """The accelerator's current device ("npu:1"), or None without an accelerator."""
+    accelerator = torch.accelerator.current_accelerator()
+    return None if accelerator is None else f"{accelerator.type}:{torch.accelerator.current_device_index()}"
+
+
+def autocast_state() -> str:
+    """The autocast state of the CPU and the accelerator, as text (``cpu=off, npu=on/float16``)."""
+    accelerator = torch.accelerator.current_accelerator()
+    device_types = ["cpu"] + ([accelerator.type] if accelerator is not None else [])
+
+    def state(device_type: str) -> str:
+        if not torch.is_autocast_enabled(device_type):
+            return "off"
+        return "on/" + str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+
+    return ", ".join(f"{t}={state(t)}" for t in device_types)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One side's run of a call: what it returned or raised, how long it took, the autocast state it ran under."""
+
+    value: Any = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+    autocast: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the upstream side of one sampled call needs, taken before legacy runs: the isolation (None for
+    targets that are not isolated; it copies the arguments after legacy), the arguments of a target that is not
+    isolated (the caller's own, with new leaves for those that require grad), the call's signature, the autocast
+    state and torch settings legacy starts from, and whether the single-device oracle runs too."""
+
+    isolation: Isolation | None
+    args: tuple | None
+    kwargs: dict | None
+    signature: str
+    autocast: str
+    oracle: bool
+    before: TorchGlobals
+    aa: bool = False  # legacy runs a second time (the noise floor's A/A run)
+    modules_loaded: int = dataclasses.field(default_factory=lambda: len(sys.modules))
+
+    @property
+    def isolation_runs(self) -> int:
+        """Isolated runs after legacy: upstream's, then the oracle's and the A/A run's where they run."""
+        return 1 + self.oracle + self.aa
+
+    def upstream_arguments(self) -> tuple[tuple, dict]:
+        """What upstream receives: the isolation's copies (once taken), or the arguments above."""
+        return self.isolation.arguments(0) if self.isolation is not None else (self.args, self.kwargs)
+
+
+class Experiment(Protocol):
+    """What the room reads of the experiment that made it (:class:`shadow.core.engine.Experiment`)."""
+
+    target: Target
+    tolerance: ToleranceSpec
+    legacy: Callable
+    legacy_origin: str
+    shadow_fn: Callable
+    primary: str
+    drill: Any
+    deadline: float | None
+    oracle_rate: float | None
+    oracle_random: random.Random
+    aa_rate: float
+    aa_random: random.Random
+    noise: NoiseFloor
+
+    def admit(self, signature: str) -> str: ...
+    def put_back(self, settings: TorchGlobals) -> None: ...
+    def log_limited(self, kind: str, message: str, *args: Any) -> None: ...
+    def count_oracle_run(self) -> None: ...
+    def deadline_missed(self) -> None: ...
+
+
+class UpstreamSide:
+    """The upstream side of one sampled call of ``experiment``'s target: planned before legacy runs
+    (:meth:`plan`), observed after it (:meth:`observe`)."""
+
+    def __init__(self, experiment: Experiment, plan: Plan | BaseException) -> None:
+        self.experiment = experiment
+        #: The plan, or the exception taking it raised (the call is then skipped as this tool's fault).
+        self.plan = plan
+
+    @classmethod
+    def plan_call(
+        cls, experiment: Experiment, args: tuple, kwargs: dict, modules: list[torch.nn.Module], signature: str | None
+    ) -> UpstreamSide:
+        """What the upstream run (and the oracle's, the A/A run's) needs, taken before legacy runs."""
+        try:
+            target = experiment.target
+            before = TorchGlobals()
+            autocast = autocast_state()
+            oracle = experiment.oracle_rate is not None and (
+                "=on/" in autocast or experiment.oracle_random.random() < experiment.oracle_rate
+            )
+            aa = experiment.aa_rate > 0 and experiment.aa_random.random() < experiment.aa_rate
+            if target.isolate:
+                isolation = Isolation(args, kwargs, modules, runs=1 + oracle + aa)
+                up_args, up_kwargs = None, None
+            else:
+                isolation, (up_args, up_kwargs) = None, detach_tensors((args, kwargs))
+            if signature is None:  # (a guided target's call comes classified)
+                raw = target.signature(args, kwargs) if target.signature else "call"
+                signature = experiment.admit(label_text(str(raw), 64))
+            return cls(experiment, Plan(isolation, up_args, up_kwargs, signature, autocast, oracle, before, aa))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            return cls(experiment, exc)
+
+    # ------------------------------------------------------------------ observing
+
+    def observe(self, args: tuple, kwargs: dict, legacy: Run, left_by_legacy: TorchGlobals) -> Observation:
+        """Run upstream the way legacy ran and compare the two runs: their results (or exceptions) and the torch
+        settings each left behind (``legacy`` and ``left_by_legacy`` are the primary's run: upstream's in a
+        canary)."""
+        experiment, plan = self.experiment, self.plan
+        now = time.time()
+        if isinstance(plan, BaseException):
+            return self._skipped(plan, timestamp=now)
+        cannot = self._cannot_run_upstream(plan, legacy, now)
+        if cannot is not None:
+            return cannot
+        upstream, drilled, left_by_upstream = self._run_upstream(plan, left_by_legacy)
+        if upstream is None:
+            return Observation(
+                experiment.target.name, Outcome.SKIPPED, ("deadline",), signature=plan.signature, timestamp=now,
+                primary=experiment.primary,
+                detail=f"the shadow side took longer than its deadline ({experiment.deadline:g} s)",
+            )  # fmt: skip
+        common = {
+            "target": experiment.target.name,
+            "primary": experiment.primary,
+            "legacy": experiment.legacy_origin,
+            "signature": plan.signature,
+            "legacy_seconds": legacy.seconds,
+            "upstream_seconds": upstream.seconds,
+            "drill": drilled,
+            "timestamp": now,
+        }
+        if upstream.error is not None and legacy.error is None and _is_oom(upstream.error):
+            del upstream  # its error's traceback holds upstream's tensors
+            _free_after_oom()
+            return Observation(outcome=Outcome.SKIPPED, reasons=("oom",), **common)
+        returned = legacy.error is None and upstream.error is None
+        runs, left = (legacy, upstream), (left_by_legacy, left_by_upstream)
+        if experiment.primary == UPSTREAM:
+            runs, left = runs[::-1], left[::-1]
+        aa = self._aa_run(plan, runs[0], left_by_legacy) if plan.aa and returned else {}
+        start = time.perf_counter()
+        found = self._compare_runs(plan, args, kwargs, *runs)
+        found = with_state(found, self._state_differences(plan, *left))
+        found, noise_test = self._within_noise(plan.signature, found)
+        compare_seconds = time.perf_counter() - start
+        shared = {}
+        if plan.oracle and returned and found.outcome in (Outcome.MATCH, Outcome.CLOSE):
+            shared = self._single_device(plan, legacy.value, left_by_legacy)
+        evidence = None
+        if found.outcome in DIVERGENT_OUTCOMES:
+            evidence = self._evidence(plan, *runs)
+        return Observation(
+            outcome=found.outcome,
+            reasons=found.reasons,
+            max_abs_error=found.max_abs_error,
+            max_rel_error=found.max_rel_error,
+            mismatched=found.mismatched,
+            numel=found.numel,
+            compare_seconds=compare_seconds,
+            detail=found.detail,
+            noise_test=noise_test,
+            evidence=evidence,
+            **shared,
+            **aa,
+            **common,
+        )
+
+    def _cannot_run_upstream(self, plan: Plan, legacy: Run, now: float) -> Observation | None:
+        """The skip observation of a call whose upstream run would not be faithful, seen once legacy ran: legacy
+        returned a tensor subclass with hooks (comparing it would run its code), wrote an argument in place, or the
+        argument copies would not fit. None when upstream can run (the isolation's copies are then taken)."""
+        experiment = self.experiment
+        if legacy.error is None and any(map(is_hooked_subclass, tree_iter(legacy.value))):
+            return Observation(
+                experiment.target.name, Outcome.SKIPPED, ("mode",), signature=plan.signature, timestamp=now,
+                primary=experiment.primary,
+            )  # fmt: skip
+        if plan.isolation is None:
+            return None
+        try:
+            plan.isolation.take_arguments()
+        except ArgumentsChanged as exc:
+            return Observation(
+                experiment.target.name, Outcome.SKIPPED, ("inplace",), signature=plan.signature, detail=str(exc),
+                timestamp=now, primary=experiment.primary,
+            )  # fmt: skip
+        except MemoryError as exc:
+            return self._skipped(exc, timestamp=now)
+        return None
+
+    def _skipped(self, failure: BaseException, timestamp: float) -> Observation:
+        """The observation of a call whose plan failed: out of memory, or a fault of this tool."""
+        reason = "oom" if _is_oom(failure) else "comparator"
+        if reason == "oom":
+            _free_after_oom()
+        return Observation(
+            self.experiment.target.name, Outcome.SKIPPED, (reason,), detail=bounded(repr(failure)),
+            timestamp=timestamp, signature="", primary=self.experiment.primary,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ the runs after legacy
+
+    def _within_deadline(self, side: object, before: TorchGlobals, body: Callable[[], Any]) -> Finished:
+        """``body()`` (a run of the shadow side, as ``side``'s upstream side, from the settings ``before``, which
+        this thread has written already): on a daemon thread of its own, waited for at most the deadline
+        (:mod:`shadow.core.deadline`; without one, until it ends). Past the deadline the run is abandoned and the
+        target stops shadowing (:meth:`Experiment.deadline_missed`). An interrupt the body raised is raised here, as
+        it would be on the caller's thread."""
+        experiment = self.experiment
+
+        def start() -> None:
+            marks.upstream_side = side
+            experiment.put_back(before)  # (on the new thread: its thread-local settings the caller's)
+
+        found = run_within(experiment.deadline, body, start=start)
+        if isinstance(found.error, KeyboardInterrupt):
+            raise found.error
+        if not found.finished:
+            experiment.deadline_missed()
+        return found
+
+    def _run_upstream(self, plan: Plan, left_by_legacy: TorchGlobals) -> tuple[Run | None, bool, TorchGlobals]:
+        """Upstream on the plan's arguments, from the torch settings the caller had before the call (legacy's
+        start), in the caller's grad mode, isolated where the target asks for it; whether a fire drill corrupted
+        it; and the torch settings it left behind (legacy's are put back before this returns). The run is None
+        where it passed its deadline."""
+        experiment = self.experiment
+        context = plan.isolation.upstream_run() if plan.isolation is not None else contextlib.nullcontext()
+        drill = experiment.drill if experiment.drill is not None and experiment.drill.fires() else None
+        drilled = False
+        autocast = ""
+        experiment.put_back(plan.before)
+        shadow_fn = experiment.shadow_fn
+
+        left: TorchGlobals | None = None
+
+        def body() -> Any:
+            nonlocal autocast, drilled, left
+            try:
+                autocast = autocast_state()
+                if drill is not None and drill.kind == "exception":
+                    drilled = True
+                    drill.before_upstream()
+                args, kwargs = plan.upstream_arguments()
+                value = shadow_fn(*args, **kwargs)
+                if drill is not None and drill.kind != "exception":
+                    value, drilled = drill.corrupt(value, (args, kwargs))
+                return value
+            finally:
+                left = TorchGlobals()  # (on the thread that ran it: its thread-local settings too)
+
+        start = time.perf_counter()
+        finished = Finished(False)
+        try:
+            with context, upstream_run(experiment):
+                finished = self._within_deadline(experiment, plan.before, body)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the isolation's own failure: the run's outcome, never the caller's
+            finished = Finished(True, error=exc)
+        seconds = time.perf_counter() - start
+        left_by_upstream = left if left is not None and finished.finished else TorchGlobals()
+        experiment.put_back(left_by_legacy)
+        if not finished.finished:
+            return None, drilled, left_by_upstream
+        # (SystemExit, GeneratorExit: upstream's outcome, never the caller's)
+        return Run(finished.value, finished.error, seconds, autocast), drilled, left_by_upstream
+
+    def _aa_run(self, plan: Plan, legacy: Run, left_by_legacy: TorchGlobals) -> dict[str, Any]:
+        """Legacy once more (legacy, whatever the primary: the noise floor is the reference's own variation), from
+        the same start and as isolated as the shadow run, compared with legacy's result (``legacy``): the
+        Observation fields of the A/A run, its errors added to the noise floor."""
+        experiment = self.experiment
+        start = time.perf_counter()
+        try:
+            if plan.isolation is not None:
+                args, kwargs = plan.isolation.arguments(plan.isolation_runs - 1)
+                context = plan.isolation.upstream_run(plan.isolation_runs - 1)
+            else:
+                args, kwargs = plan.upstream_arguments()
+                context = contextlib.nullcontext()
+            experiment.put_back(plan.before)
+            try:
+                # (a run of its own: the calls legacy makes of wrapped functions are nested calls, never upstream's)
+                with context, upstream_run(LEGACY_AGAIN):
+                    ran = self._within_deadline(LEGACY_AGAIN, plan.before, lambda: experiment.legacy(*args, **kwargs))
+                if not ran.finished:
+                    return {"aa_seconds": time.perf_counter() - start}
+                if ran.error is not None:
+                    raise ran.error
+                again = ran.value
+            finally:
+                experiment.put_back(left_by_legacy)
+            found = compare(legacy.value, again, tolerance=experiment.tolerance, exact=True)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # legacy raising the second time is noise of a kind we do not measure
+            experiment.log_limited("aa", "A/A run failed: %r", exc)
+            return {"aa_seconds": time.perf_counter() - start}
+        differs = found.outcome != Outcome.MATCH
+        abs_error = found.max_abs_error if differs else 0.0
+        rel_error = found.max_rel_error if differs else 0.0
+        experiment.noise.add_aa(plan.signature, found.leaf_errors, rel_error, differs)
+        seconds = time.perf_counter() - start
+        return {"aa": True, "aa_abs_error": abs_error, "aa_rel_error": rel_error, "aa_seconds": seconds}
+
+    def _single_device(self, plan: Plan, legacy_result: Any, left_by_legacy: TorchGlobals) -> dict[str, Any]:
+        """Run the call's replica 0 on its own device, isolated and from the same settings as the upstream run,
+        and compare legacy's replica-0 output with it: the Observation fields of a shared divergence (none if
+        they agree)."""
+        experiment = self.experiment
+        start = time.perf_counter()
+        try:
+            args, kwargs = plan.isolation.arguments(1)
+            experiment.put_back(plan.before)
+            try:
+                with plan.isolation.upstream_run(1):
+                    call = experiment.target.oracle(args, kwargs)
+                    if call is None:
+                        return {}
+                    ran = self._within_deadline(experiment, plan.before, call.run)
+                    if not ran.finished:
+                        return {"oracle_seconds": time.perf_counter() - start}
+                    if ran.error is not None:
+                        raise ran.error
+                    single = ran.value
+            finally:
+                experiment.put_back(left_by_legacy)
+            experiment.count_oracle_run()
+            found = compare(call.legacy_part(legacy_result, single), single, tolerance=experiment.tolerance)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the oracle is ours: its failure loses only the oracle's finding
+            experiment.log_limited("oracle", "single-device oracle failed: %r", exc)
+            return {"oracle_seconds": time.perf_counter() - start}
+        seconds = time.perf_counter() - start
+        if found.outcome != Outcome.MISMATCH:
+            return {"oracle_seconds": seconds}
+        reason = next((r for r in found.reasons if r in SHARED_DIVERGENCE_REASONS), "value")
+        return {
+            "shared_divergence": reason,
+            "shared_detail": bounded(f"legacy and upstream agree; replica 0 alone on its device: {found.detail}"),
+            "oracle_seconds": seconds,
+        }
+
+    # ------------------------------------------------------------------ comparing
+
+    def _compare_runs(self, plan: Plan, args: tuple, kwargs: dict, legacy: Run, upstream: Run) -> Comparison:
+        """Legacy's result against upstream's (with both runs' autocast state where they mismatch), or the one rule
+        for exceptions where either raised."""
+        if legacy.error is not None or upstream.error is not None:
+            return compare_exceptions(legacy.error, upstream.error)
+        target = self.experiment.target
+        found = compare(
+            legacy.value,
+            upstream.value,
+            tolerance=self.experiment.tolerance,
+            exact=target.exact,
+            legacy_inputs=(args, kwargs),
+            upstream_inputs=plan.upstream_arguments(),
+        )
+        if found.outcome == Outcome.MISMATCH:
+            autocast = f"autocast legacy: {plan.autocast}; upstream: {upstream.autocast}"
+            found = dataclasses.replace(found, detail=bounded(f"{found.detail} | {autocast}"))
+        return found
+
+    @staticmethod
+    def _state_differences(plan: Plan, first: TorchGlobals, second: TorchGlobals) -> dict[str, tuple[Any, Any]]:
+        """The settings the two runs left differently, less those a module's first import writes (warning
+        filters) where the first run imported modules: the second, started from the state before it, finds them
+        imported and cannot write them again."""
+        found = first.differences(second)
+        if len(sys.modules) != plan.modules_loaded:
+            for name in IMPORT_TIME_SETTINGS:
+                found.pop(name, None)
+        return found
+
+    def _within_noise(self, signature: str, found: Comparison) -> tuple[Comparison, str]:
+        """(the comparison, the noise test as text): a value mismatch (nothing else) is reported as noise while
+        the noise floor says legacy differs from itself as much (:mod:`shadow.core.noise`). Anything beyond it, or
+        of another kind, stays a mismatch. Every value comparison's errors join the A/B sample."""
+        experiment = self.experiment
+        if not experiment.aa_rate:  # (no A/A runs: no floor, nothing is noise, and no sample is kept)
+            return found, ""
+        noise_floor = experiment.noise
+        if found.outcome in (Outcome.MATCH, Outcome.CLOSE) or set(found.reasons) == {"value"}:
+            noise_floor.add_ab(signature, found.leaf_errors)
+        if found.outcome != Outcome.MISMATCH or set(found.reasons) != {"value"}:
+            return found, ""
+        noise, test = noise_floor.judge(signature, found.leaf_errors)
+        if not noise:
+            return found, test
+        detail = bounded(f"within the noise floor ({test}): {found.detail}")
+        return dataclasses.replace(found, outcome=Outcome.NOISE, reasons=(), detail=detail), test
+
+    def _evidence(self, plan: Plan, legacy: Run, upstream: Run) -> Evidence:
+        """What a repro capture needs: the inputs as upstream received them, both outputs, the module state."""
+        experiment = self.experiment
+        args, kwargs = plan.upstream_arguments()
+        modules = find_modules((args, kwargs))
+        with torch._C.DisableTorchFunction():  # (no subclass sees the detach)
+            upstream_value = trees.map_only(torch.Tensor, torch.Tensor.detach, upstream.value)
+        try:
+            module_state = modules[0].state_dict() if modules else None
+        except Exception as exc:  # the user's state_dict: its failure loses the state, never the observation
+            experiment.log_limited("state_dict", "module state for the capture failed: %r", exc)
+            module_state = None
+        return Evidence(
+            args,
+            kwargs,
+            legacy=legacy.error or legacy.value,
+            # (detached: the evidence never keeps upstream's autograd graph alive)
+            upstream=upstream.error or upstream_value,
+            module_state=module_state,
+            legacy_fn=experiment.legacy,
+            upstream_fn=experiment.target.upstream,
+            exact=experiment.target.exact,
+            device=_current_device(),
+        )
