@@ -4,6 +4,7 @@ coverage-guided sampling weighted by each signature's share of calls, clustered 
 from __future__ import annotations
 
 import fnmatch
+import random
 import threading
 import types
 
@@ -86,18 +87,56 @@ class _Ops:
 
 
 def test_the_first_calls_of_every_signature_are_compared_whatever_the_rate():
-    """At rate 0 nothing would ever be compared; guided, the first calls of each signature are, a rare one (0.1% of
-    the calls) included, and every call is counted under its signature."""
+    """At rate 0 nothing would ever be compared; guided, the first calls of each signature are, a rare one (1% of
+    the calls) included. Every call is classified until each signature seen has had its first calls, then one in
+    CLASSIFY_ONE_IN; the total is exact, each signature's count an estimate that adds up to it."""
+    from shadow.core.coverage import CLASSIFY_ONE_IN
+
     ops = _Ops()
     x = torch.ones(3)
-    kinds = ["common"] * 999 + ["rare"]
-    with shadow.install([ops.target()], sample_rate=0.0, first_per_signature=5) as monitor:
-        for kind in kinds * 3:
+    kinds = ["common"] * 99 + ["rare"]
+    with shadow.install([ops.target()], sample_rate=0.0, first_per_signature=5, seed=0) as monitor:
+        for kind in kinds * 100:
             assert torch.equal(ops.op(x, kind), x * 2)
         stats = monitor.stats()["op"]
-    assert dict(stats.signature_calls) == {"common": 2997, "rare": 3}
-    assert stats.calls == 3000 and stats.compared == 5 + 3 and stats.match == 8
-    assert ops.classified == 3000  # every call once: a compared call is not classified again
+    assert stats.calls == 10_000 and sum(stats.signature_calls.values()) == 10_000
+    assert set(stats.signature_calls) == {"common", "rare"}
+    assert stats.compared == 5 + 5 and stats.match == 10
+    # every call from the rare signature's discovery to its fifth call (500 calls), about one in CLASSIFY_ONE_IN
+    # of the others
+    assert ops.classified < 5 + 5 * 100 + 2 * 10_000 / CLASSIFY_ONE_IN
+
+
+def _estimate_sd(calls: int, share: float) -> float:
+    """The standard deviation of a signature's estimated calls: systematic sampling with geometric gaps of mean
+    CLASSIFY_ONE_IN, each classified call counting its gap (n p (1 - p) E[g^2] / E[g])."""
+    from shadow.core.coverage import CLASSIFY_ONE_IN
+
+    q = 1 / CLASSIFY_ONE_IN
+    mean_gap, mean_square_gap = 1 / q, (2 - q) / q**2  # (a geometric gap on {1, 2, ...})
+    return (calls * share * (1 - share) * mean_square_gap / mean_gap) ** 0.5
+
+
+def test_sampled_classification_estimates_each_signatures_calls_without_bias():
+    """Once the first calls are done, a call that ends a gate counts the gate's calls under its signature: the
+    estimate of a signature of share p is within 4 standard deviations of its true count, the variance computed
+    here for geometric gaps (systematic sampling: n p (1 - p) E[g^2] / E[g])."""
+    from shadow.core.coverage import CLASSIFY_ONE_IN
+
+    ops = _Ops()
+    draw = random.Random(7)
+    n, share = 100_000, 0.1
+    kinds = ["rare" if draw.random() < share else "common" for _ in range(n)]
+    x = torch.ones(1)
+    with shadow.install([ops.target()], sample_rate=0.0, first_per_signature=1, seed=3) as monitor:
+        for kind in kinds:
+            ops.op(x, kind)
+        stats = monitor.stats()["op"]
+    true = kinds.count("rare")
+    sd = _estimate_sd(n, true / n)
+    assert stats.calls == n and sum(stats.signature_calls.values()) == n
+    assert abs(stats.signature_calls["rare"] - true) <= 4 * sd, (stats.signature_calls, true, sd)
+    assert ops.classified < 2 * n / CLASSIFY_ONE_IN  # (the signature function ran on about 1 call in 32)
 
 
 def test_without_guidance_unsampled_calls_are_not_classified():
@@ -170,10 +209,11 @@ def test_nested_calls_of_a_guided_target_are_not_counted():
         for _ in range(5):
             ops.op(torch.ones(1), "outer")
         stats = monitor.stats()["op"]
-    assert dict(stats.signature_calls) == {"outer": 5, "inner": 0} and stats.compared == 5
+    # (a nested call is not classified at all: the signature function never sees it)
+    assert dict(stats.signature_calls) == {"outer": 5} and stats.compared == 5
 
 
-def test_guided_counts_are_exact_under_threads():
+def test_guided_counts_add_up_under_threads():
     ops = _Ops()
     with shadow.install([ops.target()], sample_rate=0.01, first_per_signature=10, seed=1) as monitor:
         # (all four alive before any call: a thread started while an upstream run is under way counts as that run's
@@ -191,7 +231,10 @@ def test_guided_counts_are_exact_under_threads():
         for thread in threads:
             thread.join()
         stats = monitor.stats()["op"]
-    assert dict(stats.signature_calls) == {"a": 1000, "b": 1000} and stats.calls == 2000
+    # the total exact, the estimates by signature adding up to it (each within 4 standard deviations)
+    assert stats.calls == 2000 and sum(stats.signature_calls.values()) == 2000
+    sd = _estimate_sd(2000, 0.5)
+    assert set(stats.signature_calls) == {"a", "b"} and abs(stats.signature_calls["a"] - 1000) <= 4 * sd
     assert stats.compared >= 20
 
 
@@ -272,12 +315,15 @@ def test_the_verdict_names_its_statistic_and_effective_sample_size(tmp_path):
 # --------------------------------------------------------------------------- 3. the noise floor (A/A)
 
 
-def _jitter(scale: float) -> float:
-    """Noise no RNG state controls (the isolation restores torch's and Python's generators between runs): what
-    a nondeterministic kernel (atomics, reduction order) looks like from outside."""
-    import os
+#: The jitter's own generator: not one the isolation restores between runs (torch's, NumPy's, Python's global
+#: one), so every run draws anew; seeded per target, so a test's draws never depend on the tests before it.
+_JITTER = random.Random()
 
-    return (int.from_bytes(os.urandom(2), "little") / 65535 - 0.5) * scale
+
+def _jitter(scale: float) -> float:
+    """Noise no RNG state the isolation controls: what a nondeterministic kernel (atomics, reduction order) looks
+    like from outside."""
+    return (_JITTER.random() - 0.5) * scale
 
 
 class _Noisy:
@@ -286,6 +332,7 @@ class _Noisy:
 
     def __init__(self, offset: float = 0.0) -> None:
         self.offset = offset
+        _JITTER.seed(0)
 
     @staticmethod
     def op(x: torch.Tensor) -> torch.Tensor:

@@ -913,8 +913,9 @@ def test_13_the_budget_holds_over_a_window_after_a_long_idle_time(monkeypatch):
 
 
 def test_13_a_slow_signature_function_is_paid_from_the_budget():
-    """Every call of a guided target is classified: a 5 ms signature function on every call was outside the
-    budget. Within it, classifying stops once it alone has used the budget (its calls count as unclassified)."""
+    """A guided target classifies every call while a signature is in its first calls: a 5 ms signature function
+    on every call was outside the budget. Within it, classifying stops once it alone has used the budget (its calls
+    count as unclassified)."""
     import time
 
     import torch
@@ -930,7 +931,8 @@ def test_13_a_slow_signature_function_is_paid_from_the_budget():
 
     ops, target = _op_target(lambda x: x * 2, signature=signature)
     start = time.monotonic()
-    with shadow.install([target], sample_rate=0.0, budget=0.1, first_per_signature=1) as monitor:
+    # (a signature's first 1,000 calls: every call is classified)
+    with shadow.install([target], sample_rate=0.0, budget=0.1, first_per_signature=1000) as monitor:
         for _ in range(400):
             ops.op(torch.ones(2))
         calls = monitor.stats()["op"].signature_calls

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_iter
 
 from shadow.core import compiling, forks
 from shadow.core.budget import DEFAULT_DEADLINE, Budget
+from shadow.core.coverage import CLASSIFY_ONE_IN, Coverage
 from shadow.core.drill import Drill
 from shadow.core.exporting import call_hook
 from shadow.core.global_state import TorchGlobals
@@ -66,35 +67,23 @@ class _NotClassified(Exception):
 
 Setters = tuple[Callable[[Gate], None], Callable[[Callable], None]]
 
+#: The gate of a wrapper whose every call arrives (a guided target classifying every call).
+_CLOSED: Gate = itertools.repeat(True, 0)
 
-def _make_wrapper(
-    primary: Callable,
-    arrive: Callable[..., Any],
-    classify: Callable[[tuple, dict], tuple[str, bool]] | None = None,
-) -> tuple[Callable, Setters]:
+
+def _make_wrapper(primary: Callable, arrive: Callable[[tuple, dict], Any]) -> tuple[Callable, Setters]:
     """The function installed in legacy's place, and the setters that hand it a new gate and a new primary (the
     function whose result the caller gets: legacy, or upstream in a canary until a rollback).
 
-    The unsampled path is ``next(gate, False)`` and the primary's call: nothing else runs there. With ``classify``
-    (a coverage-guided target) every call is classified first (its signature counted), and the first calls of each
-    signature go to ``arrive`` whatever the gate says.
+    The unsampled path is ``next(gate, False)`` and the primary's call: nothing else runs there. A call that finds
+    the gate closed goes to ``arrive``: the sampled call, or (a guided target) a call to classify.
     """
     gate = itertools.repeat(True, 0)
 
-    if classify is None:
-
-        def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
-            if next(gate, False):
-                return primary(*args, **kwargs)
-            return arrive(args, kwargs)
-
-    else:
-
-        def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
-            signature, first = classify(args, kwargs)
-            if not first and next(gate, False):
-                return primary(*args, **kwargs)
-            return arrive(args, kwargs, signature, first)
+    def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
+        if next(gate, False):
+            return primary(*args, **kwargs)
+        return arrive(args, kwargs)
 
     def set_gate(new_gate: Gate) -> None:
         nonlocal gate
@@ -211,16 +200,22 @@ class Experiment:
         self._export_errors = 0
         self._settings_failures = 0
         self._last_logged: dict[str, float] = {}
-        # Coverage guidance: the first calls of every signature are compared, later ones sampled at the rate.
-        # It classifies every call (the signature function runs on each), so it needs a signature function.
+        # Coverage guidance: the first calls of every signature are compared, later ones sampled at the rate
+        # (shadow.core.coverage: every call classified until each signature seen has had its first calls, then one
+        # in CLASSIFY_ONE_IN). It needs a signature function. Its sampler's gates end at the calls to classify;
+        # the sampled calls are drawn among those (a thinning: each call is still sampled at the rate).
+        self.sample_rate = sample_rate
         self.first_per_signature = first_per_signature if target.signature is not None else 0
-        self._signature_calls: dict[str, int] = {}  # signature -> calls (guided targets: every call is counted)
+        self.coverage = Coverage(self.first_per_signature) if self.first_per_signature else None
+        self._guided_random = random.Random(f"{seed}/{target.name}/guided" if seed is not None else None)
         self._signature_calls_reported: dict[str, int] = {}
         self._labels: dict[Any, str] = {}  # what the signature function returned -> the admitted label
-        classify = self._classify if self.first_per_signature else None
-        self.wrapper, (set_gate, self._set_primary) = _make_wrapper(self.primary_fn, self._arrive, classify)
+        self.wrapper, (self._set_gate, self._set_primary) = _make_wrapper(self.primary_fn, self._arrive)
         self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
-        self.sampler = Sampler(sample_rate, seed, target.name, set_gate)
+        self._sampler_gate: Gate = _CLOSED
+        gate_rate = max(sample_rate, 1 / CLASSIFY_ONE_IN) if self.coverage is not None else sample_rate
+        self._thinning = sample_rate / gate_rate if gate_rate else 0.0
+        self.sampler = Sampler(gate_rate, seed, target.name, self._gate_opened)
         self._calls_reported = 0
         for exporter in self.exporters:
             self._call_exporter(exporter, "register", target.name, sample_rate)
@@ -237,9 +232,15 @@ class Experiment:
 
     # ------------------------------------------------------------------ the call
 
-    def _classify(self, args: tuple, kwargs: dict) -> tuple[str, bool]:
-        """A guided target's call: its signature, counted, and whether it is one of the first of its signature
-        (to be compared whatever the gate says). A signature function that fails classifies as "unclassified"."""
+    def _gate_opened(self, gate: Gate) -> None:
+        """The sampler's new gate: the wrapper's too, unless a guided target classifies every call now."""
+        self._sampler_gate = gate
+        if self.coverage is None or not self.coverage.classify_all:
+            self._set_gate(gate)
+
+    def _classify(self, args: tuple, kwargs: dict) -> str:
+        """A guided target's call: its signature. A signature function that fails, or that the budget has no room
+        for, classifies as "unclassified"."""
         budget = self._classify_budget
         try:
             if budget is not None and not budget.allows():
@@ -265,13 +266,31 @@ class Experiment:
             raise
         except BaseException:  # the user's signature function: its failure is counted, never the job's
             label = UNCLASSIFIED_SIGNATURE
-        with self._lock:
-            count = self._signature_calls[label] = self._signature_calls.get(label, 0) + 1
-        return label, count <= self.first_per_signature
+        return label
 
-    def _arrive(self, args: tuple, kwargs: dict, signature: str | None = None, first: bool = False) -> Any:
-        """A call found the gate closed (maybe the sampled one), or is one of the first of its signature
-        (``first``: compared). ``signature``: a guided target's call, already counted under it."""
+    def _count_classified(self, coverage: Coverage, signature: str) -> tuple[bool, bool]:
+        """(among the first of its signature, sampled) for a classified call, counted (under the lock). While
+        every call is classified, each is sampled at the rate; after, a call that ends a gate is sampled with the
+        thinning's probability. The wrapper's gate follows the coverage's mode."""
+        classified_all = coverage.classify_all
+        if classified_all:
+            sampled = self._guided_random.random() < self.sample_rate
+            first = coverage.count(signature)
+        else:
+            sampled = self.sampler.arrive() and (self._thinning >= 1.0 or self._guided_random.random() < self._thinning)
+            first = coverage.count(signature, self.sampler.calls())
+        if coverage.classify_all != classified_all:  # (a signature's first calls began or ended)
+            self._set_gate(_CLOSED if coverage.classify_all else self._sampler_gate)
+        return first, sampled
+
+    @property
+    def first_comparisons_done(self) -> bool:
+        """Whether every signature seen has had its first calls (always so without coverage guidance)."""
+        return self.coverage is None or self.coverage.done
+
+    def _arrive(self, args: tuple, kwargs: dict) -> Any:
+        """A call found the gate closed: maybe the sampled one, or (a guided target) one to classify, maybe among
+        the first of its signature (compared whatever the rate)."""
         side = upstream_side_of_this_thread()
         publishing = getattr(marks, "publishing", False)
         if side is not None or publishing or getattr(marks, "in_legacy", None) is self:
@@ -284,17 +303,20 @@ class Experiment:
             # another target's difference is compared, counted and reported by that target, on the calls the job's
             # legacy run makes.
             with self._lock:
-                if signature is not None:
-                    self._signature_calls[signature] -= 1
-                if not first:
+                if self.coverage is None or not self.coverage.classify_all:  # (it ended the sampler's gate)
                     self.sampler.arrive()
                     self.sampler.uncount()
             return (self.shadow_fn if side is self and not publishing else self.primary_fn)(*args, **kwargs)
-        if not first:
+        signature, first = None, False
+        if self.coverage is not None:
+            signature = self._classify(args, kwargs)
+            with self._lock:
+                first, sampled = self._count_classified(self.coverage, signature)
+        else:
             with self._lock:
                 sampled = self.sampler.arrive()
-            if not sampled:
-                return self.primary_fn(*args, **kwargs)
+        if not (first or sampled):
+            return self.primary_fn(*args, **kwargs)
         passed = "deadline" if self.deadline_passed else None
         if passed is None and self._budget is not None and not self._budget.allows():
             passed = "budget"
@@ -341,8 +363,10 @@ class Experiment:
         self, args: tuple, kwargs: dict, modules: list[torch.nn.Module], signature: str | None = None
     ) -> Any:
         """Plan the upstream side, run legacy (its result or exception is the caller's), then the upstream side."""
+        planning = time.perf_counter()
         side = UpstreamSide.plan_call(self, args, kwargs, modules, signature)
         start = time.perf_counter()
+        self._charge(start - planning)
         try:
             result = self._run_legacy(args, kwargs)
         except Exception as exc:
@@ -406,7 +430,7 @@ class Experiment:
         """Make legacy the primary from the next call on (upstream runs as the shadow): the rollback switch. Only
         toward legacy; True when this changed anything. Exporters hear of it (``record_rollback``); the noise
         floor starts again (the other phase's errors are not this one's)."""
-        self.report_calls()  # (the calls so far are the phase's that ends)
+        self.report_calls(flush=True)  # (the calls so far are the phase's that ends)
         with self._lock:
             if self.primary == LEGACY:
                 return False
@@ -423,7 +447,7 @@ class Experiment:
 
     def reset_primary(self, by: str) -> bool:
         """A person's reset after a rollback: the primary configured at install again. True when it changed."""
-        self.report_calls()
+        self.report_calls(flush=True)
         with self._lock:
             if self.primary == self.configured_primary:
                 return False
@@ -496,16 +520,19 @@ class Experiment:
         finally:
             marks.publishing = publishing
 
-    def report_calls(self) -> None:
+    def report_calls(self, flush: bool = False) -> None:
         """Tell exporters how many calls passed (by signature for a guided target), and how many sampled calls
-        the budget skipped, since the last report (done at each publish and at flush)."""
+        the budget skipped, since the last report (done at each publish, at a rollback or reset and at flush:
+        ``flush`` counts a guided target's open gate too)."""
         with self._lock:
-            if self.first_per_signature:
+            if self.coverage is not None:
+                # (the open gate's calls only when flushing: until then its last call may count them elsewhere)
+                counted = self.coverage.counts(self.sampler.calls(), flush=True) if flush else self.coverage.calls
                 deltas = {
                     signature: calls - self._signature_calls_reported.get(signature, 0)
-                    for signature, calls in self._signature_calls.items()
+                    for signature, calls in counted.items()
                 }
-                self._signature_calls_reported = dict(self._signature_calls)
+                self._signature_calls_reported = dict(counted)
             else:
                 calls = self.sampler.calls()
                 deltas = {"": calls - self._calls_reported}
@@ -539,9 +566,10 @@ class Experiment:
         """A consistent snapshot of this target's counts."""
         with self._lock:
             outcomes = dict(self._outcomes)
+            coverage = self.coverage
             return TargetStats(
-                calls=sum(self._signature_calls.values()) if self.first_per_signature else self.sampler.calls(),
-                signature_calls=dict(self._signature_calls),
+                calls=self.sampler.calls() + (coverage.counted_alone if coverage is not None else 0),
+                signature_calls=coverage.counts(self.sampler.calls()) if coverage is not None else {},
                 primary=self.primary,
                 rolled_back_by=self.rolled_back_by or "",
                 sampled=sum(outcomes.values()),
@@ -569,7 +597,9 @@ class Experiment:
         self._budget = Budget(self.budget) if self.budget is not None else None
         self._classify_budget = Budget(self.budget) if self.budget is not None else None
         self._calls_reported = 0
-        self._signature_calls.clear()
+        if self.coverage is not None:  # (its first calls compared again: the child's own evidence)
+            self.coverage = Coverage(self.first_per_signature)
+            self._set_gate(_CLOSED)
         self._signature_calls_reported.clear()
 
 

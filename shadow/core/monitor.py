@@ -146,7 +146,7 @@ class Monitor:
         """Report calls not yet reported to the exporters (done at every sampled call, and here), then let each
         exporter write out what it buffers (the journal's count records)."""
         for s in self._experiments:
-            s.report_calls()
+            s.report_calls(flush=True)
         exporters = {id(e): (s, e) for s in self._experiments for e in s.exporters}
         for s, exporter in exporters.values():
             s._call_exporter(exporter, "flush")
