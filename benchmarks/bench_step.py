@@ -4,7 +4,8 @@ Every figure is a ratio measured in this one process, the three configurations i
 trial (rotating their order) so that drift and a busy machine touch them alike:
 
 1. step time: (total time of the steps at rate r) / (total time unwrapped) over the trials, each trial
-   sampling with its own seed; goals: 0.01 <= 1.02x, 1.0 <= 3x. A step is the example's: npu casts by
+   sampling with its own seed; goals: 0.01 <= 1.02x, 1.0 <= 2.5x; and rate 0.01 coverage-guided once every
+   signature's first 30 calls were compared (goal <= 1.03x). A step is the example's: npu casts by
    type name and class, DataParallel forward over both devices (``data_parallel`` every fourth step),
    loss, backward, SGD step. Every built-in target is shadowed, over shadow.npu.reference's legacy.
 2. peak memory: the RSS high-water mark of one step at rate 1.0 against one unwrapped step, each
@@ -122,8 +123,11 @@ def guided_steady_state(job: Job, trials: int, steps: int) -> None:
 
     guided, unwrapped = [], []
     with shadow.install(sample_rate=0.01, seed=0, first_per_signature=30) as monitor:
-        for _ in range(40):  # every signature of the step past its first 30 calls
+        first_steps = 0
+        # every signature of the step past its first 30 calls (data_parallel's come one step in four)
+        while not all(monitor.experiment(name).first_comparisons_done for name in monitor.targets):
             job.step()
+            first_steps += 1
         first = sum(s.compared for s in monitor.stats().values())
         for _trial in range(trials):
             start = time.perf_counter()
@@ -136,7 +140,8 @@ def guided_steady_state(job: Job, trials: int, steps: int) -> None:
     ratio = sum(guided) / sum(unwrapped)
     print(
         f"step time, rate 0.01 coverage-guided after its first 30 calls per signature / unwrapped = {ratio:.3f} "
-        f"(goal <= 1.02 {'ok' if ratio <= 1.02 else 'OVER GOAL'}; the {first} first comparisons are a one-off)"
+        f"(goal <= 1.03 {'ok' if ratio <= 1.03 else 'OVER GOAL'}; the {first} first comparisons, in the first "
+        f"{first_steps} steps, are a one-off)"
     )
 
 
@@ -166,7 +171,7 @@ def main() -> None:
             f"step time, unwrapped: median {statistics.median(base) / steps * 1e3:.1f} ms/step "
             f"({trials} trials of {steps} steps, interleaved)"
         )
-        for name, goal in (("rate 0.01", 1.02), ("rate 1.0", 3.0)):
+        for name, goal in (("rate 0.01", 1.02), ("rate 1.0", 2.5)):
             # total over the trials: the expected cost, whichever calls each trial happened to sample
             ratio = sum(times[name]) / sum(base)
             verdict = "ok" if ratio <= goal else "OVER GOAL"

@@ -49,3 +49,11 @@ def test_budget_benchmark_runs_and_reports_every_figure():
     out = run_quick("bench_budget.py")
     assert "signature function, worst 3 s window: " in out and "compared (goal <= 51)" in out
     assert "deadline 0.3 s: the caller waited 0.3" in out
+
+
+def test_resnet_benchmark_runs_and_reports_every_figure():
+    out = run_quick("bench_resnet.py")
+    assert "first comparisons, launcher defaults: " in out and "budget, launcher defaults over " in out
+    assert "step time, launcher defaults (rate 0.01) after its first comparisons / unwrapped = " in out
+    assert "step time, rate 1.0 (every call compared) / unwrapped = " in out
+    assert "peak RSS of a step, rate 1.0 / unwrapped = " in out or "peak RSS: unavailable" in out

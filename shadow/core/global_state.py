@@ -25,20 +25,36 @@ import torch.utils.deterministic
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+#: Once found: the autocast device types, and the accelerator's device module once its runtime is up. Neither
+#: changes for the life of the process once it is so (a snapshot is taken several times a sampled call).
+_FOUND: dict[str, Any] = {}
+
 
 def _autocast_device_types() -> list[str]:
+    found = _FOUND.get("device types")
+    if found is not None:
+        return found
     accelerator = torch.accelerator.current_accelerator()
-    return ["cpu"] + ([accelerator.type] if accelerator is not None else [])
+    if accelerator is None:  # (not yet, maybe: a backend registered later)
+        return ["cpu"]
+    found = _FOUND["device types"] = ["cpu", accelerator.type]
+    return found
 
 
 def _initialized_accelerator() -> Any | None:
     """The accelerator's device module if its runtime is up (asking a cold CUDA for its device would start it)."""
+    found = _FOUND.get("initialized")
+    if found is not None:
+        return found
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is None:
         return None
     module = torch.get_device_module(accelerator.type)
     is_initialized = getattr(module, "is_initialized", None)
-    return module if is_initialized is None or is_initialized() else None
+    if is_initialized is None or is_initialized():
+        _FOUND["initialized"] = module
+        return module
+    return None
 
 
 # --------------------------------------------------------------------------- readers and writers
@@ -220,6 +236,10 @@ class TorchGlobals:
         # (no warnings.catch_warnings() here: it changes the process's warning filters for a moment, and another
         # thread's snapshot taken then would see a difference nobody made)
         return {name: setting.read() for name, setting in SETTINGS.items()}
+
+    def same_as(self, other: TorchGlobals) -> bool:
+        """Whether the two snapshots hold the same settings (the very objects, or equal values)."""
+        return self._state == other._state
 
     def differences(self, other: TorchGlobals) -> dict[str, tuple[Any, Any]]:
         """{setting's name: (its value here, its value in ``other``)} for each setting the two differ in."""

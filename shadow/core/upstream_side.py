@@ -309,7 +309,8 @@ class UpstreamSide:
         drill = experiment.drill if experiment.drill is not None and experiment.drill.fires() else None
         drilled = False
         autocast = ""
-        experiment.put_back(plan.before)
+        if not left_by_legacy.same_as(plan.before):  # (legacy changed a setting: upstream starts where it did)
+            experiment.put_back(plan.before)
         shadow_fn = experiment.shadow_fn
 
         left: TorchGlobals | None = None
@@ -340,7 +341,9 @@ class UpstreamSide:
             finished = Finished(True, error=exc)
         seconds = time.perf_counter() - start
         left_by_upstream = left if left is not None and finished.finished else TorchGlobals()
-        experiment.put_back(left_by_legacy)
+        unchanged = left_by_legacy.same_as(plan.before) and left_by_upstream.same_as(plan.before)
+        if not (finished.finished and unchanged):  # (where neither run changed a setting, they are as legacy left)
+            experiment.put_back(left_by_legacy)
         if not finished.finished:
             return None, drilled, left_by_upstream
         # (SystemExit, GeneratorExit: upstream's outcome, never the caller's)
