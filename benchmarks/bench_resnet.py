@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import torch
+from bench_step import _status_kib  # (the same /proc reading as the example step's benchmark)
 from resnet18 import ResNet18
 from torch import nn
 
@@ -148,14 +149,6 @@ def _steps(job: Job, steps: int) -> float:
     for _ in range(steps):
         job.step()
     return time.perf_counter() - start
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
 
 
 def peak_rss(job: Job, monitor: Callable[[], contextlib.AbstractContextManager]) -> int | None:
