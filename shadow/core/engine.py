@@ -78,7 +78,7 @@ def _make_wrapper(primary: Callable, arrive: Callable[[tuple, dict], Any]) -> tu
     The unsampled path is ``next(gate, False)`` and the primary's call: nothing else runs there. A call that finds
     the gate closed goes to ``arrive``: the sampled call, or (a guided target) a call to classify.
     """
-    gate = itertools.repeat(True, 0)
+    gate = _CLOSED
 
     def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
         if next(gate, False):
