@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -823,6 +824,13 @@ def test_3_a_setting_that_cannot_be_put_back_is_counted_and_the_others_still_are
 
     ops = types.SimpleNamespace(op=lambda x: x * 2)
     try:
+        # (the intra-op threads are the thread's own: the caller's differ from a fresh thread's, so each upstream
+        # run's start has to write them)
+        fresh: list[int] = []
+        probe = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+        probe.start()
+        probe.join()
+        torch.set_num_threads(fresh[0] + 3)
         with shadow.install([Target("op", ops, "op", upstream)], sample_rate=1.0) as monitor:
             first = ops.op(torch.ones(1))
             assert torch.get_default_dtype() == dtype  # put back although threads could not be

@@ -2,9 +2,11 @@
 
 A token bucket (Tanenbaum, *Computer Networks*, 5th ed., 5.4.2; the leaky-bucket shaping of traffic): allowance
 accrues at ``fraction`` seconds per second, up to ``BURST`` seconds; a sampled call's shadow side may start while
-the allowance is above zero and is charged what it took (the allowance may go below zero). So over any window of W
-seconds the shadow side uses at most ``BURST + fraction * W`` plus what the last call started in it overran:
-``fraction + 0.05`` of a 10 s window. Since install alone (the old rule) a job idle for an hour could spend the
+the allowance covers what the target's last sampled call cost (at most ``BURST``) and is charged what it took (the
+allowance may go below zero). So over any window of W seconds the shadow side uses at most ``BURST + fraction * W``
+plus what the last call started in it overran its expected cost: ``fraction + 0.05`` of a 10 s window. (Starting
+whenever the allowance is above zero, the old rule, let a ResNet comparison that costs 0.3 s start on 1 ms of
+allowance: 0.273 of a window at budget 0.2.) Since install alone (the old rule) a job idle for an hour could spend the
 hour's share in one burst.
 
 What every call pays outside a comparison (a guided target's signature function) is charged too, so comparisons
@@ -39,9 +41,10 @@ class Budget:
         self._at = now
         return self._allowance
 
-    def allows(self) -> bool:
-        """Whether a sampled call's shadow side may start now."""
-        return self._refill() > 0
+    def allows(self, expected: float = 0.0) -> bool:
+        """Whether a sampled call's shadow side that is ``expected`` to take that many seconds may start now."""
+        allowance = self._refill()
+        return allowance > 0 and allowance >= min(expected, BURST_SECONDS)
 
     def charge(self, seconds: float) -> None:
         """Seconds the shadow side used."""

@@ -1,4 +1,5 @@
-"""One run of the shadow side with a deadline: on a thread of its own that starts in the caller's torch context.
+"""One run of the shadow side with a deadline: on a thread of the shadow side's that starts in the caller's torch
+context.
 
 A hanging upstream (a lock never released, a worker never joined) must not hold the job: the caller waits at most
 the deadline, then goes on with the primary's result. The run cannot be stopped from outside (a thread blocked in C
@@ -6,21 +7,28 @@ code never sees an exception), so a run past its deadline is abandoned: its thre
 never keeps the process alive, and the target stops shadowing. An abandoned run that wakes later can still do what
 upstream does (consume the global RNG, write its own copies); that is why the target stops at the first one.
 
-The thread starts in the caller's thread-local torch context, so the run is the same call as on the caller's
-thread: the caller's ``start`` writes the settings snapshot legacy started from (grad mode, autocast, function and
-dispatch modes, the current device, intra-op threads, NumPy's error settings...: thread-local ones among them), and
-this module adds what a snapshot cannot write (inference mode, the current stream, the saved-tensors hooks).
+The threads are kept between runs (:class:`_Rooms`): starting one and waiting for the scheduler twice cost about
+300 us a run, more than a cheap call's whole upstream side. Each run starts in the caller's thread-local torch
+context, so it is the same call as on the caller's thread: the caller's ``start`` writes the settings snapshot legacy
+started from (grad mode, autocast, function and dispatch modes, the current device, intra-op threads, NumPy's error
+settings...: thread-local ones among them), and this module adds what a snapshot cannot write (inference mode, the
+current stream, the saved-tensors hooks).
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import dataclasses
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from shadow.core import forks
+from shadow.core.sides import marks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,26 +77,98 @@ class Finished:
     error: BaseException | None = None
 
 
+class _Rooms:
+    """The threads shadow-side runs take place on, kept between runs (starting a thread and waiting for it to be
+    scheduled costs more than a cheap call's whole upstream side).
+
+    One queue of runs that every idle room reads, and one of tokens, one put by each room as it goes idle. A run is
+    handed over only after taking a token, or to a room started for it, so it never waits behind a busy room (a run
+    abandoned at its deadline keeps its room). Each step of a hand-off is one C call: an interrupt between two leaves
+    a token unused (one idle room more than tokens; a later run starts a room), never a run without a room. A room
+    whose run raised or changed a thread-local setting (:func:`leave_room`) leaves the pool (its thread may hold
+    state of that run's), and so does an abandoned one.
+    """
+
+    def __init__(self) -> None:
+        self._runs: queue.SimpleQueue[_Run] = queue.SimpleQueue()
+        self._idle: queue.SimpleQueue[None] = queue.SimpleQueue()
+        forks.register(self)
+
+    def _after_fork_in_child(self) -> None:  # (the rooms' threads are not in the child)
+        self._runs = queue.SimpleQueue()
+        self._idle = queue.SimpleQueue()
+
+    def hand_over(self, run: _Run) -> None:
+        """``run`` to an idle room, or to a room started for it."""
+        try:
+            self._idle.get_nowait()
+        except queue.Empty:
+            threading.Thread(target=self._room, args=(run,), name="npu-shadow upstream side", daemon=True).start()
+        else:
+            self._runs.put(run)
+
+    def _room(self, run: _Run) -> None:
+        runs, idle = self._runs, self._idle
+        while run.run() and not run.abandoned and not _this_room.__dict__:
+            marks.__dict__.clear()  # (the marks of the run it had: the next run's start writes its own)
+            idle.put(None)
+            run = runs.get()
+
+
+_this_room = threading.local()  # (``leaving`` set: the room ends after its run)
+
+
+def leave_room() -> None:
+    """The room this thread is ends after its run: the run left thread-local state on it that the next run's start
+    might not write back (a setting it changed, one that could not be written)."""
+    _this_room.leaving = True
+
+
+class _Run:
+    """One run handed to a room: its start and body, and its outcome, released when it is there."""
+
+    __slots__ = ("abandoned", "body", "context", "done", "outcome", "start")
+
+    def __init__(self, body: Callable[[], Any], start: Callable[[], None] | None, context: ThreadContext) -> None:
+        self.body, self.start, self.context = body, start, context
+        self.outcome: Finished | None = None
+        self.abandoned = False
+        self.done = _thread.allocate_lock()
+        self.done.acquire()
+
+    def run(self) -> bool:
+        """Run it on this thread; whether the body returned (not raised)."""
+        try:
+            if self.start is not None:
+                self.start()
+            with self.context.entered():
+                value = self.body()
+            self.outcome = Finished(True, value)
+            return True
+        except BaseException as exc:  # (the body's outcome, handed to the caller)
+            self.outcome = Finished(True, error=exc)
+            return False
+        finally:
+            self.done.release()
+
+
+_ROOMS = _Rooms()
+
+
 def run_within(seconds: float | None, body: Callable[[], Any], start: Callable[[], None] | None = None) -> Finished:
-    """``body()`` on a new daemon thread started in this thread's torch context, waited for at most ``seconds``
-    (None: until it ends).
+    """``body()`` on a daemon thread of the shadow side's (:class:`_Rooms`), in this thread's torch context, waited
+    for at most ``seconds`` (None: until it ends).
     ``start`` runs first on that thread (to mark it and write the caller's settings). An exception of the body's is
     its result, never raised here; an interrupt of the caller's (Ctrl-C while waiting) is raised here, the run
     abandoned."""
-    context = ThreadContext.take()
-    outcome: list[Finished] = []
-
-    def run() -> None:
-        try:
-            if start is not None:
-                start()
-            with context.entered():
-                value = body()
-            outcome.append(Finished(True, value))
-        except BaseException as exc:  # (the body's outcome, handed to the caller)
-            outcome.append(Finished(True, error=exc))
-
-    thread = threading.Thread(target=run, name="npu-shadow upstream side", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return outcome[0] if outcome else Finished(False)
+    run = _Run(body, start, ThreadContext.take())
+    try:
+        _ROOMS.hand_over(run)
+        finished = run.done.acquire(True, -1 if seconds is None else seconds)
+    except BaseException:
+        run.abandoned = True
+        raise
+    if not finished:
+        run.abandoned = True
+    outcome = run.outcome
+    return outcome if outcome is not None else Finished(False)

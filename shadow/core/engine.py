@@ -159,6 +159,7 @@ class Experiment:
         self.budget = budget
         self._budget = Budget(budget) if budget is not None else None
         self._classify_budget = Budget(budget) if budget is not None else None  # (classifying's own share)
+        self._sampled_seconds = 0.0  # (what the last sampled call's plan and upstream side took)
         self._classified = 0
         self._classify_seconds = 0.0  # (what the last timed call of the signature function took)
         # The deadline of one call's shadow side (seconds, None: none): past it the call is skipped (reason
@@ -318,7 +319,7 @@ class Experiment:
         if not (first or sampled):
             return self.primary_fn(*args, **kwargs)
         passed = "deadline" if self.deadline_passed else None
-        if passed is None and self._budget is not None and not self._budget.allows():
+        if passed is None and self._budget is not None and not self._budget.allows(self._sampled_seconds):
             passed = "budget"
         if passed is not None:
             with self._lock:  # nothing but counting: until the job's time catches up, or for good
@@ -367,6 +368,7 @@ class Experiment:
         side = UpstreamSide.plan_call(self, args, kwargs, modules, signature)
         start = time.perf_counter()
         self._charge(start - planning)
+        self._sampled_seconds = start - planning
         try:
             result = self._run_legacy(args, kwargs)
         except Exception as exc:
@@ -420,7 +422,9 @@ class Experiment:
             self._settings_failed(exc)
         finally:
             marks.upstream_side = outer
-            self._charge(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self._charge(seconds)
+            self._sampled_seconds += seconds  # (plan and upstream side: what the next one is expected to cost)
 
     def _charge(self, seconds: float) -> None:
         if self._budget is not None:
@@ -469,15 +473,17 @@ class Experiment:
         with self._lock:
             return {s: (f[0], f[1], int(f[2]), int(f[3])) for s, f in self.noise.summary.items()}
 
-    def put_back(self, settings: TorchGlobals) -> None:
+    def put_back(self, settings: TorchGlobals) -> bool:
         """Write back a snapshot of the global settings; whatever cannot be is counted and logged, never raised
-        (each setting is written on its own, so the others still are)."""
+        (each setting is written on its own, so the others still are). Whether all of them were."""
         try:
             settings.restore()
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
             self._settings_failed(exc)
+            return False
+        return True
 
     def count_oracle_run(self) -> None:
         """One run of the single-device oracle (the upstream side's)."""

@@ -5,7 +5,7 @@ Per thread (``marks``): ``upstream_side``, the experiment whose upstream side th
 comparison, the oracle, the exporters); ``in_legacy``, the experiment whose legacy it runs; ``publishing`` while it
 hands an observation to the exporters.
 
-Each upstream run is on a daemon thread of its own (:mod:`shadow.core.deadline`), and the threads it starts
+Each upstream run is on a daemon thread of the shadow side's (:mod:`shadow.core.deadline`), and the threads it starts
 (DataParallel's workers in upstream's ``parallel_apply``) are daemons too (a thread is a daemon where the thread
 that made it is). So the runs under way are kept with the threads alive when each began: a daemon thread not among
 those was started by that run, and its calls belong to it. The job's threads started meanwhile (the replicas of
@@ -16,6 +16,7 @@ and ``del`` are atomic and call nothing: no lock, and no point where an interrup
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -29,11 +30,14 @@ upstream_runs: dict[object, tuple[frozenset[int], Any]] = {}
 #: functions are nested calls, and they run legacy (only an experiment's own upstream run routes them upstream).
 LEGACY_AGAIN = object()
 
+_IDENT = operator.attrgetter("ident")
+
 
 @contextlib.contextmanager
 def upstream_run(experiment: Any) -> Iterator[None]:
     """While the body runs, the daemon threads started meanwhile are ``experiment``'s upstream side."""
-    run, key = (frozenset(t.ident for t in threading.enumerate()), experiment), object()
+    # (no loop of this module's over the threads: what an interrupt can land in does not grow with their number)
+    run, key = (frozenset(map(_IDENT, threading.enumerate())), experiment), object()
     try:
         upstream_runs[key] = run
         yield

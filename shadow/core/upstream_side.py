@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_iter
 
 from shadow.core import trees
 from shadow.core.compare import Comparison, compare, compare_exceptions, with_state
-from shadow.core.deadline import Finished, run_within
+from shadow.core.deadline import Finished, leave_room, run_within
 from shadow.core.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
 from shadow.core.isolation import ArgumentsChanged, Isolation, detach_tensors, find_modules
 from shadow.core.noise import NoiseFloor
@@ -137,7 +137,7 @@ class Experiment(Protocol):
     noise: NoiseFloor
 
     def admit(self, signature: str) -> str: ...
-    def put_back(self, settings: TorchGlobals) -> None: ...
+    def put_back(self, settings: TorchGlobals) -> bool: ...
     def log_limited(self, kind: str, message: str, *args: Any) -> None: ...
     def count_oracle_run(self) -> None: ...
     def deadline_missed(self) -> None: ...
@@ -280,19 +280,30 @@ class UpstreamSide:
 
     # ------------------------------------------------------------------ the runs after legacy
 
-    def _within_deadline(self, side: object, before: TorchGlobals, body: Callable[[], Any]) -> Finished:
+    def _within_deadline(
+        self, side: object, before: TorchGlobals, body: Callable[[], Any], checks_its_settings: bool = False
+    ) -> Finished:
         """``body()`` (a run of the shadow side, as ``side``'s upstream side, from the settings ``before``, which
-        this thread has written already): on a daemon thread of its own, waited for at most the deadline
+        this thread has written already): on a daemon thread of the shadow side's, waited for at most the deadline
         (:mod:`shadow.core.deadline`; without one, until it ends). Past the deadline the run is abandoned and the
         target stops shadowing (:meth:`Experiment.deadline_missed`). An interrupt the body raised is raised here, as
-        it would be on the caller's thread."""
+        it would be on the caller's thread. A run that leaves a setting of its thread changed ends its room (the
+        body says so itself where ``checks_its_settings``)."""
         experiment = self.experiment
 
         def start() -> None:
             marks.upstream_side = side
-            experiment.put_back(before)  # (on the new thread: its thread-local settings the caller's)
+            if not experiment.put_back(before):  # (on the room: its thread-local settings the caller's)
+                leave_room()
 
-        found = run_within(experiment.deadline, body, start=start)
+        def checked() -> Any:
+            try:
+                return body()
+            finally:
+                if not TorchGlobals().same_as(before):
+                    leave_room()
+
+        found = run_within(experiment.deadline, body if checks_its_settings else checked, start=start)
         if isinstance(found.error, KeyboardInterrupt):
             raise found.error
         if not found.finished:
@@ -329,12 +340,14 @@ class UpstreamSide:
                 return value
             finally:
                 left = TorchGlobals()  # (on the thread that ran it: its thread-local settings too)
+                if not left.same_as(plan.before):
+                    leave_room()
 
         start = time.perf_counter()
         finished = Finished(False)
         try:
             with context, upstream_run(experiment):
-                finished = self._within_deadline(experiment, plan.before, body)
+                finished = self._within_deadline(experiment, plan.before, body, checks_its_settings=True)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the isolation's own failure: the run's outcome, never the caller's
