@@ -18,6 +18,7 @@ from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefre
 
 from dashboards.series import (
     ABS_ERROR,
+    BACKWARD_RUNS,
     CALLS,
     COMPARED,
     COMPARISONS,
@@ -31,6 +32,7 @@ from dashboards.series import (
     SHADOW_TIME,
     SHARED,
     SKIPPED,
+    TRUTH_RUNS,
 )
 
 DASHBOARD_PATH = pathlib.Path(__file__).parent / "grafana" / "npu-shadow.json"
@@ -206,6 +208,20 @@ def build() -> Dashboard:
                     "{{target}} {{reason}}",
                 ),
                 stacked=True,
+            )
+        )
+        .with_panel(
+            series_panel(
+                "Beyond forward: side nearer float64, gradients compared",
+                "Float64 CPU truth runs of calls whose two sides differ in value, by the side nearer the truth "
+                "(upstream nearer: no regression; legacy nearer: one), and backward comparisons run (their "
+                "differences are mismatches with reason grad, in the panel of reasons).",
+                "ops",
+                query(
+                    f"sum by (target, nearer) (rate({TRUTH_RUNS}{{{SEL}}}{rate}))",
+                    "{{target}} {{nearer}} nearer",
+                ),
+                query(f"sum by (target) (rate({BACKWARD_RUNS}{{{SEL}}}{rate}))", "{{target}} backward compared", "B"),
             )
         )
         .with_row(Row("Error sizes"))

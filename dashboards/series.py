@@ -20,6 +20,8 @@ SAMPLE_RATE = contract.SAMPLE_RATE.prometheus_name
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
 NOISE_FLOOR = contract.NOISE_FLOOR.prometheus_name
 AA_RUNS = contract.AA_RUNS.series
+BACKWARD_RUNS = contract.BACKWARD_RUNS.series
+TRUTH_RUNS = contract.TRUTH_RUNS.series
 
 HARD_REASONS = contract.VOCABULARY["hard_reasons"]
 COMPARED = f'outcome=~"{"|".join(contract.VOCABULARY["compared_outcomes"])}"'

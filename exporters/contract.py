@@ -17,6 +17,7 @@ from shadow.core.observation import (
     DIVERGENT_OUTCOMES,
     HARD_REASONS,
     MISMATCH_REASONS,
+    NEARER,
     SHARED_DIVERGENCE_REASONS,
     SKIP_REASONS,
 )
@@ -32,6 +33,7 @@ VOCABULARY = {
     "mismatch_reasons": MISMATCH_REASONS,
     "skip_reasons": SKIP_REASONS,
     "shared_divergence_reasons": SHARED_DIVERGENCE_REASONS,
+    "nearer": NEARER,
 }
 
 #: Log buckets for absolute and relative errors, 1e-9 .. 1e2.
@@ -152,6 +154,22 @@ NOISE_FLOOR = Metric(
     "measure (abs, rel). A legacy-vs-upstream value difference is outcome noise only within twice a robust floor "
     "of the A/A errors and while a rank test finds the A/B errors no larger than the A/A ones.",
 )
+BACKWARD_RUNS = Metric(
+    "npu_shadow.backward_runs",
+    "{run}",
+    "counter",
+    ("target", "signature"),
+    "Backward comparisons: seeded cotangents pulled back through both sides' graphs (a difference is a mismatch with "
+    "reason grad).",
+)
+TRUTH_RUNS = Metric(
+    "npu_shadow.truth_runs",
+    "{run}",
+    "counter",
+    ("target", "signature", "nearer"),
+    "Float64 CPU truth runs of calls whose two sides differ in value, by the side nearer the truth (legacy, upstream, "
+    "tie): a difference where upstream is nearer is not a regression.",
+)
 SAMPLE_RATE = Metric("npu_shadow.sample_rate", "1", "gauge", ("target",), "Configured fraction of calls shadowed.")
 DRILL_ACTIVE = Metric(
     "npu_shadow.drill_active", "1", "gauge", (), "1 while a fire drill injects synthetic divergence upstream, else 0."
@@ -174,6 +192,8 @@ ALL = (
     SHADOW_DURATION,
     AA_RUNS,
     NOISE_FLOOR,
+    BACKWARD_RUNS,
+    TRUTH_RUNS,
     PRIMARY,
     ROLLBACKS,
     SAMPLE_RATE,

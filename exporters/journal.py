@@ -21,6 +21,7 @@ from exporters import capture, contract
 from shadow.core import forks
 from shadow.core.observation import LEGACY, Observation, Outcome
 from shadow.core.safe_paths import check_private_directory, make_private_directory, open_own_file, template_problem
+from shadow.core.truth import error_decade
 
 
 def _rank() -> int | None:
@@ -50,7 +51,7 @@ class _Counts:
     """What one (target, primary) phase of this process saw since the exporter started: every observation (those
     not written as lines too), calls and budget skips. Written whole (cumulative) in count records."""
 
-    __slots__ = ("calls", "drilled", "outcomes", "reasons", "shared", "skipped")
+    __slots__ = ("calls", "drilled", "outcomes", "reasons", "shared", "skipped", "truth", "truth_decades")
 
     def __init__(self) -> None:
         self.outcomes: dict[str, dict[str, int]] = {}  # signature -> outcome -> count
@@ -59,6 +60,8 @@ class _Counts:
         self.shared: dict[str, int] = {}
         self.calls: dict[str, int] = {}
         self.drilled = 0
+        self.truth: dict[str, dict[str, int]] = {}  # signature -> nearer -> truth runs
+        self.truth_decades: dict[str, dict[str, int]] = {}  # signature -> error decade -> truth runs
 
     def observe(self, o: Observation) -> None:
         if o.outcome == Outcome.SKIPPED:
@@ -72,6 +75,13 @@ class _Counts:
         if o.shared_divergence:
             self.shared[o.shared_divergence] = self.shared.get(o.shared_divergence, 0) + 1
         self.drilled += o.drill
+        if o.nearer:
+            by_side = self.truth.setdefault(o.signature, {})
+            by_side[o.nearer] = by_side.get(o.nearer, 0) + 1
+            decade = error_decade(o.legacy_truth_error, o.upstream_truth_error)
+            if decade is not None:
+                by_decade = self.truth_decades.setdefault(o.signature, {})
+                by_decade[str(decade)] = by_decade.get(str(decade), 0) + 1
 
     def skip(self, signature: str, reason: str, count: int) -> None:
         by_reason = self.skipped.setdefault(signature, {})
@@ -85,6 +95,8 @@ class _Counts:
             "shared": self.shared,
             "calls": self.calls,
             "drilled": self.drilled,
+            "truth": self.truth,
+            "truth_decades": self.truth_decades,
         }
 
 
@@ -269,7 +281,10 @@ class JsonlExporter:
             f'"shared_divergence":{_quote(o.shared_divergence) if o.shared_divergence else "null"},'
             f'"shared_detail":{_quote(o.shared_detail)},"aa":{"true" if o.aa else "false"},'
             f'"aa_abs_error":{_number(o.aa_abs_error)},"aa_rel_error":{_number(o.aa_rel_error)},'
-            f'"noise_test":{_quote(o.noise_test)},'
+            f'"noise_test":{_quote(o.noise_test)},"backward":{"true" if o.backward else "false"},'
+            f'"nearer":{_quote(o.nearer) if o.nearer else "null"},'
+            f'"legacy_truth_error":{_number(o.legacy_truth_error)},'
+            f'"upstream_truth_error":{_number(o.upstream_truth_error)},'
             f'"capture":{"null" if capture_path is None else _quote(capture_path)},'
             f'"drill":{"true" if o.drill else "false"},"legacy":{_quote(o.legacy)},"primary":{_quote(o.primary)},'
             f"{self._annotations()}{self._process_fields or self._process()}\n"

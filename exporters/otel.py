@@ -46,6 +46,8 @@ _SUMS = (
     contract.LEGACY,
     contract.SHADOW,
     contract.AA_RUNS,
+    contract.BACKWARD_RUNS,
+    contract.TRUTH_RUNS,
     contract.ROLLBACKS,
 )
 _HISTOGRAMS = (contract.ABS_ERROR, contract.REL_ERROR, contract.SHADOW_DURATION)
@@ -220,6 +222,10 @@ class OTelExporter:
                 for measure, value in (("abs", observation.aa_abs_error), ("rel", observation.aa_rel_error)):
                     key = (target, signature, measure)
                     self._floors[key] = max(self._floors.get(key, 0.0), min(value, contract.ERROR_CAP))
+            if observation.backward:
+                add(contract.BACKWARD_RUNS, 1, target, observation.signature)
+            if observation.nearer:
+                add(contract.TRUTH_RUNS, 1, target, observation.signature, observation.nearer)
             add(contract.LEGACY, observation.legacy_seconds, target)
             add(contract.SHADOW, observation.overhead_seconds, target)
         values = [(contract.SHADOW_DURATION, observation.overhead_seconds, target)]

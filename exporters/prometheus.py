@@ -178,6 +178,10 @@ class PrometheusExporter:
             child(contract.REL_ERROR, target).observe(min(observation.max_rel_error, contract.ERROR_CAP))
         if observation.aa:
             self._aa(observation)
+        if observation.backward:
+            child(contract.BACKWARD_RUNS, target, observation.signature).inc()
+        if observation.nearer:
+            child(contract.TRUTH_RUNS, target, observation.signature, observation.nearer).inc()
         child(contract.LEGACY, target).inc(observation.legacy_seconds)
         child(contract.SHADOW, target).inc(observation.overhead_seconds)
         child(contract.SHADOW_DURATION, target).observe(observation.overhead_seconds)

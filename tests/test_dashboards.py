@@ -115,10 +115,15 @@ def scraped_metric_names():
     exporter = PrometheusExporter(registry=CollectorRegistry())
     ops = types.SimpleNamespace(op=faults.scale)
     with shadow.install(
-        [shadow.Target("op", ops, "op", faults.scale_wrong)], sample_rate=1.0, exporters=[exporter], aa_rate=1.0
+        [shadow.Target("op", ops, "op", faults.scale_wrong)],
+        sample_rate=1.0,
+        exporters=[exporter],
+        aa_rate=1.0,
+        backward_rate=1.0,
+        truth_rate=1.0,
     ):
         for i in range(4):
-            ops.op(torch.tensor([float(i)]))
+            ops.op(torch.tensor([float(i)], requires_grad=True))
     text = generate_latest(exporter.registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 

@@ -98,6 +98,8 @@ INVALID = {
     "pure_hooks": "sometimes",
     "first_per_signature": "-1",
     "aa_rate": "1.5",
+    "backward_rate": "2",
+    "truth_rate": "often",
     "primary": "both",
     "rollback_file": "",
     "rollback_port": "70000",

@@ -19,10 +19,16 @@ from exporters import OTelExporter, PrometheusExporter, contract
 def run_workload(exporters):
     ops = types.SimpleNamespace(op=faults.scale)
     with shadow.install(
-        [shadow.Target("op", ops, "op", faults.scale_wrong)], sample_rate=1.0, exporters=exporters, aa_rate=0.5, seed=1
+        [shadow.Target("op", ops, "op", faults.scale_wrong)],
+        sample_rate=1.0,
+        exporters=exporters,
+        aa_rate=0.5,
+        seed=1,
+        backward_rate=1.0,
+        truth_rate=1.0,
     ) as m:
         for i in range(12):
-            ops.op(torch.tensor([float(i % 4)]))
+            ops.op(torch.tensor([float(i % 4)], requires_grad=True))
     return m.stats()["op"]
 
 
@@ -56,6 +62,8 @@ def test_every_instrument_with_its_unit_and_attributes():
     assert value("npu_shadow.skipped", reason="oom") == 0  # pre-created at zero
     assert value("npu_shadow.abs_error", target="op") == 12
     assert value("npu_shadow.sample_rate", target="op") == 1.0
+    assert value("npu_shadow.backward_runs", target="op") == stats.backward_runs == stats.match  # (the matches')
+    assert value("npu_shadow.truth_runs", target="op") == sum(stats.truth_runs.values()) == stats.mismatch
     boundaries = by_name["npu_shadow.abs_error"].data.data_points[0].explicit_bounds
     assert tuple(boundaries) == contract.ERROR_BUCKETS
 

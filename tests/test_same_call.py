@@ -626,7 +626,7 @@ class ResNet18(nn.Module):
         return self.head(x)
 
 
-def _train(rate, hook, steps=3):
+def _train(rate, hook, steps=3, **options):
     torch.manual_seed(0)
     model = ResNet18().to("npu:0")
     features = []
@@ -636,7 +636,7 @@ def _train(rate, hook, steps=3):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     # (uniform sampling: at rate 0 nothing is compared, at rate 1 everything)
     with shadow.install(
-        ["parallel_apply", "tensor_type"], sample_rate=rate, oracle=1.0, first_per_signature=0
+        ["parallel_apply", "tensor_type"], sample_rate=rate, oracle=1.0, first_per_signature=0, **options
     ) as monitor:
         for _ in range(steps):
             x = torch.randn(4, 3, 32, 32, device="npu:0")
@@ -660,6 +660,18 @@ def test_resnet18_in_dataparallel_trains_bitwise_identically_at_rate_0_and_1(leg
         assert torch.equal(features_unshadowed.sort().values, features_shadowed.sort().values)  # (threads' order)
     else:  # compared, BatchNorm statistics, Dropout's RNG and all
         assert stats.match == 3 and stats.oracle_runs == 3
+    assert unshadowed.keys() == shadowed_state.keys()
+    for key, value in unshadowed.items():
+        assert torch.equal(value, shadowed_state[key]), key
+
+
+def test_resnet18_in_dataparallel_trains_bitwise_identically_with_backward_and_truth_runs(legacy_patches):
+    """Every call compared forward and backward (legacy run again for its graph, the products through both
+    graphs), a truth run wherever values differ: the caller's gradients, BatchNorm statistics, Dropout's RNG and
+    the optimizer's steps are as unwrapped."""
+    unshadowed, _, _ = _train(0.0, hook=False)
+    shadowed_state, _, stats = _train(1.0, hook=False, backward_rate=1.0, truth_rate=1.0)
+    assert stats.sampled == 3 and stats.backward_runs == 3 and stats.match == 3, stats
     assert unshadowed.keys() == shadowed_state.keys()
     for key, value in unshadowed.items():
         assert torch.equal(value, shadowed_state[key]), key

@@ -187,7 +187,10 @@ def build(
     absent = sorted(set(risky or {}) - set(evidence.counts))  # known targets the sources never saw
     sections = [_environment(evidence, sources), _verdict(decisions, overall, max_rate, absent), _phases(decisions)]
     sections.append(_charts(evidence, decisions, max_rate, min_per_signature))
-    sections += [_coverage(decisions), _shared(decisions), _divergences(evidence)]
+    sections += [_coverage(decisions), _shared(decisions)]
+    if any(d.truth for d in decisions):  # (truth runs are asked for: --truth-rate)
+        sections.append(_truth(decisions))
+    sections.append(_divergences(evidence))
     if evidence.rollbacks or any(d.rollbacks for d in decisions):
         sections.append(
             Section(
@@ -308,6 +311,21 @@ def _charts(evidence: Evidence, decisions: list[Decision], max_rate: float, min_
             x_title="greatest absolute difference",
         )
     )
+    nearer = [
+        (f"{d.target} {t.signature}: {side} nearer", float(count))
+        for d in decisions
+        for t in d.truth
+        for side, count in (("upstream", t.upstream), ("legacy", t.legacy), ("tie", t.tie))
+    ]
+    figures.append(
+        charts.horizontal_bars(
+            nearer,
+            "Value differences against float64: the side nearer the truth",
+            charts.COVERED,
+            subtitle="truth runs by signature; upstream nearer: no regression",
+            x_title="truth runs",
+        )
+    )
     figures = [f for f in figures if f]
     notes = [] if figures else ["Nothing to draw: the charts need journals (--journal) or risky signatures."]
     return Section("Charts", [], notes=notes, figures=figures, html_only=True)
@@ -352,6 +370,23 @@ def _shared(decisions: list[Decision]) -> Section:
         "oracle): removing the patch changes nothing there; an upstream issue to file, not a reason to keep it."
     ]
     return Section("Shared divergences", text, ["target", "reason", "comparisons"], rows, [] if rows else ["None."])
+
+
+def _truth(decisions: list[Decision]) -> Section:
+    rows = [
+        [d.target, t.signature, f"{t.upstream:,}", f"{t.legacy:,}", f"{t.tie:,}",
+         "-" if t.decade is None else f"~10^{t.decade}"]
+        for d in decisions
+        for t in d.truth
+    ]  # fmt: skip
+    text = [
+        "Calls whose two sides differ in value (close, or a value mismatch) run once more in float64 on the CPU, on "
+        "upstream's code path: the side whose result is nearer that run is nearer the truth. A difference where "
+        "upstream is nearer is no regression (shown here, never hidden, and never counted as agreement); one where "
+        "legacy is nearer is. These runs are shown beside the decision, not folded into it."
+    ]
+    header = ["target", "signature", "upstream nearer", "legacy nearer", "tie", "upstream's error / legacy's (median)"]
+    return Section("Float64 truth", text, header, rows)
 
 
 def _divergences(evidence: Evidence) -> Section:

@@ -28,17 +28,20 @@ from shadow.core.observation import (
     COMPARED_OUTCOMES,
     DIVERGENT_OUTCOMES,
     LEGACY,
+    NEARER,
     OUTCOMES,
     PRIMARY_SIDES,
     Outcome,
     label_text,
 )
+from shadow.core.truth import DECADE_LIMIT, error_decade
 
 COMPARISONS = contract.COMPARISONS.series
 MISMATCHES = contract.MISMATCHES.series
 SHARED = contract.SHARED_DIVERGENCES.series
 SKIPPED = contract.SKIPPED.series
 CALLS = contract.CALLS.series
+TRUTH_RUNS = contract.TRUTH_RUNS.series
 ROLLBACKS = contract.ROLLBACKS.series
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
 BUILD_INFO = contract.BUILD_INFO.prometheus_name
@@ -83,6 +86,9 @@ def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], val
         target.add_skip(labels.get("reason", ""), value, primary, labels.get("signature", ""))
     elif name == CALLS:
         target.add_calls(labels.get("signature", ""), value, primary)
+    elif name == TRUTH_RUNS:
+        if labels.get("nearer") in NEARER:
+            target.add_truth(labels.get("signature", ""), labels["nearer"], value, primary)
     else:
         target.add_shared(labels.get("reason", ""), value, primary)
 
@@ -114,7 +120,7 @@ def from_exposition(text: str, source: str = "exposition") -> dict[str, TargetCo
     drill = False
     for family in families:
         for sample in family.samples:
-            if sample.name in (COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, ROLLBACKS):
+            if sample.name in (COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, ROLLBACKS, TRUTH_RUNS):
                 where = f"{source}: {sample.name}{dict(sample.labels)}"
                 _add(counts, sample.name, sample.labels, _count(sample.value, where))
             elif sample.name == DRILL_ACTIVE and sample.value > 0:
@@ -208,6 +214,7 @@ def from_prometheus(
         (SKIPPED, "target, reason, signature, primary"),
         (CALLS, "target, signature, primary"),
         (ROLLBACKS, "target, source"),
+        (TRUTH_RUNS, "target, signature, nearer, primary"),
     ]
     deadline = time.monotonic() + timeout
     for metric, by in queries:
@@ -299,6 +306,8 @@ class _Tail:
     reasons: dict[tuple[str, bool], float] = dataclasses.field(default_factory=dict)  # (reason, divergent line)
     shared: dict[str, float] = dataclasses.field(default_factory=dict)
     drilled: dict[bool, float] = dataclasses.field(default_factory=dict)  # divergent line -> drilled lines
+    truth: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, nearer)
+    truth_decades: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, decade)
     seconds: dict[int, list[float]] = dataclasses.field(default_factory=dict)  # second -> [compared, divergent]
     lines: int = 0
 
@@ -317,6 +326,15 @@ class _Tail:
             self.shared[record["shared_divergence"]] = self.shared.get(record["shared_divergence"], 0) + 1
         if record.get("drill") is True:
             self.drilled[divergent] = self.drilled.get(divergent, 0) + 1
+        nearer = record.get("nearer")
+        if nearer in NEARER:
+            self.truth[(signature, nearer)] = self.truth.get((signature, nearer), 0) + 1
+            errors = record.get("legacy_truth_error"), record.get("upstream_truth_error")
+            if all(isinstance(e, (int, float)) and not isinstance(e, bool) for e in errors):
+                decade = error_decade(*errors)
+                if decade is not None:
+                    key = (signature, str(decade))
+                    self.truth_decades[key] = self.truth_decades.get(key, 0) + 1
         timestamp = record.get("timestamp")
         second = int(timestamp) if isinstance(timestamp, (int, float)) and math.isfinite(timestamp) else 0
         counts = self.seconds.setdefault(second, [0.0, 0.0])
@@ -375,6 +393,12 @@ def _check_counts(record: dict, where: str) -> dict:
     for outcomes in (table("outcomes", 2)).values():
         if any(o not in COMPARED_OUTCOMES for o in outcomes):
             raise SourceError(f"{where}: a count record with an unknown outcome")
+    truth, decades = table("truth", 2), table("truth_decades", 2)
+    if any(side not in NEARER for by_side in truth.values() for side in by_side):
+        raise SourceError(f"{where}: a count record with an unknown side nearer the truth")
+    known = {str(d) for d in range(-DECADE_LIMIT, DECADE_LIMIT + 1)}
+    if any(decade not in known for by_decade in decades.values() for decade in by_decade):
+        raise SourceError(f"{where}: a count record with an unknown error decade")
     return {
         "outcomes": table("outcomes", 2),
         "skipped": table("skipped", 2),
@@ -382,6 +406,8 @@ def _check_counts(record: dict, where: str) -> dict:
         "shared": table("shared", 1),
         "calls": table("calls", 1),
         "drilled": _count(record.get("drilled", 0), f"{where}: drilled"),
+        "truth": truth,
+        "truth_decades": decades,
     }
 
 
@@ -598,6 +624,12 @@ class JournalReader:
         for signature, value in counts["calls"].items():
             entry.add_calls(signature, value, primary)
         entry.drilled += counts["drilled"]
+        for signature, by_side in counts.get("truth", {}).items():
+            for side, value in by_side.items():
+                entry.add_truth(signature, side, value, primary)
+        for signature, by_decade in counts.get("truth_decades", {}).items():
+            for decade, value in by_decade.items():
+                entry.add_truth_decade(signature, int(decade), value, primary)
 
     @staticmethod
     def _add_tail(entry: TargetCounts, primary: str, tail: _Tail, complete: bool) -> None:
@@ -616,6 +648,10 @@ class JournalReader:
                 entry.add_reason(reason, value, primary)
         for reason, value in tail.shared.items():
             entry.add_shared(reason, value, primary)
+        for (signature, side), value in tail.truth.items():  # (truth runs are of value differences: all lines)
+            entry.add_truth(signature, side, value, primary)
+        for (signature, decade), value in tail.truth_decades.items():
+            entry.add_truth_decade(signature, int(decade), value, primary)
         entry.drilled += sum(v for divergent, v in tail.drilled.items() if complete or divergent)
 
 

@@ -93,6 +93,10 @@ class PhaseCounts:
     #: Divergent comparisons whose matches are not known (lines a process wrote after its last count record,
     #: without every outcome): they raise the upper bound (as comparisons that all diverged), never the lower.
     unmatched: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: Float64 truth runs of value differences by (signature, side nearer the truth), and by (signature, decade
+    #: of upstream's error over legacy's) where both errors were known.
+    truth: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    truth_decades: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
 
     def by_signature(self, outcomes: Iterable[str]) -> dict[str, float]:
         found: dict[str, float] = {}
@@ -155,6 +159,14 @@ class TargetCounts:
     def add_skip(self, reason: str, count: float, primary: str = LEGACY, signature: str = "") -> None:
         phase = self.phase(primary)
         phase.skipped[(signature, reason)] = phase.skipped.get((signature, reason), 0) + count
+
+    def add_truth(self, signature: str, nearer: str, count: float, primary: str = LEGACY) -> None:
+        phase = self.phase(primary)
+        phase.truth[(signature, nearer)] = phase.truth.get((signature, nearer), 0) + count
+
+    def add_truth_decade(self, signature: str, decade: int, count: float, primary: str = LEGACY) -> None:
+        phase = self.phase(primary)
+        phase.truth_decades[(signature, decade)] = phase.truth_decades.get((signature, decade), 0) + count
 
     def add_calls(self, signature: str, count: float, primary: str = LEGACY) -> None:
         phase = self.phase(primary)
@@ -241,9 +253,71 @@ class Decision:
     #: Comparisons a fire drill injected divergence into (-1: a drill was active, how many is not known); a
     #: verdict over a drill is a rehearsal of the alerting and rollback, not evidence about upstream.
     drilled: int = 0
+    #: Float64 truth runs of the value differences, by signature: which side was nearer the truth, and by how
+    #: much. Shown beside the decision, never folded into it: a difference where upstream is nearer is no
+    #: regression, one where it is further is.
+    truth: tuple[TruthSummary, ...] = ()
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class TruthSummary:
+    """The truth runs of one signature: how many found legacy, upstream or neither nearer the float64 truth, and
+    the median decade of upstream's error over legacy's (-2: upstream's error a hundredth of legacy's; None where
+    no run knew both errors)."""
+
+    signature: str
+    legacy: int
+    upstream: int
+    tie: int
+    decade: int | None = None
+
+    @property
+    def runs(self) -> int:
+        return self.legacy + self.upstream + self.tie
+
+    def describe(self) -> str:
+        """One line: ``upstream nearer in 4 of 5 (its error ~10^-3 of legacy's), legacy in 1, tie 0``."""
+        by_how_much = f" (upstream's error ~10^{self.decade} of legacy's, median)" if self.decade is not None else ""
+        return (
+            f"upstream nearer in {self.upstream} of {self.runs}, legacy nearer in {self.legacy}, tie {self.tie}"
+            f"{by_how_much}"
+        )
+
+
+def truth_summaries(counts: TargetCounts) -> tuple[TruthSummary, ...]:
+    """The truth runs of every signature of ``counts`` (all phases: a truth run asks about the two sides' code,
+    whichever side's result the caller got)."""
+    sides: dict[str, dict[str, float]] = {}
+    decades: dict[str, dict[int, float]] = {}
+    for phase in counts.phases.values():
+        for (signature, nearer), value in phase.truth.items():
+            sides.setdefault(signature, {})[nearer] = sides.get(signature, {}).get(nearer, 0) + value
+        for (signature, decade), value in phase.truth_decades.items():
+            decades.setdefault(signature, {})[decade] = decades.get(signature, {}).get(decade, 0) + value
+    found = []
+    for signature in sorted(sides):
+        by_side = {k: round(v) for k, v in sides[signature].items()}
+        if not sum(by_side.values()):
+            continue
+        legacy, upstream, tie = (by_side.get(side, 0) for side in ("legacy", "upstream", "tie"))
+        found.append(TruthSummary(signature, legacy, upstream, tie, _median(decades.get(signature, {}))))
+    return tuple(found)
+
+
+def _median(counts: dict[int, float]) -> int | None:
+    """The median of values given with their counts (the lower one of an even count); None when empty."""
+    total = sum(counts.values())
+    if total <= 0:
+        return None
+    seen = 0.0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= total / 2:
+            return value
+    return None
 
 
 def _strata(phase: PhaseCounts, cap: float | None) -> tuple[list[Stratum], list[Stratum], dict[str, float], bool]:
@@ -416,6 +490,7 @@ def decide(
         "set_aside": round(counts.set_aside),
         "notes": tuple(counts.notes),
         "drilled": round(counts.drilled),
+        "truth": truth_summaries(counts),
     }
     if counts.compared == 0 and worst is None:
         needed = comparisons_needed(max_rate)

@@ -145,6 +145,8 @@ class Experiment:
         aa_rate: float = 0.0,
         primary: str = LEGACY,
         deadline: float | None = DEFAULT_DEADLINE,
+        backward_rate: float = 0.0,
+        truth_rate: float = 0.0,
     ) -> None:
         self.target = target
         self.drill = drill
@@ -176,6 +178,13 @@ class Experiment:
         # leaf, as a distribution (shadow.core.noise).
         self.aa_rate = aa_rate
         self.aa_random = random.Random(f"{seed}/{target.name}/aa" if seed is not None else None)
+        # The backward comparison (shadow.core.gradients), on this fraction of sampled calls of an isolated target
+        # while legacy is the primary; its cotangents are drawn from seeds of backward_random's. The float64 truth
+        # run (shadow.core.truth), on this fraction of the calls whose outcome is a value difference.
+        self.backward_rate = backward_rate
+        self.backward_random = random.Random(f"{seed}/{target.name}/backward" if seed is not None else None)
+        self.truth_rate = truth_rate
+        self.truth_random = random.Random(f"{seed}/{target.name}/truth" if seed is not None else None)
         # (of the current phase: started again at a rollback or a reset)
         self.noise = NoiseFloor()
         self.legacy = target.resolve_legacy()
@@ -196,6 +205,8 @@ class Experiment:
         self._reasons: collections.Counter[str] = collections.Counter()
         self._shared: collections.Counter[str] = collections.Counter()
         self._oracle_runs = 0
+        self._backward_runs = 0
+        self._truth_runs: collections.Counter[str] = collections.Counter()
         self._signatures: set[str] = set()
         self._signatures_over_cap = 0
         self._export_errors = 0
@@ -286,8 +297,9 @@ class Experiment:
 
     @property
     def first_comparisons_done(self) -> bool:
-        """Whether every signature seen has had its first calls (always so without coverage guidance)."""
-        return self.coverage is None or self.coverage.done
+        """Whether every signature seen has had its first calls (always so without coverage guidance, and while
+        no call was seen)."""
+        return self.coverage is None or self.coverage.done or not self.coverage.calls
 
     def _arrive(self, args: tuple, kwargs: dict) -> Any:
         """A call found the gate closed: maybe the sampled one, or (a guided target) one to classify, maybe among
@@ -512,6 +524,9 @@ class Experiment:
             self._reasons.update(observation.reasons)
             if observation.shared_divergence:
                 self._shared[observation.shared_divergence] += 1
+            self._backward_runs += observation.backward
+            if observation.nearer:
+                self._truth_runs[observation.nearer] += 1
         publishing = getattr(marks, "publishing", False)
         try:
             marks.publishing = True
@@ -583,6 +598,8 @@ class Experiment:
                 by_reason=dict(self._reasons),
                 shared_divergences=dict(self._shared),
                 oracle_runs=self._oracle_runs,
+                backward_runs=self._backward_runs,
+                truth_runs=dict(self._truth_runs),
                 signatures_over_cap=self._signatures_over_cap,
                 export_errors=self._export_errors,
                 settings_failures=self._settings_failures,
@@ -596,6 +613,8 @@ class Experiment:
         self._reasons.clear()
         self._shared.clear()
         self._oracle_runs = 0
+        self._backward_runs = 0
+        self._truth_runs.clear()
         self._export_errors = 0
         self._settings_failures = 0
         self._skips_unreported.clear()

@@ -283,31 +283,47 @@ class Isolation:
         self._arguments = [clone_tensors(self._given, early) for early in self._early]
 
     @staticmethod
-    def _swaps(modules: list[torch.nn.Module]) -> list[_Swap]:
+    def _swaps(modules: list[torch.nn.Module]) -> tuple[list[_Swap], list[torch.Tensor]]:
+        """One run's swaps, and the tensors they stand for (in the same order)."""
         leaves: dict[int, torch.Tensor] = {}  # tied parameters and buffers stay tied in the isolated run
         swaps: list[_Swap] = []
+        originals: list[torch.Tensor] = []
         for module in modules:
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     swaps.append((module._buffers, name, leaves.setdefault(id(buffer), _new_leaf(buffer, copy=True))))
+                    originals.append(buffer)
             for name, parameter in module._parameters.items():
                 if parameter is not None:
                     leaf = leaves.setdefault(id(parameter), _new_leaf(parameter, copy=False))
                     swaps.append((module._parameters, name, leaf))
+                    originals.append(parameter)
             for name, value in vars(module).items():  # a replica's parameters: non-leaf tensors in its __dict__
                 if isinstance(value, torch.Tensor) and value.requires_grad:
                     swaps.append((vars(module), name, leaves.setdefault(id(value), _stand_in(value))))
-        return swaps
+                    originals.append(value)
+        return swaps, originals
 
     def arguments(self, run: int = 0) -> tuple[tuple, dict]:
         """The copied (args, kwargs) of one run (after :meth:`take_arguments`)."""
         return self._arguments[run]
 
+    def stand_ins(self, run: int = 0) -> dict[int, torch.Tensor]:
+        """What stands for each tensor of the call that requires grad in one run (after :meth:`take_arguments`),
+        by the id of the tensor it stands for: the parameters' new leaves, the replicas' parameters, the argument
+        copies. The gradients a backward comparison asks for are with respect to these."""
+        swaps, originals = self._worlds[run]
+        found = {id(original): value for (_, _, value), original in zip(swaps, originals)}
+        for original, copy in zip(tree_iter(self._given), tree_iter(self._arguments[run])):
+            if isinstance(original, torch.Tensor) and isinstance(copy, torch.Tensor):
+                found.setdefault(id(original), copy)
+        return {key: value for key, value in found.items() if value.requires_grad}
+
     @contextlib.contextmanager
     def upstream_run(self, run: int = 0) -> Iterator[None]:
         """Run the body isolated: legacy's starting state, its own graph, nothing leaks out."""
         rng_after_legacy = RngSnapshot()
-        swaps = self._worlds[run]
+        swaps, _ = self._worlds[run]
         # Taken before the swaps: restoring the modules' attributes and dictionaries also swaps the originals back.
         states = [ModuleState(m) for m in self._modules]
         hooks = _GlobalHooks()

@@ -241,6 +241,8 @@ def install(
     first_per_signature: int = DEFAULT_FIRST_PER_SIGNATURE,
     aa_rate: float = 0.0,
     primary: str = "legacy",
+    backward_rate: float = 0.0,
+    truth_rate: float = 0.0,
 ) -> Monitor:
     """Shadow the given targets (by default every built-in whose legacy patch is active).
 
@@ -268,6 +270,12 @@ def install(
     floor); a legacy-vs-upstream value difference within twice that floor is reported as ``noise``, not as a
     mismatch. ``primary``: the side whose result the caller gets, ``"legacy"`` (shadowing: upstream is compared)
     or ``"upstream"`` (a canary: legacy is compared, and :meth:`Monitor.roll_back` returns to legacy).
+    ``backward_rate``: the fraction of sampled calls of an isolated target (the DataParallel ones) whose gradients
+    are compared too, while legacy is the primary: seeded cotangents pulled back through upstream's graph and
+    through a graph of legacy's own, a re-run (``shadow.core.gradients``; reason "grad"). ``truth_rate``: the
+    fraction of calls with a value difference (outcome close, or a mismatch in value alone) that run once more in
+    float64 on the CPU, to tell which side is nearer the truth (``shadow.core.truth``; ``nearer`` in the
+    observation).
     ``yields``: this monitor steps aside while a later
     monitor shadows the same target (instead of that one raising "already shadowed"). Raises ValueError on
     any bad argument, before patching.
@@ -297,6 +305,8 @@ def install(
     if isinstance(first_per_signature, bool) or not isinstance(first_per_signature, int) or first_per_signature < 0:
         raise ValueError(f"first_per_signature: expected an int >= 0, got {first_per_signature!r}")
     aa_rate = check_rate(aa_rate, "aa_rate")
+    backward_rate = check_rate(backward_rate, "backward_rate")
+    truth_rate = check_rate(truth_rate, "truth_rate")
     if primary not in PRIMARY_SIDES:
         raise ValueError(f"primary: expected one of {PRIMARY_SIDES}, got {primary!r}")
 
@@ -316,6 +326,8 @@ def install(
             aa_rate,
             primary,
             deadline=deadline,
+            backward_rate=backward_rate,
+            truth_rate=truth_rate,
         )
         for t in resolved
     ]

@@ -40,7 +40,8 @@ DIVERGENT_OUTCOMES = (Outcome.MISMATCH.value, Outcome.ERROR.value)
 #: "stride" is a layout difference (strides or memory format): a mismatch for exact targets, since ``.view()``
 #: works on one layout and raises on the other; tolerance targets note it in the detail.
 #: "requires_grad": an output requires grad on one side only (it would or would not take part in backward);
-#: "state": the torch settings each side left behind differ (the current device, the default dtype, ...).
+#: "state": the torch settings each side left behind differ (the current device, the default dtype, ...);
+#: "grad": forward outputs agree, but the gradients through the two sides' graphs do not (a backward comparison).
 MISMATCH_REASONS = (
     "structure",
     "type",
@@ -54,6 +55,7 @@ MISMATCH_REASONS = (
     "value",
     "exception",
     "state",
+    "grad",
 )
 
 #: Reasons a sampled call was not compared.
@@ -67,6 +69,9 @@ MISMATCH_REASONS = (
 #: upstream ran out of it; "budget": the shadow side had used its share of the job's wall time; "deadline": the
 #: shadow side of a call took longer than its deadline (that call), or one did earlier (the target stopped shadowing).
 SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "inplace", "budget", "deadline", "comparator")
+
+#: Which side a float64 truth run found nearer the truth (shadow.core.truth): the values of ``nearer``.
+NEARER = ("legacy", "upstream", "tie")
 
 #: The built-in targets' names (their Targets are in shadow.core.targets).
 BUILTIN_TARGETS = ("parallel_apply", "data_parallel", "tensor_type")
@@ -175,6 +180,15 @@ class Observation:
     #: For a value difference: the noise floor's test of it (A/A and A/B runs, Mann-Whitney p, the floor), whether
     #: it made the outcome noise or not.
     noise_test: str = ""
+    #: A backward comparison ran on this call (shadow.core.gradients), and the time it took.
+    backward: bool = False
+    backward_seconds: float = 0.0
+    #: For a value difference, a float64 truth run (shadow.core.truth): the side nearer it (legacy, upstream or tie;
+    #: "" where none ran), each side's error against it, and the time it took.
+    nearer: str = ""
+    legacy_truth_error: float = 0.0
+    upstream_truth_error: float = 0.0
+    truth_seconds: float = 0.0
     #: Where the legacy side came from: 'torch_npu', 'torch_npu X source', 'reference', or '' (a custom target).
     legacy: str = ""
     #: The side whose result the caller got (the other ran as the shadow): 'legacy', or 'upstream' in a canary.
@@ -191,8 +205,12 @@ class Observation:
 
     @property
     def overhead_seconds(self) -> float:
-        """Time the upstream side cost the caller: the upstream run, the comparison, the oracle."""
-        return self.upstream_seconds + self.compare_seconds + self.oracle_seconds + self.aa_seconds
+        """Time the upstream side cost the caller: the upstream run, the comparison, the oracle, the A/A, backward
+        and truth runs."""
+        return (
+            self.upstream_seconds + self.compare_seconds + self.oracle_seconds + self.aa_seconds
+            + self.backward_seconds + self.truth_seconds
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +235,9 @@ class TargetStats:
     #: Shared divergences found by the single-device oracle, by reason; and how often the oracle ran.
     shared_divergences: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     oracle_runs: int = 0
+    #: Backward comparisons run, and float64 truth runs by the side nearer the truth (legacy, upstream, tie).
+    backward_runs: int = 0
+    truth_runs: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     #: Sampled calls whose signature was counted as "other": the target had MAX_SIGNATURES already.
     signatures_over_cap: int = 0
     #: Observations an exporter failed to export (one per failing exporter).

@@ -45,12 +45,34 @@ def upstream_run(experiment: Any) -> Iterator[None]:
         del upstream_runs[key]
 
 
+#: The backward runs of a backward comparison under way (:mod:`shadow.core.gradients`), by a key of their own.
+backward_runs: dict[object, Any] = {}
+
+
+@contextlib.contextmanager
+def backward_run(side: Any) -> Iterator[None]:
+    """While the body runs, calls on the autograd engine's own threads (threads Python did not start: the device
+    threads a backward through device tensors runs on) are ``side``'s: the backward run's, not the job's. (The
+    job's thread waits in the sampled call meanwhile; a backward of another job thread's at that moment would run
+    its wrapped calls as nested ones, the primary's implementation, uncounted: what the job gets, unseen.)"""
+    key = object()
+    try:
+        backward_runs[key] = side
+        yield
+    finally:
+        del backward_runs[key]
+
+
 def upstream_side_of_this_thread() -> Any | None:
-    """The experiment whose upstream side this thread is part of: running it, or started by its upstream run."""
+    """The experiment whose upstream side this thread is part of: running it, started by its upstream run, or an
+    autograd thread during its backward run."""
     side = getattr(marks, "upstream_side", None)
     if side is not None or not upstream_runs:
         return side
-    if not threading.current_thread().daemon:
+    thread = threading.current_thread()
+    if not thread.daemon:
         return None
+    if backward_runs and isinstance(thread, threading._DummyThread):
+        return next(iter(tuple(backward_runs.values())), None)
     ident = threading.get_ident()
     return next((experiment for alive, experiment in tuple(upstream_runs.values()) if ident not in alive), None)

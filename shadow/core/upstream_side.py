@@ -25,6 +25,7 @@ from shadow.core import trees
 from shadow.core.compare import Comparison, compare, compare_exceptions, with_state
 from shadow.core.deadline import Finished, leave_room, run_within
 from shadow.core.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
+from shadow.core.gradients import GradientComparison, compare_gradients, names_of, vjp
 from shadow.core.isolation import ArgumentsChanged, Isolation, detach_tensors, find_modules
 from shadow.core.noise import NoiseFloor
 from shadow.core.observation import (
@@ -37,9 +38,10 @@ from shadow.core.observation import (
     bounded,
     label_text,
 )
-from shadow.core.sides import LEGACY_AGAIN, marks, upstream_run
+from shadow.core.sides import LEGACY_AGAIN, backward_run, marks, upstream_run
 from shadow.core.targets import Target
 from shadow.core.tolerance import ToleranceSpec
+from shadow.core.truth import judge, run_in_float64
 
 _PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
 
@@ -67,6 +69,11 @@ def _current_device() -> str | None:
     """The accelerator's current device ("npu:1"), or None without an accelerator."""
     accelerator = torch.accelerator.current_accelerator()
     return None if accelerator is None else f"{accelerator.type}:{torch.accelerator.current_device_index()}"
+
+
+def _value_difference(found: Comparison) -> bool:
+    """A difference in value alone: where a float64 run can tell which side is nearer the truth."""
+    return found.outcome == Outcome.CLOSE or (found.outcome == Outcome.MISMATCH and found.reasons == ("value",))
 
 
 def autocast_state() -> str:
@@ -107,12 +114,19 @@ class Plan:
     oracle: bool
     before: TorchGlobals
     aa: bool = False  # legacy runs a second time (the noise floor's A/A run)
+    backward: bool = False  # the backward comparison: legacy runs again for a graph of its own
     modules_loaded: int = dataclasses.field(default_factory=lambda: len(sys.modules))
 
     @property
     def isolation_runs(self) -> int:
-        """Isolated runs after legacy: upstream's, then the oracle's and the A/A run's where they run."""
-        return 1 + self.oracle + self.aa
+        """Isolated runs after legacy: upstream's, then the oracle's, the backward comparison's legacy run and the
+        A/A run's where they run."""
+        return 1 + self.oracle + self.backward + self.aa
+
+    @property
+    def backward_run(self) -> int:
+        """The isolated run of the backward comparison's legacy run."""
+        return 1 + self.oracle
 
     def upstream_arguments(self) -> tuple[tuple, dict]:
         """What upstream receives: the isolation's copies (once taken), or the arguments above."""
@@ -134,6 +148,10 @@ class Experiment(Protocol):
     oracle_random: random.Random
     aa_rate: float
     aa_random: random.Random
+    backward_rate: float
+    backward_random: random.Random
+    truth_rate: float
+    truth_random: random.Random
     noise: NoiseFloor
 
     def admit(self, signature: str) -> str: ...
@@ -165,15 +183,23 @@ class UpstreamSide:
                 "=on/" in autocast or experiment.oracle_random.random() < experiment.oracle_rate
             )
             aa = experiment.aa_rate > 0 and experiment.aa_random.random() < experiment.aa_rate
+            backward = (
+                target.isolate
+                and experiment.primary != UPSTREAM
+                and experiment.backward_rate > 0
+                and experiment.backward_random.random() < experiment.backward_rate
+                and torch.is_grad_enabled()
+            )
             if target.isolate:
-                isolation = Isolation(args, kwargs, modules, runs=1 + oracle + aa)
+                isolation = Isolation(args, kwargs, modules, runs=1 + oracle + backward + aa)
                 up_args, up_kwargs = None, None
             else:
                 isolation, (up_args, up_kwargs) = None, detach_tensors((args, kwargs))
             if signature is None:  # (a guided target's call comes classified)
                 raw = target.signature(args, kwargs) if target.signature else "call"
                 signature = experiment.admit(label_text(str(raw), 64))
-            return cls(experiment, Plan(isolation, up_args, up_kwargs, signature, autocast, oracle, before, aa))
+            plan = Plan(isolation, up_args, up_kwargs, signature, autocast, oracle, before, aa, backward)
+            return cls(experiment, plan)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
@@ -223,11 +249,22 @@ class UpstreamSide:
         found = with_state(found, self._state_differences(plan, *left))
         found, noise_test = self._within_noise(plan.signature, found)
         compare_seconds = time.perf_counter() - start
+        backward = {}
+        if plan.backward and returned and found.outcome in (Outcome.MATCH, Outcome.CLOSE, Outcome.NOISE):
+            found, backward = self._backward(plan, args, kwargs, upstream, left_by_legacy, found)
+        truth = {}
+        if (
+            experiment.truth_rate > 0
+            and returned
+            and _value_difference(found)
+            and experiment.truth_random.random() < experiment.truth_rate
+        ):
+            truth = self._truth(plan, args, kwargs, runs[0].value, runs[1].value, left_by_legacy)
         shared = {}
         if plan.oracle and returned and found.outcome in (Outcome.MATCH, Outcome.CLOSE):
             shared = self._single_device(plan, legacy.value, left_by_legacy)
         evidence = None
-        if found.outcome in DIVERGENT_OUTCOMES:
+        if found.outcome in DIVERGENT_OUTCOMES and "grad" not in found.reasons:  # (a replay is of the forward)
             evidence = self._evidence(plan, *runs)
         return Observation(
             outcome=found.outcome,
@@ -242,6 +279,8 @@ class UpstreamSide:
             evidence=evidence,
             **shared,
             **aa,
+            **backward,
+            **truth,
             **common,
         )
 
@@ -361,6 +400,99 @@ class UpstreamSide:
             return None, drilled, left_by_upstream
         # (SystemExit, GeneratorExit: upstream's outcome, never the caller's)
         return Run(finished.value, finished.error, seconds, autocast), drilled, left_by_upstream
+
+    def _backward(
+        self, plan: Plan, args: tuple, kwargs: dict, upstream: Run, left_by_legacy: TorchGlobals, found: Comparison
+    ) -> tuple[Comparison, dict[str, Any]]:
+        """The backward comparison (:mod:`shadow.core.gradients`): legacy again, isolated, for a graph of its own,
+        and the same seeded products through both graphs; the comparison turned into a ``grad`` mismatch where they
+        differ, and the Observation fields of the backward run."""
+        experiment = self.experiment
+        start = time.perf_counter()
+        seed = experiment.backward_random.getrandbits(40)
+        run = plan.backward_run
+        legacy_args, legacy_kwargs = plan.isolation.arguments(run)
+        try:
+            experiment.put_back(plan.before)
+            try:
+                with plan.isolation.upstream_run(run), upstream_run(LEGACY_AGAIN), backward_run(LEGACY_AGAIN):
+                    wrt = plan.isolation.stand_ins(run)
+
+                    def again() -> Any:
+                        return vjp(experiment.legacy(*legacy_args, **legacy_kwargs), wrt, seed)
+
+                    ran = self._within_deadline(LEGACY_AGAIN, plan.before, again)
+                theirs = Finished(False)
+                if ran.finished:
+                    with upstream_run(experiment), backward_run(experiment):
+                        wrt = plan.isolation.stand_ins(0)
+                        theirs = self._within_deadline(experiment, plan.before, lambda: vjp(upstream.value, wrt, seed))
+            finally:
+                experiment.put_back(left_by_legacy)
+            if not ran.finished or not theirs.finished:
+                return found, {"backward_seconds": time.perf_counter() - start}
+            if ran.error is not None or theirs.error is not None:
+                if type(ran.error) is type(theirs.error):  # (both raised alike: nothing to compare)
+                    return found, {"backward_seconds": time.perf_counter() - start}
+                grads = compare_exceptions(ran.error, theirs.error)
+                compared = GradientComparison(Outcome.MISMATCH.value, bounded("backward: " + grads.detail))
+            elif ran.value is None or theirs.value is None:
+                return found, {"backward_seconds": time.perf_counter() - start}  # (no output requires grad)
+            else:
+                compared = compare_gradients(ran.value, theirs.value, names_of(args, kwargs), experiment.tolerance)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the backward run is ours: its failure loses only the backward finding
+            experiment.log_limited("backward", "backward comparison failed: %r", exc)
+            return found, {"backward_seconds": time.perf_counter() - start}
+        fields = {"backward": True, "backward_seconds": time.perf_counter() - start}
+        if compared.outcome == Outcome.MISMATCH.value:
+            detail = "; ".join(part for part in (compared.detail, found.detail) if part)
+            found = dataclasses.replace(
+                found, outcome=Outcome.MISMATCH.value, reasons=("grad",), detail=bounded(detail),
+                max_abs_error=max(found.max_abs_error, compared.max_abs_error),
+                max_rel_error=max(found.max_rel_error, compared.max_rel_error),
+            )  # fmt: skip
+        return found, fields
+
+    def _truth(
+        self, plan: Plan, args: tuple, kwargs: dict, legacy: Any, upstream: Any, left_by_legacy: TorchGlobals
+    ) -> dict[str, Any]:
+        """The float64 CPU run on upstream's code path (:mod:`shadow.core.truth`) and each side's error against it:
+        the Observation fields (none where the results cannot be paired with it)."""
+        experiment = self.experiment
+        start = time.perf_counter()
+        target = experiment.target
+        try:
+            with torch.no_grad():  # (the single-device call's scatter: no graph on the caller's inputs)
+                call = target.oracle(args, kwargs) if target.oracle is not None else None
+            if call is not None:
+                body, parts = (lambda: run_in_float64(call.module, call.args, call.kwargs)), call.legacy_part
+            else:
+                body, parts = (lambda: run_in_float64(target.upstream, args, kwargs)), (lambda result, truth: result)
+            experiment.put_back(plan.before)
+            try:
+                with upstream_run(experiment):
+                    ran = self._within_deadline(experiment, plan.before, body)
+            finally:
+                experiment.put_back(left_by_legacy)
+            if not ran.finished or ran.error is not None:
+                return {"truth_seconds": time.perf_counter() - start}
+            judged = judge(parts(legacy, ran.value), parts(upstream, ran.value), ran.value)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the truth run is ours: its failure loses only its finding
+            experiment.log_limited("truth", "float64 truth run failed: %r", exc)
+            return {"truth_seconds": time.perf_counter() - start}
+        seconds = time.perf_counter() - start
+        if judged is None:
+            return {"truth_seconds": seconds}
+        return {
+            "nearer": judged.nearer,
+            "legacy_truth_error": judged.legacy_error,
+            "upstream_truth_error": judged.upstream_error,
+            "truth_seconds": seconds,
+        }
 
     def _aa_run(self, plan: Plan, legacy: Run, left_by_legacy: TorchGlobals) -> dict[str, Any]:
         """Legacy once more (legacy, whatever the primary: the noise floor is the reference's own variation), from

@@ -124,6 +124,11 @@ def _verdict(args: argparse.Namespace) -> int:
                     f"{'':<16}shared divergence: {found} (legacy and upstream agree, both unlike replica 0 alone on "
                     "its device: an upstream issue to file, not a reason to keep the patch)"
                 )
+            for summary in d.truth:
+                print(
+                    f"{'':<16}float64 truth, {summary.signature}: {summary.describe()} (where upstream is nearer, "
+                    "the difference is no regression; where legacy is, it is one)"
+                )
         if not decisions:
             print("(no npu_shadow comparisons found)")
         print(

@@ -387,6 +387,20 @@ SETTINGS = {
         "default 0.05; 0: none)",
         lambda text: _rate(text, "[0"),
     ),
+    "backward_rate": Setting(
+        "NPU_SHADOW_BACKWARD_RATE",
+        "--backward-rate",
+        "a fraction in [0, 1] of sampled DataParallel calls whose gradients are compared too, through upstream's graph "
+        "and a graph of legacy's own (reason grad; default 0.05; 0: none)",
+        lambda text: _rate(text, "[0"),
+    ),
+    "truth_rate": Setting(
+        "NPU_SHADOW_TRUTH_RATE",
+        "--truth-rate",
+        "a fraction in [0, 1] of calls whose sides differ in value that run again in float64 on the CPU, to tell "
+        "which side is nearer the truth (default 0.25; 0: none)",
+        lambda text: _rate(text, "[0"),
+    ),
     "primary": Setting(
         "NPU_SHADOW_PRIMARY",
         "--primary",
@@ -471,6 +485,8 @@ class Config:
     pure_hooks: bool = False
     first_per_signature: int = DEFAULT_FIRST_PER_SIGNATURE
     aa_rate: float = 0.05
+    backward_rate: float = 0.05
+    truth_rate: float = 0.25
     primary: str = "legacy"
     rollback_file: str | None = None
     rollback_port: int | None = None

@@ -148,6 +148,8 @@ class Launcher:
                     pure_hooks=config.pure_hooks,
                     first_per_signature=config.first_per_signature,
                     aa_rate=config.aa_rate,
+                    backward_rate=config.backward_rate,
+                    truth_rate=config.truth_rate,
                     # (a switch thrown stays thrown when the monitor is installed anew over new legacy patches)
                     primary="legacy" if self.rolled_back_by else config.primary,
                 )
@@ -433,6 +435,11 @@ def summary(
                 f"{'':<16}shared divergence: {found} of {s.oracle_runs} single-device checks "
                 "(legacy = upstream, both unlike replica 0 alone)"
             )
+        if s.backward_runs:
+            lines.append(f"{'':<16}backward compared on {s.backward_runs} calls (gradients through both graphs)")
+        if s.truth_runs:
+            found = ", ".join(f"{side} {s.truth_runs.get(side, 0)}" for side in ("upstream", "legacy", "tie"))
+            lines.append(f"{'':<16}float64 truth runs, side nearer the truth: {found}")
     if not stats:
         lines.append("(no target installed: no active legacy patch in this process)")
     if job is not None and processes > 1:

@@ -1,0 +1,157 @@
+"""Which side is nearer the truth: a float64 run on the CPU of the call both sides made.
+
+When legacy and upstream differ in value (outcome ``close``, or a ``mismatch`` for value alone), the comparison
+says that they differ, not which one is wrong. Accuracy tools answer that for single operators by a float64 CPU
+"golden" run (msprobe's api_accuracy_checker; torch._dynamo's ``same(ref, res, fp64_ref)`` asks whether the new
+result is further from float64 than the old one). Here, on a sampled fraction of such calls, the call runs once
+more on the CPU in float64, on upstream's code path: every floating tensor of the arguments copied and upcast,
+every module in the call with its parameters and buffers swapped for upcast copies (put back afterwards), the
+global RNG put back where it was, no graph. For the DataParallel targets the truth is replica 0's module alone
+(the single-device call of :mod:`shadow.core.oracle`), compared with replica 0's part of each side's result.
+
+Each side's error against the truth is, per output leaf, the greatest absolute difference divided by the
+greatest magnitude of the truth (a NaN or infinity where the truth has a finite value counts as infinite); a
+side's error is its greatest over the leaves. ``nearer`` is the side with the smaller error, ``tie`` where the two
+are within 10% of each other (both rounding the same truth about as well).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from shadow.core import trees
+from shadow.core.isolation import ModuleState, RngSnapshot, modules_in_call
+from shadow.core.observation import NEARER as NEARER
+
+#: Errors within this share of the larger one are a tie.
+TIE_SHARE = 0.1
+
+
+def _upcast(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    if tensor.is_floating_point():
+        return tensor.to("cpu", torch.float64)
+    if tensor.is_complex():
+        return tensor.to("cpu", torch.complex128)
+    return tensor.to("cpu")
+
+
+def upcast(tree: Any) -> Any:
+    """``tree`` with every tensor copied to the CPU, floating ones in float64 (modules left as they are)."""
+    return trees.map_only(torch.Tensor, _upcast, tree)
+
+
+@contextlib.contextmanager
+def upcast_modules(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """The body runs with every parameter, buffer and tensor attribute (a replica's parameters) of ``modules``
+    swapped for an upcast CPU copy; the modules are put back as they were afterwards."""
+    states = [ModuleState(module) for module in modules]
+    copies: dict[int, torch.Tensor] = {}  # (tied tensors stay tied)
+
+    def copy(tensor: torch.Tensor, parameter: bool = False) -> torch.Tensor:
+        if id(tensor) not in copies:
+            made = _upcast(tensor)
+            copies[id(tensor)] = torch.nn.Parameter(made, requires_grad=False) if parameter else made
+        return copies[id(tensor)]
+
+    try:
+        for module in modules:
+            for name, value in list(module._parameters.items()):
+                if value is not None:
+                    module._parameters[name] = copy(value, parameter=True)
+            for name, value in list(module._buffers.items()):
+                if value is not None:
+                    module._buffers[name] = copy(value)
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor):
+                    vars(module)[name] = copy(value)
+        yield
+    finally:
+        for state in states:
+            state.restore()
+
+
+def run_in_float64(function: Callable, args: tuple, kwargs: dict) -> Any:
+    """``function`` on the upcast arguments, with the modules among them upcast, on the CPU, without a graph or
+    autocast; the global RNG as it was before."""
+    modules = modules_in_call(args, kwargs)
+    rng = RngSnapshot()
+    try:
+        with upcast_modules(modules), torch.no_grad(), torch.autocast("cpu", enabled=False):
+            up_args, up_kwargs = upcast((args, kwargs))
+            return function(*up_args, **up_kwargs)
+    finally:
+        rng.restore()
+
+
+def leaf_errors(result: Any, truth: Any) -> list[float]:
+    """Per output leaf with values, ``result``'s error against ``truth`` (see the module's docstring); an empty
+    list where their structures differ."""
+    leaves, spec = trees.flatten(result)
+    truths, truth_spec = trees.flatten(truth)
+    if spec != truth_spec:
+        return []
+    errors = []
+    for leaf, reference in zip(leaves, truths):
+        if not (isinstance(leaf, torch.Tensor) and isinstance(reference, torch.Tensor)):
+            continue
+        if leaf.shape != reference.shape or not (leaf.is_floating_point() or leaf.is_complex()):
+            continue
+        ours, exact = _upcast(leaf), _upcast(reference).to(_upcast(leaf).dtype)
+        if exact.numel() == 0:
+            continue
+        finite = torch.isfinite(exact)
+        if bool((finite & ~torch.isfinite(ours)).any()):
+            errors.append(math.inf)
+            continue
+        scale = float(exact[finite].abs().max()) if bool(finite.any()) else 0.0
+        difference = float((ours[finite] - exact[finite]).abs().max()) if bool(finite.any()) else 0.0
+        errors.append(difference / scale if scale > 0 else difference)
+    return errors
+
+
+#: The decades a truth run's error ratio is counted in (journals and the verdict keep whole counts).
+DECADE_LIMIT = 12
+
+
+def error_decade(legacy_error: float, upstream_error: float) -> int | None:
+    """``log10(upstream's error / legacy's)`` rounded to a whole decade (-3: upstream's error a thousandth of
+    legacy's), within +-DECADE_LIMIT; None where either error is zero or not finite (no ratio)."""
+    if not (0 < legacy_error < math.inf and 0 < upstream_error < math.inf):
+        return None
+    return max(-DECADE_LIMIT, min(DECADE_LIMIT, round(math.log10(upstream_error / legacy_error))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Truth:
+    """Both sides' errors against the float64 run, per leaf and overall, and which side is nearer."""
+
+    nearer: str
+    legacy_error: float
+    upstream_error: float
+    legacy_leaf_errors: tuple[float, ...] = ()
+    upstream_leaf_errors: tuple[float, ...] = ()
+
+
+def nearer(legacy: list[float], upstream: list[float]) -> Truth | None:
+    """Which side's errors are smaller (None where the leaves could not be paired with the truth's)."""
+    if not legacy or len(legacy) != len(upstream):
+        return None
+    ours, theirs = max(legacy), max(upstream)
+    finite = math.isfinite(ours) and math.isfinite(theirs)
+    if ours == theirs or (finite and abs(ours - theirs) <= TIE_SHARE * max(ours, theirs)):
+        side = "tie"
+    else:
+        side = "legacy" if ours < theirs else "upstream"
+    return Truth(side, ours, theirs, tuple(legacy), tuple(upstream))
+
+
+def judge(legacy_result: Any, upstream_result: Any, truth: Any) -> Truth | None:
+    """Both results against the truth (None where they cannot be paired with it)."""
+    return nearer(leaf_errors(legacy_result, truth), leaf_errors(upstream_result, truth))

@@ -1,0 +1,274 @@
+"""Beyond forward equality: gradients compared through both sides' graphs, and a float64 truth run that tells
+which side of a value difference is nearer the truth."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import shadow
+from exporters.journal import JsonlExporter
+from shadow.core import truth
+
+
+class _Collect:
+    def __init__(self) -> None:
+        self.observations = []
+
+    def export(self, observation) -> None:
+        self.observations.append(observation)
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """The identity forward (bitwise), a backward that scales the gradient: a difference only backward shows."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.5
+
+
+def _legacy_linear(module, x):
+    return nn.functional.linear(x, _ScaledGradient.apply(module.weight), module.bias)
+
+
+def _upstream_linear(module, x):
+    return module(x)
+
+
+def _train_once(install_options, legacy=_legacy_linear):
+    torch.manual_seed(0)
+    module = nn.Linear(4, 3)
+    x = torch.randn(5, 4, requires_grad=True)
+    ops = types.SimpleNamespace(op=legacy)
+    collect = _Collect()
+    target = shadow.Target("linear", ops, "op", _upstream_linear)
+    rng = None
+    if install_options is None:
+        out = ops.op(module, x)
+        stats = None
+    else:
+        with shadow.install([target], exporters=[collect], budget=None, **install_options) as monitor:
+            out = ops.op(module, x)
+            rng = torch.get_rng_state()
+            stats = monitor.stats()["linear"]
+    out.sum().backward()
+    return module.weight.grad.clone(), module.bias.grad.clone(), x.grad.clone(), stats, collect.observations, rng
+
+
+def test_a_backward_only_difference_is_a_grad_mismatch_naming_the_parameter():
+    """The forward outputs are bitwise equal: forward-only comparison says match; with the backward comparison
+    the weight's gradient differs (x1.5), a mismatch with reason grad that names it, and neither the bias nor the
+    input is blamed."""
+    *_, forward_only, _, _ = _train_once({"sample_rate": 1.0})
+    assert forward_only.match == 1 and forward_only.backward_runs == 0
+    *_, stats, observations, _ = _train_once({"sample_rate": 1.0, "backward_rate": 1.0})
+    assert stats.mismatch == 1 and stats.by_reason == {"grad": 1} and stats.backward_runs == 1
+    (observation,) = observations
+    assert observation.backward and observation.reasons == ("grad",)
+    assert "args[0].weight" in observation.detail and "bias" not in observation.detail
+    assert "args[1]" not in observation.detail  # (x's gradient goes through the weight's forward value: equal)
+
+
+def test_equal_backwards_match():
+    *_, stats, observations, _ = _train_once({"sample_rate": 1.0, "backward_rate": 1.0}, legacy=_upstream_linear)
+    assert stats.match == 1 and stats.backward_runs == 1 and observations[0].backward
+
+
+def test_the_backward_comparison_never_changes_the_callers_gradients_or_rng():
+    """The caller's .grad of every parameter and input, and the global RNG, are as unwrapped."""
+    bare = _train_once(None)
+    shadowed = _train_once({"sample_rate": 1.0, "backward_rate": 1.0})
+    for ours, theirs in zip(bare[:3], shadowed[:3]):
+        assert torch.equal(ours, theirs)
+    torch.manual_seed(0)
+    nn.Linear(4, 3)
+    torch.randn(5, 4)
+    assert torch.equal(shadowed[5], torch.get_rng_state())
+
+
+def test_the_backward_comparison_never_runs_the_callers_tensor_hooks():
+    seen = []
+    module = nn.Linear(4, 3)
+    module.weight.register_hook(lambda grad: seen.append("weight"))
+    x = torch.randn(5, 4, requires_grad=True)
+    x.register_hook(lambda grad: seen.append("x"))
+    ops = types.SimpleNamespace(op=_legacy_linear)
+    target = shadow.Target("linear", ops, "op", _upstream_linear)
+    with shadow.install([target], sample_rate=1.0, backward_rate=1.0, budget=None) as monitor:
+        out = ops.op(module, x)
+        assert seen == [] and monitor.stats()["linear"].backward_runs == 1
+    out.sum().backward()
+    assert sorted(seen) == ["weight", "x"]  # (once each: the caller's own backward)
+
+
+def test_no_backward_comparison_without_grad_mode():
+    ops = types.SimpleNamespace(op=_legacy_linear)
+    target = shadow.Target("linear", ops, "op", _upstream_linear)
+    with shadow.install([target], sample_rate=1.0, backward_rate=1.0, budget=None) as monitor, torch.no_grad():
+        ops.op(nn.Linear(4, 3), torch.randn(5, 4))
+    stats = monitor.stats()["linear"]
+    assert stats.match == 1 and stats.backward_runs == 0
+
+
+def _poly(x):
+    y = x
+    for _ in range(12):
+        y = y * 1.1 + x * 0.3
+    return y
+
+
+def _value_target(legacy):
+    ops = types.SimpleNamespace(op=legacy)
+    return ops, shadow.Target("poly", ops, "op", _poly)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "legacy", "expected"),
+    [
+        (torch.float32, lambda x: _poly(x.half()).float(), "upstream"),  # legacy computes in float16
+        (torch.float16, lambda x: _poly(x.float()).half(), "legacy"),  # upstream does, rounding at each step
+    ],
+    ids=["legacy-in-float16", "upstream-in-float16"],
+)
+def test_a_truth_run_tells_which_side_is_nearer_float64(tmp_path, dtype, legacy, expected):
+    torch.manual_seed(0)
+    ops, target = _value_target(legacy)
+    journal = tmp_path / "journal.jsonl"
+    collect = _Collect()
+    with shadow.install(
+        [target], sample_rate=1.0, truth_rate=1.0, budget=None, exporters=[collect, JsonlExporter(str(journal))]
+    ) as monitor:
+        for _ in range(4):
+            ops.op(torch.rand(64, dtype=dtype) * 4)
+        stats = monitor.stats()["poly"]
+    assert stats.compared == 4 and stats.match == 0
+    assert stats.truth_runs == {expected: 4}, stats
+    for observation in collect.observations:
+        errors = (observation.legacy_truth_error, observation.upstream_truth_error)
+        assert observation.nearer == expected and (errors[0] < errors[1]) == (expected == "legacy"), errors
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [line["nearer"] for line in lines if line.get("nearer")] == [expected] * 4
+
+
+def test_no_truth_run_for_a_match_or_a_difference_in_kind():
+    ops, target = _value_target(lambda x: _poly(x).to(torch.float64))  # (a dtype mismatch: no float64 question)
+    with shadow.install([target], sample_rate=1.0, truth_rate=1.0, budget=None) as monitor:
+        ops.op(torch.rand(8))
+        same_ops, same = _value_target(_poly)
+    stats = monitor.stats()["poly"]
+    assert stats.mismatch == 1 and stats.by_reason == {"dtype": 1} and stats.truth_runs == {}
+    with shadow.install([same], sample_rate=1.0, truth_rate=1.0, budget=None) as monitor:
+        same_ops.op(torch.rand(8))
+    assert monitor.stats()["poly"].match == 1 and monitor.stats()["poly"].truth_runs == {}
+
+
+def test_nearer_against_an_independent_computation():
+    """The error of each side against float64, computed here by hand with NumPy."""
+    import numpy as np
+
+    reference = np.linspace(-3, 5, 50)
+    legacy = torch.tensor(reference, dtype=torch.float16)
+    upstream = torch.tensor(reference + 1e-6, dtype=torch.float32)
+    judged = truth.judge(legacy, upstream, torch.tensor(reference))
+    scale = np.abs(reference).max()
+    assert judged.legacy_error == pytest.approx(np.abs(legacy.double().numpy() - reference).max() / scale)
+    assert judged.upstream_error == pytest.approx(np.abs(upstream.double().numpy() - reference).max() / scale)
+    assert judged.nearer == "upstream"
+    assert truth.nearer([0.1], [0.105]).nearer == "tie" and truth.nearer([0.1], [0.2]).nearer == "legacy"
+    assert truth.nearer([float("inf")], [0.2]).nearer == "upstream"
+
+
+def test_the_truth_run_puts_the_module_and_rng_back():
+    module = nn.Linear(3, 3)
+    weight, rng = module.weight, torch.get_rng_state()
+
+    def forward(m, x):
+        torch.rand(1)  # (draws from the global RNG)
+        assert m.weight.dtype == torch.float64 and m.weight.device.type == "cpu"
+        return m(x)
+
+    result = truth.run_in_float64(forward, (module, torch.ones(2, 3)), {})
+    assert result.dtype == torch.float64 and module.weight is weight and module.weight.dtype == torch.float32
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def _truth_journal(tmp_path, calls=4):
+    ops, target = _value_target(lambda x: _poly(x.half()).float())  # legacy in float16: upstream nearer
+    journal = tmp_path / "journal.jsonl"
+    torch.manual_seed(0)
+    with shadow.install(
+        [target], sample_rate=1.0, truth_rate=1.0, budget=None, exporters=[JsonlExporter(str(journal))]
+    ):
+        for _ in range(calls):
+            ops.op(torch.rand(64) * 4)
+    return journal
+
+
+def test_the_verdict_shows_per_signature_which_side_is_nearer_and_by_how_much(tmp_path):
+    """From the journal's count records (every truth run) and, with the CLI, as a line under the decision."""
+    import subprocess
+    import sys
+
+    from shadow.analysis import sources, verdict
+
+    journal = _truth_journal(tmp_path)
+    (decision,) = verdict.decide_all(sources.from_journal([str(journal)]), 0.001, {}, 30)
+    (summary,) = decision.truth
+    assert (summary.signature, summary.upstream, summary.legacy, summary.tie) == ("call", 4, 0, 0)
+    assert summary.decade is not None and summary.decade <= -2  # (float32 against float16: decades apart)
+    assert decision.divergent == 4  # (shown beside the decision, never folded into it)
+    printed = subprocess.run(
+        [sys.executable, "-m", "shadow", "verdict", "--journal", str(journal)], capture_output=True, text=True
+    ).stdout
+    assert f"float64 truth, call: upstream nearer in 4 of 4, legacy nearer in 0, tie 0 (upstream's error ~10^" in (
+        printed
+    ), printed
+
+
+def test_the_report_has_the_truth_table_and_chart(tmp_path):
+    from shadow.analysis import report
+
+    journal = _truth_journal(tmp_path, calls=3)
+    overall, sections = report.build(report.collect([str(journal)]), [str(journal)])
+    (table,) = [s for s in sections if s.title == "Float64 truth"]
+    assert table.rows[0][:5] == ["poly", "call", "3", "0", "0"]
+    (charts,) = [s for s in sections if s.title == "Charts"]
+    assert any("the side nearer the truth" in figure for figure in charts.figures)
+
+
+def test_a_truth_count_of_an_unknown_side_is_refused(tmp_path):
+    """A journal is data: a count record naming a side that is neither is an error, not a new side."""
+    from shadow.analysis import sources
+
+    journal = _truth_journal(tmp_path, calls=1)
+    text = journal.read_text()
+    assert '"truth":{"call":{"upstream":1}}' in text
+    journal.write_text(text.replace('"truth":{"call":{"upstream":1}}', '"truth":{"call":{"both":1}}'))
+    with pytest.raises(sources.SourceError, match="unknown side nearer"):
+        sources.from_journal([str(journal)])
+
+
+def test_truth_runs_reach_the_verdict_through_a_metrics_exposition():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from exporters import PrometheusExporter
+    from shadow.analysis import sources, verdict
+
+    registry = CollectorRegistry()
+    ops, target = _value_target(lambda x: _poly(x.half()).float())
+    with shadow.install(
+        [target], sample_rate=1.0, truth_rate=1.0, budget=None, exporters=[PrometheusExporter(registry=registry)]
+    ):
+        for _ in range(2):
+            ops.op(torch.rand(64) * 4)
+    counts = sources.from_exposition(generate_latest(registry).decode())
+    (decision,) = verdict.decide_all(counts, 0.001, {}, 30)
+    assert [(t.signature, t.upstream, t.decade) for t in decision.truth] == [("call", 2, None)]
