@@ -228,7 +228,7 @@ def test_the_verdict_shows_per_signature_which_side_is_nearer_and_by_how_much(tm
     printed = subprocess.run(
         [sys.executable, "-m", "shadow", "verdict", "--journal", str(journal)], capture_output=True, text=True
     ).stdout
-    assert f"float64 truth, call: upstream nearer in 4 of 4, legacy nearer in 0, tie 0 (upstream's error ~10^" in (
+    assert "float64 truth, call: upstream nearer in 4 of 4, legacy nearer in 0, tie 0 (upstream's error ~10^" in (
         printed
     ), printed
 
@@ -237,7 +237,7 @@ def test_the_report_has_the_truth_table_and_chart(tmp_path):
     from shadow.analysis import report
 
     journal = _truth_journal(tmp_path, calls=3)
-    overall, sections = report.build(report.collect([str(journal)]), [str(journal)])
+    _, sections = report.build(report.collect([str(journal)]), [str(journal)])
     (table,) = [s for s in sections if s.title == "Float64 truth"]
     assert table.rows[0][:5] == ["poly", "call", "3", "0", "0"]
     (charts,) = [s for s in sections if s.title == "Charts"]
