@@ -126,7 +126,9 @@ def guided_steady_state(job: Job, trials: int, steps: int) -> None:
     with shadow.install(sample_rate=0.01, seed=0, first_per_signature=30) as monitor:
         first_steps = 0
         # every signature of the step past its first 30 calls (data_parallel's come one step in four)
-        while not all(monitor.experiment(name).first_comparisons_done for name in monitor.targets):
+        while not all(
+            monitor.stats()[name].calls and monitor.experiment(name).first_comparisons_done for name in monitor.targets
+        ):
             job.step()
             first_steps += 1
         first = sum(s.compared for s in monitor.stats().values())

@@ -272,3 +272,10 @@ def test_truth_runs_reach_the_verdict_through_a_metrics_exposition():
     counts = sources.from_exposition(generate_latest(registry).decode())
     (decision,) = verdict.decide_all(counts, 0.001, {}, 30)
     assert [(t.signature, t.upstream, t.decade) for t in decision.truth] == [("call", 2, None)]
+
+
+def test_a_module_called_as_the_truth_runs_function_is_upcast_too():
+    """The DataParallel targets' truth is replica 0's module called on its inputs: the module is the function."""
+    module = nn.Linear(3, 2)
+    result = truth.run_in_float64(module, (torch.ones(1, 3),), {})
+    assert result.dtype == torch.float64 and module.weight.dtype == torch.float32

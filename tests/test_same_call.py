@@ -669,9 +669,16 @@ def test_resnet18_in_dataparallel_trains_bitwise_identically_with_backward_and_t
     """Every call compared forward and backward (legacy run again for its graph, the products through both
     graphs), a truth run wherever values differ: the caller's gradients, BatchNorm statistics, Dropout's RNG and
     the optimizer's steps are as unwrapped."""
+    from shadow.core.drill import Drill
+
     unshadowed, _, _ = _train(0.0, hook=False)
     shadowed_state, _, stats = _train(1.0, hook=False, backward_rate=1.0, truth_rate=1.0)
     assert stats.sampled == 3 and stats.backward_runs == 3 and stats.match == 3, stats
-    assert unshadowed.keys() == shadowed_state.keys()
-    for key, value in unshadowed.items():
-        assert torch.equal(value, shadowed_state[key]), key
+    # (a fire drill's value divergence in upstream's result: every call a value mismatch, each run in float64 too,
+    # replica 0's module upcast on the CPU and put back)
+    drilled_state, _, drilled = _train(1.0, hook=False, truth_rate=1.0, drill=Drill("value", 1.0))
+    assert drilled.mismatch == 3 and sum(drilled.truth_runs.values()) == 3, drilled
+    for state in (shadowed_state, drilled_state):
+        assert unshadowed.keys() == state.keys()
+        for key, value in unshadowed.items():
+            assert torch.equal(value, state[key]), key

@@ -3,13 +3,15 @@
 Both outputs are flattened with torch's pytree (dataclasses are opened too) into pairs of leaves
 named by their path. Structure, Python types, tensor metadata and aliasing are checked on the host;
 tensor values are reduced on the tensors' own device to a few statistics per leaf, and all leaves'
-statistics travel to the host together in one ``.tolist()``: one host synchronisation per comparison.
+statistics travel to the host together in one ``.tolist()``: one host synchronisation per comparison (and one
+per small leaf, copied to the host: see below).
 
 Tensors in host memory (device "cpu") are reduced by numpy ufuncs on one thread, in cache-sized chunks
 written into reused scratch arrays: each element streams through memory once, no parallel region waits
 for a core the job is using, and the statistics are on the host without any synchronisation. Tensors on
-an accelerator are reduced by torch on their device, whole. Both compute the same statistics
-(``tests/test_compare.py`` checks them against each other).
+an accelerator are reduced by torch on their device, whole, except small ones (``SMALL_ON_HOST`` elements at
+most), copied to the host first: a logit or a loss costs two copies there instead of twenty-odd kernel launches.
+Both compute the same statistics (``tests/test_compare.py`` checks them against each other).
 """
 
 from __future__ import annotations
@@ -126,6 +128,11 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(width) if width is not None and t.dtype != torch.bool else t
 
 
+#: Leaves on an accelerator with at most this many elements are copied to the host and reduced there: two copies
+#: cost less than the twenty-odd small kernels (and their launches) of a reduction on the device.
+SMALL_ON_HOST = 1 << 16
+
+
 def _value_stats(
     legacy: torch.Tensor, upstream: torch.Tensor, tolerance: tol.Tolerance
 ) -> tuple[torch.Tensor, torch.dtype]:
@@ -138,6 +145,8 @@ def _value_stats(
     compute = _compute_dtype(legacy.dtype, upstream.dtype)
     a, b = _as_real(legacy), _as_real(upstream)
     same_dtype = legacy.dtype == upstream.dtype
+    if a.device.type != "cpu" and a.numel() <= SMALL_ON_HOST:
+        a, b = a.cpu(), b.cpu()  # (exact copies)
     if a.device.type == "cpu":
         return _host_stats(a, b, tolerance, compute, same_dtype), compute
     return _device_stats(a, b, tolerance, compute, same_dtype), compute
@@ -382,8 +391,9 @@ def _check_leaves(
 ) -> list[_LeafReport]:
     """A report per pair of leaves present on both sides: metadata and aliasing checked on the host, value
     statistics started on the tensors' device."""
-    legacy_alias = _alias_map(legacy_inputs)
-    upstream_alias = _alias_map(upstream_inputs)
+    tensors = any(isinstance(leaf, torch.Tensor) for leaf in legacy_leaves.values())
+    legacy_alias = _alias_map(legacy_inputs) if tensors else {}  # (an output without tensors aliases nothing)
+    upstream_alias = _alias_map(upstream_inputs) if tensors else {}
     reports: list[_LeafReport] = []
     for path, a in legacy_leaves.items():
         if path not in upstream_leaves:

@@ -80,7 +80,7 @@ def upcast_modules(modules: list[torch.nn.Module]) -> Iterator[None]:
 def run_in_float64(function: Callable, args: tuple, kwargs: dict) -> Any:
     """``function`` on the upcast arguments, with the modules among them upcast, on the CPU, without a graph or
     autocast; the global RNG as it was before."""
-    modules = modules_in_call(args, kwargs)
+    modules = modules_in_call((function, *args), kwargs)  # (the function itself may be a module)
     rng = RngSnapshot()
     try:
         with upcast_modules(modules), torch.no_grad(), torch.autocast("cpu", enabled=False):

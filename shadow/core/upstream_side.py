@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -42,6 +43,10 @@ from shadow.core.sides import LEGACY_AGAIN, backward_run, marks, upstream_run
 from shadow.core.targets import Target
 from shadow.core.tolerance import ToleranceSpec
 from shadow.core.truth import judge, run_in_float64
+
+#: The settings of the room this thread is (shadow.core.deadline), as its last run started from and left them:
+#: a room whose run changed one ends with it, so a room kept holds these.
+_this_room = threading.local()
 
 _PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
 
@@ -332,7 +337,12 @@ class UpstreamSide:
 
         def start() -> None:
             marks.upstream_side = side
-            if not experiment.put_back(before):  # (on the room: its thread-local settings the caller's)
+            known = getattr(_this_room, "settings", None)
+            if known is not None and known.same_as(before):
+                return  # (a room left as its last run found it holds the caller's settings already)
+            if experiment.put_back(before):  # (on the room: its thread-local settings the caller's)
+                _this_room.settings = before
+            else:
                 leave_room()
 
         def checked() -> Any:
@@ -597,6 +607,8 @@ class UpstreamSide:
         """The settings the two runs left differently, less those a module's first import writes (warning
         filters) where the first run imported modules: the second, started from the state before it, finds them
         imported and cannot write them again."""
+        if first.same_as(second):
+            return {}
         found = first.differences(second)
         if len(sys.modules) != plan.modules_loaded:
             for name in IMPORT_TIME_SETTINGS:
