@@ -647,7 +647,9 @@ def _train(rate, hook, steps=3, **options):
             optimizer.step()
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     state["forwards"] = torch.tensor(model.forwards)
-    return state, torch.stack(features).cpu() if features else None, monitor.stats()["parallel_apply"]
+    stats = monitor.stats()
+    _train.tensor_type_calls = stats["tensor_type"].calls  # (the job's own casts, counted)
+    return state, torch.stack(features).cpu() if features else None, stats["parallel_apply"]
 
 
 @pytest.mark.parametrize("hook", [True, False], ids=["feature hook", "no hook"])
@@ -672,8 +674,12 @@ def test_resnet18_in_dataparallel_trains_bitwise_identically_with_backward_and_t
     from shadow.core.drill import Drill
 
     unshadowed, _, _ = _train(0.0, hook=False)
+    job_casts = _train.tensor_type_calls
     shadowed_state, _, stats = _train(1.0, hook=False, backward_rate=1.0, truth_rate=1.0)
     assert stats.sampled == 3 and stats.backward_runs == 3 and stats.match == 3, stats
+    # (the backward runs' own .type() calls, made by DataParallel's backward on the autograd engine's device
+    # threads, are theirs: never counted as the job's)
+    assert _train.tensor_type_calls == job_casts > 0
     # (a fire drill's value divergence in upstream's result: every call a value mismatch, each run in float64 too,
     # replica 0's module upcast on the CPU and put back)
     drilled_state, _, drilled = _train(1.0, hook=False, truth_rate=1.0, drill=Drill("value", 1.0))
@@ -682,3 +688,27 @@ def test_resnet18_in_dataparallel_trains_bitwise_identically_with_backward_and_t
         assert unshadowed.keys() == state.keys()
         for key, value in unshadowed.items():
             assert torch.equal(value, state[key]), key
+
+
+def test_the_backward_runs_casts_on_autograd_threads_are_never_counted_as_the_jobs(legacy_patches):
+    """``data_parallel``'s backward (Broadcast's, reducing the replicas' gradients) casts with ``t.type()`` on the
+    autograd engine's device threads. Those of a backward comparison's runs are the comparison's, nested calls:
+    the job's casts are counted as many times as without it."""
+
+    def casts(backward_rate):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 3).to("npu:0")
+        with shadow.install(
+            ["data_parallel", "tensor_type"], sample_rate=1.0,
+            first_per_signature=0, backward_rate=backward_rate,
+        ) as monitor:  # fmt: skip
+            for _ in range(3):
+                out = nn.parallel.data_parallel(model, torch.randn(4, 6, device="npu:0"), device_ids=DEVICES)
+                out.sum().backward()
+            stats = monitor.stats()
+        return stats["tensor_type"].calls, stats["data_parallel"]
+
+    plain, _ = casts(0.0)
+    with_backward, stats = casts(1.0)
+    assert stats.backward_runs == 3 and stats.match == 3, stats
+    assert with_backward == plain > 0

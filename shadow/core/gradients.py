@@ -61,7 +61,7 @@ def vjp(output: Any, wrt: dict[int, torch.Tensor], seed: int) -> dict[int, torch
     keys = list(wrt)
     if not leaves or not keys:
         return None
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator()
     cotangents = []
     for position, leaf in leaves:
         generator.manual_seed(seed + position)  # (a leaf's cotangent depends on its position alone)
