@@ -279,3 +279,29 @@ def test_a_module_called_as_the_truth_runs_function_is_upcast_too():
     module = nn.Linear(3, 2)
     result = truth.run_in_float64(module, (torch.ones(1, 3),), {})
     assert result.dtype == torch.float64 and module.weight.dtype == torch.float32
+
+
+def test_a_truth_run_abandoned_at_its_deadline_leaves_the_callers_module_as_it_was():
+    """The modules are swapped for upcast copies on the caller's thread, around the run: a truth run that hangs
+    past the deadline is abandoned, and the caller's module has its own parameters back at once."""
+    import threading
+
+    release = threading.Event()
+    module = nn.Linear(3, 3)
+    weight = module.weight
+
+    def upstream(m, x):
+        if m.weight.dtype == torch.float64:  # (the truth run: it hangs)
+            release.wait(30)
+        return m(x) * (1 + 1e-6)  # (close to legacy's: a value difference, so a truth run)
+
+    ops = types.SimpleNamespace(op=lambda m, x: m(x))
+    target = shadow.Target("op", ops, "op", upstream)
+    try:
+        with shadow.install([target], sample_rate=1.0, truth_rate=1.0, budget=None, deadline=0.5) as monitor:
+            ops.op(module, torch.ones(2, 3))
+            assert module.weight is weight and module.weight.dtype == torch.float32
+        stats = monitor.stats()["op"]
+        assert stats.compared == 1 and stats.truth_runs == {}
+    finally:
+        release.set()

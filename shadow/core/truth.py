@@ -77,17 +77,31 @@ def upcast_modules(modules: list[torch.nn.Module]) -> Iterator[None]:
             state.restore()
 
 
-def run_in_float64(function: Callable, args: tuple, kwargs: dict) -> Any:
-    """``function`` on the upcast arguments, with the modules among them upcast, on the CPU, without a graph or
-    autocast; the global RNG as it was before."""
+@contextlib.contextmanager
+def in_float64(function: Callable, args: tuple, kwargs: dict) -> Iterator[tuple[tuple, dict]]:
+    """The body runs with the modules among ``function`` and its arguments upcast (:func:`upcast_modules`), and
+    gets the upcast arguments; the global RNG is put back as it was afterwards. Entered on the caller's thread, as
+    the isolation is: a run abandoned at its deadline never leaves the caller's modules swapped."""
     modules = modules_in_call((function, *args), kwargs)  # (the function itself may be a module)
     rng = RngSnapshot()
     try:
-        with upcast_modules(modules), torch.no_grad(), torch.autocast("cpu", enabled=False):
-            up_args, up_kwargs = upcast((args, kwargs))
-            return function(*up_args, **up_kwargs)
+        with upcast_modules(modules):
+            yield upcast((args, kwargs))
     finally:
         rng.restore()
+
+
+def run_upcast(function: Callable, args: tuple, kwargs: dict) -> Any:
+    """``function`` on upcast arguments, without a graph or autocast."""
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        return function(*args, **kwargs)
+
+
+def run_in_float64(function: Callable, args: tuple, kwargs: dict) -> Any:
+    """``function`` on the upcast arguments, with the modules among them upcast, on the CPU, without a graph or
+    autocast; the global RNG as it was before."""
+    with in_float64(function, args, kwargs) as (up_args, up_kwargs):
+        return run_upcast(function, up_args, up_kwargs)
 
 
 def leaf_errors(result: Any, truth: Any) -> list[float]:

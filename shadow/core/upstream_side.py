@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import random
 import sys
 import threading
@@ -42,7 +43,7 @@ from shadow.core.observation import (
 from shadow.core.sides import LEGACY_AGAIN, backward_run, marks, upstream_run
 from shadow.core.targets import Target
 from shadow.core.tolerance import ToleranceSpec
-from shadow.core.truth import judge, run_in_float64
+from shadow.core.truth import in_float64, judge, run_upcast
 
 #: The settings of the room this thread is (shadow.core.deadline), as its last run started from and left them:
 #: a room whose run changed one ends with it, so a room kept holds these.
@@ -477,12 +478,13 @@ class UpstreamSide:
             with torch.no_grad():  # (the single-device call's scatter: no graph on the caller's inputs)
                 call = target.oracle(args, kwargs) if target.oracle is not None else None
             if call is not None:
-                body, parts = (lambda: run_in_float64(call.module, call.args, call.kwargs)), call.legacy_part
+                function, on, parts = call.module, (call.args, call.kwargs), call.legacy_part
             else:
-                body, parts = (lambda: run_in_float64(target.upstream, args, kwargs)), (lambda result, truth: result)
+                function, on, parts = target.upstream, (args, kwargs), (lambda result, truth: result)
             experiment.put_back(plan.before)
             try:
-                with upstream_run(experiment):
+                with in_float64(function, *on) as (up_args, up_kwargs), upstream_run(experiment):
+                    body = functools.partial(run_upcast, function, up_args, up_kwargs)
                     ran = self._within_deadline(experiment, plan.before, body)
             finally:
                 experiment.put_back(left_by_legacy)
