@@ -6,10 +6,11 @@ every built-in target shadowed over ``shadow.npu.reference``'s legacy. Every fig
 run, the configurations interleaved in rounds (rotating their order) so drift and a busy machine touch them alike:
 
 1. A short job's first comparisons, with the launcher's defaults (coverage guidance: the first 30 calls of every
-   signature compared whatever the rate; budget 0.2; oracle 0.1; A/A 0.05): how many steps and calls until every
-   signature's first comparisons are done, and the shadow side's time over them.
+   signature compared whatever the rate; budget 0.2; oracle 0.1; A/A 0.05; backward 0.05; truth 0.25): how many
+   steps and calls until every signature's first comparisons are done, and the shadow side's time over them.
 2. Step time after the first comparisons, launcher defaults (rate 0.01) / unwrapped (goal <= 1.05), and at rate
-   1.0 (every call compared, no budget, the launcher's oracle and A/A rates) / unwrapped (goal <= 1.5).
+   1.0 (every call compared, no budget, the launcher's oracle and A/A rates, no backward comparison) / unwrapped
+   (goal <= 1.5).
 3. The budget over every 10 s window of the defaults' run, first comparisons included: the shadow side's time as
    measured here (the upstream side's plan, its run after legacy and the classifying, each timed around the
    engine's own methods, independently of the budget's own accounting) over each window (goal <= 0.2 + 0.05).
@@ -77,12 +78,16 @@ def launcher_defaults() -> dict:
         "deadline": config.deadline,
         "first_per_signature": config.first_per_signature,
         "aa_rate": config.aa_rate,
+        "backward_rate": config.backward_rate,
+        "truth_rate": config.truth_rate,
     }
 
 
 def every_call(seed: int) -> shadow.Monitor:
-    """Rate 1.0: every call compared (uniform, no budget), the launcher's oracle and A/A rates."""
-    return shadow.install(**{**launcher_defaults(), "sample_rate": 1.0, "budget": None, "first_per_signature": 0})
+    """Rate 1.0: every call compared (uniform, no budget), the launcher's oracle and A/A rates (no backward
+    comparison: its cost is bench_step's)."""
+    overrides = {"sample_rate": 1.0, "budget": None, "first_per_signature": 0, "backward_rate": 0.0}
+    return shadow.install(**{**launcher_defaults(), **overrides})
 
 
 @dataclasses.dataclass
