@@ -294,9 +294,11 @@ def truth_summaries(counts: TargetCounts) -> tuple[TruthSummary, ...]:
     decades: dict[str, dict[int, float]] = {}
     for phase in counts.phases.values():
         for (signature, nearer), value in phase.truth.items():
-            sides.setdefault(signature, {})[nearer] = sides.get(signature, {}).get(nearer, 0) + value
+            by_side = sides.setdefault(signature, {})
+            by_side[nearer] = by_side.get(nearer, 0) + value
         for (signature, decade), value in phase.truth_decades.items():
-            decades.setdefault(signature, {})[decade] = decades.get(signature, {}).get(decade, 0) + value
+            by_decade = decades.setdefault(signature, {})
+            by_decade[decade] = by_decade.get(decade, 0) + value
     found = []
     for signature in sorted(sides):
         by_side = {k: round(v) for k, v in sides[signature].items()}

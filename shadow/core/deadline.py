@@ -109,19 +109,21 @@ class _Rooms:
 
     def _room(self, run: _Run) -> None:
         runs, idle = self._runs, self._idle
-        while run.run() and not run.abandoned and not _this_room.__dict__:
+        while run.run() and not run.abandoned and not getattr(room, "leaving", False):
             marks.__dict__.clear()  # (the marks of the run it had: the next run's start writes its own)
             idle.put(None)
             run = runs.get()
 
 
-_this_room = threading.local()  # (``leaving`` set: the room ends after its run)
+#: The room this thread is, its own state: ``leaving`` (set by :func:`leave_room`: the room ends after its run), and
+#: what the runs keep on it between runs (the settings it holds: shadow.core.upstream_side).
+room = threading.local()
 
 
 def leave_room() -> None:
     """The room this thread is ends after its run: the run left thread-local state on it that the next run's start
     might not write back (a setting it changed, one that could not be written)."""
-    _this_room.leaving = True
+    room.leaving = True
 
 
 class _Run:

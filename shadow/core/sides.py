@@ -23,8 +23,9 @@ from typing import Any
 
 marks = threading.local()
 
-#: The upstream runs under way, by a key of their own: the threads alive when each began, and its experiment.
-upstream_runs: dict[object, tuple[frozenset[int], Any]] = {}
+#: The upstream runs under way, by a key of their own: the threads alive when each began, its experiment, and
+#: whether it is a backward comparison's run.
+upstream_runs: dict[object, tuple[frozenset[int], Any, bool]] = {}
 
 #: Registered as the "upstream side" while legacy runs again for the noise floor: the calls it makes of wrapped
 #: functions are nested calls, and they run legacy (only an experiment's own upstream run routes them upstream).
@@ -34,33 +35,19 @@ _IDENT = operator.attrgetter("ident")
 
 
 @contextlib.contextmanager
-def upstream_run(experiment: Any) -> Iterator[None]:
-    """While the body runs, the daemon threads started meanwhile are ``experiment``'s upstream side."""
+def upstream_run(experiment: Any, backward: bool = False) -> Iterator[None]:
+    """While the body runs, the daemon threads started meanwhile are ``experiment``'s upstream side; with
+    ``backward`` (a backward comparison's run, :mod:`shadow.core.gradients`), so are the autograd engine's own
+    threads (threads Python did not start: the device threads a backward through device tensors runs on). (The
+    job's thread waits in the sampled call meanwhile; a backward of another job thread's at that moment would run
+    its wrapped calls as nested ones, the primary's implementation, uncounted: what the job gets, unseen.)"""
     # (no loop of this module's over the threads: what an interrupt can land in does not grow with their number)
-    run, key = (frozenset(map(_IDENT, threading.enumerate())), experiment), object()
+    run, key = (frozenset(map(_IDENT, threading.enumerate())), experiment, backward), object()
     try:
         upstream_runs[key] = run
         yield
     finally:
         del upstream_runs[key]
-
-
-#: The backward runs of a backward comparison under way (:mod:`shadow.core.gradients`), by a key of their own.
-backward_runs: dict[object, Any] = {}
-
-
-@contextlib.contextmanager
-def backward_run(side: Any) -> Iterator[None]:
-    """While the body runs, calls on the autograd engine's own threads (threads Python did not start: the device
-    threads a backward through device tensors runs on) are ``side``'s: the backward run's, not the job's. (The
-    job's thread waits in the sampled call meanwhile; a backward of another job thread's at that moment would run
-    its wrapped calls as nested ones, the primary's implementation, uncounted: what the job gets, unseen.)"""
-    key = object()
-    try:
-        backward_runs[key] = side
-        yield
-    finally:
-        del backward_runs[key]
 
 
 def upstream_side_of_this_thread() -> Any | None:
@@ -72,7 +59,10 @@ def upstream_side_of_this_thread() -> Any | None:
     thread = threading.current_thread()
     if not thread.daemon:
         return None
-    if backward_runs and isinstance(thread, threading._DummyThread):
-        return next(iter(tuple(backward_runs.values())), None)
+    runs = tuple(upstream_runs.values())
+    if isinstance(thread, threading._DummyThread):
+        backward = next((experiment for _, experiment, backward in runs if backward), None)
+        if backward is not None:
+            return backward
     ident = threading.get_ident()
-    return next((experiment for alive, experiment in tuple(upstream_runs.values()) if ident not in alive), None)
+    return next((experiment for alive, experiment, _ in runs if ident not in alive), None)

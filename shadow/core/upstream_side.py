@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import random
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -25,7 +24,7 @@ from torch.utils._pytree import tree_iter
 
 from shadow.core import trees
 from shadow.core.compare import Comparison, compare, compare_exceptions, with_state
-from shadow.core.deadline import Finished, leave_room, run_within
+from shadow.core.deadline import Finished, leave_room, room, run_within
 from shadow.core.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
 from shadow.core.gradients import GradientComparison, compare_gradients, names_of, vjp
 from shadow.core.isolation import ArgumentsChanged, Isolation, detach_tensors, find_modules
@@ -40,14 +39,10 @@ from shadow.core.observation import (
     bounded,
     label_text,
 )
-from shadow.core.sides import LEGACY_AGAIN, backward_run, marks, upstream_run
+from shadow.core.sides import LEGACY_AGAIN, marks, upstream_run
 from shadow.core.targets import Target
 from shadow.core.tolerance import ToleranceSpec
 from shadow.core.truth import in_float64, judge, run_upcast
-
-#: The settings of the room this thread is (shadow.core.deadline), as its last run started from and left them:
-#: a room whose run changed one ends with it, so a room kept holds these.
-_this_room = threading.local()
 
 _PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
 
@@ -338,11 +333,12 @@ class UpstreamSide:
 
         def start() -> None:
             marks.upstream_side = side
-            known = getattr(_this_room, "settings", None)
+            # (a room whose run changed a setting ends with it: a room kept holds what its last run started from)
+            known = getattr(room, "settings", None)
             if known is not None and known.same_as(before):
-                return  # (a room left as its last run found it holds the caller's settings already)
+                return
             if experiment.put_back(before):  # (on the room: its thread-local settings the caller's)
-                _this_room.settings = before
+                room.settings = before
             else:
                 leave_room()
 
@@ -426,7 +422,7 @@ class UpstreamSide:
         try:
             experiment.put_back(plan.before)
             try:
-                with plan.isolation.upstream_run(run), upstream_run(LEGACY_AGAIN), backward_run(LEGACY_AGAIN):
+                with plan.isolation.upstream_run(run), upstream_run(LEGACY_AGAIN, backward=True):
                     wrt = plan.isolation.stand_ins(run)
 
                     def again() -> Any:
@@ -435,29 +431,29 @@ class UpstreamSide:
                     ran = self._within_deadline(LEGACY_AGAIN, plan.before, again)
                 theirs = Finished(False)
                 if ran.finished:
-                    with upstream_run(experiment), backward_run(experiment):
+                    with upstream_run(experiment, backward=True):
                         wrt = plan.isolation.stand_ins(0)
                         theirs = self._within_deadline(experiment, plan.before, lambda: vjp(upstream.value, wrt, seed))
             finally:
                 experiment.put_back(left_by_legacy)
-            if not ran.finished or not theirs.finished:
-                return found, {"backward_seconds": time.perf_counter() - start}
-            if ran.error is not None or theirs.error is not None:
-                if type(ran.error) is type(theirs.error):  # (both raised alike: nothing to compare)
-                    return found, {"backward_seconds": time.perf_counter() - start}
-                grads = compare_exceptions(ran.error, theirs.error)
-                compared = GradientComparison(Outcome.MISMATCH.value, bounded("backward: " + grads.detail))
+            if not (ran.finished and theirs.finished):
+                compared = None
+            elif ran.error is not None or theirs.error is not None:
+                compared = None  # (both raised alike: nothing to compare)
+                if type(ran.error) is not type(theirs.error):
+                    detail = bounded("backward: " + compare_exceptions(ran.error, theirs.error).detail)
+                    compared = GradientComparison(Outcome.MISMATCH.value, detail)
             elif ran.value is None or theirs.value is None:
-                return found, {"backward_seconds": time.perf_counter() - start}  # (no output requires grad)
+                compared = None  # (no output requires grad)
             else:
                 compared = compare_gradients(ran.value, theirs.value, names_of(args, kwargs), experiment.tolerance)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the backward run is ours: its failure loses only the backward finding
             experiment.log_limited("backward", "backward comparison failed: %r", exc)
-            return found, {"backward_seconds": time.perf_counter() - start}
-        fields = {"backward": True, "backward_seconds": time.perf_counter() - start}
-        if compared.outcome == Outcome.MISMATCH.value:
+            compared = None
+        fields = {"backward": compared is not None, "backward_seconds": time.perf_counter() - start}
+        if compared is not None and compared.outcome == Outcome.MISMATCH.value:
             detail = "; ".join(part for part in (compared.detail, found.detail) if part)
             found = dataclasses.replace(
                 found, outcome=Outcome.MISMATCH.value, reasons=("grad",), detail=bounded(detail),
