@@ -134,6 +134,22 @@ def test_non_tensor_leaves():
     assert compare(float("nan"), float("nan")).outcome == "match"
 
 
+@pytest.mark.parametrize(
+    "value", ["torch.npu.FloatTensor", b"x", 3, True, None, torch.float16, torch.device("cpu"), torch.Size([2, 3])]
+)
+def test_equal_plain_values_compare_as_their_full_comparison_would(value):
+    """A pair of equal plain values (a type name, a size) is found a match without flattening: the same outcome,
+    errors and detail as the full comparison (the value inside a list takes the full path), and a pair that differs
+    still says how."""
+    quick, full = compare(value, value), compare([value], [value])
+    assert quick.outcome == full.outcome == "match"
+    assert (quick.reasons, quick.numel, quick.detail, quick.mismatched, quick.leaf_errors) == (
+        full.reasons, full.numel, full.detail, full.mismatched, full.leaf_errors,
+    )  # fmt: skip
+    assert compare(value, "another value").outcome == "mismatch"
+    assert compare(True, 1).reasons == ("type",)  # (equal, of different types: the full path)
+
+
 def test_aliasing_is_compared_against_each_sides_inputs():
     legacy_input, upstream_input = torch.ones(3), torch.ones(3)
     same = compare(legacy_input, upstream_input, legacy_inputs=(legacy_input,), upstream_inputs=(upstream_input,))

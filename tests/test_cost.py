@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
 import threading
 import time
@@ -9,9 +11,10 @@ import types
 
 import pytest
 import torch
+from torch.utils._pytree import tree_iter
 
 import shadow
-from shadow.core import deadline, sides
+from shadow.core import deadline, sides, targets, trees
 
 
 def _op_target(upstream):
@@ -114,3 +117,105 @@ def test_a_sampled_call_starts_only_when_the_allowance_covers_its_cost(monkeypat
         stats = monitor.stats()["op"]
     assert sum(spent) <= 0.25 * 10 + 0.05, spent  # (0.05: what a sleep may overrun its 0.3 s)
     assert stats.compared == len(spent) >= 6 and stats.by_reason == {"budget": 200 - len(spent)}, stats
+
+
+def test_the_targets_of_a_monitor_share_one_budget(monkeypatch):
+    """Two targets, each with a 0.1 s upstream, called in turn over one 10 s window at budget 0.2: together they
+    stay within 0.2 + 0.05 of it (2.5 s), and take turns. With an allowance each they spent twice that;
+    sharing one without a reservation, the target called first took nearly all of it."""
+    clock = [time.monotonic()]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    spent = []
+
+    def slow(x):
+        began = time.perf_counter()
+        time.sleep(0.1)
+        spent.append(time.perf_counter() - began)
+        return x * 2
+
+    (first, a), (second, b) = _op_target(slow), _op_target(slow)
+    b = dataclasses.replace(b, name="other op")
+    with shadow.install([a, b], sample_rate=1.0, budget=0.2) as monitor:
+        for _ in range(100):  # 0.1 s of the job's time for each pair of calls: one 10 s window
+            clock[0] += 0.1
+            first.op(torch.ones(2))
+            second.op(torch.ones(2))
+        stats = monitor.stats()
+    assert sum(spent) <= 0.25 * 10 + 0.05, sum(spent)
+    compared = stats["op"].compared, stats["other op"].compared
+    assert min(compared) >= 8 and abs(compared[0] - compared[1]) <= 2, compared  # (turn about)
+
+
+def test_a_cheap_target_called_often_never_keeps_an_expensive_one_from_the_shared_budget(monkeypatch):
+    """Ten 5 ms calls of one target for each 0.2 s call of another, every 0.1 s of the job's time at budget 0.2: the
+    cheap ones alone would spend the whole refill, so the expensive one never saw 0.2 s saved up; its reservation
+    gets it its turns."""
+    clock = [time.monotonic()]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+
+    def costing(seconds):
+        def upstream(x):
+            time.sleep(seconds)
+            return x * 2
+
+        return upstream
+
+    (cheap, a), (dear, b) = _op_target(costing(0.005)), _op_target(costing(0.2))
+    b = dataclasses.replace(b, name="dear op")
+    with shadow.install([a, b], sample_rate=1.0, budget=0.2) as monitor:
+        for _ in range(100):
+            clock[0] += 0.1
+            for _ in range(10):
+                cheap.op(torch.ones(2))
+            dear.op(torch.ones(2))
+        stats = monitor.stats()
+    assert stats["dear op"].compared >= 5 and stats["op"].compared >= 20, stats  # (without the reservation: 1, 286)
+
+
+def test_a_call_that_cannot_block_runs_upstream_on_the_callers_thread(legacy_patches):
+    """``t.type()`` names the tensor's type (the built-in target's ``never_blocks``): its upstream runs on the
+    caller's thread, no room's hand-off; a cast (``t.type(torch.float16)``) runs on a room, within the deadline."""
+    ran_on = []
+    upstream = torch._C.TensorBase.type
+
+    def recording(*args, **kwargs):
+        ran_on.append(threading.current_thread())
+        return upstream(*args, **kwargs)
+
+    target = dataclasses.replace(targets.tensor_type(), upstream=recording)
+    x = torch.ones(2)
+    with shadow.install([target], sample_rate=1.0, budget=None) as monitor:
+        assert x.type() == "torch.FloatTensor"
+        assert x.type(torch.float16).dtype == torch.float16
+        assert monitor.stats()["tensor_type"].match == 2
+    assert ran_on[0] is threading.current_thread() and ran_on[1] is not threading.current_thread()
+
+
+def test_a_never_blocks_that_is_not_callable_is_refused():
+    with pytest.raises(ValueError, match="never_blocks must be callable"):
+        shadow.Target("op", types.SimpleNamespace(op=abs), "op", abs, never_blocks=True)
+
+
+def test_the_leaves_of_a_call_are_torchs_pytree_leaves():
+    """``trees.leaves`` opens tuples, lists and dicts itself and leaves every other node to torch's pytree: the
+    same leaves as ``tree_iter``, in its order."""
+    pair = collections.namedtuple("pair", "a b")
+    x, module = torch.ones(2), torch.nn.Linear(1, 1)
+    cases = [
+        (),
+        ((x,), {}),
+        ((x, 1, None, "s"), {"k": x, "j": [x, (2.0, torch.float16)]}),
+        pair(x, 1),
+        ((pair(x, 2),), {}),
+        collections.OrderedDict(b=x, a=1),
+        torch.Size([2, 3]),
+        ([[]], {}),
+        {"b": 1, "a": 2},
+        ((module, [module]), {}),
+    ]
+    for case in cases:
+        found = trees.leaves(case)
+        assert len(found) == len(list(tree_iter(case))) and all(
+            a is b for a, b in zip(found, tree_iter(case), strict=True)
+        ), case
+    assert trees.leaves(x)[0] is x

@@ -1,4 +1,5 @@
-"""The overhead budget: the share of wall time the shadow side of one target may use, over every 10 s window.
+"""The overhead budget: the share of wall time the shadow side of a monitor's targets may use, together, over every
+10 s window.
 
 A token bucket (Tanenbaum, *Computer Networks*, 5th ed., 5.4.2; the leaky-bucket shaping of traffic): allowance
 accrues at ``fraction`` seconds per second, up to ``BURST`` seconds; a sampled call's shadow side may start while
@@ -7,7 +8,13 @@ allowance may go below zero). So over any window of W seconds the shadow side us
 plus what the last call started in it overran its expected cost: ``fraction + 0.05`` of a 10 s window. (Starting
 whenever the allowance is above zero, the old rule, let a ResNet comparison that costs 0.3 s start on 1 ms of
 allowance: 0.273 of a window at budget 0.2.) Since install alone (the old rule) a job idle for an hour could spend the
-hour's share in one burst.
+hour's share in one burst. One allowance is shared by every target of a monitor (:class:`Budgets`): with one each,
+a job shadowing DataParallel and its casts could spend twice the budget in one window. Shared, it must not be
+taken from under a target that waits for it: a call refused for its cost reserves that much (the first refused,
+or one that needs more than twice what is reserved; until its target starts a call, or until the allowance is full
+and waiting gains it nothing), and while the
+allowance does not cover that reservation and its own cost too, no other target's call starts (a cheap target
+called often would otherwise keep an expensive one from ever starting).
 
 What every call pays outside a comparison (a guided target's signature function) is charged too, so comparisons
 give way to it; it also has a bucket of its own, the same size: while classifying alone has used the budget, calls
@@ -17,7 +24,11 @@ stops the classifying.
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
+
+from shadow.core import forks
 
 #: The window the budget holds over, and the allowance a target may save up (the 0.05 of a window it may exceed).
 WINDOW_SECONDS = 10.0
@@ -28,24 +39,50 @@ DEFAULT_DEADLINE = 60.0
 
 
 class Budget:
-    """A target's allowance of shadow-side time (``fraction`` of wall time)."""
+    """An allowance of shadow-side time (``fraction`` of wall time), drawn on from any thread by any target."""
 
     def __init__(self, fraction: float) -> None:
         self.fraction = fraction
+        self._after_fork_in_child()
+        forks.register(self)
+
+    def _after_fork_in_child(self) -> None:  # (the parent's lock may have been held at fork; its spending is its own)
+        self._lock = threading.Lock()
         self._allowance = BURST_SECONDS
         self._at = time.monotonic()
+        self._reserved: tuple[object, float] | None = None  # (who waits for the allowance, how much)
 
-    def _refill(self) -> float:
-        now = time.monotonic()
-        self._allowance = min(BURST_SECONDS, self._allowance + self.fraction * (now - self._at))
-        self._at = now
-        return self._allowance
-
-    def allows(self, expected: float = 0.0) -> bool:
-        """Whether a sampled call's shadow side that is ``expected`` to take that many seconds may start now."""
-        allowance = self._refill()
-        return allowance > 0 and allowance >= min(expected, BURST_SECONDS)
+    def allows(self, expected: float = 0.0, who: object = None) -> bool:
+        """Whether a sampled call of ``who``'s (a target) whose shadow side is ``expected`` to take that many seconds
+        may start now."""
+        needed = min(expected, BURST_SECONDS)
+        with self._lock:
+            now = time.monotonic()
+            allowance = self._allowance = min(BURST_SECONDS, self._allowance + self.fraction * (now - self._at))
+            self._at = now
+            reserved = self._reserved
+            if reserved is not None and (reserved[0] is who or allowance >= BURST_SECONDS):
+                reserved = self._reserved = None  # (its holder is here, or it waited for all there is)
+            if reserved is not None:
+                needed = min(needed + reserved[1], BURST_SECONDS)
+            allowed = allowance > 0 and allowance >= needed
+            if not allowed and (reserved is None or 2 * reserved[1] < min(expected, BURST_SECONDS)):
+                self._reserved = (who, min(expected, BURST_SECONDS))  # (first come, unless its need is far smaller)
+        return allowed
 
     def charge(self, seconds: float) -> None:
         """Seconds the shadow side used."""
-        self._allowance -= seconds
+        with self._lock:
+            self._allowance -= seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Budgets:
+    """A monitor's allowances, shared by its targets: the shadow side's, and classifying's own share of it."""
+
+    shadow: Budget
+    classifying: Budget
+
+    @classmethod
+    def of(cls, fraction: float) -> Budgets:
+        return cls(Budget(fraction), Budget(fraction))

@@ -174,3 +174,14 @@ def run_within(seconds: float | None, body: Callable[[], Any], start: Callable[[
         run.abandoned = True
     outcome = run.outcome
     return outcome if outcome is not None else Finished(False)
+
+
+def run_here(body: Callable[[], Any]) -> Finished:
+    """``body()`` on this thread, its outcome as :func:`run_within` gives it: for a run that cannot block (a
+    target's ``never_blocks`` calls), which needs no deadline. An interrupt is raised, never returned."""
+    try:
+        return Finished(True, body())
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # (the body's outcome, as on a room)
+        return Finished(True, error=exc)

@@ -23,10 +23,9 @@ from typing import Any
 import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
-from torch.utils._pytree import tree_iter
 
-from shadow.core import compiling, forks
-from shadow.core.budget import DEFAULT_DEADLINE, Budget
+from shadow.core import compiling, forks, trees
+from shadow.core.budget import DEFAULT_DEADLINE, Budgets
 from shadow.core.coverage import CLASSIFY_ONE_IN, Coverage
 from shadow.core.drill import Drill
 from shadow.core.exporting import call_hook
@@ -121,7 +120,7 @@ def _user_code_would_see_the_shadow(args: tuple, kwargs: dict, modules: list[tor
         isinstance(mode, _TORCHS_OWN_MODES) for mode in _get_current_function_mode_stack()
     ):
         return True
-    return any(map(is_hooked_subclass, tree_iter((args, kwargs)))) or any(
+    return any(map(is_hooked_subclass, trees.leaves((args, kwargs)))) or any(
         map(is_hooked_subclass, module_tensors(modules))
     )
 
@@ -139,7 +138,7 @@ class Experiment:
         seed: int | None,
         drill: Drill | None = None,
         oracle_rate: float | None = None,
-        budget: float | None = None,
+        budget: Budgets | None = None,
         pure_hooks: bool = False,
         first_per_signature: int = 0,
         aa_rate: float = 0.0,
@@ -154,13 +153,12 @@ class Experiment:
         # such hooks are compared (the hooks run again on the upstream side) instead of skipped.
         self.pure_hooks = pure_hooks
         self.monitor: Any = None  # the Monitor that installed this experiment (set by it)
-        # The overhead budget: the upstream side's time (upstream, comparison, oracle, exporters) and a guided
-        # target's classifying may use at most this fraction of wall time over every 10 s window
-        # (shadow.core.budget); sampled calls beyond it are skipped (reason "budget") without calling exporters,
-        # and reported to them in bulk at the next publish or flush.
-        self.budget = budget
-        self._budget = Budget(budget) if budget is not None else None
-        self._classify_budget = Budget(budget) if budget is not None else None  # (classifying's own share)
+        # The overhead budget, the monitor's (shared by its targets): the upstream side's time (upstream,
+        # comparison, oracle, exporters) and a guided target's classifying may use at most its fraction of wall time
+        # over every 10 s window (shadow.core.budget); sampled calls beyond it are skipped (reason "budget") without
+        # calling exporters, and reported to them in bulk at the next publish or flush.
+        self._budget = budget.shadow if budget is not None else None
+        self._classify_budget = budget.classifying if budget is not None else None  # (classifying's own share)
         self._sampled_seconds = 0.0  # (what the last sampled call's plan and upstream side took)
         self._classified = 0
         self._classify_seconds = 0.0  # (what the last timed call of the signature function took)
@@ -331,7 +329,7 @@ class Experiment:
         if not (first or sampled):
             return self.primary_fn(*args, **kwargs)
         passed = "deadline" if self.deadline_passed else None
-        if passed is None and self._budget is not None and not self._budget.allows(self._sampled_seconds):
+        if passed is None and self._budget is not None and not self._budget.allows(self._sampled_seconds, self):
             passed = "budget"
         if passed is not None:
             with self._lock:  # nothing but counting: until the job's time catches up, or for good
@@ -619,8 +617,6 @@ class Experiment:
         self._settings_failures = 0
         self._skips_unreported.clear()
         self.noise = NoiseFloor()
-        self._budget = Budget(self.budget) if self.budget is not None else None
-        self._classify_budget = Budget(self.budget) if self.budget is not None else None
         self._calls_reported = 0
         if self.coverage is not None:  # (its first calls compared again: the child's own evidence)
             self.coverage = Coverage(self.first_per_signature)

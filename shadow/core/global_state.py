@@ -145,6 +145,30 @@ def _as_is(value: Any) -> Any:
     return value
 
 
+def _function_modes() -> tuple:
+    return tuple(_get_current_function_mode_stack()) if torch._C._len_torch_function_stack() else ()
+
+
+def _dispatch_modes() -> tuple:
+    return tuple(_get_current_dispatch_mode_stack()) if torch._C._len_torch_dispatch_stack() else ()
+
+
+_OPT_EINSUM = torch.backends.opt_einsum
+_OPT_EINSUM_FLAGS = vars(_OPT_EINSUM).get("m", _OPT_EINSUM)  # (the module torch's own flags() writes)
+_UNSET = object()
+
+
+def _opt_einsum_enabled() -> bool:
+    # (``torch.backends.opt_einsum.enabled`` as Python finds it, without its failed lookup on the module's class: the
+    # attribute a write put on the module, else the flag its module keeps)
+    found = vars(_OPT_EINSUM).get("enabled", _UNSET)
+    return _OPT_EINSUM_FLAGS.enabled if found is _UNSET else found
+
+
+def _print_options() -> dict[str, Any]:
+    return vars(torch._tensor_str.PRINT_OPTS).copy()
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """One setting: its name where snapshots differ, its reader and writer, and how a value is shown (and
@@ -163,7 +187,7 @@ class Setting:
 SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
-        Setting("torch function modes", lambda: tuple(_get_current_function_mode_stack()), _set_function_modes),
+        Setting("torch function modes", _function_modes, _set_function_modes),
         Setting("default dtype", torch.get_default_dtype, torch.set_default_dtype),
         Setting(
             "default device",
@@ -200,16 +224,16 @@ SETTINGS: dict[str, Setting] = {
             torch.autograd.set_multithreading_enabled,
         ),
         Setting("mkldnn", lambda: torch.backends.mkldnn.enabled, _set_mkldnn),
-        Setting("opt_einsum", lambda: torch.backends.opt_einsum.enabled, _set_opt_einsum),
+        Setting("opt_einsum", _opt_einsum_enabled, _set_opt_einsum),
         Setting(
             "multi-head attention fast path",
             torch.backends.mha.get_fastpath_enabled,
             torch.backends.mha.set_fastpath_enabled,
         ),
-        Setting("print options", lambda: dict(vars(torch._tensor_str.PRINT_OPTS)), _set_print_options),
+        Setting("print options", _print_options, _set_print_options),
         Setting("grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
         Setting("current device", _current_device, _set_current_device),
-        Setting("torch dispatch modes", lambda: tuple(_get_current_dispatch_mode_stack()), _set_dispatch_modes),
+        Setting("torch dispatch modes", _dispatch_modes, _set_dispatch_modes),
         Setting("saved tensors hooks", _saved_tensors_hooks, _set_saved_tensors_hooks),
         Setting("numpy error settings", np.geterr, lambda value: np.seterr(**value)),
         Setting("warning filters", lambda: tuple(warnings.filters), _set_warning_filters, outside_catch_warnings=True),
@@ -232,10 +256,10 @@ class TorchGlobals:
         self._state = self._read()
 
     @staticmethod
-    def _read() -> dict[str, Any]:
+    def _read() -> list[Any]:
         # (no warnings.catch_warnings() here: it changes the process's warning filters for a moment, and another
         # thread's snapshot taken then would see a difference nobody made)
-        return {name: setting.read() for name, setting in SETTINGS.items()}
+        return [setting.read() for setting in SETTINGS.values()]  # (SETTINGS' order)
 
     def same_as(self, other: TorchGlobals) -> bool:
         """Whether the two snapshots hold the same settings (the very objects, or equal values)."""
@@ -244,10 +268,10 @@ class TorchGlobals:
     def differences(self, other: TorchGlobals) -> dict[str, tuple[Any, Any]]:
         """{setting's name: (its value here, its value in ``other``)} for each setting the two differ in."""
         found = {}
-        for name, setting in SETTINGS.items():
-            mine, theirs = setting.shown(self._state[name]), setting.shown(other._state[name])
+        for setting, mine, theirs in zip(SETTINGS.values(), self._state, other._state, strict=True):
+            mine, theirs = setting.shown(mine), setting.shown(theirs)
             if mine != theirs:
-                found[name] = (mine, theirs)
+                found[setting.name] = (mine, theirs)
         return found
 
     def restore(self) -> None:
@@ -256,24 +280,24 @@ class TorchGlobals:
         now, then = self._read(), self._state
         if now == then:
             return
+        pairs = zip(SETTINGS.values(), now, then, strict=True)
+        changed = [(setting, value) for setting, current, value in pairs if current != value]
         failure: BaseException | None = None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for setting in SETTINGS.values():
+            for setting, value in changed:
                 if not setting.outside_catch_warnings:
-                    failure = _write(setting, now, then) or failure
-        for setting in SETTINGS.values():
+                    failure = _write(setting, value) or failure
+        for setting, value in changed:
             if setting.outside_catch_warnings:
-                failure = _write(setting, now, then) or failure
+                failure = _write(setting, value) or failure
         if failure is not None:
             raise failure
 
 
-def _write(setting: Setting, now: dict[str, Any], then: dict[str, Any]) -> Exception | None:
-    if now[setting.name] == then[setting.name]:  # (a DeviceContext, a mode: the same object)
-        return None
+def _write(setting: Setting, value: Any) -> Exception | None:
     try:
-        setting.write(then[setting.name])
+        setting.write(value)
     except Exception as exc:
         return exc
     return None

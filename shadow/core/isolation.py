@@ -72,7 +72,7 @@ class RngSnapshot:
 def find_modules(tree: Any) -> list[torch.nn.Module]:
     """Every distinct nn.Module among the leaves of ``tree`` (lists of replicas included)."""
     seen: dict[int, torch.nn.Module] = {}
-    for leaf in tree_iter(tree):
+    for leaf in trees.leaves(tree):
         if isinstance(leaf, torch.nn.Module):
             seen.setdefault(id(leaf), leaf)
     return list(seen.values())
@@ -159,7 +159,7 @@ def clone_tensors(tree: Any, copied: dict[int, torch.Tensor] | None = None) -> A
 def detach_tensors(tree: Any) -> Any:
     """``tree`` with every tensor that requires grad replaced by a new leaf over the same storage: a run on it
     builds a graph of its own, never one that reaches the caller's tensors. ``tree`` itself when none does."""
-    if not any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_iter(tree)):
+    if not any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in trees.leaves(tree)):
         return tree
     return trees.map_only(torch.Tensor, lambda t: _new_leaf(t, copy=False) if t.requires_grad else t, tree)
 

@@ -20,7 +20,7 @@ import torch
 from shadow.core import exporting
 from shadow.core import targets as builtin
 from shadow.core import tolerance as tol
-from shadow.core.budget import DEFAULT_DEADLINE
+from shadow.core.budget import DEFAULT_DEADLINE, Budgets
 from shadow.core.drill import Drill
 from shadow.core.engine import Experiment, experiment_of
 from shadow.core.observation import PRIMARY_SIDES, TargetStats
@@ -253,7 +253,7 @@ def install(
     divergence into the upstream side (never into what the caller gets). ``oracle``: for the DataParallel
     targets, the fraction of sampled calls without autocast that also run replica 0 alone on its device, to find
     divergences legacy and upstream share (sampled calls under autocast always do); None turns it off.
-    ``budget``: the fraction of wall time (per target, since install) the upstream side may use; beyond it sampled
+    ``budget``: the fraction of wall time the upstream sides of all the targets together may use; beyond it sampled
     calls are skipped with reason "budget" (None: no limit); it holds over every 10 s window (``shadow.core.budget``).
     ``deadline``: the seconds the shadow side of one sampled call may take (its upstream, A/A and oracle runs each
     on a thread of their own that starts in the caller's torch context); past it the caller goes on with the
@@ -311,6 +311,7 @@ def install(
         raise ValueError(f"primary: expected one of {PRIMARY_SIDES}, got {primary!r}")
 
     suspended = _step_aside(resolved)  # before the experiments read what is installed as their legacy
+    budgets = Budgets.of(budget) if budget is not None else None  # (one allowance for every target)
     experiments = [
         Experiment(
             t,
@@ -320,7 +321,7 @@ def install(
             seed,
             drill,
             oracle,
-            budget,
+            budgets,
             pure_hooks,
             first_per_signature,
             aa_rate,

@@ -35,7 +35,10 @@ class Target:
     ``signature`` classifies a call into a small fixed set of code paths; ``risky_signatures`` are
     ``fnmatch`` patterns of the paths where legacy and upstream differ, which a verdict should see.
     ``oracle`` describes a call's single-device equivalent (:mod:`shadow.core.oracle`), to find what legacy and
-    upstream share but a single device would not do.
+    upstream share but a single device would not do. ``never_blocks`` tells the calls whose upstream run cannot
+    block or wait (no device work, no lock, no Python code: a query of a tensor's metadata in torch's C code): their
+    upstream runs on the caller's thread, without the deadline's thread (:mod:`shadow.core.deadline`), whose
+    hand-off costs more than such a call's whole upstream side.
     """
 
     name: str
@@ -49,6 +52,7 @@ class Target:
     signature: Signature | None = None
     risky_signatures: tuple[str, ...] = ()
     oracle: Callable[[tuple, dict], SingleDeviceCall | None] | None = None
+    never_blocks: Callable[[tuple, dict], bool] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or label_text(self.name, 200) != self.name:
@@ -57,6 +61,8 @@ class Target:
             raise ValueError(f"Target {self.name!r}: upstream must be callable, got {self.upstream!r}")
         if self.legacy is not None and not callable(self.legacy):
             raise ValueError(f"Target {self.name!r}: legacy must be callable or None, got {self.legacy!r}")
+        if self.never_blocks is not None and not callable(self.never_blocks):
+            raise ValueError(f"Target {self.name!r}: never_blocks must be callable or None, got {self.never_blocks!r}")
         if not hasattr(self.owner, self.attribute) and self.legacy is None:
             raise ValueError(f"Target {self.name!r}: {self.owner!r} has no attribute {self.attribute!r}")
 
@@ -172,6 +178,13 @@ def data_parallel_signature(args: tuple, kwargs: dict) -> str:
     return _dp_signature(len(device_ids) if rows is None else min(len(device_ids), rows))
 
 
+def names_its_type(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``Tensor.type`` call is ``t.type()``: the name of the tensor's type, read from its metadata by
+    torch's C code (no copy, no device work, no lock; a tensor subclass or mode that could run Python skips the
+    call before upstream runs)."""
+    return len(args) == 1 and not kwargs
+
+
 #: Where torch_npu 2.12's legacy and upstream are known to differ (the README's "what really differs").
 TENSOR_TYPE_RISKY = ("npu_name/noncurrent/*", "npu_class/noncurrent/*", "torch_npu_name/*")
 DATA_PARALLEL_RISKY = ("replicas=1/*", "*/autocast=on")
@@ -201,6 +214,7 @@ def tensor_type() -> Target:
         isolate=False,
         signature=tensor_type_signature,
         risky_signatures=TENSOR_TYPE_RISKY,
+        never_blocks=names_its_type,
     )
 
 

@@ -38,6 +38,26 @@ def flatten_with_paths(tree: Any, is_leaf: IsLeaf = None) -> tuple[list[tuple[An
     return list(pytree._generate_key_paths((), tree, is_leaf)), spec
 
 
+def leaves(tree: Any) -> list[Any]:
+    """``list(tree_iter(tree))``: tuples, lists and dicts (those exact types) are opened here, anything else that is
+    no pytree node is a leaf, and a tree holding any other node goes to torch's ``tree_iter``. (A sampled call looks
+    at the leaves of its arguments several times; most calls pass a few tensors and numbers.)"""
+    found: list[Any] = []
+    return found if _plain_into(tree, found) else list(pytree.tree_iter(tree))
+
+
+def _plain_into(node: Any, found: list[Any]) -> bool:
+    kind = type(node)
+    if kind is tuple or kind is list:
+        return all(_plain_into(child, found) for child in node)
+    if kind is dict:
+        return all(_plain_into(child, found) for child in node.values())
+    if kind in pytree.SUPPORTED_NODES or isinstance(node, tuple):  # (a namedtuple, a structseq: torch's to open)
+        return False
+    found.append(node)
+    return True
+
+
 def map_only(kind: type | tuple[type, ...], function: Callable[[Any], Any], tree: Any) -> Any:
     """``tree_map_only``: ``tree`` with ``function`` applied to the leaves that are instances of ``kind``."""
     leaves, spec = flatten(tree)

@@ -20,11 +20,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-from torch.utils._pytree import tree_iter
 
 from shadow.core import trees
 from shadow.core.compare import Comparison, compare, compare_exceptions, with_state
-from shadow.core.deadline import Finished, leave_room, room, run_within
+from shadow.core.deadline import Finished, leave_room, room, run_here, run_within
 from shadow.core.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
 from shadow.core.gradients import GradientComparison, compare_gradients, names_of, vjp
 from shadow.core.isolation import ArgumentsChanged, Isolation, detach_tensors, find_modules
@@ -116,6 +115,7 @@ class Plan:
     before: TorchGlobals
     aa: bool = False  # legacy runs a second time (the noise floor's A/A run)
     backward: bool = False  # the backward comparison: legacy runs again for a graph of its own
+    here: bool = False  # upstream cannot block (Target.never_blocks): it runs on the caller's thread
     modules_loaded: int = dataclasses.field(default_factory=lambda: len(sys.modules))
 
     @property
@@ -199,7 +199,8 @@ class UpstreamSide:
             if signature is None:  # (a guided target's call comes classified)
                 raw = target.signature(args, kwargs) if target.signature else "call"
                 signature = experiment.admit(label_text(str(raw), 64))
-            plan = Plan(isolation, up_args, up_kwargs, signature, autocast, oracle, before, aa, backward)
+            here = target.never_blocks is not None and bool(target.never_blocks(args, kwargs))
+            plan = Plan(isolation, up_args, up_kwargs, signature, autocast, oracle, before, aa, backward, here)
             return cls(experiment, plan)
         except KeyboardInterrupt:
             raise
@@ -290,7 +291,7 @@ class UpstreamSide:
         returned a tensor subclass with hooks (comparing it would run its code), wrote an argument in place, or the
         argument copies would not fit. None when upstream can run (the isolation's copies are then taken)."""
         experiment = self.experiment
-        if legacy.error is None and any(map(is_hooked_subclass, tree_iter(legacy.value))):
+        if legacy.error is None and any(map(is_hooked_subclass, trees.leaves(legacy.value))):
             return Observation(
                 experiment.target.name, Outcome.SKIPPED, ("mode",), signature=plan.signature, timestamp=now,
                 primary=experiment.primary,
@@ -360,7 +361,7 @@ class UpstreamSide:
         """Upstream on the plan's arguments, from the torch settings the caller had before the call (legacy's
         start), in the caller's grad mode, isolated where the target asks for it; whether a fire drill corrupted
         it; and the torch settings it left behind (legacy's are put back before this returns). The run is None
-        where it passed its deadline."""
+        where it passed its deadline. A call that cannot block runs here, on the caller's thread."""
         experiment = self.experiment
         context = plan.isolation.upstream_run() if plan.isolation is not None else contextlib.nullcontext()
         drill = experiment.drill if experiment.drill is not None and experiment.drill.fires() else None
@@ -386,14 +387,17 @@ class UpstreamSide:
                 return value
             finally:
                 left = TorchGlobals()  # (on the thread that ran it: its thread-local settings too)
-                if not left.same_as(plan.before):
+                if not (plan.here or left.same_as(plan.before)):
                     leave_room()
 
         start = time.perf_counter()
         finished = Finished(False)
         try:
             with context, upstream_run(experiment):
-                finished = self._within_deadline(experiment, plan.before, body, checks_its_settings=True)
+                if plan.here:
+                    finished = run_here(body)
+                else:
+                    finished = self._within_deadline(experiment, plan.before, body, checks_its_settings=True)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the isolation's own failure: the run's outcome, never the caller's
