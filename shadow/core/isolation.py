@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import random
 import types
 from collections.abc import Iterator
@@ -191,9 +192,10 @@ def _copy(container: Any) -> Any:
 
 def _changed(container: Any, content: Any) -> bool:
     """Whether a dict (by key and value identity: values may be tensors) or a set differs from its copy."""
-    if isinstance(container, (set, frozenset)):
+    if not container or isinstance(container, (set, frozenset)):  # (most of a module's hook dicts are empty)
         return container != content
-    return container.keys() != content.keys() or any(container[k] is not v for k, v in content.items())
+    # (in order: a dict's copy keeps its order, and a value swapped in place keeps its key's)
+    return container.keys() != content.keys() or not all(map(operator.is_, container.values(), content.values()))
 
 
 class ModuleState:
