@@ -20,7 +20,7 @@ Not thread-safe by itself: the engine calls it under its lock.
 from __future__ import annotations
 
 #: Once every signature seen has had its first calls, one call in this many (on average) is classified.
-CLASSIFY_ONE_IN = 32
+CLASSIFY_ONE_IN = 64
 
 
 class Coverage:

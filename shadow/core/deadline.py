@@ -18,6 +18,7 @@ current stream, the saved-tensors hooks).
 from __future__ import annotations
 
 import _thread
+import collections
 import contextlib
 import dataclasses
 import queue
@@ -81,38 +82,37 @@ class _Rooms:
     """The threads shadow-side runs take place on, kept between runs (starting a thread and waiting for it to be
     scheduled costs more than a cheap call's whole upstream side).
 
-    One queue of runs that every idle room reads, and one of tokens, one put by each room as it goes idle. A run is
-    handed over only after taking a token, or to a room started for it, so it never waits behind a busy room (a run
-    abandoned at its deadline keeps its room). Each step of a hand-off is one C call: an interrupt between two leaves
-    a token unused (one idle room more than tokens; a later run starts a room), never a run without a room. A room
-    whose run raised or changed a thread-local setting (:func:`leave_room`) leaves the pool (its thread may hold
-    state of that run's), and so does an abandoned one.
+    Each room waits on a queue of its own (its inbox); the idle rooms' inboxes are a stack, the room idle last on
+    top: a run is handed to the room that ran the last one (its thread's caches still warm), or to a room started
+    for it, so it never waits behind a busy room (a run abandoned at its deadline keeps its room). Each step of a
+    hand-off is one C call: an interrupt between the two leaves one room idle for good (a later run takes another),
+    never a run without a room. A room whose run raised or changed a thread-local setting (:func:`leave_room`)
+    leaves the pool (its thread may hold state of that run's), and so does an abandoned one.
     """
 
     def __init__(self) -> None:
-        self._runs: queue.SimpleQueue[_Run] = queue.SimpleQueue()
-        self._idle: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._idle: collections.deque[queue.SimpleQueue[_Run]] = collections.deque()
         forks.register(self)
 
     def _after_fork_in_child(self) -> None:  # (the rooms' threads are not in the child)
-        self._runs = queue.SimpleQueue()
-        self._idle = queue.SimpleQueue()
+        self._idle = collections.deque()
 
     def hand_over(self, run: _Run) -> None:
-        """``run`` to an idle room, or to a room started for it."""
+        """``run`` to the room idle last, or to a room started for it."""
         try:
-            self._idle.get_nowait()
-        except queue.Empty:
+            inbox = self._idle.pop()
+        except IndexError:
             threading.Thread(target=self._room, args=(run,), name="npu-shadow upstream side", daemon=True).start()
         else:
-            self._runs.put(run)
+            inbox.put(run)
 
     def _room(self, run: _Run) -> None:
-        runs, idle = self._runs, self._idle
+        inbox: queue.SimpleQueue[_Run] = queue.SimpleQueue()
+        idle = self._idle
         while run.run() and not run.abandoned and not getattr(room, "leaving", False):
             marks.__dict__.clear()  # (the marks of the run it had: the next run's start writes its own)
-            idle.put(None)
-            run = runs.get()
+            idle.append(inbox)
+            run = inbox.get()
 
 
 #: The room this thread is, its own state: ``leaving`` (set by :func:`leave_room`: the room ends after its run), and
