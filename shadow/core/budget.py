@@ -10,11 +10,10 @@ whenever the allowance is above zero, the old rule, let a ResNet comparison that
 allowance: 0.273 of a window at budget 0.2.) Since install alone (the old rule) a job idle for an hour could spend the
 hour's share in one burst. One allowance is shared by every target of a monitor (:class:`Budgets`): with one each,
 a job shadowing DataParallel and its casts could spend twice the budget in one window. Shared, it must not be
-taken from under a target that waits for it: a call refused for its cost reserves that much (the first refused,
-or one that needs more than twice what is reserved; until its target starts a call, or until the allowance is full
-and waiting gains it nothing), and while the
-allowance does not cover that reservation and its own cost too, no other target's call starts (a cheap target
-called often would otherwise keep an expensive one from ever starting).
+taken from under a target that waits for it: a call refused for its cost reserves that much (the first refused, or
+one that needs more than twice what is reserved; until its target starts a call, or until the allowance is full and
+waiting gains it nothing), and while the allowance does not cover that reservation and its own cost too, no other
+target's call starts (a cheap target called often would otherwise keep an expensive one from ever starting).
 
 What every call pays outside a comparison (a guided target's signature function) is charged too, so comparisons
 give way to it; it also has a bucket of its own, the same size: while classifying alone has used the budget, calls
