@@ -17,9 +17,31 @@ import shadow
 from shadow.core import deadline, sides, targets, trees
 
 
-def _op_target(upstream):
+def _op_target(upstream, name="op"):
     ops = types.SimpleNamespace(op=lambda x: x * 2)
-    return ops, shadow.Target("op", ops, "op", upstream)
+    return ops, shadow.Target(name, ops, "op", upstream)
+
+
+def _sleeping(seconds, spent=None):
+    """An upstream that takes ``seconds`` of real time (what the shadow side's cost is measured in), each run's
+    time appended to ``spent``."""
+
+    def upstream(x):
+        began = time.perf_counter()
+        time.sleep(seconds)
+        if spent is not None:
+            spent.append(time.perf_counter() - began)
+        return x * 2
+
+    return upstream
+
+
+@pytest.fixture
+def job_clock(monkeypatch):
+    """The budget's clock, moved on by the test: the job's time between calls."""
+    clock = [time.monotonic()]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    return clock
 
 
 def test_sampled_calls_run_upstream_on_a_room_kept_between_runs():
@@ -95,21 +117,12 @@ def test_a_forked_child_runs_upstream_on_rooms_of_its_own():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-def test_a_sampled_call_starts_only_when_the_allowance_covers_its_cost(monkeypatch):
+def test_a_sampled_call_starts_only_when_the_allowance_covers_its_cost(job_clock):
     """Over a 10 s window at budget 0.2 the shadow side may use 0.2 + 0.05 of it (2.5 s). A 0.3 s upstream started
     whenever the allowance was above zero overran it by most of a call (9 runs, 2.7 s); started only when the
     allowance covers the last call's cost, the runs stay within it."""
-    clock = [time.monotonic()]
-    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    spent = []
-
-    def slow(x):
-        began = time.perf_counter()
-        time.sleep(0.3)
-        spent.append(time.perf_counter() - began)
-        return x * 2
-
-    ops, target = _op_target(slow)
+    clock, spent = job_clock, []
+    ops, target = _op_target(_sleeping(0.3, spent))
     with shadow.install([target], sample_rate=1.0, budget=0.2) as monitor:
         for _ in range(200):  # 0.05 s of the job's time each: one 10 s window
             clock[0] += 0.05
@@ -119,22 +132,12 @@ def test_a_sampled_call_starts_only_when_the_allowance_covers_its_cost(monkeypat
     assert stats.compared == len(spent) >= 6 and stats.by_reason == {"budget": 200 - len(spent)}, stats
 
 
-def test_the_targets_of_a_monitor_share_one_budget(monkeypatch):
+def test_the_targets_of_a_monitor_share_one_budget(job_clock):
     """Two targets, each with a 0.1 s upstream, called in turn over one 10 s window at budget 0.2: together they
     stay within 0.2 + 0.05 of it (2.5 s), and take turns. With an allowance each they spent twice that;
     sharing one without a reservation, the target called first took nearly all of it."""
-    clock = [time.monotonic()]
-    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    spent = []
-
-    def slow(x):
-        began = time.perf_counter()
-        time.sleep(0.1)
-        spent.append(time.perf_counter() - began)
-        return x * 2
-
-    (first, a), (second, b) = _op_target(slow), _op_target(slow)
-    b = dataclasses.replace(b, name="other op")
+    clock, spent = job_clock, []
+    (first, a), (second, b) = _op_target(_sleeping(0.1, spent)), _op_target(_sleeping(0.1, spent), "other op")
     with shadow.install([a, b], sample_rate=1.0, budget=0.2) as monitor:
         for _ in range(100):  # 0.1 s of the job's time for each pair of calls: one 10 s window
             clock[0] += 0.1
@@ -146,22 +149,12 @@ def test_the_targets_of_a_monitor_share_one_budget(monkeypatch):
     assert min(compared) >= 8 and abs(compared[0] - compared[1]) <= 2, compared  # (turn about)
 
 
-def test_a_cheap_target_called_often_never_keeps_an_expensive_one_from_the_shared_budget(monkeypatch):
+def test_a_cheap_target_called_often_never_keeps_an_expensive_one_from_the_shared_budget(job_clock):
     """Ten 5 ms calls of one target for each 0.2 s call of another, every 0.1 s of the job's time at budget 0.2: the
     cheap ones alone would spend the whole refill, so the expensive one never saw 0.2 s saved up; its reservation
     gets it its turns."""
-    clock = [time.monotonic()]
-    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-
-    def costing(seconds):
-        def upstream(x):
-            time.sleep(seconds)
-            return x * 2
-
-        return upstream
-
-    (cheap, a), (dear, b) = _op_target(costing(0.005)), _op_target(costing(0.2))
-    b = dataclasses.replace(b, name="dear op")
+    clock = job_clock
+    (cheap, a), (dear, b) = _op_target(_sleeping(0.005)), _op_target(_sleeping(0.2), "dear op")
     with shadow.install([a, b], sample_rate=1.0, budget=0.2) as monitor:
         for _ in range(100):
             clock[0] += 0.1
