@@ -212,3 +212,27 @@ def test_the_leaves_of_a_call_are_torchs_pytree_leaves():
             a is b for a, b in zip(found, tree_iter(case), strict=True)
         ), case
     assert trees.leaves(x)[0] is x
+
+
+def test_a_run_on_the_callers_thread_leaves_the_callers_settings_as_legacy_left_them():
+    """Upstream run on the caller's thread (``never_blocks``) that turns grad mode off (thread-local) and the
+    default dtype to float64 (global): the caller finds both as legacy left them, the call a ``state`` mismatch, the
+    caller's result legacy's."""
+    ran_on = []
+
+    def upstream(x):
+        ran_on.append(threading.current_thread())
+        torch.set_grad_enabled(False)
+        torch.set_default_dtype(torch.float64)
+        return x * 2
+
+    ops, target = _op_target(upstream)
+    target = dataclasses.replace(target, never_blocks=lambda args, kwargs: True)
+    dtype = torch.get_default_dtype()
+    with shadow.install([target], sample_rate=1.0, budget=None) as monitor:
+        x = torch.ones(2)
+        assert ops.op(x).tolist() == [2.0, 2.0] and x.tolist() == [1.0, 1.0]
+        assert torch.is_grad_enabled() and torch.get_default_dtype() == dtype
+        stats = monitor.stats()["op"]
+    assert ran_on == [threading.current_thread()]
+    assert stats.mismatch == 1 and stats.by_reason == {"state": 1}, stats
