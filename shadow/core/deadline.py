@@ -106,10 +106,14 @@ class _Rooms:
         else:
             inbox.put(run)
 
-    def _room(self, run: _Run) -> None:
+    def _room(self, run: _Run | None) -> None:
         inbox: queue.SimpleQueue[_Run] = queue.SimpleQueue()
         idle = self._idle
-        while run.run() and not run.abandoned and not getattr(room, "leaving", False):
+        while True:
+            kept = run.run() and not run.abandoned and not getattr(room, "leaving", False)
+            run = None  # (a room waiting for its next run holds nothing of its last: its result, graph, copies)
+            if not kept:
+                return
             marks.__dict__.clear()  # (the marks of the run it had: the next run's start writes its own)
             idle.append(inbox)
             run = inbox.get()

@@ -43,19 +43,64 @@ def _read_number(path: str, field: str | None = None) -> int | None:
     return None
 
 
+#: Where the cgroup file systems are mounted and where this process says which cgroups it is in (tests move them).
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+
+
+def _cgroup_room() -> list[int]:
+    """The room left under each memory limit of this process's cgroups: v2 (``memory.max`` less
+    ``memory.current``) and v1 (``memory.limit_in_bytes`` less ``memory.usage_in_bytes``), in the process's own
+    cgroup and at the mount's root (a container sees its own cgroup there)."""
+    try:
+        with open(PROC_SELF_CGROUP) as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        lines = []
+    places: list[tuple[str, str, str]] = []  # (directory, limit file, usage file)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        path = path.lstrip("/")
+        if controllers == "":
+            places.append((f"{CGROUP_ROOT}/{path}".rstrip("/"), "memory.max", "memory.current"))
+        elif "memory" in controllers.split(","):
+            places.append((f"{CGROUP_ROOT}/memory/{path}".rstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    places += [(CGROUP_ROOT, "memory.max", "memory.current"),
+               (f"{CGROUP_ROOT}/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")]  # fmt: skip
+    room = []
+    for directory, limit_file, usage_file in dict.fromkeys(places):
+        limit, used = _read_number(f"{directory}/{limit_file}"), _read_number(f"{directory}/{usage_file}")
+        if limit is not None and used is not None:
+            room.append(max(0, limit - used))
+    return room
+
+
 def host_free_bytes() -> int | None:
     """What this process can still allocate on the host: the least of MemAvailable, the room left under
-    RLIMIT_AS and the room left in its cgroup (v2); None where none of them can be read."""
+    RLIMIT_AS and the room left under its cgroups' limits (v2 and v1); None where none of them can be read."""
     figures = [_read_number("/proc/meminfo", "MemAvailable")]
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     used = _read_number("/proc/self/status", "VmSize")
     if soft != resource.RLIM_INFINITY and used is not None:
         figures.append(max(0, soft - used))
-    limit, current = _read_number("/sys/fs/cgroup/memory.max"), _read_number("/sys/fs/cgroup/memory.current")
-    if limit is not None and current is not None:
-        figures.append(max(0, limit - current))
+    figures += _cgroup_room()
     known = [f for f in figures if f is not None]
     return min(known) if known else None
+
+
+def check_host_fits(size: int, what: str) -> None:
+    """Raise InsufficientMemory unless ``size`` bytes of host copies fit in SHARE of the host's free memory."""
+    if size < SMALL:
+        return
+    free = host_free_bytes()
+    if free is not None and size > SHARE * free:
+        raise InsufficientMemory(
+            f"out of memory for the shadow side: {what} need {size >> 20} MiB on the host, "
+            f"{free >> 20} MiB free (at most {SHARE:.0%} of it is taken)"
+        )
 
 
 def free_bytes(device: torch.device) -> int | None:

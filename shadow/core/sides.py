@@ -2,67 +2,126 @@
 from a nested one.
 
 Per thread (``marks``): ``upstream_side``, the experiment whose upstream side this thread runs (upstream, the
-comparison, the oracle, the exporters); ``in_legacy``, the experiment whose legacy it runs; ``publishing`` while it
-hands an observation to the exporters.
+comparison, the oracle, the exporters); ``run``, the upstream run under way on it (a key of
+:data:`upstream_runs`); ``inherited``, the (run, experiment) of the thread that started this one; ``in_legacy``,
+the experiment whose legacy it runs; ``publishing`` while it hands an observation to the exporters.
 
-Each upstream run is on a daemon thread of the shadow side's (:mod:`shadow.core.deadline`), and the threads it starts
-(DataParallel's workers in upstream's ``parallel_apply``) are daemons too (a thread is a daemon where the thread
-that made it is). So the runs under way are kept with the threads alive when each began: a daemon thread not among
-those was started by that run, and its calls belong to it. The job's threads started meanwhile (the replicas of
-legacy's own ``parallel_apply`` on another thread) are not daemons: they stay the job's. (A dict's item assignment
-and ``del`` are atomic and call nothing: no lock, and no point where an interrupt could leave a run behind.)
+A run's threads are known by construction: a thread started by a thread of an upstream run (DataParallel's workers
+in upstream's ``parallel_apply``) inherits that run, and is part of it while the run is under way (a pool's
+thread started then and kept by the job is the job's again once the run ended). Every other thread is the job's,
+whenever it was started. The one exception is the autograd engine's device threads, which Python does not start:
+during a backward comparison's run (``backward``) they are its. (A dict's item assignment and ``del`` are atomic
+and call nothing: no lock, and no point where an interrupt could leave a run behind.)
 """
 
 from __future__ import annotations
 
+
 import contextlib
-import operator
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from shadow.core import forks
 
 marks = threading.local()
 
-#: The upstream runs under way, by a key of their own: the threads alive when each began, its experiment, and
-#: whether it is a backward comparison's run.
-upstream_runs: dict[object, tuple[frozenset[int], Any, bool]] = {}
+#: The upstream runs under way, by a key of their own: its experiment, and whether it is a backward comparison's.
+upstream_runs: dict[object, tuple[Any, bool]] = {}
 
 #: Registered as the "upstream side" while legacy runs again for the noise floor: the calls it makes of wrapped
 #: functions are nested calls, and they run legacy (only an experiment's own upstream run routes them upstream).
 LEGACY_AGAIN = object()
 
-_IDENT = operator.attrgetter("ident")
-
 
 @contextlib.contextmanager
 def upstream_run(experiment: Any, backward: bool = False) -> Iterator[None]:
-    """While the body runs, the daemon threads started meanwhile are ``experiment``'s upstream side; with
-    ``backward`` (a backward comparison's run, :mod:`shadow.core.gradients`), so are the autograd engine's own
-    threads (threads Python did not start: the device threads a backward through device tensors runs on). (The
-    job's thread waits in the sampled call meanwhile; a backward of another job thread's at that moment would run
-    its wrapped calls as nested ones, the primary's implementation, uncounted: what the job gets, unseen.)"""
-    # (no loop of this module's over the threads: what an interrupt can land in does not grow with their number)
-    run, key = (frozenset(map(_IDENT, threading.enumerate())), experiment, backward), object()
+    """While the body runs, this thread's upstream run is one of ``experiment``'s (the threads it starts, and a
+    room it hands a run to, are part of it); with ``backward`` (a backward comparison's run,
+    :mod:`shadow.core.gradients`), so are the autograd engine's own threads (the device threads a backward
+    through device tensors runs on). (The job's thread waits in the sampled call meanwhile; a backward of another
+    job thread's at that moment would run its wrapped calls as nested ones, the primary's implementation,
+    uncounted: what the job gets, unseen.)"""
+    key = object()
+    outer = getattr(marks, "run", None)
     try:
-        upstream_runs[key] = run
+        upstream_runs[key] = (experiment, backward)
+        marks.run = key
         yield
     finally:
-        del upstream_runs[key]
+        marks.run = outer
+        upstream_runs.pop(key, None)
+
+
+def current_run() -> object | None:
+    """The key of the upstream run this thread is part of (to hand to a room that runs it), or None."""
+    run = getattr(marks, "run", None)
+    if run is not None:
+        return run
+    inherited = getattr(marks, "inherited", None)
+    return inherited[0] if inherited is not None and inherited[0] in upstream_runs else None
 
 
 def upstream_side_of_this_thread() -> Any | None:
-    """The experiment whose upstream side this thread is part of: running it, started by its upstream run, or an
-    autograd thread during its backward run."""
+    """The experiment whose upstream side this thread is part of: running it, started by a thread of its
+    upstream run while that run is under way, or an autograd thread during its backward run."""
     side = getattr(marks, "upstream_side", None)
     if side is not None or not upstream_runs:
         return side
-    thread = threading.current_thread()
-    if not thread.daemon:
-        return None
-    runs = tuple(upstream_runs.values())
-    if isinstance(thread, threading._DummyThread):
-        backward = next((experiment for _, experiment, backward in runs if backward), None)
-        if backward is not None:
-            return backward
-    ident = threading.get_ident()
-    return next((experiment for alive, experiment, _ in runs if ident not in alive), None)
+    inherited = getattr(marks, "inherited", None)
+    if inherited is not None and inherited[0] in upstream_runs:
+        return inherited[1]
+    if isinstance(threading.current_thread(), threading._DummyThread):
+        return next((experiment for experiment, backward in tuple(upstream_runs.values()) if backward), None)
+    return None
+
+
+def _inheritance() -> tuple[object, Any] | None:
+    """What a thread started by this one inherits: (its upstream run, the experiment), or None."""
+    side = getattr(marks, "upstream_side", None)
+    run = getattr(marks, "run", None)
+    if side is not None and run is not None:
+        return run, side
+    inherited = getattr(marks, "inherited", None)
+    return inherited if inherited is not None and inherited[0] in upstream_runs else None
+
+
+def _inheriting(start: Callable[..., Any]) -> Callable[..., Any]:
+    """``threading``'s function that starts a thread, with the new thread inheriting the upstream run of the
+    thread that starts it (nothing else changes: a thread started by the job's own code runs as it did)."""
+
+    def start_thread(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        inherited = _inheritance()
+        if inherited is None:
+            return start(function, *args, **kwargs)
+
+        def bootstrap(*a: Any, **k: Any) -> Any:
+            marks.inherited = inherited
+            return function(*a, **k)
+
+        return start(bootstrap, *args, **kwargs)
+
+    start_thread.__wrapped__ = start  # type: ignore[attr-defined]
+    return start_thread
+
+
+def _install_inheritance() -> None:
+    for name in ("_start_joinable_thread", "_start_new_thread"):  # (Python 3.13+, before)
+        start = getattr(threading, name, None)
+        if start is not None and not hasattr(start, "__wrapped__"):
+            setattr(threading, name, _inheriting(start))
+            return
+
+
+class _Runs:
+    """The runs under way are the parent's: none in a forked child."""
+
+    def _after_fork_in_child(self) -> None:
+        upstream_runs.clear()
+        marks.__dict__.pop("inherited", None)
+
+
+_RUNS = _Runs()
+forks.register(_RUNS)
+_install_inheritance()
+

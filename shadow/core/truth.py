@@ -25,21 +25,30 @@ from typing import Any
 
 import torch
 
-from shadow.core import trees
-from shadow.core.isolation import ModuleState, RngSnapshot, modules_in_call
+from shadow.core import memory, trees
+from shadow.core.isolation import ModuleState, RngSnapshot, module_tensors, modules_in_call
 from shadow.core.observation import NEARER as NEARER
 
 #: Errors within this share of the larger one are a tie.
 TIE_SHARE = 0.1
 
 
-def _upcast(tensor: torch.Tensor) -> torch.Tensor:
-    tensor = tensor.detach()
+def _upcast_dtype(tensor: torch.Tensor) -> torch.dtype:
     if tensor.is_floating_point():
-        return tensor.to("cpu", torch.float64)
+        return torch.float64
     if tensor.is_complex():
-        return tensor.to("cpu", torch.complex128)
-    return tensor.to("cpu")
+        return torch.complex128
+    return tensor.dtype
+
+
+def _upcast(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor`` in its widest dtype: always a copy, never ``tensor`` itself (``.to`` returns a CPU
+    float64 or integer tensor as it is, and the truth run would then write the caller's own buffers)."""
+    return tensor.detach().to("cpu", _upcast_dtype(tensor), copy=True)
+
+
+def _host_bytes(tensors: Iterator[torch.Tensor]) -> int:
+    return sum(t.numel() * _upcast_dtype(t).itemsize for t in tensors)
 
 
 def upcast(tree: Any) -> Any:
@@ -53,6 +62,8 @@ def upcast_modules(modules: list[torch.nn.Module]) -> Iterator[None]:
     swapped for an upcast CPU copy; the modules are put back as they were afterwards."""
     states = [ModuleState(module) for module in modules]
     copies: dict[int, torch.Tensor] = {}  # (tied tensors stay tied)
+    tensors = {id(t): t for t in module_tensors(modules)}
+    memory.check_host_fits(_host_bytes(iter(tensors.values())), "the truth run's module copies")
 
     def copy(tensor: torch.Tensor, parameter: bool = False) -> torch.Tensor:
         if id(tensor) not in copies:
@@ -83,6 +94,8 @@ def in_float64(function: Callable, args: tuple, kwargs: dict) -> Iterator[tuple[
     gets the upcast arguments; the global RNG is put back as it was afterwards. Entered on the caller's thread, as
     the isolation is: a run abandoned at its deadline never leaves the caller's modules swapped."""
     modules = modules_in_call((function, *args), kwargs)  # (the function itself may be a module)
+    arguments = {id(t): t for t in trees.leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    memory.check_host_fits(_host_bytes(iter(arguments.values())), "the truth run's argument copies")
     rng = RngSnapshot()
     try:
         with upcast_modules(modules):

@@ -38,7 +38,7 @@ from shadow.core.observation import (
     bounded,
     label_text,
 )
-from shadow.core.sides import LEGACY_AGAIN, marks, upstream_run
+from shadow.core.sides import LEGACY_AGAIN, current_run, marks, upstream_run
 from shadow.core.targets import Target
 from shadow.core.tolerance import ToleranceSpec
 from shadow.core.truth import in_float64, judge, run_upcast
@@ -331,9 +331,10 @@ class UpstreamSide:
         it would be on the caller's thread. A run that leaves a setting of its thread changed ends its room (the
         body says so itself where ``checks_its_settings``)."""
         experiment = self.experiment
+        run = current_run()
 
         def start() -> None:
-            marks.upstream_side = side
+            marks.upstream_side, marks.run = side, run
             # (a room whose run changed a setting ends with it: a room kept holds what its last run started from)
             known = getattr(room, "settings", None)
             if known is not None and known.same_as(before):
