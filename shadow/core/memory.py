@@ -67,7 +67,8 @@ def _cgroup_room() -> list[int]:
         if controllers == "":
             places.append((f"{CGROUP_ROOT}/{path}".rstrip("/"), "memory.max", "memory.current"))
         elif "memory" in controllers.split(","):
-            places.append((f"{CGROUP_ROOT}/memory/{path}".rstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes"))
+            v1 = f"{CGROUP_ROOT}/memory/{path}".rstrip("/")
+            places.append((v1, "memory.limit_in_bytes", "memory.usage_in_bytes"))
     places += [(CGROUP_ROOT, "memory.max", "memory.current"),
                (f"{CGROUP_ROOT}/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")]  # fmt: skip
     room = []

@@ -16,7 +16,6 @@ and call nothing: no lock, and no point where an interrupt could leave a run beh
 
 from __future__ import annotations
 
-
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
