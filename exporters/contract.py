@@ -162,6 +162,14 @@ BACKWARD_RUNS = Metric(
     "Backward comparisons: seeded cotangents pulled back through both sides' graphs (a difference is a mismatch with "
     "reason grad).",
 )
+BACKWARD_SKIPS = Metric(
+    "npu_shadow.backward_skips",
+    "{call}",
+    "counter",
+    ("target", "reason"),
+    "Backward comparisons planned for a compared call but not made, by reason (deadline, reentrant, sparse, raised, "
+    "no_grad, failed): what the gradient evidence is missing.",
+)
 TRUTH_RUNS = Metric(
     "npu_shadow.truth_runs",
     "{run}",
@@ -193,6 +201,7 @@ ALL = (
     AA_RUNS,
     NOISE_FLOOR,
     BACKWARD_RUNS,
+    BACKWARD_SKIPS,
     TRUTH_RUNS,
     PRIMARY,
     ROLLBACKS,

@@ -282,6 +282,7 @@ class JsonlExporter:
             f'"shared_detail":{_quote(o.shared_detail)},"aa":{"true" if o.aa else "false"},'
             f'"aa_abs_error":{_number(o.aa_abs_error)},"aa_rel_error":{_number(o.aa_rel_error)},'
             f'"noise_test":{_quote(o.noise_test)},"backward":{"true" if o.backward else "false"},'
+            f'"backward_skip":{_quote(o.backward_skip) if o.backward_skip else "null"},'
             f'"nearer":{_quote(o.nearer) if o.nearer else "null"},'
             f'"legacy_truth_error":{_number(o.legacy_truth_error)},'
             f'"upstream_truth_error":{_number(o.upstream_truth_error)},'

@@ -47,6 +47,7 @@ _SUMS = (
     contract.SHADOW,
     contract.AA_RUNS,
     contract.BACKWARD_RUNS,
+    contract.BACKWARD_SKIPS,
     contract.TRUTH_RUNS,
     contract.ROLLBACKS,
 )
@@ -224,6 +225,8 @@ class OTelExporter:
                     self._floors[key] = max(self._floors.get(key, 0.0), min(value, contract.ERROR_CAP))
             if observation.backward:
                 add(contract.BACKWARD_RUNS, 1, target, observation.signature)
+            if observation.backward_skip:
+                add(contract.BACKWARD_SKIPS, 1, target, observation.backward_skip)
             if observation.nearer:
                 add(contract.TRUTH_RUNS, 1, target, observation.signature, observation.nearer)
             add(contract.LEGACY, observation.legacy_seconds, target)

@@ -180,6 +180,8 @@ class PrometheusExporter:
             self._aa(observation)
         if observation.backward:
             child(contract.BACKWARD_RUNS, target, observation.signature).inc()
+        if observation.backward_skip:
+            child(contract.BACKWARD_SKIPS, target, observation.backward_skip).inc()
         if observation.nearer:
             child(contract.TRUTH_RUNS, target, observation.signature, observation.nearer).inc()
         child(contract.LEGACY, target).inc(observation.legacy_seconds)

@@ -42,6 +42,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the suite's module hooks have no side effects: compare calls that run them (default: skip, reason hooks)",
     )
     group.addoption(
+        "--npu-shadow-backward-rate",
+        metavar="RATE",
+        help="a fraction in [0, 1] of compared DataParallel calls whose gradients are compared too (reason grad; "
+        "default: NPU_SHADOW_BACKWARD_RATE, else 0)",
+    )
+    group.addoption(
+        "--npu-shadow-truth-rate",
+        metavar="RATE",
+        help="a fraction in [0, 1] of calls whose sides differ in value that run again in float64, to tell which "
+        "side is nearer the truth (default: NPU_SHADOW_TRUTH_RATE, else 0)",
+    )
+    group.addoption(
         "--npu-shadow-world",
         choices=("legacy", "upstream"),
         default="legacy",
@@ -74,6 +86,8 @@ VALUE_OPTIONS = (
     "--npu-shadow-legacy-from",
     "--npu-shadow-emulate-npu",
     "--npu-shadow-targets",
+    "--npu-shadow-backward-rate",
+    "--npu-shadow-truth-rate",
     "--npu-shadow-world",
     "--npu-shadow-outcomes",
     "--npu-shadow-journal",

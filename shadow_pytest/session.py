@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import importlib.metadata
 import importlib.util
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from exporters import JsonlExporter
 from shadow.core.monitor import install
 from shadow.core.observation import DIVERGENT_OUTCOMES, Observation, bounded
+from shadow.core.rates import parse_rate
 from shadow.npu import reference, torch_npu_source
 
 DIVERGENT = DIVERGENT_OUTCOMES
@@ -65,6 +67,22 @@ class Divergence:
         return f"{o.target} {o.outcome}{reasons} [{o.signature}]: {bounded(o.detail, 300)}"
 
 
+def _rate(config: pytest.Config, name: str) -> float:
+    """``--npu-shadow-<name>`` (``backward_rate``: ``--npu-shadow-backward-rate``), else the launcher's variable
+    ``NPU_SHADOW_<NAME>``, else 0; refused at start-up, naming the option or variable, where it is no rate."""
+    option = "--npu-shadow-" + name.replace("_", "-")
+    text, setting = config.getoption("npu_shadow_" + name), option
+    if text is None:
+        variable = "NPU_SHADOW_" + name.upper()
+        text, setting = os.environ.get(variable), variable
+    if text is None or text == "":
+        return 0.0
+    try:
+        return parse_rate(text, setting)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
 class ShadowSession:
     """A pytest plugin object: registered by :func:`shadow_pytest.pytest_configure` when enabled."""
 
@@ -89,6 +107,7 @@ class ShadowSession:
         names = [t.strip() for t in targets.split(",") if t.strip()] if targets else None
         self.journal_path = option("npu_shadow_journal")
         self.journal = JsonlExporter(self.journal_path, all_outcomes=True, annotate=self._annotation)
+        rates = {name: _rate(config, name) for name in ("backward_rate", "truth_rate")}
         try:
             self.monitor = install(
                 names,
@@ -97,6 +116,7 @@ class ShadowSession:
                 seed=0,
                 yields=True,
                 pure_hooks=option("npu_shadow_pure_hooks"),
+                **rates,
             )
         except ValueError as exc:
             self._undo_legacy()

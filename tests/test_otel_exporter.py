@@ -29,6 +29,7 @@ def run_workload(exporters):
     ) as m:
         for i in range(12):
             ops.op(torch.tensor([float(i % 4)], requires_grad=True))
+        ops.op(torch.tensor([1.0]))  # (no output requires grad: a backward comparison skipped, reason no_grad)
     return m.stats()["op"]
 
 
@@ -55,14 +56,15 @@ def test_every_instrument_with_its_unit_and_attributes():
             if attributes.items() <= dict(p.attributes).items()
         )
 
-    assert value("npu_shadow.calls", target="op") == stats.calls == 12
+    assert value("npu_shadow.calls", target="op") == stats.calls == 13
+    assert value("npu_shadow.backward_skips", reason="no_grad") == stats.backward_skips["no_grad"] >= 1
     assert value("npu_shadow.comparisons", outcome="match") == stats.match
     assert value("npu_shadow.comparisons", outcome="mismatch") == stats.mismatch
     assert value("npu_shadow.mismatches", reason="value") == stats.mismatch
     assert value("npu_shadow.skipped", reason="oom") == 0  # pre-created at zero
-    assert value("npu_shadow.abs_error", target="op") == 12
+    assert value("npu_shadow.abs_error", target="op") == stats.compared == 13
     assert value("npu_shadow.sample_rate", target="op") == 1.0
-    assert value("npu_shadow.backward_runs", target="op") == stats.backward_runs == stats.match  # (the matches')
+    assert value("npu_shadow.backward_runs", target="op") == stats.backward_runs == stats.match - 1  # (no_grad: one)
     assert value("npu_shadow.truth_runs", target="op") == sum(stats.truth_runs.values()) == stats.mismatch
     boundaries = by_name["npu_shadow.abs_error"].data.data_points[0].explicit_bounds
     assert tuple(boundaries) == contract.ERROR_BUCKETS

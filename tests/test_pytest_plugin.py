@@ -160,3 +160,46 @@ def test_the_projects_own_tests_have_the_same_outcomes_with_the_plugin(tmp_path)
     assert shadowed == plain, shadowed_run.stdout[-3000:]
     assert "= npu-shadow =" in shadowed_run.stdout
     assert (tmp_path / "j.jsonl").read_text().count("\n") > 0  # the session compared calls
+
+
+GRADIENT_SUITE = """
+import torch
+from torch import nn
+
+
+def test_trains_in_data_parallel():
+    torch.manual_seed(0)
+    dp = nn.DataParallel(nn.Linear(4, 4).to("npu:0"), device_ids=[0, 1])
+    dp(torch.randn(4, 4, device="npu:0")).sum().backward()
+"""
+
+
+def test_gradients_and_float64_truth_runs_are_asked_for_by_option_or_the_launchers_variables(tmp_path):
+    (tmp_path / "test_gradients.py").write_text(GRADIENT_SUITE)
+    options = [
+        "--npu-shadow", "--npu-shadow-emulate-npu=2", "--npu-shadow-journal=journal.jsonl",
+        "--npu-shadow-legacy=reference", "--npu-shadow-targets=parallel_apply",
+    ]  # fmt: skip
+
+    def backward_runs(*more, env=None):
+        environment = {**os.environ, **(env or {})}
+        (tmp_path / "journal.jsonl").unlink(missing_ok=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *options, *more],
+            cwd=tmp_path, capture_output=True, text=True, timeout=600, env=environment,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        lines = (tmp_path / "journal.jsonl").read_text().splitlines()
+        records = [r for r in map(json.loads, lines) if r.get("target") == "parallel_apply" and "outcome" in r]
+        assert [r["outcome"] for r in records] == ["match"]
+        return sum(r["backward"] for r in records)
+
+    assert backward_runs() == 0
+    assert backward_runs("--npu-shadow-backward-rate=1", "--npu-shadow-truth-rate=1") == 1
+    assert backward_runs(env={"NPU_SHADOW_BACKWARD_RATE": "1"}) == 1
+    refused = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *options, "--npu-shadow-truth-rate=2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert refused.returncode == 4
+    assert "--npu-shadow-truth-rate: expected a number in [0, 1], got '2'" in refused.stderr

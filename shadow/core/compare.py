@@ -501,19 +501,38 @@ def compare_exceptions(legacy_error: BaseException | None, upstream_error: BaseE
     return Comparison(Outcome.ERROR.value, ("exception",), detail=detail)
 
 
+#: The characters one side's value may take in a ``state`` detail (each setting's name and both values come first).
+_STATE_VALUE_LIMIT = 160
+
+
+def _state_value(value: Any, other: Any) -> str:
+    """One side's value of a setting, within its bound: for two sequences (warning filters, mode stacks), the
+    entries only this side has and how many it has in all, so what differed is what is read."""
+    if isinstance(value, (list, tuple)) and isinstance(other, (list, tuple)):
+        only = [entry for entry in value if entry not in other]
+        text = f"{len(value)} entries, " + (f"{len(only)} not in the other's: {only!r}" if only else "none new")
+    else:
+        text = str(value)
+    return text if len(text) <= _STATE_VALUE_LIMIT else text[: _STATE_VALUE_LIMIT - 3] + "..."
+
+
 def with_state(found: Comparison, differences: Mapping[str, tuple[Any, Any]]) -> Comparison:
-    """``found`` with the torch settings each side left behind ({setting: (legacy's, upstream's)} where they
-    differ): a caller-visible side effect is behaviour, so any difference is a mismatch with reason ``state`` (an
-    error stays an error)."""
+    """``found`` with the torch settings and module attributes each side left behind ({setting: (legacy's,
+    upstream's)} where they differ): a caller-visible side effect is behaviour, so any difference is a mismatch
+    with reason ``state`` (an error stays an error). The detail names each setting and both values first, each
+    within its bound, then what the comparison of the results said."""
     if not differences:
         return found
-    note = "; ".join(f"{name}: legacy left {a}, upstream left {b}" for name, (a, b) in differences.items())
+    note = "; ".join(
+        f"{name}: legacy left {_state_value(a, b)}, upstream left {_state_value(b, a)}"
+        for name, (a, b) in differences.items()
+    )
     outcome = found.outcome if found.outcome == Outcome.ERROR.value else Outcome.MISMATCH.value
     return dataclasses.replace(
         found,
         outcome=outcome,
         reasons=_ordered((*found.reasons, "state")),
-        detail=bounded(f"{found.detail} | {note}" if found.detail else note),
+        detail=bounded(f"{note} | {found.detail}" if found.detail else note),
     )
 
 

@@ -204,6 +204,7 @@ class Experiment:
         self._shared: collections.Counter[str] = collections.Counter()
         self._oracle_runs = 0
         self._backward_runs = 0
+        self._backward_skips: collections.Counter[str] = collections.Counter()
         self._truth_runs: collections.Counter[str] = collections.Counter()
         self._signatures: set[str] = set()
         self._signatures_over_cap = 0
@@ -381,7 +382,9 @@ class Experiment:
         self._sampled_seconds = start - planning
         try:
             result = self._run_legacy(args, kwargs)
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # (SystemExit too: the state it leaves is compared like any other ending)
             self._upstream_side(side, args, kwargs, Run(error=exc, seconds=time.perf_counter() - start))
             raise
         self._upstream_side(side, args, kwargs, Run(value=result, seconds=time.perf_counter() - start))
@@ -523,6 +526,8 @@ class Experiment:
             if observation.shared_divergence:
                 self._shared[observation.shared_divergence] += 1
             self._backward_runs += observation.backward
+            if observation.backward_skip:
+                self._backward_skips[observation.backward_skip] += 1
             if observation.nearer:
                 self._truth_runs[observation.nearer] += 1
         publishing = getattr(marks, "publishing", False)
@@ -597,6 +602,7 @@ class Experiment:
                 shared_divergences=dict(self._shared),
                 oracle_runs=self._oracle_runs,
                 backward_runs=self._backward_runs,
+                backward_skips=dict(self._backward_skips),
                 truth_runs=dict(self._truth_runs),
                 signatures_over_cap=self._signatures_over_cap,
                 export_errors=self._export_errors,
@@ -612,6 +618,7 @@ class Experiment:
         self._shared.clear()
         self._oracle_runs = 0
         self._backward_runs = 0
+        self._backward_skips.clear()
         self._truth_runs.clear()
         self._export_errors = 0
         self._settings_failures = 0

@@ -34,10 +34,12 @@ def _autocast_device_types() -> list[str]:
     found = _FOUND.get("device types")
     if found is not None:
         return found
+    # (CUDA's flag always: ``torch.is_autocast_enabled()`` without a device type reads it, and both legacies'
+    # parallel_apply hand it to their workers, whatever the accelerator)
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is None:  # (not yet, maybe: a backend registered later)
-        return ["cpu"]
-    found = _FOUND["device types"] = ["cpu", accelerator.type]
+        return ["cpu", "cuda"]
+    found = _FOUND["device types"] = list(dict.fromkeys(["cpu", "cuda", accelerator.type]))
     return found
 
 

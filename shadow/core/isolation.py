@@ -84,6 +84,14 @@ def modules_in_call(args: tuple, kwargs: dict) -> list[torch.nn.Module]:
     return list({id(m): m for root in find_modules((args, kwargs)) for m in root.modules()}.values())
 
 
+def _plain_tensors(modules: list[torch.nn.Module]) -> Iterator[torch.Tensor]:
+    """The plain tensor attributes of ``modules`` that do not require grad (a replica's parameters do)."""
+    for module in modules:
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and not value.requires_grad:
+                yield value
+
+
 def module_tensors(modules: list[torch.nn.Module]) -> Iterator[torch.Tensor]:
     """The parameters, buffers and plain tensor attributes (a DataParallel replica's parameters) of ``modules``."""
     for module in modules:
@@ -212,6 +220,11 @@ class ModuleState:
         attributes = self._attributes = dict(vars(module))
         self._dicts = [(attributes[name], _copy(attributes[name])) for name in _MODULE_DICTS if name in attributes]
 
+    @property
+    def attributes(self) -> dict[str, Any]:
+        """The module's attributes as they were taken (a copy of its ``__dict__``)."""
+        return self._attributes
+
     def restore(self) -> None:
         attributes = vars(self._module)
         if _changed(attributes, self._attributes):
@@ -221,6 +234,85 @@ class ModuleState:
             if _changed(container, content):
                 container.clear()
                 container.update(content)
+
+
+_MISSING = object()
+_PLAIN_TYPES = (int, float, complex, bool, str, bytes, type(None))
+#: Attributes of a module that are torch's own bookkeeping, compared as the dictionaries they are elsewhere.
+_NOT_STATE = frozenset((*_MODULE_DICTS, "training"))
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, _PLAIN_TYPES):
+        return True
+    return isinstance(value, tuple) and len(value) <= 16 and all(isinstance(v, _PLAIN_TYPES) for v in value)
+
+
+def _alike(first: Any, second: Any) -> bool:
+    """Whether two values a forward left in a module attribute are alike: equal tensors (NaN equal to NaN), equal
+    plain values; other objects alike when of one type (comparing them would run the user's code)."""
+    if first is second:
+        return True
+    if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
+        if (first.shape, first.dtype, first.device) != (second.shape, second.dtype, second.device):
+            return False
+        with torch.no_grad():
+            return bool(torch.equal(first, second)) or (
+                first.is_floating_point() and bool(torch.allclose(first, second, equal_nan=True))
+            )
+    if _plain(first) and _plain(second):
+        return type(first) is type(second) and (first == second or (first != first and second != second))
+    return type(first) is type(second)
+
+
+def _shown(value: Any) -> str:
+    if value is _MISSING:
+        return "(none)"
+    if isinstance(value, torch.Tensor):
+        if value.numel() <= 4:
+            return f"tensor({value.detach().cpu().tolist()}, dtype={str(value.dtype).removeprefix('torch.')})"
+        return f"tensor of shape {tuple(value.shape)}"
+    if _plain(value):
+        text = repr(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+    return f"a {type(value).__name__}"
+
+
+def module_differences(
+    modules: list[torch.nn.Module],
+    before: list[dict[str, Any]],
+    versions: dict[int, int],
+    first: list[dict[str, Any]],
+    second: list[dict[str, Any]],
+    stand_ins: dict[int, torch.Tensor],
+) -> dict[str, tuple[str, str]]:
+    """The module attributes two runs from the same start left differently ({"Module.name": (first's,
+    second's)}): attributes either run rebound, added or deleted, and plain tensor attributes either wrote in
+    place. ``versions``: the plain tensors' version counters at the start; ``stand_ins``: by the id of each
+    original tensor, what stood for it in the second run (a copy: unchanged where it is still bound)."""
+    counts: dict[str, int] = {}
+    for module in modules:
+        counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    found: dict[str, tuple[str, str]] = {}
+    for index, module in enumerate(modules):
+        start, left_first, left_second = before[index], first[index], second[index]
+        kind = type(module).__name__
+        where = kind if counts[kind] == 1 else f"{kind}[{index}]"
+        for name in dict.fromkeys((*start, *left_first, *left_second)):
+            if name in _NOT_STATE or name.startswith("__"):
+                continue
+            was = start.get(name, _MISSING)
+            a, b = left_first.get(name, _MISSING), left_second.get(name, _MISSING)
+            stand_in = stand_ins.get(id(was)) if isinstance(was, torch.Tensor) else None
+            if stand_in is not None and b is stand_in:
+                b = was if stand_in._version == versions.get(id(stand_in), 0) else stand_in
+            first_changed = a is not was or (isinstance(a, torch.Tensor) and a._version != versions.get(id(a), 0))
+            second_changed = b is not was
+            if not (first_changed or second_changed):
+                continue
+            if not (a is b if a is _MISSING or b is _MISSING else _alike(a, b)):
+                found[f"{where}.{name}"] = (_shown(a), _shown(b))
+    return found
 
 
 class _GlobalHooks:
@@ -261,8 +353,14 @@ class Isolation:
 
     def __init__(self, args: tuple, kwargs: dict, modules: list[torch.nn.Module], runs: int = 1) -> None:
         buffers = {id(b): b for m in modules for b in m._buffers.values() if b is not None}
-        memory.check_fits(buffers.values(), runs, "module buffers")
+        plain = {id(t): t for t in _plain_tensors(modules)}
+        memory.check_fits([*buffers.values(), *plain.values()], runs, "module buffers")
         self.rng_before = RngSnapshot()
+        # What every run starts from: the modules' attributes before legacy ran (a forward that counts its calls
+        # in ``self.calls`` or ``self.steps`` starts each run from the same count), and the plain tensors' versions.
+        self._before = [ModuleState(m) for m in modules]
+        self._plain_versions = {id(t): t._version for t in plain.values()}
+        self.module_differences: dict[str, tuple[str, str]] = {}
         self._modules = modules
         self._runs = runs
         self._given = (args, kwargs)
@@ -304,6 +402,9 @@ class Isolation:
                 if isinstance(value, torch.Tensor) and value.requires_grad:
                     swaps.append((vars(module), name, leaves.setdefault(id(value), _stand_in(value))))
                     originals.append(value)
+                elif isinstance(value, torch.Tensor):  # a plain tensor attribute: a forward may write it in place
+                    swaps.append((vars(module), name, leaves.setdefault(id(value), _new_leaf(value, copy=True))))
+                    originals.append(value)
         return swaps, originals
 
     def arguments(self, run: int = 0) -> tuple[tuple, dict]:
@@ -325,15 +426,29 @@ class Isolation:
     def upstream_run(self, run: int = 0) -> Iterator[None]:
         """Run the body isolated: legacy's starting state, its own graph, nothing leaks out."""
         rng_after_legacy = RngSnapshot()
-        swaps, _ = self._worlds[run]
+        swaps, originals = self._worlds[run]
         # Taken before the swaps: restoring the modules' attributes and dictionaries also swaps the originals back.
         states = [ModuleState(m) for m in self._modules]
         hooks = _GlobalHooks()
         try:
             self.rng_before.restore()
+            for state in self._before:  # (the attributes legacy started from, not those it left)
+                state.restore()
+            versions = dict(self._plain_versions)
             for container, key, value in swaps:
+                versions[id(value)] = value._version
                 container[key] = value
             yield
+            if run == 0:
+                left = [dict(vars(m)) for m in self._modules]
+                self.module_differences = module_differences(
+                    self._modules,
+                    [state.attributes for state in self._before],
+                    versions,
+                    [state.attributes for state in states],
+                    left,
+                    {id(original): value for (_, _, value), original in zip(swaps, originals)},
+                )
         finally:
             for state in states:
                 state.restore()

@@ -70,6 +70,12 @@ MISMATCH_REASONS = (
 #: shadow side of a call took longer than its deadline (that call), or one did earlier (the target stopped shadowing).
 SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "inplace", "budget", "deadline", "comparator")
 
+#: Why a backward comparison planned for a compared call was not made: "deadline" (a run of it passed the
+#: deadline), "reentrant" (reentrant activation checkpointing, which ``torch.autograd.grad`` refuses), "sparse"
+#: (a sparse gradient: ``nn.Embedding(sparse=True)``), "raised" (both graphs' backward raised alike), "no_grad" (no
+#: output requires grad: nothing to pull back), "failed" (this tool's fault, logged).
+BACKWARD_SKIP_REASONS = ("deadline", "reentrant", "sparse", "raised", "no_grad", "failed")
+
 #: Which side a float64 truth run found nearer the truth (shadow.core.truth): the values of ``nearer``.
 NEARER = ("legacy", "upstream", "tie")
 
@@ -183,6 +189,9 @@ class Observation:
     #: A backward comparison ran on this call (shadow.core.gradients), and the time it took.
     backward: bool = False
     backward_seconds: float = 0.0
+    #: Why a backward comparison planned for this call was not made (BACKWARD_SKIP_REASONS; "" where it was, or
+    #: none was planned).
+    backward_skip: str = ""
     #: For a value difference, a float64 truth run (shadow.core.truth): the side nearer it (legacy, upstream or tie;
     #: "" where none ran), each side's error against it, and the time it took.
     nearer: str = ""
@@ -237,6 +246,8 @@ class TargetStats:
     oracle_runs: int = 0
     #: Backward comparisons run, and float64 truth runs by the side nearer the truth (legacy, upstream, tie).
     backward_runs: int = 0
+    #: Backward comparisons planned but not made, by reason (BACKWARD_SKIP_REASONS).
+    backward_skips: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     truth_runs: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     #: Sampled calls whose signature was counted as "other": the target had MAX_SIGNATURES already.
     signatures_over_cap: int = 0

@@ -48,8 +48,8 @@ def upstream_run(experiment: Any, backward: bool = False) -> Iterator[None]:
         marks.run = key
         yield
     finally:
+        del upstream_runs[key]  # (first: a key left in marks.run by an interrupt is no run's)
         marks.run = outer
-        upstream_runs.pop(key, None)
 
 
 def current_run() -> object | None:

@@ -71,6 +71,21 @@ def _current_device() -> str | None:
     return None if accelerator is None else f"{accelerator.type}:{torch.accelerator.current_device_index()}"
 
 
+def _any_sparse(grads: dict[int, torch.Tensor | None]) -> bool:
+    return any(grad is not None and grad.layout != torch.strided for grad in grads.values())
+
+
+def _backward_skip(failure: BaseException | None, ours: bool = False) -> str:
+    """Why a backward comparison could not be made, from what its run (or, ``ours``, this tool) raised: one of
+    BACKWARD_SKIP_REASONS."""
+    text = str(failure).lower()
+    if "checkpoint" in text and ("reentrant" in text or ".grad()" in text):
+        return "reentrant"
+    if "sparse" in text:
+        return "sparse"
+    return "failed" if ours else "raised"
+
+
 def _value_difference(found: Comparison) -> bool:
     """A difference in value alone: where a float64 run can tell which side is nearer the truth."""
     return found.outcome == Outcome.CLOSE or (found.outcome == Outcome.MISMATCH and found.reasons == ("value",))
@@ -80,6 +95,8 @@ def autocast_state() -> str:
     """The autocast state of the CPU and the accelerator, as text (``cpu=off, npu=on/float16``)."""
     accelerator = torch.accelerator.current_accelerator()
     device_types = ["cpu"] + ([accelerator.type] if accelerator is not None else [])
+    if "cuda" not in device_types and torch.is_autocast_enabled("cuda"):  # (the flag parallel_apply reads)
+        device_types.append("cuda")
 
     def state(device_type: str) -> str:
         if not torch.is_autocast_enabled(device_type):
@@ -248,7 +265,7 @@ class UpstreamSide:
         aa = self._aa_run(plan, runs[0], left_by_legacy) if plan.aa and returned else {}
         start = time.perf_counter()
         found = self._compare_runs(plan, args, kwargs, *runs)
-        found = with_state(found, self._state_differences(plan, *left))
+        found = with_state(found, {**self._state_differences(plan, *left), **self._module_differences(plan)})
         found, noise_test = self._within_noise(plan.signature, found)
         compare_seconds = time.perf_counter() - start
         backward = {}
@@ -422,6 +439,7 @@ class UpstreamSide:
         experiment = self.experiment
         start = time.perf_counter()
         seed = experiment.backward_random.getrandbits(40)
+        skip = ""
         run = plan.backward_run
         legacy_args, legacy_kwargs = plan.isolation.arguments(run)
         try:
@@ -442,22 +460,28 @@ class UpstreamSide:
             finally:
                 experiment.put_back(left_by_legacy)
             if not (ran.finished and theirs.finished):
-                compared = None
+                compared, skip = None, "deadline"
             elif ran.error is not None or theirs.error is not None:
-                compared = None  # (both raised alike: nothing to compare)
+                compared, skip = None, _backward_skip(ran.error or theirs.error)  # (both raised alike)
                 if type(ran.error) is not type(theirs.error):
                     detail = bounded("backward: " + compare_exceptions(ran.error, theirs.error).detail)
-                    compared = GradientComparison(Outcome.MISMATCH.value, detail)
+                    compared, skip = GradientComparison(Outcome.MISMATCH.value, detail), ""
             elif ran.value is None or theirs.value is None:
-                compared = None  # (no output requires grad)
+                compared, skip = None, "no_grad"  # (no output requires grad)
+            elif _any_sparse(ran.value) or _any_sparse(theirs.value):
+                compared, skip = None, "sparse"
             else:
                 compared = compare_gradients(ran.value, theirs.value, names_of(args, kwargs), experiment.tolerance)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the backward run is ours: its failure loses only the backward finding
             experiment.log_limited("backward", "backward comparison failed: %r", exc)
-            compared = None
-        fields = {"backward": compared is not None, "backward_seconds": time.perf_counter() - start}
+            compared, skip = None, _backward_skip(exc, ours=True)
+        fields = {
+            "backward": compared is not None,
+            "backward_skip": skip if compared is None else "",
+            "backward_seconds": time.perf_counter() - start,
+        }
         if compared is not None and compared.outcome == Outcome.MISMATCH.value:
             detail = "; ".join(part for part in (compared.detail, found.detail) if part)
             found = dataclasses.replace(
@@ -616,6 +640,14 @@ class UpstreamSide:
         if len(sys.modules) != plan.modules_loaded:
             for name in IMPORT_TIME_SETTINGS:
                 found.pop(name, None)
+        return found
+
+    def _module_differences(self, plan: Plan) -> dict[str, tuple[str, str]]:
+        """The module attributes the two runs left differently (:func:`shadow.core.isolation.module_differences`),
+        as (legacy's, upstream's)."""
+        found = plan.isolation.module_differences if plan.isolation is not None else {}
+        if found and self.experiment.primary == UPSTREAM:  # (the isolated run was legacy's)
+            return {name: (b, a) for name, (a, b) in found.items()}
         return found
 
     def _within_noise(self, signature: str, found: Comparison) -> tuple[Comparison, str]:
