@@ -313,6 +313,22 @@ class JsonlExporter:
         # Only a regular file of this user's that no one else can write, never through a symlink, never waiting
         # on a FIFO planted there. 0600: lines hold tensor values.
         self._fd = open_own_file(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        self._end_a_torn_line()
+
+    def _end_a_torn_line(self) -> None:
+        """A file whose last line is torn (a job killed mid-line, restarted on the same journal) gets its newline
+        first: the next line starts whole, never appended to the torn one (readers skip the torn line, said)."""
+        size = os.fstat(self._fd).st_size
+        if not size:
+            return
+        try:
+            with open(self.path, "rb", opener=lambda path, flags: os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as f:
+                f.seek(size - 1)
+                last = f.read(1)
+        except OSError:
+            return
+        if last != b"\n":
+            os.write(self._fd, b"\n")
 
     def _still_named(self) -> bool:
         """Whether the path still names the open file (not deleted, renamed or rotated by another process)."""

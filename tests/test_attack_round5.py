@@ -209,3 +209,47 @@ def test_4_a_sampled_call_whose_copies_pass_a_cgroup_v1_limit_is_skipped(tmp_pat
     with shadow.install([target], sample_rate=1.0, exporters=[recorder]):
         assert torch.equal(owner.op(x), x * 2)
     assert [(o.outcome, o.reasons) for o in recorder.observations] == [("skipped", ("oom",))]
+
+
+# --------------------------------------------------------------------------- 7. a journal torn by a crash
+
+
+def test_7_a_job_restarted_after_a_torn_line_keeps_every_record_readable(tmp_path):
+    import json
+
+    import journals
+    from exporters import JsonlExporter
+
+    from shadow.analysis import sources
+
+    path = tmp_path / "j.jsonl"
+    whole = json.dumps(journals.line()) + "\n"
+    path.write_text(json.dumps(journals.header()) + "\n" + whole * 3 + whole[:30])  # killed mid-line
+    owner = types.SimpleNamespace(op=lambda x: x + 1)
+    target = Target("op", owner, "op", lambda x: x + 1, isolate=False)
+    journal = JsonlExporter(str(path), all_outcomes=True)
+    with shadow.install([target], sample_rate=1.0, exporters=[journal]):
+        for i in range(4):
+            owner.op(torch.tensor([float(i)]))
+    journal.close()
+    lines = path.read_bytes().split(b"\n")
+    assert lines[4] == whole[:30].encode()  # (the torn line ended, on its own)
+    torn = []
+    counts = sources.from_journal([str(path)], torn)
+    assert counts["op"].compared == 3 + 4
+    assert torn == [f"{path}:5"]
+
+
+def test_7_the_verdict_reads_past_a_torn_line_in_the_middle(tmp_path):
+    import json
+
+    import journals
+
+    from shadow.analysis import sources
+
+    path = tmp_path / "j.jsonl"
+    whole = json.dumps(journals.line()) + "\n"
+    path.write_text(json.dumps(journals.header()) + "\n" + whole * 2 + whole[:30] + whole * 2)  # (appended after)
+    torn = []
+    assert sources.from_journal([str(path)], torn)["op"].compared == 4
+    assert torn == [f"{path}:4"]

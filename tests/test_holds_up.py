@@ -330,8 +330,8 @@ def test_5_readers_skip_and_count_a_torn_final_line(tmp_path):
     assert sources.from_journal([str(journal)], torn)["op"].compared == 3
     assert torn == [f"{journal}:5"]
     done = npu_shadow("verdict", "--journal", str(journal))
-    assert done.returncode == 3 and "skipped 1 torn final line" in done.stderr
-    journal.write_text(whole[:30] + "\n" + whole)  # torn in the middle: not a journal
+    assert done.returncode == 3 and "skipped 1 torn line" in done.stderr
+    journal.write_text("a line that never was a record\n" + whole)  # not a journal
     with pytest.raises(sources.SourceError, match=r"j\.jsonl:1"):
         sources.from_journal([str(journal)])
 

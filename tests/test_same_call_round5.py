@@ -292,3 +292,49 @@ def test_5_a_backward_comparison_that_cannot_be_made_is_a_counted_reason(make, a
     assert observation.outcome == "match" and not observation.backward
     assert observation.backward_skip == reason
     assert dict(stats.backward_skips) == {reason: 1}
+
+
+# --------------------------------------------------------------------------- 3. the job's calls, counted as made
+
+
+def _step_job(steps=4):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).to("npu:0")
+    dp = nn.DataParallel(model, device_ids=DEVICES)
+    for step in range(steps):
+        x = torch.randn(4, 6, device="npu:0")
+        out = dp(x).float()
+        out.type(torch.float16)
+        nn.parallel.data_parallel(model, x, device_ids=DEVICES).sum().backward()
+        out.sum().backward()
+
+
+def _type_calls_unwrapped():
+    counted = [0]
+    original = vars(torch.Tensor)["type"]
+
+    def counting(self, *args, **kwargs):
+        counted[0] += 1
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.type = counting
+    try:
+        _step_job()
+    finally:
+        torch.Tensor.type = original
+    return counted[0]
+
+
+@pytest.mark.parametrize("first_per_signature", [0, 30])
+def test_3_a_jobs_call_counts_are_the_calls_it_made(legacy_patches, first_per_signature):
+    expected = _type_calls_unwrapped()
+    with shadow.install(
+        ["parallel_apply", "data_parallel", "tensor_type"],
+        sample_rate={"parallel_apply": 1.0, "data_parallel": 1.0, "tensor_type": 0.01},
+        first_per_signature=first_per_signature, backward_rate=1.0, truth_rate=1.0, aa_rate=1.0, seed=0,
+    ) as monitor:  # fmt: skip
+        _step_job()
+        stats = monitor.stats()
+    assert stats["parallel_apply"].calls == stats["data_parallel"].calls == 4
+    assert stats["parallel_apply"].backward_runs == 4
+    assert stats["tensor_type"].calls == expected > 100

@@ -17,6 +17,7 @@ import logging
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,6 +69,47 @@ Setters = tuple[Callable[[Gate], None], Callable[[Callable], None]]
 
 #: The gate of a wrapper whose every call arrives (a guided target classifying every call).
 _CLOSED: Gate = itertools.repeat(True, 0)
+
+
+class _Held:
+    """The upstream sides under way in this process, and the experiments whose gates they close.
+
+    A call that passes an open gate is counted as the job's without a look at which thread makes it: that is what
+    makes the unsampled path one C call. While an upstream side is under way, its runs make calls of wrapped
+    functions that are not the job's (upstream's own casts, a backward comparison's on the autograd threads), so
+    every experiment's gate is closed meanwhile and each call arrives, where a nested one is told apart and not
+    counted; a call of the job's on another thread then takes its place in the sampler's gate, as it would have."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+        self._experiments: weakref.WeakSet[Experiment] = weakref.WeakSet()
+        forks.register(self)
+
+    def add(self, experiment: Experiment) -> None:
+        with self._lock:
+            self._experiments.add(experiment)
+
+    def hold(self) -> None:
+        with self._lock:
+            self.count += 1
+            if self.count == 1:
+                for experiment in self._experiments:
+                    experiment._refresh_gate()
+
+    def release(self) -> None:
+        with self._lock:
+            self.count -= 1
+            if self.count == 0:
+                for experiment in self._experiments:
+                    experiment._refresh_gate()
+
+    def _after_fork_in_child(self) -> None:  # (the parent's upstream sides are not under way in the child)
+        self._lock = threading.Lock()
+        self.count = 0
+
+
+_HELD = _Held()
 
 
 def _make_wrapper(primary: Callable, arrive: Callable[[tuple, dict], Any]) -> tuple[Callable, Setters]:
@@ -240,14 +282,23 @@ class Experiment:
 
         compiling.trace_as_legacy(self.wrapper, primary_of_the_moment)
         forks.register(self)
+        _HELD.add(self)
 
     # ------------------------------------------------------------------ the call
 
     def _gate_opened(self, gate: Gate) -> None:
-        """The sampler's new gate: the wrapper's too, unless a guided target classifies every call now."""
+        """The sampler's new gate: the wrapper's too, unless a guided target classifies every call now or an
+        upstream side is under way."""
         self._sampler_gate = gate
-        if self.coverage is None or not self.coverage.classify_all:
-            self._set_gate(gate)
+        self._refresh_gate()
+
+    def _classifies_all(self) -> bool:
+        return self.coverage is not None and self.coverage.classify_all
+
+    def _refresh_gate(self) -> None:
+        """The wrapper's gate: closed while every call is classified or an upstream side is under way (:class:`_Held`),
+        else the sampler's."""
+        self._set_gate(_CLOSED if _HELD.count or self._classifies_all() else self._sampler_gate)
 
     def _classify(self, args: tuple, kwargs: dict) -> str:
         """A guided target's call: its signature. A signature function that fails, or that the budget has no room
@@ -291,7 +342,7 @@ class Experiment:
             sampled = self.sampler.arrive() and (self._thinning >= 1.0 or self._guided_random.random() < self._thinning)
             first = coverage.count(signature, self.sampler.calls())
         if coverage.classify_all != classified_all:  # (a signature's first calls began or ended)
-            self._set_gate(_CLOSED if coverage.classify_all else self._sampler_gate)
+            self._refresh_gate()
         return first, sampled
 
     @property
@@ -319,6 +370,8 @@ class Experiment:
                     self.sampler.arrive()
                     self.sampler.uncount()
             return (self.shadow_fn if side is self and not publishing else self.primary_fn)(*args, **kwargs)
+        if _HELD.count and not self._classifies_all() and next(self._sampler_gate, False):
+            return self.primary_fn(*args, **kwargs)  # (the gate is closed for an upstream side: this call passes it)
         signature, first = None, False
         if self.coverage is not None:
             signature = self._classify(args, kwargs)
@@ -412,7 +465,10 @@ class Experiment:
         # thread marked, and the caller's later calls on upstream)
         outer = getattr(marks, "upstream_side", None)
         started = time.perf_counter()
+        held = False
         try:
+            _HELD.hold()
+            held = True
             marks.upstream_side = self
             left_by_legacy = TorchGlobals()  # the upstream side's changes never reach the job
             try:
@@ -435,6 +491,8 @@ class Experiment:
             self._settings_failed(exc)
         finally:
             marks.upstream_side = outer
+            if held:
+                _HELD.release()
             seconds = time.perf_counter() - started
             self._charge(seconds)
             self._sampled_seconds += seconds  # (plan and upstream side: what the next one is expected to cost)
@@ -625,6 +683,7 @@ class Experiment:
         self._skips_unreported.clear()
         self.noise = NoiseFloor()
         self._calls_reported = 0
+        self._signatures_over_cap = 0
         if self.coverage is not None:  # (its first calls compared again: the child's own evidence)
             self.coverage = Coverage(self.first_per_signature)
             self._set_gate(_CLOSED)

@@ -123,4 +123,3 @@ class _Runs:
 _RUNS = _Runs()
 forks.register(_RUNS)
 _install_inheritance()
-

@@ -93,7 +93,7 @@ def _verdict(args: argparse.Namespace) -> int:
         else:
             counts = from_journal(args.journal, torn := [], args.cluster_window)
             if torn:
-                print(f"npu-shadow verdict: skipped {len(torn)} torn final line(s): {', '.join(torn)}", file=sys.stderr)
+                print(f"npu-shadow verdict: skipped {len(torn)} torn line(s): {', '.join(torn)}", file=sys.stderr)
     except (SourceError, OSError) as exc:
         print(f"npu-shadow verdict: {exc}", file=sys.stderr)
         return EXIT_USAGE
