@@ -218,8 +218,8 @@ def test_7_a_job_restarted_after_a_torn_line_keeps_every_record_readable(tmp_pat
     import json
 
     import journals
-    from exporters import JsonlExporter
 
+    from exporters import JsonlExporter
     from shadow.analysis import sources
 
     path = tmp_path / "j.jsonl"

@@ -301,7 +301,7 @@ def _step_job(steps=4):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).to("npu:0")
     dp = nn.DataParallel(model, device_ids=DEVICES)
-    for step in range(steps):
+    for _ in range(steps):
         x = torch.randn(4, 6, device="npu:0")
         out = dp(x).float()
         out.type(torch.float16)
