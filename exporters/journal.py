@@ -177,6 +177,7 @@ class JsonlExporter:
         self._dirty: set[tuple[str, str]] = set()
         self._counts_written_at = time.monotonic()
         self._header_written = False
+        self._opened_before = False
 
     # ------------------------------------------------------------------ export
 
@@ -313,7 +314,9 @@ class JsonlExporter:
         # Only a regular file of this user's that no one else can write, never through a symlink, never waiting
         # on a FIFO planted there. 0600: lines hold tensor values.
         self._fd = open_own_file(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        self._end_a_torn_line()
+        if not self._opened_before:  # (a torn line is left by a process that died: only a start can find one)
+            self._opened_before = True
+            self._end_a_torn_line()
 
     def _end_a_torn_line(self) -> None:
         """A file whose last line is torn (a job killed mid-line, restarted on the same journal) gets its newline

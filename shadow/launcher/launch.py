@@ -84,8 +84,10 @@ class Launcher:
         self._lock = threading.RLock()
         #: Outputs at exit (a push, a textfile) that failed, by what they were: each said once on stderr.
         self.output_failures: dict[str, int] = {}
-        #: The rollback switch (a file, a loopback endpoint) of a canary job, and who threw it.
+        #: The rollback switch (a file, a loopback endpoint) of a canary job, and who threw it; the page that
+        #: carries a rollback to the processes forked before it (shadow.launcher.switch.SharedRollback).
         self.switch: Any = None
+        self.shared_rollback: Any = None
         self.rolled_back_by: str | None = None
         #: The counts of the monitors installed before this one (each time new legacy patches came), by target.
         self._earlier: dict[str, Any] = {}
@@ -164,8 +166,13 @@ class Launcher:
     def _start_switch(self, config: Any) -> None:
         if self.switch is not None or not (config.rollback_file or config.rollback_port is not None):
             return
-        from shadow.launcher.switch import RollbackSwitch
+        from shadow.launcher.switch import RollbackSwitch, SharedRollback
 
+        if self.shared_rollback is None:
+            self.shared_rollback = SharedRollback()
+            if self.rolled_back_by is not None:
+                self.shared_rollback.set(self.rolled_back_by)
+            forks.register(self)
         port = None
         if config.rollback_port is not None and _is_job_process():  # (DataLoader workers only watch the file)
             port = config.rollback_port + _local_rank() if config.rollback_port else 0
@@ -181,12 +188,21 @@ class Launcher:
                 fallback = "the file switch still works" if config.rollback_file else "no switch in this process"
                 print(f"npu-shadow: the rollback endpoint could not start; {fallback}", file=sys.stderr)
 
+    def _after_fork_in_child(self) -> None:
+        """A forked child (a DataLoader worker) has none of the parent's switch threads: it polls the shared page."""
+        self._lock = threading.RLock()
+        self.switch = None
+        if self.shared_rollback is not None:
+            self.shared_rollback.watch_in_child(self.roll_back, lambda: self.rolled_back_by is not None)
+
     def roll_back(self, by: str) -> list[str]:
         """Make legacy the primary of every target, now and in any monitor installed later; returns those that
         changed. What the rollback switch calls."""
         with self._lock:
             self.rolled_back_by = by
             os.environ[ROLLED_BACK_BY] = by  # (every process the job starts from now on, spawned too)
+            if self.shared_rollback is not None:  # (and every process forked before it: they poll the page)
+                self.shared_rollback.set(by)
             return self.monitor.roll_back(by) if self.monitor is not None else []
 
     def reset_primary(self, by: str) -> list[str]:
@@ -194,6 +210,8 @@ class Launcher:
         with self._lock:
             self.rolled_back_by = None
             os.environ.pop(ROLLED_BACK_BY, None)
+            if self.shared_rollback is not None:
+                self.shared_rollback.clear()
             return self.monitor.reset_primary(by) if self.monitor is not None else []
 
     def refresh(self) -> None:

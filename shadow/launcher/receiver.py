@@ -6,7 +6,9 @@ for each *firing* alert whose ``action`` label is ``rollback`` (the shipped rule
 fast-burn alerts), the receiver looks up the alert's ``job`` label among its ``--switch JOB=URL`` mappings and
 posts ``URL/rollback`` with the jobs' token (``NPU_SHADOW_ROLLBACK_TOKEN``) and
 ``X-NPU-Shadow-By: alertmanager:<alertname>``. The switches of one notification are thrown in parallel, each with
-its own deadline: a slow job never delays another. Only toward legacy: a resolved alert changes nothing (a person
+its own deadline: a slow job never delays another; each switch once per notification, however many of its
+alerts name it. Where a switch was not thrown (unreached, or it refused), the receiver answers 502, so that
+Alertmanager sends the notification again. Only toward legacy: a resolved alert changes nothing (a person
 resets the switch). Each flip, and each rollback alert naming a job it has no switch for, is printed as one JSON
 line on stdout.
 """
@@ -58,6 +60,19 @@ def flips(notification: Mapping[str, Any], switches: Mapping[str, Sequence[str]]
         for url in switches.get(job, ()) or ("",):
             found.append((job, url, name))
     return found
+
+
+def one_per_switch(found: Sequence[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """``found`` (see :func:`flips`) with each switch once, named after the first alert that asked for it (a
+    notification of 64 alerts over 8 jobs posts 8 times); a job without a switch once too."""
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for job, url, name in found:
+        key = (job, url) if not url else ("", url)
+        if key not in seen:
+            seen.add(key)
+            kept.append((job, url, name))
+    return kept
 
 
 def throw(url: str, token: str, by: str, timeout: float = THROW_SECONDS) -> int:
@@ -131,12 +146,15 @@ def serve(
                 found = flips(notification, switches)
             except (ValueError, UnicodeDecodeError, RecursionError):
                 return self._answer(400)
+            found = one_per_switch(found)
             statuses = throw_all(found, token)
             for (job, url, alertname), status in zip(found, statuses, strict=True):
                 line = {"time": time.time(), "job": job, "alert": alertname}
                 line |= {"switch": url, "status": status} if url else {"switch": None, "note": "no --switch for it"}
                 print(json.dumps(line), flush=True)
-            self._answer(200)
+            # (a switch not thrown: 502, so that Alertmanager sends the notification again)
+            thrown = all(200 <= status < 300 for (_, url, _), status in zip(found, statuses) if url)
+            self._answer(200 if thrown else 502)
 
     server = http.server.ThreadingHTTPServer((addr, port), Handler)
     server.daemon_threads = True

@@ -20,12 +20,15 @@ primary is a closure cell the flip rebinds).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import http.server
 import json
 import logging
+import mmap
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -62,27 +65,93 @@ def own_first_line(path: str) -> str | None:
 
 
 class _BoundedServer(http.server.ThreadingHTTPServer):
-    """A threading server that serves at most MAX_CONNECTIONS connections at once: one more is closed at once."""
+    """A threading server that serves at most MAX_CONNECTIONS connections at once. When every slot is taken, the
+    connection that has waited longest without showing its token is closed to make room: idle clients without a
+    token can never keep an authorised one out. A handler's failure (a malformed request) is counted through
+    ``on_error``, never printed on the job's stderr."""
 
     daemon_threads = True
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_error: Callable[[], None] | None = None, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._waiting: dict[Any, float] = {}  # connections not yet past their token, by when they came
+        self._waiting_lock = threading.Lock()
+        self._on_error = on_error
         self.turned_away = 0
+        self.evicted = 0
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            self.turned_away += 1
-            self.shutdown_request(request)
-            return
+            with self._waiting_lock:
+                oldest = min(self._waiting, key=self._waiting.__getitem__, default=None)
+                if oldest is not None:
+                    del self._waiting[oldest]
+            if oldest is not None:
+                self.evicted += 1
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)  # (its handler sees the end of its stream and leaves)
+            if not self._slots.acquire(timeout=1.0):
+                self.turned_away += 1
+                self.shutdown_request(request)
+                return
+        with self._waiting_lock:
+            self._waiting[request] = time.monotonic()
         super().process_request(request, client_address)
+
+    def authorised(self, request: Any) -> None:
+        """``request``'s connection showed the token: it is never closed to make room."""
+        with self._waiting_lock:
+            self._waiting.pop(request, None)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self.authorised(request)
             self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if self._on_error is not None:
+            self._on_error()
+
+
+class SharedRollback:
+    """A page of memory shared with every process forked after it was made (a DataLoader's workers): who threw the
+    rollback, or nothing. A forked child has none of its parent's threads, so no file watcher and no endpoint: it
+    polls this page instead (:meth:`watch_in_child`), and a rollback thrown in the parent reaches it within
+    :data:`POLL_SECONDS`."""
+
+    SIZE = 256
+
+    def __init__(self) -> None:
+        self._page = mmap.mmap(-1, self.SIZE)  # (anonymous and MAP_SHARED: a forked child sees the parent's writes)
+
+    def set(self, by: str) -> None:
+        data = by.encode("ascii", "replace")[: self.SIZE - 1]
+        self._page[0] = 0
+        self._page[1 : 1 + len(data)] = data
+        self._page[0] = len(data) or 1  # (the length last: a reader never sees half of it)
+
+    def clear(self) -> None:
+        self._page[0] = 0
+
+    def read(self) -> str | None:
+        length = self._page[0]
+        return self._page[1 : 1 + length].decode("ascii", "replace") if length else None
+
+    def watch_in_child(self, roll_back: Callable[[str], Any], thrown: Callable[[], bool]) -> None:
+        """In a forked child: a daemon thread that calls ``roll_back(by)`` once the page says a rollback was
+        thrown and ``thrown()`` says this process has not had it yet."""
+
+        def poll() -> None:
+            while True:
+                by = self.read()
+                if by is not None and not thrown():
+                    roll_back(by)
+                time.sleep(POLL_SECONDS)
+
+        threading.Thread(target=poll, name="npu-shadow-rollback-inherited", daemon=True).start()
 
 
 class RollbackSwitch:
@@ -211,6 +280,8 @@ class RollbackSwitch:
                 given = self.headers.get("Authorization", "")
                 if not hmac.compare_digest(given.encode(errors="replace"), f"Bearer {switch.token}".encode()):
                     return self._refuse(403, "missing or wrong token")
+                if switch.server is not None:
+                    switch.server.authorised(self.request)
                 try:
                     length = int(self.headers.get("Content-Length") or 0)
                 except ValueError:
@@ -229,8 +300,11 @@ class RollbackSwitch:
                 else:
                     self._refuse(404, "no such endpoint")
 
+        def failed() -> None:
+            switch._refusal("?", "?", "?", "a request that broke off or could not be read")
+
         try:
-            self.server = _BoundedServer((addr, port), Handler)
+            self.server = _BoundedServer((addr, port), Handler, on_error=failed)
         except (OSError, OverflowError) as exc:  # the launcher decides what a canary does without its switch
             log.warning("npu-shadow: cannot serve the rollback endpoint on %s:%s (%s)", addr, port, exc)
             return
