@@ -8,8 +8,12 @@ their import path, ``{"class": "module:qualname"}``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import stat
+import zipfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -96,10 +100,11 @@ def load(path: str, locations: set[str] | None = None) -> dict[str, Any]:
         except RuntimeError:  # (a device this process does not have)
             return storage
 
-    try:
-        data = torch.load(path, weights_only=True, map_location=place)
-    except Exception as exc:  # unpickling errors come in many types
-        raise ValueError(f"{path} is not a loadable capture: {exc}") from exc
+    with _opened_capture(path) as handle:
+        try:
+            data = torch.load(handle, weights_only=True, map_location=place)
+        except Exception as exc:  # unpickling errors come in many types
+            raise ValueError(f"{path} is not a loadable capture: {exc}") from exc
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path} is not an npu-shadow capture (format {FORMAT})")
     for key, kind in _FIELDS.items():
@@ -112,6 +117,40 @@ def load(path: str, locations: set[str] | None = None) -> dict[str, Any]:
             raise ValueError(f"{path}: malformed capture: {key!r} must be {kind}, got {type(data[key]).__name__}")
     _check_size(data, path)
     return data
+
+
+#: The most a capture's records may hold once read (its zip entries' sizes added up): a few MB of deflated zeros
+#: must not inflate into more memory than the host has.
+MAX_INFLATED_BYTES = 256 << 20
+
+
+@contextlib.contextmanager
+def _opened_capture(path: str) -> Iterator[Any]:
+    """The capture at ``path`` opened for reading, where it is a regular file (never a FIFO, a device or a
+    symbolic link: opening one could block or read forever) in torch's zip format whose entries add up to at most
+    MAX_INFLATED_BYTES. Raises ValueError saying which it is not."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot open the capture ({exc.strerror or exc})") from None
+    handle = os.fdopen(fd, "rb")
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file: a capture is never read from anything else")
+        try:
+            with zipfile.ZipFile(handle) as archive:
+                inflated = sum(entry.file_size for entry in archive.infolist())
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+            raise ValueError(f"{path} is not a capture in torch's zip format ({exc})") from None
+        if inflated > MAX_INFLATED_BYTES:
+            raise ValueError(
+                f"{path}: its records would take {inflated >> 20} MiB once read (at most "
+                f"{MAX_INFLATED_BYTES >> 20} MiB): refused"
+            )
+        handle.seek(0)
+        yield handle
+    finally:
+        handle.close()
 
 
 #: Fields a capture may have, with their checks: replay reads them.

@@ -97,3 +97,46 @@ def test_the_engine_and_replay_share_one_rule_for_exceptions():
     assert compare.compare_exceptions(TypeError("a"), ValueError("a")).reasons == ("exception",)
     assert compare.compare_exceptions(None, ValueError("a")).outcome == "error"
     assert capture_format.FORMAT == 1
+
+
+def test_a_capture_that_would_inflate_past_its_bound_is_refused(tmp_path, monkeypatch):
+    path = save(tmp_path, args=[torch.zeros(1 << 19)], kwargs={})  # (2 MiB of records once read)
+    monkeypatch.setattr(capture_format, "MAX_INFLATED_BYTES", 1 << 20)
+    with pytest.raises(ValueError, match=r"would take 2 MiB once read \(at most 1 MiB\)"):
+        capture_format.load(str(path))
+    monkeypatch.setattr(capture_format, "MAX_INFLATED_BYTES", 4 << 20)
+    assert capture_format.load(str(path))["args"][0].numel() == 1 << 19
+
+
+def test_a_deflated_capture_is_refused_before_it_is_inflated(tmp_path):
+    import zipfile
+
+    path = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("archive/data.pkl", b"\x80\x02}q\x00.")
+        with archive.open("archive/data/0", "w", force_zip64=True) as entry:
+            chunk = bytes(1 << 24)
+            for _ in range(20):  # 320 MiB of zeros: about 320 KiB deflated
+                entry.write(chunk)
+    assert path.stat().st_size < 2 << 20
+    done = replay(path, cwd=tmp_path)
+    assert done.returncode == 2 and "once read" in done.stderr, done.stderr
+
+
+def test_replay_never_opens_a_fifo_or_a_symlink(tmp_path):
+    fifo = tmp_path / "capture.pt"
+    os.mkfifo(fifo)
+    done = replay(fifo, cwd=tmp_path)  # (would block forever on a FIFO no one writes)
+    assert done.returncode == 2 and "not a regular file" in done.stderr, done.stderr
+    link = tmp_path / "link.pt"
+    link.symlink_to(save(tmp_path, args=[], kwargs={}))
+    done = replay(link, cwd=tmp_path)
+    assert done.returncode == 2 and "cannot open" in done.stderr, done.stderr
+
+
+def test_a_captures_escape_sequences_never_reach_the_terminal(tmp_path):
+    detail = "\x1b]0;owned\x07\x1b[2J"  # (a terminal title, then a cleared screen)
+    path = save(tmp_path, target="tensor_type", detail=detail, args=[torch.ones(2), "torch.HalfTensor"], kwargs={})
+    done = replay(path, cwd=tmp_path)
+    assert "\x1b" not in done.stdout and "\x07" not in done.stdout
+    assert "\\x1b]0;owned\\x07" in done.stdout, done.stdout

@@ -39,8 +39,10 @@ def _replay(args: argparse.Namespace) -> int:
     except (ImportError, AttributeError, ValueError) as exc:
         print(f"npu-shadow replay: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"capture: target {data['target']}, signature {data['signature']}, recorded {data['outcome']}")
-    print(f"  recorded: {data['detail']}")
+    shown = _terminal_text  # (a capture is data from elsewhere: no escape sequence of its reaches the terminal)
+    print(f"capture: target {shown(data['target'])}, signature {shown(data['signature'])}, "
+          f"recorded {shown(data['outcome'])}")  # fmt: skip
+    print(f"  recorded: {shown(data['detail'])}")
     print(f"  {_where(data, current_device(data))}")
     try:
         result, text = replay(data, legacy, upstream)
@@ -48,14 +50,19 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"npu-shadow replay: refused: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if result is None:
-        print(f"  not re-run: {text}")
+        print(f"  not re-run: {_terminal_text(text)}")
         return EXIT_OK
     if text.startswith("both sides raised"):
-        print(f"  replayed: {text}")
+        print(f"  replayed: {_terminal_text(text)}")
     else:
         reasons = f" ({', '.join(result.reasons)})" if result.reasons else ""
-        print(f"  replayed: {result.outcome}{reasons}: {text}")
+        print(f"  replayed: {result.outcome}{reasons}: {_terminal_text(text)}")
     return EXIT_DIFFERENT if result.outcome in DIVERGENT_OUTCOMES else EXIT_OK
+
+
+def _terminal_text(text: object) -> str:
+    """``text`` with every control character (ESC, CR, BEL...) written as its escape, for a terminal."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in str(text))
 
 
 def _where(data: dict, index: int | None) -> str:
