@@ -253,3 +253,28 @@ def test_7_the_verdict_reads_past_a_torn_line_in_the_middle(tmp_path):
     torn = []
     assert sources.from_journal([str(path)], torn)["op"].compared == 4
     assert torn == [f"{path}:4"]
+
+
+# --------------------------------------------------------------------------- 6. installs over a hanging upstream
+
+
+def test_6_installs_over_a_hanging_upstream_leave_one_thread_behind_not_one_each():
+    release = threading.Event()
+    owner = types.SimpleNamespace()
+
+    def hangs(x):
+        release.wait(60)
+        return x
+
+    owner.op = lambda x: x
+    target = Target("op", owner, "op", hangs, isolate=False)
+    try:
+        before = threading.active_count()
+        for _ in range(20):
+            with shadow.install([target], sample_rate=1.0, deadline=0.05, seed=0) as monitor:
+                assert owner.op(1) == 1
+                stats = monitor.experiment("op").stats()
+        assert threading.active_count() - before <= 1
+        assert stats.by_reason == {"deadline": 1}  # (the last install: not run again beside the one left behind)
+    finally:
+        release.set()

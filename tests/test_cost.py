@@ -236,3 +236,27 @@ def test_a_run_on_the_callers_thread_leaves_the_callers_settings_as_legacy_left_
         stats = monitor.stats()["op"]
     assert ran_on == [threading.current_thread()]
     assert stats.mismatch == 1 and stats.by_reason == {"state": 1}, stats
+
+
+def test_threads_starting_sampled_calls_together_share_the_budget(job_clock):
+    """Sixteen threads sampled at the same moment, at budget 0.05 (0.5 s over a 10 s window, with its burst), each
+    call's upstream taking 0.2 s: every call that starts takes its expected cost at once, so not all sixteen pass
+    the check before any is charged (they spent 3.2 s of one window before)."""
+    spent = []
+    ops, target = _op_target(_sleeping(0.2, spent))
+    start = threading.Barrier(16)
+
+    def call():
+        start.wait()
+        ops.op(torch.ones(2))
+
+    with shadow.install([target], sample_rate=1.0, budget=0.05) as monitor:
+        for _ in range(2):  # (the second round: the first round's measured cost is known)
+            threads = [threading.Thread(target=call) for _ in range(16)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        stats = monitor.stats()["op"]
+    assert stats.calls == 32 and stats.by_reason.get("budget", 0) >= 24, stats
+    assert sum(spent) <= 1.0, sum(spent)

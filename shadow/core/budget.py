@@ -33,6 +33,10 @@ from shadow.core import forks
 WINDOW_SECONDS = 10.0
 BURST_SECONDS = 0.05 * WINDOW_SECONDS
 
+#: What a call is expected to cost before its target's first sampled call was measured: a quarter of the burst,
+#: so that at most four such calls start together.
+UNKNOWN_COST = BURST_SECONDS / 4
+
 #: The seconds the shadow side of one sampled call may take by default (``install(deadline=...)``, ``--deadline``).
 DEFAULT_DEADLINE = 60.0
 
@@ -54,20 +58,35 @@ class Budget:
     def allows(self, expected: float = 0.0, who: object = None) -> bool:
         """Whether a sampled call of ``who``'s (a target) whose shadow side is ``expected`` to take that many seconds
         may start now."""
-        needed = min(expected, BURST_SECONDS)
         with self._lock:
-            now = time.monotonic()
-            allowance = self._allowance = min(BURST_SECONDS, self._allowance + self.fraction * (now - self._at))
-            self._at = now
-            reserved = self._reserved
-            if reserved is not None and (reserved[0] is who or allowance >= BURST_SECONDS):
-                reserved = self._reserved = None  # (its holder is here, or it waited for all there is)
-            if reserved is not None:
-                needed = min(needed + reserved[1], BURST_SECONDS)
-            allowed = allowance > 0 and allowance >= needed
-            if not allowed and (reserved is None or 2 * reserved[1] < min(expected, BURST_SECONDS)):
-                self._reserved = (who, min(expected, BURST_SECONDS))  # (first come, unless its need is far smaller)
+            return self._allows(min(expected, BURST_SECONDS), who)
+
+    def _allows(self, expected: float, who: object) -> bool:
+        """:meth:`allows`, under the lock, for a call expected to take ``expected`` (at most BURST) seconds."""
+        now = time.monotonic()
+        allowance = self._allowance = min(BURST_SECONDS, self._allowance + self.fraction * (now - self._at))
+        self._at = now
+        reserved = self._reserved
+        if reserved is not None and (reserved[0] is who or allowance >= BURST_SECONDS):
+            reserved = self._reserved = None  # (its holder is here, or it waited for all there is)
+        needed = expected if reserved is None else min(expected + reserved[1], BURST_SECONDS)
+        allowed = allowance > 0 and allowance >= needed
+        if not allowed and (reserved is None or 2 * reserved[1] < expected):
+            self._reserved = (who, expected)  # (first come, unless its need is far smaller)
         return allowed
+
+    def take(self, expected: float, who: object = None) -> float | None:
+        """Like :meth:`allows`, for a call that starts at once: its expected cost (at most ``BURST``;
+        ``UNKNOWN_COST`` while its target has no measured cost yet) is taken from the allowance now, so that calls
+        starting together on other threads see it spent (16 threads starting at once no longer all pass). Returns
+        what was taken, to give back with :meth:`charge` (``-taken``) once the call's real cost is charged; None
+        where the call may not start."""
+        held = UNKNOWN_COST if expected <= 0 else min(expected, BURST_SECONDS)
+        with self._lock:
+            allowed = self._allows(held, who)
+            if allowed:
+                self._allowance -= held
+        return held if allowed else None
 
     def charge(self, seconds: float) -> None:
         """Seconds the shadow side used."""

@@ -111,6 +111,10 @@ class _Held:
 
 _HELD = _Held()
 
+#: The functions whose shadow-side run passed its deadline in this process, by id (kept alive here): a run left to
+#: itself may hang for good, and a later install over the same function does not start another one beside it.
+_ABANDONED: dict[int, Callable] = {}
+
 
 def _make_wrapper(primary: Callable, arrive: Callable[[tuple, dict], Any]) -> tuple[Callable, Setters]:
     """The function installed in legacy's place, and the setters that hand it a new gate and a new primary (the
@@ -238,6 +242,8 @@ class Experiment:
             (self.legacy, target.upstream) if primary == LEGACY else (target.upstream, self.legacy)
         )
         self.rolled_back_by: str | None = None
+        # (a function whose run was left at its deadline in this process is not run beside it again)
+        self.deadline_passed = id(self.shadow_fn) in _ABANDONED
         self.tolerance = tolerance if tolerance is not None else target.tolerance
         self.exporters = tuple(exporters)
         self._lock = threading.Lock()
@@ -383,26 +389,32 @@ class Experiment:
         if not (first or sampled):
             return self.primary_fn(*args, **kwargs)
         passed = "deadline" if self.deadline_passed else None
-        if passed is None and self._budget is not None and not self._budget.allows(self._sampled_seconds, self):
-            passed = "budget"
+        held = None
+        if passed is None and self._budget is not None:
+            held = self._budget.take(self._sampled_seconds, self)  # (taken now: threads starting together see it)
+            passed = "budget" if held is None else None
         if passed is not None:
             with self._lock:  # nothing but counting: until the job's time catches up, or for good
                 self._outcomes[Outcome.SKIPPED.value] += 1
                 self._reasons[passed] += 1
                 self._skips_unreported[passed] += 1
             return self._run_legacy(args, kwargs)
-        modules = modules_in_call(args, kwargs)
-        skip = self._skip_reason(args, kwargs, modules)
-        if skip is not None:
-            start = time.perf_counter()
-            skipped = Observation(
-                self.target.name, Outcome.SKIPPED, (skip,), signature=signature or "", timestamp=time.time(),
-                primary=self.primary,
-            )  # fmt: skip
-            self._publish(skipped)
-            self._charge(time.perf_counter() - start)
-            return self._run_legacy(args, kwargs)
-        return self._sampled_call(args, kwargs, modules, signature)
+        try:
+            modules = modules_in_call(args, kwargs)
+            skip = self._skip_reason(args, kwargs, modules)
+            if skip is not None:
+                start = time.perf_counter()
+                skipped = Observation(
+                    self.target.name, Outcome.SKIPPED, (skip,), signature=signature or "", timestamp=time.time(),
+                    primary=self.primary,
+                )  # fmt: skip
+                self._publish(skipped)
+                self._charge(time.perf_counter() - start)
+                return self._run_legacy(args, kwargs)
+            return self._sampled_call(args, kwargs, modules, signature)
+        finally:
+            if held:  # (what was taken at the start, given back: the call's real cost is charged by now)
+                self._charge(-held)
 
     def _run_legacy(self, args: tuple, kwargs: dict) -> Any:
         """Legacy, marked as running on this thread: its own nested calls of the wrapper are not new calls."""
@@ -563,6 +575,7 @@ class Experiment:
 
     def deadline_missed(self) -> None:
         """A run of the shadow side passed its deadline: this target shadows no more (said once)."""
+        _ABANDONED.setdefault(id(self.shadow_fn), self.shadow_fn)
         if self.deadline_passed:
             return
         self.deadline_passed = True
