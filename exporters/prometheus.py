@@ -21,10 +21,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 from prometheus_client.exposition import generate_latest, push_to_gateway, start_http_server
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from exporters import contract
 from shadow.core import forks
+from shadow.core.engine import MAX_SIGNATURES, OTHER_SIGNATURE
 from shadow.core.observation import LEGACY, PRIMARY_SIDES, Observation, Outcome
 from shadow.core.safe_paths import check_private_directory, replace_regular_file
 
@@ -47,6 +49,50 @@ def serve_registry(registry: CollectorRegistry, port: int, addr: str = "127.0.0.
         log.warning(message)
         return None
     return server
+
+
+class SignatureCappedCollector:
+    """The job's processes' values (``MultiProcessCollector``), with at most MAX_SIGNATURES signature values per
+    target on the endpoint: each process caps its own signatures, so twelve processes could show 1,200. The first
+    MAX_SIGNATURES a target shows here keep their series for the endpoint's life; the rest are summed into
+    ``other`` (the greatest, for a gauge), as a process sums its own beyond the cap."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, path: str | None = None) -> None:
+        self._processes = MultiProcessCollector(None, path=path)
+        self._admitted: dict[str, set[str]] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def _signature(self, target: str, signature: str) -> str:
+        admitted = self._admitted.setdefault(target, set())
+        if signature in admitted or signature == OTHER_SIGNATURE:
+            return signature
+        if len(admitted) < MAX_SIGNATURES:
+            admitted.add(signature)
+            return signature
+        return OTHER_SIGNATURE
+
+    def collect(self) -> Any:
+        for family in self._processes.collect():
+            if not any("signature" in sample.labels for sample in family.samples):
+                yield family
+                continue
+            merged: dict[tuple, list] = {}
+            for sample in family.samples:
+                labels = dict(sample.labels)
+                if "signature" in labels:
+                    labels["signature"] = self._signature(labels.get("target", ""), labels["signature"])
+                key = (sample.name, tuple(sorted(labels.items())))
+                if key not in merged:
+                    merged[key] = [sample.name, labels, sample.value]
+                elif family.type == "gauge":
+                    merged[key][2] = max(merged[key][2], sample.value)
+                else:
+                    merged[key][2] += sample.value
+            folded = Metric(family.name, family.documentation, family.type, family.unit)
+            for name, labels, value in merged.values():
+                folded.add_sample(name, labels, value)
+            yield folded
 
 
 class PrometheusExporter:
@@ -84,7 +130,7 @@ class PrometheusExporter:
             # Values go to the job's files; the served registry aggregates them.
             metric_registry = None
             self.registry = registry if registry is not None else CollectorRegistry()
-            MultiProcessCollector(self.registry)
+            SignatureCappedCollector(self.registry)
         else:
             self.registry = metric_registry = registry if registry is not None else CollectorRegistry()
         forks.register(self)

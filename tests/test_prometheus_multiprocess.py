@@ -59,3 +59,36 @@ def test_a_multiprocess_directory_others_can_write_is_refused_by_the_library(tmp
         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)),
     )  # fmt: skip
     assert f"PROMETHEUS_MULTIPROC_DIR='{shared}' is not valid: writable by others" in done.stdout, done.stderr
+
+
+SIGNATURE_WRITER = """
+import os, sys
+from exporters import PrometheusExporter
+exporter = PrometheusExporter()
+for index in range(60):
+    exporter.record_calls("op", 2, f"process{sys.argv[1]}-signature{index:02d}")
+"""
+
+
+def test_one_endpoint_shows_at_most_the_signature_cap_however_many_processes_write(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from exporters.prometheus import SignatureCappedCollector
+    from shadow.core.engine import MAX_SIGNATURES
+
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    for process in range(3):  # 180 signature values in all, 60 each (within each process's own cap)
+        done = subprocess.run(
+            [sys.executable, "-c", SIGNATURE_WRITER, str(process)], env=env, cwd=os.path.dirname(HERE),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    registry = CollectorRegistry()
+    SignatureCappedCollector(registry, path=str(tmp_path))
+    parsed = samples(generate_latest(registry).decode())
+    signatures = {dict(items)["signature"] for name, items in parsed if name == "npu_shadow_calls_total"}
+    assert len(signatures) == MAX_SIGNATURES + 1 and "other" in signatures
+    assert total(parsed, "npu_shadow_calls_total", target="op") == 3 * 60 * 2  # (none lost: folded into other)
+    assert total(parsed, "npu_shadow_calls_total", target="op", signature="other") == (180 - MAX_SIGNATURES) * 2
+    again = samples(generate_latest(registry).decode())  # (the same series at the next scrape)
+    assert {dict(items)["signature"] for name, items in again if name == "npu_shadow_calls_total"} == signatures
