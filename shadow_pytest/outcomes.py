@@ -58,6 +58,12 @@ class OutcomeRecorder:
         found = self.outcomes.get(nodeid, {"outcome": "passed", "text": ""})
         self._write(nodeid, found["outcome"], found["text"])
 
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        """The session's end, on record: a crash after it (an abort at exit) loses no test's outcome."""
+        self._handle.write(json.dumps({"session": "finished", "exitstatus": int(exitstatus)}) + "\n")
+        self._handle.flush()
+
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self._handle.close()
 
@@ -83,3 +89,24 @@ def recorded_outcomes(path: str) -> dict[str, dict[str, str]]:
         if isinstance(record, dict) and isinstance(record.get("test"), str):
             found[record["test"]] = {"outcome": str(record.get("outcome", "")), "text": str(record.get("text", ""))}
     return found
+
+
+def session_exit_status(path: str) -> int | None:
+    """The exit status pytest's session finished with, as the last run of an OutcomeRecorder file recorded it
+    (None where its session never finished: the interpreter died before)."""
+    status = None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            lines = handle.readlines()
+    except FileNotFoundError:
+        return None
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("test") is not None:
+            status = None  # (a test after a finished session: a resumed run, not finished yet)
+        elif isinstance(record, dict) and record.get("session") == "finished":
+            status = record.get("exitstatus") if isinstance(record.get("exitstatus"), int) else None
+    return status

@@ -563,3 +563,26 @@ def test_a_per_target_rate_applies_to_a_legacy_patched_after_torch():
     assert done.returncode == 0, done.stderr
     assert "not installed" not in done.stderr
     assert 60 < int(done.stdout.strip().splitlines()[-1]) < 140  # about half of 200 calls
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        (b"\xff\xfe not ascii at all \xff", "the token in it is not ASCII text"),
+        (b"t" * 5000, "it holds more than 4096 bytes"),
+    ],
+    ids=["not-utf8", "too-long"],
+)
+def test_a_token_file_that_is_not_a_token_is_refused_saying_why(tmp_path, content, says):
+    path = tmp_path / "token"
+    path.write_bytes(content)
+    path.chmod(0o600)
+    with pytest.raises(cfg.Invalid, match=says):
+        cfg.read_token_file(str(path))
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "run", "--primary", "upstream", "--rollback-port", "0",
+         "--legacy-from", "reference", "--", sys.executable, "-c", "pass"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "NPU_SHADOW_ROLLBACK_TOKEN_FILE": str(path)},
+    )  # fmt: skip
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr

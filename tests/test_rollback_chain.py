@@ -729,6 +729,12 @@ def _ab(tmp_path: pathlib.Path, *pytest_args: str, journal: str | None = None, *
         ("--npu-shadow-journal=other.jsonl", "--npu-shadow-journal: give the journal as ab's own --journal"),
         ("--co", "--co: a collection runs no test"),
         ("--collect-only", "--collect-only: a collection runs no test"),
+        ("--setup-plan", "--setup-plan: a setup plan runs no test"),
+        ("--setup-only", "--setup-only: setting up fixtures alone runs no test"),
+        ("--fixtures", "--fixtures: listing fixtures runs no test"),
+        ("--markers", "--markers: listing markers runs no test"),
+        ("--version", "--version: pytest's version runs no test"),
+        ("--help", "--help: pytest's help runs no test"),
     ],
 )
 def test_15_ab_refuses_options_that_would_make_its_comparison_empty_or_one_sided(tmp_path, argument, says):
@@ -763,7 +769,8 @@ def test_15_a_test_that_crashes_the_interpreter_in_one_world_is_the_finding(tmp_
     assert ab["test_suite.py::test_plain"]["outcome"] == "match"
 
 
-def test_15_sigterm_to_ab_stops_the_running_pytest_too(tmp_path):
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1"])
+def test_15_a_signal_to_ab_stops_the_running_pytest_too(tmp_path, signal_name):
     import signal
     import time
 
@@ -779,11 +786,11 @@ def test_15_sigterm_to_ab_stops_the_running_pytest_too(tmp_path):
         assert marker.exists(), "the test never started"
         children = subprocess.run(["pgrep", "-P", str(ab.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) == 1
-        ab.send_signal(signal.SIGTERM)
+        ab.send_signal(getattr(signal, signal_name))
         _, err = ab.communicate(timeout=60)
     finally:
         ab.kill()
-    assert ab.returncode == 2 and "stopped by SIGTERM" in err, err
+    assert ab.returncode == 2 and f"stopped by {signal_name}" in err, err
     assert not os.path.exists(f"/proc/{children[0]}"), "the world's pytest outlived ab"
 
 
@@ -1041,3 +1048,13 @@ def test_r5_a_rollback_reaches_a_process_forked_before_it(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[0] == "legacy", done.stdout + done.stderr
+
+
+def test_15_an_abort_at_exit_after_every_test_ran_loses_no_outcome(tmp_path):
+    (tmp_path / "conftest.py").write_text("import atexit, os\natexit.register(os.abort)\n")
+    done = subprocess.run(
+        _ab(tmp_path, "-k", "plain or after"), capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 tests, 0 changed their outcome without the patches" in done.stdout, done.stdout
+    assert "after its session finished; every test's outcome is on record" in done.stderr

@@ -23,7 +23,7 @@ from typing import Any
 
 from exporters.journal import JsonlExporter
 from shadow.core.observation import Observation, Outcome, bounded
-from shadow_pytest.outcomes import STARTED, recorded_outcomes
+from shadow_pytest.outcomes import STARTED, recorded_outcomes, session_exit_status
 
 TARGET = "suite_ab"
 WORLDS = ("legacy", "upstream")
@@ -38,7 +38,20 @@ REFUSED_OPTIONS = {
     "--co": "a collection runs no test, so nothing would be compared",
     "--collect-only": "a collection runs no test, so nothing would be compared",
     "--collectonly": "a collection runs no test, so nothing would be compared",
+    "--setup-plan": "a setup plan runs no test, so nothing would be compared",
+    "--setup-only": "setting up fixtures alone runs no test, so nothing would be compared",
+    "--fixtures": "listing fixtures runs no test, so nothing would be compared",
+    "--funcargs": "listing fixtures runs no test, so nothing would be compared",
+    "--fixtures-per-test": "listing fixtures runs no test, so nothing would be compared",
+    "--markers": "listing markers runs no test, so nothing would be compared",
+    "--version": "pytest's version runs no test, so nothing would be compared",
+    "-V": "pytest's version runs no test, so nothing would be compared",
+    "--help": "pytest's help runs no test, so nothing would be compared",
+    "-h": "pytest's help runs no test, so nothing would be compared",
 }
+
+#: The signals ab passes on to the running world's pytest (then stops): a terminal's hang-up, a quit, a user's.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 #: A world whose tests crash the interpreter is run again for the rest of its tests at most this many times.
 MAX_CRASHES = 50
@@ -131,7 +144,7 @@ def _run(world: str, pytest_args: Sequence[str], journal: str, report: str, resu
         stopped.append(signum)
         child.send_signal(signum)
 
-    previous = signal.signal(signal.SIGTERM, forward)
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
     try:
         while True:
             try:
@@ -140,7 +153,8 @@ def _run(world: str, pytest_args: Sequence[str], journal: str, report: str, resu
             except KeyboardInterrupt:
                 forward(signal.SIGINT, None)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if stopped:
         raise Stopped(f"{signal.Signals(stopped[0]).name}: the {world} world's pytest was stopped (exit {code})")
     return code
@@ -160,6 +174,14 @@ def _run_world(world: str, pytest_args: Sequence[str], journal: str, report: str
         # (a crash is said with the exit of the pytest it ended; the file holds its ``started`` line still)
         crashes = {test: outcome for test, outcome in outcomes.items() if outcome.outcome == CRASHED}
         outcomes = {**_outcomes(report, code), **crashes}
+    finished = session_exit_status(report)
+    if code not in (0, 1) and finished in (0, 1) and not any(o.outcome == CRASHED for o in outcomes.values()):
+        print(
+            f"npu-shadow ab: the {world} world's pytest ended with {_exit_text(code)} after its session finished; "
+            "every test's outcome is on record",
+            file=sys.stderr,
+        )
+        return outcomes
     if code not in (0, 1) and not any(o.outcome == CRASHED for o in outcomes.values()):
         print(f"npu-shadow ab: pytest could not run the {world} world ({_exit_text(code)})", file=sys.stderr)
         return None

@@ -140,6 +140,10 @@ def token_problem(text: str) -> str | None:
     return None
 
 
+#: The most a token file may hold (the token and a newline).
+MAX_TOKEN_BYTES = 4096
+
+
 def read_token_file(path: str) -> str:
     """The token in ``path``: a regular file of this user's own that no one else can read or write. Raises
     Invalid saying what is wrong."""
@@ -151,10 +155,16 @@ def read_token_file(path: str) -> str:
         fd = open_own_file(path, os.O_RDONLY)
     except OSError as exc:
         raise Invalid(str(exc)) from None
-    with os.fdopen(fd) as handle:
+    with os.fdopen(fd, "rb") as handle:
         if os.fstat(handle.fileno()).st_mode & (stat_module.S_IRGRP | stat_module.S_IROTH):
             raise Invalid("others can read it (chmod 600)")
-        token = handle.read(4096).strip()
+        data = handle.read(MAX_TOKEN_BYTES + 1)
+    if len(data) > MAX_TOKEN_BYTES:
+        raise Invalid(f"it holds more than {MAX_TOKEN_BYTES} bytes: a token file holds the token alone")
+    try:
+        token = data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise Invalid("the token in it is not ASCII text") from None
     problem = token_problem(token)
     if problem:
         raise Invalid(f"the token in it {problem}")
