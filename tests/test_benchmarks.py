@@ -57,3 +57,10 @@ def test_resnet_benchmark_runs_and_reports_every_figure():
     assert "step time, launcher defaults (rate 0.01) after its first comparisons / unwrapped = " in out
     assert "step time, rate 1.0 (every call compared) / unwrapped = " in out
     assert "peak RSS of a step, rate 1.0 / unwrapped = " in out or "peak RSS: unavailable" in out
+
+
+def test_the_attack_round_holds_every_attack_it_tries():
+    out = run_quick("attack.py")
+    *surfaces, total = [line.split() for line in out.strip().splitlines()[-6:]]
+    assert [s[0] for s in surfaces] == ["threads", "forks", "limits", "connections", "hostile"], out
+    assert total[0] == "all" and int(total[2]) > 100 and total[2] == total[4], out

@@ -693,12 +693,12 @@ def from_journal(
 def _whole_record(raw: bytes, where: str, torn: list[str] | None) -> dict | None:
     """The record on one line, checked; None for a blank line. A torn line (a writer killed mid-line, a full disk)
     is skipped, its place appended to ``torn``: the final line without its newline, or a line in the middle that
-    begins as a record does, and the record a restarted writer appended after the tear is read (the earliest
+    begins as a record does (``{``), and the record a restarted writer appended after the tear is read (the earliest
     ``{"`` after which the rest of the line is a whole record). A line that never began as a record is refused."""
     try:
         return _journal_record(raw, where)
     except SourceError:
-        if len(raw) > MAX_LINE_BYTES or not (raw.startswith(b'{"') or not raw.endswith(b"\n")):
+        if len(raw) > MAX_LINE_BYTES or not (raw.startswith(b"{") or not raw.endswith(b"\n")):
             raise
         record = None
         start = raw.find(b'{"', 1)
