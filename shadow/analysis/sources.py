@@ -698,8 +698,8 @@ def _whole_record(raw: bytes, where: str, torn: list[str] | None) -> dict | None
     try:
         return _journal_record(raw, where)
     except SourceError:
-        if len(raw) > MAX_LINE_BYTES or not (raw.startswith(b"{") or not raw.endswith(b"\n")):
-            raise
+        if len(raw) > MAX_LINE_BYTES or not (raw.startswith(b"{") or not raw.endswith(b"\n")) or _is_json(raw):
+            raise  # (a whole JSON line that is no record is not a tear: it was written so)
         record = None
         start = raw.find(b'{"', 1)
         while start > 0 and record is None:
@@ -710,6 +710,14 @@ def _whole_record(raw: bytes, where: str, torn: list[str] | None) -> dict | None
         if torn is not None:
             torn.append(where)
         return record
+
+
+def _is_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return True
 
 
 def _journal_record(raw: bytes, where: str) -> dict | None:

@@ -205,7 +205,8 @@ class Experiment:
         # calling exporters, and reported to them in bulk at the next publish or flush.
         self._budget = budget.shadow if budget is not None else None
         self._classify_budget = budget.classifying if budget is not None else None  # (classifying's own share)
-        self._sampled_seconds = 0.0  # (what the last sampled call's plan and upstream side took)
+        self._sampled_seconds = 0.0  # (what the sampled call under way has taken so far: its plan, its upstream side)
+        self._last_cost = 0.0  # (what the last sampled call that ended took: what the next one is expected to cost)
         self._classified = 0
         self._classify_seconds = 0.0  # (what the last timed call of the signature function took)
         # The deadline of one call's shadow side (seconds, None: none): past it the call is skipped (reason
@@ -391,7 +392,7 @@ class Experiment:
         passed = "deadline" if self.deadline_passed else None
         held = None
         if passed is None and self._budget is not None:
-            held = self._budget.take(self._sampled_seconds, self)  # (taken now: threads starting together see it)
+            held = self._budget.take(self._last_cost, self)  # (taken now: threads starting together see it)
             passed = "budget" if held is None else None
         if passed is not None:
             with self._lock:  # nothing but counting: until the job's time catches up, or for good
@@ -507,7 +508,8 @@ class Experiment:
                 _HELD.release()
             seconds = time.perf_counter() - started
             self._charge(seconds)
-            self._sampled_seconds += seconds  # (plan and upstream side: what the next one is expected to cost)
+            self._sampled_seconds += seconds
+            self._last_cost = self._sampled_seconds  # (plan and upstream side, once both are done)
 
     def _charge(self, seconds: float) -> None:
         if self._budget is not None:
