@@ -164,3 +164,15 @@ def test_usage_and_source_errors_exit_2(args):
     done = run_verdict(*args)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr
+
+
+def test_a_verdict_piped_into_a_reader_that_left_ends_quietly(tmp_path):
+    """`npu-shadow verdict ... | head`: the reader leaves first; no BrokenPipeError traceback, exit 141 (SIGPIPE)."""
+    import shlex
+
+    path = tmp_path / "j.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (journals.header(), *[journals.line()] * 3)) + "\n")
+    command = f"{shlex.quote(sys.executable)} -m shadow verdict --journal {shlex.quote(str(path))} | true"
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode == 141, done.stderr

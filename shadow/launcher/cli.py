@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 from typing import Any
 
@@ -475,7 +477,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except BrokenPipeError:  # (`npu-shadow verdict ... | head`: the reader left, as with any Unix tool)
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # (no second BrokenPipeError when Python flushes stdout at exit)
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
