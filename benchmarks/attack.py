@@ -11,6 +11,7 @@ hold. ``--quick`` tries fewer of each (what the test suite runs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -23,6 +24,8 @@ import threading
 import types
 import urllib.request
 import zipfile
+from collections.abc import Iterator
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -36,26 +39,38 @@ from shadow import Target  # noqa: E402
 TOKEN = "attack-token-0123456789abcdef"
 
 
+@contextlib.contextmanager
+def _upstream_run_under_way() -> Iterator[tuple[Any, Any]]:
+    """(owner, monitor) while a sampled call's upstream run is under way on another thread of the job's (a slow
+    upstream, released when the body ends): ``owner.op(x)`` gives ("legacy", x) unwrapped."""
+    owner = types.SimpleNamespace(op=lambda x: ("legacy", x))
+    started, release = threading.Event(), threading.Event()
+
+    def upstream(x: Any) -> tuple[str, Any]:
+        if x == "slow":
+            started.set()
+            release.wait(10)
+        return ("upstream", x)
+
+    target = Target("op", owner, "op", upstream, isolate=False)
+    with shadow.install([target], sample_rate=1.0, deadline=None) as monitor:
+        caller = threading.Thread(target=lambda: owner.op("slow"), daemon=True)
+        caller.start()
+        started.wait(10)
+        try:
+            yield owner, monitor
+        finally:
+            release.set()
+            caller.join(10)
+
+
 def _threads(trials: int, rng: random.Random) -> list[bool]:
     """Job threads (daemon or not) started while an upstream run is under way get legacy's result, counted."""
     held = []
     for _ in range(trials):
-        owner = types.SimpleNamespace(op=lambda x: ("legacy", x))
-        started, release = threading.Event(), threading.Event()
-
-        def upstream(x, started=started, release=release):
-            if x == "slow":
-                started.set()
-                release.wait(10)
-            return ("upstream", x)
-
-        target = Target("op", owner, "op", upstream, isolate=False)
         results: list = []
         count = rng.randint(1, 6)
-        with shadow.install([target], sample_rate=1.0, deadline=None) as monitor:
-            caller = threading.Thread(target=lambda owner=owner: owner.op("slow"), daemon=True)
-            caller.start()
-            started.wait(10)
+        with _upstream_run_under_way() as (owner, monitor):
             jobs = [
                 threading.Thread(target=lambda i=i, o=owner, r=results: r.append(o.op(i)), daemon=rng.random() < 0.5)
                 for i in range(count)
@@ -64,9 +79,7 @@ def _threads(trials: int, rng: random.Random) -> list[bool]:
                 job.start()
             for job in jobs:
                 job.join(10)
-            release.set()
-            caller.join(10)
-            calls = monitor.experiment("op").stats().calls
+        calls = monitor.experiment("op").stats().calls
         held.append(sorted(results) == [("legacy", i) for i in range(count)] and calls == count + 1)
     return held
 
@@ -75,20 +88,7 @@ def _forks(trials: int) -> list[bool]:
     """A child forked while an upstream run is under way calls as the job does: legacy's result, counted."""
     held = []
     for _ in range(trials):
-        owner = types.SimpleNamespace(op=lambda x: ("legacy", x))
-        started, release = threading.Event(), threading.Event()
-
-        def upstream(x, started=started, release=release):
-            if x == "slow":
-                started.set()
-                release.wait(10)
-            return ("upstream", x)
-
-        target = Target("op", owner, "op", upstream, isolate=False)
-        with shadow.install([target], sample_rate=1.0, deadline=None) as monitor:
-            caller = threading.Thread(target=lambda owner=owner: owner.op("slow"), daemon=True)
-            caller.start()
-            started.wait(10)
+        with _upstream_run_under_way() as (owner, monitor):
             read, write = os.pipe()
             pid = os.fork()
             if pid == 0:
@@ -101,8 +101,6 @@ def _forks(trials: int) -> list[bool]:
             answer = os.read(read, 1)
             os.waitpid(pid, 0)
             os.close(read)
-            release.set()
-            caller.join(10)
         held.append(answer == b"1")
     return held
 

@@ -72,41 +72,42 @@ class OutcomeRecorder:
 STARTED = "started"
 
 
-def recorded_outcomes(path: str) -> dict[str, dict[str, str]]:
-    """{test node id: {"outcome", "text"}}: the last line of each test in an OutcomeRecorder file (``started``
-    for one that never ended). A line that is not a test's record (a torn last line) is ignored."""
-    found: dict[str, dict[str, str]] = {}
+def _records(path: str) -> list[dict[str, Any]]:
+    """The JSON objects of an OutcomeRecorder file, in order; a line that is not one (a torn last line) is left
+    out, and a file that is not there has none."""
     try:
         with open(path, encoding="utf-8", errors="replace") as handle:
             lines = handle.readlines()
     except FileNotFoundError:
-        return found
+        return []
+    records = []
     for line in lines:
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("test"), str):
-            found[record["test"]] = {"outcome": str(record.get("outcome", "")), "text": str(record.get("text", ""))}
-    return found
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def recorded_outcomes(path: str) -> dict[str, dict[str, str]]:
+    """{test node id: {"outcome", "text"}}: the last line of each test in an OutcomeRecorder file (``started``
+    for one that never ended)."""
+    return {
+        record["test"]: {"outcome": str(record.get("outcome", "")), "text": str(record.get("text", ""))}
+        for record in _records(path)
+        if isinstance(record.get("test"), str)
+    }
 
 
 def session_exit_status(path: str) -> int | None:
     """The exit status pytest's session finished with, as the last run of an OutcomeRecorder file recorded it
     (None where its session never finished: the interpreter died before)."""
     status = None
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            lines = handle.readlines()
-    except FileNotFoundError:
-        return None
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("test") is not None:
+    for record in _records(path):
+        if record.get("test") is not None:
             status = None  # (a test after a finished session: a resumed run, not finished yet)
-        elif isinstance(record, dict) and record.get("session") == "finished":
+        elif record.get("session") == "finished":
             status = record.get("exitstatus") if isinstance(record.get("exitstatus"), int) else None
     return status

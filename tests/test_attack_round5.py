@@ -8,19 +8,12 @@ import types
 import weakref
 
 import torch
+from recorders import Recorder
 from torch import nn
 
 import shadow
 from shadow import Target
 from shadow.core import memory
-
-
-class Recorder:
-    def __init__(self):
-        self.observations = []
-
-    def export(self, observation):
-        self.observations.append(observation)
 
 
 def _noisy_target(owner, legacy):

@@ -9,29 +9,13 @@ import warnings
 
 import pytest
 import torch
+from recorders import shadowed
 from torch import nn
 
 import shadow
 from shadow import Target
 
 DEVICES = [0, 1]
-
-
-class Recorder:
-    def __init__(self):
-        self.observations = []
-
-    def export(self, observation):
-        self.observations.append(observation)
-
-    def of(self, target):
-        return [o for o in self.observations if o.target == target]
-
-
-def shadowed(targets, **options):
-    recorder = Recorder()
-    monitor = shadow.install(targets, sample_rate=1.0, exporters=[recorder], seed=0, **options)
-    return monitor, recorder
 
 
 class Stateful(nn.Module):
