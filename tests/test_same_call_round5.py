@@ -278,6 +278,43 @@ def test_5_a_backward_comparison_that_cannot_be_made_is_a_counted_reason(make, a
     assert dict(stats.backward_skips) == {reason: 1}
 
 
+class Raises(nn.Module):
+    def forward(self, x):
+        raise ValueError("no forward here")
+
+
+def _raising(module, x):
+    try:
+        return module(x)
+    except ValueError:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("make", "upstream", "grad", "reason"),
+    [
+        (lambda: nn.Linear(4, 4), lambda module, x: module(x), False, "no_grad"),
+        (Raises, lambda module, x: module(x), True, "raised"),
+        (lambda: nn.Linear(4, 4), lambda module, x: module(x) + 1, True, "diverged"),
+    ],
+)
+def test_5_every_compared_call_drawn_for_a_backward_comparison_has_one_or_a_counted_reason(
+    make, upstream, grad, reason
+):
+    """PyTorch's test_data_parallel at backward rate 1: 20 of 274 compared calls had no backward comparison and no
+    reason (a forward that raised, a call under no_grad)."""
+    ops = types.SimpleNamespace(op=lambda module, x: module(x))
+    monitor, recorder = shadowed([Target("op", ops, "op", upstream)], backward_rate=1.0)
+    module = make()
+    with monitor, torch.set_grad_enabled(grad):
+        _raising(lambda x: ops.op(module, x), torch.randn(2, 4, requires_grad=True))
+        stats = monitor.experiment("op").stats()
+    (observation,) = recorder.observations
+    assert observation.outcome != "skipped" and not observation.backward
+    assert observation.backward_skip == reason
+    assert dict(stats.backward_skips) == {reason: 1}
+
+
 # --------------------------------------------------------------------------- 3. the job's calls, counted as made
 
 

@@ -72,9 +72,10 @@ SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "inplace", "budget", "deadl
 
 #: Why a backward comparison planned for a compared call was not made: "deadline" (a run of it passed the
 #: deadline), "reentrant" (reentrant activation checkpointing, which ``torch.autograd.grad`` refuses), "sparse"
-#: (a sparse gradient: ``nn.Embedding(sparse=True)``), "raised" (both graphs' backward raised alike), "no_grad" (no
-#: output requires grad: nothing to pull back), "failed" (this tool's fault, logged).
-BACKWARD_SKIP_REASONS = ("deadline", "reentrant", "sparse", "raised", "no_grad", "failed")
+#: (a sparse gradient: ``nn.Embedding(sparse=True)``), "raised" (a forward or both graphs' backward raised), "no_grad"
+#: (grad mode off, or no output requires grad: nothing to pull back), "diverged" (the forward already diverged: it is
+#: the finding), "failed" (this tool's fault, logged).
+BACKWARD_SKIP_REASONS = ("deadline", "reentrant", "sparse", "raised", "no_grad", "diverged", "failed")
 
 #: Which side a float64 truth run found nearer the truth (shadow.core.truth): the values of ``nearer``.
 NEARER = ("legacy", "upstream", "tie")

@@ -133,6 +133,7 @@ class Plan:
     aa: bool = False  # legacy runs a second time (the noise floor's A/A run)
     backward: bool = False  # the backward comparison: legacy runs again for a graph of its own
     here: bool = False  # upstream cannot block (Target.never_blocks): it runs on the caller's thread
+    backward_skip: str = ""  # a backward comparison drawn for a call that can have none (grad mode off)
     modules_loaded: int = dataclasses.field(default_factory=lambda: len(sys.modules))
 
     @property
@@ -201,13 +202,13 @@ class UpstreamSide:
                 "=on/" in autocast or experiment.oracle_random.random() < experiment.oracle_rate
             )
             aa = experiment.aa_rate > 0 and experiment.aa_random.random() < experiment.aa_rate
-            backward = (
+            drawn = (
                 target.isolate
                 and experiment.primary != UPSTREAM
                 and experiment.backward_rate > 0
                 and experiment.backward_random.random() < experiment.backward_rate
-                and torch.is_grad_enabled()
             )
+            backward = drawn and torch.is_grad_enabled()
             if target.isolate:
                 isolation = Isolation(args, kwargs, modules, runs=1 + oracle + backward + aa)
                 up_args, up_kwargs = None, None
@@ -217,7 +218,10 @@ class UpstreamSide:
                 raw = target.signature(args, kwargs) if target.signature else "call"
                 signature = experiment.admit(label_text(str(raw), 64))
             here = target.never_blocks is not None and bool(target.never_blocks(args, kwargs))
-            plan = Plan(isolation, up_args, up_kwargs, signature, autocast, oracle, before, aa, backward, here)
+            plan = Plan(
+                isolation, up_args, up_kwargs, signature, autocast, oracle, before, aa, backward, here,
+                backward_skip="no_grad" if drawn and not backward else "",
+            )  # fmt: skip
             return cls(experiment, plan)
         except KeyboardInterrupt:
             raise
@@ -268,8 +272,12 @@ class UpstreamSide:
         found = with_state(found, {**self._state_differences(plan, *left), **self._module_differences(plan)})
         found, noise_test = self._within_noise(plan.signature, found)
         compare_seconds = time.perf_counter() - start
-        backward = {}
-        if plan.backward and returned and found.outcome in (Outcome.MATCH, Outcome.CLOSE, Outcome.NOISE):
+        backward: dict[str, Any] = {"backward_skip": plan.backward_skip}
+        if plan.backward and not returned:
+            backward = {"backward_skip": "raised"}
+        elif plan.backward and found.outcome not in (Outcome.MATCH, Outcome.CLOSE, Outcome.NOISE):
+            backward = {"backward_skip": "diverged"}  # (the forward is the finding; its gradients are not)
+        elif plan.backward:
             found, backward = self._backward(plan, args, kwargs, upstream, left_by_legacy, found)
         truth = {}
         if (
