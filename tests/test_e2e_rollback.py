@@ -63,7 +63,7 @@ def _job(tmp_path, name: str, metrics_port: int, switch_port: int, device: str, 
     return subprocess.Popen(
         [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", legacy, "--primary", "upstream",
          "--sample-rate", "1", "--budget", "off", "--port", str(metrics_port), "--rollback-port", str(switch_port),
-         *extra, "--",
+         "--linger", "0", *extra, "--",
          sys.executable, os.path.join(ROOT, "tests", "canary_job.py"), "--device", device,
          "--out", str(tmp_path / f"{name}.out"), "--stop", str(tmp_path / "stop")],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.err", "w"),

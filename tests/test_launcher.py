@@ -107,6 +107,7 @@ INVALID = {
     "rollback_token": "short",
     "rollback_token_file": "/no/such/token/file",
     "rollback_optional": "maybe",
+    "linger": "-1",
 }
 MORE_INVALID = [
     ("sample_rate", "tensor_type=x"),
@@ -132,6 +133,8 @@ MORE_INVALID = [
     ("journal", "/tmp/j-{0}.jsonl"),
     ("journal", "/tmp/j-{.jsonl"),
     ("textfile", "/tmp/m-{bogus}.prom"),
+    ("linger", "soon"),
+    ("linger", "inf"),
 ]
 
 

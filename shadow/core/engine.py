@@ -619,8 +619,8 @@ class Experiment:
 
     def report_calls(self, flush: bool = False) -> None:
         """Tell exporters how many calls passed (by signature for a guided target), and how many sampled calls
-        the budget skipped, since the last report (done at each publish, at a rollback or reset and at flush:
-        ``flush`` counts a guided target's open gate too)."""
+        the budget skipped, since the last report (done at each publish, at a rollback or reset, each second by
+        :mod:`shadow.core.reporter` and at flush: ``flush`` counts a guided target's open gate too)."""
         with self._lock:
             if self.coverage is not None:
                 # (the open gate's calls only when flushing: until then its last call may count them elsewhere)
@@ -635,13 +635,18 @@ class Experiment:
                 deltas = {"": calls - self._calls_reported}
                 self._calls_reported = calls
             skipped, self._skips_unreported = self._skips_unreported, collections.Counter()
-        for signature, delta in deltas.items():
-            if delta:
+        publishing = getattr(marks, "publishing", False)
+        try:
+            marks.publishing = True  # (a patched function an exporter calls is not a call of the job's)
+            for signature, delta in deltas.items():
+                if delta:
+                    for exporter in self.exporters:
+                        self._call_exporter(exporter, "record_calls", self.target.name, delta, signature)
+            for reason, count in skipped.items():
                 for exporter in self.exporters:
-                    self._call_exporter(exporter, "record_calls", self.target.name, delta, signature)
-        for reason, count in skipped.items():
-            for exporter in self.exporters:
-                self._call_exporter(exporter, "record_skips", self.target.name, reason, count)
+                    self._call_exporter(exporter, "record_skips", self.target.name, reason, count)
+        finally:
+            marks.publishing = publishing
 
     def _call_exporter(self, exporter: Any, hook: str, *args: Any) -> bool:
         """Call an exporter hook if it has it; False if it raised (logged at most once a minute)."""

@@ -25,6 +25,7 @@ from shadow.core.drill import Drill
 from shadow.core.engine import Experiment, experiment_of
 from shadow.core.observation import PRIMARY_SIDES, TargetStats
 from shadow.core.rates import check_rate
+from shadow.core.reporter import REPORTER
 from shadow.core.sampler import DEFAULT_FIRST_PER_SIGNATURE
 from shadow.core.targets import Target
 
@@ -151,8 +152,16 @@ class Monitor:
         for s, exporter in exporters.values():
             s._call_exporter(exporter, "flush")
 
+    def report(self) -> None:
+        """Report the calls counted since the last report to the exporters (:mod:`shadow.core.reporter` does, each
+        second)."""
+        if self._restore:
+            for s in self._experiments:
+                s.report_calls(flush=True)  # (a guided target's open gate too: the total is the job's calls)
+
     def uninstall(self) -> None:
         """Flush, then put back exactly the objects that were there before install (safe to call twice)."""
+        REPORTER.discard(self)
         if self._restore:
             self.flush()
         while self._restore:
@@ -344,6 +353,8 @@ def install(
             failure = exporting.call_hook(exporter, "set_drill", True)
             if failure is not None:
                 log.warning("npu-shadow: exporter %r failed in set_drill: %r", exporter, failure)
+    if exporters:
+        REPORTER.add(monitor)  # (the calls between sampled ones reach the exporters within a second)
     log.debug("npu-shadow installed %s with torch %s", monitor.targets, torch.__version__)
     return monitor
 

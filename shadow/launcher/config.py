@@ -20,6 +20,10 @@ from shadow.core.rates import parse_rate
 from shadow.core.safe_paths import directory_problem, long_component, template_problem
 from shadow.core.sampler import DEFAULT_FIRST_PER_SIGNATURE
 
+#: How long the launcher keeps the metrics endpoint up after the job, by default: one scrape at Prometheus'
+#: default interval (1 min), with margin for a late one.
+DEFAULT_LINGER_SECONDS = 75.0
+
 
 class ConfigError(ValueError):
     """A setting has a value it cannot have; the message names the setting."""
@@ -81,6 +85,16 @@ def _off_or_seconds(text: str) -> float | None:
         raise Invalid() from None
     if not 0 < seconds < math.inf:
         raise Invalid("seconds > 0")
+    return seconds
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise Invalid() from None
+    if not 0 <= seconds < math.inf:
+        raise Invalid("seconds >= 0")
     return seconds
 
 
@@ -350,6 +364,14 @@ SETTINGS = {
         "a file path for the exposition written at exit ({rank} and {pid} allowed)",
         _file_template,
     ),
+    "linger": Setting(
+        "NPU_SHADOW_LINGER",
+        "--linger",
+        "the seconds >= 0 the metrics endpoint stays up after the job ends, until a scrape has read the final "
+        f"counts (default {DEFAULT_LINGER_SECONDS:g} where the endpoint is the only output, 0 with a Pushgateway "
+        "or textfile)",
+        _seconds,
+    ),
     "emulate_npu": Setting(
         "NPU_SHADOW_EMULATE_NPU",
         "--emulate-npu",
@@ -487,6 +509,7 @@ class Config:
     drill: tuple[str, float] | None = None
     pushgateway: str | None = None
     textfile: str | None = None
+    linger: float | None = None  # (None: DEFAULT_LINGER_SECONDS where only the endpoint carries the final counts)
     emulate_npu: int = 0
     legacy_from: str | None = None
     oracle: float | None = 0.1
@@ -534,6 +557,16 @@ def from_sources(environ: Mapping[str, str], options: Mapping[str, str | None] |
         missing = SETTINGS["atol" if given == "rtol" else "rtol"]
         raise ConfigError(f"{SETTINGS[given].option} needs {missing.option} ({missing.variable}) too")
     return Config(**values)  # type: ignore[arg-type]
+
+
+def linger_seconds(config: Config) -> float:
+    """How long the endpoint stays up after the job: ``--linger``, else the default where nothing else carries
+    the final counts (a Pushgateway or a textfile does)."""
+    if config.port is None:
+        return 0.0
+    if config.linger is not None:
+        return config.linger
+    return 0.0 if config.pushgateway or config.textfile else DEFAULT_LINGER_SECONDS
 
 
 def to_environ(options: Mapping[str, str | None]) -> dict[str, str]:

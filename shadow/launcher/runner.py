@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from shadow.core.safe_paths import make_private_directory
 from shadow.launcher import config as cfg
+from shadow.launcher import linger
 from shadow.launcher.bootstrap import npu_shadow_boot as boot
 from shadow.launcher.launch import ROLLED_BACK_BY, wants_prometheus
 
@@ -20,7 +21,8 @@ BOOTSTRAP_DIR = os.path.dirname(os.path.abspath(boot.__file__))
 
 
 def _serve_node(directory: str, port: int, addr: str):
-    """Serve the aggregate of every process's metric files in ``directory`` (one endpoint per node)."""
+    """Serve the aggregate of every process's metric files in ``directory`` (one endpoint per node): the server
+    (None where the port is taken) and its registry."""
     from prometheus_client import CollectorRegistry
     from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -28,7 +30,67 @@ def _serve_node(directory: str, port: int, addr: str):
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=directory)
-    return serve_registry(registry, port, addr)
+    return serve_registry(registry, port, addr), registry
+
+
+#: Signals that ask the job to stop: once one was passed on, the launcher does not keep the endpoint after the job
+#: (whoever stopped it waits for the launcher, and a scheduler kills what outlives its grace period).
+_STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _serve_final_counts(config: cfg.Config, base: str, node: tuple | None, stopped: bool = False) -> None:
+    """After the job: keep its endpoints up until a scrape has read the final counts (``--linger``), and say
+    where the final counts went."""
+    seconds = cfg.linger_seconds(config)
+    if config.port is None:
+        return
+    if stopped and seconds:
+        print("npu-shadow: the job was stopped by a signal: its endpoint is not kept after it", file=sys.stderr)
+        return
+    if seconds == 0:
+        kept = [what for what, given in (("Pushgateway", config.pushgateway), ("textfile", config.textfile)) if given]
+        if kept:
+            print(f"npu-shadow: the job's final counts are in its {' and '.join(kept)}", file=sys.stderr)
+        return
+    servers, registries, where = [], [], []
+    if node is not None:
+        if node[0] is not None:
+            registries.append(node[1])
+            where.append(f"{config.addr}:{node[0].server_port}")
+    elif config.port == 0:
+        print(
+            "npu-shadow: the job's final counts are not served after it: each process chose its own port (--port 0)",
+            file=sys.stderr,
+        )
+        return
+    else:
+        for rank, directory in linger.rank_directories(base).items():
+            server, registry = linger.serve_rank(directory, config.port + rank, config.addr)
+            if server is not None:
+                servers.append(server)
+                registries.append(registry)
+                where.append(f"{config.addr}:{config.port + rank}")
+    if not registries:
+        return
+    try:
+        print(
+            f"npu-shadow: the job's final counts stay on {', '.join(where)} until a scrape reads them "
+            f"(at most {seconds:g} s, --linger)",
+            file=sys.stderr,
+        )
+        took = linger.wait_for_scrapes(registries, seconds, linger.signalled(FORWARDED))
+        if took is None:
+            print(
+                "npu-shadow: no scrape read the final counts in time: Prometheus lacks the job's last counts "
+                "(its journal and textfile have them)",
+                file=sys.stderr,
+            )
+        else:
+            print(f"npu-shadow: the final counts were scraped {took:.1f} s after the job ended", file=sys.stderr)
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
 
 
 #: Signals the launcher passes on to the job: schedulers stop jobs with SIGTERM, people with SIGINT or SIGHUP,
@@ -66,12 +128,14 @@ _WAITED = {*FORWARDED, signal.SIGCHLD}
 _PYTHON_IGNORES = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name))
 
 
-def _run_forwarding_signals(command: list[str], env: dict[str, str], mask: set[signal.Signals]) -> int:
+def _run_forwarding_signals(
+    command: list[str], env: dict[str, str], mask: set[signal.Signals], forwarded: list[int] | None = None
+) -> int:
     """Run the command as a transparent wrapper would: signals sent to the launcher (FORWARDED) go on to the job
     once, a signal the terminal already sent to the job's process group is not sent again, and the exit code is
     the job's (a job killed by signal N exits 128 + N, as a shell reports it). The caller has blocked _WAITED in
     every thread of the launcher (they are taken here, with their sender); ``mask`` is its mask before, which
-    the job starts with. Raises CannotStart."""
+    the job starts with; ``forwarded`` collects the signals the job got. Raises CannotStart."""
     executable = _resolve(command[0], env)
     early = signal.sigtimedwait(FORWARDED, 0)  # stopped while the launcher was getting ready: the job never starts
     if early is not None:
@@ -87,6 +151,8 @@ def _run_forwarding_signals(command: list[str], env: dict[str, str], mask: set[s
         info = signal.sigtimedwait(_WAITED, 1.0)  # (the timeout: SIGCHLDs can merge)
         if info is None or info.si_signo == signal.SIGCHLD:
             continue
+        if forwarded is not None:
+            forwarded.append(info.si_signo)
         if info.si_code == _SI_KERNEL and os.getpgid(pid) == os.getpgrp():
             continue  # from the terminal, to the whole group: the job has it already
         with contextlib.suppress(ProcessLookupError):
@@ -201,16 +267,21 @@ def _run(
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *filter(None, [env.get("PYTHONPATH")])])
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.pop(ROLLED_BACK_BY, None)  # (a new job starts with its configured primary)
-    temporary = server = None
+    temporary = server = node = base = None
     if wants_prometheus(config):
         base = job_metrics_dir or tempfile.mkdtemp(prefix="npu-shadow-metrics-")
         temporary = None if job_metrics_dir else base
         env[boot.METRICS_DIR] = base
         env[boot.METRICS_LAYOUT] = "node" if config.multiproc_dir else "rank"
         if config.multiproc_dir and config.port is not None:
-            server = _serve_node(base, config.port, config.addr)
+            node = _serve_node(base, config.port, config.addr)
+            server = node[0]
     try:
-        return _run_forwarding_signals(list(command), env, mask)
+        forwarded: list[int] = []
+        code = _run_forwarding_signals(list(command), env, mask, forwarded)
+        if base is not None:
+            _serve_final_counts(config, base, node, stopped=any(s in _STOPPING for s in forwarded))
+        return code
     except CannotStart as exc:
         print(f"npu-shadow run: cannot start {command[0]!r}: {exc}", file=sys.stderr)
         return exc.exit_code

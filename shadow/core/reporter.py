@@ -1,0 +1,79 @@
+"""Counts as they happen: the calls of every installed monitor reach its exporters within a second.
+
+A sampled call reports the calls before it at once (``Experiment.report_calls``), but the calls between sampled
+calls are only counted (the unsampled path costs one Python call and does no more). Without a report of them a
+scrape shows fewer calls than sampled ones, and a job that makes calls but compares none looks like no job at all.
+One daemon thread per process reports every monitor that has exporters once per :data:`INTERVAL_SECONDS`; it is
+started with the first such monitor, again in a forked child (a DataLoader worker), and sleeps while no monitor has
+exporters. Exporter failures are counted where every hook's are (``Experiment._call_exporter``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any, Protocol
+
+from shadow.core import forks
+
+log = logging.getLogger("shadow")
+
+#: How often the calls counted since the last report reach the exporters.
+INTERVAL_SECONDS = 1.0
+
+
+class Reported(Protocol):
+    def report(self) -> None:
+        """Report the calls counted since the last report to the exporters."""
+
+
+class Reporter:
+    """The process's reporting thread and the monitors it reports (held weakly: a monitor that is gone needs no
+    report)."""
+
+    def __init__(self, interval: float = INTERVAL_SECONDS) -> None:
+        self.interval = interval
+        self._monitors: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        forks.register(self)
+
+    def add(self, monitor: Reported) -> None:
+        """Report ``monitor`` from now on (until :meth:`discard`)."""
+        with self._lock:
+            self._monitors.add(monitor)
+            self._start()
+
+    def discard(self, monitor: Reported) -> None:
+        with self._lock:
+            self._monitors.discard(monitor)
+
+    def report_all(self) -> None:
+        """One round: every monitor reported (what the thread does each interval)."""
+        for monitor in list(self._monitors):
+            try:
+                monitor.report()
+            except Exception as exc:  # (the thread must outlive any one monitor's failure)
+                log.warning("npu-shadow: reporting the calls of %r failed: %r", monitor, exc)
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="npu-shadow reporter", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        sleep = threading.Event().wait  # (an Event nobody sets: a sleep that interpreter shutdown does not break)
+        while True:
+            sleep(self.interval)
+            self.report_all()
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._thread = None  # (threads do not survive a fork)
+        if len(self._monitors):
+            self._start()
+
+
+#: The process's reporter.
+REPORTER = Reporter()
