@@ -3,7 +3,8 @@
 One dashboard and one rule file serve both: the OpenTelemetry instruments below come out of the SDK's
 Prometheus translation with exactly the Prometheus names (dots become underscores, ``_total`` is added to
 monotonic sums, ``_seconds`` for unit ``s``, and ``{annotation}`` units add nothing).
-Labels come only from bounded sets: target, outcome, reason, signature.
+Labels come only from bounded sets: target, outcome, reason, signature; and every series carries the run it
+belongs to (:data:`RUN_LABEL`, one value per process).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from shadow.core.environment import device as device  # the environment labels come from the core
+from shadow.core.environment import run_id as run_id
 from shadow.core.environment import versions as versions
 from shadow.core.observation import (
     COMPARED_OUTCOMES,
@@ -24,6 +26,9 @@ from shadow.core.observation import (
 from shadow.core.observation import LEGACY as LEGACY_SIDE
 
 PREFIX = "npu_shadow"
+
+#: The label every series carries: the run it belongs to (``shadow.core.environment.run_id``).
+RUN_LABEL = "run"
 
 #: The label sets, from the core's vocabulary (rules, dashboard and verdict read them here).
 VOCABULARY = {

@@ -164,6 +164,7 @@ class JsonlExporter:
         forks.register(self)
 
     def _reset_process_state(self) -> None:
+        self.run = contract.run_id()  # (ValueError naming the variable where the named run cannot be one)
         self.pid = os.getpid()
         self.rank = _rank()
         self.path = self.path_template.format(pid=self.pid, rank=self.rank if self.rank is not None else "none")
@@ -293,8 +294,14 @@ class JsonlExporter:
         )
 
     def _process(self) -> str:
-        """This process's fields, the same on every line: host, pid, stream, rank, versions and device."""
-        fields = {"host": self.host, "pid": self.pid, "stream": self.stream, "rank": self.rank}
+        """This process's fields, the same on every line: run, host, pid, stream, rank, versions and device."""
+        fields = {
+            "run": contract.run_id(),
+            "host": self.host,
+            "pid": self.pid,
+            "stream": self.stream,
+            "rank": self.rank,
+        }
         fields.update({k: v for k, v in contract.versions().items() if k != "version"}, device=contract.device())
         self._process_fields = _encode(fields)[1:]
         return self._process_fields

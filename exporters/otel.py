@@ -58,10 +58,14 @@ class OTelExporter:
     """Exports observations through an OpenTelemetry meter named ``npu_shadow``.
 
     ``meter_provider``: the provider to use (tests pass their own); the global one by default.
-    Versions (this package, torch, torch_npu) are the meter's version and attributes.
+    Versions (this package, torch, torch_npu) are the meter's version and attributes; every value carries the
+    ``run`` attribute.
     """
 
-    def __init__(self, meter_provider: metrics.MeterProvider | None = None) -> None:
+    def __init__(self, meter_provider: metrics.MeterProvider | None = None, run: str | None = None) -> None:
+        #: The run every value is attributed to (``run``): ``shadow.core.environment.run_id()`` unless given.
+        self.run = run if run is not None else contract.run_id()
+        self._run = {contract.RUN_LABEL: self.run}
         versions = contract.versions()
         self.meter = metrics.get_meter(
             METER_NAME, versions["version"], meter_provider=meter_provider, attributes=versions
@@ -112,7 +116,7 @@ class OTelExporter:
         self._drill = 0
         self.meter.create_observable_gauge(
             contract.DRILL_ACTIVE.otel_name,
-            [lambda options: [metrics.Observation(self._drill)]],
+            [lambda options: [metrics.Observation(self._drill, {contract.RUN_LABEL: self.run})]],
             unit=contract.DRILL_ACTIVE.unit,
             description=contract.DRILL_ACTIVE.description,
         )
@@ -125,23 +129,25 @@ class OTelExporter:
             self._record_pending()
         with self._lock:
             totals = list(self._totals[metric].items())
-        return [metrics.Observation(value, dict(zip(metric.labels, labels))) for labels, value in totals]
+        return [
+            metrics.Observation(value, {**self._run, **dict(zip(metric.labels, labels))}) for labels, value in totals
+        ]
 
     def _observe_rates(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
         with self._lock:
             rates = list(self._rates.items())
-        return [metrics.Observation(rate, {"target": target}) for target, rate in rates]
+        return [metrics.Observation(rate, {**self._run, "target": target}) for target, rate in rates]
 
     def _observe_primary(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
         with self._lock:
             primary = list(self._primary.items())
-        return [metrics.Observation(value, {"target": t, "side": side}) for (t, side), value in primary]
+        return [metrics.Observation(value, {**self._run, "target": t, "side": side}) for (t, side), value in primary]
 
     def _observe_floors(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
         with self._lock:
             floors = list(self._floors.items())
         labels = contract.NOISE_FLOOR.labels
-        return [metrics.Observation(value, dict(zip(labels, key))) for key, value in floors]
+        return [metrics.Observation(value, {**self._run, **dict(zip(labels, key))}) for key, value in floors]
 
     def _record_pending(self) -> None:
         """Record queued histogram values, a bounded share per collection (MAX_RECORDED_PER_COLLECTION values,
@@ -155,7 +161,7 @@ class OTelExporter:
             except IndexError:
                 return
             try:
-                self._histograms[metric].record(value, {"target": target})
+                self._histograms[metric].record(value, {**self._run, "target": target})
             except Exception:  # the SDK's fault: the value is lost, and counted as such
                 with self._lock:
                     self.dropped += 1

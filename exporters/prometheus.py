@@ -98,6 +98,7 @@ class SignatureCappedCollector:
 class PrometheusExporter:
     """Exports observations as the ``npu_shadow_*`` metrics; serves /metrics when ``port`` is given.
 
+    Every series carries the ``run`` label (``run``, default ``shadow.core.environment.run_id()``).
     ``addr`` defaults to loopback (prometheus-client's own default is every interface). ``certfile``,
     ``keyfile``, ``client_cafile``, ``client_capath`` and ``client_auth_required`` turn on TLS and client
     certificates, passed through to prometheus-client. A port that cannot be bound gives a warning and
@@ -114,6 +115,7 @@ class PrometheusExporter:
         client_cafile: str | None = None,
         client_capath: str | None = None,
         client_auth_required: bool = False,
+        run: str | None = None,
     ) -> None:
         if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
             raise ValueError(f"PrometheusExporter: port must be an int in 0..65535 or None, got {port!r}")
@@ -134,12 +136,14 @@ class PrometheusExporter:
         else:
             self.registry = metric_registry = registry if registry is not None else CollectorRegistry()
         forks.register(self)
+        #: The run every series is labelled with (``run``): ``shadow.core.environment.run_id()`` unless given.
+        self.run = run if run is not None else contract.run_id()
         self._metrics = self._create(metric_registry)
         self._children: dict[tuple, Any] = {}
         self._floors: dict[tuple[str, str, str], float] = {}  # (target, signature, measure) -> the greatest
         self._primary: dict[str, str] = {}  # target -> the side the caller gets now (for calls and bulk skips)
-        self._metrics[contract.BUILD_INFO].labels(**contract.versions()).set(1)
-        self._metrics[contract.DRILL_ACTIVE].set(0)
+        self._metrics[contract.BUILD_INFO].labels(self.run, *contract.versions().values()).set(1)
+        self._child(contract.DRILL_ACTIVE).set(0)
         self.server: Any = None
         self.port: int | None = None
         if port is not None:
@@ -157,7 +161,7 @@ class PrometheusExporter:
     def _create(registry: CollectorRegistry | None) -> dict[contract.Metric, Any]:
         metrics: dict[contract.Metric, Any] = {}
         for metric in (*contract.ALL, contract.BUILD_INFO):
-            common = {"registry": registry, "labelnames": metric.labels}
+            common = {"registry": registry, "labelnames": (contract.RUN_LABEL, *metric.labels)}
             name = metric.prometheus_name
             if metric.kind == "counter":
                 metrics[metric] = Counter(name, metric.description, **common)
@@ -175,7 +179,7 @@ class PrometheusExporter:
         key = (metric, labels)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = self._metrics[metric].labels(*labels)
+            child = self._children[key] = self._metrics[metric].labels(self.run, *labels)
         return child
 
     def register(self, target: str, sample_rate: float) -> None:
@@ -186,7 +190,7 @@ class PrometheusExporter:
 
     def set_drill(self, active: bool) -> None:
         """Show whether a fire drill is injecting synthetic divergence."""
-        self._metrics[contract.DRILL_ACTIVE].set(1 if active else 0)
+        self._child(contract.DRILL_ACTIVE).set(1 if active else 0)
 
     def record_calls(self, target: str, calls: int, signature: str = "") -> None:
         self._child(contract.CALLS, target, signature, self._primary.get(target, LEGACY)).inc(calls)

@@ -14,12 +14,15 @@ def scrape(port: int) -> str:
         return response.read().decode()
 
 
-def samples(text: str) -> dict[tuple, float]:
-    """{(sample name, sorted label items): value}"""
-    out = {}
+def samples(text: str, runs: bool = False) -> dict[tuple, float]:
+    """{(sample name, sorted label items): value}; without ``runs`` the ``run`` label every series carries is left
+    out (series of several runs summed)."""
+    out: dict[tuple, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+            labels = sample.labels if runs else {k: v for k, v in sample.labels.items() if k != "run"}
+            key = (sample.name, tuple(sorted(labels.items())))
+            out[key] = out.get(key, 0.0) + sample.value
     return out
 
 

@@ -80,7 +80,9 @@ def test_disk_full_is_counted_as_export_skip_and_training_goes_on(recwarn, tmp_p
     journal = JsonlExporter(path, max_bytes=0)
     stats = run([prometheus, journal])
     assert stats.mismatch == 2 and stats.export_errors == 2
-    value = prometheus.registry.get_sample_value("npu_shadow_export_errors_total", {"target": "op"})
+    value = prometheus.registry.get_sample_value(
+        "npu_shadow_export_errors_total", {"run": prometheus.run, "target": "op"}
+    )
     assert value == 2
 
 

@@ -108,6 +108,7 @@ INVALID = {
     "rollback_token_file": "/no/such/token/file",
     "rollback_optional": "maybe",
     "linger": "-1",
+    "run_id": "two words",
 }
 MORE_INVALID = [
     ("sample_rate", "tensor_type=x"),
@@ -134,6 +135,8 @@ MORE_INVALID = [
     ("journal", "/tmp/j-{.jsonl"),
     ("textfile", "/tmp/m-{bogus}.prom"),
     ("linger", "soon"),
+    ("run_id", "-starts-with-a-dash"),
+    ("run_id", "x" * 65),
     ("linger", "inf"),
 ]
 

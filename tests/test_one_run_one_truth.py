@@ -1,24 +1,27 @@
 """One run, one truth: the counts a scrape sees are the job's, as they happen and at its end."""
 
+import json
 import os
 import subprocess
 import sys
 import time
 import types
 
+import pytest
 from metrics_helpers import samples, total
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_server import free_port, prometheus
 
 import shadow
-from exporters import PrometheusExporter
+from exporters import JsonlExporter, PrometheusExporter
 from shadow import Target
+from shadow.core import environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _calls_exposed(registry, target):
-    return registry.get_sample_value("npu_shadow_calls_total", {"target": target, "signature": "", "primary": "legacy"})
+    return total(samples(generate_latest(registry).decode()), "npu_shadow_calls_total", target=target)
 
 
 def wait_for(condition, what, timeout=30.0):
@@ -75,3 +78,51 @@ def test_1_a_real_prometheus_sees_every_call_of_a_running_job_and_its_final_coun
         assert final == 3700
         last = server.query('sum(last_over_time(npu_shadow_calls_total{target="tensor_type"}[5m]))')
         assert last == {(): 3700.0}  # the exit's counts, scraped after the job ended
+
+
+# --------------------------------------------------------------------------- 2. a run id
+
+
+def test_2_every_series_and_journal_line_names_its_run(tmp_path, monkeypatch):
+    """No series, journal record or report named its run: two runs with one job label were mixed."""
+    monkeypatch.setenv("NPU_SHADOW_RUN_ID", "train-42")
+    owner = types.SimpleNamespace(op=lambda x: x)
+    journal = JsonlExporter(str(tmp_path / "j.jsonl"))
+    prometheus_exporter = PrometheusExporter(registry=CollectorRegistry())
+    with shadow.install([Target("op", owner, "op", lambda x: x)], sample_rate=1.0,
+                        exporters=[prometheus_exporter, journal]):  # fmt: skip
+        owner.op(1)
+    parsed = samples(generate_latest(prometheus_exporter.registry).decode(), runs=True)
+    assert parsed and {dict(labels).get("run") for _, labels in parsed} == {"train-42"}
+    records = [json.loads(line) for line in (tmp_path / "j.jsonl").read_text().splitlines()]
+    assert records and {record["run"] for record in records} == {"train-42"}
+
+
+def test_2_a_run_is_named_by_the_person_then_torchrun_then_the_launcher(monkeypatch):
+    environ = {"TORCHELASTIC_RUN_ID": "elastic-7", environment.MADE_RUN_ID_VARIABLE: "made-1"}
+    assert environment.run_id(dict(environ, NPU_SHADOW_RUN_ID="named")) == "named"
+    assert environment.run_id(dict(environ)) == "elastic-7"
+    assert environment.run_id(dict(environ, TORCHELASTIC_RUN_ID="none")) == "made-1"  # (torchrun without an id)
+    fresh: dict[str, str] = {}
+    made = environment.run_id(fresh)
+    assert environment.run_id_problem(made) is None and fresh[environment.MADE_RUN_ID_VARIABLE] == made
+    assert environment.run_id(fresh) == made  # (the processes it starts share it)
+    with pytest.raises(ValueError, match="NPU_SHADOW_RUN_ID='a b' is not valid"):
+        environment.run_id({"NPU_SHADOW_RUN_ID": "a b"})
+
+
+def test_2_the_launcher_says_the_run_first_and_every_process_of_the_job_shares_it(tmp_path):
+    journal = tmp_path / "j-{pid}.jsonl"
+    job = "import torch, multiprocessing as mp\nx = torch.ones(2)\nx.type(torch.float64)\n"
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "run", "--legacy-from", "reference", "--sample-rate", "1",
+         "--journal", str(journal), "--", sys.executable, "-c", job],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("npu-shadow: run ")
+    run = first.split()[2]
+    records = [json.loads(line) for path in tmp_path.glob("j-*.jsonl") for line in path.read_text().splitlines()]
+    assert records and {record["run"] for record in records} == {run}
+    assert f"npu-shadow run {run}" in done.stderr  # (the exit summary names it too)

@@ -47,7 +47,7 @@ def test_every_instrument_with_its_unit_and_attributes():
     for metric in contract.ALL:
         assert by_name[metric.otel_name].unit == metric.unit, metric.otel_name
         for point in by_name[metric.otel_name].data.data_points:
-            assert set(point.attributes) == set(metric.labels), metric.otel_name
+            assert set(point.attributes) == {contract.RUN_LABEL, *metric.labels}, metric.otel_name
 
     def value(name, **attributes):
         return sum(

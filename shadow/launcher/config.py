@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 
 from shadow.core.budget import DEFAULT_DEADLINE
+from shadow.core.environment import RUN_ID_VARIABLE, run_id_problem
 from shadow.core.observation import BUILTIN_TARGETS as BUILTINS
 from shadow.core.observation import DRILL_KINDS
 from shadow.core.rates import parse_rate
@@ -96,6 +97,13 @@ def _seconds(text: str) -> float:
     if not 0 <= seconds < math.inf:
         raise Invalid("seconds >= 0")
     return seconds
+
+
+def _run_id(text: str) -> str:
+    problem = run_id_problem(text)
+    if problem:
+        raise Invalid(problem)
+    return text
 
 
 def _off_or_rate(low: str) -> Callable[[str], float | None]:
@@ -364,6 +372,13 @@ SETTINGS = {
         "a file path for the exposition written at exit ({rank} and {pid} allowed)",
         _file_template,
     ),
+    "run_id": Setting(
+        RUN_ID_VARIABLE,
+        "--run-id",
+        "a run id: 1 to 64 letters, digits, '.', '_', ':' or '-' (default: torchrun's TORCHELASTIC_RUN_ID, else one "
+        "made at launch)",
+        _run_id,
+    ),
     "linger": Setting(
         "NPU_SHADOW_LINGER",
         "--linger",
@@ -509,6 +524,7 @@ class Config:
     drill: tuple[str, float] | None = None
     pushgateway: str | None = None
     textfile: str | None = None
+    run_id: str | None = None
     linger: float | None = None  # (None: DEFAULT_LINGER_SECONDS where only the endpoint carries the final counts)
     emulate_npu: int = 0
     legacy_from: str | None = None

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from shadow.core import forks
+from shadow.core.environment import run_id
 from shadow.core.exporting import call_hook
 from shadow.core.observation import SKIP_REASON_MEANING
 from shadow.npu.patching import LEGACY_PATCHED
@@ -417,6 +418,13 @@ def _skips(by_reason: Mapping[str, int]) -> str:
     return ", ".join(f"{reason} {count}" for reason, count in sorted(by_reason.items()) if count)
 
 
+def _run_or_problem() -> str:
+    try:
+        return run_id()
+    except ValueError as exc:
+        return f"unnamed ({exc})"
+
+
 def summary(
     stats: dict,
     legacy: dict[str, str] | None = None,
@@ -428,7 +436,8 @@ def summary(
     job's totals over every process sharing its metrics (``job``, written by ``processes`` processes), or, where
     this process ``forked`` children and there are no shared metrics, that their calls are not in it."""
     origins = sorted(set((legacy or {}).values()))
-    lines = [f"npu-shadow legacy: {', '.join(origins)}"] if origins else []
+    lines = [f"npu-shadow run {_run_or_problem()}"]
+    lines += [f"npu-shadow legacy: {', '.join(origins)}"] if origins else []
     lines += [
         f"{'npu-shadow':<16}{'calls':>10}{'sampled':>9}{'match':>8}{'close':>7}{'mismatch':>10}{'error':>7}"
         f"{'skipped':>9}"

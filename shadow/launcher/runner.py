@@ -11,6 +11,7 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 
+from shadow.core.environment import MADE_RUN_ID_VARIABLE, new_run_id
 from shadow.core.safe_paths import make_private_directory
 from shadow.launcher import config as cfg
 from shadow.launcher import linger
@@ -18,6 +19,10 @@ from shadow.launcher.bootstrap import npu_shadow_boot as boot
 from shadow.launcher.launch import ROLLED_BACK_BY, wants_prometheus
 
 BOOTSTRAP_DIR = os.path.dirname(os.path.abspath(boot.__file__))
+
+
+def _is_torchrun(command: Sequence[str]) -> bool:
+    return any(os.path.basename(word) == "torchrun" or word == "torch.distributed.run" for word in command[:4])
 
 
 def _serve_node(directory: str, port: int, addr: str):
@@ -267,6 +272,12 @@ def _run(
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *filter(None, [env.get("PYTHONPATH")])])
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.pop(ROLLED_BACK_BY, None)  # (a new job starts with its configured primary)
+    if config.run_id is None:  # (a new launch is a new run, unless torchrun names it)
+        env[MADE_RUN_ID_VARIABLE] = new_run_id()
+        torchrun = " (torchrun's TORCHELASTIC_RUN_ID instead where it sets one)" if _is_torchrun(command) else ""
+        print(f"npu-shadow: run {env[MADE_RUN_ID_VARIABLE]}{torchrun}", file=sys.stderr)
+    else:
+        print(f"npu-shadow: run {config.run_id}", file=sys.stderr)
     temporary = server = node = base = None
     if wants_prometheus(config):
         base = job_metrics_dir or tempfile.mkdtemp(prefix="npu-shadow-metrics-")
