@@ -1,6 +1,7 @@
 """Reading Prometheus expositions in tests: real scrapes, parsed by prometheus-client's own parser."""
 
 import os
+import re
 import shutil
 import subprocess
 import urllib.request
@@ -24,6 +25,12 @@ def samples(text: str, runs: bool = False) -> dict[tuple, float]:
             key = (sample.name, tuple(sorted(labels.items())))
             out[key] = out.get(key, 0.0) + sample.value
     return out
+
+
+def without_run(text: str) -> str:
+    """An exposition with the ``run`` label left out of every series (for tests that read it as text)."""
+    text = re.sub(r'run="(?:[^"\\]|\\.)*",?', "", text)
+    return text.replace(",}", "}").replace("{}", "")
 
 
 def total(parsed: dict[tuple, float], name: str, **labels: str) -> float:

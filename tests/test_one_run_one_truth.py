@@ -57,7 +57,7 @@ def test_1_a_real_prometheus_sees_every_call_of_a_running_job_and_its_final_coun
         job = subprocess.Popen(
             [
                 sys.executable, "-m", "shadow", "run", "--legacy-from", "reference", "--port", str(port),
-                "--textfile", str(textfile), "--linger", "60", "--",
+                "--textfile", str(textfile), "--journal", str(tmp_path / "j-{pid}.jsonl"), "--linger", "60", "--",
                 sys.executable, os.path.join(ROOT, "tests", "counting_job.py"), "--calls", "3000", "--more", "700",
                 "--ready", str(ready), "--stop", str(stop),
             ],
@@ -78,6 +78,23 @@ def test_1_a_real_prometheus_sees_every_call_of_a_running_job_and_its_final_coun
         assert final == 3700
         last = server.query('sum(last_over_time(npu_shadow_calls_total{target="tensor_type"}[5m]))')
         assert last == {(): 3700.0}  # the exit's counts, scraped after the job ended
+        # after the job: the run found by its id, and decided as its textfile and journals decide it
+        run = err.splitlines()[0].split()[2]
+        decided = {
+            source: json.loads(done.stdout)
+            for source, done in (
+                ("prometheus", _run_verdict("--prometheus", server.url, "--run", run)),
+                ("textfile", _run_verdict("--metrics-file", str(textfile))),
+                ("journals", _run_verdict("--journal", *map(str, tmp_path.glob("j-*.jsonl")))),
+            )
+            if done.returncode in (0, 1, 3) or pytest.fail(f"{source}: {done.stderr}")
+        }
+    kept = ("target", "decision", "compared", "divergent", "lower", "upper", "uncovered_share")
+    by_source = {s: [{k: t[k] for k in kept} for t in v["targets"]] for s, v in decided.items()}
+    assert by_source["prometheus"] == by_source["textfile"]
+    assert {t["target"]: t["compared"] for t in by_source["prometheus"]}["tensor_type"] > 0
+    compared = {s: {t["target"]: t["compared"] for t in v if t["compared"]} for s, v in by_source.items()}
+    assert compared["journals"] == compared["textfile"]
 
 
 # --------------------------------------------------------------------------- 2. a run id
@@ -126,3 +143,63 @@ def test_2_the_launcher_says_the_run_first_and_every_process_of_the_job_shares_i
     records = [json.loads(line) for path in tmp_path.glob("j-*.jsonl") for line in path.read_text().splitlines()]
     assert records and {record["run"] for record in records} == {run}
     assert f"npu-shadow run {run}" in done.stderr  # (the exit summary names it too)
+
+
+# --------------------------------------------------------------------------- 3. verdict and report by run
+
+
+def _run_verdict(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "shadow", "verdict", "--format", "json", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def _compared(done):
+    assert done.returncode in (0, 1, 3), done.stdout + done.stderr
+    return {t["target"]: t["compared"] for t in json.loads(done.stdout)["targets"]}
+
+
+def _two_runs_journal(tmp_path, monkeypatch):
+    path = tmp_path / "j.jsonl"
+    owner = types.SimpleNamespace(op=lambda x: x)
+    for run, calls in (("alpha-7", 30), ("bravo-9", 70)):
+        monkeypatch.setenv("NPU_SHADOW_RUN_ID", run)
+        with shadow.install([Target("op", owner, "op", lambda x: x)], sample_rate=1.0,
+                            exporters=[JsonlExporter(str(path))]):  # fmt: skip
+            for i in range(calls):
+                owner.op(i)
+    return path
+
+
+def test_3_two_runs_in_one_journal_are_named_never_mixed_and_each_is_decided_alone(tmp_path, monkeypatch):
+    """Two successive runs with one job label were mixed: a report said 29,164 compared beside a 14,643 run."""
+    path = _two_runs_journal(tmp_path, monkeypatch)
+    mixed = _run_verdict("--journal", str(path))
+    assert mixed.returncode == 2 and "holds 2 runs: alpha-7, bravo-9" in mixed.stderr, mixed.stderr
+    assert _compared(_run_verdict("--journal", str(path), "--run", "alpha-7")) == {"op": 30}
+    assert _compared(_run_verdict("--journal", str(path), "--run", "bravo-9")) == {"op": 70}
+    assert _compared(_run_verdict("--journal", str(path), "--all-runs")) == {"op": 100}
+    missing = _run_verdict("--journal", str(path), "--run", "third")
+    assert missing.returncode == 2 and "no evidence of run 'third'" in missing.stderr
+    report = subprocess.run(
+        [sys.executable, "-m", "shadow", "report", "--journal", str(path), "--run", "bravo-9"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    assert "| run | bravo-9 |" in report.stdout and "alpha-7" not in report.stdout
+
+
+def test_3_two_runs_in_one_metrics_file_are_told_apart(tmp_path):
+    lines = ["# TYPE npu_shadow_comparisons_total counter"]
+    for run, count in (("a", 10), ("b", 20)):
+        lines.append(
+            f'npu_shadow_comparisons_total{{run="{run}",target="op",outcome="match",signature="call",'
+            f'primary="legacy"}} {count}'
+        )
+    path = tmp_path / "m.prom"
+    path.write_text("\n".join(lines) + "\n")
+    mixed = _run_verdict("--metrics-file", str(path))
+    assert mixed.returncode == 2 and "holds 2 runs: a, b" in mixed.stderr
+    assert _compared(_run_verdict("--metrics-file", str(path), "--run", "b")) == {"op": 20}
+    assert _compared(_run_verdict("--metrics-file", str(path), "--all-runs")) == {"op": 30}

@@ -75,7 +75,7 @@ def test_bad_journals_exit_2_naming_the_line(tmp_path, line, words):
 
 
 class FakePrometheus:
-    """An HTTP server on 127.0.0.1 answering every query with one canned body (rollbacks: none)."""
+    """An HTTP server on 127.0.0.1 answering every query with one canned body (rollbacks and counter resets: none)."""
 
     def __init__(self, body: bytes):
         class Handler(BaseHTTPRequestHandler):
@@ -84,7 +84,7 @@ class FakePrometheus:
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
                 none = b'{"status": "success", "data": {"resultType": "vector", "result": []}}'
-                self.wfile.write(none if "rollbacks" in self.path else body)
+                self.wfile.write(none if "rollbacks" in self.path or "resets" in self.path else body)
 
             def log_message(self, *args):
                 pass

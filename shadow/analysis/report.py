@@ -16,13 +16,19 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from shadow.analysis import charts, verdict
-from shadow.analysis.sources import CLUSTER_WINDOW_SECONDS, JournalReader, journal_records, with_rotated
+from shadow.analysis.sources import (
+    CLUSTER_WINDOW_SECONDS,
+    JournalReader,
+    journal_records,
+    select_run,
+    with_rotated,
+)
 from shadow.analysis.verdict import Decision, TargetCounts
 from shadow.core.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, Outcome
 
 DIVERGENT = DIVERGENT_OUTCOMES
 #: Journal fields that describe the run rather than one call: collected as the report's environment.
-ENVIRONMENT_FIELDS = ("torch", "torch_npu", "device", "legacy", "primary", "host")
+ENVIRONMENT_FIELDS = ("run", "torch", "torch_npu", "device", "legacy", "primary", "host")
 MAX_TESTS = 200
 #: A known target with nothing in the sources: shown, not decided (it changes no overall decision).
 NOT_EXERCISED = "not exercised"
@@ -61,8 +67,11 @@ def collect(
     details: int = 5,
     window: float = CLUSTER_WINDOW_SECONDS,
     environment: Mapping[str, Iterable[str]] | None = None,
+    run: str | None = None,
+    all_runs: bool = False,
 ) -> Evidence:
-    """Read the journals (with their rotated siblings). ``counts`` (from a metrics source) take precedence over
+    """Read the journals (with their rotated siblings), of ``run`` or of the one run they hold
+    (:func:`shadow.analysis.sources.select_run`). ``counts`` (from a metrics source) take precedence over
     the journals' own; the journals' counts come from their count records (every comparison, not only the lines
     written), the details from their lines."""
     evidence = Evidence(counts=dict(counts) if counts is not None else {})
@@ -73,6 +82,7 @@ def collect(
     if read:
         reader = JournalReader(window)
         reader.read(read)
+        reader.run = run = select_run(reader.runs(), run, all_runs, "the journals")
         own = reader.counts()
         evidence.lines = reader.lines
         for stream in reader.streams.values():
@@ -88,10 +98,16 @@ def collect(
                 if matches:
                     evidence.errors[charts.decade(0.0)] += matches
     for record in journal_records(read):
+        if run is not None and record.get("run", "") != run:
+            continue
         event = record.get("event")
         if event in ("rollback", "reset"):
             evidence.rollbacks.append((str(record.get("time", "")), record["target"], event, str(record["by"])))
             continue
+        if event == "journal":  # (a process's header: its run, whether or not it wrote an outcome line)
+            run_named = record.get("run")
+            if isinstance(run_named, str) and run_named:
+                evidence.environment.setdefault("run", collections.Counter())[run_named] += 1
         if event is not None:
             continue
         for field in ENVIRONMENT_FIELDS:
@@ -217,6 +233,7 @@ def _environment(evidence: Evidence, sources: Sequence[str]) -> Section:
 
     rows = [
         ["sources", "; ".join(sources)],
+        ["run", values("run")],
         ["npu-shadow", values("npu-shadow")],
         ["torch", values("torch")],
         ["torch_npu", values("torch_npu")],

@@ -9,6 +9,7 @@ Reading is bounded in time and memory.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -57,6 +58,34 @@ MAX_COUNT = float(2**53)
 
 class SourceError(Exception):
     """A source could not be read; the message says which and why."""
+
+
+#: How far back an exact Prometheus read looks for a run's last samples (Prometheus keeps 15 days by default).
+LOOKBACK = "31d"
+_RUN_LABEL = contract.RUN_LABEL
+
+
+def run_names(runs: Iterable[str], most: int = 8) -> str:
+    """Runs as a message lists them ("" is evidence from before runs had ids)."""
+    names = [run or "(unnamed)" for run in sorted(runs)]
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def select_run(runs: Iterable[str], run: str | None, all_runs: bool, source: str) -> str | None:
+    """The run a decision is made on: ``run`` (refused where the source holds none of its evidence), else the only
+    run there is; None where the evidence of every run is pooled (``all_runs``, or a source of one run). A source
+    holding several runs without one of the two is refused (SourceError), naming them: two runs are never mixed
+    unasked."""
+    found = set(runs)
+    if run is not None:
+        if run not in found:
+            raise SourceError(f"{source} holds no evidence of run {run!r}; it holds {run_names(found) or 'none'}")
+        return run
+    if all_runs or len(found) <= 1:
+        return None
+    raise SourceError(
+        f"{source} holds {len(found)} runs: {run_names(found)}; choose one with --run ID, or pool them with --all-runs"
+    )
 
 
 def _count(value: object, where: str, whole: bool = True) -> float:
@@ -110,17 +139,27 @@ def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
         raise SourceError(f"{path} is not UTF-8 text: {exc}") from exc
 
 
-def from_exposition(text: str, source: str = "exposition") -> dict[str, TargetCounts]:
-    """Counts from a Prometheus text exposition (a saved scrape, a textfile-collector file)."""
+_COUNTED = (COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, ROLLBACKS, TRUTH_RUNS)
+
+
+def from_exposition(
+    text: str, source: str = "exposition", run: str | None = None, all_runs: bool = False
+) -> dict[str, TargetCounts]:
+    """Counts from a Prometheus text exposition (a saved scrape, a textfile-collector file): of ``run``, or of the
+    one run it holds (see :func:`select_run`)."""
     counts: dict[str, TargetCounts] = {}
     try:
         families = list(text_string_to_metric_families(text))
     except Exception as exc:
         raise SourceError(f"{source}: not a Prometheus text exposition: {exc}") from exc
+    runs = {s.labels.get(_RUN_LABEL, "") for family in families for s in family.samples if s.name in _COUNTED}
+    chosen = select_run(runs, run, all_runs, source)
     drill = False
     for family in families:
         for sample in family.samples:
-            if sample.name in (COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, ROLLBACKS, TRUTH_RUNS):
+            if chosen is not None and sample.labels.get(_RUN_LABEL, "") != chosen:
+                continue
+            if sample.name in _COUNTED:
                 where = f"{source}: {sample.name}{dict(sample.labels)}"
                 _add(counts, sample.name, sample.labels, _count(sample.value, where))
             elif sample.name == DRILL_ACTIVE and sample.value > 0:
@@ -139,7 +178,9 @@ def environment_from_exposition(text: str) -> dict[str, set[str]]:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == BUILD_INFO and sample.value > 0:
-                    for label, field in (("torch", "torch"), ("torch_npu", "torch_npu"), ("version", "npu-shadow")):
+                    for label, field in (
+                        ("run", "run"), ("torch", "torch"), ("torch_npu", "torch_npu"), ("version", "npu-shadow")
+                    ):  # fmt: skip
                         if sample.labels.get(label):
                             found.setdefault(field, set()).add(label_text(sample.labels[label], 64))
     except Exception:  # (from_exposition says what is wrong with the text)
@@ -169,8 +210,11 @@ def _fetch(address: str, timeout: float) -> bytes:
     return outcome[0]
 
 
-def _query(url: str, promql: str, timeout: float) -> list[dict]:
-    address = f"{url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+def _query(url: str, promql: str, timeout: float, at: float | None = None, matrix: bool = False) -> list[dict]:
+    """The result of an instant query (at ``at``, unix seconds, when given): a vector, or with ``matrix`` the raw
+    samples of a range selector."""
+    params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
+    address = f"{url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode(params)}"
     raw = _fetch(address, timeout)
     if len(raw) > MAX_FILE_BYTES:
         raise SourceError(f"{url} answered more than {MAX_FILE_BYTES >> 20} MiB")
@@ -184,52 +228,118 @@ def _query(url: str, promql: str, timeout: float) -> list[dict]:
         raise SourceError(f"{url} answered {body.get('errorType')}: {body.get('error')}")
     data = body.get("data")
     result = data.get("result") if isinstance(data, dict) else None
+    key = "values" if matrix else "value"
     if not isinstance(result, list) or not all(
         isinstance(item, dict)
         and isinstance(item.get("metric"), dict)
-        and isinstance(item.get("value"), list)
-        and len(item["value"]) == 2
+        and isinstance(item.get(key), list)
+        and (matrix or len(item["value"]) == 2)
         for item in result
     ):
-        raise SourceError(f"{url} answered success without a vector of samples for {promql}")
+        raise SourceError(f"{url} answered success without a {'matrix' if matrix else 'vector'} for {promql}")
     return result
 
 
-def from_prometheus(
-    url: str, window: str | None = None, selector: str = "", timeout: float = 30
-) -> dict[str, TargetCounts]:
-    """Counts from a Prometheus server: increases over ``window`` (e.g. '6h'), or the counters' current
-    values when no window is given; ``selector`` narrows the series, e.g. 'job="train"'. All queries together
-    take at most ``timeout`` seconds."""
+def _number(value: object, where: str) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise SourceError(f"{where}: {value!r} is not a number") from None
 
-    def series(metric: str) -> str:
-        selected = f"{metric}{{{selector}}}"
-        return f"increase({selected}[{window}])" if window else selected
 
-    counts: dict[str, TargetCounts] = {}
-    queries = [
-        (COMPARISONS, "target, signature, outcome, primary"),
-        (MISMATCHES, "target, reason, primary"),
-        (SHARED, "target, reason, primary"),
-        (SKIPPED, "target, reason, signature, primary"),
-        (CALLS, "target, signature, primary"),
-        (ROLLBACKS, "target, source"),
-        (TRUTH_RUNS, "target, signature, nearer, primary"),
-    ]
-    deadline = time.monotonic() + timeout
-    for metric, by in queries:
-        remaining = deadline - time.monotonic()
+def _labels(item: dict) -> dict[str, str]:
+    return {str(k): str(v) for k, v in item["metric"].items() if k != "__name__"}
+
+
+def _selector(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
+
+
+_QUERIES = [
+    (COMPARISONS, "target, signature, outcome, primary"),
+    (MISMATCHES, "target, reason, primary"),
+    (SHARED, "target, reason, primary"),
+    (SKIPPED, "target, reason, signature, primary"),
+    (CALLS, "target, signature, primary"),
+    (ROLLBACKS, "target, source"),
+    (TRUTH_RUNS, "target, signature, nearer, primary"),
+]
+
+
+class _Deadline:
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url, self.timeout, self.end = url, timeout, time.monotonic() + timeout
+
+    def left(self) -> float:
+        remaining = self.end - time.monotonic()
         if remaining <= 0:
-            raise SourceError(f"{url} did not answer within {timeout:g} s")
-        for item in _query(url, f"sum by ({by}) ({series(metric)})", remaining):
-            labels = {str(k): str(v) for k, v in item["metric"].items()}
-            where = f"{url}: {metric}{labels}"
-            try:
-                value = float(item["value"][1])
-            except (TypeError, ValueError):
-                raise SourceError(f"{where}: {item['value'][1]!r} is not a number") from None
+            raise SourceError(f"{self.url} did not answer within {self.timeout:g} s")
+        return remaining
+
+
+def _exact(url: str, metric: str, selector: str, at: float | None, deadline: _Deadline) -> dict[tuple, float]:
+    """Each series' exact count at ``at`` (now where None): its last sample at or before then, with what it had
+    counted before each reset added (a process of the run that started again), never an extrapolation. By the
+    series' sorted label items."""
+    selected = f"{metric}{{{selector}}}[{LOOKBACK}]"
+    values = {}
+    for item in _query(url, f"last_over_time({selected})", deadline.left(), at):
+        labels, where = _labels(item), f"{url}: {metric}{_labels(item)}"
+        values[tuple(sorted(labels.items()))] = _count(_number(item["value"][1], where), where)
+    for item in _query(url, f"resets({selected}) > 0", deadline.left(), at):
+        labels = _labels(item)
+        raw = _query(url, f"{metric}{{{_selector(labels)}}}[{LOOKBACK}]", deadline.left(), at, matrix=True)
+        for series in raw:
+            points = [_number(value, f"{url}: {metric}{labels}") for _, value in series["values"]]
+            lost = sum(before for before, after in itertools.pairwise(points) if after < before)
+            values[tuple(sorted(_labels(series).items()))] = points[-1] + lost if points else 0.0
+    return values
+
+
+def _runs(url: str, selector: str, at: float | None, deadline: _Deadline) -> set[str]:
+    promql = f"count by ({_RUN_LABEL}) (last_over_time({CALLS}{{{selector}}}[{LOOKBACK}]))"
+    return {str(item["metric"].get(_RUN_LABEL, "")) for item in _query(url, promql, deadline.left(), at)}
+
+
+def from_prometheus(
+    url: str,
+    window: str | None = None,
+    selector: str = "",
+    timeout: float = 30,
+    run: str | None = None,
+    all_runs: bool = False,
+    start: float | None = None,
+    end: float | None = None,
+) -> dict[str, TargetCounts]:
+    """Counts from a Prometheus server, of ``run`` or of the one run it holds (:func:`select_run`; the runs seen in
+    the last :data:`LOOKBACK`): each counter's exact value at ``end`` (default now; its last sample at or before,
+    resets counted, so a run that has ended is read as it ended), less its value at ``start`` where given.
+    ``window`` (e.g. '6h') instead takes ``increase()`` over the window before now, an extrapolation kept for
+    dashboards' sake. ``selector`` narrows the series, e.g. 'job="train"'. All queries together take at most
+    ``timeout`` seconds."""
+    deadline = _Deadline(url, timeout)
+    chosen = select_run(
+        _runs(url, selector, end, deadline), run, all_runs, f"{url}{f' ({selector})' if selector else ''}"
+    )
+    if chosen is not None:
+        selector = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}"]))
+    counts: dict[str, TargetCounts] = {}
+    for metric, by in _QUERIES:
+        if window:
+            promql = f"sum by ({by}) (increase({metric}{{{selector}}}[{window}]))"
+            series = {
+                tuple(sorted(_labels(item).items())): _number(item["value"][1], f"{url}: {metric}{_labels(item)}")
+                for item in _query(url, promql, deadline.left())
+            }
+        else:
+            series = _exact(url, metric, selector, end, deadline)
+            if start is not None:
+                before = _exact(url, metric, selector, start, deadline)
+                series = {key: value - before.get(key, 0.0) for key, value in series.items()}
+        for key, value in series.items():
+            labels = dict(key)
             # increase() extrapolates to the window's edges: fractional there, never negative
-            value = _count(value, where, whole=window is None)
+            value = _count(value, f"{url}: {metric}{labels}", whole=window is None)
             _add(counts, metric, labels, float(round(value)))
     if not counts:
         raise SourceError(f"{url} has no {COMPARISONS} series{f' matching {selector}' if selector else ''}")
@@ -357,6 +467,7 @@ class _Stream:
     marks: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     folded: dict[tuple[str, str], _Tail] = dataclasses.field(default_factory=dict)  # tail lines counted
     counted: bool = False  # has count records
+    run: str = ""  # the run its records name ("": before runs had ids)
 
     def see(self, timestamp: object) -> None:
         if isinstance(timestamp, (int, float)) and math.isfinite(timestamp):
@@ -433,8 +544,10 @@ class JournalReader:
     record (0: the whole process), a run of blocks with divergences kept whole (one incident). Evidence from before
     a target's last reset (after a rollback) is set aside."""
 
-    def __init__(self, window: float = CLUSTER_WINDOW_SECONDS) -> None:
+    def __init__(self, window: float = CLUSTER_WINDOW_SECONDS, run: str | None = None) -> None:
         self.window = window
+        #: Count only the processes of this run (None: every process read).
+        self.run = run
         self.streams: dict[tuple, _Stream] = {}
         self._located: dict[bytes, _Stream] = {}  # an outcome line's process fields -> its process's stream
         self.torn: list[str] = []
@@ -443,6 +556,10 @@ class JournalReader:
     def read(self, paths: Iterable[str]) -> None:
         for path in paths:
             self._read_file(path)
+
+    def runs(self) -> set[str]:
+        """The runs of the processes read ("" for a process from before runs had ids)."""
+        return {stream.run for stream in self.streams.values()}
 
     def _read_file(self, path: str, only: _Stream | None = None, start: tuple[int, int] = (0, 0)) -> None:
         """Read one journal from ``start`` (offset, line number). An outcome line framed as the journal exporter
@@ -519,6 +636,8 @@ class JournalReader:
     def _add(self, record: dict, where: str) -> None:
         stream = self._stream(self._key(record, where), where)
         stream.see(record.get("timestamp"))
+        if isinstance(record.get("run"), str):
+            stream.run = record["run"]
         event = record.get("event")
         if event == "journal":
             stream.all_outcomes = record.get("all_outcomes") is True
@@ -560,6 +679,8 @@ class JournalReader:
         """The counts of every target, by phase, with clusters; refuses (SourceError) what cannot be counted."""
         counts: dict[str, TargetCounts] = {}
         for key, stream in self.streams.items():
+            if self.run is not None and stream.run != self.run:
+                continue
             self._fold(stream)
             if not stream.counted and stream.all_outcomes is not True and stream.folded:
                 raise SourceError(
@@ -674,13 +795,19 @@ def _blocks(intervals: list, start: float | None, window: float) -> list[tuple[f
 
 
 def from_journal(
-    paths: Iterable[str], torn: list[str] | None = None, window: float = CLUSTER_WINDOW_SECONDS
+    paths: Iterable[str],
+    torn: list[str] | None = None,
+    window: float = CLUSTER_WINDOW_SECONDS,
+    run: str | None = None,
+    all_runs: bool = False,
 ) -> dict[str, TargetCounts]:
-    """Counts from JSONL journals and their rotated siblings (see :class:`JournalReader`); a torn final line is
-    skipped (its place appended to ``torn`` when given)."""
+    """Counts from JSONL journals and their rotated siblings (see :class:`JournalReader`), of ``run`` or of the one
+    run they hold (:func:`select_run`); a torn final line is skipped (its place appended to ``torn`` when
+    given)."""
     reader = JournalReader(window)
     read, added = with_rotated(paths)
     reader.read(read)
+    reader.run = select_run(reader.runs(), run, all_runs, "the journals")
     if torn is not None:
         torn.extend(reader.torn)
     counts = reader.counts()

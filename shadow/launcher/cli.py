@@ -96,11 +96,11 @@ def _verdict(args: argparse.Namespace) -> int:
 
     try:
         if args.prometheus:
-            counts = from_prometheus(args.prometheus, args.window, args.selector)
+            counts = from_prometheus(args.prometheus, args.window, args.selector, **_prometheus_range(args))
         elif args.metrics_file:
-            counts = from_exposition(read_text(args.metrics_file), args.metrics_file)
+            counts = from_exposition(read_text(args.metrics_file), args.metrics_file, args.run, args.all_runs)
         else:
-            counts = from_journal(args.journal, torn := [], args.cluster_window)
+            counts = from_journal(args.journal, torn := [], args.cluster_window, args.run, args.all_runs)
             if torn:
                 print(f"npu-shadow verdict: skipped {len(torn)} torn line(s): {', '.join(torn)}", file=sys.stderr)
     except (SourceError, OSError) as exc:
@@ -195,13 +195,15 @@ def _report(args: argparse.Namespace) -> int:
         counts = None
         environment = {}
         if args.prometheus:
-            counts = from_prometheus(args.prometheus, args.window, args.selector)
+            counts = from_prometheus(args.prometheus, args.window, args.selector, **_prometheus_range(args))
         elif args.metrics_file:
             text = read_text(args.metrics_file)
-            counts, environment = from_exposition(text, args.metrics_file), environment_from_exposition(text)
+            counts = from_exposition(text, args.metrics_file, args.run, args.all_runs)
+            environment = environment_from_exposition(text)
         evidence = report.collect(
-            args.journal or (), counts, details=args.details, window=args.cluster_window, environment=environment
-        )
+            args.journal or (), counts, details=args.details, window=args.cluster_window, environment=environment,
+            run=args.run, all_runs=args.all_runs,
+        )  # fmt: skip
     except SourceError as exc:
         print(f"npu-shadow report: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -223,6 +225,27 @@ def _report(args: argparse.Namespace) -> int:
     else:
         print(f"npu-shadow report: {overall}; written to {args.markdown}" + (f" and {args.html}" if args.html else ""))
     return EXIT_OK
+
+
+def _prometheus_range(args: argparse.Namespace) -> dict[str, Any]:
+    return {"run": args.run, "all_runs": args.all_runs, "start": args.start, "end": args.end}
+
+
+def _timestamp(text: str) -> float:
+    """A time as unix seconds, from unix seconds or ISO 8601 (UTC where no zone is given)."""
+    import datetime
+
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither unix seconds nor an ISO 8601 time") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return moment.timestamp()
 
 
 def _rate(text: str) -> float:
@@ -327,6 +350,16 @@ def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._Mut
     source.add_argument("--metrics-file", metavar="PATH", help="a Prometheus text exposition (saved scrape)")
     parser.add_argument("--window", help="with --prometheus: judge increases over this window (e.g. 6h)")
     parser.add_argument("--selector", default="", help='with --prometheus: series selector, e.g. job="train"')
+    parser.add_argument(
+        "--run", metavar="ID", help="decide on this run's evidence only (a source of several runs needs it)"
+    )
+    parser.add_argument("--all-runs", action="store_true", help="pool the evidence of every run the source holds")
+    parser.add_argument(
+        "--start", type=_timestamp, metavar="TIME", help="with --prometheus: the counts since this time (unix or ISO)"
+    )
+    parser.add_argument(
+        "--end", type=_timestamp, metavar="TIME", help="with --prometheus: the counts up to this time (default: now)"
+    )
     parser.add_argument("--max-rate", type=_rate, default=DEFAULT_MAX_RATE, help="tolerated divergence rate")
     parser.add_argument("--min-per-signature", type=_count, default=30, help="comparisons each risky signature needs")
     parser.add_argument(
