@@ -37,7 +37,7 @@ from dashboards.series import (
 
 DASHBOARD_PATH = pathlib.Path(__file__).parent / "grafana" / "npu-shadow.json"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
-SEL = 'job=~"$job", target=~"$target"'
+SEL = 'job=~"$job", run=~"$run", target=~"$target"'
 
 
 def query(expr: str, legend: str, ref: str = "A") -> Dataquery:
@@ -97,10 +97,20 @@ def build() -> Dashboard:
             .all_value(".*")
         )
         .with_variable(
+            QueryVariable("run")
+            .label("Run")
+            .datasource(DATASOURCE)
+            .query(f'label_values({CALLS}{{job=~"$job"}}, run)')
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .multi(True)
+            .include_all(True)
+            .all_value(".*")
+        )
+        .with_variable(
             QueryVariable("target")
             .label("Target")
             .datasource(DATASOURCE)
-            .query(f'label_values({CALLS}{{job=~"$job"}}, target)')
+            .query(f'label_values({CALLS}{{job=~"$job", run=~"$run"}}, target)')
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
             .multi(True)
             .include_all(True)
@@ -133,7 +143,7 @@ def build() -> Dashboard:
             stat_panel(
                 "Fire drill active",
                 "1 while a fire drill injects synthetic divergence into the upstream side.",
-                f'max by (job) ({DRILL_ACTIVE}{{job=~"$job"}})',
+                f'max by (job, run) ({DRILL_ACTIVE}{{job=~"$job", run=~"$run"}})',
             )
         )
         .with_row(Row("Divergence"))
@@ -158,7 +168,7 @@ def build() -> Dashboard:
                 "twice a robust floor of these and while a rank test finds it no larger.",
                 "none",
                 query(
-                    f'max by (target, signature, measure) ({NOISE_FLOOR}{{job=~"$job", target=~"$target"}})',
+                    f'max by (target, signature, measure) ({NOISE_FLOOR}{{{SEL}}})',
                     "{{target}} {{signature}} {{measure}}",
                 ),
             )

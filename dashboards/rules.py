@@ -63,7 +63,7 @@ PARAMS: dict[str, Any] = {
 WINDOWS = ("5m", "15m", "30m", "1h", "2h", "6h")
 Z95 = 1.6448536269514722  # one-sided 95%
 
-PHASE = "job, target, primary"
+PHASE = "job, run, target, primary"
 BY = f"sum by ({PHASE})"
 BY_SIGNATURE = f"sum by ({PHASE}, signature)"
 ON_SIGNATURE = f"on ({PHASE}, signature)"
@@ -132,8 +132,8 @@ def _recording_rules() -> list[dict[str, str]]:
         },
         {
             "record": "npu_shadow:overhead:ratio_rate15m",
-            "expr": f"sum by (job, target) (rate({SHADOW_TIME}[15m]))"
-            f" / sum by (job, target) (rate({LEGACY_TIME}[15m]))",
+            "expr": f"sum by (job, run, target) (rate({SHADOW_TIME}[15m]))"
+            f" / sum by (job, run, target) (rate({LEGACY_TIME}[15m]))",
         },
         {"record": "npu_shadow:promotion:upper_bound_approx", "expr": promotion_bound()},
     ]
@@ -160,7 +160,7 @@ def _fnmatch_regex(pattern: str) -> str:
 
 
 def _risky_uncovered() -> str:
-    """PromQL: the (job, target) of a built-in target whose risky signatures were compared fewer times than the
+    """PromQL: the (job, run, target) of a built-in target whose risky signatures were compared fewer times than the
     verdict's default --min-per-signature."""
     from shadow.core.targets import BUILTINS
 
@@ -171,8 +171,8 @@ def _risky_uncovered() -> str:
             selector = f'{COMPARISONS}{{{COMPARED},target="{name}"}}'
             risky = f'{COMPARISONS}{{{COMPARED},target="{name}",signature=~"{_fnmatch_regex(pattern)}"}}'
             parts.append(
-                f"(group by (job, target) ({selector}) unless on (job, target) "
-                f"sum by (job, target) ({risky}) >= {needed})"
+                f"(group by (job, run, target) ({selector}) unless on (job, run, target) "
+                f"sum by (job, run, target) ({risky}) >= {needed})"
             )
     return " or ".join(parts)
 
@@ -232,7 +232,7 @@ def _alerting_rules() -> list[dict]:
         ),
         _alert(
             "NpuShadowHardMismatch",
-            f'sum by (job, target, reason) (increase({MISMATCHES}{{reason=~"{hard}"}}[{PARAMS["hard_window"]}])) > 0',
+            f'sum by (job, run, target, reason) (increase({MISMATCHES}{{reason=~"{hard}"}}[{PARAMS["hard_window"]}])) > 0',
             "page",
             "rollback",
             "{{ $labels.target }} in {{ $labels.job }}: {{ $labels.reason }} mismatch between legacy and upstream",
@@ -242,14 +242,14 @@ def _alerting_rules() -> list[dict]:
         ),
         _alert(
             "NpuShadowBlind",
-            f"{BY} (increase({CALLS}[{blind['window']}])) * on (job, target) "
-            f"max by (job, target) ({SAMPLE_RATE}) >= {blind['expected']} "
+            f"{BY} (increase({CALLS}[{blind['window']}])) * on (job, run, target) "
+            f"max by (job, run, target) ({SAMPLE_RATE}) >= {blind['expected']} "
             # Raw series, not the recording rules: a recorded total can lag the calls scraped with it by one
             # evaluation, which made the alert pending for a healthy job whose first comparisons had just arrived.
-            f"unless on (job, target) {BY} (increase({COMPARISONS}{{{COMPARED}}}[{blind['window']}])) > 0 "
+            f"unless on (job, run, target) {BY} (increase({COMPARISONS}{{{COMPARED}}}[{blind['window']}])) > 0 "
             # increase() cannot see a series whose first sample is already non-zero (a new signature): the
             # summed total's growth over the window, a series absent then counted as 0, sees it
-            f"unless on (job, target) ({BY} ({COMPARISONS}{{{COMPARED}}}) - ({BY} ({COMPARISONS}{{{COMPARED}}} "
+            f"unless on (job, run, target) ({BY} ({COMPARISONS}{{{COMPARED}}}) - ({BY} ({COMPARISONS}{{{COMPARED}}} "
             f"offset {blind['window']}) or {BY} ({COMPARISONS}{{{COMPARED}}}) * 0)) > 0",
             "ticket",
             "investigate",
@@ -286,15 +286,15 @@ def _alerting_rules() -> list[dict]:
             "NpuShadowPromotionEvidence",
             f"npu_shadow:promotion:upper_bound_approx < {PARAMS['max_divergence']!r}"
             # no divergence in any phase of the target
-            " unless on (job, target) (npu_shadow:divergent:total > 0)"
+            " unless on (job, run, target) (npu_shadow:divergent:total > 0)"
             # no call skipped for a reason tied to the call (non-response)
-            f' unless on (job, target) sum by (job, target) ({SKIPPED}{{reason=~"{nonresponse}"}}) > 0'
+            f' unless on (job, run, target) sum by (job, run, target) ({SKIPPED}{{reason=~"{nonresponse}"}}) > 0'
             # every signature with calls compared
-            f" unless on (job, target) ({called} > 0 unless {ON_SIGNATURE} {compared} > 0)"
+            f" unless on (job, run, target) ({called} > 0 unless {ON_SIGNATURE} {compared} > 0)"
             # never after a rollback (a person's reset and fresh evidence: judge a window after it)
-            f" unless on (job, target) sum by (job, target) ({ROLLBACKS}) > 0"
+            f" unless on (job, run, target) sum by (job, run, target) ({ROLLBACKS}) > 0"
             # every risky signature of a built-in target compared as often as the verdict asks
-            f" unless on (job, target) ({_risky_uncovered()})",
+            f" unless on (job, run, target) ({_risky_uncovered()})",
             "info",
             "promote",
             f"{{{{ $labels.target }}}} in {{{{ $labels.job }}}} ({{{{ $labels.primary }}}} phase): no divergence, and "

@@ -80,7 +80,8 @@ def test_rules_alerts_and_verdict_against_a_real_prometheus(tmp_path):
 
             # the recording rules hold what the monitors counted
             for job, s in stats.items():
-                key = (("job", job), ("primary", "legacy"), ("target", "tensor_type"))  # (by phase)
+                # (by phase, in the run)
+                key = (("job", job), ("primary", "legacy"), ("run", EXPORTERS[job].run), ("target", "tensor_type"))
                 expected = {
                     "npu_shadow:calls:total": s.calls,
                     "npu_shadow:comparisons:total": s.compared,
