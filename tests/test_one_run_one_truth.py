@@ -203,3 +203,23 @@ def test_3_two_runs_in_one_metrics_file_are_told_apart(tmp_path):
     assert mixed.returncode == 2 and "holds 2 runs: a, b" in mixed.stderr
     assert _compared(_run_verdict("--metrics-file", str(path), "--run", "b")) == {"op": 20}
     assert _compared(_run_verdict("--metrics-file", str(path), "--all-runs")) == {"op": 30}
+
+
+# --------------------------------------------------------------------------- 6. when it will decide
+
+
+def test_6_a_risky_signature_the_jobs_never_called_does_not_block_and_is_named():
+    """A realistic job needed 30 comparisons of risky call kinds it never makes: promote was out of reach."""
+    from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, TargetCounts, decide
+
+    evidence = TargetCounts()
+    evidence.add_outcome("dtype/npu/blocking", "match", 100_000)
+    evidence.add_calls("dtype/npu/blocking", 10_000_000)
+    decision = decide("tensor_type", evidence, 0.001, risky=("npu_name/noncurrent/*",), min_per_signature=30)
+    assert decision.decision == PROMOTE, decision.why
+    assert decision.not_exercised == ("npu_name/noncurrent/*",) and decision.risky == {}
+    evidence.add_calls("npu_name/noncurrent/blocking", 10)  # called, compared too rarely: it blocks
+    evidence.add_outcome("npu_name/noncurrent/blocking", "match", 2)
+    decision = decide("tensor_type", evidence, 0.001, risky=("npu_name/noncurrent/*",), min_per_signature=30)
+    assert decision.decision == INCONCLUSIVE and "compared 2 times, needs 30" in decision.why
+    assert decision.not_exercised == ()

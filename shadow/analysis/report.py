@@ -377,6 +377,8 @@ def _phases(decisions: list[Decision]) -> Section:
 
 def _coverage(decisions: list[Decision]) -> Section:
     rows = [[d.target, pattern, f"{seen:,}"] for d in decisions for pattern, seen in d.risky.items()]
+    rows += [[d.target, pattern, "not exercised by these jobs (never called)"] for d in decisions
+             for pattern in d.not_exercised]  # fmt: skip
     return Section("Risky signatures", [], ["target", "signature", "compared"], rows, [] if rows else ["None set."])
 
 

@@ -20,7 +20,9 @@ Decisions:
 - rollback: any hard mismatch (a difference in kind: dtype, shape, NaN/inf, structure, device, requires_grad,
   the torch state left behind, an exception), the lower bound above ``max_rate``, or a rollback not reset;
 - promote: no hard mismatch, the upper bound below ``max_rate`` in every phase, every risky signature of the
-  target compared ``min_per_signature`` times, and no sampled call skipped for a reason that keeps the evidence
+  target that the jobs called compared ``min_per_signature`` times (one they never called, where calls are counted
+  by signature, is listed as not exercised: the promotion covers the paths the jobs take), and no sampled call
+  skipped for a reason that keeps the evidence
   from a kind of call (user hooks or modes, compiled code, in-place legacy: ``UNCOVERED_REASONS``);
 - inconclusive otherwise, saying what more is needed.
 """
@@ -185,6 +187,17 @@ class TargetCounts:
     def divergent(self) -> int:
         return round(sum(p.divergent for p in self.phases.values()))
 
+    def never_called(self, pattern: str) -> bool:
+        """Whether the evidence knows that no call of a signature matching ``pattern`` was made: calls are counted
+        by signature here (a guided target's) and none of them, compared or skipped, matches."""
+        phases = self.phases.values()
+        if not any(signature for p in phases for signature in p.calls):
+            return False  # (calls not by signature: whether it was called is not known)
+        seen = [s for p in phases for s, v in p.calls.items() if v > 0]
+        seen += [s for p in phases for (s, _), v in p.outcomes.items() if v > 0]
+        seen += [s for p in phases for (s, _), v in p.skipped.items() if v > 0]
+        return not any(fnmatch.fnmatchcase(s, pattern) for s in seen)
+
     def compared_matching(self, pattern: str) -> int:
         """Comparisons, in every phase, of the signatures matching ``pattern``."""
         return round(
@@ -233,6 +246,9 @@ class Decision:
     hard: dict[str, int]
     why: str
     risky: dict[str, int] = dataclasses.field(default_factory=dict)  # risky signature pattern -> compared
+    #: Risky signature patterns no call of these jobs took (called never, compared never): the promotion covers
+    #: the paths the jobs take, and says which it does not.
+    not_exercised: tuple[str, ...] = ()
     #: Shared divergences by reason: legacy and upstream agree, both unlike a single-device run. Reported on
     #: their own line; they never change the decision (removing the patch changes nothing there).
     shared: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -468,7 +484,9 @@ def decide(
         for reason, value in phase.skipped_by_reason().items():
             if reason in UNCOVERED_REASONS and value > 0:
                 uncovered[reason] = uncovered.get(reason, 0) + round(value)
-    coverage = {pattern: counts.compared_matching(pattern) for pattern in risky}
+    risky = list(risky)
+    not_exercised = tuple(p for p in risky if counts.never_called(p))
+    coverage = {pattern: counts.compared_matching(pattern) for pattern in risky if pattern not in not_exercised}
     worst = max(phases, key=lambda p: (_SEVERITY[p.decision], p.upper), default=None)
     made = {
         "target": target,
@@ -478,6 +496,7 @@ def decide(
         "upper": worst.upper if worst else 1.0,
         "hard": hard,
         "risky": coverage,
+        "not_exercised": not_exercised,
         "shared": shared,
         "uncovered": uncovered,
         "rate": worst.rate if worst else 0.0,

@@ -124,6 +124,11 @@ def _verdict(args: argparse.Namespace) -> int:
             if d.risky:
                 coverage = ", ".join(f"{pattern} {seen}" for pattern, seen in d.risky.items())
                 print(f"{'':<16}risky signatures compared: {coverage}")
+            if d.not_exercised:
+                print(
+                    f"{'':<16}risky signatures not exercised by these jobs (never called; the promotion does not "
+                    f"cover them): {', '.join(d.not_exercised)}"
+                )
             if d.uncovered:
                 found = ", ".join(f"{reason} {count}" for reason, count in sorted(d.uncovered.items()))
                 print(f"{'':<16}not compared: {found} sampled calls (coverage still missing)")
