@@ -56,6 +56,7 @@ Written TIME.
 | item | value |
 |---|---|
 | sources | journals JOURNAL |
+| run | not recorded |
 | npu-shadow | not recorded |
 | torch | 2.13.0+cpu |
 | torch_npu | none |
