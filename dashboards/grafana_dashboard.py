@@ -168,7 +168,7 @@ def build() -> Dashboard:
                 "twice a robust floor of these and while a rank test finds it no larger.",
                 "none",
                 query(
-                    f'max by (target, signature, measure) ({NOISE_FLOOR}{{{SEL}}})',
+                    f"max by (target, signature, measure) ({NOISE_FLOOR}{{{SEL}}})",
                     "{{target}} {{signature}} {{measure}}",
                 ),
             )

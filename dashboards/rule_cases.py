@@ -239,9 +239,15 @@ PROMOTION_CASES = [
     },
     {"name": "rolled back", "phases": {"legacy": CLEAN}, "rollbacks": 0.01},
     {
-        "name": "tensor_type without its risky signatures",
+        "name": "tensor_type whose job never took its risky signatures (not exercised): fires",
         "target": "tensor_type",
         "phases": {"legacy": {"dtype/cpu/blocking": (1000, 100, 0)}},
+        "fires": True,
+    },
+    {
+        "name": "tensor_type whose job took a risky signature, compared too rarely",
+        "target": "tensor_type",
+        "phases": {"legacy": {"dtype/cpu/blocking": (1000, 100, 0), "npu_name/noncurrent/blocking": (1, 0.1, 0)}},
     },
 ]
 

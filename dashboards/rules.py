@@ -160,19 +160,27 @@ def _fnmatch_regex(pattern: str) -> str:
 
 
 def _risky_uncovered() -> str:
-    """PromQL: the (job, run, target) of a built-in target whose risky signatures were compared fewer times than the
-    verdict's default --min-per-signature."""
+    """PromQL: the (job, run, target) of a built-in target whose risky signatures, where the job took them, were
+    compared fewer times than the verdict's default --min-per-signature."""
     from shadow.core.targets import BUILTINS
 
     needed = verdict.DEFAULT_MIN_PER_SIGNATURE
+    by, on = "group by (job, run, target)", "on (job, run, target)"
     parts = []
     for name, factory in sorted(BUILTINS.items()):
         for pattern in factory().risky_signatures:
+            regex = _fnmatch_regex(pattern)
             selector = f'{COMPARISONS}{{{COMPARED},target="{name}"}}'
-            risky = f'{COMPARISONS}{{{COMPARED},target="{name}",signature=~"{_fnmatch_regex(pattern)}"}}'
+            risky = f'{COMPARISONS}{{{COMPARED},target="{name}",signature=~"{regex}"}}'
+            # as the verdict: a risky signature blocks where the job took it, or where calls are not counted by
+            # signature (whether it took it is not known); one it never called is not exercised
+            taken = (
+                f'{by} ({CALLS}{{target="{name}",signature=~"{regex}"}} > 0) or {by} ({risky} > 0) '
+                f'or {by} ({SKIPPED}{{target="{name}",signature=~"{regex}"}} > 0) '
+                f'or ({by} ({CALLS}{{target="{name}"}}) unless {on} {by} ({CALLS}{{target="{name}",signature!=""}}))'
+            )
             parts.append(
-                f"(group by (job, run, target) ({selector}) unless on (job, run, target) "
-                f"sum by (job, run, target) ({risky}) >= {needed})"
+                f"({by} ({selector}) and {on} ({taken}) unless {on} sum by (job, run, target) ({risky}) >= {needed})"
             )
     return " or ".join(parts)
 
@@ -232,7 +240,8 @@ def _alerting_rules() -> list[dict]:
         ),
         _alert(
             "NpuShadowHardMismatch",
-            f'sum by (job, run, target, reason) (increase({MISMATCHES}{{reason=~"{hard}"}}[{PARAMS["hard_window"]}])) > 0',
+            f"sum by (job, run, target, reason) "
+            f'(increase({MISMATCHES}{{reason=~"{hard}"}}[{PARAMS["hard_window"]}])) > 0',
             "page",
             "rollback",
             "{{ $labels.target }} in {{ $labels.job }}: {{ $labels.reason }} mismatch between legacy and upstream",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 from shadow.core.environment import device as device  # the environment labels come from the core
-from shadow.core.environment import run_id as run_id
 from shadow.core.environment import versions as versions
 from shadow.core.observation import (
     COMPARED_OUTCOMES,
@@ -24,6 +23,7 @@ from shadow.core.observation import (
     SKIP_REASONS,
 )
 from shadow.core.observation import LEGACY as LEGACY_SIDE
+from shadow.core.runs import run_id as run_id
 
 PREFIX = "npu_shadow"
 

@@ -228,7 +228,7 @@ def test_7_a_job_restarted_after_a_torn_line_keeps_every_record_readable(tmp_pat
     lines = path.read_bytes().split(b"\n")
     assert lines[4] == whole[:30].encode()  # (the torn line ended, on its own)
     torn = []
-    counts = sources.from_journal([str(path)], torn)
+    counts = sources.from_journal([str(path)], torn, all_runs=True)  # (the crashed run and the restarted one)
     assert counts["op"].compared == 3 + 4
     assert torn == [f"{path}:5"]
 

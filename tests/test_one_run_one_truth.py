@@ -15,7 +15,7 @@ from prometheus_server import free_port, prometheus
 import shadow
 from exporters import JsonlExporter, PrometheusExporter
 from shadow import Target
-from shadow.core import environment
+from shadow.core import runs as environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -188,7 +188,7 @@ def environment_from_exposition(text: str) -> dict[str, set[str]]:
     return found
 
 
-def _fetch(address: str, timeout: float) -> bytes:
+def _fetch(address: str, timeout: float, said: float | None = None) -> bytes:
     """The body at ``address``, in at most ``timeout`` seconds however slowly the server answers (a server that
     trickles a byte at a time is given up on, not waited for). Raises SourceError."""
     outcome: list[Any] = []
@@ -204,18 +204,20 @@ def _fetch(address: str, timeout: float) -> bytes:
     worker.start()
     worker.join(timeout)
     if not outcome:  # (the daemon thread is abandoned: it ends with its socket's timeout, or with the process)
-        raise SourceError(f"{address.split('/api/')[0]} did not answer within {timeout:g} s")
+        raise SourceError(f"{address.split('/api/')[0]} did not answer within {said or timeout:g} s")
     if isinstance(outcome[0], BaseException):
         raise SourceError(f"cannot query {address.split('/api/')[0]}: {outcome[0]}") from outcome[0]
     return outcome[0]
 
 
-def _query(url: str, promql: str, timeout: float, at: float | None = None, matrix: bool = False) -> list[dict]:
+def _query(
+    url: str, promql: str, timeout: float, at: float | None = None, matrix: bool = False, said: float | None = None
+) -> list[dict]:
     """The result of an instant query (at ``at``, unix seconds, when given): a vector, or with ``matrix`` the raw
-    samples of a range selector."""
+    samples of a range selector. ``said``: the time limit a timeout names (the whole read's)."""
     params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
     address = f"{url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode(params)}"
-    raw = _fetch(address, timeout)
+    raw = _fetch(address, timeout, said)
     if len(raw) > MAX_FILE_BYTES:
         raise SourceError(f"{url} answered more than {MAX_FILE_BYTES >> 20} MiB")
     try:
@@ -276,6 +278,10 @@ class _Deadline:
             raise SourceError(f"{self.url} did not answer within {self.timeout:g} s")
         return remaining
 
+    def query(self, promql: str, at: float | None = None, matrix: bool = False) -> list[dict]:
+        """:func:`_query` within what is left of the read's time."""
+        return _query(self.url, promql, self.left(), at, matrix, said=self.timeout)
+
 
 def _exact(url: str, metric: str, selector: str, at: float | None, deadline: _Deadline) -> dict[tuple, float]:
     """Each series' exact count at ``at`` (now where None): its last sample at or before then, with what it had
@@ -283,12 +289,12 @@ def _exact(url: str, metric: str, selector: str, at: float | None, deadline: _De
     series' sorted label items."""
     selected = f"{metric}{{{selector}}}[{LOOKBACK}]"
     values = {}
-    for item in _query(url, f"last_over_time({selected})", deadline.left(), at):
+    for item in deadline.query(f"last_over_time({selected})", at):
         labels, where = _labels(item), f"{url}: {metric}{_labels(item)}"
         values[tuple(sorted(labels.items()))] = _count(_number(item["value"][1], where), where)
-    for item in _query(url, f"resets({selected}) > 0", deadline.left(), at):
+    for item in deadline.query(f"resets({selected}) > 0", at):
         labels = _labels(item)
-        raw = _query(url, f"{metric}{{{_selector(labels)}}}[{LOOKBACK}]", deadline.left(), at, matrix=True)
+        raw = deadline.query(f"{metric}{{{_selector(labels)}}}[{LOOKBACK}]", at, matrix=True)
         for series in raw:
             points = [_number(value, f"{url}: {metric}{labels}") for _, value in series["values"]]
             lost = sum(before for before, after in itertools.pairwise(points) if after < before)
@@ -298,7 +304,7 @@ def _exact(url: str, metric: str, selector: str, at: float | None, deadline: _De
 
 def _runs(url: str, selector: str, at: float | None, deadline: _Deadline) -> set[str]:
     promql = f"count by ({_RUN_LABEL}) (last_over_time({CALLS}{{{selector}}}[{LOOKBACK}]))"
-    return {str(item["metric"].get(_RUN_LABEL, "")) for item in _query(url, promql, deadline.left(), at)}
+    return {str(item["metric"].get(_RUN_LABEL, "")) for item in deadline.query(promql, at)}
 
 
 def from_prometheus(
@@ -329,7 +335,7 @@ def from_prometheus(
             promql = f"sum by ({by}) (increase({metric}{{{selector}}}[{window}]))"
             series = {
                 tuple(sorted(_labels(item).items())): _number(item["value"][1], f"{url}: {metric}{_labels(item)}")
-                for item in _query(url, promql, deadline.left())
+                for item in deadline.query(promql)
             }
         else:
             series = _exact(url, metric, selector, end, deadline)

@@ -3,58 +3,12 @@
 from __future__ import annotations
 
 import importlib.metadata
-import os
-import re
-import secrets
-import time
-from collections.abc import MutableMapping
 
 import torch
 
 from shadow.npu import emulated
 
 VERSION = "0.1.0"
-
-#: The run a person names (``npu-shadow run --run-id``): every series, journal line and capture carries it.
-RUN_ID_VARIABLE = "NPU_SHADOW_RUN_ID"
-#: The id a launcher (or the first process of a library-form job) made, for the processes of the job that have
-#: neither a named run nor torchrun's.
-MADE_RUN_ID_VARIABLE = "NPU_SHADOW_MADE_RUN_ID"
-#: torchrun's id of a job, the same in every rank on every node ("none" where torchrun was given none).
-TORCHRUN_RUN_ID_VARIABLE = "TORCHELASTIC_RUN_ID"
-_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
-
-
-def run_id_problem(text: str) -> str | None:
-    """Why ``text`` cannot name a run (a label value: 1-64 letters, digits and ``._:-``), or None."""
-    if _RUN_ID.fullmatch(text):
-        return None
-    return "1 to 64 letters, digits, '.', '_', ':' or '-', starting with a letter or digit"
-
-
-def new_run_id() -> str:
-    """A fresh run id: the UTC time and six random hex digits (``20261203T073500Z-1a2b3c``)."""
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
-
-
-def run_id(environ: MutableMapping[str, str] = os.environ) -> str:
-    """This process's run: the one named (:data:`RUN_ID_VARIABLE`), else torchrun's, else the one the launcher
-    made, else one made now and put in ``environ`` (so the processes this one starts share it). Raises ValueError
-    naming the variable when the named one cannot be a run id."""
-    named = environ.get(RUN_ID_VARIABLE)
-    if named is not None:
-        problem = run_id_problem(named)
-        if problem:
-            raise ValueError(f"{RUN_ID_VARIABLE}={named!r} is not valid; expected {problem}")
-        return named
-    torchrun = environ.get(TORCHRUN_RUN_ID_VARIABLE, "")
-    if torchrun and torchrun != "none":
-        cleaned = re.sub(r"[^A-Za-z0-9._:-]", "_", torchrun)[:64]
-        return cleaned if _RUN_ID.fullmatch(cleaned) else "x" + cleaned[:63]
-    made = environ.get(MADE_RUN_ID_VARIABLE, "")
-    if run_id_problem(made):
-        made = environ[MADE_RUN_ID_VARIABLE] = new_run_id()
-    return made
 
 
 def device() -> str:

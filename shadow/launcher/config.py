@@ -14,10 +14,10 @@ import tempfile
 from collections.abc import Callable, Mapping
 
 from shadow.core.budget import DEFAULT_DEADLINE
-from shadow.core.environment import RUN_ID_VARIABLE, run_id_problem
 from shadow.core.observation import BUILTIN_TARGETS as BUILTINS
 from shadow.core.observation import DRILL_KINDS
 from shadow.core.rates import parse_rate
+from shadow.core.runs import RUN_ID_VARIABLE, run_id_problem
 from shadow.core.safe_paths import directory_problem, long_component, template_problem
 from shadow.core.sampler import DEFAULT_FIRST_PER_SIGNATURE
 

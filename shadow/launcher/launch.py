@@ -25,9 +25,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from shadow.core import forks
-from shadow.core.environment import run_id
 from shadow.core.exporting import call_hook
 from shadow.core.observation import SKIP_REASON_MEANING
+from shadow.core.runs import run_id
 from shadow.npu.patching import LEGACY_PATCHED
 
 log = logging.getLogger("shadow")

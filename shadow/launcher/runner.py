@@ -11,7 +11,7 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 
-from shadow.core.environment import MADE_RUN_ID_VARIABLE, new_run_id
+from shadow.core.runs import MADE_RUN_ID_VARIABLE, new_run_id
 from shadow.core.safe_paths import make_private_directory
 from shadow.launcher import config as cfg
 from shadow.launcher import linger
