@@ -239,6 +239,17 @@ PROMOTION_CASES = [
     },
     {"name": "rolled back", "phases": {"legacy": CLEAN}, "rollbacks": 0.01},
     {
+        "name": "clean but in few clusters (one process, correlated)",
+        "phases": {"legacy": CLEAN},
+        "clusters": {"legacy": 1},
+    },
+    {
+        "name": "clean, each comparison its own cluster: fires",
+        "phases": {"legacy": CLEAN},
+        "clusters": {"legacy": 100},
+        "fires": True,
+    },
+    {
         "name": "tensor_type whose job never took its risky signatures (not exercised): fires",
         "target": "tensor_type",
         "phases": {"legacy": {"dtype/cpu/blocking": (1000, 100, 0)}},
@@ -271,6 +282,8 @@ def promotion_case(spec: dict) -> dict:
                      outcome="mismatch")  # fmt: skip
     for (primary, signature, reason), per_minute in spec.get("skipped", {}).items():
         grow("npu_shadow_skipped_total", per_minute, primary=primary, signature=signature, reason=reason)
+    for primary, per_minute in spec.get("clusters", {}).items():
+        grow("npu_shadow_clusters_total", per_minute, primary=primary)
     if spec.get("rollbacks"):
         grow("npu_shadow_rollbacks_total", spec["rollbacks"], source="http")
     fired = []

@@ -29,6 +29,7 @@ from typing import Any
 
 from dashboards.series import (
     CALLS,
+    CLUSTERS,
     COMPARED,
     COMPARISONS,
     DIVERGENT,
@@ -142,7 +143,7 @@ def _recording_rules() -> list[dict[str, str]]:
 
 def promotion_bound() -> str:
     """PromQL for a conservative approximation of the verdict's upper bound of a phase with no divergence (module
-    docstring): at least the verdict's (without clusters), whatever the allocation of comparisons to signatures."""
+    docstring): at least the verdict's, whatever the allocation of comparisons to signatures and clusters."""
     prior = bounds.Prior.for_max_rate(PARAMS["max_divergence"])
     budget = math.log(1 / bounds.ALPHA) - math.log(bounds.SHARED_RATE_WEIGHT)
     compared = _per_signature(f"{COMPARISONS}{{{COMPARED}}}", None)
@@ -151,7 +152,11 @@ def promotion_bound() -> str:
     # n_s / W_s over the signatures with calls (a signature with calls and no comparison: 0); one stratum: N
     per_share = f"min by ({PHASE}) ((({compared} or {calls} * 0) / {ON_SIGNATURE} ({share} > 0)))"
     least = f"({per_share} or npu_shadow:comparisons:total)"
-    return f"({budget!r} + ln(1 + npu_shadow:comparisons:total / {prior.b!r})) / {least}"
+    # the verdict counts a phase's comparisons in its C clusters (a stratum of more than C counts as C): since
+    # min_s(min(n_s, C) / W_s) >= min(min_s(n_s / W_s), C), dividing by the smaller of the two keeps the bound above it
+    clusters = f"{BY} ({CLUSTERS})"
+    clustered = f"(({least} <= {clusters}) or {clusters} or {least})"
+    return f"({budget!r} + ln(1 + npu_shadow:comparisons:total / {prior.b!r})) / {clustered}"
 
 
 def _fnmatch_regex(pattern: str) -> str:

@@ -8,6 +8,7 @@ from exporters import contract
 CALLS = contract.CALLS.series
 ROLLBACKS = contract.ROLLBACKS.series
 COMPARISONS = contract.COMPARISONS.series
+CLUSTERS = contract.CLUSTERS.series
 MISMATCHES = contract.MISMATCHES.series
 SKIPPED = contract.SKIPPED.series
 EXPORT_ERRORS = contract.EXPORT_ERRORS.series

@@ -175,6 +175,14 @@ BACKWARD_SKIPS = Metric(
     "Backward comparisons planned for a compared call but not made, by reason (deadline, reentrant, sparse, raised, "
     "no_grad, failed): what the gradient evidence is missing.",
 )
+CLUSTERS = Metric(
+    "npu_shadow.clusters",
+    "{cluster}",
+    "counter",
+    ("target", "primary"),
+    "Clusters of comparisons (a process's 60 s blocks, an incident never cut: shadow.core.clusters): the unit the "
+    "verdict counts evidence in, by the side whose result the caller got.",
+)
 TRUTH_RUNS = Metric(
     "npu_shadow.truth_runs",
     "{run}",
@@ -194,6 +202,7 @@ BUILD_INFO = Metric(
 ALL = (
     CALLS,
     COMPARISONS,
+    CLUSTERS,
     MISMATCHES,
     SKIPPED,
     EXPORT_ERRORS,
@@ -236,6 +245,7 @@ def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:
     ]
     series += [(MISMATCHES, {"target": target, "reason": r, "primary": legacy}) for r in MISMATCH_REASONS]
     series += [(SKIPPED, {"target": target, "reason": r, "signature": "", "primary": legacy}) for r in SKIP_REASONS]
+    series += [(CLUSTERS, {"target": target, "primary": legacy})]
     series += [(EXPORT_ERRORS, {"target": target})]
     series += [
         (SHARED_DIVERGENCES, {"target": target, "reason": r, "primary": legacy}) for r in SHARED_DIVERGENCE_REASONS

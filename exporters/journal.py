@@ -51,7 +51,7 @@ class _Counts:
     """What one (target, primary) phase of this process saw since the exporter started: every observation (those
     not written as lines too), calls and budget skips. Written whole (cumulative) in count records."""
 
-    __slots__ = ("calls", "drilled", "outcomes", "reasons", "shared", "skipped", "truth", "truth_decades")
+    __slots__ = ("calls", "clusters", "drilled", "outcomes", "reasons", "shared", "skipped", "truth", "truth_decades")
 
     def __init__(self) -> None:
         self.outcomes: dict[str, dict[str, int]] = {}  # signature -> outcome -> count
@@ -59,6 +59,7 @@ class _Counts:
         self.reasons: dict[str, int] = {}
         self.shared: dict[str, int] = {}
         self.calls: dict[str, int] = {}
+        self.clusters = 0  # (shadow.core.clusters: the clusters its comparisons opened)
         self.drilled = 0
         self.truth: dict[str, dict[str, int]] = {}  # signature -> nearer -> truth runs
         self.truth_decades: dict[str, dict[str, int]] = {}  # signature -> error decade -> truth runs
@@ -70,6 +71,7 @@ class _Counts:
             return
         by_outcome = self.outcomes.setdefault(o.signature, {})
         by_outcome[o.outcome] = by_outcome.get(o.outcome, 0) + 1
+        self.clusters += o.opens_cluster
         for reason in o.reasons:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
         if o.shared_divergence:
@@ -94,6 +96,7 @@ class _Counts:
             "reasons": self.reasons,
             "shared": self.shared,
             "calls": self.calls,
+            "clusters": self.clusters,
             "drilled": self.drilled,
             "truth": self.truth,
             "truth_decades": self.truth_decades,

@@ -39,6 +39,7 @@ RECORD_SECONDS = 1.0
 _SUMS = (
     contract.CALLS,
     contract.COMPARISONS,
+    contract.CLUSTERS,
     contract.MISMATCHES,
     contract.SKIPPED,
     contract.EXPORT_ERRORS,
@@ -218,6 +219,8 @@ class OTelExporter:
                     add(contract.SKIPPED, 1, target, reason, observation.signature, observation.primary)
                 return
             add(contract.COMPARISONS, 1, target, observation.outcome, observation.signature, observation.primary)
+            if observation.opens_cluster:
+                add(contract.CLUSTERS, 1, target, observation.primary)
             for reason in observation.reasons:
                 add(contract.MISMATCHES, 1, target, reason, observation.primary)
             if observation.shared_divergence:

@@ -155,6 +155,8 @@ def _counts_at_eval(spec: dict):
             counts.add_reason("value", divergent * minutes, primary)
     for (primary, signature, reason), per_minute in spec.get("skipped", {}).items():
         counts.add_skip(reason, per_minute * minutes, primary, signature)
+    for primary, per_minute in spec.get("clusters", {}).items():
+        counts.add_clusters(per_minute * minutes, primary)
     if spec.get("rollbacks"):
         counts.rollbacks.append("http")
     return counts
@@ -196,3 +198,6 @@ def test_the_promotion_rules_bound_is_never_below_the_verdicts():
         least = min(m / (c / total_calls) for c, m in strata.values())
         budget = math.log(1 / bounds.ALPHA) - math.log(bounds.SHARED_RATE_WEIGHT) + math.log1p(n / prior.b)
         assert budget / least >= decide("op", counts, 0.001).upper * (1 - 1e-9)
+        clusters = rng.randint(1, n)  # (the comparisons in C clusters: the rule divides by min(least, C))
+        counts.add_clusters(clusters)
+        assert budget / min(least, clusters) >= decide("op", counts, 0.001).upper * (1 - 1e-9)

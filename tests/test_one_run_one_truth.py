@@ -89,12 +89,15 @@ def test_1_a_real_prometheus_sees_every_call_of_a_running_job_and_its_final_coun
             )
             if done.returncode in (0, 1, 3) or pytest.fail(f"{source}: {done.stderr}")
         }
-    kept = ("target", "decision", "compared", "divergent", "lower", "upper", "uncovered_share")
+    kept = ("target", "decision", "compared", "divergent", "lower", "upper", "uncovered_share", "clusters")
     by_source = {s: [{k: t[k] for k in kept} for t in v["targets"]] for s, v in decided.items()}
     assert by_source["prometheus"] == by_source["textfile"]
     assert {t["target"]: t["compared"] for t in by_source["prometheus"]}["tensor_type"] > 0
-    compared = {s: {t["target"]: t["compared"] for t in v if t["compared"]} for s, v in by_source.items()}
-    assert compared["journals"] == compared["textfile"]
+    exercised = {s: [t for t in v if t["compared"]] for s, v in by_source.items()}
+    assert exercised["journals"] == exercised["textfile"] == exercised["prometheus"]  # (the bounds: to 1e-9 and less)
+    assert {t["target"]: t["clusters"] for t in decided["journals"]["targets"] if t["compared"]} == {
+        t["target"]: t["clusters"] for t in decided["prometheus"]["targets"] if t["compared"]
+    }
 
 
 # --------------------------------------------------------------------------- 2. a run id
@@ -223,3 +226,44 @@ def test_6_a_risky_signature_the_jobs_never_called_does_not_block_and_is_named()
     decision = decide("tensor_type", evidence, 0.001, risky=("npu_name/noncurrent/*",), min_per_signature=30)
     assert decision.decision == INCONCLUSIVE and "compared 2 times, needs 30" in decision.why
     assert decision.not_exercised == ()
+
+
+# --------------------------------------------------------------------------- 4. one truth from every source
+
+
+def test_4_clusters_counted_where_comparisons_happen_are_the_journal_readers_blocks():
+    """The same rule as the journal reader's blocks (sources._blocks), computed online, one comparison at a time."""
+    import random
+
+    from shadow.analysis import sources
+    from shadow.core.clusters import Clusters
+
+    generator = random.Random(7)
+    for _ in range(200):
+        clusters, now, stream = Clusters(window=60.0), 1000.0, []
+        opened = 0
+        for _ in range(generator.randint(1, 60)):
+            now += generator.expovariate(1 / 25)
+            divergent = generator.random() < 0.2
+            stream.append((now, 1, 1 if divergent else 0))
+            opened += clusters.opens("legacy", divergent, now)
+        assert opened == len(sources._blocks(stream, stream[0][0], 60.0))
+
+
+def test_4_a_phase_decided_from_metrics_and_from_journals_gives_the_same_bounds(tmp_path):
+    """One 40-step run: the textfile's upper bound 0.096, the journals' 0.95 (process x 60 s blocks there only)."""
+    from shadow.analysis import sources, verdict
+
+    owner = types.SimpleNamespace(op=lambda x: x)
+    journal = JsonlExporter(str(tmp_path / "j.jsonl"))
+    exporter = PrometheusExporter(registry=CollectorRegistry())
+    with shadow.install([Target("op", owner, "op", lambda x: x)], sample_rate=1.0, exporters=[exporter, journal]):
+        for i in range(3000):
+            owner.op(i)
+    journal.close()
+    from_metrics = sources.from_exposition(generate_latest(exporter.registry).decode())
+    from_journals = sources.from_journal([str(tmp_path / "j.jsonl")])
+    decided = [verdict.decide("op", counts["op"], 0.01) for counts in (from_metrics, from_journals)]
+    assert decided[0].clusters == decided[1].clusters == 1  # (one process, within a minute)
+    assert abs(decided[0].upper - decided[1].upper) <= 1e-9 * decided[1].upper
+    assert decided[0].decision == decided[1].decision

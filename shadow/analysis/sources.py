@@ -42,6 +42,7 @@ MISMATCHES = contract.MISMATCHES.series
 SHARED = contract.SHARED_DIVERGENCES.series
 SKIPPED = contract.SKIPPED.series
 CALLS = contract.CALLS.series
+CLUSTERS = contract.CLUSTERS.series
 TRUTH_RUNS = contract.TRUTH_RUNS.series
 ROLLBACKS = contract.ROLLBACKS.series
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
@@ -115,6 +116,8 @@ def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], val
         target.add_skip(labels.get("reason", ""), value, primary, labels.get("signature", ""))
     elif name == CALLS:
         target.add_calls(labels.get("signature", ""), value, primary)
+    elif name == CLUSTERS:
+        target.add_clusters(value, primary)
     elif name == TRUTH_RUNS:
         if labels.get("nearer") in NEARER:
             target.add_truth(labels.get("signature", ""), labels["nearer"], value, primary)
@@ -139,7 +142,7 @@ def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
         raise SourceError(f"{path} is not UTF-8 text: {exc}") from exc
 
 
-_COUNTED = (COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, ROLLBACKS, TRUTH_RUNS)
+_COUNTED = (COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, CLUSTERS, ROLLBACKS, TRUTH_RUNS)
 
 
 def from_exposition(
@@ -263,6 +266,7 @@ _QUERIES = [
     (SHARED, "target, reason, primary"),
     (SKIPPED, "target, reason, signature, primary"),
     (CALLS, "target, signature, primary"),
+    (CLUSTERS, "target, primary"),
     (ROLLBACKS, "target, source"),
     (TRUTH_RUNS, "target, signature, nearer, primary"),
 ]
@@ -525,6 +529,7 @@ def _check_counts(record: dict, where: str) -> dict:
         "drilled": _count(record.get("drilled", 0), f"{where}: drilled"),
         "truth": truth,
         "truth_decades": decades,
+        **({"clusters": _count(record["clusters"], f"{where}: clusters")} if "clusters" in record else {}),
     }
 
 
@@ -720,6 +725,7 @@ class JournalReader:
         for (target, primary), tail in stream.folded.items():
             entry = counts.setdefault(target, TargetCounts())
             self._add_tail(entry, primary, tail, complete_tail)
+            entry.clusters_not_counted(primary)  # (lines after its last count record: their clusters not known)
             intervals = stream.phases.setdefault((target, primary), _Phase()).intervals
             for second, (compared, divergent) in tail.seconds.items():
                 counted = compared if complete_tail else divergent  # (incomplete: only the divergences count)
@@ -751,6 +757,10 @@ class JournalReader:
         for signature, value in counts["calls"].items():
             entry.add_calls(signature, value, primary)
         entry.drilled += counts["drilled"]
+        if "clusters" in counts:
+            entry.add_clusters(counts["clusters"], primary)
+        elif _compared(counts)[0]:
+            entry.clusters_not_counted(primary)  # (a process of a version before clusters were counted)
         for signature, by_side in counts.get("truth", {}).items():
             for side, value in by_side.items():
                 entry.add_truth(signature, side, value, primary)

@@ -95,6 +95,11 @@ class PhaseCounts:
     #: Divergent comparisons whose matches are not known (lines a process wrote after its last count record,
     #: without every outcome): they raise the upper bound (as comparisons that all diverged), never the lower.
     unmatched: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: Clusters its processes counted where the comparisons happened (shadow.core.clusters: metrics and journal
+    #: count records carry them alike); ``clusters_missing`` where some comparisons came without them (an older
+    #: process, lines after a process's last count record), so that this count does not cover them all.
+    cluster_count: float = 0.0
+    clusters_missing: bool = False
     #: Float64 truth runs of value differences by (signature, side nearer the truth), and by (signature, decade
     #: of upstream's error over legacy's) where both errors were known.
     truth: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
@@ -173,6 +178,14 @@ class TargetCounts:
     def add_calls(self, signature: str, count: float, primary: str = LEGACY) -> None:
         phase = self.phase(primary)
         phase.calls[signature] = phase.calls.get(signature, 0) + count
+
+    def add_clusters(self, count: float, primary: str = LEGACY) -> None:
+        """Clusters counted where the comparisons happened (:mod:`shadow.core.clusters`)."""
+        self.phase(primary).cluster_count += count
+
+    def clusters_not_counted(self, primary: str = LEGACY) -> None:
+        """Some of the phase's comparisons came without their clusters counted."""
+        self.phase(primary).clusters_missing = True
 
     def add_to_cluster(self, cluster: tuple, compared: float, divergent: float, primary: str = LEGACY) -> None:
         counts = self.phase(primary).clusters.setdefault(cluster, [0.0, 0.0])
@@ -411,9 +424,13 @@ def decide_phase(primary: str, phase: PhaseCounts, max_rate: float) -> PhaseDeci
     """The decision on one phase's evidence (hard mismatches and coverage are the target's: see :func:`decide`)."""
     n, k = phase.compared, phase.divergent
     counted = n + sum(phase.unmatched.values())
-    clusters = [c for c in phase.clusters.values() if c[0] > 0]
-    clustered = bool(clusters) and round(sum(c[0] for c in clusters)) == round(counted)
-    lower_strata, upper_strata, uncovered, weighted = _strata(phase, len(clusters) if clustered else None)
+    if phase.cluster_count > 0 and not phase.clusters_missing:  # (counted where they happened: every source)
+        clustered, cluster_count = True, round(phase.cluster_count)
+    else:  # (a journal's blocks, formed from its count records' times)
+        clusters = [c for c in phase.clusters.values() if c[0] > 0]
+        clustered = bool(clusters) and round(sum(c[0] for c in clusters)) == round(counted)
+        cluster_count = len(clusters)
+    lower_strata, upper_strata, uncovered, weighted = _strata(phase, cluster_count if clustered else None)
     prior = Prior.for_max_rate(max_rate)
     lower, upper = bounds.lower(lower_strata), bounds.upper(upper_strata, prior)
     covered = sum(s.weight for s in lower_strata if s.n > 0)
@@ -429,7 +446,7 @@ def decide_phase(primary: str, phase: PhaseCounts, max_rate: float) -> PhaseDeci
         "rate": rate,
         "effective": effective,
         "weighted": weighted,
-        "clusters": len(clusters) if clustered else 0,
+        "clusters": cluster_count if clustered else 0,
         "uncovered_share": share,
         "uncovered_by": uncovered,
     }

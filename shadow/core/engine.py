@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import random
@@ -25,8 +26,9 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
-from shadow.core import compiling, forks, trees
+from shadow.core import clusters, compiling, forks, trees
 from shadow.core.budget import DEFAULT_DEADLINE, Budgets
+from shadow.core.clusters import Clusters
 from shadow.core.coverage import CLASSIFY_ONE_IN, Coverage
 from shadow.core.drill import Drill
 from shadow.core.exporting import call_hook
@@ -34,6 +36,7 @@ from shadow.core.global_state import TorchGlobals
 from shadow.core.isolation import has_user_hooks, module_tensors, modules_in_call
 from shadow.core.noise import NoiseFloor
 from shadow.core.observation import (
+    DIVERGENT_OUTCOMES,
     LEGACY,
     OUTCOMES,
     UPSTREAM,
@@ -254,6 +257,8 @@ class Experiment:
         self._oracle_runs = 0
         self._backward_runs = 0
         self._backward_skips: collections.Counter[str] = collections.Counter()
+        self._clusters = Clusters(clusters.WINDOW_SECONDS)
+        self._cluster_count = 0
         self._truth_runs: collections.Counter[str] = collections.Counter()
         self._signatures: set[str] = set()
         self._signatures_over_cap = 0
@@ -594,6 +599,11 @@ class Experiment:
 
     def _publish(self, observation: Observation) -> None:
         with self._lock:
+            if observation.outcome != Outcome.SKIPPED.value and self._clusters.opens(
+                observation.primary, observation.outcome in DIVERGENT_OUTCOMES
+            ):
+                observation = dataclasses.replace(observation, opens_cluster=True)
+                self._cluster_count += 1
             self._outcomes[observation.outcome] += 1
             self._reasons.update(observation.reasons)
             if observation.shared_divergence:
@@ -682,6 +692,7 @@ class Experiment:
                 backward_runs=self._backward_runs,
                 backward_skips=dict(self._backward_skips),
                 truth_runs=dict(self._truth_runs),
+                clusters=self._cluster_count,
                 signatures_over_cap=self._signatures_over_cap,
                 export_errors=self._export_errors,
                 settings_failures=self._settings_failures,
@@ -697,6 +708,8 @@ class Experiment:
         self._oracle_runs = 0
         self._backward_runs = 0
         self._backward_skips.clear()
+        self._clusters.clear()
+        self._cluster_count = 0
         self._truth_runs.clear()
         self._export_errors = 0
         self._settings_failures = 0

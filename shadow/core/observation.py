@@ -193,6 +193,9 @@ class Observation:
     #: Why a backward comparison planned for this call was not made (BACKWARD_SKIP_REASONS; "" where it was, or
     #: none was planned).
     backward_skip: str = ""
+    #: This comparison opened a new cluster of its process's comparisons (shadow.core.clusters): the unit the
+    #: verdict counts evidence in, counted once, here, for every exporter.
+    opens_cluster: bool = False
     #: For a value difference, a float64 truth run (shadow.core.truth): the side nearer it (legacy, upstream or tie;
     #: "" where none ran), each side's error against it, and the time it took.
     nearer: str = ""
@@ -251,6 +254,8 @@ class TargetStats:
     backward_skips: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     truth_runs: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     #: Sampled calls whose signature was counted as "other": the target had MAX_SIGNATURES already.
+    #: Clusters of this process's comparisons (shadow.core.clusters), every phase together.
+    clusters: int = 0
     signatures_over_cap: int = 0
     #: Observations an exporter failed to export (one per failing exporter).
     export_errors: int = 0
