@@ -175,6 +175,14 @@ BACKWARD_SKIPS = Metric(
     "Backward comparisons planned for a compared call but not made, by reason (deadline, reentrant, sparse, raised, "
     "no_grad, failed): what the gradient evidence is missing.",
 )
+PROCESS_TIME = Metric(
+    "npu_shadow.process",
+    "s",
+    "counter",
+    (),
+    "Seconds of process time under the monitor, every process of the run together: the evidence rate's "
+    "denominator (clusters per process-hour).",
+)
 CLUSTERS = Metric(
     "npu_shadow.clusters",
     "{cluster}",
@@ -203,6 +211,7 @@ ALL = (
     CALLS,
     COMPARISONS,
     CLUSTERS,
+    PROCESS_TIME,
     MISMATCHES,
     SKIPPED,
     EXPORT_ERRORS,

@@ -40,6 +40,7 @@ _SUMS = (
     contract.CALLS,
     contract.COMPARISONS,
     contract.CLUSTERS,
+    contract.PROCESS_TIME,
     contract.MISMATCHES,
     contract.SKIPPED,
     contract.EXPORT_ERRORS,
@@ -206,6 +207,11 @@ class OTelExporter:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
         with self._lock:
             self._add(contract.SKIPPED, count, target, reason, "", self._side(target))
+
+    def record_time(self, seconds: float) -> None:
+        if seconds > 0:
+            with self._lock:
+                self._add(contract.PROCESS_TIME, seconds)
 
     def record_export_error(self, target: str) -> None:
         with self._lock:

@@ -207,6 +207,10 @@ class PrometheusExporter:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
         self._child(contract.SKIPPED, target, reason, "", self._primary.get(target, LEGACY)).inc(count)
 
+    def record_time(self, seconds: float) -> None:
+        if seconds > 0:
+            self._child(contract.PROCESS_TIME).inc(seconds)
+
     def record_export_error(self, target: str) -> None:
         self._child(contract.EXPORT_ERRORS, target).inc()
 

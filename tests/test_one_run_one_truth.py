@@ -267,3 +267,18 @@ def test_4_a_phase_decided_from_metrics_and_from_journals_gives_the_same_bounds(
     assert decided[0].clusters == decided[1].clusters == 1  # (one process, within a minute)
     assert abs(decided[0].upper - decided[1].upper) <= 1e-9 * decided[1].upper
     assert decided[0].decision == decided[1].decision
+
+
+def test_6_the_verdict_says_how_much_more_running_a_promote_takes_at_the_evidence_rate():
+    """"About 4,740 more clusters" said nothing of when: at this job's rate, how many process-hours or runs."""
+    from shadow.analysis.verdict import INCONCLUSIVE, TargetCounts, comparisons_needed, decide
+
+    evidence = TargetCounts()
+    evidence.add_outcome("", "match", 6000)
+    evidence.add_clusters(60)  # (one process for an hour: 60 one-minute clusters)
+    evidence.process_seconds = 3600.0
+    decision = decide("op", evidence, 0.001)
+    assert decision.decision == INCONCLUSIVE and decision.clusters == 60
+    hours = (comparisons_needed(0.001) - 60) / 60  # (independently: the clusters still needed at 60 an hour)
+    assert f"60 clusters per process-hour: about {hours:,.3g} more process-hours" in decision.why, decision.why
+    assert f"or {hours:,.3g} more runs like these" in decision.why  # (this run: one process-hour)

@@ -43,6 +43,7 @@ SHARED = contract.SHARED_DIVERGENCES.series
 SKIPPED = contract.SKIPPED.series
 CALLS = contract.CALLS.series
 CLUSTERS = contract.CLUSTERS.series
+PROCESS_TIME = contract.PROCESS_TIME.series
 TRUTH_RUNS = contract.TRUTH_RUNS.series
 ROLLBACKS = contract.ROLLBACKS.series
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
@@ -158,11 +159,14 @@ def from_exposition(
     runs = {s.labels.get(_RUN_LABEL, "") for family in families for s in family.samples if s.name in _COUNTED}
     chosen = select_run(runs, run, all_runs, source)
     drill = False
+    seconds = 0.0
     for family in families:
         for sample in family.samples:
             if chosen is not None and sample.labels.get(_RUN_LABEL, "") != chosen:
                 continue
-            if sample.name in _COUNTED:
+            if sample.name == PROCESS_TIME:
+                seconds += _count(sample.value, f"{source}: {sample.name}", whole=False)
+            elif sample.name in _COUNTED:
                 where = f"{source}: {sample.name}{dict(sample.labels)}"
                 _add(counts, sample.name, sample.labels, _count(sample.value, where))
             elif sample.name == DRILL_ACTIVE and sample.value > 0:
@@ -170,6 +174,8 @@ def from_exposition(
     if drill:
         for entry in counts.values():
             entry.drilled = -1
+    for entry in counts.values():
+        entry.process_seconds = seconds
     return counts
 
 
@@ -287,7 +293,9 @@ class _Deadline:
         return _query(self.url, promql, self.left(), at, matrix, said=self.timeout)
 
 
-def _exact(url: str, metric: str, selector: str, at: float | None, deadline: _Deadline) -> dict[tuple, float]:
+def _exact(
+    url: str, metric: str, selector: str, at: float | None, deadline: _Deadline, whole: bool = True
+) -> dict[tuple, float]:
     """Each series' exact count at ``at`` (now where None): its last sample at or before then, with what it had
     counted before each reset added (a process of the run that started again), never an extrapolation. By the
     series' sorted label items."""
@@ -295,7 +303,7 @@ def _exact(url: str, metric: str, selector: str, at: float | None, deadline: _De
     values = {}
     for item in deadline.query(f"last_over_time({selected})", at):
         labels, where = _labels(item), f"{url}: {metric}{_labels(item)}"
-        values[tuple(sorted(labels.items()))] = _count(_number(item["value"][1], where), where)
+        values[tuple(sorted(labels.items()))] = _count(_number(item["value"][1], where), where, whole)
     for item in deadline.query(f"resets({selected}) > 0", at):
         labels = _labels(item)
         raw = deadline.query(f"{metric}{{{_selector(labels)}}}[{LOOKBACK}]", at, matrix=True)
@@ -353,6 +361,12 @@ def from_prometheus(
             _add(counts, metric, labels, float(round(value)))
     if not counts:
         raise SourceError(f"{url} has no {COMPARISONS} series{f' matching {selector}' if selector else ''}")
+    if not window:
+        seconds = sum(_exact(url, PROCESS_TIME, selector, end, deadline, whole=False).values())
+        if start is not None:
+            seconds -= sum(_exact(url, PROCESS_TIME, selector, start, deadline, whole=False).values())
+        for entry in counts.values():
+            entry.process_seconds = max(seconds, 0.0)
     return counts
 
 
@@ -470,6 +484,7 @@ class _Stream:
     where: str
     all_outcomes: bool | None = None
     start: float | None = None
+    last: float | None = None
     phases: dict[tuple[str, str], _Phase] = dataclasses.field(default_factory=dict)
     events: list[dict] = dataclasses.field(default_factory=list)  # rollbacks and resets, in order
     #: Where its unparsed lines after the last count record begin, file by file (path, offset, line number): read
@@ -482,6 +497,7 @@ class _Stream:
     def see(self, timestamp: object) -> None:
         if isinstance(timestamp, (int, float)) and math.isfinite(timestamp):
             self.start = timestamp if self.start is None else min(self.start, timestamp)
+            self.last = timestamp if self.last is None else max(self.last, timestamp)
 
 
 def _compared(counts: dict) -> tuple[float, float]:
@@ -689,6 +705,7 @@ class JournalReader:
     def counts(self) -> dict[str, TargetCounts]:
         """The counts of every target, by phase, with clusters; refuses (SourceError) what cannot be counted."""
         counts: dict[str, TargetCounts] = {}
+        seconds = 0.0  # (the processes' time, first record to last: the evidence rate's denominator)
         for key, stream in self.streams.items():
             if self.run is not None and stream.run != self.run:
                 continue
@@ -700,6 +717,10 @@ class JournalReader:
                     "(journals of npu-shadow before count records; write them with all_outcomes=True)"
                 )
             self._add_stream(counts, key, stream)
+            if stream.start is not None and stream.last is not None:
+                seconds += stream.last - stream.start
+        for entry in counts.values():
+            entry.process_seconds = seconds
         return counts
 
     def _add_stream(self, counts: dict[str, TargetCounts], key: tuple, stream: _Stream) -> None:

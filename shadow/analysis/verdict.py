@@ -140,6 +140,9 @@ class TargetCounts:
     #: A fire drill injected synthetic divergence into these sources: how many comparisons carry it (journals),
     #: or -1 where only that a drill was active is known (metrics).
     drilled: float = 0
+    #: Process time behind the evidence, every process together (seconds; 0 where the source does not say): the
+    #: evidence rate "how much more running it takes" is said at.
+    process_seconds: float = 0.0
     #: Rollbacks no person has reset since (who or what threw the switch, and when where known).
     rollbacks: list[str] = dataclasses.field(default_factory=list)
     #: Resets, and the comparisons from before the last one that were set aside (not evidence any more).
@@ -420,7 +423,21 @@ def _merged(maps: Iterable[Mapping[str, float]]) -> dict[str, float]:
     return merged
 
 
-def decide_phase(primary: str, phase: PhaseCounts, max_rate: float) -> PhaseDecision:
+def _when(more: float, seen: float, process_seconds: float, units: str) -> str:
+    """How much more running ``more`` units take at the evidence rate seen (``seen`` units in ``process_seconds``
+    of process time): "" where the source does not say how long its evidence took."""
+    if not (math.isfinite(more) and more > 0 and seen > 0 and process_seconds > 0):
+        return ""
+    per_hour = seen / (process_seconds / 3600)
+    hours = more / per_hour
+    jobs = more / seen
+    return (
+        f" (at this evidence's rate, {per_hour:,.3g} {units} per process-hour: about {hours:,.3g} more process-hours, "
+        f"or {jobs:,.3g} more runs like these)"
+    )
+
+
+def decide_phase(primary: str, phase: PhaseCounts, max_rate: float, process_seconds: float = 0.0) -> PhaseDecision:
     """The decision on one phase's evidence (hard mismatches and coverage are the target's: see :func:`decide`)."""
     n, k = phase.compared, phase.divergent
     counted = n + sum(phase.unmatched.values())
@@ -470,7 +487,8 @@ def decide_phase(primary: str, phase: PhaseCounts, max_rate: float) -> PhaseDeci
         needed = bounds.effective_needed(max_rate - share, rate * effective, prior)
         more = "more than any job makes:" if math.isinf(needed) else f"about {max(1, math.ceil(needed - effective)):,}"
         seen = f"at the rate seen ({rate:.3g})" if rate else "without divergence"
-        missing.append(f"upper bound {upper:.3g} >= max rate {max_rate:g}: {more} more {units} {seen}")
+        when = _when(needed - effective, effective, process_seconds, units)
+        missing.append(f"upper bound {upper:.3g} >= max rate {max_rate:g}: {more} more {units} {seen}{when}")
     return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: " + "; ".join(missing), **common)
 
 
@@ -484,7 +502,7 @@ def decide(
     """The decision for one target (see the module docstring)."""
     order = {side: i for i, side in enumerate(PRIMARY_SIDES)}
     phases = tuple(
-        decide_phase(primary, phase, max_rate)
+        decide_phase(primary, phase, max_rate, counts.process_seconds)
         for primary, phase in sorted(counts.phases.items(), key=lambda kv: order.get(kv[0], len(order)))
         if not phase.empty()
     )

@@ -41,6 +41,10 @@ class Exporter(Protocol):
     def record_reset(self, target: str, by: str) -> None:
         """A person reset ``target``'s primary after a rollback (the verdict sets evidence before it aside)."""
 
+    def record_time(self, seconds: float) -> None:
+        """Seconds of this process's time under the monitor since the last report (each second, and at flush):
+        what the verdict turns into "how much more running it takes"."""
+
     def flush(self) -> None:
         """Write out what is buffered (the monitor's flush: at exit, at uninstall)."""
 
@@ -63,6 +67,7 @@ HOOKS = (
     "set_primary",
     "record_rollback",
     "record_reset",
+    "record_time",
     "flush",
     "record_export_error",
     "set_drill",

@@ -11,6 +11,7 @@ import logging
 import math
 import multiprocessing.util
 import sys
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -60,6 +61,7 @@ class Monitor:
         #: when that one is uninstalled (the pytest plugin's session monitor yields to a test's own).
         self.yields = yields
         self._suspended: list[tuple[Monitor, Experiment]] = []  # yielding monitors' experiments this one displaced
+        self._timed_at = time.monotonic()  # (the process time under this monitor, reported to the exporters)
         for s in self._experiments:
             s.monitor = self
         # A forked multiprocessing child (a DataLoader worker) ends in os._exit: atexit never runs there, but
@@ -148,16 +150,25 @@ class Monitor:
         exporter write out what it buffers (the journal's count records)."""
         for s in self._experiments:
             s.report_calls(flush=True)
+        self._report_time()
         exporters = {id(e): (s, e) for s in self._experiments for e in s.exporters}
         for s, exporter in exporters.values():
             s._call_exporter(exporter, "flush")
 
     def report(self) -> None:
-        """Report the calls counted since the last report to the exporters (:mod:`shadow.core.reporter` does, each
-        second)."""
+        """Report the calls counted since the last report, and the time passed, to the exporters
+        (:mod:`shadow.core.reporter` does, each second)."""
         if self._restore:
             for s in self._experiments:
                 s.report_calls(flush=True)  # (a guided target's open gate too: the total is the job's calls)
+            self._report_time()
+
+    def _report_time(self) -> None:
+        now = time.monotonic()
+        seconds, self._timed_at = now - self._timed_at, now
+        exporters = {id(e): (s, e) for s in self._experiments for e in s.exporters}
+        for s, exporter in exporters.values():
+            s._call_exporter(exporter, "record_time", seconds)
 
     def uninstall(self) -> None:
         """Flush, then put back exactly the objects that were there before install (safe to call twice)."""
