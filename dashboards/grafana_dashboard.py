@@ -27,7 +27,9 @@ from dashboards.series import (
     LEGACY_TIME,
     MISMATCHES,
     NOISE_FLOOR,
+    PRIMARY,
     REL_ERROR,
+    ROLLBACKS,
     SAMPLE_RATE,
     SHADOW_TIME,
     SHARED,
@@ -62,7 +64,7 @@ def series_panel(title: str, description: str, unit: str, *queries: Dataquery, s
     return panel
 
 
-def stat_panel(title: str, description: str, expr: str, unit: str = "short"):
+def stat_panel(title: str, description: str, expr: str, unit: str = "short", legend: str = "{{target}}"):
     return (
         stat.Panel()
         .title(title)
@@ -71,7 +73,7 @@ def stat_panel(title: str, description: str, expr: str, unit: str = "short"):
         .unit(unit)
         .height(4)
         .span(6)
-        .with_target(query(expr, "{{target}}"))
+        .with_target(query(expr, legend))
     )
 
 
@@ -144,6 +146,24 @@ def build() -> Dashboard:
                 "Fire drill active",
                 "1 while a fire drill injects synthetic divergence into the upstream side.",
                 f'max by (job, run) ({DRILL_ACTIVE}{{job=~"$job", run=~"$run"}})',
+                legend="{{job}} {{run}}",
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Side the caller gets",
+                "Per job, run and target: 1 for the side whose result the caller gets now (legacy while shadowing, "
+                "upstream in a canary until a rollback).",
+                f"max by (job, run, target, side) ({PRIMARY}{{{SEL}}}) == 1",
+                legend="{{job}} {{run}} {{target}}: {{side}}",
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Rollbacks",
+                "Rollbacks of a canary per job, run and target, by who threw the switch (http, file, api).",
+                f"sum by (job, run, target, source) ({ROLLBACKS}{{{SEL}}}) > 0",
+                legend="{{job}} {{run}} {{target}} by {{source}}",
             )
         )
         .with_row(Row("Divergence"))
@@ -311,7 +331,12 @@ def build() -> Dashboard:
 
 
 def render() -> str:
-    return JSONEncoder(sort_keys=True, indent=2).encode(build().build()) + "\n"
+    import json
+
+    dashboard = json.loads(JSONEncoder(sort_keys=True).encode(build().build()))
+    for number, panel in enumerate(dashboard["panels"], start=1):  # (every panel its own id: links name panels by it)
+        panel["id"] = number
+    return json.dumps(dashboard, sort_keys=True, indent=2) + "\n"
 
 
 def expressions(dashboard: dict) -> list[str]:

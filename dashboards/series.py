@@ -18,6 +18,7 @@ REL_ERROR = contract.REL_ERROR.series
 LEGACY_TIME = contract.LEGACY.series
 SHADOW_TIME = contract.SHADOW.series
 SAMPLE_RATE = contract.SAMPLE_RATE.prometheus_name
+PRIMARY = contract.PRIMARY.prometheus_name
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
 NOISE_FLOOR = contract.NOISE_FLOOR.prometheus_name
 AA_RUNS = contract.AA_RUNS.series

@@ -282,3 +282,22 @@ def test_6_the_verdict_says_how_much_more_running_a_promote_takes_at_the_evidenc
     hours = (comparisons_needed(0.001) - 60) / 60  # (independently: the clusters still needed at 60 an hour)
     assert f"60 clusters per process-hour: about {hours:,.3g} more process-hours" in decision.why, decision.why
     assert f"or {hours:,.3g} more runs like these" in decision.why  # (this run: one process-hour)
+
+
+# --------------------------------------------------------------------------- 7. the dashboard follows
+
+
+def test_7_the_dashboard_has_the_run_variable_panel_ids_rollbacks_and_the_side_returned():
+    from dashboards import grafana_dashboard
+
+    dashboard = json.loads(grafana_dashboard.DASHBOARD_PATH.read_text())
+    ids = [panel.get("id") for panel in dashboard["panels"]]
+    assert None not in ids and len(set(ids)) == len(ids)
+    assert "run" in {variable["name"] for variable in dashboard["templating"]["list"]}
+    by_title = {panel["title"]: panel for panel in dashboard["panels"]}
+    assert "npu_shadow_rollbacks_total" in by_title["Rollbacks"]["targets"][0]["expr"]
+    assert "npu_shadow_primary" in by_title["Side the caller gets"]["targets"][0]["expr"]
+    assert by_title["Fire drill active"]["targets"][0]["legendFormat"] == "{{job}} {{run}}"
+    for expr in [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]:
+        if "job=~" in expr:  # (every panel follows the run chosen)
+            assert 'run=~"$run"' in expr, expr
