@@ -270,7 +270,7 @@ def test_4_a_phase_decided_from_metrics_and_from_journals_gives_the_same_bounds(
 
 
 def test_6_the_verdict_says_how_much_more_running_a_promote_takes_at_the_evidence_rate():
-    """"About 4,740 more clusters" said nothing of when: at this job's rate, how many process-hours or runs."""
+    """ "About 4,740 more clusters" said nothing of when: at this job's rate, how many process-hours or runs."""
     from shadow.analysis.verdict import INCONCLUSIVE, TargetCounts, comparisons_needed, decide
 
     evidence = TargetCounts()

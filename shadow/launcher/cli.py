@@ -166,7 +166,7 @@ def _evidence(d: Any) -> list[str]:
         if p.clusters:
             line += f"; {p.clusters} clusters ({d.clustering}), each counted as one comparison"
         else:
-            line += "; clusters: not known from this source (journals have them)"
+            line += "; clusters: not counted by this source (processes of a version before clusters were counted)"
         if p.uncovered_by:
             kinds = ", ".join(f"{reason} {share:.3g}" for reason, share in sorted(p.uncovered_by.items()))
             line += f"; calls never compared: {p.uncovered_share:.3g} of all ({kinds})"
@@ -372,8 +372,8 @@ def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._Mut
         type=_seconds,
         default=60.0,
         metavar="SECONDS",
-        help="with --journal: each process's comparisons are clustered in blocks of this many seconds from its own "
-        "start, a run of blocks with divergences kept whole (0: by process)",
+        help="with --journal written before clusters were counted: each process's comparisons are clustered in "
+        "blocks of this many seconds from its own start, a run of blocks with divergences kept whole (0: by process)",
     )
 
 
