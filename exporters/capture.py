@@ -20,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_iter, tree_map
 
 from shadow.core.observation import Observation
+from shadow.core.runs import run_id_problem
 
 FORMAT = 1
 _PLAIN = (torch.Tensor, torch.dtype, torch.device, str, int, float, bool, type(None), bytes)
@@ -169,6 +170,7 @@ _OPTIONAL_FIELDS = (
         lambda v: v is None or (isinstance(v, str) and re.fullmatch(r"[a-z][a-z0-9_]{0,31}:\d{1,4}", v) is not None),
         "a device such as 'npu:1', or None",
     ),
+    ("run", lambda v: isinstance(v, str) and run_id_problem(v) is None, "a run id"),
 )
 
 #: The most values (a shared reference counted each time it is reached) and nesting a capture may have.

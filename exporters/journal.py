@@ -404,7 +404,7 @@ class JsonlExporter:
         """What this observation's capture would hold, if it gets one within the limits."""
         if self.capture_dir is None or observation.evidence is None or self.captures_written >= self.max_captures:
             return None
-        data = capture.payload(observation)
+        data = {**capture.payload(observation), "run": self.run}  # (which run's evidence it is)
         return data if self.capture_bytes + capture.size_of(data) <= self.max_capture_bytes else None
 
     def _capture_path(self, observation: Observation) -> str:

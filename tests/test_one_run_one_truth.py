@@ -8,6 +8,7 @@ import time
 import types
 
 import pytest
+import torch
 from metrics_helpers import samples, total
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_server import free_port, prometheus
@@ -301,3 +302,26 @@ def test_7_the_dashboard_has_the_run_variable_panel_ids_rollbacks_and_the_side_r
     for expr in [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]:
         if "job=~" in expr:  # (every panel follows the run chosen)
             assert 'run=~"$run"' in expr, expr
+
+
+def test_2_a_capture_names_its_run_and_replay_says_it(tmp_path, monkeypatch):
+    import faults
+
+    from exporters import capture
+
+    monkeypatch.setenv("NPU_SHADOW_RUN_ID", "capture-run-3")
+    owner = types.SimpleNamespace(op=faults.scale)
+    journal = JsonlExporter(str(tmp_path / "j.jsonl"), capture_dir=str(tmp_path / "captures"))
+    with shadow.install([Target("op", owner, "op", faults.scale_wrong)], sample_rate=1.0, exporters=[journal]):
+        for i in range(4):
+            owner.op(torch.tensor([float(i)]))
+    journal.close()
+    path = sorted((tmp_path / "captures").iterdir())[0]
+    assert capture.load(str(path))["run"] == "capture-run-3"
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "replay", str(path), "--legacy", "faults:scale",
+         "--upstream", "faults:scale_wrong"],
+        cwd=os.path.join(ROOT, "tests"), capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests")},
+    )  # fmt: skip
+    assert "in run capture-run-3" in done.stdout, done.stdout + done.stderr

@@ -42,8 +42,9 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"npu-shadow replay: {exc}", file=sys.stderr)
         return EXIT_USAGE
     shown = _terminal_text  # (a capture is data from elsewhere: no escape sequence of its reaches the terminal)
+    run = f" in run {shown(str(data['run']))}" if isinstance(data.get("run"), str) else ""
     print(f"capture: target {shown(data['target'])}, signature {shown(data['signature'])}, "
-          f"recorded {shown(data['outcome'])}")  # fmt: skip
+          f"recorded {shown(data['outcome'])}{run}")  # fmt: skip
     print(f"  recorded: {shown(data['detail'])}")
     print(f"  {_where(data, current_device(data))}")
     try:
