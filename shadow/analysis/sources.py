@@ -314,8 +314,8 @@ def _exact(
     return values
 
 
-def _runs(url: str, selector: str, at: float | None, deadline: _Deadline) -> set[str]:
-    promql = f"count by ({_RUN_LABEL}) (last_over_time({CALLS}{{{selector}}}[{LOOKBACK}]))"
+def _runs(url: str, selector: str, at: float | None, deadline: _Deadline, lookback: str = LOOKBACK) -> set[str]:
+    promql = f"count by ({_RUN_LABEL}) (last_over_time({CALLS}{{{selector}}}[{lookback}]))"
     return {str(item["metric"].get(_RUN_LABEL, "")) for item in deadline.query(promql, at)}
 
 
@@ -337,7 +337,10 @@ def from_prometheus(
     ``timeout`` seconds."""
     deadline = _Deadline(url, timeout)
     chosen = select_run(
-        _runs(url, selector, end, deadline), run, all_runs, f"{url}{f' ({selector})' if selector else ''}"
+        _runs(url, selector, end, deadline, window or LOOKBACK),
+        run,
+        all_runs,
+        f"{url}{f' ({selector})' if selector else ''}",
     )
     if chosen is not None:
         selector = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}"]))
