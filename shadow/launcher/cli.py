@@ -387,10 +387,47 @@ class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, saying "did you mean" for an option misspelt (``--sampel-rate``: ``--sample-rate``), with the usage
+    of the command it was given to."""
+
+    def error(self, message: str) -> Any:
+        if message.startswith("unrecognized arguments: "):
+            suggestion = self._suggestion(message.split(": ", 1)[1].split())
+            if suggestion is not None:
+                command, wrong, meant = suggestion
+                command.print_usage(sys.stderr)
+                command.exit(2, f"{command.prog}: error: unrecognized argument {wrong}; did you mean {meant}?\n")
+        super().error(message)
+
+    def _suggestion(self, unknown: list[str]) -> tuple[argparse.ArgumentParser, str, str] | None:
+        """(the command's parser, the option given, the one meant) for the first option close to one the command
+        takes."""
+        import difflib
+
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and self._command in action.choices:
+                parser = action.choices[self._command]
+                options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+                for word in unknown:
+                    wrong = word.split("=", 1)[0]
+                    close = difflib.get_close_matches(wrong, options, n=1, cutoff=0.8)
+                    if wrong.startswith("--") and close:
+                        return parser, wrong, close[0]
+        return None
+
+    _command = ""  # (the command given: the first word that is no option)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        words = list(sys.argv[1:] if args is None else args)
+        self._command = next((w for w in words if not w.startswith("-")), "")
+        return super().parse_known_args(args, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import PackageNotFoundError, version
 
-    parser = argparse.ArgumentParser(prog="npu-shadow", description="Shadow torch_npu's patches against upstream.")
+    parser = _Parser(prog="npu-shadow", description="Shadow torch_npu's patches against upstream.")
     try:
         known = version("npu-shadow")
     except PackageNotFoundError:  # (run from a checkout that was never installed)

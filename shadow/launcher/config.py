@@ -545,8 +545,37 @@ class Config:
     rollback_optional: bool = False
 
 
+#: NPU_SHADOW_* variables that are not settings: set by the launcher for the job's processes, or read by the
+#: scripts, the receiver and the emulated npu's build.
+OTHER_VARIABLES = frozenset(
+    {
+        "NPU_SHADOW_CACHE_DIR", "NPU_SHADOW_ENABLED", "NPU_SHADOW_JOB", "NPU_SHADOW_MADE_RUN_ID",
+        "NPU_SHADOW_METRICS_DIR", "NPU_SHADOW_METRICS_LAYOUT", "NPU_SHADOW_RECEIVER_TOKEN", "NPU_SHADOW_ROLLED_BACK_BY",
+        "NPU_SHADOW_WHEEL_DIR",
+    }
+)  # fmt: skip
+
+
+def misspelt_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(variable, the setting's variable it is close to) for each NPU_SHADOW_* variable of ``environ`` that is no
+    variable npu-shadow reads but looks like one (a typo would otherwise leave the job on defaults unsaid)."""
+    import difflib
+
+    known = {setting.variable for setting in SETTINGS.values()}
+    found = []
+    for name in sorted(environ):
+        if name.startswith("NPU_SHADOW_") and name not in known and name not in OTHER_VARIABLES:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+            if close:
+                found.append((name, close[0]))
+    return found
+
+
 def from_sources(environ: Mapping[str, str], options: Mapping[str, str | None] | None = None) -> Config:
-    """Settings from the environment, each overridden by its option when given. Raises ConfigError."""
+    """Settings from the environment, each overridden by its option when given. Raises ConfigError (a misspelt
+    variable too: ``NPU_SHADOW_SAMPEL_RATE`` is refused, naming ``NPU_SHADOW_SAMPLE_RATE``)."""
+    for name, meant in misspelt_variables(environ):
+        raise ConfigError(f"{name} is not a setting of npu-shadow; did you mean {meant}?")
     values: dict[str, object] = {}
     for name, setting in SETTINGS.items():
         option_value = (options or {}).get(name)

@@ -1,0 +1,34 @@
+"""The first minutes: a command line that behaves like the tools users know."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def npu_shadow(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "shadow", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def test_a_misspelt_option_is_answered_with_the_one_meant_and_the_commands_usage():
+    """`npu-shadow run --sampel-rate 0.1 -- job` said "unrecognized arguments" with the top-level usage."""
+    done = npu_shadow("run", "--sampel-rate", "0.1", "--", "true")
+    assert done.returncode == 2
+    assert "npu-shadow run: error: unrecognized argument --sampel-rate; did you mean --sample-rate?" in done.stderr
+    assert done.stderr.startswith("usage: npu-shadow run ")
+    done = npu_shadow("verdict", "--journal", "j.jsonl", "--max-reta=0.01")
+    assert done.returncode == 2 and "did you mean --max-rate?" in done.stderr
+
+
+def test_a_misspelt_variable_fails_at_start_up_naming_the_one_meant():
+    """A misspelt NPU_SHADOW_SAMPEL_RATE was silently ignored: the job ran on defaults the user thought changed."""
+    done = npu_shadow("run", "--", sys.executable, "-c", "print('ran')", env={"NPU_SHADOW_SAMPEL_RATE": "0.1"})
+    assert done.returncode == 2 and "ran" not in done.stdout
+    assert "NPU_SHADOW_SAMPEL_RATE is not a setting of npu-shadow; did you mean NPU_SHADOW_SAMPLE_RATE?" in done.stderr
+    from shadow.launcher import config
+
+    assert config.misspelt_variables({"NPU_SHADOW_JOB": "x", "NPU_SHADOW_SAMPLE_RATE": "1", "NPU_SHADOW_ZZZ": ""}) == []
