@@ -32,3 +32,16 @@ def test_a_misspelt_variable_fails_at_start_up_naming_the_one_meant():
     from shadow.launcher import config
 
     assert config.misspelt_variables({"NPU_SHADOW_JOB": "x", "NPU_SHADOW_SAMPLE_RATE": "1", "NPU_SHADOW_ZZZ": ""}) == []
+
+
+def test_a_window_that_is_no_prometheus_duration_is_refused_saying_what_one_is():
+    """`--window 6hours` just said "HTTP 400"."""
+    done = npu_shadow("verdict", "--prometheus", "http://127.0.0.1:9", "--window", "6hours")
+    assert done.returncode == 2
+    assert "'6hours' is not a Prometheus duration (e.g. 30m, 6h, 1h30m, 7d)" in done.stderr
+    assert (
+        npu_shadow("verdict", "--prometheus", "http://127.0.0.1:9", "--window", "1h30m").stderr.count(
+            "not a Prometheus duration"
+        )
+        == 0
+    )

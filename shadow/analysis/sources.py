@@ -16,6 +16,7 @@ import os
 import re
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Iterator
@@ -215,7 +216,13 @@ def _fetch(address: str, timeout: float, said: float | None = None) -> bytes:
     if not outcome:  # (the daemon thread is abandoned: it ends with its socket's timeout, or with the process)
         raise SourceError(f"{address.split('/api/')[0]} did not answer within {said or timeout:g} s")
     if isinstance(outcome[0], BaseException):
-        raise SourceError(f"cannot query {address.split('/api/')[0]}: {outcome[0]}") from outcome[0]
+        said = ""
+        if isinstance(outcome[0], urllib.error.HTTPError):  # (Prometheus says what it refused, in JSON)
+            try:
+                said = f" ({json.loads(outcome[0].read(4096)).get('error')})"
+            except Exception:
+                said = ""
+        raise SourceError(f"cannot query {address.split('/api/')[0]}: {outcome[0]}{said}") from outcome[0]
     return outcome[0]
 
 

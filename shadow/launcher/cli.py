@@ -237,6 +237,15 @@ def _prometheus_range(args: argparse.Namespace) -> dict[str, Any]:
     return {"run": args.run, "all_runs": args.all_runs, "start": args.start, "end": args.end}
 
 
+def _duration(text: str) -> str:
+    """A Prometheus duration (``30m``, ``6h``, ``1h30m``, ``7d``), checked here: Prometheus would answer HTTP 400."""
+    import re
+
+    if not re.fullmatch(r"(\d+y)?(\d+w)?(\d+d)?(\d+h)?(\d+m)?(\d+s)?(\d+ms)?", text) or not text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Prometheus duration (e.g. 30m, 6h, 1h30m, 7d)")
+    return text
+
+
 def _timestamp(text: str) -> float:
     """A time as unix seconds, from unix seconds or ISO 8601 (UTC where no zone is given)."""
     import datetime
@@ -354,7 +363,9 @@ def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._Mut
 
     source.add_argument("--prometheus", metavar="URL", help="a Prometheus server, e.g. http://127.0.0.1:9090")
     source.add_argument("--metrics-file", metavar="PATH", help="a Prometheus text exposition (saved scrape)")
-    parser.add_argument("--window", help="with --prometheus: judge increases over this window (e.g. 6h)")
+    parser.add_argument(
+        "--window", type=_duration, help="with --prometheus: judge increases over this window (e.g. 6h)"
+    )
     parser.add_argument("--selector", default="", help='with --prometheus: series selector, e.g. job="train"')
     parser.add_argument(
         "--run", metavar="ID", help="decide on this run's evidence only (a source of several runs needs it)"
