@@ -45,3 +45,13 @@ def test_a_window_that_is_no_prometheus_duration_is_refused_saying_what_one_is()
         )
         == 0
     )
+
+
+def test_doctor_on_a_host_without_torch_npu_names_the_emulated_npu_and_the_cached_wheel(tmp_path):
+    """`doctor` on a host without torch_npu suggested neither --emulate-npu nor the cached wheel."""
+    empty = npu_shadow("doctor", "--port", "0", env={"NPU_SHADOW_WHEEL_DIR": str(tmp_path)})
+    assert "npu-shadow run --emulate-npu 2" in empty.stdout + empty.stderr
+    assert "scripts/fetch_torch_npu.sh 2.12.0" in empty.stdout + empty.stderr
+    (tmp_path / "torch_npu-2.12.0-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    cached = npu_shadow("doctor", "--port", "0", env={"NPU_SHADOW_WHEEL_DIR": str(tmp_path)})
+    assert f"--legacy-from {tmp_path}/torch_npu-2.12.0-" in cached.stdout + cached.stderr

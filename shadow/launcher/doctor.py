@@ -16,6 +16,18 @@ from shadow.core import targets
 from shadow.launcher.config import REFERENCE
 from shadow.npu import reference
 
+
+def _cached_wheel_hint() -> str:
+    """Where a torch_npu wheel is cached (scripts/fetch_torch_npu.sh puts them there), as a --legacy-from to try."""
+    from shadow.npu import torch_npu_source
+
+    for version in ("2.12.0", "2.11.0", "2.10.0", "2.9.0", "2.8.0"):
+        wheel = torch_npu_source.cached_wheel(version)
+        if wheel is not None:
+            return f"; a torch_npu {version} wheel is cached: --legacy-from {wheel}"
+    return "; scripts/fetch_torch_npu.sh 2.12.0 caches torch_npu 2.12.0's wheel for --legacy-from"
+
+
 KNOWN_DEFECT_VERSIONS = ((2, 10), (2, 13))  # upstream parallel_apply reads CUDA's autocast state, at least
 
 
@@ -157,7 +169,7 @@ def diagnose(
             "legacy: none for npu-shadow run: torch_npu is not importable here and no --legacy-from is given, so "
             "a job shadows only legacy patches it installs itself; --legacy-from reference rehearses on "
             "shadow.npu.reference, --legacy-from WHEEL compares torch_npu's own code (the self-test below uses "
-            "the reference)"
+            f"the reference){_cached_wheel_hint()}"
         )
     patches = loaded.patch_torch() if loaded is not None else None
     try:
@@ -197,7 +209,8 @@ def _diagnose_shadowing(lines: list[str], port: int, addr: str, imported_npu: bo
     elif accelerator is None:
         lines.append(
             "parallel_apply, data_parallel cannot run without an accelerator: upstream asserts one exists "
-            "(not exercised here)"
+            "(not exercised here); `npu-shadow doctor --emulate-npu 2` and `npu-shadow run --emulate-npu 2` give "
+            "this host two emulated npus that run torch's upstream"
         )
     else:
         shadowable += ["parallel_apply", "data_parallel"]
