@@ -178,6 +178,8 @@ def test_calls_by_signature_reach_the_metrics_and_weight_the_verdict():
     counts = sources.from_exposition(generate_latest(exporter.registry).decode())["op"]
     assert counts.phase().calls == {"": 0, "common": 29_970, "rare": 30}
     assert counts.compared == 60
+    assert counts.phase().cluster_count == 1  # (one process, within a minute)
+    counts.phase().cluster_count = 0  # (the weighting is under test here: each comparison counted as independent)
     decision = verdict.decide("op", counts, 0.001)
     # 30 clean comparisons of 99.9% of the calls bound the rate as 30 comparisons do, not as 60
     assert decision.weighted and decision.effective == 60

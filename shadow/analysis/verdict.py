@@ -59,6 +59,8 @@ _UNCOVERED_WHY = {
     "inplace": "legacy wrote a tensor argument in place; such calls cannot be re-run from their start",
 }
 DEFAULT_MAX_RATE = 0.001  # the divergence rate a rollout tolerates; the alert rules' budget too
+#: How clusters counted by the processes are formed, for the output.
+COUNTED_CLUSTERS = "process x 60 s blocks, counted as compared"
 DEFAULT_MIN_PER_SIGNATURE = 30  # comparisons each risky signature needs (--min-per-signature)
 #: The burn-rate alerts fire at these multiples of the max rate (the rules and the report's chart share them).
 BURN_RATE_FACTORS = {"fast burn": 14.4, "slow burn": 6.0}
@@ -185,6 +187,7 @@ class TargetCounts:
     def add_clusters(self, count: float, primary: str = LEGACY) -> None:
         """Clusters counted where the comparisons happened (:mod:`shadow.core.clusters`)."""
         self.phase(primary).cluster_count += count
+        self.clustering = self.clustering or COUNTED_CLUSTERS
 
     def clusters_not_counted(self, primary: str = LEGACY) -> None:
         """Some of the phase's comparisons came without their clusters counted."""
