@@ -384,8 +384,8 @@ def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._Mut
         type=_seconds,
         default=60.0,
         metavar="SECONDS",
-        help="with --journal written before clusters were counted: each process's comparisons are clustered in "
-        "blocks of this many seconds from its own start, a run of blocks with divergences kept whole (0: by process)",
+        help="journals from before clusters were counted: each process's comparisons in blocks of this many "
+        "seconds from its start, a run of divergent blocks kept whole (0: by process)",
     )
 
 
