@@ -55,3 +55,17 @@ def test_doctor_on_a_host_without_torch_npu_names_the_emulated_npu_and_the_cache
     (tmp_path / "torch_npu-2.12.0-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
     cached = npu_shadow("doctor", "--port", "0", env={"NPU_SHADOW_WHEEL_DIR": str(tmp_path)})
     assert f"--legacy-from {tmp_path}/torch_npu-2.12.0-" in cached.stdout + cached.stderr
+
+
+def test_setup_on_a_set_up_clone_does_nothing_twice():
+    """A second scripts/setup.sh on a set-up clone took 14 s: a silent `pip install -e` on every run."""
+    import glob
+
+    setup = [os.environ.get("BASH", "bash"), os.path.join(ROOT, "scripts", "setup.sh")]
+    first = subprocess.run(setup, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    (installed,) = glob.glob(os.path.join(ROOT, ".venv", "lib", "python*", "site-packages", "npu_shadow-*.dist-info"))
+    before = os.stat(installed).st_mtime_ns
+    again = subprocess.run(setup, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and again.stdout == again.stderr == ""  # (every step's result already there)
+    assert os.stat(installed).st_mtime_ns == before  # (not installed again)
