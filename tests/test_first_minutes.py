@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -69,3 +71,17 @@ def test_setup_on_a_set_up_clone_does_nothing_twice():
     again = subprocess.run(setup, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and again.stdout == again.stderr == ""  # (every step's result already there)
     assert os.stat(installed).st_mtime_ns == before  # (not installed again)
+
+
+def test_the_emulated_npus_build_says_it_is_still_going(tmp_path, monkeypatch, capsys):
+    """The emulated npu's build was silent for minutes (199 s with no progress)."""
+    from shadow.npu import emulated
+
+    monkeypatch.setattr(emulated, "_COMPILE", "import time; time.sleep(1.0)")
+    monkeypatch.setattr(emulated, "PROGRESS_SECONDS", 0.2)
+    emulated._compile(tmp_path)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "still building the emulated npu" in line]
+    assert len(lines) >= 2
+    monkeypatch.setattr(emulated, "_COMPILE", "import sys; print('the compiler said no'); sys.exit(1)")
+    with pytest.raises(emulated.EmulatorUnavailable, match="the compiler said no"):
+        emulated._compile(tmp_path)

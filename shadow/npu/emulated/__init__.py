@@ -180,6 +180,9 @@ def _load() -> Any:
     return module
 
 
+#: How often a build in progress says it is still going.
+PROGRESS_SECONDS = 10.0
+
 _COMPILE = """
 import sys
 from torch.utils import cpp_extension
@@ -195,11 +198,23 @@ def _compile(workspace: Path) -> None:
     ninja_directory = _ninja_directory()
     if ninja_directory:
         env["PATH"] = ninja_directory + os.pathsep + env.get("PATH", "")
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(workspace), EXTENSION_NAME], capture_output=True, text=True, env=env
-    )
-    if done.returncode != 0:
-        raise EmulatorUnavailable(f"compiling the emulated npu failed: {(done.stderr or done.stdout)[-2000:]}")
+    with tempfile.TemporaryFile("w+") as said:  # (a file, not a pipe: a compiler's words never fill it and stall)
+        compiling = subprocess.Popen(
+            [sys.executable, "-c", _COMPILE, str(workspace), EXTENSION_NAME],
+            stdout=said, stderr=subprocess.STDOUT, text=True, env=env,
+        )  # fmt: skip
+        started = time.monotonic()
+        while True:
+            try:
+                returncode = compiling.wait(PROGRESS_SECONDS)
+                break
+            except subprocess.TimeoutExpired:  # (a line every few seconds: a silent minute looks like a hang)
+                print(f"npu-shadow: still building the emulated npu ({time.monotonic() - started:.0f} s)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        said.seek(0)
+        words = said.read()
+    if returncode != 0:
+        raise EmulatorUnavailable(f"compiling the emulated npu failed: {words[-2000:]}")
 
 
 def _build(build: Path) -> None:
