@@ -3,6 +3,7 @@ torch_npu imports, the fire drill, and `npu-shadow doctor`."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -262,6 +263,8 @@ def test_fire_drill_gives_rollback_and_leaves_the_job_alone(plain_run, tmp_path)
     verdict = npu_shadow("verdict", "--metrics-file", str(textfile))
     # (a dtype drill: hard mismatches, a rollback however few clusters a short job's comparisons fall in)
     assert verdict.returncode == 1 and "rollback" in verdict.stdout and "FIRE DRILL" in verdict.stdout, verdict.stdout
+    # (the summary says how many comparisons the drill reached: a cast to its own dtype returns its input)
+    assert re.search(r"fire drill: injected into \d+ of \d+ comparisons", done.stderr), done.stderr[-2000:]
     lines = [json.loads(line) for path in tmp_path.glob("journal-*.jsonl") for line in path.read_text().splitlines()]
     lines = [line for line in lines if "outcome" in line]
     # (a call whose output aliases its argument cannot be drilled without writing the argument: it compares as is)

@@ -259,6 +259,7 @@ class Experiment:
         self._backward_skips: collections.Counter[str] = collections.Counter()
         self._clusters = Clusters(clusters.WINDOW_SECONDS)
         self._cluster_count = 0
+        self._drilled = 0
         self._truth_runs: collections.Counter[str] = collections.Counter()
         self._signatures: set[str] = set()
         self._signatures_over_cap = 0
@@ -604,6 +605,7 @@ class Experiment:
             ):
                 observation = dataclasses.replace(observation, opens_cluster=True)
                 self._cluster_count += 1
+            self._drilled += observation.drill
             self._outcomes[observation.outcome] += 1
             self._reasons.update(observation.reasons)
             if observation.shared_divergence:
@@ -693,6 +695,7 @@ class Experiment:
                 backward_skips=dict(self._backward_skips),
                 truth_runs=dict(self._truth_runs),
                 clusters=self._cluster_count,
+                drilled=self._drilled,
                 signatures_over_cap=self._signatures_over_cap,
                 export_errors=self._export_errors,
                 settings_failures=self._settings_failures,
@@ -710,6 +713,7 @@ class Experiment:
         self._backward_skips.clear()
         self._clusters.clear()
         self._cluster_count = 0
+        self._drilled = 0
         self._truth_runs.clear()
         self._export_errors = 0
         self._settings_failures = 0

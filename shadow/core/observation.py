@@ -256,6 +256,8 @@ class TargetStats:
     #: Sampled calls whose signature was counted as "other": the target had MAX_SIGNATURES already.
     #: Clusters of this process's comparisons (shadow.core.clusters), every phase together.
     clusters: int = 0
+    #: Comparisons a fire drill injected its fault into (shadow.core.drill).
+    drilled: int = 0
     signatures_over_cap: int = 0
     #: Observations an exporter failed to export (one per failing exporter).
     export_errors: int = 0

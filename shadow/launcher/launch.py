@@ -464,6 +464,11 @@ def summary(
             )
         if s.backward_runs:
             lines.append(f"{'':<16}backward compared on {s.backward_runs} calls (gradients through both graphs)")
+        if s.drilled:
+            lines.append(
+                f"{'':<16}fire drill: injected into {s.drilled} of {s.compared} comparisons (a call whose result is "
+                "its own input is never drilled: that would write the caller's tensor)"
+            )
         if s.truth_runs:
             found = ", ".join(f"{side} {s.truth_runs.get(side, 0)}" for side in ("upstream", "legacy", "tie"))
             lines.append(f"{'':<16}float64 truth runs, side nearer the truth: {found}")
