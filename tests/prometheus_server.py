@@ -38,6 +38,18 @@ def consecutive_free_ports(count: int = 2) -> int:
     raise RuntimeError("no consecutive free ports found")
 
 
+def wait_for(condition, what: str, timeout: float = 90.0, interval: float = 0.05):
+    """``condition()``'s first true value, polled every ``interval`` s; AssertionError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = condition()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
 class PrometheusServer:
     def __init__(self, url: str) -> None:
         self.url = url
@@ -59,14 +71,7 @@ class PrometheusServer:
         return self.get("/api/v1/alerts")["data"]["alerts"]
 
     def wait_for(self, condition, what: str, timeout: float = 90.0):
-        deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
-            last = condition()
-            if last:
-                return last
-            time.sleep(0.5)
-        raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+        return wait_for(condition, what, timeout, interval=0.5)
 
 
 @contextlib.contextmanager

@@ -4,14 +4,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 import types
 
 import pytest
 import torch
 from metrics_helpers import samples, total
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_server import free_port, prometheus
+from prometheus_server import free_port, prometheus, wait_for
 
 import shadow
 from exporters import JsonlExporter, PrometheusExporter
@@ -23,16 +22,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _calls_exposed(registry, target):
     return total(samples(generate_latest(registry).decode()), "npu_shadow_calls_total", target=target)
-
-
-def wait_for(condition, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout:g} s: {what}")
 
 
 def test_1_calls_between_sampled_calls_reach_the_exposition_within_a_second():
