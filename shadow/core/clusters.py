@@ -26,6 +26,7 @@ class Clusters:
 
     def __init__(self, window: float = WINDOW_SECONDS) -> None:
         self.window = window
+        self.count = 0  # (clusters opened, every phase together)
         self._phases: dict[str, list] = {}  # phase -> [origin, current block, last comparison diverged]
 
     def opens(self, phase: str, divergent: bool, now: float | None = None) -> bool:
@@ -35,15 +36,18 @@ class Clusters:
         state = self._phases.get(phase)
         if state is None:
             self._phases[phase] = [now, 0, divergent]
+            self.count += 1
             return True
         origin, block, diverging = state
         here = int((now - origin) // self.window) if self.window > 0 else 0
         opened = here != block and not (diverging and divergent)
         if opened:
             state[1] = here
+            self.count += 1
         state[2] = divergent
         return opened
 
     def clear(self) -> None:
         """Forget every phase (a forked child's comparisons are its own process's)."""
         self._phases.clear()
+        self.count = 0

@@ -28,7 +28,6 @@ from torch.utils._device import DeviceContext
 
 from shadow.core import clusters, compiling, forks, trees
 from shadow.core.budget import DEFAULT_DEADLINE, Budgets
-from shadow.core.clusters import Clusters
 from shadow.core.coverage import CLASSIFY_ONE_IN, Coverage
 from shadow.core.drill import Drill
 from shadow.core.exporting import call_hook
@@ -257,8 +256,7 @@ class Experiment:
         self._oracle_runs = 0
         self._backward_runs = 0
         self._backward_skips: collections.Counter[str] = collections.Counter()
-        self._clusters = Clusters(clusters.WINDOW_SECONDS)
-        self._cluster_count = 0
+        self._clusters = clusters.Clusters(clusters.WINDOW_SECONDS)
         self._drilled = 0
         self._truth_runs: collections.Counter[str] = collections.Counter()
         self._signatures: set[str] = set()
@@ -604,7 +602,6 @@ class Experiment:
                 observation.primary, observation.outcome in DIVERGENT_OUTCOMES
             ):
                 observation = dataclasses.replace(observation, opens_cluster=True)
-                self._cluster_count += 1
             self._drilled += observation.drill
             self._outcomes[observation.outcome] += 1
             self._reasons.update(observation.reasons)
@@ -694,7 +691,7 @@ class Experiment:
                 backward_runs=self._backward_runs,
                 backward_skips=dict(self._backward_skips),
                 truth_runs=dict(self._truth_runs),
-                clusters=self._cluster_count,
+                clusters=self._clusters.count,
                 drilled=self._drilled,
                 signatures_over_cap=self._signatures_over_cap,
                 export_errors=self._export_errors,
@@ -712,7 +709,6 @@ class Experiment:
         self._backward_runs = 0
         self._backward_skips.clear()
         self._clusters.clear()
-        self._cluster_count = 0
         self._drilled = 0
         self._truth_runs.clear()
         self._export_errors = 0
