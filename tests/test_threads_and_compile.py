@@ -136,3 +136,34 @@ def test_a_job_thread_started_while_an_upstream_run_is_under_way_is_the_jobs(dea
         stats = monitor.stats()["op"]
     assert results == {"first": 2.0, "second": 2.0}
     assert stats.calls == 2 and stats.mismatch == 2
+
+
+EXIT_SCRIPT = r"""
+import atexit, sys, threading
+
+def left_at_finalization():  # (registered first, so it runs after every handler of npu-shadow's)
+    print(sorted(t.name for t in threading.enumerate() if t.name.startswith("npu-shadow")))
+
+atexit.register(left_at_finalization)
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch_npu  # the fake: patches Tensor.type
+import shadow
+from exporters.prometheus import PrometheusExporter
+
+monitor = shadow.install(["tensor_type"], sample_rate=1.0, exporters=[PrometheusExporter()])
+x = torch.ones(3)
+for _ in range(5):
+    x.type(torch.float16).type("torch.DoubleTensor")  # (casts: their upstream side runs on a room)
+assert monitor.stats()["tensor_type"].match == 10
+"""
+
+
+def test_no_shadow_thread_is_left_when_the_interpreter_finalizes():
+    # A daemon thread still there at finalization is ended wherever it next takes the GIL; one whose stack holds
+    # C++ frames (a room started under torch.compile's frame hook) aborts the process: "terminate called without
+    # an active exception", exit -6, after the job's work was done.
+    fake = os.path.join(os.path.dirname(__file__), "fake_torch_npu")
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, fake], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -18,11 +18,13 @@ current stream, the saved-tensors hooks).
 from __future__ import annotations
 
 import _thread
+import atexit
 import collections
 import contextlib
 import dataclasses
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -91,32 +93,54 @@ class _Rooms:
     """
 
     def __init__(self) -> None:
-        self._idle: collections.deque[queue.SimpleQueue[_Run]] = collections.deque()
+        self._after_fork_in_child()
         forks.register(self)
 
     def _after_fork_in_child(self) -> None:  # (the rooms' threads are not in the child)
-        self._idle = collections.deque()
+        self._idle: collections.deque[tuple[queue.SimpleQueue[_Run | None], threading.Thread]] = collections.deque()
+        self._closed = False
+
+    def close(self, wait: float = 2.0) -> None:
+        """End the idle rooms and wait (at most ``wait`` seconds in all) for their threads to end: at interpreter
+        exit, while the interpreter is whole. A daemon thread still there when it finalizes is ended wherever it
+        next takes the GIL, and one whose stack holds C++ frames (a room started under torch.compile's frame hook)
+        aborts the process there ("terminate called without an active exception"). An abandoned room's run cannot
+        be stopped; it is left as it is."""
+        self._closed = True
+        closed = []
+        while True:
+            try:
+                inbox, thread = self._idle.pop()
+            except IndexError:
+                break
+            inbox.put(None)
+            closed.append(thread)
+        deadline = time.monotonic() + wait
+        for thread in closed:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def hand_over(self, run: _Run) -> None:
         """``run`` to the room idle last, or to a room started for it."""
         try:
-            inbox = self._idle.pop()
+            inbox, _ = self._idle.pop()
         except IndexError:
             threading.Thread(target=self._room, args=(run,), name="npu-shadow upstream side", daemon=True).start()
         else:
             inbox.put(run)
 
     def _room(self, run: _Run | None) -> None:
-        inbox: queue.SimpleQueue[_Run] = queue.SimpleQueue()
-        idle = self._idle
-        while True:
+        inbox: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
+        idle, me = self._idle, (inbox, threading.current_thread())
+        while run is not None:
             kept = run.run() and not run.abandoned and not getattr(room, "leaving", False)
             run = None  # (a room waiting for its next run holds nothing of its last: its result, graph, copies)
             if not kept:
                 return
             marks.__dict__.clear()  # (the marks of the run it had: the next run's start writes its own)
-            idle.append(inbox)
-            run = inbox.get()
+            if self._closed:  # (the interpreter is exiting: a run after this starts a room of its own)
+                return
+            idle.append(me)
+            run = inbox.get()  # (None: closed)
 
 
 #: The room this thread is, its own state: ``leaving`` (set by :func:`leave_room`: the room ends after its run), and
@@ -159,6 +183,7 @@ class _Run:
 
 
 _ROOMS = _Rooms()
+atexit.register(_ROOMS.close)
 
 
 def run_within(seconds: float | None, body: Callable[[], Any], start: Callable[[], None] | None = None) -> Finished:

@@ -10,6 +10,7 @@ exporters. Exporter failures are counted where every hook's are (``Experiment._c
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import weakref
@@ -37,6 +38,7 @@ class Reporter:
         self._monitors: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
         forks.register(self)
 
     def add(self, monitor: Reported) -> None:
@@ -57,19 +59,30 @@ class Reporter:
             except Exception as exc:  # (the thread must outlive any one monitor's failure)
                 log.warning("npu-shadow: reporting the calls of %r failed: %r", monitor, exc)
 
+    def close(self, wait: float = 2.0) -> None:
+        """Stop the thread and wait (at most ``wait`` seconds) for it to end: at interpreter exit, while the
+        interpreter is whole (a daemon thread still running when it finalizes can abort the process: see
+        :meth:`shadow.core.deadline._Rooms.close`). The exit's own last report is the launcher's."""
+        self._closed.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(wait)
+
     def _start(self) -> None:
+        if self._closed.is_set():
+            return
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, name="npu-shadow reporter", daemon=True)
             self._thread.start()
 
     def _loop(self) -> None:
-        sleep = threading.Event().wait  # (an Event nobody sets: a sleep that interpreter shutdown does not break)
-        while True:
-            sleep(self.interval)
+        closed = self._closed
+        while not closed.wait(self.interval):
             self.report_all()
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         self._thread = None  # (threads do not survive a fork)
         if len(self._monitors):
             self._start()
@@ -77,3 +90,4 @@ class Reporter:
 
 #: The process's reporter.
 REPORTER = Reporter()
+atexit.register(REPORTER.close)
