@@ -11,6 +11,7 @@ import torch
 from metrics_helpers import samples, total
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_server import free_port, prometheus, wait_for
+from recorders import Recorder
 
 import shadow
 from exporters import JsonlExporter, PrometheusExporter
@@ -88,6 +89,56 @@ def test_1_a_real_prometheus_sees_every_call_of_a_running_job_and_its_final_coun
     assert {t["target"]: t["clusters"] for t in decided["journals"]["targets"] if t["compared"]} == {
         t["target"]: t["clusters"] for t in decided["prometheus"]["targets"] if t["compared"]
     }
+
+
+# --------------------------------------------------------------------------- 5. a default that gathers evidence
+
+
+def test_5_under_the_launchers_defaults_an_expensive_target_and_a_late_signature_get_their_comparisons():
+    """The issue's "1 of 48 compared" under --budget 0.2 was the undercount of point 1 (the same job at that commit
+    compared 45 of 45 in its summary); this holds the property itself: where the budget does limit (a call whose
+    shadow side costs 40 ms, beside a cast target's steady state), a target called 40 times gets at least 8
+    comparisons within those calls, and a signature first met late is compared on its first call."""
+    from shadow.launcher.config import Config
+
+    defaults = Config()
+    slow = types.SimpleNamespace(op=lambda x: (_spend(0.04), x * 2)[1])
+    recorder = Recorder()
+    monitor = shadow.install(
+        targets=[Target("slow", slow, "op", lambda x: (_spend(0.04), x * 2)[1], signature=lambda a, k: "step"),
+                 "tensor_type"],
+        sample_rate=defaults.sample_rate,
+        budget=defaults.budget,
+        first_per_signature=defaults.first_per_signature,
+        aa_rate=defaults.aa_rate,
+        exporters=[recorder],
+        seed=0,
+    )  # fmt: skip
+    x = torch.arange(4.0)
+    try:
+        for step in range(40):
+            slow.op(x)
+            for i in range(20):
+                x.type(torch.float64 if i % 2 else torch.float32)
+            if step >= 30:
+                x.type("torch.HalfTensor")  # (a signature first met late, while the budget is in its steady state)
+        stats = monitor.stats()
+    finally:
+        monitor.uninstall()
+    assert stats["slow"].calls == 40
+    assert stats["slow"].by_reason.get("budget", 0) > 0  # (the budget did limit: the property is tested)
+    assert stats["slow"].match >= 8, stats["slow"]
+    late = [o.outcome for o in recorder.of("tensor_type") if o.signature == "name/cpu/blocking"]
+    assert late[:1] == ["match"], late
+
+
+def _spend(seconds):
+    """Busy for ``seconds`` (the shadow side's cost is its wall time, as a real computation's is)."""
+    import time
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 # --------------------------------------------------------------------------- 2. a run id
