@@ -523,6 +523,12 @@ def _check_counts(record: dict, where: str) -> dict:
     """A count record's fields, checked: nested maps of strings to whole counts."""
     if not isinstance(record.get("target"), str) or record.get("primary") not in PRIMARY_SIDES:
         raise SourceError(f"{where}: a count record without a target or a known primary")
+    timestamp = record.get("timestamp")
+    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not math.isfinite(timestamp):
+        raise SourceError(
+            f"{where}: a count record whose timestamp is {json.dumps(timestamp)}, not a finite number of seconds "
+            "(when its comparisons were counted, which the clusters are cut by)"
+        )
 
     def table(name: str, depth: int) -> dict:
         value = record.get(name, {})
@@ -691,7 +697,7 @@ class JournalReader:
                 raise SourceError(f"{where}: a count record below the process's earlier one (counts only grow)")
             phase.previous = (compared, divergent)
             if compared - before[0] > 0:
-                phase.intervals.append((record.get("timestamp", 0.0), compared - before[0], divergent - before[1]))
+                phase.intervals.append((record["timestamp"], compared - before[0], divergent - before[1]))
         elif event in ("rollback", "reset"):
             stream.events.append(record)
             if event == "reset":
