@@ -19,7 +19,7 @@ from json.encoder import encode_basestring_ascii
 
 from exporters import capture, contract
 from shadow.core import forks
-from shadow.core.observation import LEGACY, Observation, Outcome
+from shadow.core.observation import DIFFERS_IN_FLOAT64, LEGACY, Observation, Outcome
 from shadow.core.safe_paths import check_private_directory, make_private_directory, open_own_file, template_problem
 from shadow.core.truth import error_decade
 
@@ -81,7 +81,7 @@ class _Counts:
             by_side = self.truth.setdefault(o.signature, {})
             by_side[o.nearer] = by_side.get(o.nearer, 0) + 1
             decade = error_decade(o.legacy_truth_error, o.upstream_truth_error)
-            if decade is not None:
+            if decade is not None and o.nearer != DIFFERS_IN_FLOAT64:  # (errors against two runs: no ratio)
                 by_decade = self.truth_decades.setdefault(o.signature, {})
                 by_decade[str(decade)] = by_decade.get(str(decade), 0) + 1
 

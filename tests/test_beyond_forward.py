@@ -4,6 +4,8 @@ which side of a value difference is nearer the truth."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import types
 
 import pytest
@@ -130,32 +132,67 @@ def _value_target(legacy):
     return ops, shadow.Target("poly", ops, "op", _poly)
 
 
+def _sequential_sum(x):
+    """A sum rounded to ``x``'s dtype at every step (torch.sum accumulates a float16 tensor in float32)."""
+    total = x[0]
+    for value in x[1:]:
+        total = total + value
+    return total
+
+
+def _cancelling(x):
+    """``_poly`` of ``x`` after adding and taking away 1e4: digits lost in float32 (about 1e-3 of x), none that
+    matter in float64 (about 2e-12): the two code paths agree in float64, and legacy is the further from it."""
+    return _poly((x + 1e4) - 1e4)
+
+
+def _scaled_in_half(x):
+    return (x.half() * 3.14159).to(x.dtype)
+
+
 @pytest.mark.parametrize(
-    ("dtype", "legacy", "expected"),
+    ("dtype", "legacy", "upstream", "expected"),
     [
-        (torch.float32, lambda x: _poly(x.half()).float(), "upstream"),  # legacy computes in float16
-        (torch.float16, lambda x: _poly(x.float()).half(), "legacy"),  # upstream does, rounding at each step
+        (torch.float16, _sequential_sum, torch.sum, "upstream"),  # one sum, legacy rounding at every step
+        (torch.float16, torch.sum, _sequential_sum, "legacy"),
+        # upstream rounds by design: its own path in float64 still rounds, so it is no truth to judge by
+        (torch.float32, lambda x: x * 3.14159, _scaled_in_half, "differs-in-float64"),
+        (torch.float32, lambda x: _poly(x.half()).float(), _poly, "differs-in-float64"),
     ],
-    ids=["legacy-in-float16", "upstream-in-float16"],
+    ids=["legacy-rounds-each-step", "upstream-rounds-each-step", "upstream-in-float16", "legacy-in-float16"],
 )
-def test_a_truth_run_tells_which_side_is_nearer_float64(tmp_path, dtype, legacy, expected):
+def test_a_truth_run_tells_which_side_is_nearer_float64(tmp_path, dtype, legacy, upstream, expected):
+    """Both code paths run in float64: where they agree that is the truth; where they do not, the difference is in
+    the algorithm (a run on upstream's path alone judged an upstream that rounds by design nearer)."""
     torch.manual_seed(0)
-    ops, target = _value_target(legacy)
+    ops = types.SimpleNamespace(op=legacy)
+    target = shadow.Target("poly", ops, "op", upstream)
     journal = tmp_path / "journal.jsonl"
     collect = _Collect()
     with shadow.install(
         [target], sample_rate=1.0, truth_rate=1.0, budget=None, exporters=[collect, JsonlExporter(str(journal))]
     ) as monitor:
         for _ in range(4):
-            ops.op(torch.rand(64, dtype=dtype) * 4)
+            ops.op(torch.rand(512, dtype=dtype) * 4)
         stats = monitor.stats()["poly"]
     assert stats.compared == 4 and stats.match == 0
     assert stats.truth_runs == {expected: 4}, stats
     for observation in collect.observations:
         errors = (observation.legacy_truth_error, observation.upstream_truth_error)
-        assert observation.nearer == expected and (errors[0] < errors[1]) == (expected == "legacy"), errors
+        assert observation.nearer == expected, errors
+        if expected in ("legacy", "upstream"):
+            assert (errors[0] < errors[1]) == (expected == "legacy"), errors
     lines = [json.loads(line) for line in journal.read_text().splitlines()]
     assert [line["nearer"] for line in lines if line.get("nearer")] == [expected] * 4
+    said = subprocess.run(
+        [sys.executable, "-m", "shadow", "verdict", "--journal", str(journal), "--min-per-signature", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert said.returncode in (0, 1, 3), said.stderr
+    if expected == "differs-in-float64":
+        assert "the two code paths differ in float64 too in 4" in said.stdout, said.stdout
+    else:
+        assert f"upstream nearer in {4 if expected == 'upstream' else 0} of 4" in said.stdout, said.stdout
 
 
 def test_no_truth_run_for_a_match_or_a_difference_in_kind():
@@ -201,7 +238,7 @@ def test_the_truth_run_puts_the_module_and_rng_back():
 
 
 def _truth_journal(tmp_path, calls=4):
-    ops, target = _value_target(lambda x: _poly(x.half()).float())  # legacy in float16: upstream nearer
+    ops, target = _value_target(_cancelling)  # legacy loses digits in float32: upstream nearer
     journal = tmp_path / "journal.jsonl"
     torch.manual_seed(0)
     with shadow.install(
@@ -223,7 +260,7 @@ def test_the_verdict_shows_per_signature_which_side_is_nearer_and_by_how_much(tm
     (decision,) = verdict.decide_all(sources.from_journal([str(journal)]), 0.001, {}, 30)
     (summary,) = decision.truth
     assert (summary.signature, summary.upstream, summary.legacy, summary.tie) == ("call", 4, 0, 0)
-    assert summary.decade is not None and summary.decade <= -2  # (float32 against float16: decades apart)
+    assert summary.decade is not None and summary.decade <= -2  # (float32 against its digits lost: decades apart)
     assert decision.divergent == 4  # (shown beside the decision, never folded into it)
     printed = subprocess.run(
         [sys.executable, "-m", "shadow", "verdict", "--journal", str(journal)], capture_output=True, text=True
@@ -263,7 +300,7 @@ def test_truth_runs_reach_the_verdict_through_a_metrics_exposition():
     from shadow.analysis import sources, verdict
 
     registry = CollectorRegistry()
-    ops, target = _value_target(lambda x: _poly(x.half()).float())
+    ops, target = _value_target(_cancelling)
     with shadow.install(
         [target], sample_rate=1.0, truth_rate=1.0, budget=None, exporters=[PrometheusExporter(registry=registry)]
     ):

@@ -24,7 +24,7 @@ from shadow.analysis.sources import (
     with_rotated,
 )
 from shadow.analysis.verdict import Decision, TargetCounts
-from shadow.core.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, Outcome
+from shadow.core.observation import COMPARED_OUTCOMES, DIFFERS_IN_FLOAT64, DIVERGENT_OUTCOMES, Outcome
 
 DIVERGENT = DIVERGENT_OUTCOMES
 #: Journal fields that describe the run rather than one call: collected as the report's environment.
@@ -332,7 +332,12 @@ def _charts(evidence: Evidence, decisions: list[Decision], max_rate: float, min_
         (f"{d.target} {t.signature}: {side} nearer", float(count))
         for d in decisions
         for t in d.truth
-        for side, count in (("upstream", t.upstream), ("legacy", t.legacy), ("tie", t.tie))
+        for side, count in (
+            ("upstream", t.upstream),
+            ("legacy", t.legacy),
+            ("tie", t.tie),
+            (DIFFERS_IN_FLOAT64, t.differs),
+        )
     ]
     figures.append(
         charts.horizontal_bars(
@@ -393,18 +398,23 @@ def _shared(decisions: list[Decision]) -> Section:
 
 def _truth(decisions: list[Decision]) -> Section:
     rows = [
-        [d.target, t.signature, f"{t.upstream:,}", f"{t.legacy:,}", f"{t.tie:,}",
+        [d.target, t.signature, f"{t.upstream:,}", f"{t.legacy:,}", f"{t.tie:,}", f"{t.differs:,}",
          "-" if t.decade is None else f"~10^{t.decade}"]
         for d in decisions
         for t in d.truth
     ]  # fmt: skip
     text = [
-        "Calls whose two sides differ in value (close, or a value mismatch) run once more in float64 on the CPU, on "
-        "upstream's code path: the side whose result is nearer that run is nearer the truth. A difference where "
-        "upstream is nearer is no regression (shown here, never hidden, and never counted as agreement); one where "
-        "legacy is nearer is. These runs are shown beside the decision, not folded into it."
+        "Calls whose two sides differ in value (close, or a value mismatch) run again in float64 on the CPU, on each "
+        "side's code path (DataParallel: replica 0's module alone, one path): where the two runs agree, the side "
+        "whose result is nearer them is nearer the truth. A difference where upstream is nearer is no regression "
+        "(shown here, never hidden, and never counted as agreement); one where legacy is nearer is. Where the two "
+        "paths differ in float64 too (differs-in-float64), the difference is in the algorithm, not in rounding, and "
+        "no side is the truth. These runs are shown beside the decision, not folded into it."
     ]
-    header = ["target", "signature", "upstream nearer", "legacy nearer", "tie", "upstream's error / legacy's (median)"]
+    header = [
+        "target", "signature", "upstream nearer", "legacy nearer", "tie", "differs in float64",
+        "upstream's error / legacy's (median)",
+    ]  # fmt: skip
     return Section("Float64 truth", text, header, rows)
 
 

@@ -28,6 +28,7 @@ from exporters import contract
 from shadow.analysis.verdict import TargetCounts
 from shadow.core.observation import (
     COMPARED_OUTCOMES,
+    DIFFERS_IN_FLOAT64,
     DIVERGENT_OUTCOMES,
     LEGACY,
     NEARER,
@@ -474,7 +475,8 @@ class _Tail:
         if nearer in NEARER:
             self.truth[(signature, nearer)] = self.truth.get((signature, nearer), 0) + 1
             errors = record.get("legacy_truth_error"), record.get("upstream_truth_error")
-            if all(isinstance(e, (int, float)) and not isinstance(e, bool) for e in errors):
+            numbers = all(isinstance(e, (int, float)) and not isinstance(e, bool) for e in errors)
+            if numbers and nearer != DIFFERS_IN_FLOAT64:  # (errors against two runs: no ratio)
                 decade = error_decade(*errors)
                 if decade is not None:
                     key = (signature, str(decade))

@@ -41,6 +41,7 @@ from shadow.core.observation import (
     DIVERGENT_OUTCOMES,
     HARD_REASONS,
     LEGACY,
+    NEARER,
     NONRESPONSE_REASONS,
     PRIMARY_SIDES,
     UNCOVERED_REASONS,
@@ -308,17 +309,25 @@ class TruthSummary:
     upstream: int
     tie: int
     decade: int | None = None
+    #: Runs where the two code paths differ in float64 too (the difference is the algorithm's: no truth to be near).
+    differs: int = 0
 
     @property
     def runs(self) -> int:
-        return self.legacy + self.upstream + self.tie
+        return self.legacy + self.upstream + self.tie + self.differs
 
     def describe(self) -> str:
         """One line: ``upstream nearer in 4 of 5 (its error ~10^-3 of legacy's), legacy in 1, tie 0``."""
         by_how_much = f" (upstream's error ~10^{self.decade} of legacy's, median)" if self.decade is not None else ""
+        differs = (
+            f"; the two code paths differ in float64 too in {self.differs} (the algorithm differs, not the rounding: "
+            "no side is the truth)"
+            if self.differs
+            else ""
+        )
         return (
             f"upstream nearer in {self.upstream} of {self.runs}, legacy nearer in {self.legacy}, tie {self.tie}"
-            f"{by_how_much}"
+            f"{by_how_much}{differs}"
         )
 
 
@@ -339,8 +348,8 @@ def truth_summaries(counts: TargetCounts) -> tuple[TruthSummary, ...]:
         by_side = {k: round(v) for k, v in sides[signature].items()}
         if not sum(by_side.values()):
             continue
-        legacy, upstream, tie = (by_side.get(side, 0) for side in ("legacy", "upstream", "tie"))
-        found.append(TruthSummary(signature, legacy, upstream, tie, _median(decades.get(signature, {}))))
+        legacy, upstream, tie, differs = (by_side.get(side, 0) for side in NEARER)
+        found.append(TruthSummary(signature, legacy, upstream, tie, _median(decades.get(signature, {})), differs))
     return tuple(found)
 
 

@@ -77,8 +77,12 @@ SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "inplace", "budget", "deadl
 #: the finding), "failed" (this tool's fault, logged).
 BACKWARD_SKIP_REASONS = ("deadline", "reentrant", "sparse", "raised", "no_grad", "diverged", "failed")
 
+#: Where the two sides' own code paths, both run in float64, differ by more than float64 rounding: the difference is
+#: in the algorithm, not in rounding, and neither side's float64 run is the truth (shadow.core.truth).
+DIFFERS_IN_FLOAT64 = "differs-in-float64"
+
 #: Which side a float64 truth run found nearer the truth (shadow.core.truth): the values of ``nearer``.
-NEARER = ("legacy", "upstream", "tie")
+NEARER = ("legacy", "upstream", "tie", DIFFERS_IN_FLOAT64)
 
 #: The built-in targets' names (their Targets are in shadow.core.targets).
 BUILTIN_TARGETS = ("parallel_apply", "data_parallel", "tensor_type")

@@ -3,11 +3,14 @@
 When legacy and upstream differ in value (outcome ``close``, or a ``mismatch`` for value alone), the comparison
 says that they differ, not which one is wrong. Accuracy tools answer that for single operators by a float64 CPU
 "golden" run (msprobe's api_accuracy_checker; torch._dynamo's ``same(ref, res, fp64_ref)`` asks whether the new
-result is further from float64 than the old one). Here, on a sampled fraction of such calls, the call runs once
-more on the CPU in float64, on upstream's code path: every floating tensor of the arguments copied and upcast,
-every module in the call with its parameters and buffers swapped for upcast copies (put back afterwards), the
-global RNG put back where it was, no graph. For the DataParallel targets the truth is replica 0's module alone
-(the single-device call of :mod:`shadow.core.oracle`), compared with replica 0's part of each side's result.
+result is further from float64 than the old one). Here, on a sampled fraction of such calls, the call runs again on
+the CPU in float64, once on each side's code path: every floating tensor of the arguments copied and upcast, every
+module in the call with its parameters and buffers swapped for upcast copies (put back afterwards), the global RNG
+put back where it was, no graph. Where the two float64 runs agree within :data:`FLOAT64_AGREEMENT` they are the
+truth; where they do not, one side's code rounds (or computes) differently by design, and a truth run on that
+side's path would take its side: ``nearer`` is ``differs-in-float64``, each side's error measured against its own
+path's float64 run. For the DataParallel targets the truth is replica 0's module alone (the single-device call of
+:mod:`shadow.core.oracle`: one code path, neither side's), compared with replica 0's part of each side's result.
 
 Each side's error against the truth is, per output leaf, the greatest absolute difference divided by the
 greatest magnitude of the truth (a NaN or infinity where the truth has a finite value counts as infinite); a
@@ -27,10 +30,16 @@ import torch
 
 from shadow.core import memory, trees
 from shadow.core.isolation import ModuleState, RngSnapshot, module_tensors, modules_in_call
+from shadow.core.observation import DIFFERS_IN_FLOAT64
 from shadow.core.observation import NEARER as NEARER
 
 #: Errors within this share of the larger one are a tie.
 TIE_SHARE = 0.1
+
+#: The greatest relative difference (as :func:`leaf_errors` measures it) at which the two sides' float64 runs are
+#: one truth: a million float64 ulps, far above what a different summation order or a fused operation makes, far
+#: below what a float16 or float32 step in either code path makes.
+FLOAT64_AGREEMENT = 1e-10
 
 
 def _upcast_dtype(tensor: torch.Tensor) -> torch.dtype:
@@ -182,3 +191,18 @@ def nearer(legacy: list[float], upstream: list[float]) -> Truth | None:
 def judge(legacy_result: Any, upstream_result: Any, truth: Any) -> Truth | None:
     """Both results against the truth (None where they cannot be paired with it)."""
     return nearer(leaf_errors(legacy_result, truth), leaf_errors(upstream_result, truth))
+
+
+def judge_both(legacy_result: Any, upstream_result: Any, legacy_truth: Any, upstream_truth: Any) -> Truth | None:
+    """Both results against the float64 runs of both code paths: against the truth where the two runs agree within
+    :data:`FLOAT64_AGREEMENT`, else ``differs-in-float64`` (each side's error against its own path's run). None
+    where the results cannot be paired with the runs."""
+    apart = leaf_errors(legacy_truth, upstream_truth)
+    if not apart:
+        return None
+    if max(apart) <= FLOAT64_AGREEMENT:
+        return judge(legacy_result, upstream_result, upstream_truth)
+    legacy, upstream = leaf_errors(legacy_result, legacy_truth), leaf_errors(upstream_result, upstream_truth)
+    if not legacy or len(legacy) != len(upstream):
+        return None
+    return Truth(DIFFERS_IN_FLOAT64, max(legacy), max(upstream), tuple(legacy), tuple(upstream))

@@ -41,7 +41,7 @@ from shadow.core.observation import (
 from shadow.core.sides import LEGACY_AGAIN, current_run, marks, upstream_run
 from shadow.core.targets import Target
 from shadow.core.tolerance import ToleranceSpec
-from shadow.core.truth import in_float64, judge, run_upcast
+from shadow.core.truth import in_float64, judge, judge_both, run_upcast
 
 _PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
 
@@ -502,8 +502,8 @@ class UpstreamSide:
     def _truth(
         self, plan: Plan, args: tuple, kwargs: dict, legacy: Any, upstream: Any, left_by_legacy: TorchGlobals
     ) -> dict[str, Any]:
-        """The float64 CPU run on upstream's code path (:mod:`shadow.core.truth`) and each side's error against it:
-        the Observation fields (none where the results cannot be paired with it)."""
+        """The float64 CPU runs (:mod:`shadow.core.truth`: the single-device call's, or each side's code path's) and
+        each side's error against them: the Observation fields (none where the results cannot be paired with them)."""
         experiment = self.experiment
         start = time.perf_counter()
         target = experiment.target
@@ -511,19 +511,27 @@ class UpstreamSide:
             with torch.no_grad():  # (the single-device call's scatter: no graph on the caller's inputs)
                 call = target.oracle(args, kwargs) if target.oracle is not None else None
             if call is not None:
-                function, on, parts = call.module, (call.args, call.kwargs), call.legacy_part
+                paths, on, parts = [(call.module, experiment)], (call.args, call.kwargs), call.legacy_part
             else:
-                function, on, parts = target.upstream, (args, kwargs), (lambda result, truth: result)
-            experiment.put_back(plan.before)
-            try:
-                with in_float64(function, *on) as (up_args, up_kwargs), upstream_run(experiment):
-                    body = functools.partial(run_upcast, function, up_args, up_kwargs)
-                    ran = self._within_deadline(experiment, plan.before, body)
-            finally:
-                experiment.put_back(left_by_legacy)
-            if not ran.finished or ran.error is not None:
-                return {"truth_seconds": time.perf_counter() - start}
-            judged = judge(parts(legacy, ran.value), parts(upstream, ran.value), ran.value)
+                # (legacy's path as the A/A run runs it: the calls it makes of wrapped functions are legacy's)
+                paths = [(target.upstream, experiment), (experiment.legacy, LEGACY_AGAIN)]
+                on, parts = (args, kwargs), (lambda result, truth: result)
+            truths = []
+            for function, side in paths:
+                experiment.put_back(plan.before)
+                try:
+                    with in_float64(function, *on) as (up_args, up_kwargs), upstream_run(side):
+                        body = functools.partial(run_upcast, function, up_args, up_kwargs)
+                        ran = self._within_deadline(side, plan.before, body)
+                finally:
+                    experiment.put_back(left_by_legacy)
+                if not ran.finished or ran.error is not None:
+                    return {"truth_seconds": time.perf_counter() - start}
+                truths.append(ran.value)
+            if len(truths) == 1:
+                judged = judge(parts(legacy, truths[0]), parts(upstream, truths[0]), truths[0])
+            else:
+                judged = judge_both(legacy, upstream, legacy_truth=truths[1], upstream_truth=truths[0])
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the truth run is ours: its failure loses only its finding

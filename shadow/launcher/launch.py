@@ -26,7 +26,7 @@ from typing import Any
 
 from shadow.core import forks
 from shadow.core.exporting import call_hook
-from shadow.core.observation import SKIP_REASON_MEANING
+from shadow.core.observation import DIFFERS_IN_FLOAT64, SKIP_REASON_MEANING
 from shadow.core.runs import run_id
 from shadow.npu.patching import LEGACY_PATCHED
 
@@ -471,6 +471,8 @@ def summary(
             )
         if s.truth_runs:
             found = ", ".join(f"{side} {s.truth_runs.get(side, 0)}" for side in ("upstream", "legacy", "tie"))
+            differs = s.truth_runs.get(DIFFERS_IN_FLOAT64, 0)
+            found += f"; the two code paths differ in float64 too: {differs}" if differs else ""
             lines.append(f"{'':<16}float64 truth runs, side nearer the truth: {found}")
     if not stats:
         lines.append("(no target installed: no active legacy patch in this process)")
