@@ -256,6 +256,17 @@ PROMOTION_CASES = [
         "fires": True,
     },
     {
+        "name": "clean, gradients compared on a twentieth of the comparisons: too few to bound alone",
+        "phases": {"legacy": CLEAN},
+        "backward": {("legacy", "a"): 5},
+    },
+    {
+        "name": "clean, every comparison's gradients compared too: fires",
+        "phases": {"legacy": CLEAN},
+        "backward": {("legacy", "a"): 90, ("legacy", "b"): 10},
+        "fires": True,
+    },
+    {
         "name": "tensor_type whose job took a risky signature, compared too rarely",
         "target": "tensor_type",
         "phases": {"legacy": {"dtype/cpu/blocking": (1000, 100, 0), "npu_name/noncurrent/blocking": (1, 0.1, 0)}},
@@ -284,6 +295,8 @@ def promotion_case(spec: dict) -> dict:
         grow("npu_shadow_skipped_total", per_minute, primary=primary, signature=signature, reason=reason)
     for primary, per_minute in spec.get("clusters", {}).items():
         grow("npu_shadow_clusters_total", per_minute, primary=primary)
+    for (primary, signature), per_minute in spec.get("backward", {}).items():
+        grow("npu_shadow_backward_runs_total", per_minute, primary=primary, signature=signature, outcome="match")
     if spec.get("rollbacks"):
         grow("npu_shadow_rollbacks_total", spec["rollbacks"], source="http")
     fired = []

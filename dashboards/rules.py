@@ -28,6 +28,7 @@ import re
 from typing import Any
 
 from dashboards.series import (
+    BACKWARD_RUNS,
     CALLS,
     CLUSTERS,
     COMPARED,
@@ -137,6 +138,7 @@ def _recording_rules() -> list[dict[str, str]]:
             f" / sum by (job, run, target) (rate({LEGACY_TIME}[15m]))",
         },
         {"record": "npu_shadow:promotion:upper_bound_approx", "expr": promotion_bound()},
+        {"record": "npu_shadow:promotion:gradient_upper_bound_approx", "expr": gradient_promotion_bound()},
     ]
     return rules
 
@@ -157,6 +159,18 @@ def promotion_bound() -> str:
     clusters = f"{BY} ({CLUSTERS})"
     clustered = f"(({least} <= {clusters}) or {clusters} or {least})"
     return f"({budget!r} + ln(1 + npu_shadow:comparisons:total / {prior.b!r})) / {clustered}"
+
+
+def gradient_promotion_bound() -> str:
+    """PromQL for the same approximation over a phase's gradient evidence (the verdict's ``<primary> gradients``
+    phase: one stratum of the B backward comparisons, in at most the phase's C clusters):
+    ``(log(1/alpha) - log(w) + log(1 + B / b)) / min(B, C)``."""
+    prior = bounds.Prior.for_max_rate(PARAMS["max_divergence"])
+    budget = math.log(1 / bounds.ALPHA) - math.log(bounds.SHARED_RATE_WEIGHT)
+    runs = f"{BY} ({BACKWARD_RUNS})"
+    clusters = f"{BY} ({CLUSTERS})"
+    clustered = f"(({runs} <= {clusters}) or {clusters} or {runs})"
+    return f"({budget!r} + ln(1 + {runs} / {prior.b!r})) / {clustered}"
 
 
 def _fnmatch_regex(pattern: str) -> str:
@@ -301,6 +315,9 @@ def _alerting_rules() -> list[dict]:
             f"npu_shadow:promotion:upper_bound_approx < {PARAMS['max_divergence']!r}"
             # no divergence in any phase of the target
             " unless on (job, run, target) (npu_shadow:divergent:total > 0)"
+            # where gradients were compared, their own evidence (rated over those calls alone) bounded as well
+            " unless on (job, run, target, primary) "
+            f"(npu_shadow:promotion:gradient_upper_bound_approx >= {PARAMS['max_divergence']!r})"
             # no call skipped for a reason tied to the call (non-response)
             f' unless on (job, run, target) sum by (job, run, target) ({SKIPPED}{{reason=~"{nonresponse}"}}) > 0'
             # every signature with calls compared

@@ -14,6 +14,7 @@ import dataclasses
 from shadow.core.environment import device as device  # the environment labels come from the core
 from shadow.core.environment import versions as versions
 from shadow.core.observation import (
+    BACKWARD_OUTCOMES,
     COMPARED_OUTCOMES,
     DIVERGENT_OUTCOMES,
     HARD_REASONS,
@@ -39,6 +40,7 @@ VOCABULARY = {
     "skip_reasons": SKIP_REASONS,
     "shared_divergence_reasons": SHARED_DIVERGENCE_REASONS,
     "nearer": NEARER,
+    "backward_outcomes": BACKWARD_OUTCOMES,
 }
 
 #: Log buckets for absolute and relative errors, 1e-9 .. 1e2.
@@ -163,9 +165,9 @@ BACKWARD_RUNS = Metric(
     "npu_shadow.backward_runs",
     "{run}",
     "counter",
-    ("target", "signature"),
-    "Backward comparisons: seeded cotangents pulled back through both sides' graphs (a difference is a mismatch with "
-    "reason grad).",
+    ("target", "signature", "primary", "outcome"),
+    "Backward comparisons: seeded cotangents pulled back through both sides' graphs, by what they found (match, or "
+    "mismatch: the call's outcome is then a mismatch with reason grad). The gradients' own evidence.",
 )
 BACKWARD_SKIPS = Metric(
     "npu_shadow.backward_skips",

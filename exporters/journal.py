@@ -51,7 +51,10 @@ class _Counts:
     """What one (target, primary) phase of this process saw since the exporter started: every observation (those
     not written as lines too), calls and budget skips. Written whole (cumulative) in count records."""
 
-    __slots__ = ("calls", "clusters", "drilled", "outcomes", "reasons", "shared", "skipped", "truth", "truth_decades")
+    __slots__ = (
+        "backward", "calls", "clusters", "drilled", "outcomes", "reasons", "shared", "skipped", "truth",
+        "truth_decades",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.outcomes: dict[str, dict[str, int]] = {}  # signature -> outcome -> count
@@ -63,6 +66,7 @@ class _Counts:
         self.drilled = 0
         self.truth: dict[str, dict[str, int]] = {}  # signature -> nearer -> truth runs
         self.truth_decades: dict[str, dict[str, int]] = {}  # signature -> error decade -> truth runs
+        self.backward: dict[str, dict[str, int]] = {}  # signature -> what the backward comparison found -> count
 
     def observe(self, o: Observation) -> None:
         if o.outcome == Outcome.SKIPPED:
@@ -77,6 +81,9 @@ class _Counts:
         if o.shared_divergence:
             self.shared[o.shared_divergence] = self.shared.get(o.shared_divergence, 0) + 1
         self.drilled += o.drill
+        if o.backward:
+            by_found = self.backward.setdefault(o.signature, {})
+            by_found[o.backward_outcome] = by_found.get(o.backward_outcome, 0) + 1
         if o.nearer:
             by_side = self.truth.setdefault(o.signature, {})
             by_side[o.nearer] = by_side.get(o.nearer, 0) + 1
@@ -100,6 +107,7 @@ class _Counts:
             "drilled": self.drilled,
             "truth": self.truth,
             "truth_decades": self.truth_decades,
+            "backward": self.backward,
         }
 
 

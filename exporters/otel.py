@@ -239,7 +239,10 @@ class OTelExporter:
                     key = (target, signature, measure)
                     self._floors[key] = max(self._floors.get(key, 0.0), min(value, contract.ERROR_CAP))
             if observation.backward:
-                add(contract.BACKWARD_RUNS, 1, target, observation.signature)
+                add(
+                    contract.BACKWARD_RUNS, 1, target, observation.signature, observation.primary,
+                    observation.backward_outcome,
+                )  # fmt: skip
             if observation.backward_skip:
                 add(contract.BACKWARD_SKIPS, 1, target, observation.backward_skip)
             if observation.nearer:

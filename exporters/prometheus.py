@@ -235,7 +235,9 @@ class PrometheusExporter:
         if observation.aa:
             self._aa(observation)
         if observation.backward:
-            child(contract.BACKWARD_RUNS, target, observation.signature).inc()
+            child(
+                contract.BACKWARD_RUNS, target, observation.signature, observation.primary, observation.backward_outcome
+            ).inc()
         if observation.backward_skip:
             child(contract.BACKWARD_SKIPS, target, observation.backward_skip).inc()
         if observation.nearer:

@@ -157,6 +157,8 @@ def _counts_at_eval(spec: dict):
         counts.add_skip(reason, per_minute * minutes, primary, signature)
     for primary, per_minute in spec.get("clusters", {}).items():
         counts.add_clusters(per_minute * minutes, primary)
+    for (primary, signature), per_minute in spec.get("backward", {}).items():
+        counts.add_backward(signature, "match", per_minute * minutes, primary)
     if spec.get("rollbacks"):
         counts.rollbacks.append("http")
     return counts

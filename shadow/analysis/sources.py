@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporters import contract
 from shadow.analysis.verdict import TargetCounts
 from shadow.core.observation import (
+    BACKWARD_OUTCOMES,
     COMPARED_OUTCOMES,
     DIFFERS_IN_FLOAT64,
     DIVERGENT_OUTCOMES,
@@ -47,6 +48,7 @@ CALLS = contract.CALLS.series
 CLUSTERS = contract.CLUSTERS.series
 PROCESS_TIME = contract.PROCESS_TIME.series
 TRUTH_RUNS = contract.TRUTH_RUNS.series
+BACKWARD_RUNS = contract.BACKWARD_RUNS.series
 ROLLBACKS = contract.ROLLBACKS.series
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
 BUILD_INFO = contract.BUILD_INFO.prometheus_name
@@ -124,6 +126,9 @@ def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], val
     elif name == TRUTH_RUNS:
         if labels.get("nearer") in NEARER:
             target.add_truth(labels.get("signature", ""), labels["nearer"], value, primary)
+    elif name == BACKWARD_RUNS:
+        if labels.get("outcome") in BACKWARD_OUTCOMES:  # (series from before the outcome label: not evidence)
+            target.add_backward(labels.get("signature", ""), labels["outcome"], value, primary)
     else:
         target.add_shared(labels.get("reason", ""), value, primary)
 
@@ -145,7 +150,7 @@ def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
         raise SourceError(f"{path} is not UTF-8 text: {exc}") from exc
 
 
-_COUNTED = (COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, CLUSTERS, ROLLBACKS, TRUTH_RUNS)
+_COUNTED = (COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, CLUSTERS, ROLLBACKS, TRUTH_RUNS, BACKWARD_RUNS)
 
 
 def from_exposition(
@@ -283,6 +288,7 @@ _QUERIES = [
     (CLUSTERS, "target, primary"),
     (ROLLBACKS, "target, source"),
     (TRUTH_RUNS, "target, signature, nearer, primary"),
+    (BACKWARD_RUNS, "target, signature, outcome, primary"),
 ]
 
 
@@ -453,6 +459,7 @@ class _Tail:
     drilled: dict[bool, float] = dataclasses.field(default_factory=dict)  # divergent line -> drilled lines
     truth: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, nearer)
     truth_decades: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, decade)
+    backward: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, found)
     seconds: dict[int, list[float]] = dataclasses.field(default_factory=dict)  # second -> [compared, divergent]
     lines: int = 0
 
@@ -471,6 +478,9 @@ class _Tail:
             self.shared[record["shared_divergence"]] = self.shared.get(record["shared_divergence"], 0) + 1
         if record.get("drill") is True:
             self.drilled[divergent] = self.drilled.get(divergent, 0) + 1
+        if record.get("backward") is True:
+            found = "mismatch" if "grad" in record.get("reasons", []) else "match"
+            self.backward[(signature, found)] = self.backward.get((signature, found), 0) + 1
         nearer = record.get("nearer")
         if nearer in NEARER:
             self.truth[(signature, nearer)] = self.truth.get((signature, nearer), 0) + 1
@@ -548,7 +558,9 @@ def _check_counts(record: dict, where: str) -> dict:
     for outcomes in (table("outcomes", 2)).values():
         if any(o not in COMPARED_OUTCOMES for o in outcomes):
             raise SourceError(f"{where}: a count record with an unknown outcome")
-    truth, decades = table("truth", 2), table("truth_decades", 2)
+    truth, decades, backward = table("truth", 2), table("truth_decades", 2), table("backward", 2)
+    if any(found not in BACKWARD_OUTCOMES for by_found in backward.values() for found in by_found):
+        raise SourceError(f"{where}: a count record with an unknown backward outcome")
     if any(side not in NEARER for by_side in truth.values() for side in by_side):
         raise SourceError(f"{where}: a count record with an unknown side nearer the truth")
     known = {str(d) for d in range(-DECADE_LIMIT, DECADE_LIMIT + 1)}
@@ -563,6 +575,7 @@ def _check_counts(record: dict, where: str) -> dict:
         "drilled": _count(record.get("drilled", 0), f"{where}: drilled"),
         "truth": truth,
         "truth_decades": decades,
+        "backward": backward,
         **({"clusters": _count(record["clusters"], f"{where}: clusters")} if "clusters" in record else {}),
     }
 
@@ -806,6 +819,9 @@ class JournalReader:
         for signature, by_decade in counts.get("truth_decades", {}).items():
             for decade, value in by_decade.items():
                 entry.add_truth_decade(signature, int(decade), value, primary)
+        for signature, by_found in counts.get("backward", {}).items():
+            for found, value in by_found.items():
+                entry.add_backward(signature, found, value, primary)
 
     @staticmethod
     def _add_tail(entry: TargetCounts, primary: str, tail: _Tail, complete: bool) -> None:
@@ -828,6 +844,12 @@ class JournalReader:
             entry.add_truth(signature, side, value, primary)
         for (signature, decade), value in tail.truth_decades.items():
             entry.add_truth_decade(signature, int(decade), value, primary)
+        for (signature, found), value in tail.backward.items():
+            if complete:  # (a gradient match not written as a line is not known: never counted as agreement)
+                entry.add_backward(signature, found, value, primary)
+            elif found == "mismatch":
+                phase = entry.phase(primary)
+                phase.backward_unmatched[signature] = phase.backward_unmatched.get(signature, 0) + value
         entry.drilled += sum(v for divergent, v in tail.drilled.items() if complete or divergent)
 
 

@@ -107,6 +107,10 @@ class PhaseCounts:
     #: of upstream's error over legacy's) where both errors were known.
     truth: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
     truth_decades: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
+    #: Backward comparisons by (signature, what they found: match or mismatch), and gradient mismatches whose
+    #: matches are not known (lines after a process's last count record, without every outcome).
+    backward: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    backward_unmatched: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def by_signature(self, outcomes: Iterable[str]) -> dict[str, float]:
         found: dict[str, float] = {}
@@ -180,6 +184,11 @@ class TargetCounts:
     def add_truth_decade(self, signature: str, decade: int, count: float, primary: str = LEGACY) -> None:
         phase = self.phase(primary)
         phase.truth_decades[(signature, decade)] = phase.truth_decades.get((signature, decade), 0) + count
+
+    def add_backward(self, signature: str, found: str, count: float, primary: str = LEGACY) -> None:
+        """Backward comparisons of a signature that found ``found`` (match or mismatch)."""
+        phase = self.phase(primary)
+        phase.backward[(signature, found)] = phase.backward.get((signature, found), 0) + count
 
     def add_calls(self, signature: str, count: float, primary: str = LEGACY) -> None:
         phase = self.phase(primary)
@@ -504,6 +513,42 @@ def decide_phase(primary: str, phase: PhaseCounts, max_rate: float, process_seco
     return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: " + "; ".join(missing), **common)
 
 
+#: The suffix of a phase's gradient evidence in the phases decided (``legacy gradients``).
+GRADIENTS = "gradients"
+
+
+def forward_evidence(phase: PhaseCounts) -> PhaseCounts:
+    """The phase's forward evidence: a call whose gradients differed had a forward that agreed (a backward
+    comparison runs only after a forward that did not diverge), so its mismatch (reason grad) is the gradients'
+    evidence (:func:`gradient_evidence`), not the forward's: counted here as a compared call that agreed."""
+    if not phase.backward and not phase.backward_unmatched:
+        return phase
+    outcomes = dict(phase.outcomes)
+    for (signature, found), value in phase.backward.items():
+        if found == "mismatch" and value > 0:
+            moved = min(value, outcomes.get((signature, "mismatch"), 0))
+            outcomes[(signature, "mismatch")] = outcomes.get((signature, "mismatch"), 0) - moved
+            outcomes[(signature, "match")] = outcomes.get((signature, "match"), 0) + moved
+    unmatched = {s: max(0.0, v - phase.backward_unmatched.get(s, 0)) for s, v in phase.unmatched.items()}
+    return dataclasses.replace(phase, outcomes=outcomes, unmatched=unmatched)
+
+
+def gradient_evidence(phase: PhaseCounts) -> PhaseCounts:
+    """The phase's gradient evidence, rated over the calls that had a backward comparison (one stratum: backward
+    runs are drawn among compared calls at the backward rate), its clusters the phase's (a gradient comparison
+    falls in one of the clusters its forward did)."""
+    found: dict[tuple[str, str], float] = {}
+    for (_, outcome), value in phase.backward.items():
+        found[("", outcome)] = found.get(("", outcome), 0) + value
+    unmatched = sum(phase.backward_unmatched.values())
+    return PhaseCounts(
+        outcomes=found,
+        unmatched={"": unmatched} if unmatched else {},
+        cluster_count=phase.cluster_count,
+        clusters_missing=phase.clusters_missing,
+    )
+
+
 def decide(
     target: str,
     counts: TargetCounts,
@@ -513,11 +558,13 @@ def decide(
 ) -> Decision:
     """The decision for one target (see the module docstring)."""
     order = {side: i for i, side in enumerate(PRIMARY_SIDES)}
-    phases = tuple(
-        decide_phase(primary, phase, max_rate, counts.process_seconds)
-        for primary, phase in sorted(counts.phases.items(), key=lambda kv: order.get(kv[0], len(order)))
-        if not phase.empty()
-    )
+    phases: list[PhaseDecision] = []
+    for primary, phase in sorted(counts.phases.items(), key=lambda kv: order.get(kv[0], len(order))):
+        if not phase.empty():
+            phases.append(decide_phase(primary, forward_evidence(phase), max_rate, counts.process_seconds))
+        gradients = gradient_evidence(phase)
+        if not gradients.empty():
+            phases.append(decide_phase(f"{primary} {GRADIENTS}", gradients, max_rate, counts.process_seconds))
     hard: dict[str, int] = {}
     shared: dict[str, int] = {}
     uncovered: dict[str, int] = {}
@@ -552,7 +599,7 @@ def decide(
         "clusters": worst.clusters if worst else 0,
         "clustering": counts.clustering,
         "uncovered_share": worst.uncovered_share if worst else 0.0,
-        "phases": phases,
+        "phases": tuple(phases),
         "rollbacks": tuple(counts.rollbacks),
         "resets": tuple(counts.resets),
         "set_aside": round(counts.set_aside),

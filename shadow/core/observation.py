@@ -77,6 +77,11 @@ SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "inplace", "budget", "deadl
 #: the finding), "failed" (this tool's fault, logged).
 BACKWARD_SKIP_REASONS = ("deadline", "reentrant", "sparse", "raised", "no_grad", "diverged", "failed")
 
+#: What a backward comparison found: the gradients agree, or they differ (the call's outcome is then a mismatch
+#: with reason "grad", its forward having agreed: a backward comparison runs only after a forward that did not
+#: diverge). The gradients are evidence of their own, rated over the calls that had one (shadow.analysis.verdict).
+BACKWARD_OUTCOMES = ("match", "mismatch")
+
 #: Where the two sides' own code paths, both run in float64, differ by more than float64 rounding: the difference is
 #: in the algorithm, not in rounding, and neither side's float64 run is the truth (shadow.core.truth).
 DIFFERS_IN_FLOAT64 = "differs-in-float64"
@@ -219,6 +224,13 @@ class Observation:
         except ValueError:
             raise ValueError(f"outcome {self.outcome!r} is not one of {OUTCOMES}") from None
         object.__setattr__(self, "outcome", outcome.value)  # the plain value, also when given a member
+
+    @property
+    def backward_outcome(self) -> str:
+        """What its backward comparison found (:data:`BACKWARD_OUTCOMES`), or "" where none ran."""
+        if not self.backward:
+            return ""
+        return "mismatch" if "grad" in self.reasons else "match"
 
     @property
     def overhead_seconds(self) -> float:

@@ -463,7 +463,11 @@ def summary(
                 "(legacy = upstream, both unlike replica 0 alone)"
             )
         if s.backward_runs:
-            lines.append(f"{'':<16}backward compared on {s.backward_runs} calls (gradients through both graphs)")
+            differ = s.by_reason.get("grad", 0)
+            lines.append(
+                f"{'':<16}backward compared on {s.backward_runs} calls (gradients through both graphs): "
+                f"{differ} differ, rated over these calls alone"
+            )
         if s.drilled:
             lines.append(
                 f"{'':<16}fire drill: injected into {s.drilled} of {s.compared} comparisons (a call whose result is "
