@@ -36,11 +36,15 @@ class _Compared:
 
 
 def comparisons_until_covered(
-    first_per_signature: int, rate: float, rare_share: float, needed: int, seed: int
+    first_per_signature: int, rate: float, rare_share: float, needed: int, seed: int, keyed: bool = False
 ) -> tuple[int, int]:
-    """(comparisons made, calls made) when the rare signature reached ``needed`` comparisons."""
+    """(comparisons made, calls made) when the rare signature reached ``needed`` comparisons; ``keyed``: the target
+    has a signature key (the kind argument), so a signature is compared on its first calls whenever it appears."""
     ops = types.SimpleNamespace(op=lambda x, kind: x)
-    target = Target("op", ops, "op", lambda x, kind: x, isolate=False, signature=lambda args, kwargs: args[1])
+    target = Target(
+        "op", ops, "op", lambda x, kind: x, isolate=False, signature=lambda args, kwargs: args[1],
+        signature_key=(lambda args, kwargs: args[1]) if keyed else None,
+    )  # fmt: skip
     compared = _Compared()
     draw = random.Random(seed)
     x = torch.ones(1)
@@ -82,6 +86,13 @@ def main() -> None:
     print(
         f"uniform / guided comparisons = {ratio:.1f} on average, {uniform / worst:.1f} at the worst seed "
         f"(goal >= 10: {'ok' if ratio >= 10 else 'MISSED'})"
+    )
+    keyed = [comparisons_until_covered(30, args.rate, rare_share, needed, seed=s, keyed=True) for s in seeds]
+    mean_keyed = statistics.mean(compared for compared, _ in keyed)
+    print(
+        f"guided with a signature key (every call's key looked at; a new one classified): {mean_keyed:,.0f} "
+        f"comparisons on average, {max(c for c, _ in keyed):,} at most "
+        f"({statistics.mean(c for _, c in keyed):,.0f} calls on average): uniform / keyed = {uniform / mean_keyed:.1f}"
     )
 
 

@@ -149,3 +149,82 @@ def test_the_real_engines_gradient_evidence_reaches_the_verdict_alike_from_journ
             "legacy gradients": (backward, backward),
         }
     )
+
+
+# --------------------------------------------------------------------------- the rare path at 1%
+
+
+@pytest.mark.parametrize("legacy_patches", ["torch_npu 2.12.0 source"], indirect=True)
+def test_five_rare_cross_device_casts_among_two_thousand_are_all_compared_at_one_percent(legacy_patches):
+    """A tensor on npu:1 cast by npu type name while npu:0 is current (torch_npu 2.12's legacy moves it, upstream
+    keeps npu:1), 5 times among 2,000 ordinary npu casts, late in the job: once every signature seen had its first
+    comparisons only one call in 64 was classified, and none of the 5 was compared."""
+    import torch
+
+    import shadow
+    from shadow.launcher.config import Config
+
+    defaults = Config()
+    here, there = torch.ones(4, device="npu:0"), torch.ones(4, device="npu:1")
+    rare_at = {700, 1100, 1400, 1700, 1950}
+    for seed in range(10):
+        collect = _Collect()
+        with shadow.install(
+            ["tensor_type"], sample_rate=0.01, first_per_signature=defaults.first_per_signature,
+            budget=defaults.budget, seed=seed, exporters=[collect],
+        ):  # fmt: skip
+            for i in range(2_000):
+                if i in rare_at:
+                    assert there.type("torch.npu.FloatTensor").device == torch.device("npu:0")  # (legacy's)
+                here.type(torch.float16 if i % 2 else "torch.npu.HalfTensor")
+        rare = [o for o in collect.observations if o.signature == "npu_name/noncurrent/blocking"]
+        assert [o.outcome for o in rare] == ["mismatch"] * 5, (seed, [(o.outcome, o.reasons) for o in rare])
+
+
+def test_a_signature_key_that_fails_or_cannot_be_hashed_never_reaches_the_caller_and_counts_stay_exact():
+    """The key runs on every call of the job: its failure, or an unhashable key, classifies the call (the
+    signature function decides), never raises to the caller, and every call is counted once."""
+    import types
+
+    import torch
+
+    import shadow
+
+    def key(args, kwargs):
+        kind = args[1]
+        if kind == "raises":
+            raise RuntimeError("the key's own failure")
+        return [kind] if kind == "unhashable" else kind
+
+    ops = types.SimpleNamespace(op=lambda x, kind: x + 1)
+    target = shadow.Target(
+        "op", ops, "op", lambda x, kind: x + 1, isolate=False, signature=lambda a, k: a[1], signature_key=key
+    )
+    kinds = ["common"] * 900 + ["raises"] * 50 + ["unhashable"] * 50
+    x = torch.zeros(2)
+    with shadow.install([target], sample_rate=0.0, first_per_signature=3, seed=1) as monitor:
+        results = [ops.op(x, kind) for kind in kinds]
+        stats = monitor.stats()["op"]
+    assert all(torch.equal(r, torch.ones(2)) for r in results)
+    assert stats.calls == 1000 and sum(stats.signature_calls.values()) == 1000
+    assert stats.signature_calls["raises"] == 50 and stats.signature_calls["unhashable"] == 50  # (each classified)
+    assert stats.match == 9  # (the first 3 of each signature, whatever its key did)
+
+
+def test_a_late_cpu_signature_is_compared_on_its_first_calls_and_the_calls_are_counted_exactly():
+    import torch
+
+    import shadow
+
+    x = torch.ones(3)
+    collect = _Collect()
+    with shadow.install(["tensor_type"], sample_rate=0.0, first_per_signature=5, seed=2, exporters=[collect]) as m:
+        for i in range(3_000):
+            x.type(torch.float64)
+            if i >= 2_990:
+                x.type("torch.HalfTensor")  # (first met after 2,990 calls of one signature)
+        stats = m.stats()["tensor_type"]
+    assert stats.calls == 3_010 and sum(stats.signature_calls.values()) == 3_010
+    assert stats.signature_calls["name/cpu/blocking"] == 10  # (a key never known for a name: each call classified)
+    late = [o.outcome for o in collect.observations if o.signature == "name/cpu/blocking"]
+    assert late == ["match"] * 5

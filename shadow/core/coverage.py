@@ -14,6 +14,12 @@ signature first seen on a classified call has its first calls compared from then
 meanwhile: a signature that is a share ``p`` of the calls is found after about ``CLASSIFY_ONE_IN / p`` calls
 instead of ``1 / p``.
 
+A target with a signature key (``Target.signature_key``: ``Tensor.type`` has one) is found at once instead: every
+call's key is looked at, and a call whose key is not known yet (its signature has not had its first calls, or it
+has no cheap key: a cast by name, where the risky paths are) comes beside the gates, classified and counted alone;
+it never stands for the gate's calls (those are of known keys). A key that fixes its signature is not classified
+again at a gate's end: its signature is remembered.
+
 Not thread-safe by itself: the engine calls it under its lock.
 """
 
@@ -41,22 +47,29 @@ class Coverage:
         self._last: str | None = None  # the signature classified last: the calls passing after it are its
         self._credited = 0  # the calls the gates counted that are credited to a signature
 
+    def finished(self, signature: str) -> bool:
+        """Whether ``signature`` has had its first calls."""
+        return self._left.get(signature) == 0
+
     @property
     def done(self) -> bool:
         """Every signature seen has had its first calls (and at least one was seen)."""
         return not self._unfinished and bool(self._left)
 
-    def count(self, signature: str, gated_calls: int | None = None) -> bool:
+    def count(self, signature: str, gated_calls: int | None = None, beside: bool = False) -> bool:
         """One classified call of ``signature``, counted; whether it is among the first of its signature. Updates
         :attr:`classify_all`. ``gated_calls``: where the call ended a gate, every call the gates' sampler has
-        counted so far (this one included): those not counted yet are its gate's, counted under its signature."""
+        counted so far (this one included): those not counted yet are its gate's, counted under its signature.
+        ``beside``: the call came beside the gates (a target's signature key not known yet): counted alone, and
+        the calls passing the open gate are not its."""
         if gated_calls is None:
             self.counted_alone += 1
             credit = 1
         else:
             credit, self._credited = max(gated_calls - self._credited, 0), gated_calls
         self.calls[signature] = self.calls.get(signature, 0) + credit
-        self._last = signature
+        if not beside or self._last is None:
+            self._last = signature
         left = self._left.get(signature)
         if left is None:
             left = self.first_per_signature

@@ -47,7 +47,7 @@ from shadow.core.observation import (
 )
 from shadow.core.sampler import Gate, Sampler
 from shadow.core.sides import marks, upstream_side_of_this_thread
-from shadow.core.targets import Target, patch_origin
+from shadow.core.targets import CoarseKey, Target, patch_origin
 from shadow.core.tolerance import ToleranceSpec
 from shadow.core.upstream_side import Run, UpstreamSide, is_hooked_subclass
 
@@ -131,6 +131,41 @@ def _make_wrapper(primary: Callable, arrive: Callable[[tuple, dict], Any]) -> tu
         if next(gate, False):
             return primary(*args, **kwargs)
         return arrive(args, kwargs)
+
+    def set_gate(new_gate: Gate) -> None:
+        nonlocal gate
+        gate = new_gate
+
+    def set_primary(new_primary: Callable) -> None:
+        nonlocal primary
+        primary = new_primary
+
+    _look_like(shadow_wrapper, primary)
+    return shadow_wrapper, (set_gate, set_primary)
+
+
+def _make_keyed_wrapper(
+    primary: Callable,
+    arrive: Callable[[tuple, dict], Any],
+    novel: Callable[[tuple, dict], Any],
+    key: Callable[[tuple, dict], Any],
+    known: set,
+) -> tuple[Callable, Setters]:
+    """:func:`_make_wrapper` for a guided target with a signature key (:attr:`Target.signature_key`): a call whose
+    key is ``known`` (its signature had its first calls) takes the gate as there; every other call is ``novel``:
+    classified and counted on its own, so a signature is compared on its first calls whenever it first appears."""
+    gate = _CLOSED
+
+    def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            seen = key(args, kwargs) in known
+        except Exception:  # (a key function's failure, or an unhashable key: the call is classified)
+            seen = False
+        if seen:
+            if next(gate, False):
+                return primary(*args, **kwargs)
+            return arrive(args, kwargs)
+        return novel(args, kwargs)
 
     def set_gate(new_gate: Gate) -> None:
         nonlocal gate
@@ -274,7 +309,16 @@ class Experiment:
         self._guided_random = random.Random(f"{seed}/{target.name}/guided" if seed is not None else None)
         self._signature_calls_reported: dict[str, int] = {}
         self._labels: dict[Any, str] = {}  # what the signature function returned -> the admitted label
-        self.wrapper, (self._set_gate, self._set_primary) = _make_wrapper(self.primary_fn, self._arrive)
+        # (keys whose signature had its first calls: those calls take the gate; the rest are classified)
+        self._signature_key = target.signature_key if self.coverage is not None else None
+        self._known_keys: set = set()
+        self._key_signatures: dict[Any, str] = {}  # (a known key that fixes its signature -> that signature)
+        if self._signature_key is not None:
+            self.wrapper, (self._set_gate, self._set_primary) = _make_keyed_wrapper(
+                self.primary_fn, self._arrive, self._arrive_novel, self._signature_key, self._known_keys
+            )
+        else:
+            self.wrapper, (self._set_gate, self._set_primary) = _make_wrapper(self.primary_fn, self._arrive)
         self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
         self._sampler_gate: Gate = _CLOSED
         gate_rate = max(sample_rate, 1 / CLASSIFY_ONE_IN) if self.coverage is not None else sample_rate
@@ -341,14 +385,15 @@ class Experiment:
             label = UNCLASSIFIED_SIGNATURE
         return label
 
-    def _count_classified(self, coverage: Coverage, signature: str) -> tuple[bool, bool]:
+    def _count_classified(self, coverage: Coverage, signature: str, alone: bool = False) -> tuple[bool, bool]:
         """(among the first of its signature, sampled) for a classified call, counted (under the lock). While
-        every call is classified, each is sampled at the rate; after, a call that ends a gate is sampled with the
-        thinning's probability. The wrapper's gate follows the coverage's mode."""
+        every call is classified, each is sampled at the rate, and so is a call that came ``alone`` (not through
+        the gate: its key not known); after, a call that ends a gate is sampled with the thinning's probability.
+        The wrapper's gate follows the coverage's mode."""
         classified_all = coverage.classify_all
-        if classified_all:
+        if classified_all or alone:
             sampled = self._guided_random.random() < self.sample_rate
-            first = coverage.count(signature)
+            first = coverage.count(signature, beside=alone)
         else:
             sampled = self.sampler.arrive() and (self._thinning >= 1.0 or self._guided_random.random() < self._thinning)
             first = coverage.count(signature, self.sampler.calls())
@@ -362,9 +407,35 @@ class Experiment:
         no call was seen)."""
         return self.coverage is None or self.coverage.done or not self.coverage.calls
 
-    def _arrive(self, args: tuple, kwargs: dict) -> Any:
-        """A call found the gate closed: maybe the sampled one, or (a guided target) one to classify, maybe among
-        the first of its signature (compared whatever the rate)."""
+    def _arrive_novel(self, args: tuple, kwargs: dict) -> Any:
+        """A call whose signature key is not known yet (:func:`_make_keyed_wrapper`): classified, never through the
+        gate."""
+        return self._arrive(args, kwargs, novel=True)
+
+    def _know_key(self, args: tuple, kwargs: dict, signature: str) -> None:
+        """The call's signature key is known from now on (its signature had its first calls)."""
+        try:
+            key = self._signature_key(args, kwargs)  # type: ignore[misc]
+            if key is not None:
+                if not isinstance(key, CoarseKey):
+                    self._key_signatures[key] = signature
+                self._known_keys.add(key)
+        except Exception:  # (the key function's failure: the calls with that key stay classified)
+            pass
+
+    def _signature_of(self, args: tuple, kwargs: dict) -> str:
+        """A guided call's signature: its known key's, where the key fixes it, else classified."""
+        if self._key_signatures:
+            try:
+                return self._key_signatures[self._signature_key(args, kwargs)]  # type: ignore[misc]
+            except Exception:  # (not a known key that fixes its signature: classified)
+                pass
+        return self._classify(args, kwargs)
+
+    def _arrive(self, args: tuple, kwargs: dict, novel: bool = False) -> Any:
+        """A call found the gate closed (or, ``novel``, its signature key is not known yet): maybe the sampled one,
+        or (a guided target) one to classify, maybe among the first of its signature (compared whatever the
+        rate)."""
         side = upstream_side_of_this_thread()
         publishing = getattr(marks, "publishing", False)
         if side is not None or publishing or getattr(marks, "in_legacy", None) is self:
@@ -377,17 +448,20 @@ class Experiment:
             # another target's difference is compared, counted and reported by that target, on the calls the job's
             # legacy run makes.
             with self._lock:
-                if self.coverage is None or not self.coverage.classify_all:  # (it ended the sampler's gate)
+                if not novel and (self.coverage is None or not self.coverage.classify_all):  # (it ended the gate)
                     self.sampler.arrive()
                     self.sampler.uncount()
             return (self.shadow_fn if side is self and not publishing else self.primary_fn)(*args, **kwargs)
-        if _HELD.count and not self._classifies_all() and next(self._sampler_gate, False):
+        if not novel and _HELD.count and not self._classifies_all() and next(self._sampler_gate, False):
             return self.primary_fn(*args, **kwargs)  # (the gate is closed for an upstream side: this call passes it)
         signature, first = None, False
         if self.coverage is not None:
-            signature = self._classify(args, kwargs)
+            signature = self._classify(args, kwargs) if novel else self._signature_of(args, kwargs)
             with self._lock:
-                first, sampled = self._count_classified(self.coverage, signature)
+                first, sampled = self._count_classified(self.coverage, signature, alone=novel)
+                finished = self._signature_key is not None and self.coverage.finished(signature)
+            if finished and novel and signature != UNCLASSIFIED_SIGNATURE:
+                self._know_key(args, kwargs, signature)
         else:
             with self._lock:
                 sampled = self.sampler.arrive()
@@ -719,6 +793,8 @@ class Experiment:
         self._signatures_over_cap = 0
         if self.coverage is not None:  # (its first calls compared again: the child's own evidence)
             self.coverage = Coverage(self.first_per_signature)
+            self._known_keys.clear()
+            self._key_signatures.clear()
             self._set_gate(_CLOSED)
         self._signature_calls_reported.clear()
 

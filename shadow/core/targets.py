@@ -38,7 +38,13 @@ class Target:
     upstream share but a single device would not do. ``never_blocks`` tells the calls whose upstream run cannot
     block or wait (no device work, no lock, no Python code: a query of a tensor's metadata in torch's C code): their
     upstream runs on the caller's thread, without the deadline's thread (:mod:`shadow.core.deadline`), whose
-    hand-off costs more than such a call's whole upstream side.
+    hand-off costs more than such a call's whole upstream side. ``signature_key`` (with ``signature``) is a cheap
+    key of a call, hashable, that fixes its signature (or, a :class:`CoarseKey`, stands for several that are never
+    risky), or None where it cannot be had cheaply: once a key's signature has had its first comparisons, calls
+    with that key take the unguided wrapper's unsampled path (their signatures counted by systematic sampling), and
+    every other call is classified, so a signature is compared on its first calls whenever it first appears,
+    however rare (:mod:`shadow.core.coverage`). Without one, calls are classified one in ``CLASSIFY_ONE_IN`` once
+    every signature seen has had its first comparisons.
     """
 
     name: str
@@ -53,6 +59,7 @@ class Target:
     risky_signatures: tuple[str, ...] = ()
     oracle: Callable[[tuple, dict], SingleDeviceCall | None] | None = None
     never_blocks: Callable[[tuple, dict], bool] | None = None
+    signature_key: Callable[[tuple, dict], Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or label_text(self.name, 200) != self.name:
@@ -63,6 +70,11 @@ class Target:
             raise ValueError(f"Target {self.name!r}: legacy must be callable or None, got {self.legacy!r}")
         if self.never_blocks is not None and not callable(self.never_blocks):
             raise ValueError(f"Target {self.name!r}: never_blocks must be callable or None, got {self.never_blocks!r}")
+        if self.signature_key is not None and (not callable(self.signature_key) or self.signature is None):
+            raise ValueError(
+                f"Target {self.name!r}: signature_key must be callable and come with a signature function, got "
+                f"{self.signature_key!r}"
+            )
         if not hasattr(self.owner, self.attribute) and self.legacy is None:
             raise ValueError(f"Target {self.name!r}: {self.owner!r} has no attribute {self.attribute!r}")
 
@@ -178,6 +190,34 @@ def data_parallel_signature(args: tuple, kwargs: dict) -> str:
     return _dp_signature(len(device_ids) if rows is None else min(len(device_ids), rows))
 
 
+class CoarseKey(tuple):
+    """A :attr:`Target.signature_key` that stands for several signatures (of calls that can never take a risky
+    path): its calls are classified at the ends of the sampler's gates, as a target without a key has them."""
+
+
+#: The key of every argument-free ``t.type()`` (a query of the tensor's type name): never a risky path, so one key
+#: whatever the tensor's placement.
+_NAMES_ITS_TYPE = CoarseKey(("names its type",))
+_DTYPE = torch.dtype
+
+
+def tensor_type_key(args: tuple, kwargs: dict, _dtype: type = _DTYPE, _query: CoarseKey = _NAMES_ITS_TYPE) -> Any:
+    """The :attr:`Target.signature_key` of a ``Tensor.type`` call: for a cast to a dtype, the dtype where the
+    tensor is on the CPU (its signature is then ``dtype/cpu/blocking``), else a :class:`CoarseKey` of it
+    (``dtype/<placement>/blocking``: never a risky path, one key for every accelerator placement); one coarse key for
+    the argument-free query; None for the rest (a destination by name or class: the kinds whose paths can be risky,
+    every call classified)."""
+    if kwargs:
+        return None
+    count = len(args)
+    if count == 2:
+        destination = args[1]
+        if destination.__class__ is _dtype:
+            return destination if args[0].is_cpu else CoarseKey((destination,))
+        return None
+    return _query if count == 1 else None
+
+
 def names_its_type(args: tuple, kwargs: dict) -> bool:
     """Whether a ``Tensor.type`` call is ``t.type()``: the name of the tensor's type, read from its metadata by
     torch's C code (no copy, no device work, no lock; a tensor subclass or mode that could run Python skips the
@@ -215,6 +255,7 @@ def tensor_type() -> Target:
         signature=tensor_type_signature,
         risky_signatures=TENSOR_TYPE_RISKY,
         never_blocks=names_its_type,
+        signature_key=tensor_type_key,
     )
 
 
