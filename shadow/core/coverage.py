@@ -17,8 +17,7 @@ instead of ``1 / p``.
 A target with a signature key (``Target.signature_key``: ``Tensor.type`` has one) is found at once instead: every
 call's key is looked at, and a call whose key is not known yet (its signature has not had its first calls, or it
 has no cheap key: a cast by name, where the risky paths are) comes beside the gates, classified and counted alone;
-it never stands for the gate's calls (those are of known keys). A key that fixes its signature is not classified
-again at a gate's end: its signature is remembered.
+it never stands for the gate's calls (those are of known keys).
 
 Not thread-safe by itself: the engine calls it under its lock.
 """

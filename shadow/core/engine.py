@@ -47,7 +47,7 @@ from shadow.core.observation import (
 )
 from shadow.core.sampler import Gate, Sampler
 from shadow.core.sides import marks, upstream_side_of_this_thread
-from shadow.core.targets import CoarseKey, Target, patch_origin
+from shadow.core.targets import Target, patch_origin
 from shadow.core.tolerance import ToleranceSpec
 from shadow.core.upstream_side import Run, UpstreamSide, is_hooked_subclass
 
@@ -312,7 +312,6 @@ class Experiment:
         # (keys whose signature had its first calls: those calls take the gate; the rest are classified)
         self._signature_key = target.signature_key if self.coverage is not None else None
         self._known_keys: set = set()
-        self._key_signatures: dict[Any, str] = {}  # (a known key that fixes its signature -> that signature)
         if self._signature_key is not None:
             self.wrapper, (self._set_gate, self._set_primary) = _make_keyed_wrapper(
                 self.primary_fn, self._arrive, self._arrive_novel, self._signature_key, self._known_keys
@@ -412,25 +411,14 @@ class Experiment:
         gate."""
         return self._arrive(args, kwargs, novel=True)
 
-    def _know_key(self, args: tuple, kwargs: dict, signature: str) -> None:
+    def _know_key(self, args: tuple, kwargs: dict) -> None:
         """The call's signature key is known from now on (its signature had its first calls)."""
         try:
             key = self._signature_key(args, kwargs)  # type: ignore[misc]
             if key is not None:
-                if not isinstance(key, CoarseKey):
-                    self._key_signatures[key] = signature
                 self._known_keys.add(key)
         except Exception:  # (the key function's failure: the calls with that key stay classified)
             pass
-
-    def _signature_of(self, args: tuple, kwargs: dict) -> str:
-        """A guided call's signature: its known key's, where the key fixes it, else classified."""
-        if self._key_signatures:
-            try:
-                return self._key_signatures[self._signature_key(args, kwargs)]  # type: ignore[misc]
-            except Exception:  # (not a known key that fixes its signature: classified)
-                pass
-        return self._classify(args, kwargs)
 
     def _arrive(self, args: tuple, kwargs: dict, novel: bool = False) -> Any:
         """A call found the gate closed (or, ``novel``, its signature key is not known yet): maybe the sampled one,
@@ -456,12 +444,12 @@ class Experiment:
             return self.primary_fn(*args, **kwargs)  # (the gate is closed for an upstream side: this call passes it)
         signature, first = None, False
         if self.coverage is not None:
-            signature = self._classify(args, kwargs) if novel else self._signature_of(args, kwargs)
+            signature = self._classify(args, kwargs)
             with self._lock:
                 first, sampled = self._count_classified(self.coverage, signature, alone=novel)
                 finished = self._signature_key is not None and self.coverage.finished(signature)
             if finished and novel and signature != UNCLASSIFIED_SIGNATURE:
-                self._know_key(args, kwargs, signature)
+                self._know_key(args, kwargs)
         else:
             with self._lock:
                 sampled = self.sampler.arrive()
@@ -794,7 +782,6 @@ class Experiment:
         if self.coverage is not None:  # (its first calls compared again: the child's own evidence)
             self.coverage = Coverage(self.first_per_signature)
             self._known_keys.clear()
-            self._key_signatures.clear()
             self._set_gate(_CLOSED)
         self._signature_calls_reported.clear()
 

@@ -39,12 +39,12 @@ class Target:
     block or wait (no device work, no lock, no Python code: a query of a tensor's metadata in torch's C code): their
     upstream runs on the caller's thread, without the deadline's thread (:mod:`shadow.core.deadline`), whose
     hand-off costs more than such a call's whole upstream side. ``signature_key`` (with ``signature``) is a cheap
-    key of a call, hashable, that fixes its signature (or, a :class:`CoarseKey`, stands for several that are never
-    risky), or None where it cannot be had cheaply: once a key's signature has had its first comparisons, calls
-    with that key take the unguided wrapper's unsampled path (their signatures counted by systematic sampling), and
-    every other call is classified, so a signature is compared on its first calls whenever it first appears,
-    however rare (:mod:`shadow.core.coverage`). Without one, calls are classified one in ``CLASSIFY_ONE_IN`` once
-    every signature seen has had its first comparisons.
+    key of a call, hashable, read without running user code (no tensor attribute a mode would see), that stands for
+    its signature or for several that are never risky, or None where it cannot be had cheaply: once a key's
+    signature has had its first comparisons, calls with that key take the unguided wrapper's unsampled path (their
+    signatures counted by systematic sampling), and every other call is classified, so a signature whose key is new
+    is compared on its first calls whenever it first appears, however rare (:mod:`shadow.core.coverage`). Without
+    one, calls are classified one in ``CLASSIFY_ONE_IN`` once every signature seen has had its first comparisons.
     """
 
     name: str
@@ -190,31 +190,22 @@ def data_parallel_signature(args: tuple, kwargs: dict) -> str:
     return _dp_signature(len(device_ids) if rows is None else min(len(device_ids), rows))
 
 
-class CoarseKey(tuple):
-    """A :attr:`Target.signature_key` that stands for several signatures (of calls that can never take a risky
-    path): its calls are classified at the ends of the sampler's gates, as a target without a key has them."""
-
-
-#: The key of every argument-free ``t.type()`` (a query of the tensor's type name): never a risky path, so one key
-#: whatever the tensor's placement.
-_NAMES_ITS_TYPE = CoarseKey(("names its type",))
+#: The key of every argument-free ``t.type()`` (a query of the tensor's type name, never a risky path).
+_NAMES_ITS_TYPE = ("names its type",)
 _DTYPE = torch.dtype
 
 
-def tensor_type_key(args: tuple, kwargs: dict, _dtype: type = _DTYPE, _query: CoarseKey = _NAMES_ITS_TYPE) -> Any:
-    """The :attr:`Target.signature_key` of a ``Tensor.type`` call: for a cast to a dtype, the dtype where the
-    tensor is on the CPU (its signature is then ``dtype/cpu/blocking``), else a :class:`CoarseKey` of it
-    (``dtype/<placement>/blocking``: never a risky path, one key for every accelerator placement); one coarse key for
-    the argument-free query; None for the rest (a destination by name or class: the kinds whose paths can be risky,
-    every call classified)."""
+def tensor_type_key(args: tuple, kwargs: dict, _dtype: type = _DTYPE, _query: tuple = _NAMES_ITS_TYPE) -> Any:
+    """The :attr:`Target.signature_key` of a ``Tensor.type`` call: the dtype of a cast to a dtype (its signatures,
+    ``dtype/<placement>/blocking``, are never a risky path), one key for the argument-free query, and None for the
+    rest (a destination by name or class: the kinds whose paths can be risky, every call classified). It reads no
+    attribute of the tensor: a mode or a subclass's ``__torch_function__`` would see that."""
     if kwargs:
         return None
     count = len(args)
     if count == 2:
         destination = args[1]
-        if destination.__class__ is _dtype:
-            return destination if args[0].is_cpu else CoarseKey((destination,))
-        return None
+        return destination if destination.__class__ is _dtype else None
     return _query if count == 1 else None
 
 
