@@ -228,3 +228,70 @@ def test_a_late_cpu_signature_is_compared_on_its_first_calls_and_the_calls_are_c
     assert stats.signature_calls["name/cpu/blocking"] == 10  # (a key never known for a name: each call classified)
     late = [o.outcome for o in collect.observations if o.signature == "name/cpu/blocking"]
     assert late == ["match"] * 5
+
+
+# --------------------------------------------------------------------------- start-up noise
+
+
+def _jitter(x):
+    """``x`` plus 1e-3 of a sign drawn afresh for every element on every run (no RNG a shadow run can put back):
+    two sides that jitter alike, as nondeterministic kernels do, with no bias."""
+    import numpy as np
+    import torch
+
+    signs = np.random.default_rng().choice([-1.0, 1.0], size=tuple(x.shape))
+    return x + 1e-3 * torch.as_tensor(signs, dtype=x.dtype)
+
+
+def test_an_honest_jittering_job_at_the_launchers_defaults_never_counts_a_mismatch(tmp_path):
+    """Before the noise floor had its A/A runs, every value difference was a mismatch: an honest job whose two
+    sides jitter alike rolled back from its metrics and paged at start, at every process start."""
+    import types
+
+    import torch
+
+    import shadow
+    from exporters import JsonlExporter
+    from shadow.launcher.config import Config
+
+    defaults = Config()
+    ops = types.SimpleNamespace(op=_jitter)
+    target = shadow.Target("op", ops, "op", _jitter, signature=lambda a, k: "call")
+    journal = tmp_path / "j.jsonl"
+    collect = _Collect()
+    with shadow.install(
+        [target], sample_rate=defaults.sample_rate, first_per_signature=defaults.first_per_signature,
+        aa_rate=defaults.aa_rate, budget=None, seed=4, exporters=[collect, JsonlExporter(str(journal))],
+    ) as monitor:  # fmt: skip
+        x = torch.zeros(64)
+        for _ in range(20_000):
+            ops.op(x)
+        inside = monitor.stats()["op"]
+    stats = monitor.stats()["op"]
+    assert stats.calls == 20_000
+    assert stats.mismatch == 0, [o.noise_test for o in collect.observations if o.outcome == "mismatch"][:3]
+    assert stats.noise > 100 and inside.noise_pending == 0  # (the early ones judged once the floor could)
+    assert {o.outcome for o in collect.observations} <= {"noise", "match", "close"}
+    decided = _verdict_json("--journal", str(journal))
+    assert decided["targets"][0]["decision"] != "rollback" and decided["targets"][0]["divergent"] == 0
+
+
+def test_a_value_difference_the_floor_never_could_judge_is_a_skip_never_agreement_nor_divergence():
+    import types
+
+    import torch
+
+    import shadow
+
+    ops = types.SimpleNamespace(op=_jitter)
+    target = shadow.Target("op", ops, "op", _jitter)
+    collect = _Collect()
+    with shadow.install([target], sample_rate=1.0, aa_rate=0.001, budget=None, seed=5, exporters=[collect]) as m:
+        x = torch.zeros(8)
+        for _ in range(30):
+            ops.op(x)
+        during = m.stats()["op"]
+    after = m.stats()["op"]
+    assert during.sampled == during.compared < 30  # (the held differences are not counted yet)
+    assert after.mismatch == 0 and after.by_reason.get("noise_pending", 0) == after.skipped > 0
+    assert after.sampled == 30 and after.compared + after.skipped == 30

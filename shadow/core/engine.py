@@ -44,6 +44,7 @@ from shadow.core.observation import (
     TargetStats,
     bounded,
     label_text,
+    within_noise_floor,
 )
 from shadow.core.sampler import Gate, Sampler
 from shadow.core.sides import marks, upstream_side_of_this_thread
@@ -112,6 +113,10 @@ class _Held:
 
 
 _HELD = _Held()
+
+#: Value differences a target holds at most while its noise floor cannot judge them (more are skipped at once,
+#: reason noise_pending): bounded memory, whatever the job.
+MAX_PENDING = 1000
 
 #: The functions whose shadow-side run passed its deadline in this process, by id (kept alive here): a run left to
 #: itself may hang for good, and a later install over the same function does not start another one beside it.
@@ -269,6 +274,9 @@ class Experiment:
         self.truth_random = random.Random(f"{seed}/{target.name}/truth" if seed is not None else None)
         # (of the current phase: started again at a rollback or a reset)
         self.noise = NoiseFloor()
+        # Value differences the floor cannot judge yet (shadow.core.noise): published once it can, as noise or as
+        # mismatches; neither divergence nor agreement meanwhile (a skip, reason noise_pending, if it never can).
+        self._pending: list[Observation] = []
         self.legacy = target.resolve_legacy()
         self.legacy_origin = patch_origin(self.legacy) or ""
         # The primary side's result is the caller's (legacy while shadowing; upstream in a canary), the other side
@@ -586,6 +594,8 @@ class Experiment:
         toward legacy; True when this changed anything. Exporters hear of it (``record_rollback``); the noise
         floor starts again (the other phase's errors are not this one's)."""
         self.report_calls(flush=True)  # (the calls so far are the phase's that ends)
+        if self.primary != LEGACY:
+            self.release_pending()  # (the phase's floor ends with it)
         with self._lock:
             if self.primary == LEGACY:
                 return False
@@ -603,6 +613,8 @@ class Experiment:
     def reset_primary(self, by: str) -> bool:
         """A person's reset after a rollback: the primary configured at install again. True when it changed."""
         self.report_calls(flush=True)
+        if self.primary != self.configured_primary:
+            self.release_pending()
         with self._lock:
             if self.primary == self.configured_primary:
                 return False
@@ -658,7 +670,16 @@ class Experiment:
             self._settings_failures += 1
         self.log_limited("settings", "global settings could not be taken or put back: %r", failure)
 
-    def _publish(self, observation: Observation) -> None:
+    def _publish(self, observation: Observation, judged: bool = False) -> None:
+        """Count an observation and export it. A value difference the noise floor cannot judge yet is held
+        instead (at most MAX_PENDING); after an A/A run, the held ones of its signature are judged again
+        (``judged``: this is one of them)."""
+        if observation.noise_pending:
+            with self._lock:
+                if len(self._pending) < MAX_PENDING:
+                    self._pending.append(observation)
+                    return
+            observation = _unjudged(observation)
         with self._lock:
             if observation.outcome != Outcome.SKIPPED.value and self._clusters.opens(
                 observation.primary, observation.outcome in DIVERGENT_OUTCOMES
@@ -687,6 +708,32 @@ class Experiment:
                         self._call_exporter(exporter, "record_export_error", self.target.name)
         finally:
             marks.publishing = publishing
+        if observation.aa and not judged and self._pending:
+            self._judge_pending(observation.signature)
+
+    def _judge_pending(self, signature: str) -> None:
+        """The held value differences of ``signature`` the floor can judge now, published as it judges them."""
+        with self._lock:
+            held = [o for o in self._pending if o.signature == signature]
+        for observation in held:
+            noise, test = self.noise.judge(signature, observation.leaf_errors)
+            if noise is None:
+                continue
+            with self._lock:
+                left = [o for o in self._pending if o is not observation]
+                if len(left) == len(self._pending):
+                    continue  # (judged meanwhile on another thread)
+                self._pending = left
+            found = within_noise_floor(observation, test) if noise else observation
+            self._publish(dataclasses.replace(found, noise_pending=False, noise_test=test, leaf_errors=()), True)
+
+    def release_pending(self) -> None:
+        """Publish the value differences still held as skips (reason noise_pending): the floor never had the
+        A/A runs to judge them (at a flush, a rollback, a reset)."""
+        with self._lock:
+            held, self._pending = self._pending, []
+        for observation in held:
+            self._publish(_unjudged(observation), True)
 
     def report_calls(self, flush: bool = False) -> None:
         """Tell exporters how many calls passed (by signature for a guided target), and how many sampled calls
@@ -751,6 +798,7 @@ class Experiment:
                 shared_divergences=dict(self._shared),
                 oracle_runs=self._oracle_runs,
                 backward_runs=self._backward_runs,
+                noise_pending=len(self._pending),
                 backward_skips=dict(self._backward_skips),
                 truth_runs=dict(self._truth_runs),
                 clusters=self._clusters.count,
@@ -777,6 +825,7 @@ class Experiment:
         self._settings_failures = 0
         self._skips_unreported.clear()
         self.noise = NoiseFloor()
+        self._pending = []
         self._calls_reported = 0
         self._signatures_over_cap = 0
         if self.coverage is not None:  # (its first calls compared again: the child's own evidence)
@@ -784,6 +833,14 @@ class Experiment:
             self._known_keys.clear()
             self._set_gate(_CLOSED)
         self._signature_calls_reported.clear()
+
+
+def _unjudged(observation: Observation) -> Observation:
+    """A held value difference the noise floor never judged, as the skip it then is."""
+    return Observation(
+        observation.target, Outcome.SKIPPED, ("noise_pending",), signature=observation.signature,
+        detail=observation.noise_test, timestamp=observation.timestamp, primary=observation.primary,
+    )  # fmt: skip
 
 
 def experiment_of(obj: Any) -> Experiment | None:

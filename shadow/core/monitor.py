@@ -146,9 +146,11 @@ class Monitor:
         ]
 
     def flush(self) -> None:
-        """Report calls not yet reported to the exporters (done at every sampled call, and here), then let each
-        exporter write out what it buffers (the journal's count records)."""
+        """Report calls not yet reported to the exporters (done at every sampled call, and here), and the value
+        differences the noise floor never could judge (as skips), then let each exporter write out what it buffers
+        (the journal's count records)."""
         for s in self._experiments:
+            s.release_pending()  # (value differences the noise floor never could judge: skips now)
             s.report_calls(flush=True)
         self._report_time()
         exporters = {id(e): (s, e) for s in self._experiments for e in s.exporters}

@@ -67,8 +67,10 @@ class NoiseFloor:
             for leaf, error in leaves:
                 self._window(self._ab, signature, leaf).append(error)
 
-    def judge(self, signature: str, leaves: Iterable[tuple[str, float]]) -> tuple[bool, str]:
-        """(whether a value-only difference with these leaf errors is noise, the test behind it as text)."""
+    def judge(self, signature: str, leaves: Iterable[tuple[str, float]]) -> tuple[bool | None, str]:
+        """(whether a value-only difference with these leaf errors is noise, the test behind it as text): None
+        where the floor cannot judge it yet (a differing leaf with fewer than ``MIN_AA_RUNS`` A/A runs): the
+        difference is then neither noise nor a mismatch until it can."""
         notes = []
         with self._lock:
             windows = [
@@ -81,7 +83,7 @@ class NoiseFloor:
         for leaf, error, aa, ab in windows:
             name = leaf or "output"
             if len(aa) < MIN_AA_RUNS:
-                return False, f"{name}: {len(aa)} A/A runs, {MIN_AA_RUNS} needed before a difference can be noise"
+                return None, f"{name}: {len(aa)} A/A runs, {MIN_AA_RUNS} needed before a difference can be judged"
             floor = float(np.quantile(aa, FLOOR_QUANTILE, method="lower"))
             if error > MARGIN * floor:
                 return False, f"{name}: abs error {error:.3g} > {MARGIN:g} x A/A floor {floor:.3g} ({len(aa)} runs)"

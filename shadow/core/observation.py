@@ -68,7 +68,7 @@ MISMATCH_REASONS = (
 #: never at the cost of legacy's memory); "oom": the shadow side's copies would not fit in the memory free, or
 #: upstream ran out of it; "budget": the shadow side had used its share of the job's wall time; "deadline": the
 #: shadow side of a call took longer than its deadline (that call), or one did earlier (the target stopped shadowing).
-SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "inplace", "budget", "deadline", "comparator")
+SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "inplace", "budget", "deadline", "comparator", "noise_pending")
 
 #: Why a backward comparison planned for a compared call was not made: "deadline" (a run of it passed the
 #: deadline), "reentrant" (reentrant activation checkpointing, which ``torch.autograd.grad`` refuses), "sparse"
@@ -105,6 +105,7 @@ SKIP_REASON_MEANING = {
     "budget": "the shadow side had used its share of the job's wall time (--budget)",
     "deadline": "the shadow side of a call took longer than --deadline: that call, and every later one",
     "comparator": "a fault of npu-shadow's own on the shadow side (logged)",
+    "noise_pending": "a value difference held until the noise floor had its A/A runs, which it never had",
 }
 
 #: Skip reasons that say the evidence does not reach a kind of call at all (not a passing condition such as the
@@ -131,6 +132,13 @@ DETAIL_LIMIT = 600
 def bounded(text: str, limit: int = DETAIL_LIMIT) -> str:
     """Cut ``text`` to ``limit`` characters, marking the cut."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def within_noise_floor(found: Any, test: str) -> Any:
+    """A value mismatch (a Comparison or an Observation) the noise floor judged noise, with its test in the detail."""
+    return dataclasses.replace(
+        found, outcome=Outcome.NOISE, reasons=(), detail=bounded(f"within the noise floor ({test}): {found.detail}")
+    )
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -202,6 +210,11 @@ class Observation:
     #: Why a backward comparison planned for this call was not made (BACKWARD_SKIP_REASONS; "" where it was, or
     #: none was planned).
     backward_skip: str = ""
+    #: A value difference the noise floor cannot judge yet (too few A/A runs of its signature): held by the engine,
+    #: never published as it is, until the floor decides it (noise or mismatch) or the job ends first (a skip,
+    #: reason noise_pending); ``leaf_errors`` are what it is judged on.
+    noise_pending: bool = False
+    leaf_errors: tuple[tuple[str, float], ...] = dataclasses.field(default=(), repr=False, compare=False)
     #: This comparison opened a new cluster of its process's comparisons (shadow.core.clusters): the unit the
     #: verdict counts evidence in, counted once, here, for every exporter.
     opens_cluster: bool = False
@@ -260,6 +273,8 @@ class TargetStats:
     noise: int = 0  # value differences within the noise floor (legacy differs from itself as much)
     error: int = 0
     skipped: int = 0
+    #: Value differences held now until the noise floor can judge them (not in ``sampled`` until it does).
+    noise_pending: int = 0
     by_reason: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     #: Shared divergences found by the single-device oracle, by reason; and how often the oracle ran.
     shared_divergences: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))

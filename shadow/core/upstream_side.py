@@ -37,6 +37,7 @@ from shadow.core.observation import (
     Outcome,
     bounded,
     label_text,
+    within_noise_floor,
 )
 from shadow.core.sides import LEGACY_AGAIN, current_run, marks, upstream_run
 from shadow.core.targets import Target
@@ -270,7 +271,7 @@ class UpstreamSide:
         start = time.perf_counter()
         found = self._compare_runs(plan, args, kwargs, *runs)
         found = with_state(found, {**self._state_differences(plan, *left), **self._module_differences(plan)})
-        found, noise_test = self._within_noise(plan.signature, found)
+        found, noise_test, pending = self._within_noise(plan.signature, found)
         compare_seconds = time.perf_counter() - start
         backward: dict[str, Any] = {"backward_skip": plan.backward_skip}
         if plan.backward and not returned:
@@ -291,7 +292,8 @@ class UpstreamSide:
         if plan.oracle and returned and found.outcome in (Outcome.MATCH, Outcome.CLOSE):
             shared = self._single_device(plan, legacy.value, left_by_legacy)
         evidence = None
-        if found.outcome in DIVERGENT_OUTCOMES and "grad" not in found.reasons:  # (a replay is of the forward)
+        # (a replay is of the forward; a pending difference is held, and holds no tensors while it waits)
+        if found.outcome in DIVERGENT_OUTCOMES and "grad" not in found.reasons and not pending:
             evidence = self._evidence(plan, *runs)
         return Observation(
             outcome=found.outcome,
@@ -304,6 +306,8 @@ class UpstreamSide:
             detail=found.detail,
             noise_test=noise_test,
             evidence=evidence,
+            noise_pending=pending,
+            leaf_errors=tuple(found.leaf_errors) if pending else (),
             **shared,
             **aa,
             **backward,
@@ -666,23 +670,26 @@ class UpstreamSide:
             return {name: (b, a) for name, (a, b) in found.items()}
         return found
 
-    def _within_noise(self, signature: str, found: Comparison) -> tuple[Comparison, str]:
-        """(the comparison, the noise test as text): a value mismatch (nothing else) is reported as noise while
-        the noise floor says legacy differs from itself as much (:mod:`shadow.core.noise`). Anything beyond it, or
-        of another kind, stays a mismatch. Every value comparison's errors join the A/B sample."""
+    def _within_noise(self, signature: str, found: Comparison) -> tuple[Comparison, str, bool]:
+        """(the comparison, the noise test as text, whether it is pending): a value mismatch (nothing else) is
+        reported as noise while the noise floor says legacy differs from itself as much (:mod:`shadow.core.noise`),
+        and is pending while the floor cannot judge it yet (too few A/A runs: the engine holds it until it can).
+        Anything beyond the floor, or of another kind, stays a mismatch. Every value comparison's errors join the
+        A/B sample."""
         experiment = self.experiment
         if not experiment.aa_rate:  # (no A/A runs: no floor, nothing is noise, and no sample is kept)
-            return found, ""
+            return found, "", False
         noise_floor = experiment.noise
         if found.outcome in (Outcome.MATCH, Outcome.CLOSE) or set(found.reasons) == {"value"}:
             noise_floor.add_ab(signature, found.leaf_errors)
         if found.outcome != Outcome.MISMATCH or set(found.reasons) != {"value"}:
-            return found, ""
+            return found, "", False
         noise, test = noise_floor.judge(signature, found.leaf_errors)
+        if noise is None:
+            return found, test, True
         if not noise:
-            return found, test
-        detail = bounded(f"within the noise floor ({test}): {found.detail}")
-        return dataclasses.replace(found, outcome=Outcome.NOISE, reasons=(), detail=detail), test
+            return found, test, False
+        return within_noise_floor(found, test), test, False
 
     def _evidence(self, plan: Plan, legacy: Run, upstream: Run) -> Evidence:
         """What a repro capture needs: the inputs as upstream received them, both outputs, the module state."""
