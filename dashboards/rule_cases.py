@@ -267,6 +267,29 @@ PROMOTION_CASES = [
         "fires": True,
     },
     {
+        "name": "tensor_type whose job took two risky signatures of one pattern, one of them compared too rarely",
+        "target": "tensor_type",
+        "phases": {
+            "legacy": {
+                "dtype/cpu/blocking": (10_000, 100, 0),
+                "npu_name/noncurrent/blocking": (10, 1, 0),
+                "npu_name/noncurrent/nonblocking": (1, 0.2, 0),
+            }
+        },
+    },
+    {
+        "name": "tensor_type whose job took two risky signatures of one pattern, each compared enough: fires",
+        "target": "tensor_type",
+        "phases": {
+            "legacy": {
+                "dtype/cpu/blocking": (10_000, 100, 0),
+                "npu_name/noncurrent/blocking": (10, 1, 0),
+                "npu_name/noncurrent/nonblocking": (1, 0.6, 0),  # (30 by 50m: the alert holds its 30m)
+            }
+        },
+        "fires": True,
+    },
+    {
         "name": "tensor_type whose job took a risky signature, compared too rarely",
         "target": "tensor_type",
         "phases": {"legacy": {"dtype/cpu/blocking": (1000, 100, 0), "npu_name/noncurrent/blocking": (1, 0.1, 0)}},

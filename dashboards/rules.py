@@ -179,28 +179,35 @@ def _fnmatch_regex(pattern: str) -> str:
 
 
 def _risky_uncovered() -> str:
-    """PromQL: the (job, run, target) of a built-in target whose risky signatures, where the job took them, were
-    compared fewer times than the verdict's default --min-per-signature."""
+    """PromQL: the (job, run, target) of a built-in target one of whose risky signatures, where the job took it, was
+    compared fewer times than the verdict's default --min-per-signature (each signature on its own, as the
+    verdict counts them: another matching the same pattern covers none of its calls)."""
     from shadow.core.targets import BUILTINS
 
     needed = verdict.DEFAULT_MIN_PER_SIGNATURE
     by, on = "group by (job, run, target)", "on (job, run, target)"
+    by_signature, on_signature = "group by (job, run, target, signature)", "on (job, run, target, signature)"
     parts = []
     for name, factory in sorted(BUILTINS.items()):
         for pattern in factory().risky_signatures:
             regex = _fnmatch_regex(pattern)
             selector = f'{COMPARISONS}{{{COMPARED},target="{name}"}}'
             risky = f'{COMPARISONS}{{{COMPARED},target="{name}",signature=~"{regex}"}}'
-            # as the verdict: a risky signature blocks where the job took it, or where calls are not counted by
-            # signature (whether it took it is not known); one it never called is not exercised
+            # as the verdict: each risky signature the job took blocks until it is compared enough; one it never
+            # called is not exercised
             taken = (
-                f'{by} ({CALLS}{{target="{name}",signature=~"{regex}"}} > 0) or {by} ({risky} > 0) '
-                f'or {by} ({SKIPPED}{{target="{name}",signature=~"{regex}"}} > 0) '
-                f'or ({by} ({CALLS}{{target="{name}"}}) unless {on} {by} ({CALLS}{{target="{name}",signature!=""}}))'
+                f'{by_signature} ({CALLS}{{target="{name}",signature=~"{regex}"}} > 0) '
+                f"or {by_signature} ({risky} > 0) "
+                f'or {by_signature} ({SKIPPED}{{target="{name}",signature=~"{regex}"}} > 0)'
             )
             parts.append(
-                f"({by} ({selector}) and {on} ({taken}) unless {on} sum by (job, run, target) ({risky}) >= {needed})"
+                f"{by} (({taken}) unless {on_signature} sum by (job, run, target, signature) ({risky}) >= {needed})"
             )
+            # where calls are not counted by signature, which it took is not known: the pattern's comparisons
+            labelled = f'{by} ({CALLS}{{target="{name}",signature!=""}})'
+            unlabelled = f'{by} ({CALLS}{{target="{name}"}}) unless {on} {labelled}'
+            enough = f"sum by (job, run, target) ({risky}) >= {needed}"
+            parts.append(f"({by} ({selector}) and {on} ({unlabelled}) unless {on} {enough})")
     return " or ".join(parts)
 
 

@@ -352,7 +352,8 @@ def test_example_job_on_two_emulated_npus_shadows_all_three_targets_and_is_uncha
     assert verdict.returncode == 3  # honest: far too few comparisons to promote
     # every risky signature is named with its coverage: the job casts on the current npu only, one replica never
     # (those it called with their coverage; those it never called, as not exercised by this job)
-    assert "risky signatures compared: */autocast=on 2" in verdict.stdout
+    # (each risky signature taken on its own: the pattern */autocast=on as the one signature the job took)
+    assert "risky signatures compared: replicas=2+/grad=on/autocast=on 2" in verdict.stdout
     never = "risky signatures not exercised by these jobs (never called; the promotion does not cover them): "
     assert never + "replicas=1/*" in verdict.stdout
     assert never + "npu_name/noncurrent/*, npu_class/noncurrent/*, torch_npu_name/*" in verdict.stdout

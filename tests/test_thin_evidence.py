@@ -295,3 +295,28 @@ def test_a_value_difference_the_floor_never_could_judge_is_a_skip_never_agreemen
     assert during.sampled == during.compared < 30  # (the held differences are not counted yet)
     assert after.mismatch == 0 and after.by_reason.get("noise_pending", 0) == after.skipped > 0
     assert after.sampled == 30 and after.compared + after.skipped == 30
+
+
+# --------------------------------------------------------------------------- proxies replaced by the real thing
+
+
+def test_each_risky_signature_taken_needs_its_own_comparisons_not_its_patterns(tmp_path):
+    """A risky signature with calls never compared (every sampled call skipped for memory) was passed because
+    another signature matching the same pattern had been compared often enough."""
+    record = journals.counts(
+        {
+            "dtype/cpu/blocking": {"match": 20_000},
+            "torch_npu_name/current/blocking": {"match": 40},
+        },
+        target="tensor_type",
+        calls={"dtype/cpu/blocking": 1_000_000, "torch_npu_name/current/blocking": 100,
+               "torch_npu_name/noncurrent/blocking": 5},
+        skipped={"torch_npu_name/noncurrent/blocking": {"oom": 5}},
+        timestamp=10.0,
+    )  # fmt: skip
+    record["clusters"] = 20_040
+    path = journals.write(tmp_path / "j.jsonl", [record])
+    (decided,) = _verdict_json("--journal", str(path))["targets"]
+    assert decided["risky"] == {"torch_npu_name/current/blocking": 40, "torch_npu_name/noncurrent/blocking": 0}
+    assert decided["decision"] == "inconclusive"
+    assert "risky signature torch_npu_name/noncurrent/blocking compared 0 times, needs 30" in decided["why"]

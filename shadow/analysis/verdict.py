@@ -227,6 +227,25 @@ class TargetCounts:
         seen += [s for p in phases for (s, _), v in p.skipped.items() if v > 0]
         return not any(fnmatch.fnmatchcase(s, pattern) for s in seen)
 
+    def taken_matching(self, pattern: str) -> list[str]:
+        """The signatures matching ``pattern`` the evidence saw taken: with calls, comparisons or skips."""
+        phases = self.phases.values()
+        seen = {s for p in phases for s, v in p.calls.items() if v > 0}
+        seen |= {s for p in phases for (s, _), v in p.outcomes.items() if v > 0}
+        seen |= {s for p in phases for (s, _), v in p.skipped.items() if v > 0}
+        return sorted(s for s in seen if s and fnmatch.fnmatchcase(s, pattern))
+
+    def compared_of(self, signature: str) -> int:
+        """Comparisons, in every phase, of ``signature`` itself."""
+        return round(
+            sum(
+                v
+                for p in self.phases.values()
+                for (s, o), v in p.outcomes.items()
+                if s == signature and o in COMPARED_OUTCOMES
+            )
+        )
+
     def compared_matching(self, pattern: str) -> int:
         """Comparisons, in every phase, of the signatures matching ``pattern``."""
         return round(
@@ -274,7 +293,9 @@ class Decision:
     upper: float
     hard: dict[str, int]
     why: str
-    risky: dict[str, int] = dataclasses.field(default_factory=dict)  # risky signature pattern -> compared
+    #: Each risky signature the jobs took (one matching a risky pattern, with calls, comparisons or skips) ->
+    #: its comparisons; a pattern where calls are not counted by signature (which it took is not known).
+    risky: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Risky signature patterns no call of these jobs took (called never, compared never): the promotion covers
     #: the paths the jobs take, and says which it does not.
     not_exercised: tuple[str, ...] = ()
@@ -580,7 +601,16 @@ def decide(
                 uncovered[reason] = uncovered.get(reason, 0) + round(value)
     risky = list(risky)
     not_exercised = tuple(p for p in risky if counts.never_called(p))
-    coverage = {pattern: counts.compared_matching(pattern) for pattern in risky if pattern not in not_exercised}
+    # (each risky signature taken on its own: another one matching the same pattern covers none of its calls)
+    coverage: dict[str, int] = {}
+    for pattern in risky:
+        if pattern in not_exercised:
+            continue
+        taken = counts.taken_matching(pattern)
+        if taken and any(s for p in counts.phases.values() for s in p.calls):
+            coverage.update({signature: counts.compared_of(signature) for signature in taken})
+        else:  # (calls not counted by signature: which risky signatures were taken is not known)
+            coverage[pattern] = counts.compared_matching(pattern)
     worst = max(phases, key=lambda p: (_SEVERITY[p.decision], p.upper), default=None)
     made = {
         "target": target,
