@@ -239,6 +239,21 @@ PROMOTION_CASES = [
     },
     {"name": "rolled back", "phases": {"legacy": CLEAN}, "rollbacks": 0.01},
     {
+        "name": "rolled back, then the process restarted (its rollback counter back at zero)",
+        "phases": {"legacy": CLEAN},
+        "raw": [("npu_shadow_rollbacks_total", "0 1x29 0x90", {"source": "http"})],
+        "rolled_back": True,
+    },
+    {
+        "name": "rolled back, then reset by a person: fires",
+        "phases": {"legacy": CLEAN},
+        "raw": [
+            ("npu_shadow_rollbacks_total", "0 1x119", {"source": "http"}),
+            ("npu_shadow_resets_total", "0x20 1x99", {}),
+        ],
+        "fires": True,
+    },
+    {
         "name": "clean but in few clusters (one process, correlated)",
         "phases": {"legacy": CLEAN},
         "clusters": {"legacy": 1},
@@ -322,6 +337,8 @@ def promotion_case(spec: dict) -> dict:
         grow("npu_shadow_backward_runs_total", per_minute, primary=primary, signature=signature, outcome="match")
     if spec.get("rollbacks"):
         grow("npu_shadow_rollbacks_total", spec["rollbacks"], source="http")
+    for metric, values, labels in spec.get("raw", ()):
+        inputs.append(series(metric, values, job="promo", target=target, **labels))
     fired = []
     if spec.get("fires"):
         fired = [expected("NpuShadowPromotionEvidence", job="promo", target=target, primary=primary)

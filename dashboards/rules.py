@@ -37,6 +37,7 @@ from dashboards.series import (
     HARD_REASONS,
     LEGACY_TIME,
     MISMATCHES,
+    RESETS,
     ROLLBACKS,
     SAMPLE_RATE,
     SHADOW_TIME,
@@ -139,6 +140,7 @@ def _recording_rules() -> list[dict[str, str]]:
         },
         {"record": "npu_shadow:promotion:upper_bound_approx", "expr": promotion_bound()},
         {"record": "npu_shadow:promotion:gradient_upper_bound_approx", "expr": gradient_promotion_bound()},
+        {"record": ROLLED_BACK, "expr": rolled_back_latch()},
     ]
     return rules
 
@@ -159,6 +161,20 @@ def promotion_bound() -> str:
     clusters = f"{BY} ({CLUSTERS})"
     clustered = f"(({least} <= {clusters}) or {clusters} or {least})"
     return f"({budget!r} + ln(1 + npu_shadow:comparisons:total / {prior.b!r})) / {clustered}"
+
+
+#: A run's targets rolled back and not reset since, kept across process restarts (a counter a restart resets).
+ROLLED_BACK = "npu_shadow:rolled_back:latched"
+
+
+def rolled_back_latch() -> str:
+    """PromQL: 1 for each (job, run, target) rolled back and not reset by a person since. Within a process, more
+    rollbacks than resets (each reset follows a rollback); across a restart, the rule's own last value, kept until a
+    reset is counted (a rule that reads its own series latches: Prometheus keeps it while it evaluates)."""
+    by, on = "sum by (job, run, target)", "on (job, run, target)"
+    now = f"{by} ({ROLLBACKS}) > {by} ({RESETS}) or {by} ({ROLLBACKS}) > 0 unless {on} {by} ({RESETS})"
+    reset = f"{by} (increase({RESETS}[{PARAMS['hard_window']}])) > 0"
+    return f"group by (job, run, target) (({now}) or ({ROLLED_BACK} unless {on} ({reset})))"
 
 
 def gradient_promotion_bound() -> str:
@@ -330,7 +346,7 @@ def _alerting_rules() -> list[dict]:
             # every signature with calls compared
             f" unless on (job, run, target) ({called} > 0 unless {ON_SIGNATURE} {compared} > 0)"
             # never after a rollback (a person's reset and fresh evidence: judge a window after it)
-            f" unless on (job, run, target) sum by (job, run, target) ({ROLLBACKS}) > 0"
+            f" unless on (job, run, target) {ROLLED_BACK}"
             # every risky signature of a built-in target compared as often as the verdict asks
             f" unless on (job, run, target) ({_risky_uncovered()})",
             "info",

@@ -7,6 +7,7 @@ from exporters import contract
 
 CALLS = contract.CALLS.series
 ROLLBACKS = contract.ROLLBACKS.series
+RESETS = contract.RESETS.series
 COMPARISONS = contract.COMPARISONS.series
 CLUSTERS = contract.CLUSTERS.series
 MISMATCHES = contract.MISMATCHES.series

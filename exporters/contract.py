@@ -144,6 +144,14 @@ ROLLBACKS = Metric(
     ("target", "source"),
     "Times the rollback switch made legacy the primary, by what threw it (http, file, api).",
 )
+RESETS = Metric(
+    "npu_shadow.resets",
+    "{reset}",
+    "counter",
+    ("target",),
+    "A person's resets after a rollback (Monitor.reset_primary): the rollback is honoured until one; the recording "
+    "rule npu_shadow:rolled_back:latched keeps it across process restarts until then.",
+)
 AA_RUNS = Metric(
     "npu_shadow.aa_runs",
     "{run}",
@@ -230,6 +238,7 @@ ALL = (
     TRUTH_RUNS,
     PRIMARY,
     ROLLBACKS,
+    RESETS,
     SAMPLE_RATE,
     DRILL_ACTIVE,
 )
@@ -263,4 +272,5 @@ def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:
     ]
     series += [(LEGACY, {"target": target}), (SHADOW, {"target": target})]
     series += [(ROLLBACKS, {"target": target, "source": source}) for source in ROLLBACK_SOURCES]
+    series += [(RESETS, {"target": target})]
     return series

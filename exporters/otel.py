@@ -52,6 +52,7 @@ _SUMS = (
     contract.BACKWARD_SKIPS,
     contract.TRUTH_RUNS,
     contract.ROLLBACKS,
+    contract.RESETS,
 )
 _HISTOGRAMS = (contract.ABS_ERROR, contract.REL_ERROR, contract.SHADOW_DURATION)
 
@@ -202,6 +203,10 @@ class OTelExporter:
     def record_rollback(self, target: str, by: str) -> None:
         with self._lock:
             self._add(contract.ROLLBACKS, 1, target, contract.rollback_source(by))
+
+    def record_reset(self, target: str, by: str) -> None:
+        with self._lock:
+            self._add(contract.RESETS, 1, target)
 
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""

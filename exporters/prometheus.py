@@ -203,6 +203,9 @@ class PrometheusExporter:
     def record_rollback(self, target: str, by: str) -> None:
         self._child(contract.ROLLBACKS, target, contract.rollback_source(by)).inc()
 
+    def record_reset(self, target: str, by: str) -> None:
+        self._child(contract.RESETS, target).inc()
+
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
         self._child(contract.SKIPPED, target, reason, "", self._primary.get(target, LEGACY)).inc(count)

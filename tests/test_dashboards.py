@@ -159,8 +159,8 @@ def _counts_at_eval(spec: dict):
         counts.add_clusters(per_minute * minutes, primary)
     for (primary, signature), per_minute in spec.get("backward", {}).items():
         counts.add_backward(signature, "match", per_minute * minutes, primary)
-    if spec.get("rollbacks"):
-        counts.rollbacks.append("http")
+    if spec.get("rollbacks") or spec.get("rolled_back"):
+        counts.rollbacks.append("http")  # (a restart's counter reset: the counts over the run still hold it)
     return counts
 
 

@@ -320,3 +320,33 @@ def test_each_risky_signature_taken_needs_its_own_comparisons_not_its_patterns(t
     assert decided["risky"] == {"torch_npu_name/current/blocking": 40, "torch_npu_name/noncurrent/blocking": 0}
     assert decided["decision"] == "inconclusive"
     assert "risky signature torch_npu_name/noncurrent/blocking compared 0 times, needs 30" in decided["why"]
+
+
+def test_a_rollback_in_metrics_stands_until_a_person_resets_it(tmp_path):
+    """From a metrics file: a rollback stands (the verdict says rollback) until the resets counted match it."""
+    import types
+
+    import torch
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    import shadow
+    from exporters import PrometheusExporter
+
+    decisions = []
+    for reset in (False, True):
+        registry = CollectorRegistry()
+        ops = types.SimpleNamespace(op=lambda x: x * 2)
+        target = shadow.Target("op", ops, "op", lambda x: x * 2)
+        with shadow.install(
+            [target], sample_rate=1.0, primary="upstream", exporters=[PrometheusExporter(registry=registry)]
+        ) as monitor:
+            for _ in range(5):
+                ops.op(torch.ones(2))
+            monitor.roll_back("api")
+            if reset:
+                monitor.reset_primary("a person")
+        textfile = tmp_path / f"m{reset}.prom"
+        textfile.write_text(generate_latest(registry).decode())
+        (decided,) = _verdict_json("--metrics-file", str(textfile))["targets"]
+        decisions.append((decided["decision"], bool(decided["rollbacks"])))
+    assert decisions == [("rollback", True), ("inconclusive", False)]

@@ -50,6 +50,7 @@ PROCESS_TIME = contract.PROCESS_TIME.series
 TRUTH_RUNS = contract.TRUTH_RUNS.series
 BACKWARD_RUNS = contract.BACKWARD_RUNS.series
 ROLLBACKS = contract.ROLLBACKS.series
+RESETS = contract.RESETS.series
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
 BUILD_INFO = contract.BUILD_INFO.prometheus_name
 #: Comparisons in one process within this many seconds form one cluster (the verdict's clustered bound).
@@ -106,13 +107,15 @@ def _count(value: object, where: str, whole: bool = True) -> float:
 
 
 def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], value: float) -> None:
-    if name == ROLLBACKS and value <= 0:
+    if name in (ROLLBACKS, RESETS) and value <= 0:
         return
     target = counts.setdefault(labels.get("target", ""), TargetCounts())
     primary = labels.get("primary") or LEGACY  # (series from before the primary label: legacy's)
     if name == ROLLBACKS:
-        if value > 0:
-            target.rollbacks.append(f"{round(value)} by {labels.get('source', '?')} ({ROLLBACKS})")
+        target.rollbacks.append(f"{round(value)} by {labels.get('source', '?')} ({ROLLBACKS})")
+        target.counted_rollbacks += value
+    elif name == RESETS:
+        target.counted_resets += value
     elif name == COMPARISONS:
         target.add_outcome(labels.get("signature", ""), labels.get("outcome", ""), value, primary)
     elif name == MISMATCHES:
@@ -150,7 +153,19 @@ def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
         raise SourceError(f"{path} is not UTF-8 text: {exc}") from exc
 
 
-_COUNTED = (COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, CLUSTERS, ROLLBACKS, TRUTH_RUNS, BACKWARD_RUNS)
+_COUNTED = (
+    COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, CLUSTERS, ROLLBACKS, RESETS, TRUTH_RUNS, BACKWARD_RUNS,
+)  # fmt: skip
+
+
+def _honour_resets(counts: dict[str, TargetCounts]) -> dict[str, TargetCounts]:
+    """A target whose metrics count as many resets as rollbacks was reset by a person after each: no rollback
+    stands (each reset follows a rollback)."""
+    for entry in counts.values():
+        if entry.counted_rollbacks and entry.counted_resets >= entry.counted_rollbacks:
+            entry.rollbacks = [r for r in entry.rollbacks if not r.endswith(f"({ROLLBACKS})")]
+            entry.resets.append(f"{round(entry.counted_resets)} by a person ({RESETS})")
+    return counts
 
 
 def from_exposition(
@@ -183,7 +198,7 @@ def from_exposition(
             entry.drilled = -1
     for entry in counts.values():
         entry.process_seconds = seconds
-    return counts
+    return _honour_resets(counts)
 
 
 def environment_from_exposition(text: str) -> dict[str, set[str]]:
@@ -287,6 +302,7 @@ _QUERIES = [
     (CALLS, "target, signature, primary"),
     (CLUSTERS, "target, primary"),
     (ROLLBACKS, "target, source"),
+    (RESETS, "target"),
     (TRUTH_RUNS, "target, signature, nearer, primary"),
     (BACKWARD_RUNS, "target, signature, outcome, primary"),
 ]
@@ -384,7 +400,7 @@ def from_prometheus(
             seconds -= sum(_exact(url, PROCESS_TIME, selector, start, deadline, whole=False).values())
         for entry in counts.values():
             entry.process_seconds = max(seconds, 0.0)
-    return counts
+    return _honour_resets(counts)
 
 
 def journal_records(paths: Iterable[str], torn: list[str] | None = None) -> Iterator[dict]:

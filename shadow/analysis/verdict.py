@@ -152,6 +152,10 @@ class TargetCounts:
     process_seconds: float = 0.0
     #: Rollbacks no person has reset since (who or what threw the switch, and when where known).
     rollbacks: list[str] = dataclasses.field(default_factory=list)
+    #: Rollbacks and resets as metrics count them (a counter each, per process): a person reset every rollback
+    #: where there are as many resets.
+    counted_rollbacks: float = 0.0
+    counted_resets: float = 0.0
     #: Resets, and the comparisons from before the last one that were set aside (not evidence any more).
     resets: list[str] = dataclasses.field(default_factory=list)
     set_aside: float = 0
