@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
@@ -38,17 +39,57 @@ def multiprocess_mode() -> bool:
     return values.ValueClass is not values.MutexValue
 
 
-def serve_registry(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1", **tls: Any) -> Any:
+def serve_registry(
+    registry: CollectorRegistry, port: int, addr: str = "127.0.0.1", mark_dir: str | None = None, **tls: Any
+) -> Any:
     """Serve ``registry`` on ``addr:port``; the server, or None with a warning when the port cannot be
-    bound (a busy port degrades the endpoint, never the job)."""
+    bound (a busy port degrades the endpoint, never the job). ``mark_dir``: where its first scrape leaves
+    :data:`SCRAPED_MARK` (:class:`ScrapeMarking`)."""
+    served: Any = registry if mark_dir is None else ScrapeMarking(registry, mark_dir)
     try:
-        server, _ = start_http_server(port, addr=addr, registry=registry, **tls)
+        server, _ = start_http_server(port, addr=addr, registry=served, **tls)
     except (OSError, OverflowError) as exc:  # (OverflowError: a port past 65535)
         message = f"npu-shadow: cannot serve metrics on {addr}:{port} ({exc}); the job goes on without it"
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         log.warning(message)
         return None
     return server
+
+
+#: The file a served endpoint leaves in its multiprocess folder at its first scrape: something scrapes the job, so
+#: the launcher keeps the endpoint after the job until that something has read the final counts.
+SCRAPED_MARK = "scraped"
+
+
+class ScrapeMarking:
+    """What an endpoint serves: ``registry``, and :data:`SCRAPED_MARK` left in ``directory`` at its first scrape
+    (an HTTP request; the process's own reads of ``registry``, its exit summary's, leave none)."""
+
+    def __init__(self, registry: CollectorRegistry, directory: str) -> None:
+        self.registry = registry
+        self.path = os.path.join(directory, SCRAPED_MARK)
+        self.marked = False
+
+    def _mark(self) -> None:
+        if not self.marked:
+            self.marked = True
+            # (a private folder, never through a link planted there; without the mark the endpoint is not kept
+            # after the job: a feature lost, never the job)
+            with contextlib.suppress(OSError):
+                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+
+    def collect(self) -> Iterable[Any]:
+        self._mark()
+        return self.registry.collect()
+
+    def restricted_registry(self, names: Iterable[str]) -> Any:
+        self._mark()
+        return self.registry.restricted_registry(names)
+
+
+def scraped(directory: str) -> bool:
+    """Whether an endpoint serving ``directory`` was scraped (:class:`ScrapeMarking`)."""
+    return os.path.isfile(os.path.join(directory, SCRAPED_MARK))
 
 
 class SignatureCappedCollector:
@@ -268,7 +309,8 @@ class PrometheusExporter:
         ``tls``: prometheus-client's ``certfile``, ``keyfile``, ``client_cafile``, ``client_capath`` and
         ``client_auth_required``, passed through.
         """
-        self.server = serve_registry(self.registry, port, addr, **tls)
+        mark_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] if self.multiprocess else None
+        self.server = serve_registry(self.registry, port, addr, mark_dir=mark_dir, **tls)
         self.port = self.server.server_port if self.server is not None else None
         return self.port
 

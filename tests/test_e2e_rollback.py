@@ -239,7 +239,8 @@ def test_a_fleet_of_two_torchrun_jobs_adds_up_per_job_and_fleet_wide(tmp_path):
         textfile = str(tmp_path / f"{name}-rank{{rank}}.prom")
         jobs[name] = subprocess.Popen(
             [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.12.0"),
-             "--sample-rate", "1", "--budget", "off", "--port", str(base), "--textfile", textfile, "--",
+             "--sample-rate", "1", "--budget", "off", "--port", str(base), "--textfile", textfile,
+             "--linger", "0", "--",  # (its Prometheus is gone when the jobs end: the textfiles hold the final counts)
              sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
              str(free_port()), os.path.join(ROOT, "tests", "fleet_rank.py"), "--stop", str(stop),
              "--done", str(tmp_path / f"{name}.done-"),

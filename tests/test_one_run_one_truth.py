@@ -41,14 +41,15 @@ def test_1_calls_between_sampled_calls_reach_the_exposition_within_a_second():
 
 def test_1_a_real_prometheus_sees_every_call_of_a_running_job_and_its_final_counts_after_it(tmp_path):
     """Under the launcher's defaults the last scrape held 30 of 40 calls of a target: calls reached the exposition
-    only with a comparison, and the counts at exit were never scraped."""
+    only with a comparison, and the counts at exit were never scraped (a textfile beside the endpoint did not keep
+    it after the job: the Prometheus that scraped it lacked the last counts)."""
     port = free_port()
     ready, stop, textfile = tmp_path / "ready", tmp_path / "stop", tmp_path / "final.prom"
     with prometheus(tmp_path, {"job": port}, []) as server:
         job = subprocess.Popen(
             [
                 sys.executable, "-m", "shadow", "run", "--legacy-from", "reference", "--port", str(port),
-                "--textfile", str(textfile), "--journal", str(tmp_path / "j-{pid}.jsonl"), "--linger", "60", "--",
+                "--textfile", str(textfile), "--journal", str(tmp_path / "j-{pid}.jsonl"), "--",
                 sys.executable, os.path.join(ROOT, "tests", "counting_job.py"), "--calls", "3000", "--more", "700",
                 "--ready", str(ready), "--stop", str(stop),
             ],
@@ -365,3 +366,21 @@ def test_2_a_capture_names_its_run_and_replay_says_it(tmp_path, monkeypatch):
         env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests")},
     )  # fmt: skip
     assert "in run capture-run-3" in done.stdout, done.stdout + done.stderr
+
+
+def test_1_a_job_with_a_textfile_that_nobody_scraped_does_not_keep_its_endpoint(tmp_path):
+    """The endpoint is kept after the job (for a Prometheus that scraped it) only where something scraped it during
+    the job; the exit summary's own read of the job's metrics is no scrape."""
+    textfile = tmp_path / "final.prom"
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "shadow", "run", "--legacy-from", "reference", "--port", str(free_port()),
+            "--textfile", str(textfile), "--", sys.executable, os.path.join(ROOT, "tests", "counting_job.py"),
+            "--calls", "50", "--ready", str(tmp_path / "ready"), "--stop", str(tmp_path / "ready"),
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the job's final counts are in its textfile" in done.stderr
+    assert "until a scrape reads them" not in done.stderr
+    assert total(samples(textfile.read_text()), "npu_shadow_calls_total", target="tensor_type") == 50

@@ -35,12 +35,24 @@ def _serve_node(directory: str, port: int, addr: str):
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=directory)
-    return serve_registry(registry, port, addr), registry
+    return serve_registry(registry, port, addr, mark_dir=directory), registry
 
 
 #: Signals that ask the job to stop: once one was passed on, the launcher does not keep the endpoint after the job
 #: (whoever stopped it waits for the launcher, and a scheduler kills what outlives its grace period).
 _STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _scraped_during_job(base: str, node: tuple | None) -> bool:
+    """Whether something scraped the job's endpoint while it ran (:class:`exporters.prometheus.ScrapeMarking`)."""
+    from exporters.prometheus import scraped
+
+    if node is not None:
+        return scraped(base)
+    try:
+        return any(scraped(directory) for directory in linger.rank_directories(base).values())
+    except OSError:
+        return False
 
 
 def _serve_final_counts(config: cfg.Config, base: str, node: tuple | None, stopped: bool = False) -> None:
@@ -49,6 +61,10 @@ def _serve_final_counts(config: cfg.Config, base: str, node: tuple | None, stopp
     seconds = cfg.linger_seconds(config)
     if config.port is None:
         return
+    if not seconds and config.linger is None and _scraped_during_job(base, node):
+        # (a textfile or a Pushgateway carries the final counts elsewhere; the Prometheus that scraped the
+        # endpoint has only what it read, so the endpoint stays for it too)
+        seconds = cfg.DEFAULT_LINGER_SECONDS
     if stopped and seconds:
         print("npu-shadow: the job was stopped by a signal: its endpoint is not kept after it", file=sys.stderr)
         return
