@@ -1,7 +1,24 @@
-"""Where observations go: Prometheus, OpenTelemetry, and a JSON-lines journal with repro captures."""
+"""Where observations go: Prometheus, OpenTelemetry, and a JSON-lines journal with repro captures.
 
-from exporters.journal import JsonlExporter
-from exporters.otel import OTelExporter
-from exporters.prometheus import PrometheusExporter
+The exporters load on first use (PEP 562): the analysis tools read ``exporters.contract`` alone and so start
+without torch, which a journal's repro captures need."""
+
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["JsonlExporter", "OTelExporter", "PrometheusExporter"]
+
+_WHERE = {
+    "JsonlExporter": "exporters.journal",
+    "OTelExporter": "exporters.otel",
+    "PrometheusExporter": "exporters.prometheus",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'exporters' has no attribute {name!r}")

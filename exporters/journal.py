@@ -19,9 +19,8 @@ from json.encoder import encode_basestring_ascii
 
 from exporters import capture, contract
 from shadow.core import forks
-from shadow.core.observation import DIFFERS_IN_FLOAT64, LEGACY, Observation, Outcome
+from shadow.core.observation import DIFFERS_IN_FLOAT64, LEGACY, Observation, Outcome, error_decade
 from shadow.core.safe_paths import check_private_directory, make_private_directory, open_own_file, template_problem
-from shadow.core.truth import error_decade
 
 
 def _rank() -> int | None:

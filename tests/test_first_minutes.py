@@ -1,5 +1,6 @@
 """The first minutes: a command line that behaves like the tools users know."""
 
+import json
 import os
 import subprocess
 import sys
@@ -85,3 +86,37 @@ def test_the_emulated_npus_build_says_it_is_still_going(tmp_path, monkeypatch, c
     monkeypatch.setattr(emulated, "_COMPILE", "import sys; print('the compiler said no'); sys.exit(1)")
     with pytest.raises(emulated.EmulatorUnavailable, match="the compiler said no"):
         emulated._compile(tmp_path)
+
+
+START_WITHOUT_TORCH = r"""
+import contextlib, io, json, sys
+from shadow.launcher import cli
+
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    code = cli.main(sys.argv[1:])
+print(json.dumps({"code": code, "torch": "torch" in sys.modules, "printed": bool(out.getvalue())}))
+"""
+
+
+@pytest.mark.parametrize("command", ["verdict", "report"])
+def test_verdict_and_report_never_load_torch(tmp_path, command):
+    """They read files and a Prometheus: torch (a second and a half to import) held their first line back."""
+    import journals
+
+    path = journals.write(tmp_path / "j.jsonl", [journals.counts({"s": {"match": 5}}, calls={"s": 5}, timestamp=1.0)])
+    done = subprocess.run(
+        [sys.executable, "-c", START_WITHOUT_TORCH, command, "--journal", str(path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["printed"] and said["code"] in (0, 1, 3) and said["torch"] is False
+
+
+def test_doctor_says_it_loads_torch_before_it_does():
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from shadow.launcher import cli; sys.exit(cli.main(['doctor']))"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert done.stderr.splitlines()[0] == "npu-shadow doctor: loading torch to check it..."

@@ -29,6 +29,7 @@ from shadow.analysis.verdict import TargetCounts
 from shadow.core.observation import (
     BACKWARD_OUTCOMES,
     COMPARED_OUTCOMES,
+    DECADE_LIMIT,
     DIFFERS_IN_FLOAT64,
     DIVERGENT_OUTCOMES,
     LEGACY,
@@ -36,9 +37,9 @@ from shadow.core.observation import (
     OUTCOMES,
     PRIMARY_SIDES,
     Outcome,
+    error_decade,
     label_text,
 )
-from shadow.core.truth import DECADE_LIMIT, error_decade
 
 COMPARISONS = contract.COMPARISONS.series
 MISMATCHES = contract.MISMATCHES.series

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -92,6 +93,15 @@ NEARER = ("legacy", "upstream", "tie", DIFFERS_IN_FLOAT64)
 #: The built-in targets' names (their Targets are in shadow.core.targets).
 BUILTIN_TARGETS = ("parallel_apply", "data_parallel", "tensor_type")
 
+#: Where torch_npu 2.12's legacy and upstream are known to differ (the README's "what really differs"), by built-in
+#: target: the patterns of the risky signatures a verdict must see compared (here, torch-free, for the analysis
+#: tools; each built-in Target carries its own).
+BUILTIN_RISKY = {
+    "parallel_apply": ("replicas=1/*", "*/autocast=on"),
+    "data_parallel": ("replicas=1/*", "*/autocast=on"),
+    "tensor_type": ("npu_name/noncurrent/*", "npu_class/noncurrent/*", "torch_npu_name/*"),
+}
+
 #: The faults a fire drill can inject into the upstream result (shadow.core.drill).
 DRILL_KINDS = ("value", "dtype", "nan", "exception")
 
@@ -132,6 +142,18 @@ DETAIL_LIMIT = 600
 def bounded(text: str, limit: int = DETAIL_LIMIT) -> str:
     """Cut ``text`` to ``limit`` characters, marking the cut."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+#: The decades a truth run's error ratio is counted in (journals and the verdict keep whole counts).
+DECADE_LIMIT = 12
+
+
+def error_decade(legacy_error: float, upstream_error: float) -> int | None:
+    """``log10(upstream's error / legacy's)`` rounded to a whole decade (-3: upstream's error a thousandth of
+    legacy's), within +-DECADE_LIMIT; None where either error is zero or not finite (no ratio)."""
+    if not (0 < legacy_error < math.inf and 0 < upstream_error < math.inf):
+        return None
+    return max(-DECADE_LIMIT, min(DECADE_LIMIT, round(math.log10(upstream_error / legacy_error))))
 
 
 def within_noise_floor(found: Any, test: str) -> Any:

@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_iter
 
 from shadow.core import oracle
-from shadow.core.observation import BUILTIN_TARGETS, label_text
+from shadow.core.observation import BUILTIN_RISKY, BUILTIN_TARGETS, label_text
 from shadow.core.oracle import SingleDeviceCall
 from shadow.core.tolerance import ToleranceSpec
 from shadow.npu import reference
@@ -217,8 +217,8 @@ def names_its_type(args: tuple, kwargs: dict) -> bool:
 
 
 #: Where torch_npu 2.12's legacy and upstream are known to differ (the README's "what really differs").
-TENSOR_TYPE_RISKY = ("npu_name/noncurrent/*", "npu_class/noncurrent/*", "torch_npu_name/*")
-DATA_PARALLEL_RISKY = ("replicas=1/*", "*/autocast=on")
+TENSOR_TYPE_RISKY = BUILTIN_RISKY["tensor_type"]
+DATA_PARALLEL_RISKY = BUILTIN_RISKY["parallel_apply"]
 
 
 # --------------------------------------------------------------------------- built-ins

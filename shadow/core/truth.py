@@ -30,8 +30,10 @@ import torch
 
 from shadow.core import memory, trees
 from shadow.core.isolation import ModuleState, RngSnapshot, module_tensors, modules_in_call
+from shadow.core.observation import DECADE_LIMIT as DECADE_LIMIT
 from shadow.core.observation import DIFFERS_IN_FLOAT64
 from shadow.core.observation import NEARER as NEARER
+from shadow.core.observation import error_decade as error_decade
 
 #: Errors within this share of the larger one are a tie.
 TIE_SHARE = 0.1
@@ -150,18 +152,6 @@ def leaf_errors(result: Any, truth: Any) -> list[float]:
         difference = float((ours[finite] - exact[finite]).abs().max()) if bool(finite.any()) else 0.0
         errors.append(difference / scale if scale > 0 else difference)
     return errors
-
-
-#: The decades a truth run's error ratio is counted in (journals and the verdict keep whole counts).
-DECADE_LIMIT = 12
-
-
-def error_decade(legacy_error: float, upstream_error: float) -> int | None:
-    """``log10(upstream's error / legacy's)`` rounded to a whole decade (-3: upstream's error a thousandth of
-    legacy's), within +-DECADE_LIMIT; None where either error is zero or not finite (no ratio)."""
-    if not (0 < legacy_error < math.inf and 0 < upstream_error < math.inf):
-        return None
-    return max(-DECADE_LIMIT, min(DECADE_LIMIT, round(math.log10(upstream_error / legacy_error))))
 
 
 @dataclasses.dataclass(frozen=True)

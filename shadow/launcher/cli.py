@@ -93,7 +93,7 @@ def _verdict(args: argparse.Namespace) -> int:
 
     from shadow.analysis import verdict
     from shadow.analysis.sources import SourceError, from_exposition, from_journal, from_prometheus, read_text
-    from shadow.core.targets import BUILTINS
+    from shadow.core.observation import BUILTIN_RISKY
 
     try:
         if args.prometheus:
@@ -107,7 +107,7 @@ def _verdict(args: argparse.Namespace) -> int:
     except (SourceError, OSError) as exc:
         print(f"npu-shadow verdict: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    risky: dict[str, list[str]] = {name: list(factory().risky_signatures) for name, factory in BUILTINS.items()}
+    risky: dict[str, list[str]] = {name: list(patterns) for name, patterns in BUILTIN_RISKY.items()}
     for item in args.risky:
         target, _, pattern = item.partition("=")
         risky.setdefault(target, []).append(pattern)
@@ -189,7 +189,7 @@ def _report(args: argparse.Namespace) -> int:
         from_prometheus,
         read_text,
     )
-    from shadow.core.targets import BUILTINS
+    from shadow.core.observation import BUILTIN_RISKY
 
     if not (args.journal or args.metrics_file or args.prometheus):
         print("npu-shadow report: give --journal, --metrics-file or --prometheus", file=sys.stderr)
@@ -213,7 +213,7 @@ def _report(args: argparse.Namespace) -> int:
     except SourceError as exc:
         print(f"npu-shadow report: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    risky: dict[str, list[str]] = {name: list(factory().risky_signatures) for name, factory in BUILTINS.items()}
+    risky: dict[str, list[str]] = {name: list(patterns) for name, patterns in BUILTIN_RISKY.items()}
     overall, sections = report.build(evidence, sources, args.max_rate, risky, args.min_per_signature)
     markdown = report.to_markdown(overall, sections)
     try:
@@ -327,13 +327,16 @@ def _run(args: argparse.Namespace) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     from shadow.launcher import config as cfg
-    from shadow.launcher.doctor import diagnose
 
     if not 0 <= args.port <= 65535:
         print(
             f"npu-shadow doctor: --port={args.port} is not valid; expected a port number in 0..65535", file=sys.stderr
         )
         return 2
+    if "torch" not in sys.modules:  # (its checks are torch's: a second or two before the first of them)
+        print("npu-shadow doctor: loading torch to check it...", file=sys.stderr, flush=True)
+    from shadow.launcher.doctor import diagnose
+
     try:
         config = cfg.from_sources(os.environ, {"emulate_npu": args.emulate_npu, "legacy_from": args.legacy_from})
     except cfg.ConfigError as exc:
