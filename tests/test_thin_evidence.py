@@ -108,22 +108,14 @@ def test_the_real_engines_gradient_evidence_reaches_the_verdict_alike_from_journ
     import types
 
     import torch
+    from faults import ScaledGradient
     from prometheus_client import CollectorRegistry, generate_latest
     from torch import nn
 
     import shadow
     from exporters import JsonlExporter, PrometheusExporter
 
-    class Scaled(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, tensor):
-            return tensor.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad * 1.5
-
-    ops = types.SimpleNamespace(op=lambda m, x: nn.functional.linear(x, Scaled.apply(m.weight), m.bias))
+    ops = types.SimpleNamespace(op=lambda m, x: nn.functional.linear(x, ScaledGradient.apply(m.weight), m.bias))
     target = shadow.Target("linear", ops, "op", lambda m, x: m(x))
     registry, collect = CollectorRegistry(), _Collect()
     journal = tmp_path / "j.jsonl"

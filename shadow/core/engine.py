@@ -123,12 +123,21 @@ MAX_PENDING = 1000
 _ABANDONED: dict[int, Callable] = {}
 
 
-def _make_wrapper(primary: Callable, arrive: Callable[[tuple, dict], Any]) -> tuple[Callable, Setters]:
+def _make_wrapper(
+    primary: Callable,
+    arrive: Callable[[tuple, dict], Any],
+    novel: Callable[[tuple, dict], Any] | None = None,
+    key: Callable[[tuple, dict], Any] | None = None,
+    known: set | None = None,
+) -> tuple[Callable, Setters]:
     """The function installed in legacy's place, and the setters that hand it a new gate and a new primary (the
     function whose result the caller gets: legacy, or upstream in a canary until a rollback).
 
     The unsampled path is ``next(gate, False)`` and the primary's call: nothing else runs there. A call that finds
-    the gate closed goes to ``arrive``: the sampled call, or (a guided target) a call to classify.
+    the gate closed goes to ``arrive``: the sampled call, or (a guided target) a call to classify. With a signature
+    ``key`` (:attr:`Target.signature_key`), only a call whose key is ``known`` (its signature had its first calls)
+    takes the gate; every other call is ``novel``: classified and counted on its own, so a signature is compared on
+    its first calls whenever it first appears.
     """
     gate = _CLOSED
 
@@ -137,40 +146,16 @@ def _make_wrapper(primary: Callable, arrive: Callable[[tuple, dict], Any]) -> tu
             return primary(*args, **kwargs)
         return arrive(args, kwargs)
 
-    def set_gate(new_gate: Gate) -> None:
-        nonlocal gate
-        gate = new_gate
-
-    def set_primary(new_primary: Callable) -> None:
-        nonlocal primary
-        primary = new_primary
-
-    _look_like(shadow_wrapper, primary)
-    return shadow_wrapper, (set_gate, set_primary)
-
-
-def _make_keyed_wrapper(
-    primary: Callable,
-    arrive: Callable[[tuple, dict], Any],
-    novel: Callable[[tuple, dict], Any],
-    key: Callable[[tuple, dict], Any],
-    known: set,
-) -> tuple[Callable, Setters]:
-    """:func:`_make_wrapper` for a guided target with a signature key (:attr:`Target.signature_key`): a call whose
-    key is ``known`` (its signature had its first calls) takes the gate as there; every other call is ``novel``:
-    classified and counted on its own, so a signature is compared on its first calls whenever it first appears."""
-    gate = _CLOSED
-
-    def shadow_wrapper(*args: Any, **kwargs: Any) -> Any:
+    def keyed_wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            seen = key(args, kwargs) in known
+            seen = key(args, kwargs) in known  # type: ignore[misc, operator]
         except Exception:  # (a key function's failure, or an unhashable key: the call is classified)
             seen = False
         if seen:
             if next(gate, False):
                 return primary(*args, **kwargs)
             return arrive(args, kwargs)
-        return novel(args, kwargs)
+        return novel(args, kwargs)  # type: ignore[misc]
 
     def set_gate(new_gate: Gate) -> None:
         nonlocal gate
@@ -180,8 +165,9 @@ def _make_keyed_wrapper(
         nonlocal primary
         primary = new_primary
 
-    _look_like(shadow_wrapper, primary)
-    return shadow_wrapper, (set_gate, set_primary)
+    wrapper = shadow_wrapper if key is None else keyed_wrapper
+    _look_like(wrapper, primary)
+    return wrapper, (set_gate, set_primary)
 
 
 def _look_like(wrapper: Callable, legacy: Callable) -> None:
@@ -320,12 +306,9 @@ class Experiment:
         # (keys whose signature had its first calls: those calls take the gate; the rest are classified)
         self._signature_key = target.signature_key if self.coverage is not None else None
         self._known_keys: set = set()
-        if self._signature_key is not None:
-            self.wrapper, (self._set_gate, self._set_primary) = _make_keyed_wrapper(
-                self.primary_fn, self._arrive, self._arrive_novel, self._signature_key, self._known_keys
-            )
-        else:
-            self.wrapper, (self._set_gate, self._set_primary) = _make_wrapper(self.primary_fn, self._arrive)
+        self.wrapper, (self._set_gate, self._set_primary) = _make_wrapper(
+            self.primary_fn, self._arrive, self._arrive_novel, self._signature_key, self._known_keys
+        )
         self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
         self._sampler_gate: Gate = _CLOSED
         gate_rate = max(sample_rate, 1 / CLASSIFY_ONE_IN) if self.coverage is not None else sample_rate
@@ -415,7 +398,7 @@ class Experiment:
         return self.coverage is None or self.coverage.done or not self.coverage.calls
 
     def _arrive_novel(self, args: tuple, kwargs: dict) -> Any:
-        """A call whose signature key is not known yet (:func:`_make_keyed_wrapper`): classified, never through the
+        """A call whose signature key is not known yet (:func:`_make_wrapper`): classified, never through the
         gate."""
         return self._arrive(args, kwargs, novel=True)
 
