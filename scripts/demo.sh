@@ -3,7 +3,7 @@
 # `npu-shadow run` on 2 emulated npu devices (DataParallel, data_parallel and npu casts, float16
 # autocast on every other step), serving its metrics on 127.0.0.1:9464 while it trains, then its
 # summary and the verdict. The legacy side is torch_npu 2.12.0's own code, its wheel fetched first (the reference
-# only where it cannot be, said in the first lines). The first run builds the emulated npu (about 45 s; cached).
+# only where it cannot be, said in the first lines). The first run builds the emulated npu (about 25 s on 2 idle cores; cached).
 # Extra arguments go to `npu-shadow run`, e.g. `bash scripts/demo.sh --drill value:1.0`. `bash scripts/demo.sh
 # --canary-drill` runs the canary phase instead (upstream returned) with a fire drill, and shows the rollback switch
 # taking effect in the running job.

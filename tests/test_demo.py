@@ -37,6 +37,7 @@ def _verdict_compared(output: str, target: str) -> int:
 
 def test_the_demo_trains_shadowed_and_shows_the_summary_the_verdict_and_the_report(tmp_path):
     output = demo(tmp_path)
+    assert "== setup:" not in output  # the set-up venv is reused (its stamp), never installed into mid-suite
     assert "npu-shadow legacy: torch_npu 2.12.0 source" in output or "NOT torch_npu's own code" in output
     for target in ("parallel_apply", "data_parallel", "tensor_type"):
         assert re.search(rf"^{target}\s+\d+\s+\d+", output, flags=re.M), target  # the per-target summary

@@ -234,7 +234,8 @@ def test_a_regular_wheel_install_ships_the_source_and_installs(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("npu_shadow-*.whl")
-    assert "shadow/npu/emulated/csrc/emulated_npu.cpp" in zipfile.ZipFile(wheel).namelist()
+    shipped = zipfile.ZipFile(wheel).namelist()
+    assert all(f"shadow/npu/emulated/csrc/{source}" in shipped for source in emulated.SOURCES), shipped
     site = tmp_path / "site"
     done = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],

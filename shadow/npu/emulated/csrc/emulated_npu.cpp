@@ -13,7 +13,6 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
-#include <ATen/autocast_mode.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/Resize.h>
@@ -562,24 +561,6 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>()); }
-
-// Autocast on npu casts the ops that core casts on CUDA, with the same policies.
-#define NPU_LOWER_PRECISION_FP(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
-#define NPU_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
-#define NPU_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
-#define NPU_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
-
-TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
-
-namespace at::autocast {  // the op lists name their types unqualified, as core's registration does
-TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
-  AT_FORALL_LOWER_PRECISION_FP(NPU_LOWER_PRECISION_FP)
-  AT_FORALL_FP32(NPU_FP32)
-  AT_FORALL_FP32_SET_OPT_DTYPE(NPU_FP32_SET_OPT_DTYPE)
-  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
-  AT_FORALL_PROMOTE(NPU_PROMOTE)
-}
-}  // namespace at::autocast
 
 // The autograd engine runs one thread per device of every accelerator, npu's included. Left alone, they are
 // woken only by the engine's static destructor, after the interpreter is gone; one that then touches Python is
