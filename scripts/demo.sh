@@ -19,6 +19,7 @@ rm -rf "$work"
 mkdir -p "$out"
 mkdir -m 700 "$work"
 mapfile -t legacy < <(bash scripts/demo_legacy.sh)  # torch_npu 2.12.0's own code, fetched; said on stderr
+echo "== checking this host (npu-shadow doctor)"
 .venv/bin/npu-shadow doctor --emulate-npu 2 --port "$port" "${legacy[@]}" || true
 echo
 if [ "${1:-}" = "--canary-drill" ]; then
