@@ -14,7 +14,7 @@ import pytest
 
 from exporters import JsonlExporter
 from shadow.core.monitor import install
-from shadow.core.observation import DIVERGENT_OUTCOMES, Observation, bounded
+from shadow.core.observation import DIVERGENT_OUTCOMES, Observation, label_text
 from shadow.core.rates import parse_rate
 from shadow.npu import reference, torch_npu_source
 
@@ -30,7 +30,9 @@ MAX_WORKER_DIVERGENCES = 10_000
 
 def worker_evidence(raw: Any) -> tuple[dict[str, Any] | None, str]:
     """An xdist worker's evidence checked (it crosses a process boundary): ``({"stats", "divergences"}, "")`` when
-    every count is a whole number >= 0 of a known kind and every divergence three strings; else ``(None, why)``."""
+    every target name is one a Target may have (no control characters), every count a whole number >= 0 of a known
+    kind and every divergence three strings (their control characters made ``?``: they reach a terminal); else
+    ``(None, why)``."""
     if (
         not isinstance(raw, dict)
         or not isinstance(raw.get("stats"), dict)
@@ -39,18 +41,20 @@ def worker_evidence(raw: Any) -> tuple[dict[str, Any] | None, str]:
         return None, "not a mapping with stats and divergences"
     stats: dict[str, dict[str, int]] = {}
     for name, counts in raw["stats"].items():
-        if not isinstance(name, str) or not isinstance(counts, dict):
-            return None, f"stats of {name!r:.40} are not a mapping"
+        if not isinstance(name, str) or not name or label_text(name, 200) != name:
+            return None, f"{ascii(name):.40} is no target name"
+        if not isinstance(counts, dict):
+            return None, f"stats of {ascii(name):.40} are not a mapping"
         for kind, value in counts.items():
             if kind not in _COUNTS or isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                return None, f"{name:.40}: {kind!r:.20} = {value!r:.20} is not a count"
+                return None, f"{name:.40}: {ascii(kind):.20} = {ascii(value):.20} is not a count"
         stats[name] = {kind: counts.get(kind, 0) for kind in _COUNTS}
     divergences = raw["divergences"]
     if len(divergences) > MAX_WORKER_DIVERGENCES or not all(
         isinstance(d, (list, tuple)) and len(d) == 3 and all(isinstance(x, str) for x in d) for d in divergences
     ):
         return None, "divergences are not (test, phase, text) strings"
-    return {"stats": stats, "divergences": [tuple(bounded(x, 400) for x in d) for d in divergences]}, ""
+    return {"stats": stats, "divergences": [tuple(label_text(x, 400) for x in d) for d in divergences]}, ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +68,7 @@ class Divergence:
     def describe(self) -> str:
         o = self.observation
         reasons = f" ({', '.join(o.reasons)})" if o.reasons else ""
-        return f"{o.target} {o.outcome}{reasons} [{o.signature}]: {bounded(o.detail, 300)}"
+        return f"{o.target} {o.outcome}{reasons} [{o.signature}]: {label_text(o.detail, 300)}"
 
 
 def _rate(config: pytest.Config, name: str) -> float:
@@ -221,7 +225,7 @@ class ShadowSession:
         worker = str(getattr(gateway, "id", None) or getattr(node, "workerinput", {}).get("workerid", "?"))
         output = getattr(node, "workeroutput", None)
         if not isinstance(output, dict) or "npu_shadow" not in output:
-            why = f"it ended without reporting ({bounded(str(error), 120)})" if error else "it sent no evidence"
+            why = f"it ended without reporting ({label_text(str(error), 120)})" if error else "it sent no evidence"
             self.workers_missing.append((worker, why))
             return
         evidence, why = worker_evidence(output["npu_shadow"])

@@ -604,6 +604,32 @@ def test_16_a_crashed_workers_calls_are_said_to_be_missing(tmp_path):
     assert "missing from this summary: xdist worker gw" in summary and "ended without reporting" in summary, summary
 
 
+ESCAPING_CONFTEST = """
+import pytest
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None and "npu_shadow" in output and session.config.workerinput["workerid"] == "gw0":
+        output["npu_shadow"] = {"stats": {"tensor_type\\x1b[2J": {"calls": 1}}, "divergences": []}
+    elif output is not None and "npu_shadow" in output:
+        output["npu_shadow"]["divergences"] = [("t\\x1b[31m", "call", "tensor_type mismatch: \\x1b]0;owned\\x07")]
+"""
+
+
+def test_16_a_workers_names_and_texts_reach_the_terminal_without_control_characters(tmp_path):
+    """A worker's target name with an ESC is refused (no Target may have one), said with the ESC escaped; the
+    control characters of its divergences' texts reach the terminal as '?'."""
+    (tmp_path / "test_suite.py").write_text(XDIST_SUITE)
+    (tmp_path / "conftest.py").write_text(ESCAPING_CONFTEST)
+    code, output = _xdist(tmp_path)
+    summary = output.split("= npu-shadow =")[1]
+    assert "\x1b" not in summary and "\x07" not in summary, ascii(summary)
+    assert "is no target name" in summary and "\\x1b[2J" in summary, summary
+    assert "diverged: t?[31m (call): tensor_type mismatch: ?]0;owned?" in summary, summary
+
+
 # --------------------------------------------------------------------------- OpenTelemetry
 
 
