@@ -42,12 +42,12 @@ def worker_evidence(raw: Any) -> tuple[dict[str, Any] | None, str]:
     stats: dict[str, dict[str, int]] = {}
     for name, counts in raw["stats"].items():
         if not isinstance(name, str) or not name or label_text(name, 200) != name:
-            return None, f"{ascii(name):.40} is no target name"
+            return None, f"{name!a:.40} is no target name"
         if not isinstance(counts, dict):
-            return None, f"stats of {ascii(name):.40} are not a mapping"
+            return None, f"stats of {name!a:.40} are not a mapping"
         for kind, value in counts.items():
             if kind not in _COUNTS or isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                return None, f"{name:.40}: {ascii(kind):.20} = {ascii(value):.20} is not a count"
+                return None, f"{name:.40}: {kind!a:.20} = {value!a:.20} is not a count"
         stats[name] = {kind: counts.get(kind, 0) for kind in _COUNTS}
     divergences = raw["divergences"]
     if len(divergences) > MAX_WORKER_DIVERGENCES or not all(

@@ -2,6 +2,7 @@
 a kept room holds nothing of its last run, and the memory check reads the limits that apply (issue 43, points
 1-4; each test fails on the code before the fix)."""
 
+import ctypes
 import gc
 import threading
 import types
@@ -249,6 +250,27 @@ def test_7_the_verdict_reads_past_a_torn_line_in_the_middle(tmp_path):
 
 
 # --------------------------------------------------------------------------- 6. installs over a hanging upstream
+
+
+def test_6_an_upstream_holding_the_gil_holds_the_job_once():
+    """C code that keeps the GIL cannot be left at the deadline (the caller's wait needs the GIL to return); the run
+    ends past its deadline and is found finished, yet it counts as past it: the target stops, and no later call
+    is held. (Before, it was compared, and the next sampled calls were held again.)"""
+    keeps_the_gil = ctypes.PyDLL(None)  # (a PyDLL call keeps the GIL while it runs)
+    runs = []
+    owner = types.SimpleNamespace(op=lambda x: x)
+
+    def holds_the_gil(x):
+        runs.append(x)
+        keeps_the_gil.usleep(400_000)
+        return x
+
+    with shadow.install([Target("op", owner, "op", holds_the_gil, isolate=False)], sample_rate=1.0, deadline=0.1,
+                        seed=0) as monitor:  # fmt: skip
+        assert [owner.op(i) for i in range(4)] == [0, 1, 2, 3]
+        stats = monitor.experiment("op").stats()
+    assert runs == [0]
+    assert stats.by_reason == {"deadline": 4} and stats.compared == 0
 
 
 def test_6_installs_over_a_hanging_upstream_leave_one_thread_behind_not_one_each():
