@@ -796,23 +796,65 @@ def test_15_a_test_that_crashes_the_interpreter_in_one_world_is_the_finding(tmp_
     assert ab["test_suite.py::test_plain"]["outcome"] == "match"
 
 
-@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1"])
-def test_15_a_signal_to_ab_stops_the_running_pytest_too(tmp_path, signal_name):
+def _ab_in_its_test(tmp_path, ignoring: tuple) -> tuple[subprocess.Popen, list[str]]:
+    """ab running the AB suite's waiting test (its pytest's pid beside it), started with the forwarded signals at
+    their defaults but for ``ignoring`` (as nohup or a shell's background job starts a command: whatever this test
+    process was started with)."""
     import signal
     import time
+
+    from shadow.launcher.ab import FORWARDED_SIGNALS
+
+    def dispositions() -> None:
+        for signum in FORWARDED_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN if signum in ignoring else signal.SIG_DFL)
 
     marker = tmp_path / "running"
     env = {**os.environ, "AB_MARKER": str(marker)}
     ab = subprocess.Popen(
-        _ab(tmp_path, "-k", "waits"), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        _ab(tmp_path, "-k", "waits"), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, preexec_fn=dispositions,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120  # (deadline: the world's pytest starts and reaches the test)
+    while not marker.exists() and ab.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not marker.exists():
+        ab.kill()
+        raise AssertionError(f"the test never started: {ab.communicate()}")
+    children = subprocess.run(["pgrep", "-P", str(ab.pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 1
+    return ab, children
+
+
+def _ignored(pid: int | str) -> set[int]:
+    """The signals process ``pid`` ignores (its SigIgn mask)."""
+    with open(f"/proc/{pid}/status") as status:
+        mask = int(next(line for line in status if line.startswith("SigIgn:")).split()[1], 16)
+    return {bit + 1 for bit in range(64) if mask >> bit & 1}
+
+
+def test_15_ab_started_ignoring_a_hang_up_keeps_ignoring_it_and_its_pytest_does_too(tmp_path):
+    """Under nohup (SIGHUP ignored) ab and its pytest go on ignoring SIGHUP; the signals ab was not started
+    ignoring reach its pytest at their defaults, whatever ab does with them."""
+    import signal
+
+    ab, children = _ab_in_its_test(tmp_path, ignoring=(signal.SIGHUP,))
     try:
-        deadline = time.monotonic() + 120  # (deadline: the world's pytest starts and reaches the test)
-        while not marker.exists() and ab.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marker.exists(), "the test never started"
-        children = subprocess.run(["pgrep", "-P", str(ab.pid)], capture_output=True, text=True).stdout.split()
-        assert len(children) == 1
+        assert signal.SIGHUP in _ignored(ab.pid) and signal.SIGHUP in _ignored(children[0])
+        assert not {signal.SIGTERM, signal.SIGQUIT, signal.SIGUSR1} & _ignored(children[0])
+        ab.send_signal(signal.SIGTERM)
+        _, err = ab.communicate(timeout=60)
+    finally:
+        ab.kill()
+    assert ab.returncode == 2 and "stopped by SIGTERM" in err, err
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1"])
+def test_15_a_signal_to_ab_stops_the_running_pytest_too(tmp_path, signal_name):
+    import signal
+
+    ab, children = _ab_in_its_test(tmp_path, ignoring=())
+    try:
         ab.send_signal(getattr(signal, signal_name))
         _, err = ab.communicate(timeout=60)
     finally:

@@ -137,15 +137,27 @@ def _run(world: str, pytest_args: Sequence[str], journal: str, report: str, resu
     pytest_args = joined(pytest_args)
     again = " (the rest of its tests, after a crash)" if resume else ""
     print(f"npu-shadow ab: the {world} world{again}: pytest {' '.join(pytest_args)}", file=sys.stderr, flush=True)
-    child = subprocess.Popen([sys.executable, "-m", "pytest", *options, *pytest_args])
     stopped: list[int] = []
+    started: list[subprocess.Popen] = []
 
     def forward(signum: int, frame: Any) -> None:
         stopped.append(signum)
-        child.send_signal(signum)
+        for child in started:
+            child.send_signal(signum)
 
-    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
+    # Caught before the world's pytest starts (no moment where a signal ends ab alone), so that pytest starts with
+    # each at its default (an exec resets caught signals); one ab was started ignoring (nohup: SIGHUP; a shell's
+    # background job: SIGQUIT) stays ignored, by ab and by its pytest.
+    previous = {
+        signum: signal.signal(signum, forward)
+        for signum in FORWARDED_SIGNALS
+        if signal.getsignal(signum) is not signal.SIG_IGN
+    }
     try:
+        child = subprocess.Popen([sys.executable, "-m", "pytest", *options, *pytest_args])
+        started.append(child)
+        if stopped:  # (a signal before it started)
+            child.send_signal(stopped[0])
         while True:
             try:
                 code = child.wait()
