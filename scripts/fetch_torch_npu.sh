@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Fetch the torch_npu wheels that carry the patches (2.8.0 to 2.12.0, or the versions given as arguments) into
+# Fetch the torch_npu wheels that carry the patches (2.8.0 to 2.12.0) and the later ones the census reads (2.13.0,
+# 2.14.0), or the versions given as arguments, into
 # npu-shadow's cache, outside the repository, for the differential tests and the demo, which read their Python
 # source (never import it). Wheels already cached are kept. A wheel that cannot be fetched is said on stderr; under
 # CI (CI=true) that fails the run (exit 1: its tests would otherwise skip and CI stay green), elsewhere it exits 0
@@ -10,7 +11,7 @@ cache=$(.venv/bin/python -c "from shadow.npu.torch_npu_source import wheel_cache
 if [ $# -gt 0 ]; then
   releases="$*"
 else
-  releases=$(.venv/bin/python -c "from shadow.npu.torch_npu_source import RELEASES; print(*RELEASES)")
+  releases=$(.venv/bin/python -c "from shadow.npu.torch_npu_source import LATER_RELEASES, RELEASES; print(*RELEASES, *LATER_RELEASES)")
 fi
 mkdir -p "$cache"
 missing=()

@@ -180,6 +180,40 @@ def _evidence(d: Any) -> list[str]:
     return lines
 
 
+def _census(args: argparse.Namespace) -> int:
+    import json
+
+    from shadow.analysis import census
+    from shadow.npu.torch_npu_source import LegacySourceError
+
+    try:
+        taken = census.take(args.source)
+        against = census.take(args.against) if args.against else None
+    except (LegacySourceError, OSError) as exc:
+        print(f"npu-shadow census: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.format == "json":
+        found = taken.as_dict()
+        if against is not None:
+            changed = census.difference(taken, against)
+            found["against"] = {"source": against.source, "version": against.version, **changed}
+        print(json.dumps(found, indent=2))
+        return EXIT_OK
+    print(f"torch_npu {taken.version} ({taken.source}): {len(taken.patches)} attributes of torch replaced or added")
+    print(f"{'patched':<64} {'kind':<12} {'applied':<22} {'shadowed by':<15} where")
+    for patch in taken.patches:
+        where = f"{patch.file}:{patch.line} {patch.function}" + (f" (table {patch.table})" if patch.table else "")
+        print(f"{patch.name:<64} {patch.kind:<12} {patch.applied:<22} {patch.shadowed_by or '-':<15} {where}")
+    if against is not None:
+        changed = census.difference(taken, against)
+        print(f"against torch_npu {against.version}: {len(changed['added'])} added, {len(changed['removed'])} removed")
+        for name in changed["removed"]:
+            print(f"  removed: {name}")
+        for name in changed["added"]:
+            print(f"  added:   {name}")
+    return EXIT_OK
+
+
 def _report(args: argparse.Namespace) -> int:
     from shadow.analysis import report
     from shadow.analysis.sources import (
@@ -562,6 +596,19 @@ def build_parser() -> argparse.ArgumentParser:
     paper.add_argument("--markdown", metavar="PATH", help="write the Markdown here (default: standard output)")
     paper.add_argument("--html", metavar="PATH", help="also write a self-contained HTML file")
     paper.set_defaults(handler=_report)
+    count = commands.add_parser(
+        "census",
+        help="list what a torch_npu release replaces in torch, from its source alone",
+        description="Every attribute of torch a torch_npu release replaces or adds, read from its source (never "
+        "imported): the file and function that assigns it, its kind, when it is applied, and the npu-shadow target "
+        "that shadows it. SOURCE: a torch_npu wheel, a version in the wheel cache (2.13.0), a directory holding the "
+        "torch_npu package, or 'installed'. Exit 0, or 2 for a source that cannot be read.",
+        formatter_class=_Defaults,
+    )
+    count.add_argument("source", metavar="SOURCE", help="the release to read")
+    count.add_argument("--against", metavar="SOURCE", help="also list what changed since this release")
+    count.add_argument("--format", choices=("text", "json"), default="text", help="output format")
+    count.set_defaults(handler=_census)
     return parser
 
 

@@ -49,6 +49,9 @@ from shadow.npu.tensor_types import NPU_TENSOR_TYPES
 #: The torch_npu releases that carry the patches (torch_npu 2.13 removed them).
 RELEASES = ("2.8.0", "2.9.0", "2.10.0", "2.11.0", "2.12.0")
 
+#: Releases after them, read by ``npu-shadow census`` (what torch_npu still patches); fetched into the cache too.
+LATER_RELEASES = ("2.13.0", "2.14.0")
+
 #: What torch_npu must define for the legacy patches; what these use (torch_npu's autocast, its error codes, the
 #: tensor type table) is loaded from the files they import it from, as far as they use it.
 DEFINITIONS: dict[str, tuple[str, ...]] = {
@@ -147,7 +150,7 @@ def origin_of(function: Any) -> str | None:
 # --------------------------------------------------------------------------- reading the source
 
 
-class _Source:
+class ReleaseFiles:
     """The files of one torch_npu release: a wheel (zip) or a directory holding the ``torch_npu`` package."""
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -186,6 +189,14 @@ class _Source:
         else:
             for entry in self._root.glob("torch_npu-*.dist-info/METADATA"):
                 yield entry.relative_to(self._root).as_posix()
+
+    def python_files(self) -> Iterator[str]:
+        """The package's ``.py`` files, as members (``torch_npu/utils/_module.py``)."""
+        if self._zip is not None:
+            yield from (n for n in self._zip.namelist() if n.startswith("torch_npu/") and n.endswith(".py"))
+        else:
+            for path in sorted((self._root / "torch_npu").rglob("*.py")):
+                yield path.relative_to(self._root).as_posix()
 
     def version(self) -> str:
         """From the distribution's METADATA, else ``torch_npu/version.py`` (read as data, never run)."""
@@ -307,7 +318,7 @@ def _device_module() -> tuple[str, Any]:
 
 
 class _Loader:
-    def __init__(self, source: _Source, version: str) -> None:
+    def __init__(self, source: ReleaseFiles, version: str) -> None:
         self.source = source
         self.version = version
         self.device_type, self.device_module = _device_module()
@@ -461,7 +472,7 @@ def _future_flags(tree: ast.Module) -> int:
 def check(path: str | os.PathLike) -> str:
     """The torch_npu version at ``path``, once its files are found to define what the patches need (read only:
     nothing runs, no accelerator needed). Raises :class:`LegacySourceError` naming what is missing."""
-    source = _Source(path)
+    source = ReleaseFiles(path)
     try:
         version = source.version()
         for member, names in DEFINITIONS.items():
@@ -483,7 +494,7 @@ def load(path: str | os.PathLike) -> TorchNpuLegacy:
     Raises :class:`LegacySourceError` when the path holds no torch_npu source, the source lacks a definition
     the patches need, or this host has no accelerator for it to run on.
     """
-    source = _Source(path)
+    source = ReleaseFiles(path)
     try:
         version = source.version()
         loader = _Loader(source, version)

@@ -1,0 +1,237 @@
+"""`npu-shadow census`: what a torch_npu release replaces in torch, read from its source alone. A package written
+here checks each way of patching and each way of reaching a patch; the cached wheels check the releases."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from torch_npu_wheels import wheel
+
+from shadow.analysis import census
+from shadow.npu.torch_npu_source import LATER_RELEASES, RELEASES, LegacySourceError
+
+PACKAGE = {
+    "torch_npu/__init__.py": """
+        import os
+        import torch
+        from torch_npu.utils import apply_all
+        from torch_npu._init.patches import api_patches  # noqa
+
+        apply_all()
+        if os.environ.get("TORCH_NPU_OPTION"):
+            from torch_npu.contrib import optional  # noqa
+        """,
+    "torch_npu/utils/__init__.py": """
+        from ._module import apply_all
+        """,
+    "torch_npu/utils/_module.py": """
+        import torch
+        import torch.nn as nn
+        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter as Iterator
+        from torch_npu.contrib import function as npu_functional
+
+        TABLE = [["nn.functional", npu_functional]]
+
+
+        def to(self, *args, **kwargs):
+            return self
+
+
+        def _apply(table):
+            for destination, module in table:
+                for name in module.__all__:
+                    setattr(getattr(torch, destination), name, getattr(module, name))
+
+
+        def apply_all():
+            nn.Module.to = to
+            Iterator.__init__ = lambda self, loader: None
+            setattr(torch.Tensor, "type", to)
+            _apply(TABLE)
+
+
+        def never_called():
+            torch.save = None
+        """,
+    "torch_npu/contrib/__init__.py": "",
+    "torch_npu/contrib/function.py": """
+        __all__ = ["npu_fused_thing"]
+
+
+        def npu_fused_thing(x):
+            return x
+        """,
+    "torch_npu/contrib/optional.py": """
+        import torch
+
+        torch.cuda.is_available = lambda: True
+        """,
+    "torch_npu/contrib/opt_in.py": """
+        import torch as t
+
+
+        def _init():
+            t.jit.script = lambda f: f
+
+
+        _init()
+        """,
+    "torch_npu/_init/__init__.py": "",
+    "torch_npu/_init/patches/__init__.py": "",
+    "torch_npu/_init/patches/api_patches.py": """
+        from torch_npu._init.patches.patch_manager import PatchManager
+
+
+        @PatchManager.register_patch("api")
+        def apply_api_patches():
+            from ..serialization import _add_serialization_methods
+
+            _add_serialization_methods()
+        """,
+    "torch_npu/_init/patches/patch_manager.py": """
+        class PatchManager:
+            @classmethod
+            def register_patch(cls, group):
+                return lambda fn: fn
+        """,
+    "torch_npu/_init/serialization.py": """
+        import torch
+
+
+        def load(*args, **kwargs):
+            return None
+
+
+        def _add_serialization_methods():
+            torch.load = load
+        """,
+}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    root = tmp_path_factory.mktemp("release")
+    for member, text in PACKAGE.items():
+        path = root / member
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+@pytest.fixture(scope="module")
+def found(written):
+    return {p.name: p for p in census.take(str(written)).patches}
+
+
+def _line(written, patch: census.Patch) -> str:
+    return (written / patch.file).read_text().splitlines()[patch.line - 1].strip()
+
+
+def test_every_way_of_patching_is_found_through_the_aliases_that_name_torch(written, found):
+    assert _line(written, found["torch.nn.Module.to"]) == "nn.Module.to = to"  # import torch.nn as nn
+    iterator = found["torch.utils.data.dataloader._MultiProcessingDataLoaderIter.__init__"]  # from-import, as
+    assert _line(written, iterator).startswith("Iterator.__init__ =") and iterator.function == "apply_all"
+    assert _line(written, found["torch.Tensor.type"]) == 'setattr(torch.Tensor, "type", to)'  # a constant name
+    table = found["torch.nn.functional.npu_fused_thing"]  # a patch table: each name of the module's __all__
+    assert table.table == "TABLE" and table.function == "apply_all"
+    assert _line(written, found["torch.jit.script"]) == "t.jit.script = lambda f: f"  # import torch as t
+
+
+def test_when_a_patch_is_applied_follows_the_code_that_reaches_it(found):
+    assert found["torch.nn.Module.to"].applied == "import"  # through a re-export in the package's __init__
+    assert found["torch.load"].applied == "import"  # registered with the patch manager, a relative import
+    assert found["torch.cuda.is_available"].applied == "import, conditionally"  # imported under an if
+    assert found["torch.jit.script"].applied == "import torch_npu.contrib.opt_in"  # only that import applies it
+    assert found["torch.save"].applied == "when called"  # no module's top level reaches it
+
+
+def test_each_patch_is_judged_against_this_environments_torch(found):
+    assert found["torch.nn.Module.to"].kind == "in place"
+    assert found["torch.utils.data.dataloader._MultiProcessingDataLoaderIter.__init__"].kind == "constructor"
+    assert found["torch.load"].kind == "function"
+    assert found["torch.nn.functional.npu_fused_thing"].kind == "addition"
+    assert found["torch.Tensor.type"].shadowed_by == "tensor_type"
+    assert found["torch.load"].shadowed_by is None
+
+
+def test_a_source_that_is_no_release_is_refused(tmp_path):
+    with pytest.raises(LegacySourceError, match="no torch_npu wheel, directory or cached version"):
+        census.take("0.0.1-nonexistent")
+    (tmp_path / "torch_npu" / "utils").mkdir(parents=True)
+    with pytest.raises(LegacySourceError, match=r"no torch_npu/__init__\.py"):
+        census.take(str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------------ the releases
+
+
+@pytest.fixture(scope="module")
+def releases():
+    taken: dict[str, census.Census] = {}
+
+    def of(version: str) -> census.Census:
+        if version not in taken:
+            taken[version] = census.take(wheel(version))
+        return taken[version]
+
+    return of
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_each_release_with_the_patches_shows_them_shadowed(releases, version):
+    found = {p.name: p for p in releases(version).patches}
+    expected = {
+        "torch.Tensor.type": "tensor_type",
+        "torch.nn.parallel.DataParallel.parallel_apply": "parallel_apply",
+        "torch.nn.parallel.data_parallel": "data_parallel",
+    }
+    for name, target in expected.items():
+        assert found[name].applied == "import" and found[name].shadowed_by == target, found.get(name)
+    assert found["torch.nn.Module.to"].applied == "import"
+
+
+@pytest.mark.parametrize("version", LATER_RELEASES)
+def test_the_later_releases_still_patch_load_to_npu_and_the_dataloader_but_not_the_three(releases, version):
+    found = {p.name: p for p in releases(version).patches}
+    for name in (
+        "torch.load",
+        "torch.nn.Module.to",
+        "torch.nn.Module.npu",
+        "torch.utils.data.dataloader._MultiProcessingDataLoaderIter.__init__",
+        "torch.optim.optimizer._get_foreach_kernels_supported_devices",
+    ):
+        assert found[name].applied == "import", found.get(name)
+    assert found["torch.nn.Module.to"].file == "torch_npu/utils/_module.py"
+    gone = ("torch.nn.parallel.data_parallel", "torch.nn.parallel.DataParallel.parallel_apply", "torch.Tensor.type")
+    assert not set(gone) & set(found)
+
+
+def test_the_command_gives_json_and_names_what_2_13_removed():
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "census", wheel("2.13.0"), "--against", wheel("2.12.0"), "--format", "json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["version"] == "2.13.0" and answer["against"]["version"] == "2.12.0"
+    names = {p["name"] for p in answer["patches"]}
+    assert {"torch.load", "torch.nn.Module.to", "torch.nn.Module.npu"} <= names
+    assert "torch.nn.parallel.data_parallel" not in names
+    removed = set(answer["against"]["removed"])
+    assert {
+        "torch.nn.parallel.data_parallel",
+        "torch.nn.parallel.DataParallel.parallel_apply",
+        "torch.Tensor.type",
+        "torch.nn.modules.rnn.LSTM.forward",
+    } <= removed
+
+
+def test_the_command_refuses_a_source_it_cannot_read(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "census", str(tmp_path / "missing.whl")], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "npu-shadow census:" in done.stderr and "Traceback" not in done.stderr
