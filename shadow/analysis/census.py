@@ -69,7 +69,7 @@ class Patch:
     file: str  #: the file that assigns it: ``torch_npu/utils/_module.py``
     line: int
     function: str  #: the function that assigns it (``<module>``: the file's top level)
-    applied: str  #: ``import``, ``import <module>`` or ``when called`` (see the module's docstring)
+    applied: str  #: ``import``, ``import, conditionally``, ``import <module>`` or ``when called`` (module docstring)
     kind: str = FUNCTION
     shadowed_by: str | None = None
     table: str | None = None  #: the patch table it comes from, where it does
