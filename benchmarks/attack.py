@@ -1,4 +1,5 @@
-"""An attack round over the surface of round 5: threads, forks, memory limits, connections and hostile files.
+"""An attack round over the surface of round 5: threads, an upstream that keeps the GIL, forks, memory limits,
+connections and hostile files.
 
 Each case is tried many times with varied inputs; a case holds when training is unchanged (the caller's result,
 its module's state, its call counts) and what the monitor cannot do is refused or skipped with a counted reason.
@@ -81,6 +82,32 @@ def _threads(trials: int, rng: random.Random) -> list[bool]:
                 job.join(10)
         calls = monitor.experiment("op").stats().calls
         held.append(sorted(results) == [("legacy", i) for i in range(count)] and calls == count + 1)
+    return held
+
+
+def _gil(trials: int, rng: random.Random) -> list[bool]:
+    """An upstream that keeps the GIL past its deadline (C code that never releases it: the caller cannot leave its
+    wait) holds the job once: it runs once, every call gets legacy's result and is counted, the target stops."""
+    import ctypes
+
+    keeps_the_gil = ctypes.PyDLL(None)
+    held = []
+    for _ in range(trials):
+        runs: list = []
+        owner = types.SimpleNamespace(op=lambda x: ("legacy", x))
+        keep = rng.randint(60_000, 200_000)
+
+        def holds_the_gil(x, runs=runs, keep=keep):
+            runs.append(x)
+            keeps_the_gil.usleep(keep)
+            return ("upstream", x)
+
+        calls = rng.randint(2, 5)
+        target = Target("op", owner, "op", holds_the_gil, isolate=False)
+        with shadow.install([target], sample_rate=1.0, deadline=rng.uniform(0.01, 0.05), seed=0) as monitor:
+            results = [owner.op(i) for i in range(calls)]
+            stats = monitor.experiment("op").stats()
+        held.append(results == [("legacy", i) for i in range(calls)] and runs == [0] and stats.calls == calls)
     return held
 
 
@@ -222,6 +249,7 @@ def main() -> int:
     rng = random.Random(5)
     surfaces = {
         "threads": lambda: _threads(60 // n, rng),
+        "gil": lambda: _gil(21 // n, rng),
         "forks": lambda: _forks(30 // n),
         "limits": lambda: _limits(3 if not args.quick else 1),
         "connections": lambda: _connections(15 // n, rng),
