@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import types
@@ -207,10 +208,10 @@ class _Pair:
         return builtin.Target(name, ops, "op", self.upstream_fn, exact=True, signature=lambda a, k: "call")
 
 
-def _shadow(pair: _Pair, inputs, primary: str = "legacy", journal=None):
+def _shadow(pair: _Pair, inputs, primary: str = "legacy", journal=None, aa_rate: float = 1.0):
     exporters = [journal] if journal is not None else []
     target = pair.target()
-    with shadow.install([target], sample_rate=1.0, aa_rate=1.0, seed=3, primary=primary, exporters=exporters) as m:
+    with shadow.install([target], sample_rate=1.0, aa_rate=aa_rate, seed=3, primary=primary, exporters=exporters) as m:
         for x in inputs:
             pair.ops.op(x)
         return m.stats()["noisy"], m._experiments[0]
@@ -274,6 +275,27 @@ def test_1_a_shift_inside_the_floor_is_found_by_the_rank_test(tmp_path):
     # (one process's second is one cluster, counted as one comparison at its rate: 80% divergent is enough)
     assert verdict.decide("noisy", counts, MAX).decision == ROLLBACK
     assert counts.phase().outcomes[("call", "mismatch")] == stats.mismatch
+
+
+def test_1_a_shift_inside_the_floor_is_never_noise_before_the_rank_test_can_see_it():
+    """At the launcher's A/A rate (0.05) a 300-call job has its 10 A/A runs for a floor long before the rank test
+    had its 20 a side: a shift inside the floor was called noise, untested, on every call in between (202 of 300).
+    A difference within the floor now waits until the test runs (10 errors a side), and is judged by it."""
+    from shadow.core.noise import MIN_TEST_SAMPLES
+
+    class Seen:
+        observations: list = []
+
+        def export(self, observation):
+            self.observations.append(observation)
+
+    seen = Seen()
+    pair = _Pair(lambda x: x * 2 + _uniform(1e-3), lambda x: x * 2 + _uniform(1e-3) + 6e-4)
+    stats, _ = _shadow(pair, [torch.ones(1)] * 300, journal=seen, aa_rate=0.05)
+    tested = [re.search(r"Mann-Whitney A/B (\d+) vs A/A (\d+)", o.noise_test) for o in seen.observations
+              if o.outcome == "noise"]  # fmt: skip
+    assert all(t and min(int(t[1]), int(t[2])) >= MIN_TEST_SAMPLES for t in tested), tested
+    assert stats.mismatch >= 200 and stats.noise < 100, stats  # (the test finds the shift within tens of calls)
 
 
 def test_1_honest_noise_is_still_noise():

@@ -9,7 +9,8 @@ differs, per call signature:
   relative floor infinite), after at least ``MIN_AA_RUNS`` A/A runs;
 - the A/B errors of the recent calls are not stochastically larger than the A/A errors (a one-sided Mann-Whitney
   U test over the last ``WINDOW`` of each, as Kayenta judges a canary's metrics): a systematic shift hidden inside
-  the floor call by call shows up there, and from then on such calls are mismatches.
+  the floor call by call shows up there, and from then on such calls are mismatches. Until each side holds
+  ``MIN_TEST_SAMPLES`` errors the test cannot run, and a difference within the floor waits to be judged.
 
 Each judgement says its test (runs on each side, p-value) so that a reviewer can redo it from the journal, whose
 lines keep both error samples (``max_abs_error``, ``aa_abs_error``).
@@ -35,7 +36,7 @@ WINDOW = 200
 #: taken again at every value difference, over windows that overlap).
 TEST_LEVEL = 0.001
 #: Errors each side's window holds before the rank test may reject.
-MIN_TEST_SAMPLES = 20
+MIN_TEST_SAMPLES = 10
 
 
 class NoiseFloor:
@@ -69,8 +70,9 @@ class NoiseFloor:
 
     def judge(self, signature: str, leaves: Iterable[tuple[str, float]]) -> tuple[bool | None, str]:
         """(whether a value-only difference with these leaf errors is noise, the test behind it as text): None
-        where the floor cannot judge it yet (a differing leaf with fewer than ``MIN_AA_RUNS`` A/A runs): the
-        difference is then neither noise nor a mismatch until it can."""
+        where it cannot be judged yet (a differing leaf with fewer than ``MIN_AA_RUNS`` A/A runs, or within the
+        floor while the rank test has fewer than ``MIN_TEST_SAMPLES`` errors a side: a shift inside the floor is
+        invisible call by call): the difference is then neither noise nor a mismatch until it can be."""
         notes = []
         with self._lock:
             windows = [
@@ -87,6 +89,11 @@ class NoiseFloor:
             floor = float(np.quantile(aa, FLOOR_QUANTILE, method="lower"))
             if error > MARGIN * floor:
                 return False, f"{name}: abs error {error:.3g} > {MARGIN:g} x A/A floor {floor:.3g} ({len(aa)} runs)"
+            if len(ab) < MIN_TEST_SAMPLES or len(aa) < MIN_TEST_SAMPLES:  # (a shift inside the floor: unseen yet)
+                return None, (
+                    f"{name}: within {MARGIN:g} x A/A floor {floor:.3g}; the rank test needs {MIN_TEST_SAMPLES} "
+                    f"errors a side (A/B {len(ab)}, A/A {len(aa)})"
+                )
             p_value = _greater(ab, aa)
             test = f"{name}: Mann-Whitney A/B {len(ab)} vs A/A {len(aa)}, p={p_value:.3g}"
             if p_value < TEST_LEVEL:
