@@ -8,6 +8,7 @@ import threading
 import types
 import weakref
 
+import pytest
 import torch
 from recorders import Recorder
 from torch import nn
@@ -293,3 +294,35 @@ def test_6_installs_over_a_hanging_upstream_leave_one_thread_behind_not_one_each
         assert stats.by_reason == {"deadline": 1}  # (the last install: not run again beside the one left behind)
     finally:
         release.set()
+
+
+# --------------------------------------------------------------------------- 8. a signature function's side effects
+
+
+@pytest.mark.parametrize("sample_rate", [0.0, 1.0])
+@pytest.mark.parametrize("effect", ["torch", "python", "numpy", "grad"])
+def test_8_a_signature_function_with_side_effects_changes_no_training(sample_rate, effect):
+    """A user's signature function that draws a random number (or turns grad off) runs on the job's own path: it
+    shifted the job's random stream, at rate 0 too. Its first call is checked, put back, and it runs no more."""
+    import random
+
+    import numpy as np
+
+    def signature(args, kwargs):
+        {"torch": lambda: torch.rand(1), "python": random.random, "numpy": np.random.rand,
+         "grad": lambda: torch.set_grad_enabled(False)}[effect]()  # fmt: skip
+        return "s"
+
+    def job(owner):
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+        values = [owner.op(torch.ones(1)) for _ in range(40)]
+        return values, torch.rand(1).item(), random.random(), float(np.random.rand()), torch.is_grad_enabled()
+
+    unwrapped = job(types.SimpleNamespace(op=lambda x: x + 1))
+    owner = types.SimpleNamespace(op=lambda x: x + 1)
+    target = Target("op", owner, "op", lambda x: x + 1, signature=signature, isolate=False)
+    with shadow.install([target], sample_rate=sample_rate, seed=1) as monitor:
+        shadowed = job(owner)
+        stats = monitor.experiment("op").stats()
+    assert shadowed[1:] == unwrapped[1:] and all(torch.equal(a, b) for a, b in zip(shadowed[0], unwrapped[0]))
+    assert dict(stats.signature_calls) == {"unclassified": 40}

@@ -32,12 +32,19 @@ from shadow.core.coverage import CLASSIFY_ONE_IN, Coverage
 from shadow.core.drill import Drill
 from shadow.core.exporting import call_hook
 from shadow.core.global_state import TorchGlobals
-from shadow.core.isolation import has_user_hooks, module_tensors, modules_in_call
+from shadow.core.isolation import (
+    SideEffects,
+    call_without_side_effects,
+    has_user_hooks,
+    module_tensors,
+    modules_in_call,
+)
 from shadow.core.noise import NoiseFloor
 from shadow.core.observation import (
     DIVERGENT_OUTCOMES,
     LEGACY,
     OUTCOMES,
+    UNCLASSIFIED_SIGNATURE,
     UPSTREAM,
     Observation,
     Outcome,
@@ -60,8 +67,6 @@ _LOG_INTERVAL_SECONDS = 60.0
 MAX_SIGNATURES = 100
 OTHER_SIGNATURE = "other"
 
-#: The signature of a call whose target's signature function raised, or that the budget did not classify.
-UNCLASSIFIED_SIGNATURE = "unclassified"
 
 
 class _NotClassified(Exception):
@@ -237,6 +242,8 @@ class Experiment:
         self._last_cost = 0.0  # (what the last sampled call that ended took: what the next one is expected to cost)
         self._classified = 0
         self._classify_seconds = 0.0  # (what the last timed call of the signature function took)
+        #: The signature function changed a generator or the grad mode (put back): it is not run any more.
+        self.signature_has_side_effects = False
         # The deadline of one call's shadow side (seconds, None: none): past it the call is skipped (reason
         # "deadline"), its run abandoned on its own thread, and every later sampled call is skipped too.
         self.deadline = deadline
@@ -352,13 +359,17 @@ class Experiment:
         try:
             if budget is not None and not budget.allows():
                 raise _NotClassified  # (classifying alone has used the budget)
-            # (one call in 16 is timed, the first among them; every call is charged what the last timed one took:
-            # the budget sees the signature function without a clock read on every call)
+            if self.signature_has_side_effects:
+                raise _NotClassified
+            # (one call in 16 is timed, the first among them: every call is charged what the last timed one took;
+            # the first 64 calls and one in 256 after are checked: a function that changed a generator or the grad
+            # mode is put back and never run again)
             self._classified += 1
+            checked = self._classified <= 64 or self._classified & 255 == 1
             timed = budget is not None and self._classified & 15 == 1
             start = time.perf_counter() if timed else 0.0
             with torch._C.DisableTorchFunction():  # (a user's mode or tensor subclass never sees the classifying)
-                raw = self.target.signature(args, kwargs)
+                raw = self.signature_of(args, kwargs) if checked else self.target.signature(args, kwargs)
             label = self._labels.get(raw)
             if label is None:
                 label = self.admit(label_text(str(raw), 64))
@@ -374,6 +385,17 @@ class Experiment:
         except BaseException:  # the user's signature function: its failure is counted, never the job's
             label = UNCLASSIFIED_SIGNATURE
         return label
+
+    def signature_of(self, args: tuple, kwargs: dict) -> Any:
+        """The target's signature function on a call, checked: one that changes a generator or the grad mode
+        (:func:`shadow.core.isolation.call_without_side_effects`) has it put back, is said once and never runs
+        again (its calls classify as "unclassified"); raises what it raised."""
+        try:
+            return call_without_side_effects(self.target.signature, args, kwargs)
+        except SideEffects as exc:
+            self.signature_has_side_effects = True
+            self.log_limited("signature", "its signature function is not run any more: %s (put back)", exc)
+            raise
 
     def _count_classified(self, coverage: Coverage, signature: str, alone: bool = False) -> tuple[bool, bool]:
         """(among the first of its signature, sampled) for a classified call, counted (under the lock). While

@@ -17,7 +17,7 @@ import functools
 import operator
 import random
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,18 @@ class RngSnapshot:
                 count = torch.accelerator.device_count()
                 self._devices = [self._accelerator.get_rng_state(i) for i in range(count)]
 
+    def same_as(self, other: RngSnapshot) -> bool:
+        """Whether every generator is where it was in ``other`` (nothing drew from one in between)."""
+        devices = self._devices or []
+        return (
+            self._python == other._python
+            and all(_same(a, b) for a, b in zip(self._numpy, other._numpy))
+            and torch.equal(self._cpu, other._cpu)
+            and self._accelerator is other._accelerator
+            and len(devices) == len(other._devices or [])
+            and all(torch.equal(a, b) for a, b in zip(devices, other._devices or []))
+        )
+
     def restore(self) -> None:
         random.setstate(self._python)
         np.random.set_state(self._numpy)
@@ -68,6 +80,43 @@ class RngSnapshot:
         else:
             for index, state in enumerate(self._devices):
                 self._accelerator.set_rng_state(state, index)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return bool(np.array_equal(a, b)) if isinstance(a, np.ndarray) else a == b
+
+
+class SideEffects(Exception):
+    """A function that must leave the generators and the grad mode as it found them did not (they are put back)."""
+
+
+def call_without_side_effects(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)``, checked to leave every generator (:class:`RngSnapshot`) and the grad mode as it found
+    them: where it did not, they are put back and :class:`SideEffects` is raised (a user's signature function that
+    draws a random number would otherwise shift the job's random stream)."""
+    with _unseen():
+        before, grad = RngSnapshot(), torch.is_grad_enabled()
+    value = function(*args)
+    with _unseen():
+        if torch.is_grad_enabled() == grad and RngSnapshot().same_as(before):
+            return value
+        before.restore()
+        torch.set_grad_enabled(grad)
+    name = getattr(function, "__qualname__", None) or repr(function)
+    raise SideEffects(f"{name:.80} changed the random generators or the grad mode")
+
+
+@contextlib.contextmanager
+def _unseen() -> Iterator[None]:
+    """This thread's torch function and dispatch modes set aside: the job's modes never see the check's own ops."""
+    with torch._C.DisableTorchFunction():
+        if not torch._C._len_torch_dispatch_stack():
+            yield
+            return
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            yield
 
 
 def find_modules(tree: Any) -> list[torch.nn.Module]:

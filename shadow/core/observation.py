@@ -163,6 +163,11 @@ def within_noise_floor(found: Any, test: str) -> Any:
     )
 
 
+#: The signature of a call whose target's signature function raised or changed a generator, or that the budget did
+#: not classify.
+UNCLASSIFIED_SIGNATURE = "unclassified"
+
+
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 

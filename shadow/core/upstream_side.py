@@ -26,11 +26,12 @@ from shadow.core.compare import Comparison, compare, compare_exceptions, with_st
 from shadow.core.deadline import Finished, leave_room, room, run_here, run_within
 from shadow.core.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
 from shadow.core.gradients import GradientComparison, compare_gradients, names_of, vjp
-from shadow.core.isolation import ArgumentsChanged, Isolation, detach_tensors, find_modules
+from shadow.core.isolation import ArgumentsChanged, Isolation, SideEffects, detach_tensors, find_modules
 from shadow.core.noise import NoiseFloor
 from shadow.core.observation import (
     DIVERGENT_OUTCOMES,
     SHARED_DIVERGENCE_REASONS,
+    UNCLASSIFIED_SIGNATURE,
     UPSTREAM,
     Evidence,
     Observation,
@@ -173,8 +174,10 @@ class Experiment(Protocol):
     truth_rate: float
     truth_random: random.Random
     noise: NoiseFloor
+    signature_has_side_effects: bool
 
     def admit(self, signature: str) -> str: ...
+    def signature_of(self, args: tuple, kwargs: dict) -> Any: ...
     def put_back(self, settings: TorchGlobals) -> bool: ...
     def log_limited(self, kind: str, message: str, *args: Any) -> None: ...
     def count_oracle_run(self) -> None: ...
@@ -216,8 +219,7 @@ class UpstreamSide:
             else:
                 isolation, (up_args, up_kwargs) = None, detach_tensors((args, kwargs))
             if signature is None:  # (a guided target's call comes classified)
-                raw = target.signature(args, kwargs) if target.signature else "call"
-                signature = experiment.admit(label_text(str(raw), 64))
+                signature = experiment.admit(label_text(str(_raw_signature(experiment, args, kwargs)), 64))
             here = target.never_blocks is not None and bool(target.never_blocks(args, kwargs))
             plan = Plan(
                 isolation, up_args, up_kwargs, signature, autocast, oracle, before, aa, backward, here,
@@ -715,3 +717,16 @@ class UpstreamSide:
             exact=experiment.target.exact,
             device=_current_device(),
         )
+
+
+def _raw_signature(experiment: Experiment, args: tuple, kwargs: dict) -> Any:
+    """A sampled call's signature by the target's function, checked (:meth:`Experiment.signature_of`): one that
+    changed a generator or the grad mode, now or before, names the call "unclassified"."""
+    if experiment.target.signature is None:
+        return "call"
+    if experiment.signature_has_side_effects:
+        return UNCLASSIFIED_SIGNATURE
+    try:
+        return experiment.signature_of(args, kwargs)
+    except SideEffects:
+        return UNCLASSIFIED_SIGNATURE
