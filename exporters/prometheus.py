@@ -14,6 +14,8 @@ Use one PrometheusExporter per process in this mode.
 from __future__ import annotations
 
 import contextlib
+import glob
+import json
 import logging
 import os
 import warnings
@@ -23,6 +25,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 from prometheus_client.exposition import generate_latest, push_to_gateway, start_http_server
 from prometheus_client.metrics_core import Metric
+from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from exporters import contract
@@ -92,6 +95,22 @@ def scraped(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, SCRAPED_MARK))
 
 
+_KINDS = ("counter", "gauge", "histogram", "summary")
+
+
+def _check_value_file(path: str) -> None:
+    """Raise unless ``path`` reads as prometheus_client's multiprocess collector reads a value file: a name
+    ``<kind>_..._<pid>.db`` and entries whose keys are JSON ``[metric, sample, labels, help]``."""
+    kind, *rest = os.path.basename(path).split("_")
+    if kind not in _KINDS or (kind == "gauge" and len(rest) < 2):
+        raise ValueError(f"not a value file's name: {os.path.basename(path)!r}")
+    for key, value, *_ in MmapedDict.read_all_values_from_file(path):
+        metric, sample, labels, _help = json.loads(key)
+        if not (isinstance(metric, str) and isinstance(sample, str) and isinstance(labels, dict)):
+            raise ValueError("an entry's key is not [metric, sample, labels, help]")
+        float(value)
+
+
 class SignatureCappedCollector:
     """The job's processes' values (``MultiProcessCollector``), with at most MAX_SIGNATURES signature values per
     target on the endpoint: each process caps its own signatures, so twelve processes could show 1,200. The first
@@ -100,9 +119,27 @@ class SignatureCappedCollector:
 
     def __init__(self, registry: CollectorRegistry | None = None, path: str | None = None) -> None:
         self._processes = MultiProcessCollector(None, path=path)
+        self._path = self._processes._path
         self._admitted: dict[str, set[str]] = {}
+        #: Value files that could not be read (torn by a process killed while it grew one, a full disk, a stranger's
+        #: file): left out of the exposition, said once each, never a traceback on the job's stderr nor a failed
+        #: scrape.
+        self.unreadable: set[str] = set()
         if registry is not None:
             registry.register(self)
+
+    def _readable_files(self) -> list[str]:
+        files = []
+        for path in sorted(glob.glob(os.path.join(self._path, "*.db"))):
+            try:
+                _check_value_file(path)
+            except Exception as exc:
+                if path not in self.unreadable:
+                    self.unreadable.add(path)
+                    log.warning("npu-shadow: metrics file %s cannot be read, left out (%s)", path, type(exc).__name__)
+                continue
+            files.append(path)
+        return files
 
     def _signature(self, target: str, signature: str) -> str:
         admitted = self._admitted.setdefault(target, set())
@@ -114,7 +151,7 @@ class SignatureCappedCollector:
         return OTHER_SIGNATURE
 
     def collect(self) -> Any:
-        for family in self._processes.collect():
+        for family in self._processes.merge(self._readable_files(), accumulate=True):
             if not any("signature" in sample.labels for sample in family.samples):
                 yield family
                 continue

@@ -92,3 +92,40 @@ def test_one_endpoint_shows_at_most_the_signature_cap_however_many_processes_wri
     assert total(parsed, "npu_shadow_calls_total", target="op", signature="other") == (180 - MAX_SIGNATURES) * 2
     again = samples(generate_latest(registry).decode())  # (the same series at the next scrape)
     assert {dict(items)["signature"] for name, items in again if name == "npu_shadow_calls_total"} == signatures
+
+
+def test_a_torn_value_file_leaves_out_that_file_never_the_scrape_nor_a_traceback(tmp_path):
+    """A value file torn by a process killed while it grew it (or a stranger's *.db) made every scrape of the job's
+    endpoint fail (HTTP 500) and print a traceback on the job's stderr. It is left out, said once, and the other
+    processes' values are served."""
+    import socket
+    import urllib.request
+
+    from prometheus_client.mmap_dict import MmapedDict
+
+    good = MmapedDict(str(tmp_path / "counter_1.db"))
+    good.write_value(json.dumps(["npu_shadow_calls", "npu_shadow_calls_total", {"target": "op"}, "calls"]), 7.0, 0.0)
+    good.close()
+    (tmp_path / "counter_4242.db").write_bytes(b"\x10\x00\x00\x00torn-by-a-kill" * 3)
+    (tmp_path / "gauge.db").write_bytes(b"")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    serve = (
+        "import sys, time\n"
+        "from shadow.launcher.linger import serve_rank\n"
+        "serve_rank(sys.argv[1], int(sys.argv[2]), '127.0.0.1')\n"
+        "print('up', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    job = subprocess.Popen(
+        [sys.executable, "-c", serve, str(tmp_path), str(port)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert job.stdout.readline() == "up\n"
+        bodies = [urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode() for _ in "ab"]
+    finally:
+        _, err = job.communicate("", timeout=60)
+    assert all('npu_shadow_calls_total{target="op"} 7.0' in body for body in bodies), bodies[0]
+    assert "Traceback" not in err and err.count("cannot be read, left out") == 2, err  # (once each: two files)

@@ -29,12 +29,11 @@ def _serve_node(directory: str, port: int, addr: str):
     """Serve the aggregate of every process's metric files in ``directory`` (one endpoint per node): the server
     (None where the port is taken) and its registry."""
     from prometheus_client import CollectorRegistry
-    from prometheus_client.multiprocess import MultiProcessCollector
 
-    from exporters.prometheus import serve_registry
+    from exporters.prometheus import SignatureCappedCollector, serve_registry
 
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=directory)
+    SignatureCappedCollector(registry, path=directory)
     return serve_registry(registry, port, addr, mark_dir=directory), registry
 
 
