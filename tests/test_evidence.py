@@ -297,17 +297,35 @@ def test_each_cluster_counts_as_one_comparison_at_its_rate(tmp_path):
     assert spread.effective == bunched.effective == spread.clusters == bunched.clusters == 1000
 
 
+def test_the_cluster_window_can_only_widen_the_bound(tmp_path):
+    """`--cluster-window 0.5` made ten clusters of each process-minute below and turned inconclusive into promote on
+    the same journal: a window shorter than the default counts the default's clusters; a longer one, fewer."""
+    import journals
+
+    from shadow.analysis import sources, verdict
+
+    lines = [journals.line("match", timestamp=1_699_999_980.0 + 60 * w + 6 * i) for w in range(40) for i in range(10)]
+    path = journals.write(tmp_path / "j.jsonl", lines)
+    decided = {
+        window: verdict.decide("op", sources.from_journal([path], window=window)["op"], 0.05)
+        for window in (0.5, 10, 60, 120)
+    }
+    assert decided[0.5].clusters == decided[10].clusters == decided[60].clusters == 40 > decided[120].clusters
+    assert decided[0.5].upper == decided[60].upper <= decided[120].upper
+    assert decided[0.5].decision == decided[60].decision == verdict.INCONCLUSIVE
+
+
 def test_the_verdict_names_its_statistic_and_effective_sample_size(tmp_path):
     import subprocess
     import sys
 
     path = _journal(tmp_path / "j.jsonl", 40, 10)
     done = subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", "--journal", str(path), "--cluster-window", "30"],
+        [sys.executable, "-m", "shadow", "verdict", "--journal", str(path), "--cluster-window", "120"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert "legacy phase: rate 0 over 40.0 effective comparisons (one stratum)" in done.stdout
-    assert "40 clusters (process x 30 s blocks from its start), each counted as one comparison" in done.stdout
+    assert "legacy phase: rate 0 over 20.0 effective comparisons (one stratum)" in done.stdout
+    assert "20 clusters (process x 120 s blocks from its start), each counted as one comparison" in done.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "shadow", "verdict", "--journal", str(path), "--cluster-window", "-1"],
         capture_output=True, text=True, timeout=120,

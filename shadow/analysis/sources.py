@@ -620,7 +620,9 @@ class JournalReader:
     a target's last reset (after a rollback) is set aside."""
 
     def __init__(self, window: float = CLUSTER_WINDOW_SECONDS, run: str | None = None) -> None:
-        self.window = window
+        # (a window can only widen the bound: one shorter than the default would count more clusters, more
+        # evidence, from the same comparisons; 0 is the widest, a cluster per process)
+        self.window = window if window == 0 else max(window, CLUSTER_WINDOW_SECONDS)
         #: Count only the processes of this run (None: every process read).
         self.run = run
         self.streams: dict[tuple, _Stream] = {}

@@ -422,7 +422,8 @@ def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._Mut
         default=60.0,
         metavar="SECONDS",
         help="journals from before clusters were counted: each process's comparisons in blocks of this many "
-        "seconds from its start, a run of divergent blocks kept whole (0: by process)",
+        "seconds from its start, a run of divergent blocks kept whole (0: by process); at least 60, as a shorter "
+        "window would make more clusters of the same evidence",
     )
 
 
