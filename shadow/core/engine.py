@@ -68,9 +68,8 @@ MAX_SIGNATURES = 100
 OTHER_SIGNATURE = "other"
 
 
-
 class _NotClassified(Exception):
-    """The budget is too deep in debt for a call to be classified."""
+    """The budget is too deep in debt for a call to be classified, or its signature function is not run any more."""
 
 
 Setters = tuple[Callable[[Gate], None], Callable[[Callable], None]]
