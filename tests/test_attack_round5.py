@@ -326,3 +326,22 @@ def test_8_a_signature_function_with_side_effects_changes_no_training(sample_rat
         stats = monitor.experiment("op").stats()
     assert shadowed[1:] == unwrapped[1:] and all(torch.equal(a, b) for a, b in zip(shadowed[0], unwrapped[0]))
     assert dict(stats.signature_calls) == {"unclassified": 40}
+
+
+def test_8_the_signature_check_is_never_traced_by_dynamo(monkeypatch):
+    """While dynamo traces the wrapper (at a graph break inside legacy) the check's own reads of the generators would
+    be traced too (a graph break and a warning at each): the signature function is called plain there."""
+    from shadow.core import engine
+
+    checked = []
+    real = engine.call_without_side_effects
+    monkeypatch.setattr(engine, "call_without_side_effects", lambda f, *a: checked.append(f) or real(f, *a))
+    owner = types.SimpleNamespace(op=lambda x: x + 1)
+    target = Target("op", owner, "op", lambda x: x + 1, signature=lambda a, k: "s", isolate=False)
+    with shadow.install([target], sample_rate=0.0, seed=1):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        owner.op(torch.ones(1))
+        assert checked == []
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+        owner.op(torch.ones(1))
+        assert len(checked) == 1

@@ -362,9 +362,10 @@ class Experiment:
                 raise _NotClassified
             # (one call in 16 is timed, the first among them: every call is charged what the last timed one took;
             # the first 64 calls and one in 256 after are checked: a function that changed a generator or the grad
-            # mode is put back and never run again)
+            # mode is put back and never run again; not while dynamo traces this, where the check's own reads of
+            # the generators would be traced too)
             self._classified += 1
-            checked = self._classified <= 64 or self._classified & 255 == 1
+            checked = (self._classified <= 64 or self._classified & 255 == 1) and not torch.compiler.is_compiling()
             timed = budget is not None and self._classified & 15 == 1
             start = time.perf_counter() if timed else 0.0
             with torch._C.DisableTorchFunction():  # (a user's mode or tensor subclass never sees the classifying)
