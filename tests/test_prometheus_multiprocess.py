@@ -98,21 +98,19 @@ def test_a_torn_value_file_leaves_out_that_file_never_the_scrape_nor_a_traceback
     """A value file torn by a process killed while it grew it (or a stranger's *.db) made every scrape of the job's
     endpoint fail (HTTP 500) and print a traceback on the job's stderr. It is left out, said once, and the other
     processes' values are served."""
-    import socket
     import urllib.request
 
     from prometheus_client.mmap_dict import MmapedDict
+    from prometheus_server import free_port
 
     good = MmapedDict(str(tmp_path / "counter_1.db"))
     good.write_value(json.dumps(["npu_shadow_calls", "npu_shadow_calls_total", {"target": "op"}, "calls"]), 7.0, 0.0)
     good.close()
     (tmp_path / "counter_4242.db").write_bytes(b"\x10\x00\x00\x00torn-by-a-kill" * 3)
     (tmp_path / "gauge.db").write_bytes(b"")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     serve = (
-        "import sys, time\n"
+        "import sys\n"
         "from shadow.launcher.linger import serve_rank\n"
         "serve_rank(sys.argv[1], int(sys.argv[2]), '127.0.0.1')\n"
         "print('up', flush=True)\n"
