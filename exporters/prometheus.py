@@ -118,8 +118,8 @@ class SignatureCappedCollector:
     ``other`` (the greatest, for a gauge), as a process sums its own beyond the cap."""
 
     def __init__(self, registry: CollectorRegistry | None = None, path: str | None = None) -> None:
-        self._processes = MultiProcessCollector(None, path=path)
-        self._path = self._processes._path
+        self._processes = MultiProcessCollector(None, path=path)  # (raises where no folder is given nor set)
+        self._path = path or os.environ["PROMETHEUS_MULTIPROC_DIR"]
         self._admitted: dict[str, set[str]] = {}
         #: Value files that could not be read (torn by a process killed while it grew one, a full disk, a stranger's
         #: file): left out of the exposition, said once each, never a traceback on the job's stderr nor a failed
