@@ -155,7 +155,8 @@ def test_each_patch_is_judged_against_this_environments_torch(found):
     assert found["torch.load"].kind == "function"
     assert found["torch.nn.functional.npu_fused_thing"].kind == "addition"
     assert found["torch.Tensor.type"].shadowed_by == "tensor_type"
-    assert found["torch.load"].shadowed_by is None
+    assert found["torch.load"].shadowed_by == "torch_load"
+    assert found["torch.nn.Module.to"].shadowed_by == "module_to"
 
 
 def test_a_source_that_is_no_release_is_refused(tmp_path):

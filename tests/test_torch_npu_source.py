@@ -288,10 +288,23 @@ def test_a_source_without_the_patch_fails_naming_it_and_the_version(tmp_path: An
                 data = data.replace(b"def npu_data_parallel(", b"def renamed_data_parallel(")
             if item.filename.endswith(".py") or "dist-info" in item.filename:
                 cut.writestr(item, data)
-    with pytest.raises(
-        torch_npu_source.LegacySourceError, match=r"torch_npu 2\.12\.0 .*_module\.py has no 'npu_data_parallel'"
-    ):
+    loaded = torch_npu_source.load(tmp_path / "cut.whl")  # (the release lacks that target, and says why)
+    assert loaded.data_parallel is None and loaded.parallel_apply is not None
+    assert re.search(r"torch_npu 2\.12\.0 .*_module\.py has no 'npu_data_parallel'", loaded.missing["data_parallel"])
+
+
+def test_a_source_with_none_of_the_patches_fails_naming_each(tmp_path: Any) -> None:
+    with zipfile.ZipFile(wheel("2.12.0")) as original, zipfile.ZipFile(tmp_path / "cut.whl", "w") as cut:
+        for item in original.infolist():
+            patched = {patch.member for patch in torch_npu_source.PATCHES}
+            if (item.filename.endswith(".py") and item.filename not in patched) or "dist-info" in item.filename:
+                cut.writestr(item, original.read(item))
+    with pytest.raises(torch_npu_source.LegacySourceError, match=r"torch_npu 2\.12\.0 .* has none of the patches") as e:
         torch_npu_source.load(tmp_path / "cut.whl")
+    for patch in torch_npu_source.PATCHES:
+        assert f"{patch.target}: " in str(e.value)
+    with pytest.raises(torch_npu_source.LegacySourceError, match="defines none of the patches"):
+        torch_npu_source.check(tmp_path / "cut.whl")
 
 
 def test_paths_that_hold_no_torch_npu_are_refused(tmp_path: Any) -> None:
@@ -332,12 +345,13 @@ def test_where_the_accelerator_is_not_an_npu_its_name_and_module_stand_in(monkey
     cast = loaded.tensor_type(torch.ones(2, device="npu:1"), "torch.npu.HalfTensor")
     assert cast.device == torch.device("cpu") and cast.dtype == torch.float16  # device='npu' read as 'cpu'
     seen = loaded.parallel_apply_function.__globals__["torch"]
-    assert seen is not torch and seen.npu is torch.npu and seen.float16 is torch.float16
+    assert seen is not torch and seen.npu.set_device is torch.npu.set_device and seen.float16 is torch.float16
+    assert seen.npu.get_mm_bmm_format_nd() and seen.npu.is_jit_compile_false()  # (torch_npu's defaults)
 
 
 def _code_in(code: Any, name: str) -> Any:
     """The code object of the function ``name`` defined at the top of a module's code."""
-    return next(c for c in code.co_consts if hasattr(c, "co_name") and c.co_name == name)
+    return next((c for c in code.co_consts if hasattr(c, "co_name") and c.co_name == name), None)
 
 
 def _same_code(first: Any, second: Any) -> bool:
@@ -374,14 +388,21 @@ def test_each_loaded_function_is_the_wheels_own_bytecode(legacy: torch_npu_sourc
 def test_legacys_device_and_stream_code_is_torch_npus_own(legacy: torch_npu_source.TorchNpuLegacy) -> None:
     """torch.npu.set_device, device, stream, current_stream, Stream... as the patches call them are torch_npu's own
     runtime Python (torch_npu/npu/utils.py, streams.py), compiled as the wheel has it, never a re-implementation."""
-    assert set(legacy.runtime) == {n for names in torch_npu_source.RUNTIME.values() for n in names}
     with zipfile.ZipFile(wheel(legacy.version)) as archive:
+        tables = {**torch_npu_source.RUNTIME, **torch_npu_source.RUNTIME_WHERE_PRESENT}
         plain = {
             member: compile(archive.read(member).decode(), member, "exec", dont_inherit=True)
-            for member in torch_npu_source.RUNTIME
+            for member in tables
+            if member in archive.namelist()
         }
+    present = {
+        member: tuple(n for n in names if member in plain and _code_in(plain[member], n) is not None)
+        for member, names in torch_npu_source.RUNTIME_WHERE_PRESENT.items()
+    }
+    expected = {n for names in (*torch_npu_source.RUNTIME.values(), *present.values()) for n in names}
+    assert set(legacy.runtime) == expected
     compared = 0
-    for member, names in torch_npu_source.RUNTIME.items():
+    for member, names in {**torch_npu_source.RUNTIME, **present}.items():
         for name in names:
             loaded, code = legacy.runtime[name], _code_in(plain[member], name)
             functions = (
@@ -390,8 +411,8 @@ def test_legacys_device_and_stream_code_is_torch_npus_own(legacy: torch_npu_sour
                 else {n: f for n, f in vars(loaded).items() if hasattr(f, "__code__")}
             )
             for function_name, function in functions.items():
-                expected = code if not isinstance(loaded, type) else _code_in(code, function_name)
-                assert _same_code(function.__code__, expected), f"{member}: {name}.{function_name}"
+                expected_code = code if not isinstance(loaded, type) else _code_in(code, function_name)
+                assert _same_code(function.__code__, expected_code), f"{member}: {name}.{function_name}"
                 compared += 1
     assert compared > 20
     # the functions the patch calls are these: torch.npu as _parallel_apply sees it

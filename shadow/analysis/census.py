@@ -467,9 +467,9 @@ def _kind(name: str, exists: bool) -> str:
 
 
 def _shadowing() -> list[tuple[Any, str, str]]:
-    from shadow.core.targets import BUILTINS
+    from shadow.core.targets import PLACES
 
-    return [(target.owner, target.attribute, name) for name, target in ((n, f()) for n, f in BUILTINS.items())]
+    return [(owner(), attribute, name) for name, (owner, attribute) in PLACES.items()]
 
 
 def take(source_path: str) -> Census:

@@ -501,6 +501,17 @@ def compare_exceptions(legacy_error: BaseException | None, upstream_error: BaseE
     return Comparison(Outcome.ERROR.value, ("exception",), detail=detail)
 
 
+def compare_custom(equality: Any, legacy: Any, upstream: Any) -> Comparison:
+    """A target's own comparison (:attr:`shadow.core.target.Target.compare`): a ``match`` where it returns None,
+    else a ``mismatch`` with reason ``custom`` and its text as the detail. A comparison that raises is this
+    tool's fault (the engine counts it)."""
+    with torch._C.DisableTorchFunction():  # (this tool's work: no subclass or mode sees it)
+        difference = equality(legacy, upstream)
+    if difference is None:
+        return Comparison(Outcome.MATCH.value)
+    return Comparison(Outcome.MISMATCH.value, ("custom",), detail=bounded(str(difference)))
+
+
 #: The characters one side's value may take in a ``state`` detail (each setting's name and both values come first).
 _STATE_VALUE_LIMIT = 160
 

@@ -39,6 +39,7 @@ from shadow.core.isolation import (
     module_tensors,
     modules_in_call,
 )
+from shadow.core.memory import InsufficientMemory
 from shadow.core.noise import NoiseFloor
 from shadow.core.observation import (
     DIVERGENT_OUTCOMES,
@@ -485,8 +486,8 @@ class Experiment:
             if skip is not None:
                 start = time.perf_counter()
                 skipped = Observation(
-                    self.target.name, Outcome.SKIPPED, (skip,), signature=signature or "", timestamp=time.time(),
-                    primary=self.primary,
+                    self.target.name, Outcome.SKIPPED, (skip[0],), signature=signature or "", timestamp=time.time(),
+                    primary=self.primary, detail=skip[1],
                 )  # fmt: skip
                 self._publish(skipped)
                 self._charge(time.perf_counter() - start)
@@ -505,15 +506,25 @@ class Experiment:
         finally:
             marks.in_legacy = outer
 
-    def _skip_reason(self, args: tuple, kwargs: dict, modules: list[torch.nn.Module]) -> str | None:
-        """Why this sampled call cannot be compared faithfully, or None: the upstream side would be visible to
-        code the job runs (a user's mode, a tensor subclass, a user's module hooks) or is being compiled."""
+    def _skip_reason(self, args: tuple, kwargs: dict, modules: list[torch.nn.Module]) -> tuple[str, str] | None:
+        """(reason, detail) where this sampled call cannot be compared faithfully, else None: the upstream side
+        would be visible to code the job runs (a user's mode, a tensor subclass, a user's module hooks), is being
+        compiled, or the target says the call cannot run twice (:attr:`Target.run_if`)."""
         if torch.compiler.is_compiling():
-            return "compiling"
+            return "compiling", ""
         if _user_code_would_see_the_shadow(args, kwargs, modules):
-            return "mode"
+            return "mode", ""
         if not self.pure_hooks and has_user_hooks(modules):
-            return "hooks"
+            return "hooks", ""
+        if self.target.run_if is not None:
+            try:
+                why = self.target.run_if(args, kwargs)
+            except InsufficientMemory as exc:
+                return "oom", bounded(str(exc))
+            except Exception as exc:  # (the target's own check: its failure is ours to count, never the job's)
+                return "comparator", bounded(f"run_if raised {exc!r}")
+            if why is not None:
+                return "ineligible", bounded(str(why))
         return None
 
     def _sampled_call(

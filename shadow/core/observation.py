@@ -42,7 +42,8 @@ DIVERGENT_OUTCOMES = (Outcome.MISMATCH.value, Outcome.ERROR.value)
 #: works on one layout and raises on the other; tolerance targets note it in the detail.
 #: "requires_grad": an output requires grad on one side only (it would or would not take part in backward);
 #: "state": the torch settings each side left behind differ (the current device, the default dtype, ...);
-#: "grad": forward outputs agree, but the gradients through the two sides' graphs do not (a backward comparison).
+#: "grad": forward outputs agree, but the gradients through the two sides' graphs do not (a backward comparison);
+#: "custom": the target's own ``compare`` found a difference (results the comparator cannot read).
 MISMATCH_REASONS = (
     "structure",
     "type",
@@ -57,6 +58,7 @@ MISMATCH_REASONS = (
     "exception",
     "state",
     "grad",
+    "custom",
 )
 
 #: Reasons a sampled call was not compared.
@@ -68,8 +70,20 @@ MISMATCH_REASONS = (
 #: argument in place (upstream could not start from what legacy started from: arguments are copied after legacy,
 #: never at the cost of legacy's memory); "oom": the shadow side's copies would not fit in the memory free, or
 #: upstream ran out of it; "budget": the shadow side had used its share of the job's wall time; "deadline": the
-#: shadow side of a call took longer than its deadline (that call), or one did earlier (the target stopped shadowing).
-SKIP_REASONS = ("oom", "compiling", "mode", "hooks", "inplace", "budget", "deadline", "comparator", "noise_pending")
+#: shadow side of a call took longer than its deadline (that call), or one did earlier (the target stopped shadowing);
+#: "ineligible": the target says the call cannot be run twice (``Target.run_if``: a stream that cannot seek back).
+SKIP_REASONS = (
+    "oom",
+    "compiling",
+    "mode",
+    "hooks",
+    "inplace",
+    "budget",
+    "deadline",
+    "comparator",
+    "noise_pending",
+    "ineligible",
+)
 
 #: Why a backward comparison planned for a compared call was not made: "deadline" (a run of it passed the
 #: deadline), "reentrant" (reentrant activation checkpointing, which ``torch.autograd.grad`` refuses), "sparse"
@@ -91,7 +105,15 @@ DIFFERS_IN_FLOAT64 = "differs-in-float64"
 NEARER = ("legacy", "upstream", "tie", DIFFERS_IN_FLOAT64)
 
 #: The built-in targets' names (their Targets are in shadow.core.targets).
-BUILTIN_TARGETS = ("parallel_apply", "data_parallel", "tensor_type")
+BUILTIN_TARGETS = (
+    "parallel_apply",
+    "data_parallel",
+    "tensor_type",
+    "torch_load",
+    "module_to",
+    "module_npu",
+    "foreach_devices",
+)
 
 #: Where torch_npu 2.12's legacy and upstream are known to differ (the README's "what really differs"), by built-in
 #: target: the patterns of the risky signatures a verdict must see compared (here, torch-free, for the analysis
@@ -100,6 +122,12 @@ BUILTIN_RISKY = {
     "parallel_apply": ("replicas=1/*", "*/autocast=on"),
     "data_parallel": ("replicas=1/*", "*/autocast=on"),
     "tensor_type": ("npu_name/noncurrent/*", "npu_class/noncurrent/*", "torch_npu_name/*"),
+    # torch_npu 2.13/2.14: a .safetensors path, the weights-only variables in mixed case; channels_last_3d; a
+    # device given as a string or torch.device
+    "torch_load": ("path/safetensors/*", "*/force=mixed-case"),
+    "module_to": ("*/format=channels_last_3d",),
+    "module_npu": ("device=str", "device=device"),
+    "foreach_devices": (),
 }
 
 #: The faults a fire drill can inject into the upstream result (shadow.core.drill).
@@ -116,11 +144,12 @@ SKIP_REASON_MEANING = {
     "deadline": "the shadow side of a call took longer than --deadline: that call, and every later one",
     "comparator": "a fault of npu-shadow's own on the shadow side (logged)",
     "noise_pending": "a value difference held until the noise floor had its A/A runs, which it never had",
+    "ineligible": "the call cannot be run twice (a stream that cannot seek back, ...)",
 }
 
 #: Skip reasons that say the evidence does not reach a kind of call at all (not a passing condition such as the
 #: budget): the verdict shows them as coverage still missing.
-UNCOVERED_REASONS = ("compiling", "mode", "hooks", "inplace")
+UNCOVERED_REASONS = ("compiling", "mode", "hooks", "inplace", "ineligible")
 
 #: Skip reasons tied to the call itself (its size, its hooks, its modes, a fault of ours on it): the calls skipped
 #: for them are non-response, and nothing says how they would have compared, so the verdict counts their share of
@@ -133,7 +162,7 @@ SHARED_DIVERGENCE_REASONS = ("structure", "type", "dtype", "shape", "device", "n
 
 #: Reasons that show a difference in kind, not in degree: no tolerance can make them pass.
 HARD_REASONS = frozenset(
-    {"structure", "type", "dtype", "shape", "device", "stride", "requires_grad", "nan", "exception", "state"}
+    {"structure", "type", "dtype", "shape", "device", "stride", "requires_grad", "nan", "exception", "state", "custom"}
 )
 
 DETAIL_LIMIT = 600

@@ -1,12 +1,13 @@
-"""What can be shadowed: the ``Target`` description and the three built-in targets.
+"""The built-in targets: the three patches npu-shadow was built for (here) and those torch_npu 2.13/2.14 still
+carry (:mod:`shadow.core.live_targets`); :data:`BUILTINS` names them all.
 
 A built-in target's legacy is whatever is installed when the monitor installs (torch_npu's patch on an
-NPU host, :mod:`shadow.npu.reference`'s in a rehearsal); its upstream is torch's own implementation.
+NPU host, its source's with ``--legacy-from``, :mod:`shadow.npu.reference`'s in a rehearsal); its upstream is
+torch's own implementation.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,82 +15,22 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_iter
 
-from shadow.core import oracle
-from shadow.core.observation import BUILTIN_RISKY, BUILTIN_TARGETS, label_text
-from shadow.core.oracle import SingleDeviceCall
-from shadow.core.tolerance import ToleranceSpec
+from shadow.core import live_targets, oracle
+from shadow.core.observation import BUILTIN_RISKY, BUILTIN_TARGETS
+from shadow.core.target import Target
 from shadow.npu import reference
 from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE
 
-Signature = Callable[[tuple, dict], str]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Target:
-    """A patch pair: ``owner.attribute`` (legacy) shadowed by ``upstream``.
-
-    ``upstream`` takes the same arguments as the wrapped attribute. ``legacy=None`` means whatever is
-    installed on ``owner.attribute`` at install time. ``exact`` demands bitwise equal results.
-    ``isolate``: give the upstream run its own RNG state, module buffers and input clones (needed
-    whenever a module or RNG is involved; only pure functions should turn it off).
-    ``signature`` classifies a call into a small fixed set of code paths; ``risky_signatures`` are
-    ``fnmatch`` patterns of the paths where legacy and upstream differ, which a verdict should see.
-    ``oracle`` describes a call's single-device equivalent (:mod:`shadow.core.oracle`), to find what legacy and
-    upstream share but a single device would not do. ``never_blocks`` tells the calls whose upstream run cannot
-    block or wait (no device work, no lock, no Python code: a query of a tensor's metadata in torch's C code): their
-    upstream runs on the caller's thread, without the deadline's thread (:mod:`shadow.core.deadline`), whose
-    hand-off costs more than such a call's whole upstream side. ``signature_key`` (with ``signature``) is a cheap
-    key of a call, hashable, read without running user code (no tensor attribute a mode would see), that stands for
-    its signature or for several that are never risky, or None where it cannot be had cheaply: once a key's
-    signature has had its first comparisons, calls with that key take the unguided wrapper's unsampled path (their
-    signatures counted by systematic sampling), and every other call is classified, so a signature whose key is new
-    is compared on its first calls whenever it first appears, however rare (:mod:`shadow.core.coverage`). Without
-    one, calls are classified one in ``CLASSIFY_ONE_IN`` once every signature seen has had its first comparisons.
-    """
-
-    name: str
-    owner: Any
-    attribute: str
-    upstream: Callable
-    legacy: Callable | None = None
-    tolerance: ToleranceSpec = None
-    exact: bool = False
-    isolate: bool = True
-    signature: Signature | None = None
-    risky_signatures: tuple[str, ...] = ()
-    oracle: Callable[[tuple, dict], SingleDeviceCall | None] | None = None
-    never_blocks: Callable[[tuple, dict], bool] | None = None
-    signature_key: Callable[[tuple, dict], Any] | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or label_text(self.name, 200) != self.name:
-            raise ValueError(f"Target.name must be a non-empty string without control characters, got {self.name!r}")
-        if not callable(self.upstream):
-            raise ValueError(f"Target {self.name!r}: upstream must be callable, got {self.upstream!r}")
-        if self.legacy is not None and not callable(self.legacy):
-            raise ValueError(f"Target {self.name!r}: legacy must be callable or None, got {self.legacy!r}")
-        if self.never_blocks is not None and not callable(self.never_blocks):
-            raise ValueError(f"Target {self.name!r}: never_blocks must be callable or None, got {self.never_blocks!r}")
-        if self.signature_key is not None and (not callable(self.signature_key) or self.signature is None):
-            raise ValueError(
-                f"Target {self.name!r}: signature_key must be callable and come with a signature function, got "
-                f"{self.signature_key!r}"
-            )
-        if not hasattr(self.owner, self.attribute) and self.legacy is None:
-            raise ValueError(f"Target {self.name!r}: {self.owner!r} has no attribute {self.attribute!r}")
-
-    @property
-    def where(self) -> str:
-        """``module.Class.attribute`` for messages."""
-        owner = getattr(self.owner, "__qualname__", None) or getattr(self.owner, "__name__", repr(self.owner))
-        module = getattr(self.owner, "__module__", None)
-        prefix = f"{module}.{owner}" if module and module != owner else owner
-        return f"{prefix}.{self.attribute}"
-
-    def resolve_legacy(self) -> Callable:
-        """The legacy callable: the one given, or what is installed on owner.attribute now."""
-        return self.legacy if self.legacy is not None else getattr(self.owner, self.attribute)
-
+__all__ = [
+    "BUILTINS",
+    "PLACES",
+    "Target",
+    "active_builtins",
+    "data_parallel",
+    "parallel_apply",
+    "patch_origin",
+    "tensor_type",
+]
 
 # --------------------------------------------------------------------------- signatures
 
@@ -288,6 +229,7 @@ BUILTINS: dict[str, Callable[[], Target]] = {
     "parallel_apply": parallel_apply,
     "data_parallel": data_parallel,
     "tensor_type": tensor_type,
+    **live_targets.LIVE,
 }
 
 
@@ -309,12 +251,24 @@ def patch_origin(obj: Any) -> str | None:
     return None
 
 
+#: Where each of the three original targets' legacy is installed: (its owner, found when asked; the attribute).
+ORIGINAL_PLACES: dict[str, tuple[Callable[[], Any], str]] = {
+    "parallel_apply": (lambda: torch.nn.DataParallel, "parallel_apply"),
+    "data_parallel": (lambda: importlib.import_module("torch.nn.parallel"), "data_parallel"),
+    "tensor_type": (lambda: torch.Tensor, "type"),
+}
+
+#: Where every built-in target's legacy is installed.
+PLACES = {**ORIGINAL_PLACES, **live_targets.PLACES}
+
+
 def active_builtins() -> dict[str, str]:
-    """{built-in target name: patch origin} for every built-in whose legacy patch is installed now."""
+    """{built-in target name: patch origin} for every built-in whose legacy patch is installed now (and, for the
+    targets whose upstream torch keeps under no other name, whose upstream is known: see
+    :func:`shadow.core.live_targets.upstream`)."""
     active = {}
-    for name, factory in BUILTINS.items():
-        target = factory()
-        origin = patch_origin(getattr(target.owner, target.attribute, None))
-        if origin is not None:
+    for name, (owner, attribute) in PLACES.items():
+        origin = patch_origin(getattr(owner(), attribute, None))
+        if origin is not None and (name not in live_targets.PLACES or live_targets.available(name)):
             active[name] = origin
     return active

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from shadow.core import trees
-from shadow.core.compare import Comparison, compare, compare_exceptions, with_state
+from shadow.core.compare import Comparison, compare, compare_custom, compare_exceptions, with_state
 from shadow.core.deadline import Finished, leave_room, room, run_here, run_within
 from shadow.core.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
 from shadow.core.gradients import GradientComparison, compare_gradients, names_of, vjp
@@ -55,6 +55,10 @@ def is_hooked_subclass(leaf: Any) -> bool:
         return False
     function = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
     return function not in _PLAIN_TORCH_FUNCTION or cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def _as_it_is(value: Any) -> Any:
+    return value
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -136,6 +140,7 @@ class Plan:
     backward: bool = False  # the backward comparison: legacy runs again for a graph of its own
     here: bool = False  # upstream cannot block (Target.never_blocks): it runs on the caller's thread
     backward_skip: str = ""  # a backward comparison drawn for a call that can have none (grad mode off)
+    rewind: Callable[[], Any] | None = None  # puts the call's consumed arguments back where legacy found them
     modules_loaded: int = dataclasses.field(default_factory=lambda: len(sys.modules))
 
     @property
@@ -202,12 +207,16 @@ class UpstreamSide:
             target = experiment.target
             before = TorchGlobals()
             autocast = autocast_state()
-            oracle = experiment.oracle_rate is not None and (
-                "=on/" in autocast or experiment.oracle_random.random() < experiment.oracle_rate
+            plain = target.plain  # (the extra runs are for plain functions of tensors only)
+            oracle = (
+                plain
+                and experiment.oracle_rate is not None
+                and ("=on/" in autocast or experiment.oracle_random.random() < experiment.oracle_rate)
             )
-            aa = experiment.aa_rate > 0 and experiment.aa_random.random() < experiment.aa_rate
+            aa = plain and experiment.aa_rate > 0 and experiment.aa_random.random() < experiment.aa_rate
             drawn = (
-                target.isolate
+                plain
+                and target.isolate
                 and experiment.primary != UPSTREAM
                 and experiment.backward_rate > 0
                 and experiment.backward_random.random() < experiment.backward_rate
@@ -220,10 +229,13 @@ class UpstreamSide:
                 isolation, (up_args, up_kwargs) = None, detach_tensors((args, kwargs))
             if signature is None:  # (a guided target's call comes classified)
                 signature = experiment.admit(label_text(str(_raw_signature(experiment, args, kwargs)), 64))
-            here = target.never_blocks is not None and bool(target.never_blocks(args, kwargs))
+            rewind = target.rewind(args, kwargs) if target.rewind is not None else None
+            # (a run that reads the caller's stream is never left running past a deadline: it would move the
+            # stream under the job later; it runs on the caller's thread)
+            here = rewind is not None or (target.never_blocks is not None and bool(target.never_blocks(args, kwargs)))
             plan = Plan(
                 isolation, up_args, up_kwargs, signature, autocast, oracle, before, aa, backward, here,
-                backward_skip="no_grad" if drawn and not backward else "",
+                backward_skip="no_grad" if drawn and not backward else "", rewind=rewind,
             )  # fmt: skip
             return cls(experiment, plan)
         except KeyboardInterrupt:
@@ -241,6 +253,9 @@ class UpstreamSide:
         now = time.time()
         if isinstance(plan, BaseException):
             return self._skipped(plan, timestamp=now)
+        snapshot = experiment.target.snapshot
+        if snapshot is not None and legacy.error is None:  # (what the primary's run left on the caller's object)
+            legacy = dataclasses.replace(legacy, value=snapshot(legacy.value, args, kwargs))
         cannot = self._cannot_run_upstream(plan, legacy, now)
         if cannot is not None:
             return cannot
@@ -285,6 +300,7 @@ class UpstreamSide:
         truth = {}
         if (
             experiment.truth_rate > 0
+            and experiment.target.plain
             and returned
             and _value_difference(found)
             and experiment.truth_random.random() < experiment.truth_rate
@@ -402,6 +418,7 @@ class UpstreamSide:
         if not left_by_legacy.same_as(plan.before):  # (legacy changed a setting: upstream starts where it did)
             experiment.put_back(plan.before)
         shadow_fn = experiment.shadow_fn
+        snapshot = experiment.target.snapshot
 
         left: TorchGlobals | None = None
 
@@ -414,6 +431,8 @@ class UpstreamSide:
                     drill.before_upstream()
                 args, kwargs = plan.upstream_arguments()
                 value = shadow_fn(*args, **kwargs)
+                if snapshot is not None:  # (taken on the isolation's stand-ins, before they are put back)
+                    value = snapshot(value, args, kwargs)
                 if drill is not None and drill.kind != "exception":
                     value, drilled = drill.corrupt(value, (args, kwargs))
                 return value
@@ -424,7 +443,11 @@ class UpstreamSide:
 
         start = time.perf_counter()
         finished = Finished(False)
+        # (a consumed argument, a stream: where legacy left it, put back once the shadow run read it from the start)
+        left_there = experiment.target.rewind(*plan.upstream_arguments()) if plan.rewind is not None else None
         try:
+            if plan.rewind is not None:
+                plan.rewind()
             with context, upstream_run(experiment):
                 if plan.here:
                     finished = run_here(body)
@@ -434,6 +457,9 @@ class UpstreamSide:
             raise
         except BaseException as exc:  # the isolation's own failure: the run's outcome, never the caller's
             finished = Finished(True, error=exc)
+        finally:
+            if left_there is not None:
+                left_there()
         seconds = time.perf_counter() - start
         left_by_upstream = left if left is not None and finished.finished else TorchGlobals()
         unchanged = left_by_legacy.same_as(plan.before) and left_by_upstream.same_as(plan.before)
@@ -638,6 +664,8 @@ class UpstreamSide:
         if legacy.error is not None or upstream.error is not None:
             return compare_exceptions(legacy.error, upstream.error)
         target = self.experiment.target
+        if target.compare is not None:
+            return compare_custom(target.compare, legacy.value, upstream.value)
         found = compare(
             legacy.value,
             upstream.value,
@@ -698,8 +726,9 @@ class UpstreamSide:
         experiment = self.experiment
         args, kwargs = plan.upstream_arguments()
         modules = find_modules((args, kwargs))
+        clean = experiment.target.clean or _as_it_is
         with torch._C.DisableTorchFunction():  # (no subclass sees the detach)
-            upstream_value = trees.map_only(torch.Tensor, torch.Tensor.detach, upstream.value)
+            upstream_value = trees.map_only(torch.Tensor, torch.Tensor.detach, clean(upstream.value))
         try:
             module_state = modules[0].state_dict() if modules else None
         except Exception as exc:  # the user's state_dict: its failure loses the state, never the observation
@@ -708,7 +737,7 @@ class UpstreamSide:
         return Evidence(
             args,
             kwargs,
-            legacy=legacy.error or legacy.value,
+            legacy=legacy.error or clean(legacy.value),
             # (detached: the evidence never keeps upstream's autograd graph alive)
             upstream=upstream.error or upstream_value,
             module_state=module_state,

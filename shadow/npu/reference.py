@@ -25,7 +25,6 @@ tensors' own device, so that a rehearsal still exercises the wrappers.
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import importlib
 import os
 import sys
@@ -39,7 +38,7 @@ import torch
 from torch._utils import ExceptionWrapper, _get_all_device_indices, _get_available_device_type, _get_device_index
 from torch.nn.parallel.parallel_apply import get_a_var
 
-from shadow.npu.patching import LEGACY_PATCHED
+from shadow.npu.patching import LEGACY_PATCHED, Patches, replace
 from shadow.npu.tensor_types import NPU_TENSOR_TYPES
 
 #: 'torch.npu.FloatTensor', 'torch_npu.npu.FloatTensor', ... -> dtype
@@ -281,24 +280,6 @@ def npu_data_parallel(
     return gather(outputs, output_device, dim)
 
 
-@dataclasses.dataclass
-class Patches:
-    """What :func:`patch_torch` replaced, so that :meth:`undo` can put it back."""
-
-    saved: list[tuple[Any, str, Any]]
-
-    def undo(self) -> None:
-        for owner, name, original in reversed(self.saved):
-            if original is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-        self.saved.clear()
-
-
-_MISSING = object()
-
-
 def patch_torch(
     tensor_type: Callable = npu_type,
     dp_parallel_apply: Callable = npu_parallel_apply,
@@ -313,9 +294,6 @@ def patch_torch(
         (torch.nn.DataParallel, "parallel_apply", dp_parallel_apply),
         (parallel, "data_parallel", data_parallel),
     ]
-    saved = []
-    for owner, name, value in replacements:
-        saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
-        setattr(owner, name, value)
+    patches = replace(replacements)
     LEGACY_PATCHED.announce()  # a monitor installed by `npu-shadow run` moves over the new legacy
-    return Patches(saved)
+    return patches

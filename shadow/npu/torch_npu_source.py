@@ -43,20 +43,61 @@ from typing import Any
 
 import torch
 
-from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE
+from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE, LEGACY_PATCHED, Patches, replace, upstream_of
 from shadow.npu.tensor_types import NPU_TENSOR_TYPES
 
-#: The torch_npu releases that carry the patches (torch_npu 2.13 removed them).
+#: The torch_npu releases that carry the three patches npu-shadow was built for (torch_npu 2.13 removed them).
 RELEASES = ("2.8.0", "2.9.0", "2.10.0", "2.11.0", "2.12.0")
 
 #: Releases after them, read by ``npu-shadow census`` (what torch_npu still patches); fetched into the cache too.
 LATER_RELEASES = ("2.13.0", "2.14.0")
 
-#: What torch_npu must define for the legacy patches; what these use (torch_npu's autocast, its error codes, the
-#: tensor type table) is loaded from the files they import it from, as far as they use it.
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One of torch_npu's patches that a built-in target shadows: the definition torch_npu installs (``member``'s
+    ``definition``) on ``owner.attribute`` (``owner`` a dotted path of torch), with the ``helpers`` it installs
+    beside it (``Module.cast_weight``, which ``Module.to`` and ``Module.npu`` call on the module)."""
+
+    target: str
+    member: str
+    definition: str
+    owner: str
+    attribute: str
+    helpers: tuple[tuple[str, str, str], ...] = ()  # (definition, owner, attribute)
+
+
+_MODULE = "torch_npu/utils/_module.py"
+_CAST_WEIGHT = (("cast_weight", "torch.nn.Module", "cast_weight"),)
+
+#: Every patch npu-shadow can shadow, by built-in target. A release that lacks one of them lacks that target.
+PATCHES: tuple[Patch, ...] = (
+    Patch("tensor_type", "torch_npu/utils/tensor_methods.py", "_npu_type", "torch.Tensor", "type"),
+    Patch("parallel_apply", _MODULE, "npu_parallel_apply", "torch.nn.DataParallel", "parallel_apply"),
+    Patch("data_parallel", _MODULE, "npu_data_parallel", "torch.nn.parallel", "data_parallel"),
+    Patch("torch_load", "torch_npu/utils/serialization.py", "load", "torch", "load"),
+    Patch("module_to", _MODULE, "to", "torch.nn.Module", "to", _CAST_WEIGHT),
+    Patch("module_npu", _MODULE, "npu", "torch.nn.Module", "npu", _CAST_WEIGHT),
+    Patch(
+        "foreach_devices",
+        "torch_npu/utils/_optim.py",
+        "patch_supported_devices",
+        "torch.optim.optimizer",
+        "_get_foreach_kernels_supported_devices",
+    ),
+    Patch(
+        "dataloader_init",
+        _MODULE,
+        "_mpdl_iter_init",
+        "torch.utils.data.dataloader._MultiProcessingDataLoaderIter",
+        "__init__",
+    ),
+)
+
+#: What the three original patches need loaded together (``_parallel_apply`` is what two of them call).
 DEFINITIONS: dict[str, tuple[str, ...]] = {
     "torch_npu/utils/tensor_methods.py": ("_npu_type",),
-    "torch_npu/utils/_module.py": ("_parallel_apply", "npu_parallel_apply", "npu_data_parallel"),
+    _MODULE: ("_parallel_apply", "npu_parallel_apply", "npu_data_parallel"),
 }
 
 #: torch_npu's runtime Python that the patches call through ``torch.npu`` (device and stream handling), run from
@@ -74,6 +115,12 @@ RUNTIME: dict[str, tuple[str, ...]] = {
         "_get_device_index",
     ),
     "torch_npu/npu/streams.py": ("Stream", "Event"),
+}
+
+#: More of torch_npu's runtime Python, where a release has it: the format settings ``Module.cast_weight`` reads,
+#: over the emulator's ``torch_npu._C`` (``is_available`` and ``get_device_name`` are the emulated device module's).
+RUNTIME_WHERE_PRESENT: dict[str, tuple[str, ...]] = {
+    "torch_npu/npu/npu_config.py": ("get_mm_bmm_format_nd", "is_jit_compile_false"),
 }
 
 _LOADS = itertools.count(1)
@@ -95,6 +142,8 @@ _IMPORTABLE = frozenset(
         "ctypes",
         "warnings",
         "contextlib",
+        "io",
+        "pickle",
     }
 )
 
@@ -112,34 +161,70 @@ class LegacySourceError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TorchNpuLegacy:
-    """torch_npu's legacy functions, loaded from one release's source."""
+    """torch_npu's legacy functions, loaded from one release's source: ``patches`` by built-in target (see
+    :data:`PATCHES`), and ``missing``, why each target this release cannot give is missing."""
 
     version: str
     source: str
-    #: ``_npu_type(self, dtype=None, non_blocking=False, **kwargs)``: ``Tensor.type``'s patch.
-    tensor_type: Callable
-    #: ``npu_parallel_apply(self, replicas, inputs, kwargs)``: ``DataParallel.parallel_apply``'s patch.
-    parallel_apply: Callable
-    #: ``npu_data_parallel(module, inputs, device_ids=None, ...)``: ``torch.nn.parallel.data_parallel``'s patch.
-    data_parallel: Callable
-    #: ``_parallel_apply(modules, inputs, kwargs_tup=None, devices=None)``, which the two above call.
-    parallel_apply_function: Callable
+    #: The legacy function of each target this release patches: ``patches["tensor_type"]`` is ``_npu_type``.
+    patches: Mapping[str, Callable]
+    #: The targets of :data:`PATCHES` this release lacks, each with why (no such definition, ...).
+    missing: Mapping[str, str]
+    #: ``_parallel_apply(modules, inputs, kwargs_tup=None, devices=None)``, which the DataParallel patches call.
+    parallel_apply_function: Callable | None
     #: torch_npu's tensor type table: 'torch.npu.FloatTensor' and 'torch_npu.npu.FloatTensor' -> class.
     tensor_types: Mapping[str, type]
     #: The runtime functions (``torch_npu.npu.set_device``, ...) loaded from this source (:data:`RUNTIME`), by
     #: name; empty where the host's own ``torch.npu`` serves (a real NPU's torch_npu, or CUDA's).
     runtime: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: The helpers installed beside the patches (``Module.cast_weight``), by (owner, attribute).
+    helpers: Mapping[tuple[str, str], Callable] = dataclasses.field(default_factory=dict)
+
+    @property
+    def tensor_type(self) -> Callable | None:
+        """``_npu_type(self, dtype=None, non_blocking=False, **kwargs)``: ``Tensor.type``'s patch (to 2.12)."""
+        return self.patches.get("tensor_type")
+
+    @property
+    def parallel_apply(self) -> Callable | None:
+        """``npu_parallel_apply(self, replicas, inputs, kwargs)``: ``DataParallel.parallel_apply``'s patch."""
+        return self.patches.get("parallel_apply")
+
+    @property
+    def data_parallel(self) -> Callable | None:
+        """``npu_data_parallel(module, inputs, device_ids=None, ...)``: ``nn.parallel.data_parallel``'s patch."""
+        return self.patches.get("data_parallel")
 
     @property
     def origin(self) -> str:
         """How doctor and the summary name this legacy."""
         return f"torch_npu {self.version} source (from {self.source})"
 
-    def patch_torch(self) -> Any:
+    def patch_torch(self) -> Patches:
         """Install these functions the way torch_npu does; returns the handle that undoes it."""
-        from shadow.npu import reference
+        replacements: list[tuple[Any, str, Any]] = []
+        for patch in PATCHES:
+            function = self.patches.get(patch.target)
+            if function is None:
+                continue
+            owner = _owner(patch.owner)
+            if patch.target == "tensor_type":  # (torch_npu keeps upstream's as type_raw)
+                replacements.append((owner, "type_raw", torch._C.TensorBase.type))
+            replacements.append((owner, patch.attribute, function))
+        for (owner, attribute), function in self.helpers.items():
+            replacements.append((_owner(owner), attribute, function))
+        patches = replace(replacements)
+        LEGACY_PATCHED.announce()  # a monitor installed by `npu-shadow run` moves over the new legacy
+        return patches
 
-        return reference.patch_torch(self.tensor_type, self.parallel_apply, self.data_parallel)
+
+def _owner(dotted: str) -> Any:
+    """The module or class a dotted path of torch names (``torch.nn.Module``, ``torch.nn.parallel``)."""
+    try:
+        return importlib.import_module(dotted)
+    except ImportError:
+        module, _, name = dotted.rpartition(".")
+        return getattr(_owner(module), name)
 
 
 def origin_of(function: Any) -> str | None:
@@ -285,15 +370,34 @@ class _TorchView(types.ModuleType):
 
 
 class _NpuModule(types.ModuleType):
-    """``torch_npu.npu`` (which torch_npu also makes ``torch.npu``) on the emulated npu: torch_npu's runtime
-    functions from its source (set on it by the loader), anything else the emulated device module's."""
+    """``torch_npu.npu`` (which torch_npu also makes ``torch.npu``) where the accelerator is not a real NPU:
+    torch_npu's runtime functions from its source (set on it by the loader), then torch_npu's defaults for what
+    the patches read of its settings, anything else the device module's."""
 
     def __init__(self, device_module: Any) -> None:
         super().__init__("torch_npu.npu")
         self._device_module = device_module
 
+    @staticmethod
+    def get_mm_bmm_format_nd() -> bool:
+        return True  # (torch_npu's default: matmul weights keep the ND format)
+
+    @staticmethod
+    def is_jit_compile_false() -> bool:
+        return True  # (torch_npu's default on the 910B and later)
+
+    def get_device_name(self, device: Any = None) -> str:
+        getter = getattr(self._device_module, "get_device_name", None)
+        return getter(device) if getter is not None else "unknown"
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._device_module, name)
+
+
+def _npu_format_cast(tensor: torch.Tensor, acl_format: int) -> torch.Tensor:
+    """``torch_npu.npu_format_cast`` off a real NPU: one memory format, nothing to cast (torch_npu returns the
+    tensor itself where its format is the one asked for)."""
+    return tensor
 
 
 def _emulated_torch_npu_c() -> Any:
@@ -329,12 +433,10 @@ class _Loader:
         #: The loaded files' modules are named under this (one prefix per load: two loads never share globals).
         self.module_prefix = f"_npu_shadow_legacy_{next(_LOADS)}.torch_npu_{self.version.replace('.', '_')}"
         self.builtins = dict(builtins.__dict__, __import__=self._import)
-        if self.torch_npu_c is not None:
-            self.torch = _TorchView(self.package.npu)
-        elif self.device_type == "npu":
+        if self.device_type == "npu" and self.torch_npu_c is None:
             self.torch = torch  # a real NPU: torch.npu is the installed torch_npu's own
         else:
-            self.torch = _TorchView(self.device_module)
+            self.torch = _TorchView(self.package.npu)
 
     def _package(self) -> types.ModuleType:
         package = types.ModuleType("torch_npu")
@@ -345,8 +447,13 @@ class _Loader:
             # loader takes: the emulator's initialisation stands in for it (nothing to wait for).
             npu._lazy_init = self.torch_npu_c._npu_init
         else:
-            npu = types.ModuleType("torch_npu.npu")
-            package._C = types.SimpleNamespace(_npu_getLocalDevice=torch.accelerator.current_device_index)
+            npu = _NpuModule(self.device_module)
+            package._C = types.SimpleNamespace(
+                _npu_getLocalDevice=torch.accelerator.current_device_index,
+                _npu_set_thread_affinity=lambda start, end: None,  # (torch_npu's binding is for NPU hosts)
+                _npu_reset_thread_affinity=lambda: None,
+            )
+        package.npu_format_cast = _npu_format_cast
         for name in TENSOR_TYPE_NAMES:
             cls = getattr(self.device_module, name, None)
             if cls is not None:
@@ -362,6 +469,14 @@ class _Loader:
         loaded = {}
         for member, names in RUNTIME.items():
             namespace = self.execute(member, names)
+            for name in names:
+                loaded[name] = namespace[name]
+                setattr(self.package.npu, name, namespace[name])
+        for member, names in RUNTIME_WHERE_PRESENT.items():
+            try:
+                namespace = self.execute(member, names)
+            except LegacySourceError:
+                continue  # (an older release: _NpuModule's defaults, torch_npu's own, stand in)
             for name in names:
                 loaded[name] = namespace[name]
                 setattr(self.package.npu, name, namespace[name])
@@ -389,6 +504,28 @@ class _Loader:
             return self.torch
         imported = importlib.import_module(module)
         return imported if attribute is None else getattr(imported, attribute)
+
+    def _constant(self, value: ast.expr, imports: dict[str, tuple[str, str | None]], member: str) -> Any:
+        """A module-level value the definitions read, as data: a literal, or an attribute of an imported torch
+        object (``origin_mpdl_iter_init = _MultiProcessingDataLoaderIter.__init__``: upstream's, also where a
+        legacy patch or a monitor is installed over it now)."""
+        try:
+            return ast.literal_eval(value)
+        except ValueError:
+            pass
+        chain: list[str] = []
+        while isinstance(value, ast.Attribute):
+            chain.insert(0, value.attr)
+            value = value.value
+        if not (isinstance(value, ast.Name) and value.id in imports and chain):
+            raise LegacySourceError(f"torch_npu {self.version}: {member} sets {ast.unparse(value)} by code, not data")
+        owner = self._resolve(*imports[value.id], value.id, member)
+        for attribute in chain[:-1]:
+            owner = getattr(owner, attribute)
+        found = getattr(owner, chain[-1])
+        if getattr(found, LEGACY_ORIGIN_ATTRIBUTE, None) is not None or hasattr(found, "__npu_shadow__"):
+            found = upstream_of(owner, chain[-1]) or getattr(found, "__wrapped__", found)
+        return found
 
     def _tree(self, member: str) -> ast.Module:
         if member not in self.trees:
@@ -429,11 +566,14 @@ class _Loader:
             return namespace
         nodes = [node for node in tree.body if getattr(node, "name", None) in selected]  # in source order
         imports = _imported(tree)
+        constants = _constants(tree)
         for name in sorted(_global_names(nodes) - set(namespace)):
             if name in definitions:
                 continue
             if name in imports:
                 namespace[name] = self._resolve(*imports[name], name, member)
+            elif name in constants:
+                namespace[name] = self._constant(constants[name], imports, member)
             elif name == "torch_npu":
                 namespace[name] = self.package
             elif not hasattr(builtins, name) and name not in _PROBED:
@@ -448,6 +588,17 @@ class _Loader:
         code = compile(module, namespace["__file__"], "exec", flags=_future_flags(tree), dont_inherit=True)
         exec(code, namespace)  # definitions only: no module-level code
         return namespace
+
+
+def _constants(tree: ast.Module) -> dict[str, ast.expr]:
+    """Module-level ``NAME = value`` statements: name -> value (read as data by :meth:`_Loader._constant`)."""
+    found: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            found[node.targets[0].id] = node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            found[node.target.id] = node.value
+    return found
 
 
 def _imports(tree: ast.Module) -> list[ast.stmt]:
@@ -470,57 +621,75 @@ def _future_flags(tree: ast.Module) -> int:
 
 
 def check(path: str | os.PathLike) -> str:
-    """The torch_npu version at ``path``, once its files are found to define what the patches need (read only:
-    nothing runs, no accelerator needed). Raises :class:`LegacySourceError` naming what is missing."""
+    """The torch_npu version at ``path``, once its files are found to define one of the patches npu-shadow shadows
+    (read only: nothing runs, no accelerator needed). Raises :class:`LegacySourceError` saying what is missing."""
     source = ReleaseFiles(path)
     try:
         version = source.version()
-        for member, names in DEFINITIONS.items():
-            text = source.read(member)
-            if text is None:
-                raise LegacySourceError(f"torch_npu {version} ({source.path}): {member} is missing")
-            missing = [n for n in names if n not in _definitions(_parse(text, member))]
-            if missing:
-                raise LegacySourceError(f"torch_npu {version} ({source.path}): {member} has no {missing[0]!r}")
-        return version
+        trees: dict[str, ast.Module | None] = {}
+        for patch in PATCHES:
+            if patch.member not in trees:
+                text = source.read(patch.member)
+                trees[patch.member] = None if text is None else _parse(text, patch.member)
+            tree = trees[patch.member]
+            if tree is not None and patch.definition in _definitions(tree):
+                return version
+        raise LegacySourceError(f"torch_npu {version} ({source.path}) defines none of the patches npu-shadow shadows")
     finally:
         source.close()
 
 
 def load(path: str | os.PathLike) -> TorchNpuLegacy:
     """torch_npu's legacy functions from a wheel file, a directory holding the ``torch_npu`` package (e.g.
-    site-packages) or ``'installed'`` (the distribution installed here, found without importing it).
+    site-packages) or ``'installed'`` (the distribution installed here, found without importing it): each patch of
+    :data:`PATCHES` the release has; the others are in :attr:`TorchNpuLegacy.missing`, with why.
 
-    Raises :class:`LegacySourceError` when the path holds no torch_npu source, the source lacks a definition
-    the patches need, or this host has no accelerator for it to run on.
+    Raises :class:`LegacySourceError` when the path holds no torch_npu source, the source has none of the patches,
+    or this host has no accelerator for them to run on.
     """
     source = ReleaseFiles(path)
+    patches: dict[str, Callable] = {}
+    helpers: dict[tuple[str, str], Callable] = {}
+    missing: dict[str, str] = {}
     try:
         version = source.version()
         loader = _Loader(source, version)
         runtime = loader.load_runtime()
-        for member, names in DEFINITIONS.items():
-            loader.execute(member, names)
+        for patch in PATCHES:
+            try:
+                namespace = loader.execute(patch.member, (patch.definition, *(h[0] for h in patch.helpers)))
+            except LegacySourceError as exc:
+                missing[patch.target] = str(exc)
+                continue
+            patches[patch.target] = namespace[patch.definition]
+            for definition, owner, attribute in patch.helpers:
+                helpers[(owner, attribute)] = namespace[definition]
     finally:
         source.close()
-    methods = loader.namespaces["torch_npu/utils/tensor_methods.py"]
-    module = loader.namespaces["torch_npu/utils/_module.py"]
-    cache = methods["_NPUTensortypeCache"]
-    cache.tensortype_list_dict_init()
+    if not patches:
+        raise LegacySourceError(
+            f"torch_npu {version} ({source.path}) has none of the patches npu-shadow shadows: "
+            + "; ".join(f"{target}: {why}" for target, why in missing.items())
+        )
+    methods = loader.namespaces.get("torch_npu/utils/tensor_methods.py", {})
+    cache = methods.get("_NPUTensortypeCache") if "tensor_type" in patches else None
+    if cache is not None:
+        cache.tensortype_list_dict_init()
     origin = f"torch_npu {version} source"
-    legacy = TorchNpuLegacy(
+    parallel_apply_function = loader.namespaces.get(_MODULE, {}).get("_parallel_apply")
+    for function in (*patches.values(), *helpers.values(), parallel_apply_function):
+        if function is not None:
+            setattr(function, ORIGIN_ATTRIBUTE, origin)
+    return TorchNpuLegacy(
         version=version,
         source=str(source.path),
-        tensor_type=methods["_npu_type"],
-        parallel_apply=module["npu_parallel_apply"],
-        data_parallel=module["npu_data_parallel"],
-        parallel_apply_function=module["_parallel_apply"],
-        tensor_types=types.MappingProxyType(dict(cache.get_tensortype_dict())),
+        patches=types.MappingProxyType(patches),
+        missing=types.MappingProxyType(missing),
+        parallel_apply_function=parallel_apply_function,
+        tensor_types=types.MappingProxyType(dict(cache.get_tensortype_dict()) if cache is not None else {}),
         runtime=types.MappingProxyType(runtime),
+        helpers=types.MappingProxyType(helpers),
     )
-    for function in (legacy.tensor_type, legacy.parallel_apply, legacy.data_parallel, legacy.parallel_apply_function):
-        setattr(function, ORIGIN_ATTRIBUTE, origin)
-    return legacy
 
 
 def wheel_cache() -> Path:

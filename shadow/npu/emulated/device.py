@@ -8,6 +8,7 @@ thin Python face over ``torch.accelerator`` and the backend's per-device generat
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +33,17 @@ def _index(device: Any = None) -> int:
 
 def is_available() -> bool:
     return _backend is not None and _backend.device_count() > 0
+
+
+#: The SoC the emulated npu reports unless ``$NPU_SHADOW_EMULATED_SOC`` names another: torch_npu's patches read it
+#: (the optimizer's foreach devices, Conv3d's weight format).
+DEFAULT_SOC = "Ascend910B1"
+
+
+def get_device_name(device: Any = None) -> str:
+    """The SoC's name, as ``torch_npu.npu.get_device_name()`` gives it."""
+    _index(device)  # (a bad device raises as it would)
+    return os.environ.get("NPU_SHADOW_EMULATED_SOC") or DEFAULT_SOC
 
 
 def is_initialized() -> bool:

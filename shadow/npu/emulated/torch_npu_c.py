@@ -10,6 +10,8 @@ have it (``NPUFunctions.cpp``, ``npu/Module.cpp``, ``npu/Stream.cpp``):
   of a thread that has none makes it device 0 (``_npu_getDevice``); the state is the backend's, the one
   ``torch.accelerator`` and device guards read and write;
 - ``_npu_setStream`` makes the stream's device current first, then the stream;
+- CPU affinity (``_npu_set_thread_affinity``, ``_npu_reset_thread_affinity``) as ``NPUAffinityController.cpp``
+  sets it (:mod:`shadow.npu.emulated.affinity`); the device's name, an Ascend SoC's;
 - ``_NPUStreamBase`` is a ``torch.Stream`` taking torch_npu's keywords (a new stream on the current device, or
   the one named by ``stream_id``/``device_index``/``device_type``); ``npu_stream`` is its id (no runtime handle).
 
@@ -18,10 +20,12 @@ Names are torch_npu's (camelCase included), so that its code finds them.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
+from shadow.npu.emulated import affinity
 from shadow.npu.emulated import device as _device
 
 
@@ -116,3 +120,33 @@ class _NPUEventBase(torch.Event):
             blocking=blocking,
             interprocess=interprocess,
         )
+
+
+def _npu_getDeviceName() -> str:
+    return _device.get_device_name()
+
+
+def _npu_getDeviceCount() -> int:
+    return _backend().device_count()
+
+
+def _npu_is_jit_compile_false() -> bool:
+    """torch_npu's default on the 910B and later: operators run from binaries, not compiled on the fly."""
+    return True
+
+
+_AFFINITY = affinity.Controller(_npu_getDevice, _npu_getDeviceCount)
+
+
+def _npu_set_thread_affinity(core_start: int, core_end: int) -> None:
+    """torch_npu's binding: ``(-1, -1)`` binds the calling thread to the current device's "other threads" range;
+    a user range is bound as given (both only where ``CPU_AFFINITY_CONF`` turns binding on)."""
+    if core_start == -1:
+        _AFFINITY.bind("other")
+    elif _AFFINITY._settings() is not None:
+        os.sched_setaffinity(0, set(range(core_start, core_end + 1)))
+
+
+def _npu_reset_thread_affinity() -> None:
+    """Bind the calling thread back to the main thread's range."""
+    _AFFINITY.bind("main")

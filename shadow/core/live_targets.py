@@ -1,0 +1,362 @@
+"""The targets of the patches torch_npu 2.13/2.14 still carry: ``torch.load``, ``Module.to``, ``Module.npu`` and the
+optimizers' foreach device list (the DataLoader iterator's ``__init__`` cannot run twice: it is compared as a
+canary A/B, :mod:`shadow.core.arms`).
+
+Each target's legacy is whatever is installed when the monitor installs (torch_npu's patch, or its source's with
+``--legacy-from``); its upstream is torch's own function. torch keeps ``torch.serialization.load`` and
+``torch.utils._foreach_utils._get_foreach_kernels_supported_devices`` under their own names; ``Module.to``,
+``Module.npu`` and the iterator's ``__init__`` have no other name, so their upstream is what the first legacy patch
+replaced (:func:`shadow.npu.patching.upstream_of`), else torch's own function as this module found it on import
+(``Module.npu``: the method torch generates for its PrivateUse1 backend, the same body).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import io
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shadow.core import memory
+from shadow.core.observation import BUILTIN_RISKY
+from shadow.core.target import Target
+from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE, upstream_of
+
+_DATALOADER = "torch.utils.data.dataloader"
+
+
+def _optimizer_module() -> Any:
+    return importlib.import_module("torch.optim.optimizer")
+
+
+def _iterator_class() -> type:
+    return importlib.import_module(_DATALOADER)._MultiProcessingDataLoaderIter
+
+
+#: Where each target's legacy is installed: (its owner, found when asked; the attribute).
+PLACES: dict[str, tuple[Callable[[], Any], str]] = {
+    "torch_load": (lambda: torch, "load"),
+    "module_to": (lambda: torch.nn.Module, "to"),
+    "module_npu": (lambda: torch.nn.Module, "npu"),
+    "foreach_devices": (_optimizer_module, "_get_foreach_kernels_supported_devices"),
+}
+
+
+def _torchs_own(owner: Any, attribute: str, module: str) -> Callable | None:
+    """``owner.attribute`` as it is now, if it is torch's own function (defined in ``module``, no legacy patch)."""
+    found = vars(owner).get(attribute)
+    if found is None or getattr(found, LEGACY_ORIGIN_ATTRIBUTE, None) is not None:
+        return None
+    return found if getattr(found, "__module__", None) == module else None
+
+
+#: torch's own functions as they were when this module was imported (before torch_npu's patches, where npu-shadow
+#: is imported first, as the launcher does).
+_ON_IMPORT: dict[str, Callable | None] = {
+    "module_to": _torchs_own(torch.nn.Module, "to", "torch.nn.modules.module"),
+    "module_npu": _torchs_own(torch.nn.Module, "npu", "torch.utils.backend_registration"),
+    "dataloader_init": _torchs_own(_iterator_class(), "__init__", _DATALOADER),
+}
+
+
+def _generated_module_npu(self: torch.nn.Module, device: int | torch.device | None = None) -> torch.nn.Module:
+    """torch's ``Module.<backend>`` for its PrivateUse1 backend
+    (``torch.utils.backend_registration._generate_module_methods_for_privateuse1_backend``): the same body, for a
+    host where torch_npu replaced the generated method before npu-shadow could see it."""
+    backend = torch._C._get_privateuse1_backend_name()
+    return self._apply(lambda t: getattr(t, backend)(device))
+
+
+def upstream(name: str) -> Callable | None:
+    """torch's own function for a live target, or None where it cannot be found (torch_npu imported before
+    npu-shadow replaced ``Module.to``: the target is then not installed, and doctor says why)."""
+    if name == "torch_load":
+        return importlib.import_module("torch.serialization").load
+    if name == "foreach_devices":
+        return importlib.import_module("torch.utils._foreach_utils")._get_foreach_kernels_supported_devices
+    owner = _iterator_class() if name == "dataloader_init" else torch.nn.Module
+    attribute = {"module_to": "to", "module_npu": "npu", "dataloader_init": "__init__"}[name]
+    found = upstream_of(owner, attribute) or _ON_IMPORT.get(name)
+    if found is None and name == "module_npu":
+        return _generated_module_npu
+    return found
+
+
+def available(name: str) -> bool:
+    """Whether a live target's upstream is known here."""
+    return upstream(name) is not None
+
+
+# --------------------------------------------------------------------------- torch.load
+
+
+def _source_kind(f: Any) -> str:
+    return "path" if isinstance(f, (str, os.PathLike)) else "buffer"
+
+
+def checkpoint_format(f: Any) -> str:
+    """``safetensors`` (a path ending so), ``zip`` (torch's format since 1.6), ``legacy`` (the older pickle
+    stream) or ``unknown``, from the first bytes (a buffer is read and put back where it was)."""
+    if isinstance(f, (str, os.PathLike)):
+        if os.fspath(f).endswith(".safetensors"):
+            return "safetensors"
+        try:
+            with open(f, "rb") as opened:
+                head = opened.read(4)
+        except OSError:
+            return "unknown"
+    else:
+        try:
+            where = f.tell()
+            head = f.read(4)
+            f.seek(where)
+        except Exception:  # (a stream that cannot tell or seek)
+            return "unknown"
+    return "zip" if head[:4] == b"PK\x03\x04" else "legacy" if head else "unknown"
+
+
+def _map_location_kind(location: Any) -> str:
+    if location is None:
+        return "none"
+    if isinstance(location, (str, torch.device)):
+        try:
+            kind = torch.device(location).type
+        except RuntimeError:
+            return "name"
+        return "cpu" if kind == "cpu" else "device"
+    if isinstance(location, dict):
+        return "dict"
+    return "callable" if callable(location) else "other"
+
+
+#: The values torch reads as true in ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` / ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``.
+_TRUE = ("1", "y", "yes", "true")
+
+
+def _forcing() -> str:
+    """How the weights-only variables are set: ``none``, ``set`` (as both implementations read it) or
+    ``mixed-case`` (true only once lower-cased: upstream reads it, torch_npu's copy does not)."""
+    found = "none"
+    for name in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
+        value = os.environ.get(name, "0")
+        if value in _TRUE:
+            found = "set" if found == "none" else found
+        elif value.lower() in _TRUE:
+            found = "mixed-case"
+    return found
+
+
+def torch_load_signature(args: tuple, kwargs: dict) -> str:
+    """``<path|buffer>/<format>/map=<kind>/weights_only=<true|false|default>/mmap=<on|off>/force=<...>`` of a
+    ``torch.load`` call (see :func:`checkpoint_format`, :func:`_forcing`)."""
+    f = args[0] if args else kwargs.get("f")
+    location = args[1] if len(args) > 1 else kwargs.get("map_location")
+    weights_only = kwargs.get("weights_only")
+    mmap = kwargs.get("mmap")
+    return (
+        f"{_source_kind(f)}/{checkpoint_format(f)}/map={_map_location_kind(location)}"
+        f"/weights_only={'default' if weights_only is None else str(bool(weights_only)).lower()}"
+        f"/mmap={'on' if mmap else 'off'}/force={_forcing()}"
+    )
+
+
+def _checkpoint(args: tuple, kwargs: dict) -> Any:
+    return args[0] if args else kwargs.get("f")
+
+
+def torch_load_run_if(args: tuple, kwargs: dict) -> str | None:
+    """A load can run twice from a path, or from a buffer that can seek back; the second load must fit in the
+    memory free (its size: the file's, or what the buffer has left). Raises InsufficientMemory."""
+    f = _checkpoint(args, kwargs)
+    if isinstance(f, (str, os.PathLike)):
+        try:
+            size = os.path.getsize(f)
+        except OSError:
+            return None  # (both sides raise for it: compared)
+    else:
+        seekable = getattr(f, "seekable", None)
+        try:
+            if not (callable(seekable) and seekable()) or not callable(getattr(f, "tell", None)):
+                return "a stream that cannot seek back cannot be read twice"
+            where = f.tell()
+            size = f.seek(0, io.SEEK_END) - where
+            f.seek(where)
+        except Exception:
+            return "a stream that cannot seek back cannot be read twice"
+    memory.check_host_fits(max(size, 0), "a second load of the checkpoint")
+    return None
+
+
+def torch_load_rewind(args: tuple, kwargs: dict) -> Callable[[], Any] | None:
+    """A buffer is put back where it was (a path needs nothing)."""
+    f = _checkpoint(args, kwargs)
+    if isinstance(f, (str, os.PathLike)) or not callable(getattr(f, "tell", None)):
+        return None
+    return functools.partial(f.seek, f.tell())
+
+
+def torch_load() -> Target:
+    """``torch.load`` against ``torch.serialization.load`` (torch_npu's is a stale copy of an older upstream)."""
+    return Target(
+        name="torch_load",
+        owner=torch,
+        attribute="load",
+        upstream=upstream("torch_load"),
+        exact=True,
+        signature=torch_load_signature,
+        risky_signatures=BUILTIN_RISKY["torch_load"],
+        run_if=torch_load_run_if,
+        rewind=torch_load_rewind,
+    )
+
+
+# --------------------------------------------------------------------------- Module.to, Module.npu
+
+
+def module_state(result: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """What ``Module.to``/``Module.npu`` leave: every parameter and buffer of the module (its device, dtype,
+    strides and values, compared as tensors), and on a real NPU each one's internal format
+    (``torch_npu.get_npu_format``)."""
+    module = args[0] if args else kwargs.get("self")
+    state: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+            state[name] = tensor.detach()
+    torch_npu = sys.modules.get("torch_npu")
+    get_npu_format = getattr(torch_npu, "get_npu_format", None)
+    if get_npu_format is not None:
+        for name, tensor in list(state.items()):
+            if tensor.device.type == "npu":
+                state[f"{name} (npu format)"] = int(get_npu_format(tensor))
+    return state
+
+
+def _device_kind(device: Any) -> str:
+    if device is None:
+        return "none"
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "cpu"
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None and device.type == accelerator.type:
+        if device.index is None or device.index == torch.accelerator.current_device_index():
+            return "current"
+        return "noncurrent"
+    return device.type
+
+
+def module_to_signature(args: tuple, kwargs: dict) -> str:
+    """``device=<none|cpu|current|noncurrent|...>/dtype=<none|floating|complex|other>/format=<memory format>`` of
+    a ``Module.to`` call (legacy converts the memory format of 4-D tensors only: ``channels_last_3d`` is where
+    it differs)."""
+    device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+    kind = (
+        "none"
+        if dtype is None
+        else "floating"
+        if dtype.is_floating_point
+        else "complex"
+        if dtype.is_complex
+        else ("other")
+    )
+    layout = "none" if memory_format is None else str(memory_format).removeprefix("torch.")
+    return f"device={_device_kind(device)}/dtype={kind}/format={layout}"
+
+
+def module_to() -> Target:
+    """``Module.to`` (with torch_npu's ``cast_weight``) against torch's: in place, compared per parameter and
+    buffer."""
+    return Target(
+        name="module_to",
+        owner=torch.nn.Module,
+        attribute="to",
+        upstream=upstream("module_to") or _missing("module_to"),
+        exact=True,
+        signature=module_to_signature,
+        risky_signatures=BUILTIN_RISKY["module_to"],
+        snapshot=module_state,
+    )
+
+
+def module_npu_signature(args: tuple, kwargs: dict) -> str:
+    """``device=<none|int|str|device>`` of a ``Module.npu`` call: legacy builds ``torch.device("npu", device)``,
+    which only an int (or None) survives."""
+    device = args[1] if len(args) > 1 else kwargs.get("device")
+    kind = (
+        "none"
+        if device is None
+        else "int"
+        if isinstance(device, int)
+        else ("str" if isinstance(device, str) else "device" if isinstance(device, torch.device) else "other")
+    )
+    return f"device={kind}"
+
+
+def module_npu() -> Target:
+    """``Module.npu`` against torch's generated method for its PrivateUse1 backend: in place, as ``module_to``."""
+    return Target(
+        name="module_npu",
+        owner=torch.nn.Module,
+        attribute="npu",
+        upstream=upstream("module_npu") or _missing("module_npu"),
+        exact=True,
+        signature=module_npu_signature,
+        risky_signatures=BUILTIN_RISKY["module_npu"],
+        snapshot=module_state,
+    )
+
+
+def _missing(name: str) -> Callable:
+    def unknown(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"npu-shadow: torch's own {name} is unknown here (torch_npu was imported first)")
+
+    return unknown
+
+
+# --------------------------------------------------------------------------- the optimizers' foreach devices
+
+
+def foreach_difference(legacy: Any, upstream: Any) -> str | None:
+    """What upstream's device list turns on that legacy's did not (and the other way round), or None."""
+    legacy_set, upstream_set = set(legacy), set(upstream)
+    if legacy_set == upstream_set:
+        return None
+    parts = []
+    added = sorted(upstream_set - legacy_set)
+    if added:
+        parts.append(
+            f"upstream adds {', '.join(added)}: deleting the patch turns the foreach (multi-tensor) optimizer kernels "
+            f"on for {', '.join(added)}"
+        )
+    removed = sorted(legacy_set - upstream_set)
+    if removed:
+        parts.append(f"upstream drops {', '.join(removed)}: deleting the patch turns them off")
+    return "; ".join(parts)
+
+
+def foreach_devices() -> Target:
+    """``torch.optim.optimizer._get_foreach_kernels_supported_devices`` against torch's: which device types the
+    optimizers run foreach kernels on."""
+    return Target(
+        name="foreach_devices",
+        owner=_optimizer_module(),
+        attribute="_get_foreach_kernels_supported_devices",
+        upstream=upstream("foreach_devices"),
+        isolate=False,
+        signature=lambda args, kwargs: "devices",
+        compare=foreach_difference,
+    )
+
+
+#: The live targets' factories, by name (:data:`shadow.core.targets.BUILTINS` has them all).
+LIVE: dict[str, Callable[[], Target]] = {
+    "torch_load": torch_load,
+    "module_to": module_to,
+    "module_npu": module_npu,
+    "foreach_devices": foreach_devices,
+}
