@@ -209,6 +209,29 @@ TRUTH_RUNS = Metric(
     "Float64 CPU truth runs of calls whose two sides differ in value, by the side nearer the truth (legacy, upstream, "
     "tie): a difference where upstream is nearer is not a regression.",
 )
+ARM_ITERATORS = Metric(
+    "npu_shadow.arm_iterators",
+    "{iterator}",
+    "counter",
+    ("target", "arm", "workers"),
+    "Iterators built by each arm of a canary A/B (dataloader_init), by whether their workers run on fewer cores than "
+    "the process had (workers: bound, unbound).",
+)
+ARM_FIRST_BATCH = Metric(
+    "npu_shadow.arm_first_batch",
+    "s",
+    "counter",
+    ("target", "arm"),
+    "Time from each iterator's construction to its first batch, summed by arm (the mean: divided by the iterators "
+    "that gave a batch, npu_shadow_arm_first_batches_total).",
+)
+ARM_FIRST_BATCHES = Metric(
+    "npu_shadow.arm_first_batches",
+    "{iterator}",
+    "counter",
+    ("target", "arm"),
+    "Iterators of each arm that gave at least one batch.",
+)
 SAMPLE_RATE = Metric("npu_shadow.sample_rate", "1", "gauge", ("target",), "Configured fraction of calls shadowed.")
 DRILL_ACTIVE = Metric(
     "npu_shadow.drill_active", "1", "gauge", (), "1 while a fire drill injects synthetic divergence upstream, else 0."
@@ -219,6 +242,9 @@ BUILD_INFO = Metric(
 
 ALL = (
     CALLS,
+    ARM_ITERATORS,
+    ARM_FIRST_BATCH,
+    ARM_FIRST_BATCHES,
     COMPARISONS,
     CLUSTERS,
     PROCESS_TIME,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import errno
 import fcntl
@@ -19,6 +20,7 @@ from json.encoder import encode_basestring_ascii
 
 from exporters import capture, contract
 from shadow.core import forks
+from shadow.core.arms import ArmRun
 from shadow.core.observation import DIFFERS_IN_FLOAT64, LEGACY, Observation, Outcome, error_decade
 from shadow.core.safe_paths import check_private_directory, make_private_directory, open_own_file, template_problem
 
@@ -248,6 +250,14 @@ class JsonlExporter:
             self._capture(data, capture_path)
         if failure is not None:
             raise failure
+
+    def export_arm(self, run: ArmRun) -> None:
+        """One iterator of a canary A/B (``"event": "arm"``, :mod:`shadow.core.arms`): its arm and what was measured
+        of it."""
+        fields = dataclasses.asdict(run)
+        fields.pop("timestamp")
+        with self._lock:
+            self._write_record({"event": "arm", **fields, "workers_bound": run.workers_bound})
 
     def record_rollback(self, target: str, by: str) -> None:
         """A line of its own for each rollback (``"event": "rollback"``): when, which target, who or what threw it;

@@ -22,6 +22,7 @@ from opentelemetry import metrics
 
 from exporters import contract
 from shadow.core import forks
+from shadow.core.arms import ArmRun
 from shadow.core.observation import Observation, Outcome
 
 METER_NAME = "npu_shadow"
@@ -38,6 +39,9 @@ RECORD_SECONDS = 1.0
 
 _SUMS = (
     contract.CALLS,
+    contract.ARM_ITERATORS,
+    contract.ARM_FIRST_BATCH,
+    contract.ARM_FIRST_BATCHES,
     contract.COMPARISONS,
     contract.CLUSTERS,
     contract.PROCESS_TIME,
@@ -264,6 +268,14 @@ class OTelExporter:
                 add(contract.EXPORT_ERRORS, 1, target)
             return
         self._pending.extend(values)
+
+    def export_arm(self, run: ArmRun) -> None:
+        """One iterator of a canary A/B (:mod:`shadow.core.arms`)."""
+        with self._lock:
+            self._add(contract.ARM_ITERATORS, 1, run.target, run.arm, "bound" if run.workers_bound else "unbound")
+            if run.first_batch_seconds is not None:
+                self._add(contract.ARM_FIRST_BATCH, run.first_batch_seconds, run.target, run.arm)
+                self._add(contract.ARM_FIRST_BATCHES, 1, run.target, run.arm)
 
     def _after_fork_in_child(self) -> None:
         # The parent's totals are the parent's: a forked child reports its own, from zero (its series stay).

@@ -30,6 +30,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from exporters import contract
 from shadow.core import forks
+from shadow.core.arms import ArmRun
 from shadow.core.engine import MAX_SIGNATURES, OTHER_SIGNATURE
 from shadow.core.observation import LEGACY, PRIMARY_SIDES, Observation, Outcome
 from shadow.core.safe_paths import check_private_directory, replace_regular_file
@@ -326,6 +327,13 @@ class PrometheusExporter:
         child(contract.LEGACY, target).inc(observation.legacy_seconds)
         child(contract.SHADOW, target).inc(observation.overhead_seconds)
         child(contract.SHADOW_DURATION, target).observe(observation.overhead_seconds)
+
+    def export_arm(self, run: ArmRun) -> None:
+        """One iterator of a canary A/B (:mod:`shadow.core.arms`)."""
+        self._child(contract.ARM_ITERATORS, run.target, run.arm, "bound" if run.workers_bound else "unbound").inc()
+        if run.first_batch_seconds is not None:
+            self._child(contract.ARM_FIRST_BATCH, run.target, run.arm).inc(run.first_batch_seconds)
+            self._child(contract.ARM_FIRST_BATCHES, run.target, run.arm).inc()
 
     def _aa(self, observation: Observation) -> None:
         target, signature = observation.target, observation.signature

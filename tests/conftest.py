@@ -30,11 +30,18 @@ def pytest_terminal_summary(terminalreporter):
 
 def _patched_objects():
     parallel = importlib.import_module("torch.nn.parallel")
+    dataloader = importlib.import_module("torch.utils.data.dataloader")
     return (
         vars(torch.Tensor).get("type"),
         vars(torch.Tensor).get("type_raw"),
         torch.nn.DataParallel.parallel_apply,
         parallel.data_parallel,
+        torch.load,
+        vars(torch.nn.Module).get("to"),
+        vars(torch.nn.Module).get("npu"),
+        vars(torch.nn.Module).get("cast_weight"),
+        vars(dataloader._MultiProcessingDataLoaderIter).get("__init__"),
+        importlib.import_module("torch.optim.optimizer")._get_foreach_kernels_supported_devices,
     )
 
 

@@ -532,6 +532,7 @@ class _Stream:
     folded: dict[tuple[str, str], _Tail] = dataclasses.field(default_factory=dict)  # tail lines counted
     counted: bool = False  # has count records
     run: str = ""  # the run its records name ("": before runs had ids)
+    arms: list[dict] = dataclasses.field(default_factory=list)  # its canary A/B's iterators (shadow.core.arms)
 
     def see(self, timestamp: object) -> None:
         if isinstance(timestamp, (int, float)) and math.isfinite(timestamp):
@@ -638,6 +639,11 @@ class JournalReader:
         """The runs of the processes read ("" for a process from before runs had ids)."""
         return {stream.run for stream in self.streams.values()}
 
+    def arm_runs(self) -> list[dict]:
+        """The canary A/B iterator records (``"event": "arm"``) of the processes counted, oldest first."""
+        found = [r for s in self.streams.values() if self.run is None or s.run == self.run for r in s.arms]
+        return sorted(found, key=lambda r: r.get("timestamp") if isinstance(r.get("timestamp"), (int, float)) else 0)
+
     def _read_file(self, path: str, only: _Stream | None = None, start: tuple[int, int] = (0, 0)) -> None:
         """Read one journal from ``start`` (offset, line number). An outcome line framed as the journal exporter
         frames it is only located (its process read from its last fields); everything else is parsed. With
@@ -732,6 +738,8 @@ class JournalReader:
             phase.previous = (compared, divergent)
             if compared - before[0] > 0:
                 phase.intervals.append((record["timestamp"], compared - before[0], divergent - before[1]))
+        elif event == "arm":
+            stream.arms.append(record)
         elif event in ("rollback", "reset"):
             stream.events.append(record)
             if event == "reset":
@@ -896,21 +904,55 @@ def from_journal(
     window: float = CLUSTER_WINDOW_SECONDS,
     run: str | None = None,
     all_runs: bool = False,
+    arms: list[dict] | None = None,
 ) -> dict[str, TargetCounts]:
     """Counts from JSONL journals and their rotated siblings (see :class:`JournalReader`), of ``run`` or of the one
     run they hold (:func:`select_run`); a torn final line is skipped (its place appended to ``torn`` when
-    given)."""
+    given). ``arms``, when given, receives the run's canary A/B iterator records."""
     reader = JournalReader(window)
     read, added = with_rotated(paths)
     reader.read(read)
     reader.run = select_run(reader.runs(), run, all_runs, "the journals")
     if torn is not None:
         torn.extend(reader.torn)
+    if arms is not None:
+        arms.extend(reader.arm_runs())
     counts = reader.counts()
     if added:
         for entry in counts.values():
             entry.notes.append(f"read with the rotated files beside them: {', '.join(added)}")
     return counts
+
+
+def _check_arm(record: dict, where: str) -> dict:
+    """A canary A/B iterator record (``"event": "arm"``, :mod:`shadow.core.arms`), checked as data."""
+
+    def cores(value: object) -> bool:
+        return isinstance(value, list) and len(value) <= 4096 and all(type(c) is int and c >= 0 for c in value)
+
+    def number(value: object) -> bool:
+        return value is None or (type(value) in (int, float) and math.isfinite(value) and value >= 0)
+
+    problems = [
+        name
+        for name, ok in (
+            ("target", isinstance(record.get("target"), str)),
+            ("arm", record.get("arm") in PRIMARY_SIDES),
+            ("worker_cores", isinstance(record.get("worker_cores"), list) and all(map(cores, record["worker_cores"]))),
+            ("caller_cores_before", cores(record.get("caller_cores_before"))),
+            ("caller_cores_after", cores(record.get("caller_cores_after"))),
+            ("process_cores", cores(record.get("process_cores"))),
+            ("first_batch_seconds", number(record.get("first_batch_seconds"))),
+            ("batches_per_second", number(record.get("batches_per_second"))),
+            ("base_seed", record.get("base_seed") is None or type(record.get("base_seed")) is int),
+            ("first_batch_digest", isinstance(record.get("first_batch_digest", ""), str)),
+            ("raised", isinstance(record.get("raised", ""), str)),
+        )
+        if not ok
+    ]
+    if problems:
+        raise SourceError(f"{where}: not a journal line (an arm record whose {problems[0]} is missing or wrong)")
+    return record
 
 
 def _whole_record(raw: bytes, where: str, torn: list[str] | None) -> dict | None:
@@ -958,6 +1000,8 @@ def _journal_record(raw: bytes, where: str) -> dict | None:
         event = record["event"]
         if event in ("journal", "counts"):  # (a process's header; its counts, checked where they are read)
             return record
+        if event == "arm":
+            return _check_arm(record, where)
         if event not in ("rollback", "reset") or not isinstance(record.get("target"), str):
             raise SourceError(f"{where}: not a journal line (an unknown event, or one without its target)")
         if not isinstance(record.get("by"), str):

@@ -72,6 +72,7 @@ HOOKS = (
     "record_export_error",
     "set_drill",
     "close",
+    "export_arm",
 )
 
 

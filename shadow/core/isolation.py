@@ -419,6 +419,10 @@ class Isolation:
         memory.check_fits(early, runs, "inference-tensor arguments")
         self._early = [{id(t): _new_leaf(t, copy=True) for t in early} for _ in range(runs)]
         self._versions = [(t, t._version) for t in tensors if not t.is_inference()]
+        # The parameters stand in for themselves (new leaves over the same storage: no copy), so legacy must not
+        # write them in place either (version counters again; a rebinding, ``param.data = ...``, is no write).
+        parameters = {id(p): p for m in modules for p in m._parameters.values() if p is not None}
+        self._parameter_versions = [(p, p._version) for p in parameters.values() if not p.is_inference()]
         self._worlds = [self._swaps(modules) for _ in range(runs)]
         self._arguments: list[tuple[tuple, dict]] = []
 
@@ -428,6 +432,9 @@ class Isolation:
         changed = sum(t._version != version for t, version in self._versions)
         if changed:
             raise ArgumentsChanged(f"legacy wrote {changed} of the call's tensor arguments in place")
+        changed = sum(p._version != version for p, version in self._parameter_versions)
+        if changed:
+            raise ArgumentsChanged(f"legacy wrote {changed} of the modules' parameters in place")
         memory.check_fits((t for t, _ in self._versions), self._runs, "argument copies")
         self._arguments = [clone_tensors(self._given, early) for early in self._early]
 

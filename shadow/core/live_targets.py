@@ -152,17 +152,15 @@ def _forcing() -> str:
 
 
 def torch_load_signature(args: tuple, kwargs: dict) -> str:
-    """``<path|buffer>/<format>/map=<kind>/weights_only=<true|false|default>/mmap=<on|off>/force=<...>`` of a
-    ``torch.load`` call (see :func:`checkpoint_format`, :func:`_forcing`)."""
+    """``<path|buffer>/<format>/map=<kind>/wo=<default|true|false>[/mmap]/env=<none|set|mixed-case>`` of a
+    ``torch.load`` call: where the checkpoint comes from and its format (:func:`checkpoint_format`), the kind of
+    ``map_location``, ``weights_only``, ``mmap`` where it is on, and the weights-only variables (:func:`_forcing`)."""
     f = args[0] if args else kwargs.get("f")
     location = args[1] if len(args) > 1 else kwargs.get("map_location")
     weights_only = kwargs.get("weights_only")
-    mmap = kwargs.get("mmap")
-    return (
-        f"{_source_kind(f)}/{checkpoint_format(f)}/map={_map_location_kind(location)}"
-        f"/weights_only={'default' if weights_only is None else str(bool(weights_only)).lower()}"
-        f"/mmap={'on' if mmap else 'off'}/force={_forcing()}"
-    )
+    mmap = "/mmap" if kwargs.get("mmap") else ""
+    wo = "default" if weights_only is None else str(bool(weights_only)).lower()
+    return f"{_source_kind(f)}/{checkpoint_format(f)}/map={_map_location_kind(location)}/wo={wo}{mmap}/env={_forcing()}"
 
 
 def _checkpoint(args: tuple, kwargs: dict) -> Any:

@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
-from shadow.core import exporting
+from shadow.core import exporting, live_targets
 from shadow.core import targets as builtin
 from shadow.core import tolerance as tol
+from shadow.core.arms import IteratorArms
 from shadow.core.budget import DEFAULT_DEADLINE, Budgets
 from shadow.core.drill import Drill
 from shadow.core.engine import Experiment, experiment_of
-from shadow.core.observation import PRIMARY_SIDES, TargetStats
+from shadow.core.observation import ARM_TARGETS, PRIMARY_SIDES, UPSTREAM, TargetStats
 from shadow.core.rates import check_rate
 from shadow.core.reporter import REPORTER
 from shadow.core.sampler import DEFAULT_FIRST_PER_SIGNATURE
@@ -57,6 +58,8 @@ class Monitor:
     def __init__(self, experiments: Sequence[Experiment], yields: bool = False) -> None:
         self._experiments = list(experiments)
         self._restore: list[tuple[Any, str, bool, Any]] = []
+        #: The canary A/B of the DataLoader's iterator (:mod:`shadow.core.arms`), where one runs.
+        self.arms: IteratorArms | None = None
         #: A yielding monitor steps aside for a monitor installed later on the same target, and comes back
         #: when that one is uninstalled (the pytest plugin's session monitor yields to a test's own).
         self.yields = yields
@@ -175,6 +178,9 @@ class Monitor:
     def uninstall(self) -> None:
         """Flush, then put back exactly the objects that were there before install (safe to call twice)."""
         REPORTER.discard(self)
+        if self.arms is not None:
+            self.arms.uninstall()
+            self.arms = None
         if self._restore:
             self.flush()
         while self._restore:
@@ -227,6 +233,8 @@ def _resolve_targets(targets: Iterable[str | Target] | None) -> list[Target]:
     for item in targets:
         if isinstance(item, Target):
             resolved.append(item)
+        elif item in ARM_TARGETS:
+            continue  # (a canary A/B of its own: see _arms)
         elif isinstance(item, str) and item in builtin.BUILTINS:
             resolved.append(builtin.BUILTINS[item]())
         else:
@@ -242,7 +250,7 @@ def _per_target(setting: str, value: Any, names: list[str], is_table: bool) -> d
     if not is_table:
         return dict.fromkeys(names, value)
     # A table may name built-in targets that are not installed: their legacy patch may arrive later.
-    unknown = sorted(str(name) for name in set(value) - set(names) - set(builtin.BUILTINS))
+    unknown = sorted(str(name) for name in set(value) - set(names) - set(builtin.BUILTINS) - set(ARM_TARGETS))
     if unknown:
         raise ValueError(f"{setting}: unknown target(s) {unknown}; installed targets are {names}")
     return {name: value.get(name) for name in names}
@@ -358,6 +366,7 @@ def install(
     monitor._suspended = suspended
     try:
         monitor._patch()
+        monitor.arms = _arms(targets, primary, exporters, seed)
     except Exception:
         monitor.uninstall()
         raise
@@ -370,6 +379,28 @@ def install(
         REPORTER.add(monitor)  # (the calls between sampled ones reach the exporters within a second)
     log.debug("npu-shadow installed %s with torch %s", monitor.targets, torch.__version__)
     return monitor
+
+
+def _arms(targets: Any, primary: str, exporters: Sequence[Any], seed: int | None) -> IteratorArms | None:
+    """The DataLoader iterator's canary A/B, installed where the job is a canary (upstream is the primary), legacy's
+    patch of the iterator's ``__init__`` is active, its upstream is known, and the targets (if named) include it."""
+    name = ARM_TARGETS[0]
+    if primary != UPSTREAM or (targets is not None and name not in _names(targets)):
+        return None
+    from torch.utils.data import dataloader
+
+    legacy = vars(dataloader._MultiProcessingDataLoaderIter).get("__init__")
+    upstream = live_targets.upstream(name)
+    if builtin.patch_origin(legacy) is None or upstream is None or upstream is legacy:
+        return None
+    arms = IteratorArms(legacy, upstream, exporters, seed)
+    arms.install()
+    return arms
+
+
+def _names(targets: Any) -> set[str]:
+    items = [targets] if isinstance(targets, (str, Target)) else list(targets)
+    return {item if isinstance(item, str) else item.name for item in items}
 
 
 def _warn_if_torch_npu_comes_later() -> None:

@@ -115,6 +115,10 @@ BUILTIN_TARGETS = (
     "foreach_devices",
 )
 
+#: The built-in targets compared as a canary A/B, never shadowed: their calls cannot run twice (the DataLoader's
+#: iterator starts its workers once; shadow.core.arms). The arms: legacy, upstream.
+ARM_TARGETS = ("dataloader_init",)
+
 #: Where torch_npu 2.12's legacy and upstream are known to differ (the README's "what really differs"), by built-in
 #: target: the patterns of the risky signatures a verdict must see compared (here, torch-free, for the analysis
 #: tools; each built-in Target carries its own).
@@ -124,7 +128,7 @@ BUILTIN_RISKY = {
     "tensor_type": ("npu_name/noncurrent/*", "npu_class/noncurrent/*", "torch_npu_name/*"),
     # torch_npu 2.13/2.14: a .safetensors path, the weights-only variables in mixed case; channels_last_3d; a
     # device given as a string or torch.device
-    "torch_load": ("path/safetensors/*", "*/force=mixed-case"),
+    "torch_load": ("path/safetensors/*", "*/env=mixed-case"),
     "module_to": ("*/format=channels_last_3d",),
     "module_npu": ("device=str", "device=device"),
     "foreach_devices": (),

@@ -91,17 +91,18 @@ def _where(data: dict, index: int | None) -> str:
 def _verdict(args: argparse.Namespace) -> int:
     import json
 
-    from shadow.analysis import verdict
+    from shadow.analysis import arms, verdict
     from shadow.analysis.sources import SourceError, from_exposition, from_journal, from_prometheus, read_text
     from shadow.core.observation import BUILTIN_RISKY
 
+    arm_records: list[dict] = []
     try:
         if args.prometheus:
             counts = from_prometheus(args.prometheus, args.window, args.selector, **_prometheus_range(args))
         elif args.metrics_file:
             counts = from_exposition(read_text(args.metrics_file), args.metrics_file, args.run, args.all_runs)
         else:
-            counts = from_journal(args.journal, torn := [], args.cluster_window, args.run, args.all_runs)
+            counts = from_journal(args.journal, torn := [], args.cluster_window, args.run, args.all_runs, arm_records)
             if torn:
                 print(f"npu-shadow verdict: skipped {len(torn)} torn line(s): {', '.join(torn)}", file=sys.stderr)
     except (SourceError, OSError) as exc:
@@ -113,8 +114,14 @@ def _verdict(args: argparse.Namespace) -> int:
         risky.setdefault(target, []).append(pattern)
     decisions = verdict.decide_all(counts, args.max_rate, risky, args.min_per_signature)
     result = verdict.overall(decisions)
+    ab = arms.summarize(arm_records)
     if args.format == "json":
-        print(json.dumps({"decision": result, "targets": [d.as_dict() for d in decisions]}, indent=2))
+        print(
+            json.dumps(
+                {"decision": result, "targets": [d.as_dict() for d in decisions], "ab": [a.as_dict() for a in ab]},
+                indent=2,
+            )
+        )
     else:
         print(f"{'target':<16}{'decision':<14}{'compared':>10}{'divergent':>11}  {'95% bounds':<22} why")
         for d in decisions:
@@ -146,6 +153,8 @@ def _verdict(args: argparse.Namespace) -> int:
                 )
         if not decisions:
             print("(no npu_shadow comparisons found)")
+        for summary in ab:
+            print(f"{summary.target:<16}{'canary A/B':<14}{summary.line()}")
         print(
             "bounds: anytime-valid 95% (a beta-binomial confidence sequence, valid however often the verdict is "
             "re-run as evidence grows; docs/operations.md)"

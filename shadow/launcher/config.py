@@ -14,12 +14,14 @@ import tempfile
 from collections.abc import Callable, Mapping
 
 from shadow.core.budget import DEFAULT_DEADLINE
-from shadow.core.observation import BUILTIN_TARGETS as BUILTINS
-from shadow.core.observation import DRILL_KINDS
+from shadow.core.observation import ARM_TARGETS, BUILTIN_TARGETS, DRILL_KINDS
 from shadow.core.rates import parse_rate
 from shadow.core.runs import RUN_ID_VARIABLE, run_id_problem
 from shadow.core.safe_paths import directory_problem, long_component, template_problem
 from shadow.core.sampler import DEFAULT_FIRST_PER_SIGNATURE
+
+#: Every target name the settings accept: the shadowed ones and the canary A/B's.
+BUILTINS = (*BUILTIN_TARGETS, *ARM_TARGETS)
 
 #: How long the launcher keeps the metrics endpoint up after the job, by default: one scrape at Prometheus'
 #: default interval (1 min), with margin for a late one.

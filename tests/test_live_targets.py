@@ -1,0 +1,350 @@
+"""The patches torch_npu 2.13 still carries, shadowed with legacy from the 2.13.0 wheel's own code on the emulated npu:
+each difference torch_npu's code makes is caught (shadow and canary), the calls where they agree match, and the
+caller's module, stream, RNG and exceptions are what the unwrapped call gives."""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+import io
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch_npu_wheels import wheel
+
+import shadow
+from shadow.core import live_targets
+from shadow.core.target import Target
+from shadow.npu import torch_npu_source
+
+
+@pytest.fixture(scope="module")
+def legacy_213() -> torch_npu_source.TorchNpuLegacy:
+    return torch_npu_source.load(wheel("2.13.0"))
+
+
+@pytest.fixture
+def patched(legacy_213: torch_npu_source.TorchNpuLegacy) -> Iterator[torch_npu_source.TorchNpuLegacy]:
+    patches = legacy_213.patch_torch()
+    try:
+        yield legacy_213
+    finally:
+        patches.undo()
+
+
+def _monitor(primary: str = "legacy", targets: Any = None) -> shadow.Monitor:
+    return shadow.install(targets=targets, sample_rate=1.0, seed=3, primary=primary, budget=None, deadline=None)
+
+
+def _counts(monitor: shadow.Monitor, target: str) -> dict[str, Any]:
+    stats = monitor.stats()[target]
+    outcomes = {k: getattr(stats, k) for k in ("match", "close", "mismatch", "noise", "error", "skipped")}
+    return {"outcomes": {k: v for k, v in outcomes.items() if v}, "reasons": dict(stats.by_reason)}
+
+
+def _state(module: torch.nn.Module) -> list[tuple]:
+    return [
+        (name, t.device, t.dtype, t.stride(), t.detach().cpu().clone(), t.requires_grad, t.grad_fn)
+        for name, t in (*module.named_parameters(), *module.named_buffers())
+    ]
+
+
+def _same_state(first: list[tuple], second: list[tuple]) -> bool:
+    return len(first) == len(second) and all(
+        a[:4] == b[:4] and torch.equal(a[4], b[4]) and a[5:] == b[5:] for a, b in zip(first, second)
+    )
+
+
+def test_the_213_wheel_gives_the_live_patches_and_lacks_the_removed_ones(legacy_213) -> None:
+    assert set(legacy_213.patches) == {"torch_load", "module_to", "module_npu", "foreach_devices", "dataloader_init"}
+    assert set(legacy_213.missing) == {"tensor_type", "parallel_apply", "data_parallel"}
+    assert "has no 'npu_parallel_apply'" in legacy_213.missing["parallel_apply"]
+
+
+@pytest.mark.parametrize("primary", ["legacy", "upstream"])
+def test_module_npu_given_a_device_object_is_legacys_type_error(patched, primary: str) -> None:
+    expected = None
+    try:
+        patched.patches["module_npu"](torch.nn.Linear(3, 2), torch.device("npu:1"))
+    except TypeError as exc:
+        expected = str(exc)
+    assert expected is not None and "must be int" in expected
+    model = torch.nn.Linear(3, 2)
+    with _monitor(primary) as monitor:
+        if primary == "legacy":
+            with pytest.raises(TypeError) as raised:
+                model.npu(torch.device("npu:1"))
+            assert str(raised.value) == expected  # (legacy's own exception, unchanged)
+            assert model.weight.device.type == "cpu"
+        else:
+            assert model.npu(torch.device("npu:1")) is model  # (the canary returns upstream's: it works)
+            assert model.weight.device == torch.device("npu:1")
+        counts = _counts(monitor, "module_npu")
+    assert counts == {"outcomes": {"error": 1}, "reasons": {"exception": 1}}
+
+
+@pytest.mark.parametrize("primary", ["legacy", "upstream"])
+def test_channels_last_3d_is_a_stride_mismatch_and_the_caller_gets_its_primarys_layout(patched, primary) -> None:
+    model = torch.nn.Conv3d(2, 4, 3)
+    with _monitor(primary) as monitor:
+        assert model.to(memory_format=torch.channels_last_3d) is model
+        counts = _counts(monitor, "module_to")
+    weight = model.weight
+    channels_last = weight.is_contiguous(memory_format=torch.channels_last_3d) and not weight.is_contiguous()
+    assert channels_last == (primary == "upstream")  # legacy converts 4-D tensors only
+    assert counts == {"outcomes": {"mismatch": 1}, "reasons": {"stride": 1}}
+
+
+def test_the_calls_where_they_agree_match(patched, tmp_path) -> None:
+    checkpoint = tmp_path / "model.pt"
+    torch.save(torch.nn.Linear(3, 2).state_dict(), checkpoint)
+    with _monitor() as monitor:
+        state = torch.load(checkpoint)
+        model = torch.nn.Linear(3, 2)
+        model.load_state_dict(state)
+        model.to("npu:0")
+        model.npu(1)
+        torch.nn.Conv2d(2, 4, 3).to(memory_format=torch.channels_last)
+        stats = monitor.stats()
+    assert stats["torch_load"].match == 1
+    assert stats["module_to"].match == 2 and not stats["module_to"].by_reason
+    assert stats["module_npu"].match == 1 and not stats["module_npu"].by_reason
+    assert model.weight.device == torch.device("npu:1")
+
+
+def test_a_safetensors_path_loads_upstream_only(patched, tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "weights.safetensors"
+    save_file({"w": torch.arange(4.0)}, str(path))
+    with _monitor() as monitor:
+        with pytest.raises(Exception) as raised:  # legacy's copy reads it as a pickle
+            torch.load(path)
+        counts = _counts(monitor, "torch_load")
+        signatures = dict(monitor.stats()["torch_load"].signature_calls)
+    assert not isinstance(raised.value, AssertionError)
+    assert counts == {"outcomes": {"error": 1}, "reasons": {"exception": 1}}
+    assert list(signatures) == ["path/safetensors/map=none/wo=default/env=none"], signatures
+    with _monitor("upstream") as monitor:
+        assert torch.equal(torch.load(path)["w"], torch.arange(4.0))
+        assert _counts(monitor, "torch_load")["outcomes"] == {"error": 1}
+
+
+class Settings:  # (not a weights-only type: torch.load refuses it unless weights_only is off)
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+
+
+@pytest.mark.filterwarnings("ignore:Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+def test_the_weights_only_variable_in_mixed_case_is_read_by_upstream_only(patched, tmp_path, monkeypatch) -> None:
+    checkpoint = tmp_path / "settings.pt"
+    torch.save({"settings": Settings(0.5)}, checkpoint)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TRUE")
+    with _monitor("upstream") as monitor:
+        assert torch.load(checkpoint)["settings"].rate == 0.5  # upstream lower-cases it: weights_only off
+        counts = _counts(monitor, "torch_load")
+        signature = next(iter(monitor.stats()["torch_load"].signature_calls))
+    assert counts == {"outcomes": {"error": 1}, "reasons": {"exception": 1}}
+    assert signature.endswith("env=mixed-case")
+    assert any(fnmatch.fnmatch(signature, p) for p in live_targets.torch_load().risky_signatures)
+
+
+def test_a_buffer_is_read_twice_and_left_where_legacy_left_it(patched) -> None:
+    buffer = io.BytesIO()
+    buffer.write(b"header")
+    torch.save({"a": torch.arange(3)}, buffer)
+    buffer.write(b"trailer")
+    buffer.seek(6)
+    alone = io.BytesIO(buffer.getvalue())
+    alone.seek(6)
+    expected = patched.patches["torch_load"](alone)
+    with _monitor() as monitor:
+        loaded = torch.load(buffer)
+        counts = _counts(monitor, "torch_load")
+    assert torch.equal(loaded["a"], expected["a"]) and buffer.tell() == alone.tell()
+    assert counts == {"outcomes": {"match": 1}, "reasons": {}}
+
+
+class _OneWay(io.RawIOBase):
+    """A stream that cannot seek back (a pipe, a socket)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, target: Any) -> int:
+        chunk = self._data.read(len(target))
+        target[: len(chunk)] = chunk
+        return len(chunk)
+
+
+def test_a_stream_that_cannot_seek_back_is_skipped_as_ineligible(patched) -> None:
+    buffer = io.BytesIO()
+    torch.save([1, 2], buffer, _use_new_zipfile_serialization=False)
+    with pytest.raises(io.UnsupportedOperation) as alone:
+        patched.patches["torch_load"](_OneWay(buffer.getvalue()))
+    with _monitor() as monitor:
+        with pytest.raises(io.UnsupportedOperation) as raised:  # (legacy's own exception: it reads once, and fails)
+            torch.load(_OneWay(buffer.getvalue()))
+        counts = _counts(monitor, "torch_load")
+    assert str(raised.value) == str(alone.value)
+    assert counts == {"outcomes": {"skipped": 1}, "reasons": {"ineligible": 1}}
+
+
+@pytest.mark.parametrize("soc, added", [("Ascend910B1", "mtia"), ("Ascend910A", "mtia, npu")])
+def test_the_foreach_devices_say_what_deleting_the_patch_turns_on(patched, monkeypatch, soc, added) -> None:
+    monkeypatch.setenv("NPU_SHADOW_EMULATED_SOC", soc)
+    seen = collections.deque(maxlen=1)
+
+    class Keep:
+        def export(self, observation: Any) -> None:
+            seen.append(observation)
+
+    monitor = shadow.install(targets=["foreach_devices"], sample_rate=1.0, exporters=[Keep()], budget=None)
+    try:
+        optimizer = importlib_optimizer()
+        legacy = optimizer._get_foreach_kernels_supported_devices()
+    finally:
+        monitor.uninstall()
+    assert ("npu" in legacy) == (soc == "Ascend910B1")
+    observation = seen[0]
+    assert observation.outcome == "mismatch" and observation.reasons == ("custom",)
+    assert f"upstream adds {added}: deleting the patch turns the foreach" in observation.detail
+
+
+def importlib_optimizer() -> Any:
+    import importlib
+
+    return importlib.import_module("torch.optim.optimizer")
+
+
+def test_a_sampled_module_move_leaves_the_module_as_the_unwrapped_call_does(patched) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv3d(2, 3, 2), torch.nn.BatchNorm3d(3))
+    twin = torch.nn.Sequential(torch.nn.Conv3d(2, 3, 2), torch.nn.BatchNorm3d(3))
+    twin.load_state_dict(model.state_dict())
+    patched.patches["module_to"](twin, "npu:1", memory_format=torch.channels_last_3d)
+    rng = torch.get_rng_state()
+    with _monitor() as monitor:
+        model.to("npu:1", memory_format=torch.channels_last_3d)
+        assert monitor.stats()["module_to"].mismatch == 1
+    assert _same_state(_state(model), _state(twin))
+    assert all(p.is_leaf and p.requires_grad for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None and p.grad_fn is None for p in model.parameters())
+
+
+def test_upstream_starts_from_the_state_before_the_call() -> None:
+    """The shadow run of an in-place method sees the module as legacy found it, not as legacy left it: here legacy
+    doubles a parameter by rebinding it, and upstream, doubling it too, must find the original."""
+
+    def double(module: torch.nn.Module) -> torch.nn.Module:
+        module.weight.data = module.weight.data * 2
+        return module
+
+    class Holder:
+        scale = staticmethod(double)
+
+    target = Target(
+        name="double",
+        owner=Holder,
+        attribute="scale",
+        upstream=double,
+        legacy=double,
+        snapshot=live_targets.module_state,
+        exact=True,
+    )
+    model = torch.nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    with shadow.install(targets=[target], sample_rate=1.0, budget=None) as monitor:
+        Holder.scale(model)
+        stats = monitor.stats()["double"]
+    assert stats.match == 1 and not stats.by_reason
+    assert torch.equal(model.weight, before * 2)  # doubled once: the caller's call only
+
+
+def test_legacy_writing_a_parameter_in_place_is_skipped_not_compared() -> None:
+    def scale_in_place(module: torch.nn.Module) -> torch.nn.Module:
+        with torch.no_grad():
+            module.weight.mul_(2)
+        return module
+
+    class Holder:
+        scale = staticmethod(scale_in_place)
+
+    target = Target(
+        name="scale_in_place",
+        owner=Holder,
+        attribute="scale",
+        upstream=scale_in_place,
+        legacy=scale_in_place,
+        snapshot=live_targets.module_state,
+    )
+    model = torch.nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    with shadow.install(targets=[target], sample_rate=1.0, budget=None) as monitor:
+        Holder.scale(model)
+        stats = monitor.stats()["scale_in_place"]
+    assert dict(stats.by_reason) == {"inplace": 1}
+    assert torch.equal(model.weight, before * 2)
+
+
+def test_a_custom_comparison_decides_and_its_failure_is_a_counted_skip() -> None:
+    class Holder:
+        @staticmethod
+        def storage(t: torch.Tensor) -> torch.UntypedStorage:
+            return t.untyped_storage()
+
+    def upstream(t: torch.Tensor) -> torch.UntypedStorage:
+        return t.clone().untyped_storage()
+
+    sizes = Target(
+        name="storage",
+        owner=Holder,
+        attribute="storage",
+        upstream=upstream,
+        isolate=False,
+        compare=lambda a, b: None if a.nbytes() == b.nbytes() else f"{a.nbytes()} vs {b.nbytes()} bytes",
+    )
+    with shadow.install(targets=[sizes], sample_rate=1.0, budget=None) as monitor:
+        Holder.storage(torch.ones(4))
+        Holder.storage(torch.ones(8)[:4])  # (legacy's view keeps the whole storage; upstream's clone does not)
+        stats = monitor.stats()["storage"]
+    assert stats.match == 1 and dict(stats.by_reason) == {"custom": 1}
+
+    def broken(a: Any, b: Any) -> str:
+        raise RuntimeError("the comparison's own bug")
+
+    failing = Target(
+        name="failing", owner=Holder, attribute="storage", upstream=upstream, isolate=False, compare=broken
+    )
+    with shadow.install(targets=[failing], sample_rate=1.0, budget=None) as monitor:
+        Holder.storage(torch.ones(4))  # the caller never sees it
+        stats = monitor.stats()["failing"]
+    assert dict(stats.by_reason) == {"comparator": 1}
+
+
+def test_targets_that_are_not_plain_functions_skip_the_extra_runs(patched) -> None:
+    with shadow.install(sample_rate=1.0, budget=None, aa_rate=1.0, backward_rate=1.0, oracle=1.0) as monitor:
+        torch.nn.Linear(2, 2).to("npu:0")
+        stats = monitor.stats()["module_to"]
+    assert stats.match == 1 and stats.oracle_runs == 0 and stats.backward_runs == 0
+    assert not monitor.experiment("module_to").noise_floor()
+
+
+def test_the_emulated_affinity_follows_torch_npus_conf(monkeypatch) -> None:
+    from shadow.npu.emulated import affinity
+
+    assert affinity.parse(None, 2, 8) == (0, [(0, 3), (4, 7)])
+    assert affinity.parse("1", 2, 8)[0] == 1
+    assert affinity.parse("mode:2,npu1:2-7", 2, 8) == (2, [(0, 3), (2, 7)])
+    assert affinity.core_range(2, (0, 7), "other") == (4, 7)
+    assert affinity.core_range(2, (0, 7), "main") == (0, 0)
+    assert affinity.core_range(2, (0, 3), "main") == (0, 3)  # (fewer than five cores: all of them)
+    assert affinity.core_range(1, (4, 7), "other") == (4, 7)
+    assert os.sched_getaffinity(0)  # (the emulator binds with the kernel's own call)
