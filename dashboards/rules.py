@@ -198,14 +198,14 @@ def _risky_uncovered() -> str:
     """PromQL: the (job, run, target) of a built-in target one of whose risky signatures, where the job took it, was
     compared fewer times than the verdict's default --min-per-signature (each signature on its own, as the
     verdict counts them: another matching the same pattern covers none of its calls)."""
-    from shadow.core.targets import BUILTINS
+    from shadow.core.observation import BUILTIN_RISKY
 
     needed = verdict.DEFAULT_MIN_PER_SIGNATURE
     by, on = "group by (job, run, target)", "on (job, run, target)"
     by_signature, on_signature = "group by (job, run, target, signature)", "on (job, run, target, signature)"
     parts = []
-    for name, factory in sorted(BUILTINS.items()):
-        for pattern in factory().risky_signatures:
+    for name, patterns in sorted(BUILTIN_RISKY.items()):
+        for pattern in patterns:
             regex = _fnmatch_regex(pattern)
             selector = f'{COMPARISONS}{{{COMPARED},target="{name}"}}'
             risky = f'{COMPARISONS}{{{COMPARED},target="{name}",signature=~"{regex}"}}'

@@ -287,7 +287,8 @@ class UpstreamWorld:
     the patches were) and nothing shadowed: the second run of a suite A/B (``npu-shadow ab``)."""
 
     def __init__(self, config: pytest.Config) -> None:
-        from shadow.core.targets import BUILTINS, patch_origin
+        from shadow.core import live_targets
+        from shadow.core.targets import BUILTINS, PLACES, patch_origin
 
         _emulate_npu(config)
         if config.getoption("npu_shadow_legacy") != "reference" and importlib.util.find_spec("torch_npu") is not None:
@@ -296,12 +297,15 @@ class UpstreamWorld:
             except Exception as exc:
                 raise pytest.UsageError(f"--npu-shadow-world upstream: cannot import torch_npu: {exc}") from None
         self._removed: list[tuple[Any, str, Any]] = []
-        for factory in BUILTINS.values():
-            target = factory()
-            current = getattr(target.owner, target.attribute)
-            if patch_origin(current) is not None:
-                self._removed.append((target.owner, target.attribute, current))
-                setattr(target.owner, target.attribute, target.upstream)
+        for name, (owner_of, attribute) in {**PLACES, **live_targets.ARM_PLACES}.items():
+            owner = owner_of()
+            current = getattr(owner, attribute, None)
+            if patch_origin(current) is None:
+                continue
+            upstream = BUILTINS[name]().upstream if name in BUILTINS else live_targets.upstream(name)
+            if upstream is not None:
+                self._removed.append((owner, attribute, current))
+                setattr(owner, attribute, upstream)
 
     def header(self) -> str:
         removed = ", ".join(f"{getattr(o, '__name__', o)}.{a}" for o, a, _ in self._removed) or "none were installed"

@@ -157,6 +157,7 @@ def test_each_patch_is_judged_against_this_environments_torch(found):
     assert found["torch.Tensor.type"].shadowed_by == "tensor_type"
     assert found["torch.load"].shadowed_by == "torch_load"
     assert found["torch.nn.Module.to"].shadowed_by == "module_to"
+    assert found["torch.utils.data.dataloader._MultiProcessingDataLoaderIter.__init__"].shadowed_by == "dataloader_init"
 
 
 def test_a_source_that_is_no_release_is_refused(tmp_path):

@@ -348,3 +348,57 @@ def test_the_emulated_affinity_follows_torch_npus_conf(monkeypatch) -> None:
     assert affinity.core_range(2, (0, 3), "main") == (0, 3)  # (fewer than five cores: all of them)
     assert affinity.core_range(1, (4, 7), "other") == (4, 7)
     assert os.sched_getaffinity(0)  # (the emulator binds with the kernel's own call)
+
+
+_LIVE_JOB = """
+import sys, torch
+model = torch.nn.Linear(3, 2)
+try:
+    model.npu(torch.device("npu:1"))
+except TypeError as exc:
+    print("caught TypeError:", exc)
+conv = torch.nn.Conv3d(2, 4, 3)
+conv.to(memory_format=torch.channels_last_3d)
+print("channels_last_3d:", conv.weight.is_contiguous(memory_format=torch.channels_last_3d))
+torch.save(model.state_dict(), sys.argv[1])
+print("loaded:", sorted(torch.load(sys.argv[1])))
+"""
+
+
+def test_under_the_launcher_the_job_gets_legacys_results_and_the_evidence_names_each_difference(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    journal = tmp_path / "j.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.13.0"),
+         "--sample-rate", "1", "--budget", "off", "--journal", str(journal), "--journal-all", "--",
+         sys.executable, "-c", _LIVE_JOB, str(tmp_path / "model.pt")],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "caught TypeError: device(): argument 'index'" in done.stdout  # legacy's exception, as the job had it
+    assert "channels_last_3d: False" in done.stdout and "loaded: ['bias', 'weight']" in done.stdout
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    found = {(r["target"], r["outcome"], tuple(r["reasons"])) for r in lines if "outcome" in r}
+    assert found == {
+        ("module_npu", "error", ("exception",)),
+        ("module_to", "mismatch", ("stride",)),
+        ("torch_load", "match", ()),
+    }
+    verdict = subprocess.run(
+        [sys.executable, "-m", "shadow", "verdict", "--journal", str(journal), "--format", "json"],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    decided = {t["target"]: (t["decision"], t["divergent"]) for t in json.loads(verdict.stdout)["targets"]}
+    assert decided["module_npu"] == ("rollback", 1) and decided["module_to"] == ("rollback", 1)
+    assert decided["torch_load"] == ("inconclusive", 0)
+    report = subprocess.run(
+        [sys.executable, "-m", "shadow", "report", "--journal", str(journal), "--markdown", str(tmp_path / "r.md")],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    text = (tmp_path / "r.md").read_text()
+    assert report.returncode == 0 and "| module_to | rollback | 1 | 1 |" in text and "| module_npu | rollback |" in text
+    assert "torch_npu 2.13.0 source" in text

@@ -77,6 +77,14 @@ process's time block one comparison where journals say which).
 | tensor_type | rollback | 3,047 | 7 | [1.43e-63, 0.951] | hard mismatches: 7 device |
 | data_parallel | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
 called) |
+| foreach_devices | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
+called) |
+| module_npu | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
+called) |
+| module_to | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
+called) |
+| torch_load | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
+called) |
 
 ## Phases
 

@@ -467,9 +467,10 @@ def _kind(name: str, exists: bool) -> str:
 
 
 def _shadowing() -> list[tuple[Any, str, str]]:
+    from shadow.core.live_targets import ARM_PLACES
     from shadow.core.targets import PLACES
 
-    return [(owner(), attribute, name) for name, (owner, attribute) in PLACES.items()]
+    return [(owner(), attribute, name) for name, (owner, attribute) in {**PLACES, **ARM_PLACES}.items()]
 
 
 def take(source_path: str) -> Census:

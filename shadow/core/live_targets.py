@@ -309,6 +309,10 @@ def module_npu() -> Target:
     )
 
 
+#: Where the canary A/B targets' legacy is installed (:mod:`shadow.core.arms`).
+ARM_PLACES: dict[str, tuple[Callable[[], Any], str]] = {"dataloader_init": (_iterator_class, "__init__")}
+
+
 def _missing(name: str) -> Callable:
     def unknown(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"npu-shadow: torch's own {name} is unknown here (torch_npu was imported first)")

@@ -216,7 +216,10 @@ def _resolve_targets(targets: Iterable[str | Target] | None) -> list[Target]:
     if targets is None:
         active = builtin.active_builtins()
         if not active:
-            looked_for = ", ".join(factory().where for factory in builtin.BUILTINS.values())
+            looked_for = ", ".join(
+                f"{getattr(owner(), '__qualname__', None) or owner().__name__}.{attribute}"
+                for owner, attribute in builtin.PLACES.values()
+            )
             _NOTICES.once(
                 "npu-shadow: no torch_npu patch is active in this process, so nothing is shadowed and "
                 f"stats() stays empty (looked for torch_npu's patch on {looked_for}; import torch_npu first, or "

@@ -350,6 +350,13 @@ SETTINGS = {
     ),
     "otel": Setting("NPU_SHADOW_OTEL", "--otel", "1/true/yes or 0/false/no", _flag),
     "journal": Setting("NPU_SHADOW_JOURNAL", "--journal", "a file path ({rank} and {pid} allowed)", _file_template),
+    "journal_all": Setting(
+        "NPU_SHADOW_JOURNAL_ALL",
+        "--journal-all",
+        "1/true/yes or 0/false/no: the journal has a line for every comparison, matches too (by default matches "
+        "are only counted, in its count records)",
+        _flag,
+    ),
     "capture_dir": Setting(
         "NPU_SHADOW_CAPTURE_DIR",
         "--capture-dir",
@@ -505,6 +512,7 @@ FLAGS = {
     "otel": "export through OpenTelemetry",
     "rollback_optional": "run a canary even where its rollback endpoint cannot start",
     "pure_hooks": "the job's module hooks have no side effects: compare calls that run them",
+    "journal_all": "a journal line for every comparison, matches too",
 }
 
 
@@ -522,6 +530,7 @@ class Config:
     multiproc_dir: str | None = None
     otel: bool = False
     journal: str | None = None
+    journal_all: bool = False
     capture_dir: str | None = None
     drill: tuple[str, float] | None = None
     pushgateway: str | None = None

@@ -66,7 +66,7 @@ def _exporters(config: Any) -> list[Any]:
     if config.otel:
         made.append(OTelExporter())
     if config.journal:
-        made.append(JsonlExporter(config.journal, capture_dir=config.capture_dir))
+        made.append(JsonlExporter(config.journal, all_outcomes=config.journal_all, capture_dir=config.capture_dir))
     return made
 
 
