@@ -60,9 +60,9 @@ def test_the_canary_drill_rolls_back_the_running_job(tmp_path):
     output = demo(tmp_path, "--canary-drill")
     assert "watcher: hard mismatch" in output and "rollback switch thrown" in output
     rolled = re.findall(r"^\S+ (\w+) rolled back to legacy by file:demo watcher", output, flags=re.M)
-    assert set(rolled) == {"parallel_apply", "data_parallel", "tensor_type"}, output[-3000:]
+    assert {"parallel_apply", "data_parallel", "tensor_type"} <= set(rolled), output[-3000:]  # (and 2.12's others)
     # upstream's result returned until the switch (the divergence that threw it was seen so), legacy's after it
     upstream = re.findall(r"^(\w+)\s+\d+ comparisons with upstream's result returned", output, flags=re.M)
     legacy = re.findall(r"^(\w+)\s+\d+ comparisons with legacy's result returned", output, flags=re.M)
-    assert upstream and set(legacy) == {"parallel_apply", "data_parallel", "tensor_type"}, output[-3000:]
+    assert upstream and {"parallel_apply", "data_parallel", "tensor_type"} <= set(legacy), output[-3000:]
     assert "watcher: no hard mismatch before the deadline" not in output

@@ -324,21 +324,19 @@ def _missing(name: str) -> Callable:
 
 
 def foreach_difference(legacy: Any, upstream: Any) -> str | None:
-    """What upstream's device list turns on that legacy's did not (and the other way round), or None."""
-    legacy_set, upstream_set = set(legacy), set(upstream)
-    if legacy_set == upstream_set:
+    """What upstream's device list turns on (or off) for this host's accelerator, or None where both treat it
+    alike: an entry for a device type the host does not have (upstream's ``mtia``) changes nothing here."""
+    accelerator = torch.accelerator.current_accelerator()
+    here = accelerator.type if accelerator is not None else "cpu"
+    legacy_on, upstream_on = here in legacy, here in upstream
+    if legacy_on == upstream_on:
         return None
-    parts = []
-    added = sorted(upstream_set - legacy_set)
-    if added:
-        parts.append(
-            f"upstream adds {', '.join(added)}: deleting the patch turns the foreach (multi-tensor) optimizer kernels "
-            f"on for {', '.join(added)}"
+    if upstream_on:
+        return (
+            f"upstream lists {here}, legacy does not: deleting the patch turns the foreach (multi-tensor) optimizer "
+            f"kernels on for {here} (legacy {sorted(legacy)}, upstream {sorted(upstream)})"
         )
-    removed = sorted(legacy_set - upstream_set)
-    if removed:
-        parts.append(f"upstream drops {', '.join(removed)}: deleting the patch turns them off")
-    return "; ".join(parts)
+    return f"legacy lists {here}, upstream does not: deleting the patch turns the foreach kernels off for {here}"
 
 
 def foreach_devices() -> Target:
