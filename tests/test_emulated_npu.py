@@ -358,3 +358,27 @@ def test_a_type_table_fixed_before_install_is_refused_saying_why():
     assert "refused: torch rejects 'torch.npu.FloatTensor'" in done.stdout
     assert "doctor: 1 emulated npu: cannot install: torch rejects 'torch.npu.FloatTensor'" in done.stdout
     assert "a Tensor.type(str) call ran in this process before emulated.install()" in done.stdout
+
+
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
+def test_lstm_and_gru_run_on_the_npu_as_on_the_cpu_gradients_too(cls) -> None:
+    torch.manual_seed(0)
+    model = cls(3, 4, num_layers=2, bidirectional=True)
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    expected, _ = model(x)
+    expected.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    on_npu = model.to("npu:1")
+    on_npu.zero_grad()
+    x_npu = x.detach().to("npu:1").requires_grad_()
+    output, _ = on_npu(x_npu)
+    output.sum().backward()
+    assert output.device == torch.device("npu:1") and torch.allclose(output.cpu(), expected)
+    assert all(torch.allclose(p.grad.cpu(), g) for p, g in zip(on_npu.parameters(), grads))
+    assert torch.allclose(x_npu.grad.cpu(), x.grad)
+    with torch.inference_mode():
+        assert torch.allclose(on_npu(x_npu.detach())[0].cpu(), expected)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x.detach(), [5, 3])
+    cpu_packed = model.cpu()(packed)[0].data
+    assert torch.allclose(model.to("npu:1")(torch.nn.utils.rnn.pack_padded_sequence(x_npu, [5, 3]))[0].data.cpu(),
+                          cpu_packed)  # fmt: skip

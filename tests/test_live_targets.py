@@ -407,3 +407,35 @@ def test_under_the_launcher_the_job_gets_legacys_results_and_the_evidence_names_
     text = (tmp_path / "r.md").read_text()
     assert report.returncode == 0 and "| module_to | rollback | 1 | 1 |" in text and "| module_npu | rollback |" in text
     assert "torch_npu 2.13.0 source" in text
+
+
+# --------------------------------------------------------------------------- LSTM.forward (torch_npu 2.12)
+
+
+@pytest.fixture
+def patched_212(torch_npu_legacy: torch_npu_source.TorchNpuLegacy) -> Iterator[torch_npu_source.TorchNpuLegacy]:
+    patches = torch_npu_legacy.patch_torch()
+    try:
+        yield torch_npu_legacy
+    finally:
+        patches.undo()
+
+
+def test_212s_lstm_forward_differs_on_a_packed_sequence_of_unequal_lengths_only(patched_212) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.LSTM(3, 4, bidirectional=True).to("npu:0")
+    x = torch.randn(5, 2, 3, device="npu:0")
+    expected = patched_212.patches["lstm_forward"](model, torch.nn.utils.rnn.pack_padded_sequence(x, [5, 3]))
+    with shadow.install(targets=["lstm_forward"], sample_rate=1.0, budget=None, backward_rate=1.0) as monitor:
+        output, _ = model(x)
+        output.sum().backward()  # (the job's own backward, through legacy's graph)
+        equal = model(torch.nn.utils.rnn.pack_padded_sequence(x, [5, 5]))
+        unequal = model(torch.nn.utils.rnn.pack_padded_sequence(x, [5, 3]))
+        stats = monitor.stats()["lstm_forward"]
+        signatures = dict(stats.signature_calls)
+    assert torch.equal(unequal[0].data, expected[0].data) and unequal[0].data.shape == (10, 8)  # legacy's, to the job
+    assert equal[0].data.shape == (10, 8)
+    assert stats.match == 2 and stats.mismatch == 1 and dict(stats.by_reason) == {"shape": 1, "value": 1}
+    assert stats.backward_runs == 2 and all(p.grad is not None for p in model.parameters())  # (not the diverged)
+    assert signatures == {"packed=no/batched=yes/hx=none/bidirectional=yes": 1,
+                          "packed=yes/batched=yes/hx=none/bidirectional=yes": 2}  # fmt: skip

@@ -44,6 +44,7 @@ PLACES: dict[str, tuple[Callable[[], Any], str]] = {
     "module_to": (lambda: torch.nn.Module, "to"),
     "module_npu": (lambda: torch.nn.Module, "npu"),
     "foreach_devices": (_optimizer_module, "_get_foreach_kernels_supported_devices"),
+    "lstm_forward": (lambda: torch.nn.LSTM, "forward"),
 }
 
 
@@ -61,6 +62,7 @@ _ON_IMPORT: dict[str, Callable | None] = {
     "module_to": _torchs_own(torch.nn.Module, "to", "torch.nn.modules.module"),
     "module_npu": _torchs_own(torch.nn.Module, "npu", "torch.utils.backend_registration"),
     "dataloader_init": _torchs_own(_iterator_class(), "__init__", _DATALOADER),
+    "lstm_forward": _torchs_own(torch.nn.LSTM, "forward", "torch.nn.modules.rnn"),
 }
 
 
@@ -79,8 +81,8 @@ def upstream(name: str) -> Callable | None:
         return importlib.import_module("torch.serialization").load
     if name == "foreach_devices":
         return importlib.import_module("torch.utils._foreach_utils")._get_foreach_kernels_supported_devices
-    owner = _iterator_class() if name == "dataloader_init" else torch.nn.Module
-    attribute = {"module_to": "to", "module_npu": "npu", "dataloader_init": "__init__"}[name]
+    owner = {"dataloader_init": _iterator_class(), "lstm_forward": torch.nn.LSTM}.get(name, torch.nn.Module)
+    attribute = {"module_to": "to", "module_npu": "npu", "dataloader_init": "__init__", "lstm_forward": "forward"}[name]
     found = upstream_of(owner, attribute) or _ON_IMPORT.get(name)
     if found is None and name == "module_npu":
         return _generated_module_npu
@@ -353,10 +355,41 @@ def foreach_devices() -> Target:
     )
 
 
+# --------------------------------------------------------------------------- LSTM.forward (torch_npu 2.12)
+
+
+def lstm_signature(args: tuple, kwargs: dict) -> str:
+    """``packed=<yes|no>/batched=<yes|no>/hx=<given|none>/bidirectional=<yes|no>`` of an ``LSTM.forward`` call
+    (torch_npu 2.12's moves a packed sequence's ``batch_sizes`` to the device and reshapes the output)."""
+    module = args[0]
+    given = args[1] if len(args) > 1 else kwargs.get("input")
+    hx = args[2] if len(args) > 2 else kwargs.get("hx")
+    packed = isinstance(given, torch.nn.utils.rnn.PackedSequence)
+    batched = packed or getattr(given, "ndim", 3) == 3
+    return (
+        f"packed={'yes' if packed else 'no'}/batched={'yes' if batched else 'no'}"
+        f"/hx={'none' if hx is None else 'given'}/bidirectional={'yes' if module.bidirectional else 'no'}"
+    )
+
+
+def lstm_forward() -> Target:
+    """``nn.LSTM.forward`` (torch_npu 2.12's patch; 2.13 removed it) against torch's: a module forward, isolated and
+    compared within tolerance like DataParallel's, its gradients too where ``--backward-rate`` asks."""
+    return Target(
+        name="lstm_forward",
+        owner=torch.nn.LSTM,
+        attribute="forward",
+        upstream=upstream("lstm_forward") or _missing("lstm_forward"),
+        signature=lstm_signature,
+        risky_signatures=BUILTIN_RISKY["lstm_forward"],
+    )
+
+
 #: The live targets' factories, by name (:data:`shadow.core.targets.BUILTINS` has them all).
 LIVE: dict[str, Callable[[], Target]] = {
     "torch_load": torch_load,
     "module_to": module_to,
     "module_npu": module_npu,
     "foreach_devices": foreach_devices,
+    "lstm_forward": lstm_forward,
 }

@@ -113,6 +113,7 @@ BUILTIN_TARGETS = (
     "module_to",
     "module_npu",
     "foreach_devices",
+    "lstm_forward",
 )
 
 #: The built-in targets compared as a canary A/B, never shadowed: their calls cannot run twice (the DataLoader's
@@ -132,6 +133,8 @@ BUILTIN_RISKY = {
     "module_to": ("*/format=channels_last_3d",),
     "module_npu": ("device=str", "device=device"),
     "foreach_devices": (),
+    # torch_npu 2.12 (removed in 2.13): a packed sequence's batch_sizes moved to the device
+    "lstm_forward": ("packed=yes/*",),
 }
 
 #: The faults a fire drill can inject into the upstream result (shadow.core.drill).

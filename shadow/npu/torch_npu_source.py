@@ -85,6 +85,7 @@ PATCHES: tuple[Patch, ...] = (
         "torch.optim.optimizer",
         "_get_foreach_kernels_supported_devices",
     ),
+    Patch("lstm_forward", _MODULE, "_lstm_forward", "torch.nn.LSTM", "forward"),
     Patch(
         "dataloader_init",
         _MODULE,

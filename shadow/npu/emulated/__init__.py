@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from shadow.npu.emulated import collectives, device
+from shadow.npu.emulated import collectives, device, rnn
 
 __all__ = ["EmulatorUnavailable", "build", "build_directory", "install", "installed_devices"]
 
@@ -294,6 +294,7 @@ def install(devices: int = 2, seed: int = 67280421310721) -> int:
         torch._register_device_module("npu", device)
         torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
         collectives.provide_missing()
+        rnn.register()
         try:
             _check_type_names()
         except EmulatorUnavailable as exc:
