@@ -8,6 +8,7 @@ import collections
 import fnmatch
 import io
 import os
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,7 +61,7 @@ def _same_state(first: list[tuple], second: list[tuple]) -> bool:
 
 def test_the_213_wheel_gives_the_live_patches_and_lacks_the_removed_ones(legacy_213) -> None:
     assert set(legacy_213.patches) == {"torch_load", "module_to", "module_npu", "foreach_devices", "dataloader_init"}
-    assert set(legacy_213.missing) == {"tensor_type", "parallel_apply", "data_parallel"}
+    assert set(legacy_213.missing) == {"tensor_type", "parallel_apply", "data_parallel", "lstm_forward"}
     assert "has no 'npu_parallel_apply'" in legacy_213.missing["parallel_apply"]
 
 
@@ -139,17 +140,35 @@ class Settings:  # (not a weights-only type: torch.load refuses it unless weight
 
 
 @pytest.mark.filterwarnings("ignore:Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
-def test_the_weights_only_variable_in_mixed_case_is_read_by_upstream_only(patched, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("primary", ["legacy", "upstream"])
+def test_the_weights_only_variable_in_mixed_case_is_read_by_upstream_only(patched, tmp_path, monkeypatch, primary):
     checkpoint = tmp_path / "settings.pt"
     torch.save({"settings": Settings(0.5)}, checkpoint)
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TRUE")
-    with _monitor("upstream") as monitor:
-        assert torch.load(checkpoint)["settings"].rate == 0.5  # upstream lower-cases it: weights_only off
+    with _monitor(primary) as monitor:
+        if primary == "upstream":
+            assert torch.load(checkpoint)["settings"].rate == 0.5  # upstream lower-cases it: weights_only off
+        else:
+            with pytest.raises(pickle.UnpicklingError):  # legacy reads "TRUE" as unset: weights only
+                torch.load(checkpoint)
         counts = _counts(monitor, "torch_load")
         signature = next(iter(monitor.stats()["torch_load"].signature_calls))
     assert counts == {"outcomes": {"error": 1}, "reasons": {"exception": 1}}
     assert signature.endswith("env=mixed-case")
     assert any(fnmatch.fnmatch(signature, p) for p in live_targets.torch_load().risky_signatures)
+
+
+def test_a_weights_only_failure_is_the_same_exception_with_another_text(patched, tmp_path) -> None:
+    """torch_npu's copy catches RuntimeError around the weights-only unpickler, which raises UnpicklingError now:
+    its failure reaches the caller unexplained where upstream adds how to load the file."""
+    checkpoint = tmp_path / "settings.pt"
+    torch.save({"settings": Settings(0.5)}, checkpoint)
+    with _monitor() as monitor:
+        with pytest.raises(pickle.UnpicklingError) as raised:
+            torch.load(checkpoint)
+        counts = _counts(monitor, "torch_load")
+    assert "Weights only load failed" not in str(raised.value)  # (legacy's, unexplained)
+    assert counts == {"outcomes": {"close": 1}, "reasons": {}}
 
 
 def test_a_buffer_is_read_twice_and_left_where_legacy_left_it(patched) -> None:
@@ -439,3 +458,41 @@ def test_212s_lstm_forward_differs_on_a_packed_sequence_of_unequal_lengths_only(
     assert stats.backward_runs == 2 and all(p.grad is not None for p in model.parameters())  # (not the diverged)
     assert signatures == {"packed=no/batched=yes/hx=none/bidirectional=yes": 1,
                           "packed=yes/batched=yes/hx=none/bidirectional=yes": 2}  # fmt: skip
+
+
+_OPTIMIZER_JOB = """
+import torch
+model = torch.nn.Linear(2, 2).to("npu:0")
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.ones(1, 2, device="npu:0")).sum().backward()
+optimizer.step()
+print("stepped")
+"""
+
+
+def test_an_optimizer_on_an_older_soc_shows_what_deleting_the_foreach_patch_turns_on(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    journal = tmp_path / "j.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.13.0"),
+         "--sample-rate", "1", "--journal", str(journal), "--", sys.executable, "-c", _OPTIMIZER_JOB],
+        cwd=root, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "NPU_SHADOW_EMULATED_SOC": "Ascend910A"},
+    )  # fmt: skip
+    assert done.returncode == 0 and "stepped" in done.stdout, done.stderr[-3000:]
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    (line,) = [r for r in lines if r.get("target") == "foreach_devices" and "outcome" in r]
+    assert (
+        line["reasons"] == ["custom"]
+        and "turns the foreach (multi-tensor) optimizer kernels on for npu" in (line["detail"])
+    )
+    verdict = subprocess.run(
+        [sys.executable, "-m", "shadow", "verdict", "--journal", str(journal)],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    row = next(r for r in verdict.stdout.splitlines() if r.startswith("foreach_devices"))
+    assert "rollback" in row and "hard mismatches: 1 custom (deleting the patch changes whether the optimizers" in row

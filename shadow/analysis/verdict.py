@@ -38,6 +38,7 @@ from shadow.analysis import bounds
 from shadow.analysis.bounds import Prior, Stratum
 from shadow.core.observation import (
     COMPARED_OUTCOMES,
+    CUSTOM_MEANING,
     DIVERGENT_OUTCOMES,
     HARD_REASONS,
     LEGACY,
@@ -648,7 +649,8 @@ def decide(
         return Decision(decision=INCONCLUSIVE, why=why, **made)
     if hard:
         kinds = ", ".join(f"{count} {reason}" for reason, count in sorted(hard.items()))
-        return Decision(decision=ROLLBACK, why=f"hard mismatches: {kinds}", **made)
+        meaning = CUSTOM_MEANING.get(target, "") if "custom" in hard else ""
+        return Decision(decision=ROLLBACK, why=f"hard mismatches: {kinds}{f' ({meaning})' if meaning else ''}", **made)
     if counts.rollbacks:
         return Decision(
             decision=ROLLBACK,

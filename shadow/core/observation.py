@@ -137,6 +137,13 @@ BUILTIN_RISKY = {
     "lstm_forward": ("packed=yes/*",),
 }
 
+#: What a built-in target's own comparison (reason "custom") finds, in a few words (the verdict says it; the
+#: journal's and the report's detail say which way each call went).
+CUSTOM_MEANING = {
+    "foreach_devices": "deleting the patch changes whether the optimizers run their foreach (multi-tensor) kernels "
+    "on this device type: the journal's detail says which way",
+}
+
 #: The faults a fire drill can inject into the upstream result (shadow.core.drill).
 DRILL_KINDS = ("value", "dtype", "nan", "exception")
 

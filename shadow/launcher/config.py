@@ -224,6 +224,12 @@ def _device_count(text: str) -> int:
 REFERENCE = "reference"
 
 
+def _soc(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", text):
+        raise Invalid("not a SoC name (1 to 64 letters, digits, '_' or '-')")
+    return text
+
+
 def _legacy_source(text: str) -> str:
     if text not in ("installed", REFERENCE) and not os.path.exists(text):
         raise Invalid("no such file or directory")
@@ -402,6 +408,13 @@ SETTINGS = {
         "a number of emulated npu devices, 1..16 (0 or empty: none)",
         _device_count,
     ),
+    "emulated_soc": Setting(
+        "NPU_SHADOW_EMULATED_SOC",
+        "--emulated-soc",
+        "the Ascend SoC the emulated npu reports to torch_npu's code (letters, digits, '_' and '-'; default "
+        "Ascend910B1)",
+        _soc,
+    ),
     "legacy_from": Setting(
         "NPU_SHADOW_LEGACY_FROM",
         "--legacy-from",
@@ -538,6 +551,7 @@ class Config:
     run_id: str | None = None
     linger: float | None = None  # (None: DEFAULT_LINGER_SECONDS where only the endpoint carries the final counts)
     emulate_npu: int = 0
+    emulated_soc: str | None = None
     legacy_from: str | None = None
     oracle: float | None = 0.1
     budget: float | None = 0.2
