@@ -404,6 +404,8 @@ def test_under_the_launcher_the_job_gets_legacys_results_and_the_evidence_names_
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "caught TypeError: device(): argument 'index'" in done.stdout  # legacy's exception, as the job had it
+    said = "torch_npu 2.13.0 has no tensor_type, parallel_apply, data_parallel, lstm_forward patch"
+    assert done.stderr.count(said) == 1
     assert "channels_last_3d: False" in done.stdout and "loaded: ['bias', 'weight']" in done.stdout
     lines = [json.loads(line) for line in journal.read_text().splitlines()]
     found = {(r["target"], r["outcome"], tuple(r["reasons"])) for r in lines if "outcome" in r}
@@ -496,3 +498,41 @@ def test_an_optimizer_on_an_older_soc_shows_what_deleting_the_foreach_patch_turn
     )  # fmt: skip
     row = next(r for r in verdict.stdout.splitlines() if r.startswith("foreach_devices"))
     assert "rollback" in row and "hard mismatches: 1 custom (deleting the patch changes whether the optimizers" in row
+
+
+def test_a_module_whose_second_copy_would_not_fit_is_skipped_for_memory(patched, monkeypatch) -> None:
+    from shadow.core import memory
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 8 << 20)  # (the copy takes at most half of it)
+    model = torch.nn.Linear(1024, 2048)  # 8 MiB of parameters
+    with _monitor() as monitor:
+        model.to("npu:0")
+        counts = _counts(monitor, "module_to")
+    assert model.weight.device == torch.device("npu:0")  # legacy's move, as ever
+    assert counts == {"outcomes": {"skipped": 1}, "reasons": {"oom": 1}}
+
+
+def test_clean_says_what_the_evidence_keeps_of_a_result() -> None:
+    kept = []
+
+    class Keep:
+        def export(self, observation: Any) -> None:
+            if observation.evidence is not None:
+                kept.append(observation.evidence)
+
+    class Holder:
+        @staticmethod
+        def load(x: torch.Tensor) -> dict:
+            return {"weights": x * 2, "optimizer": list(range(1000))}
+
+    target = Target(
+        name="load",
+        owner=Holder,
+        attribute="load",
+        upstream=lambda x: {"weights": x * 3, "optimizer": list(range(1000))},
+        clean=lambda result: result["weights"],
+    )
+    with shadow.install(targets=[target], sample_rate=1.0, budget=None, exporters=[Keep()]):
+        assert Holder.load(torch.ones(2))["optimizer"][-1] == 999  # (the caller's result is whole)
+    (evidence,) = kept
+    assert torch.equal(evidence.legacy, torch.full((2,), 2.0)) and torch.equal(evidence.upstream, torch.full((2,), 3.0))

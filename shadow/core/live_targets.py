@@ -236,6 +236,36 @@ def module_state(result: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return state
 
 
+def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    found = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return list(found.values())
+
+
+def _fits(module: torch.nn.Module, device: Any, dtype: torch.dtype | None) -> None:
+    """Raise InsufficientMemory unless the shadow run's copy of the module's tensors (on ``device``, in ``dtype``
+    where they are floating) fits in the memory free there."""
+    tensors = _module_tensors(module)
+    if device is None:
+        memory.check_fits(tensors, 1, "a second copy of the module's tensors")
+        return
+    size = sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+               for t in tensors)  # fmt: skip
+    memory.check_device_fits(torch.device(device), size, "a second copy of the module's tensors")
+
+
+def module_to_run_if(args: tuple, kwargs: dict) -> None:
+    """Every ``Module.to`` can run twice: the shadow run's copy must fit where it goes (raises InsufficientMemory)."""
+    device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+    _fits(args[0], device, dtype)
+
+
+def module_npu_run_if(args: tuple, kwargs: dict) -> None:
+    """As :func:`module_to_run_if`, the copy on the npu (the current one where no index is given)."""
+    device = args[1] if len(args) > 1 else kwargs.get("device")
+    index = device if isinstance(device, int) else getattr(torch.device(device), "index", None) if device else None
+    _fits(args[0], torch.device(torch._C._get_privateuse1_backend_name(), index), None)
+
+
 def _device_kind(device: Any) -> str:
     if device is None:
         return "none"
@@ -279,6 +309,7 @@ def module_to() -> Target:
         exact=True,
         signature=module_to_signature,
         risky_signatures=BUILTIN_RISKY["module_to"],
+        run_if=module_to_run_if,
         snapshot=module_state,
     )
 
@@ -307,6 +338,7 @@ def module_npu() -> Target:
         exact=True,
         signature=module_npu_signature,
         risky_signatures=BUILTIN_RISKY["module_npu"],
+        run_if=module_npu_run_if,
         snapshot=module_state,
     )
 

@@ -126,11 +126,16 @@ def check_fits(tensors: Iterable[torch.Tensor], copies: int, what: str) -> None:
     for tensor in tensors:
         needed[tensor.device] += tensor.numel() * tensor.element_size() * copies
     for device, size in needed.items():
-        if size < SMALL or device.type == "meta":
-            continue
-        free = free_bytes(device)
-        if free is not None and size > SHARE * free:
-            raise InsufficientMemory(
-                f"out of memory for the shadow side: {what} need {size >> 20} MiB on {device}, "
-                f"{free >> 20} MiB free (at most {SHARE:.0%} of it is taken)"
-            )
+        check_device_fits(device, size, what)
+
+
+def check_device_fits(device: torch.device, size: int, what: str) -> None:
+    """Raise InsufficientMemory unless ``size`` bytes fit in SHARE of ``device``'s free memory."""
+    if size < SMALL or device.type == "meta":
+        return
+    free = free_bytes(device)
+    if free is not None and size > SHARE * free:
+        raise InsufficientMemory(
+            f"out of memory for the shadow side: {what} need {size >> 20} MiB on {device}, "
+            f"{free >> 20} MiB free (at most {SHARE:.0%} of it is taken)"
+        )

@@ -338,6 +338,12 @@ class Launcher:
             return
         self.legacy = legacy
         legacy.patch_torch()
+        if legacy.missing and _is_job_process():  # (said once, by the job's process)
+            print(
+                f"npu-shadow: torch_npu {legacy.version} has no {', '.join(legacy.missing)} patch: "
+                "those targets are not installed",
+                file=sys.stderr,
+            )
 
 
 _NOT_LOADED = object()
