@@ -192,7 +192,8 @@ print("total", total)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="torch_npu binds to a device's share of 2+ cores")
 def test_a_dataloader_canary_runs_both_arms_and_the_verdict_reports_legacys_affinity(tmp_path) -> None:
     journal = tmp_path / "j.jsonl"
-    env = {**os.environ, "CPU_AFFINITY_CONF": "1"}
+    first, second = sorted(os.sched_getaffinity(0))[:2]  # (device ranges within the cores this test may use)
+    env = {**os.environ, "CPU_AFFINITY_CONF": f"1,npu0:{first}-{first},npu1:{second}-{second}"}
     done = subprocess.run(
         [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.13.0"),
          "--primary", "upstream", "--rollback-file", str(tmp_path / "switch"), "--journal", str(journal), "--",
