@@ -313,3 +313,24 @@ def test_an_exporter_calling_a_wrapped_function_does_not_recurse():
     assert stats.calls == 1  # the job's call; the exporter's is the tool's work
     assert stats.sampled == stats.match == 1 and stats.skipped == 0  # only the job's call is shadowed
     assert exporter.seen == 1
+
+
+def test_an_isolation_that_fails_is_a_counted_skip_never_the_shadow_sides_exception(monkeypatch) -> None:
+    """Setting up the shadow run's isolated world is this tool's work: its failure is a "comparator" skip, never
+    compared as upstream's exception (a divergence, against promotion)."""
+    import contextlib
+
+    from shadow.core import isolation
+
+    @contextlib.contextmanager
+    def broken(self, run=0):
+        raise RuntimeError("restoring the generators failed")
+        yield
+
+    monkeypatch.setattr(isolation.Isolation, "upstream_run", broken)
+    owner = types.SimpleNamespace(op=lambda x: x * 2)
+    target = shadow.Target("op", owner, "op", lambda x: x * 2)
+    with shadow.install([target], sample_rate=1.0, budget=None) as monitor:
+        assert torch.equal(owner.op(torch.ones(2)), torch.full((2,), 2.0))
+        stats = monitor.stats()["op"]
+    assert (stats.error, stats.skipped, dict(stats.by_reason)) == (0, 1, {"comparator": 1})

@@ -57,6 +57,11 @@ def is_hooked_subclass(leaf: Any) -> bool:
     return function not in _PLAIN_TORCH_FUNCTION or cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
 
 
+class IsolationFailed(RuntimeError):
+    """Setting up or undoing the shadow run's isolation failed: this tool's fault, the call skipped as "comparator"
+    (never compared as the shadow side's exception)."""
+
+
 def _as_it_is(value: Any) -> Any:
     return value
 
@@ -455,8 +460,9 @@ class UpstreamSide:
                     finished = self._within_deadline(experiment, plan.before, body, checks_its_settings=True)
         except KeyboardInterrupt:
             raise
-        except BaseException as exc:  # the isolation's own failure: the run's outcome, never the caller's
-            finished = Finished(True, error=exc)
+        except BaseException as exc:  # the isolation's own failure (upstream's are in finished): a fault of ours,
+            experiment.put_back(left_by_legacy)  # counted as a "comparator" skip, never a side's exception
+            raise IsolationFailed(f"the isolation of the shadow run failed: {exc!r}") from exc
         finally:
             if left_there is not None:
                 left_there()
