@@ -78,6 +78,8 @@ def test_processes_that_never_import_torch_pay_nothing():
 #: An invalid value for every setting (a file where a folder must be: the checks hold for root too).
 INVALID = {
     "targets": "tensor_typo",
+    "journal_all": "maybe",
+    "emulated_soc": "Ascend 910",
     "sample_rate": "1.5",
     "seed": "one",
     "rtol": "-1",

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 import shadow
 from exporters import OTelExporter, PrometheusExporter, contract
+from shadow.core.arms import ArmRun
 
 
 def run_workload(exporters):
@@ -36,7 +37,9 @@ def run_workload(exporters):
 def test_every_instrument_with_its_unit_and_attributes():
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])
-    stats = run_workload([OTelExporter(meter_provider=provider)])
+    exporter = OTelExporter(meter_provider=provider)
+    stats = run_workload([exporter])
+    exporter.export_arm(ArmRun("dataloader_init", "legacy", 0.0, ((0,),), (0, 1), (0,), (0, 1), 0.1, 0.2, 3, 10.0))
     data = reader.get_metrics_data()
     (scope_metrics,) = data.resource_metrics[0].scope_metrics
     assert scope_metrics.scope.name == "npu_shadow"
@@ -57,6 +60,8 @@ def test_every_instrument_with_its_unit_and_attributes():
         )
 
     assert value("npu_shadow.calls", target="op") == stats.calls == 13
+    assert value("npu_shadow.arm_iterators", arm="legacy", workers="bound") == 1
+    assert value("npu_shadow.arm_first_batch", arm="legacy") == 0.2
     assert value("npu_shadow.backward_skips", reason="no_grad") == stats.backward_skips["no_grad"] >= 1
     assert value("npu_shadow.comparisons", outcome="match") == stats.match
     assert value("npu_shadow.comparisons", outcome="mismatch") == stats.mismatch

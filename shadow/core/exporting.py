@@ -57,6 +57,9 @@ class Exporter(Protocol):
     def close(self) -> None:
         """Release files, sockets and servers (the launcher calls it when its settings change)."""
 
+    def export_arm(self, run: Any) -> None:
+        """One iterator of a canary A/B, built by one arm (a ``shadow.core.arms.ArmRun``)."""
+
 
 #: Every hook, in the order of the protocol above.
 HOOKS = (

@@ -29,6 +29,7 @@ from shadow.core.observation import ARM_TARGETS, PRIMARY_SIDES, UPSTREAM, Target
 from shadow.core.rates import check_rate
 from shadow.core.reporter import REPORTER
 from shadow.core.sampler import DEFAULT_FIRST_PER_SIGNATURE
+from shadow.core.target import place_name
 from shadow.core.targets import Target
 
 log = logging.getLogger("shadow")
@@ -216,10 +217,7 @@ def _resolve_targets(targets: Iterable[str | Target] | None) -> list[Target]:
     if targets is None:
         active = builtin.active_builtins()
         if not active:
-            looked_for = ", ".join(
-                f"{getattr(owner(), '__qualname__', None) or owner().__name__}.{attribute}"
-                for owner, attribute in builtin.PLACES.values()
-            )
+            looked_for = ", ".join(place_name(owner(), attribute) for owner, attribute in builtin.PLACES.values())
             _NOTICES.once(
                 "npu-shadow: no torch_npu patch is active in this process, so nothing is shadowed and "
                 f"stats() stays empty (looked for torch_npu's patch on {looked_for}; import torch_npu first, or "

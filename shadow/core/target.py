@@ -13,6 +13,14 @@ from shadow.core.tolerance import ToleranceSpec
 Signature = Callable[[tuple, dict], str]
 
 
+def place_name(owner: Any, attribute: str) -> str:
+    """``module.Class.attribute`` (or ``module.attribute``) of an attribute of a class or module, for messages."""
+    name = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
+    module = getattr(owner, "__module__", None)
+    prefix = f"{module}.{name}" if module and module != name else name
+    return f"{prefix}.{attribute}"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Target:
     """A patch pair: ``owner.attribute`` (legacy) shadowed by ``upstream``.
@@ -104,10 +112,7 @@ class Target:
     @property
     def where(self) -> str:
         """``module.Class.attribute`` for messages."""
-        owner = getattr(self.owner, "__qualname__", None) or getattr(self.owner, "__name__", repr(self.owner))
-        module = getattr(self.owner, "__module__", None)
-        prefix = f"{module}.{owner}" if module and module != owner else owner
-        return f"{prefix}.{self.attribute}"
+        return place_name(self.owner, self.attribute)
 
     def resolve_legacy(self) -> Callable:
         """The legacy callable: the one given, or what is installed on owner.attribute now."""
