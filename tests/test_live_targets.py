@@ -27,13 +27,17 @@ def legacy_213() -> torch_npu_source.TorchNpuLegacy:
     return torch_npu_source.load(wheel("2.13.0"))
 
 
-@pytest.fixture
-def patched(legacy_213: torch_npu_source.TorchNpuLegacy) -> Iterator[torch_npu_source.TorchNpuLegacy]:
-    patches = legacy_213.patch_torch()
+def _installed(legacy: torch_npu_source.TorchNpuLegacy) -> Iterator[torch_npu_source.TorchNpuLegacy]:
+    patches = legacy.patch_torch()
     try:
-        yield legacy_213
+        yield legacy
     finally:
         patches.undo()
+
+
+@pytest.fixture
+def patched(legacy_213: torch_npu_source.TorchNpuLegacy) -> Iterator[torch_npu_source.TorchNpuLegacy]:
+    yield from _installed(legacy_213)
 
 
 def _monitor(primary: str = "legacy", targets: Any = None) -> shadow.Monitor:
@@ -263,6 +267,23 @@ def test_a_sampled_module_move_leaves_the_module_as_the_unwrapped_call_does(patc
     assert all(p.grad is None and p.grad_fn is None for p in model.parameters())
 
 
+def _run_in_place(function: Any) -> tuple[Any, torch.nn.Linear, torch.Tensor]:
+    """One sampled call of ``function(module)`` shadowed by itself, with the module's state as what is compared."""
+
+    class Holder:
+        scale = staticmethod(function)
+
+    target = Target(
+        name="in_place", owner=Holder, attribute="scale", upstream=function, legacy=function,
+        snapshot=live_targets.module_state, exact=True,
+    )  # fmt: skip
+    model = torch.nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    with shadow.install(targets=[target], sample_rate=1.0, budget=None) as monitor:
+        Holder.scale(model)
+        return monitor.stats()["in_place"], model, before
+
+
 def test_upstream_starts_from_the_state_before_the_call() -> None:
     """The shadow run of an in-place method sees the module as legacy found it, not as legacy left it: here legacy
     doubles a parameter by rebinding it, and upstream, doubling it too, must find the original."""
@@ -271,23 +292,7 @@ def test_upstream_starts_from_the_state_before_the_call() -> None:
         module.weight.data = module.weight.data * 2
         return module
 
-    class Holder:
-        scale = staticmethod(double)
-
-    target = Target(
-        name="double",
-        owner=Holder,
-        attribute="scale",
-        upstream=double,
-        legacy=double,
-        snapshot=live_targets.module_state,
-        exact=True,
-    )
-    model = torch.nn.Linear(2, 2)
-    before = model.weight.detach().clone()
-    with shadow.install(targets=[target], sample_rate=1.0, budget=None) as monitor:
-        Holder.scale(model)
-        stats = monitor.stats()["double"]
+    stats, model, before = _run_in_place(double)
     assert stats.match == 1 and not stats.by_reason
     assert torch.equal(model.weight, before * 2)  # doubled once: the caller's call only
 
@@ -298,22 +303,7 @@ def test_legacy_writing_a_parameter_in_place_is_skipped_not_compared() -> None:
             module.weight.mul_(2)
         return module
 
-    class Holder:
-        scale = staticmethod(scale_in_place)
-
-    target = Target(
-        name="scale_in_place",
-        owner=Holder,
-        attribute="scale",
-        upstream=scale_in_place,
-        legacy=scale_in_place,
-        snapshot=live_targets.module_state,
-    )
-    model = torch.nn.Linear(2, 2)
-    before = model.weight.detach().clone()
-    with shadow.install(targets=[target], sample_rate=1.0, budget=None) as monitor:
-        Holder.scale(model)
-        stats = monitor.stats()["scale_in_place"]
+    stats, model, before = _run_in_place(scale_in_place)
     assert dict(stats.by_reason) == {"inplace": 1}
     assert torch.equal(model.weight, before * 2)
 
@@ -435,11 +425,7 @@ def test_under_the_launcher_the_job_gets_legacys_results_and_the_evidence_names_
 
 @pytest.fixture
 def patched_212(torch_npu_legacy: torch_npu_source.TorchNpuLegacy) -> Iterator[torch_npu_source.TorchNpuLegacy]:
-    patches = torch_npu_legacy.patch_torch()
-    try:
-        yield torch_npu_legacy
-    finally:
-        patches.undo()
+    yield from _installed(torch_npu_legacy)
 
 
 def test_212s_lstm_forward_differs_on_a_packed_sequence_of_unequal_lengths_only(patched_212) -> None:

@@ -298,49 +298,40 @@ def module_to_signature(args: tuple, kwargs: dict) -> str:
     return f"device={_device_kind(device)}/dtype={kind}/format={layout}"
 
 
+def _module_move(name: str, attribute: str, signature: Callable, run_if: Callable) -> Target:
+    """A target of a method that moves or converts a module in place: compared per parameter and buffer."""
+    return Target(
+        name=name,
+        owner=torch.nn.Module,
+        attribute=attribute,
+        upstream=upstream(name) or _missing(name),
+        exact=True,
+        signature=signature,
+        risky_signatures=BUILTIN_RISKY[name],
+        run_if=run_if,
+        snapshot=module_state,
+    )
+
+
 def module_to() -> Target:
     """``Module.to`` (with torch_npu's ``cast_weight``) against torch's: in place, compared per parameter and
     buffer."""
-    return Target(
-        name="module_to",
-        owner=torch.nn.Module,
-        attribute="to",
-        upstream=upstream("module_to") or _missing("module_to"),
-        exact=True,
-        signature=module_to_signature,
-        risky_signatures=BUILTIN_RISKY["module_to"],
-        run_if=module_to_run_if,
-        snapshot=module_state,
-    )
+    return _module_move("module_to", "to", module_to_signature, module_to_run_if)
 
 
 def module_npu_signature(args: tuple, kwargs: dict) -> str:
     """``device=<none|int|str|device>`` of a ``Module.npu`` call: legacy builds ``torch.device("npu", device)``,
     which only an int (or None) survives."""
     device = args[1] if len(args) > 1 else kwargs.get("device")
-    kind = (
-        "none"
-        if device is None
-        else "int"
-        if isinstance(device, int)
-        else ("str" if isinstance(device, str) else "device" if isinstance(device, torch.device) else "other")
-    )
-    return f"device={kind}"
+    for kind, types in (("none", type(None)), ("int", int), ("str", str), ("device", torch.device)):
+        if isinstance(device, types):
+            return f"device={kind}"
+    return "device=other"
 
 
 def module_npu() -> Target:
     """``Module.npu`` against torch's generated method for its PrivateUse1 backend: in place, as ``module_to``."""
-    return Target(
-        name="module_npu",
-        owner=torch.nn.Module,
-        attribute="npu",
-        upstream=upstream("module_npu") or _missing("module_npu"),
-        exact=True,
-        signature=module_npu_signature,
-        risky_signatures=BUILTIN_RISKY["module_npu"],
-        run_if=module_npu_run_if,
-        snapshot=module_state,
-    )
+    return _module_move("module_npu", "npu", module_npu_signature, module_npu_run_if)
 
 
 #: Where the canary A/B targets' legacy is installed (:mod:`shadow.core.arms`).
