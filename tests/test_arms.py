@@ -196,7 +196,8 @@ def test_a_dataloader_canary_runs_both_arms_and_the_verdict_reports_legacys_affi
     env = {**os.environ, "CPU_AFFINITY_CONF": f"1,npu0:{first}-{first},npu1:{second}-{second}"}
     done = subprocess.run(
         [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.13.0"),
-         "--primary", "upstream", "--rollback-file", str(tmp_path / "switch"), "--journal", str(journal), "--",
+         "--primary", "upstream", "--rollback-file", str(tmp_path / "switch"), "--journal", str(journal),
+         "--textfile", str(tmp_path / "metrics.prom"), "--",
          sys.executable, "-W", "ignore", "-c", _DATALOADER_JOB],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
@@ -213,3 +214,13 @@ def test_a_dataloader_canary_runs_both_arms_and_the_verdict_reports_legacys_affi
     line = next(line for line in verdict.stdout.splitlines() if line.startswith("dataloader_init"))
     assert "canary A/B" in line and "affinity differs: legacy's workers run on cores" in line, verdict.stdout
     assert "throughput" in line and "batches equal for 3 seed(s)" in line
+    from_metrics = subprocess.run(
+        [sys.executable, "-m", "shadow", "verdict", "--metrics-file", str(tmp_path / "metrics.prom")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    line = next(line for line in from_metrics.stdout.splitlines() if line.startswith("dataloader_init"))
+    assert (
+        "affinity differs: workers bound to fewer cores than the process had in 3 of 3 legacy iterators, 0 of 3 "
+        in (line)
+    ), from_metrics.stdout
+    assert "first batch" in line and "(legacy 3, upstream 3 iterators)" in line

@@ -188,3 +188,48 @@ def summarize(records: Iterable[dict]) -> list[ArmSummary]:
             )
         )
     return summaries
+
+
+def summarize_series(samples: Iterable[tuple[str, dict[str, str], float]]) -> list[ArmSummary]:
+    """One summary per A/B target from its metrics (``npu_shadow_arm_*``): iterators by arm, whether their workers
+    were bound, and the mean time to the first batch (a ratio of means: metrics keep no distribution, so no
+    interval; the journals have one)."""
+    iterators: dict[str, dict[str, float]] = {}
+    bound: dict[str, dict[str, float]] = {}
+    first_sum: dict[str, dict[str, float]] = {}
+    first_count: dict[str, dict[str, float]] = {}
+    for series, labels, value in samples:
+        target, arm = labels.get("target", ""), labels.get("arm", "")
+        if arm not in ("legacy", "upstream") or value <= 0:
+            continue
+        if series.startswith("npu_shadow_arm_iterators"):
+            iterators.setdefault(target, {}).setdefault(arm, 0.0)
+            iterators[target][arm] += value
+            if labels.get("workers") == "bound":
+                bound.setdefault(target, {}).setdefault(arm, 0.0)
+                bound[target][arm] += value
+        elif series.startswith("npu_shadow_arm_first_batches"):
+            first_count.setdefault(target, {})[arm] = first_count.get(target, {}).get(arm, 0.0) + value
+        elif series.startswith("npu_shadow_arm_first_batch"):
+            first_sum.setdefault(target, {})[arm] = first_sum.get(target, {}).get(arm, 0.0) + value
+    summaries = []
+    for target, by_arm in sorted(iterators.items()):
+        counts = {arm: round(n) for arm, n in by_arm.items()}
+        bound_of = bound.get(target, {})
+        affinity = "same"
+        if any(bound_of.get(arm, 0) for arm in counts) and bound_of.get("legacy", 0) != bound_of.get("upstream", 0):
+            affinity = "differs: workers bound to fewer cores than the process had in " + ", ".join(
+                f"{round(bound_of.get(arm, 0))} of {counts.get(arm, 0)} {arm} iterators" for arm in sorted(counts)
+            )
+        means = {
+            arm: first_sum[target][arm] / n
+            for arm, n in first_count.get(target, {}).items()
+            if n > 0 and first_sum.get(target, {}).get(arm, 0) > 0
+        }
+        first = None
+        if "legacy" in means and "upstream" in means:
+            first = Ratio(
+                means["upstream"] / means["legacy"], None, None, counts.get("legacy", 0), counts.get("upstream", 0)
+            )
+        summaries.append(ArmSummary(target, counts, affinity, None, first, 0, (), {}))
+    return summaries

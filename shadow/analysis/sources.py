@@ -53,6 +53,12 @@ BACKWARD_RUNS = contract.BACKWARD_RUNS.series
 ROLLBACKS = contract.ROLLBACKS.series
 RESETS = contract.RESETS.series
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
+#: The canary A/B's series (shadow.analysis.arms reads them: not comparisons).
+ARM_SERIES = (
+    contract.ARM_ITERATORS.series,
+    contract.ARM_FIRST_BATCH.series,
+    contract.ARM_FIRST_BATCHES.series,
+)
 BUILD_INFO = contract.BUILD_INFO.prometheus_name
 #: Comparisons in one process within this many seconds form one cluster (the verdict's clustered bound).
 CLUSTER_WINDOW_SECONDS = 60.0
@@ -170,10 +176,15 @@ def _honour_resets(counts: dict[str, TargetCounts]) -> dict[str, TargetCounts]:
 
 
 def from_exposition(
-    text: str, source: str = "exposition", run: str | None = None, all_runs: bool = False
+    text: str,
+    source: str = "exposition",
+    run: str | None = None,
+    all_runs: bool = False,
+    arms: list[tuple[str, dict[str, str], float]] | None = None,
 ) -> dict[str, TargetCounts]:
     """Counts from a Prometheus text exposition (a saved scrape, a textfile-collector file): of ``run``, or of the
-    one run it holds (see :func:`select_run`)."""
+    one run it holds (see :func:`select_run`). ``arms``, when given, receives the canary A/B's samples (series,
+    labels, value)."""
     counts: dict[str, TargetCounts] = {}
     try:
         families = list(text_string_to_metric_families(text))
@@ -194,6 +205,9 @@ def from_exposition(
                 _add(counts, sample.name, sample.labels, _count(sample.value, where))
             elif sample.name == DRILL_ACTIVE and sample.value > 0:
                 drill = True
+            elif sample.name in ARM_SERIES and arms is not None:
+                where = f"{source}: {sample.name}{dict(sample.labels)}"
+                arms.append((sample.name, dict(sample.labels), _count(sample.value, where, whole=False)))
     if drill:
         for entry in counts.values():
             entry.drilled = -1
@@ -359,13 +373,14 @@ def from_prometheus(
     all_runs: bool = False,
     start: float | None = None,
     end: float | None = None,
+    arms: list[tuple[str, dict[str, str], float]] | None = None,
 ) -> dict[str, TargetCounts]:
     """Counts from a Prometheus server, of ``run`` or of the one run it holds (:func:`select_run`; the runs seen in
     the last :data:`LOOKBACK`): each counter's exact value at ``end`` (default now; its last sample at or before,
     resets counted, so a run that has ended is read as it ended), less its value at ``start`` where given.
     ``window`` (e.g. '6h') instead takes ``increase()`` over the window before now, an extrapolation kept for
     dashboards' sake. ``selector`` narrows the series, e.g. 'job="train"'. All queries together take at most
-    ``timeout`` seconds."""
+    ``timeout`` seconds. ``arms``, when given, receives the canary A/B's series (series, labels, value)."""
     deadline = _Deadline(url, timeout)
     chosen = select_run(
         _runs(url, selector, end, deadline, window or LOOKBACK),
@@ -395,6 +410,12 @@ def from_prometheus(
             _add(counts, metric, labels, float(round(value)))
     if not counts:
         raise SourceError(f"{url} has no {COMPARISONS} series{f' matching {selector}' if selector else ''}")
+    for metric in ARM_SERIES if arms is not None and not window else ():
+        series = _exact(url, metric, selector, end, deadline, whole=False)
+        if start is not None:
+            before = _exact(url, metric, selector, start, deadline, whole=False)
+            series = {key: value - before.get(key, 0.0) for key, value in series.items()}
+        arms.extend((metric, dict(key), value) for key, value in series.items())  # type: ignore[union-attr]
     if not window:
         seconds = sum(_exact(url, PROCESS_TIME, selector, end, deadline, whole=False).values())
         if start is not None:

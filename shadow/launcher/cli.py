@@ -96,11 +96,16 @@ def _verdict(args: argparse.Namespace) -> int:
     from shadow.core.observation import BUILTIN_RISKY
 
     arm_records: list[dict] = []
+    arm_series: list[tuple[str, dict[str, str], float]] = []
     try:
         if args.prometheus:
-            counts = from_prometheus(args.prometheus, args.window, args.selector, **_prometheus_range(args))
+            counts = from_prometheus(
+                args.prometheus, args.window, args.selector, **_prometheus_range(args), arms=arm_series
+            )
         elif args.metrics_file:
-            counts = from_exposition(read_text(args.metrics_file), args.metrics_file, args.run, args.all_runs)
+            counts = from_exposition(
+                read_text(args.metrics_file), args.metrics_file, args.run, args.all_runs, arms=arm_series
+            )
         else:
             counts = from_journal(args.journal, torn := [], args.cluster_window, args.run, args.all_runs, arm_records)
             if torn:
@@ -114,7 +119,7 @@ def _verdict(args: argparse.Namespace) -> int:
         risky.setdefault(target, []).append(pattern)
     decisions = verdict.decide_all(counts, args.max_rate, risky, args.min_per_signature)
     result = verdict.overall(decisions)
-    ab = arms.summarize(arm_records)
+    ab = arms.summarize(arm_records) if arm_records else arms.summarize_series(arm_series)
     if args.format == "json":
         print(
             json.dumps(
