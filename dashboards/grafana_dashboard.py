@@ -18,6 +18,9 @@ from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefre
 
 from dashboards.series import (
     ABS_ERROR,
+    ARM_FIRST_BATCH,
+    ARM_FIRST_BATCHES,
+    ARM_ITERATORS,
     BACKWARD_RUNS,
     CALLS,
     COMPARED,
@@ -315,6 +318,22 @@ def build() -> Dashboard:
                 query(
                     f"sum by (target) (rate({SHADOW_TIME}{{{SEL}}}{rate}))",
                     "{{target}} shadow s/s",
+                    "B",
+                ),
+            )
+        )
+        .with_panel(
+            series_panel(
+                "Canary A/B: DataLoader iterators",
+                "Iterators each arm built (dataloader_init: legacy's or upstream's __init__, never both), by whether "
+                "their workers were bound to fewer cores than the process had; and each arm's mean time to the first "
+                "batch. The verdict's line has the ratios with intervals (from journals).",
+                "short",
+                query(f"sum by (target, arm, workers) ({ARM_ITERATORS}{{{SEL}}})", "{{arm}} workers {{workers}}"),
+                query(
+                    f"sum by (target, arm) ({ARM_FIRST_BATCH}{{{SEL}}}) / sum by (target, arm) "
+                    f"({ARM_FIRST_BATCHES}{{{SEL}}})",
+                    "{{arm}} mean s to first batch",
                     "B",
                 ),
             )

@@ -25,6 +25,9 @@ NOISE_FLOOR = contract.NOISE_FLOOR.prometheus_name
 AA_RUNS = contract.AA_RUNS.series
 BACKWARD_RUNS = contract.BACKWARD_RUNS.series
 TRUTH_RUNS = contract.TRUTH_RUNS.series
+ARM_ITERATORS = contract.ARM_ITERATORS.series
+ARM_FIRST_BATCH = contract.ARM_FIRST_BATCH.series
+ARM_FIRST_BATCHES = contract.ARM_FIRST_BATCHES.series
 
 HARD_REASONS = contract.VOCABULARY["hard_reasons"]
 COMPARED = f'outcome=~"{"|".join(contract.VOCABULARY["compared_outcomes"])}"'

@@ -79,6 +79,8 @@ process's time block one comparison where journals say which).
 called) |
 | foreach_devices | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
 called) |
+| lstm_forward | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
+called) |
 | module_npu | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
 called) |
 | module_to | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \

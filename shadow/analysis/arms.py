@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from statistics import median
 from typing import Any
 
+from exporters import contract
+
 _Z = 1.959963984540054  # (the normal's 97.5% quantile: a two-sided 95% interval)
 
 
@@ -202,15 +204,15 @@ def summarize_series(samples: Iterable[tuple[str, dict[str, str], float]]) -> li
         target, arm = labels.get("target", ""), labels.get("arm", "")
         if arm not in ("legacy", "upstream") or value <= 0:
             continue
-        if series.startswith("npu_shadow_arm_iterators"):
+        if series == contract.ARM_ITERATORS.series:
             iterators.setdefault(target, {}).setdefault(arm, 0.0)
             iterators[target][arm] += value
             if labels.get("workers") == "bound":
                 bound.setdefault(target, {}).setdefault(arm, 0.0)
                 bound[target][arm] += value
-        elif series.startswith("npu_shadow_arm_first_batches"):
+        elif series == contract.ARM_FIRST_BATCHES.series:
             first_count.setdefault(target, {})[arm] = first_count.get(target, {}).get(arm, 0.0) + value
-        elif series.startswith("npu_shadow_arm_first_batch"):
+        elif series == contract.ARM_FIRST_BATCH.series:
             first_sum.setdefault(target, {})[arm] = first_sum.get(target, {}).get(arm, 0.0) + value
     summaries = []
     for target, by_arm in sorted(iterators.items()):
