@@ -223,6 +223,13 @@ def _diagnose_shadowing(lines: list[str], port: int, addr: str, imported_npu: bo
             "autocast, so shadowing reports a match under autocast (a defect of both, not a divergence); "
             "the single-device oracle (--oracle) counts it as a shared divergence"
         )
+    shadowable += ["torch_load", "module_to", "foreach_devices", "lstm_forward"]
+    if hasattr(torch.nn.Module, "npu"):  # (torch generates it for an npu backend)
+        shadowable.append("module_npu")
+    lines.append(
+        "dataloader_init (the DataLoader iterator's __init__, which cannot run twice): compared as a canary A/B, in "
+        "a job run with --primary upstream"
+    )
     busy = _port_free(addr, port)
     lines.append(f"prometheus port {addr}:{port}: " + ("free" if busy is None else f"cannot bind ({busy})"))
     ok, text = self_test()
