@@ -428,7 +428,7 @@ def patched_212(torch_npu_legacy: torch_npu_source.TorchNpuLegacy) -> Iterator[t
     yield from _installed(torch_npu_legacy)
 
 
-def test_212s_lstm_forward_differs_on_a_packed_sequence_of_unequal_lengths_only(patched_212) -> None:
+def test_the_lstm_forward_of_212_differs_on_a_packed_sequence_of_unequal_lengths_only(patched_212) -> None:
     torch.manual_seed(0)
     model = torch.nn.LSTM(3, 4, bidirectional=True).to("npu:0")
     x = torch.randn(5, 2, 3, device="npu:0")
