@@ -275,7 +275,13 @@ class JsonlExporter:
 
     def _write_record(self, fields: dict) -> None:
         now = time.time()
-        stamp = {"time": datetime.datetime.fromtimestamp(now, _UTC).isoformat(), "timestamp": now}
+        # (the monotonic clock beside the wall clock: the verdict places a process's counts on its own time, which
+        # no jump of the wall clock moves)
+        stamp = {
+            "time": datetime.datetime.fromtimestamp(now, _UTC).isoformat(),
+            "timestamp": now,
+            "mono": time.monotonic(),
+        }
         self._write(f"{_encode({**fields, **stamp})[:-1]},{self._process_fields or self._process()}\n")
 
     def _write_counts(self) -> None:

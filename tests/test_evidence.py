@@ -545,3 +545,29 @@ def test_the_metrics_of_a_drill_name_it_too():
     decisions = verdict.decide_all(sources.from_exposition(text), 0.001, {}, 30)
     assert decisions[0].drilled == -1
     assert verdict.drill_note(decisions).startswith("FIRE DRILL: the metrics show synthetic divergence")
+
+
+def test_a_wall_clock_that_jumps_makes_no_clusters_and_is_said(tmp_path):
+    """A process whose wall clock jumps an hour between count records, its monotonic clock advancing 30 s: its
+    comparisons are as many clusters as on a steady clock (before, each record opened a cluster of its own: more
+    evidence from a broken clock), and the verdict says the jump."""
+    import journals
+
+    from shadow.analysis import sources, verdict
+
+    def journal(name: str, jump: float) -> str:
+        records = []
+        for i in range(1, 41):
+            record = journals.counts({"call": {"match": 10 * i}}, timestamp=1_700_000_000.0 + (30 + jump) * i)
+            record["mono"] = 5_000.0 + 30.0 * i
+            record["clusters"] = 0
+            records.append(record)
+        return str(journals.write(tmp_path / name, records))
+
+    steady = verdict.decide("op", sources.from_journal([journal("steady.jsonl", 0)])["op"], 0.05)
+    jumping_counts = sources.from_journal([journal("jumping.jsonl", 3600)])["op"]
+    jumping = verdict.decide("op", jumping_counts, 0.05)
+    assert steady.clusters == jumping.clusters == 20  # (20 minutes of process time, one cluster a minute)
+    assert steady.upper == jumping.upper
+    assert any("the wall clock jumped +3600 s" in note for note in jumping_counts.notes)
+    assert jumping_counts.process_seconds == steady.clusters * 60 - 30  # (its own time, not ten hours)

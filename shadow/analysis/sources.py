@@ -62,6 +62,8 @@ ARM_SERIES = (
 BUILD_INFO = contract.BUILD_INFO.prometheus_name
 #: Comparisons in one process within this many seconds form one cluster (the verdict's clustered bound).
 CLUSTER_WINDOW_SECONDS = 60.0
+#: A process's wall clock and monotonic clock parting by more than this between two count records is a jump, said.
+CLOCK_JUMP_SECONDS = 5.0
 
 #: The most a metrics file, a journal line or a Prometheus answer may hold.
 MAX_FILE_BYTES = 64 << 20
@@ -554,11 +556,48 @@ class _Stream:
     counted: bool = False  # has count records
     run: str = ""  # the run its records name ("": before runs had ids)
     arms: list[dict] = dataclasses.field(default_factory=list)  # its canary A/B's iterators (shadow.core.arms)
+    #: Its count records' monotonic clock (``mono``) and wall clock at the first and the last of them: its clusters
+    #: follow the monotonic clock, which no wall-clock jump moves.
+    mono_start: float | None = None
+    clock: tuple[float, float] | None = None  # (wall, mono) of the last count record
+    jumps: list[str] = dataclasses.field(default_factory=list)  # the wall clock's jumps, said
 
     def see(self, timestamp: object) -> None:
         if isinstance(timestamp, (int, float)) and math.isfinite(timestamp):
             self.start = timestamp if self.start is None else min(self.start, timestamp)
             self.last = timestamp if self.last is None else max(self.last, timestamp)
+
+    def process_time(self, record: dict, where: str) -> float:
+        """Where a count record falls on the process's own time: its monotonic clock where the record has one
+        (a jump of the wall clock between two records is said, and adds no time), else its timestamp."""
+        wall, mono = record["timestamp"], record.get("mono")
+        if mono is None:
+            return wall
+        if isinstance(mono, bool) or not isinstance(mono, (int, float)) or not math.isfinite(mono):
+            raise SourceError(f"{where}: a count record whose mono is {json.dumps(mono)}, not a finite number")
+        if self.clock is not None:
+            jump = (wall - self.clock[0]) - (mono - self.clock[1])
+            if abs(jump) > CLOCK_JUMP_SECONDS:
+                self.jumps.append(f"{where}: the wall clock jumped {jump:+.0f} s (clusters follow the monotonic clock)")
+        self.clock = (wall, mono)
+        self.mono_start = mono if self.mono_start is None else min(self.mono_start, mono)
+        return mono
+
+    def on_process_time(self, wall: float) -> float:
+        """A wall-clock time (an outcome line after the last count record) on the process's own time."""
+        return wall if self.clock is None else self.clock[1] + (wall - self.clock[0])
+
+    @property
+    def origin(self) -> float | None:
+        """The start of the process's own time: its first monotonic reading, else its first timestamp."""
+        return self.mono_start if self.mono_start is not None else self.start
+
+    @property
+    def seconds(self) -> float:
+        """How long the process ran, on its own time."""
+        if self.mono_start is not None and self.clock is not None:
+            return self.clock[1] - self.mono_start
+        return self.last - self.start if self.start is not None and self.last is not None else 0.0
 
 
 def _compared(counts: dict) -> tuple[float, float]:
@@ -757,8 +796,9 @@ class JournalReader:
             if compared < before[0] or divergent < before[1]:
                 raise SourceError(f"{where}: a count record below the process's earlier one (counts only grow)")
             phase.previous = (compared, divergent)
+            at = stream.process_time(record, where)
             if compared - before[0] > 0:
-                phase.intervals.append((record["timestamp"], compared - before[0], divergent - before[1]))
+                phase.intervals.append((at, compared - before[0], divergent - before[1]))
         elif event == "arm":
             stream.arms.append(record)
         elif event in ("rollback", "reset"):
@@ -796,8 +836,7 @@ class JournalReader:
                     "(journals of npu-shadow before count records; write them with all_outcomes=True)"
                 )
             self._add_stream(counts, key, stream)
-            if stream.start is not None and stream.last is not None:
-                seconds += stream.last - stream.start
+            seconds += stream.seconds
         for entry in counts.values():
             entry.process_seconds = seconds
         return counts
@@ -830,7 +869,7 @@ class JournalReader:
             for second, (compared, divergent) in tail.seconds.items():
                 counted = compared if complete_tail else divergent  # (incomplete: only the divergences count)
                 if counted:
-                    intervals.append((float(second), counted, divergent))
+                    intervals.append((stream.on_process_time(float(second)), counted, divergent))
             if not complete_tail and any(o in DIVERGENT_OUTCOMES for (_, o) in tail.outcomes):
                 entry.notes.append(
                     f"process {key[0]}/{key[1]} left {tail.lines} lines after its last count record (it did not "
@@ -839,8 +878,11 @@ class JournalReader:
         for (target, primary), phase in stream.phases.items():
             entry = counts.setdefault(target, TargetCounts())
             entry.clustering = clustering(self.window)
-            for block, (compared, divergent) in enumerate(_blocks(phase.intervals, stream.start, self.window)):
+            for block, (compared, divergent) in enumerate(_blocks(phase.intervals, stream.origin, self.window)):
                 entry.add_to_cluster((*key, block), compared, divergent, primary)
+            for jump in stream.jumps[:3]:
+                if jump not in entry.notes:
+                    entry.notes.append(jump)
 
     @staticmethod
     def _add_counts(entry: TargetCounts, primary: str, counts: dict) -> None:
