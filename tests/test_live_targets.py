@@ -69,11 +69,12 @@ def test_the_213_wheel_gives_the_live_patches_and_lacks_the_removed_ones(legacy_
     assert "has no 'npu_parallel_apply'" in legacy_213.missing["parallel_apply"]
 
 
+@pytest.mark.parametrize("device", [torch.device("npu:1"), "npu:1"], ids=["torch.device", "str"])
 @pytest.mark.parametrize("primary", ["legacy", "upstream"])
-def test_module_npu_given_a_device_object_is_legacys_type_error(patched, primary: str) -> None:
+def test_module_npu_given_a_device_object_is_legacys_type_error(patched, primary: str, device: Any) -> None:
     expected = None
     try:
-        patched.patches["module_npu"](torch.nn.Linear(3, 2), torch.device("npu:1"))
+        patched.patches["module_npu"](torch.nn.Linear(3, 2), device)
     except TypeError as exc:
         expected = str(exc)
     assert expected is not None and "must be int" in expected
@@ -81,11 +82,11 @@ def test_module_npu_given_a_device_object_is_legacys_type_error(patched, primary
     with _monitor(primary) as monitor:
         if primary == "legacy":
             with pytest.raises(TypeError) as raised:
-                model.npu(torch.device("npu:1"))
+                model.npu(device)
             assert str(raised.value) == expected  # (legacy's own exception, unchanged)
             assert model.weight.device.type == "cpu"
         else:
-            assert model.npu(torch.device("npu:1")) is model  # (the canary returns upstream's: it works)
+            assert model.npu(device) is model  # (the canary returns upstream's: it works)
             assert model.weight.device == torch.device("npu:1")
         counts = _counts(monitor, "module_npu")
     assert counts == {"outcomes": {"error": 1}, "reasons": {"exception": 1}}
