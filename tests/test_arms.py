@@ -224,3 +224,21 @@ def test_a_dataloader_canary_runs_both_arms_and_the_verdict_reports_legacys_affi
         in (line)
     ), from_metrics.stdout
     assert "first batch" in line and "(legacy 3, upstream 3 iterators)" in line
+
+
+def test_a_failure_measuring_an_iterator_is_counted_and_never_the_jobs(monkeypatch) -> None:
+    from shadow.core import arms as core_arms
+
+    def broken(pid: int = 0) -> tuple:
+        raise OSError("no affinity here")
+
+    keep = _Keep()
+    trial, built = _arms(keep)
+    monkeypatch.setattr(core_arms, "_cores", broken)
+    monkeypatch.setattr(core_arms, "_digest", lambda batch: 1 / 0)
+    try:
+        batches = [b[0].tolist() for b in DataLoader(TensorDataset(torch.arange(4.0)), batch_size=2, num_workers=1)]
+    finally:
+        trial.uninstall()
+    assert batches == [[0.0, 1.0], [2.0, 3.0]] and built  # (the job's iterator, built and read as ever)
+    assert trial.failures >= 2 and keep.runs == []

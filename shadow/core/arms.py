@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import random
 import threading
@@ -34,6 +35,8 @@ from torch.utils._pytree import tree_iter
 
 from shadow.core.exporting import call_hook
 from shadow.core.observation import ARM_TARGETS, LEGACY, UPSTREAM
+
+log = logging.getLogger("shadow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +143,8 @@ class IteratorArms:
         self.process_cores = _cores()
         self.rolled_back_by: str | None = None
         self.counts: dict[str, int] = {LEGACY: 0, UPSTREAM: 0}
+        #: This tool's failures measuring iterators (counted, said once, never the job's).
+        self.failures = 0
         self._saved: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ installing
@@ -166,7 +171,7 @@ class IteratorArms:
             measure.batches += 1
             if measure.first_at is None:
                 measure.first_at = now
-                measure.digest = _digest(batch)
+                measure.digest = trial._guarded(_digest, batch) or ""
             measure.last_at = now
             return batch
 
@@ -206,7 +211,7 @@ class IteratorArms:
 
     def _build(self, iterator: Any, args: tuple, kwargs: dict) -> None:
         arm = self._next_arm()
-        before = _cores()
+        before = self._guarded(_cores) or ()
         started = time.perf_counter()
         raised = ""
         try:
@@ -218,36 +223,52 @@ class IteratorArms:
             raised = f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            seconds = time.perf_counter() - started
-            run = ArmRun(
-                target=self.target,
-                arm=arm,
-                timestamp=time.time(),
-                worker_cores=tuple(_cores(w.pid) for w in getattr(iterator, "_workers", ()) if w.pid),
-                caller_cores_before=before,
-                caller_cores_after=_cores(),
-                process_cores=self.process_cores,
-                init_seconds=seconds,
-                base_seed=getattr(iterator, "_base_seed", None),
-                raised=raised[:300],
-            )
-            if raised:
-                self._export(run)
-            else:
-                self._measures[iterator] = _Measure(run, started)
-                weakref.finalize(iterator, self._report, self._measures[iterator])
+            self._guarded(self._measure, iterator, arm, before, started, raised)
+
+    def _measure(self, iterator: Any, arm: str, before: tuple[int, ...], started: float, raised: str) -> None:
+        """What is known of an iterator once its arm built it (or raised): exported now where it raised, else once
+        it is exhausted, collected, or at exit."""
+        run = ArmRun(
+            target=self.target,
+            arm=arm,
+            timestamp=time.time(),
+            worker_cores=tuple(_cores(w.pid) for w in getattr(iterator, "_workers", ()) if w.pid),
+            caller_cores_before=before,
+            caller_cores_after=_cores(),
+            process_cores=self.process_cores,
+            init_seconds=time.perf_counter() - started,
+            base_seed=getattr(iterator, "_base_seed", None),
+            raised=raised[:300],
+        )
+        if raised:
+            self._export(run)
+        else:
+            self._measures[iterator] = _Measure(run, started)
+            weakref.finalize(iterator, self._report, self._measures[iterator])
+
+    def _guarded(self, function: Callable, *args: Any) -> Any:
+        """This tool's own work beside the job's iterator: a failure is counted and said once, never the job's."""
+        try:
+            return function(*args)
+        except Exception as exc:
+            self.failures += 1
+            if self.failures == 1:
+                log.warning("npu-shadow [%s]: measuring an iterator failed (%r); the job goes on", self.target, exc)
+            return None
 
     def _build_upstream(self, iterator: Any, args: tuple, kwargs: dict, before: tuple[int, ...]) -> None:
         """Upstream's ``__init__`` from the cores the process had when the trial began (legacy's binding of this
         thread, from an earlier legacy arm, is not upstream's), this thread put back as it was after."""
         rebind = bool(self.process_cores) and before != self.process_cores
         if rebind:
-            os.sched_setaffinity(0, self.process_cores)
+            failures = self.failures
+            self._guarded(os.sched_setaffinity, 0, self.process_cores)
+            rebind = self.failures == failures  # (put back only what was changed)
         try:
             self.upstream(iterator, *args, **kwargs)
         finally:
             if rebind:
-                os.sched_setaffinity(0, before)
+                self._guarded(os.sched_setaffinity, 0, before)
 
     def _finish(self, iterator: Any) -> None:
         measure = self._measures.pop(iterator, None)
