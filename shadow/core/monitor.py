@@ -394,8 +394,12 @@ def _arms(targets: Any, primary: str, exporters: Sequence[Any], seed: int | None
     upstream = live_targets.upstream(name)
     if builtin.patch_origin(legacy) is None or upstream is None or upstream is legacy:
         return None
-    arms = IteratorArms(legacy, upstream, exporters, seed)
-    arms.install()
+    try:
+        arms = IteratorArms(legacy, upstream, exporters, seed)
+        arms.install()
+    except Exception as exc:  # (a host without CPU affinity calls, say: the A/B is ours to give up, never the job's)
+        log.warning("npu-shadow: the DataLoader iterator's A/B could not start (%r); iterators stay legacy's", exc)
+        return None
     return arms
 
 
