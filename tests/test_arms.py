@@ -189,6 +189,7 @@ print("total", total)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="torch_npu binds to a device's share of 2+ cores")
 def test_a_dataloader_canary_runs_both_arms_and_the_verdict_reports_legacys_affinity(tmp_path) -> None:
     journal = tmp_path / "j.jsonl"

@@ -14,6 +14,8 @@ from torch_npu_wheels import wheel
 from shadow.analysis import census
 from shadow.npu.torch_npu_source import LATER_RELEASES, RELEASES, LegacySourceError
 
+pytestmark = pytest.mark.slow
+
 PACKAGE = {
     "torch_npu/__init__.py": """
         import os

@@ -7,6 +7,7 @@ import subprocess
 import types
 
 import faults
+import pytest
 import torch
 import yaml
 from metrics_helpers import promtool
@@ -35,6 +36,7 @@ def run_promtool(*args, cwd=PROMETHEUS_DIR):
     return done.stdout
 
 
+@pytest.mark.slow
 def test_promtool_checks_and_unit_tests_the_rules():
     assert "SUCCESS" in run_promtool("check", "rules", rules.RULES_PATH.name)
     assert "SUCCESS" in run_promtool("test", "rules", rule_cases.TEST_PATH.name)

@@ -9,6 +9,10 @@ import re
 import socket
 import subprocess
 
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import faults
+import pytest
 import torch
 from prometheus_client import CollectorRegistry
 from prometheus_server import prometheus
@@ -17,6 +18,8 @@ from exporters import PrometheusExporter
 from shadow.analysis import verdict
 from shadow.core import clusters
 from shadow.core import targets as builtin
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def run_workload(server, job, target, calls):

@@ -20,6 +20,8 @@ from torch_npu_wheels import wheel
 
 from dashboards import rules
 
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(ROOT, "dashboards")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")

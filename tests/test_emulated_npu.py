@@ -331,6 +331,7 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_process_that_ran_backward_on_two_emulated_devices_exits_cleanly():
     """The autograd engine's device threads are stopped at exit while the interpreter is alive; left to the
     engine's static destructor, one of them aborted about every other run ("terminate called without an active

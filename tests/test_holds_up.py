@@ -16,6 +16,8 @@ import torch
 import shadow
 from shadow import Target
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

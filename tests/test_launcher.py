@@ -17,6 +17,8 @@ from torch_npu_wheels import wheel
 from shadow.launcher import config as cfg
 from shadow.launcher import doctor, runner
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_dataparallel.py")
 FAKE_TORCH_NPU = os.path.join(ROOT, "tests", "fake_torch_npu")

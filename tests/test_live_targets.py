@@ -380,6 +380,7 @@ print("loaded:", sorted(torch.load(sys.argv[1])))
 """
 
 
+@pytest.mark.slow
 def test_under_the_launcher_the_job_gets_legacys_results_and_the_evidence_names_each_difference(tmp_path) -> None:
     import json
     import subprocess
@@ -459,6 +460,7 @@ print("stepped")
 """
 
 
+@pytest.mark.slow
 def test_an_optimizer_on_an_older_soc_shows_what_deleting_the_foreach_patch_turns_on(tmp_path) -> None:
     import json
     import subprocess

@@ -18,6 +18,8 @@ from exporters import JsonlExporter, PrometheusExporter
 from shadow import Target
 from shadow.core import runs as environment
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from metrics_helpers import samples, scrape, total
+
+pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(__file__)
 

@@ -8,6 +8,8 @@ import xml.etree.ElementTree as ElementTree
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SUITE = """

@@ -159,6 +159,7 @@ def test_counts_from_a_metrics_file_with_details_from_journals(tmp_path, capsys)
     assert "device npu:0 vs npu:1 #0" in out  # details still come from the journal
 
 
+@pytest.mark.slow
 def test_millions_of_lines_need_bounded_memory(tmp_path):
     """Memory depends on the number of groups and tests, not lines: 20x the lines, about the same peak."""
 

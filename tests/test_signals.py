@@ -8,6 +8,8 @@ import sys
 import pytest
 from metrics_helpers import samples, total
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 JOB = "import os, time, torch\ntorch.ones(2).type(torch.float64)\nprint(os.getpid(), flush=True)\ntime.sleep(120)\n"

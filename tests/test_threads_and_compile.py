@@ -11,6 +11,8 @@ import torch
 
 import shadow
 
+pytestmark = pytest.mark.slow
+
 THREADS, CALLS = 8, 10_000
 
 

@@ -19,6 +19,8 @@ from exporters import PrometheusExporter
 from shadow.core.drill import Drill
 from shadow.core.targets import data_parallel_signature
 
+pytestmark = pytest.mark.slow
+
 
 def test_3_in_a_canary_skipped_calls_name_upstream_as_the_side_returned():
     """A call skipped for its module's hooks returned upstream's result in a canary: its skip says so."""
