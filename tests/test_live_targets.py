@@ -525,3 +525,24 @@ def test_clean_says_what_the_evidence_keeps_of_a_result() -> None:
         assert Holder.load(torch.ones(2))["optimizer"][-1] == 999  # (the caller's result is whole)
     (evidence,) = kept
     assert torch.equal(evidence.legacy, torch.full((2,), 2.0)) and torch.equal(evidence.upstream, torch.full((2,), 3.0))
+
+
+def test_a_snapshot_that_fails_is_a_counted_skip_never_a_divergence() -> None:
+    calls = []
+
+    def snapshot(result: Any, args: tuple, kwargs: dict) -> Any:
+        calls.append(1)
+        if len(calls) == 2:  # (the shadow run's)
+            raise RuntimeError("cannot read the module")
+        return live_targets.module_state(result, args, kwargs)
+
+    class Holder:
+        @staticmethod
+        def same(module: torch.nn.Module) -> torch.nn.Module:
+            return module
+
+    target = Target(name="same", owner=Holder, attribute="same", upstream=Holder.same, snapshot=snapshot)
+    with shadow.install(targets=[target], sample_rate=1.0, budget=None) as monitor:
+        Holder.same(torch.nn.Linear(2, 2))
+        stats = monitor.stats()["same"]
+    assert (stats.error, stats.skipped, dict(stats.by_reason)) == (0, 1, {"comparator": 1})

@@ -58,8 +58,8 @@ def is_hooked_subclass(leaf: Any) -> bool:
 
 
 class IsolationFailed(RuntimeError):
-    """Setting up or undoing the shadow run's isolation failed: this tool's fault, the call skipped as "comparator"
-    (never compared as the shadow side's exception)."""
+    """Setting up or undoing the shadow run's isolation, or taking its snapshot, failed: this tool's (or the
+    target's) fault, the call skipped as "comparator" (never compared as the shadow side's exception)."""
 
 
 def _as_it_is(value: Any) -> Any:
@@ -437,7 +437,10 @@ class UpstreamSide:
                 args, kwargs = plan.upstream_arguments()
                 value = shadow_fn(*args, **kwargs)
                 if snapshot is not None:  # (taken on the isolation's stand-ins, before they are put back)
-                    value = snapshot(value, args, kwargs)
+                    try:
+                        value = snapshot(value, args, kwargs)
+                    except Exception as exc:  # (the target's own code, never the shadow side's outcome)
+                        raise IsolationFailed(f"the target's snapshot failed: {exc!r}") from exc
                 if drill is not None and drill.kind != "exception":
                     value, drilled = drill.corrupt(value, (args, kwargs))
                 return value
@@ -466,6 +469,9 @@ class UpstreamSide:
         finally:
             if left_there is not None:
                 left_there()
+        if isinstance(finished.error, IsolationFailed):
+            experiment.put_back(left_by_legacy)
+            raise finished.error
         seconds = time.perf_counter() - start
         left_by_upstream = left if left is not None and finished.finished else TorchGlobals()
         unchanged = left_by_legacy.same_as(plan.before) and left_by_upstream.same_as(plan.before)
