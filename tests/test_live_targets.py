@@ -7,8 +7,11 @@ from __future__ import annotations
 import collections
 import fnmatch
 import io
+import json
 import os
 import pickle
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -365,6 +368,28 @@ def test_the_emulated_affinity_follows_torch_npus_conf(monkeypatch) -> None:
     assert os.sched_getaffinity(0)  # (the emulator binds with the kernel's own call)
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _launch(tmp_path: Any, job: str, *options: str, env: dict | None = None) -> tuple[Any, Any]:
+    """``npu-shadow run --emulate-npu 2 --legacy-from <2.13.0 wheel> --sample-rate 1 --journal J OPTIONS -- job``:
+    the finished process and the journal's path."""
+    journal = tmp_path / "j.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.13.0"),
+         "--sample-rate", "1", "--journal", str(journal), *options, "--", sys.executable, "-c", job,
+         str(tmp_path / "model.pt")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    return done, journal
+
+
+def _npu_shadow(*args: str) -> Any:
+    return subprocess.run(
+        [sys.executable, "-m", "shadow", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
 _LIVE_JOB = """
 import sys, torch
 model = torch.nn.Linear(3, 2)
@@ -382,18 +407,7 @@ print("loaded:", sorted(torch.load(sys.argv[1])))
 
 @pytest.mark.slow
 def test_under_the_launcher_the_job_gets_legacys_results_and_the_evidence_names_each_difference(tmp_path) -> None:
-    import json
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    journal = tmp_path / "j.jsonl"
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.13.0"),
-         "--sample-rate", "1", "--budget", "off", "--journal", str(journal), "--journal-all", "--",
-         sys.executable, "-c", _LIVE_JOB, str(tmp_path / "model.pt")],
-        cwd=root, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done, journal = _launch(tmp_path, _LIVE_JOB, "--budget", "off", "--journal-all")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "caught TypeError: device(): argument 'index'" in done.stdout  # legacy's exception, as the job had it
     said = "torch_npu 2.13.0 has no tensor_type, parallel_apply, data_parallel, lstm_forward patch"
@@ -406,17 +420,11 @@ def test_under_the_launcher_the_job_gets_legacys_results_and_the_evidence_names_
         ("module_to", "mismatch", ("stride",)),
         ("torch_load", "match", ()),
     }
-    verdict = subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", "--journal", str(journal), "--format", "json"],
-        cwd=root, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    verdict = _npu_shadow("verdict", "--journal", str(journal), "--format", "json")
     decided = {t["target"]: (t["decision"], t["divergent"]) for t in json.loads(verdict.stdout)["targets"]}
     assert decided["module_npu"] == ("rollback", 1) and decided["module_to"] == ("rollback", 1)
     assert decided["torch_load"] == ("inconclusive", 0)
-    report = subprocess.run(
-        [sys.executable, "-m", "shadow", "report", "--journal", str(journal), "--markdown", str(tmp_path / "r.md")],
-        cwd=root, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    report = _npu_shadow("report", "--journal", str(journal), "--markdown", str(tmp_path / "r.md"))
     text = (tmp_path / "r.md").read_text()
     assert report.returncode == 0 and "| module_to | rollback | 1 | 1 |" in text and "| module_npu | rollback |" in text
     assert "torch_npu 2.13.0 source" in text
@@ -462,18 +470,7 @@ print("stepped")
 
 @pytest.mark.slow
 def test_an_optimizer_on_an_older_soc_shows_what_deleting_the_foreach_patch_turns_on(tmp_path) -> None:
-    import json
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    journal = tmp_path / "j.jsonl"
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.13.0"),
-         "--sample-rate", "1", "--journal", str(journal), "--", sys.executable, "-c", _OPTIMIZER_JOB],
-        cwd=root, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "NPU_SHADOW_EMULATED_SOC": "Ascend910A"},
-    )  # fmt: skip
+    done, journal = _launch(tmp_path, _OPTIMIZER_JOB, env={**os.environ, "NPU_SHADOW_EMULATED_SOC": "Ascend910A"})
     assert done.returncode == 0 and "stepped" in done.stdout, done.stderr[-3000:]
     lines = [json.loads(line) for line in journal.read_text().splitlines()]
     (line,) = [r for r in lines if r.get("target") == "foreach_devices" and "outcome" in r]
@@ -481,10 +478,7 @@ def test_an_optimizer_on_an_older_soc_shows_what_deleting_the_foreach_patch_turn
         line["reasons"] == ["custom"]
         and "turns the foreach (multi-tensor) optimizer kernels on for npu" in (line["detail"])
     )
-    verdict = subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", "--journal", str(journal)],
-        cwd=root, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    verdict = _npu_shadow("verdict", "--journal", str(journal))
     row = next(r for r in verdict.stdout.splitlines() if r.startswith("foreach_devices"))
     assert "rollback" in row and "hard mismatches: 1 custom (deleting the patch changes whether the optimizers" in row
 
