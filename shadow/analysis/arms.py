@@ -12,6 +12,7 @@ call noise shows as an interval that holds 1.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
@@ -20,6 +21,7 @@ from typing import Any
 
 from exporters import contract
 
+ARMS = ("legacy", "upstream")
 _Z = 1.959963984540054  # (the normal's 97.5% quantile: a two-sided 95% interval)
 
 
@@ -196,40 +198,35 @@ def summarize_series(samples: Iterable[tuple[str, dict[str, str], float]]) -> li
     """One summary per A/B target from its metrics (``npu_shadow_arm_*``): iterators by arm, whether their workers
     were bound, and the mean time to the first batch (a ratio of means: metrics keep no distribution, so no
     interval; the journals have one)."""
-    iterators: dict[str, dict[str, float]] = {}
-    bound: dict[str, dict[str, float]] = {}
-    first_sum: dict[str, dict[str, float]] = {}
-    first_count: dict[str, dict[str, float]] = {}
+    totals: collections.Counter[tuple[str, str, str]] = collections.Counter()  # (series kind, target, arm)
     for series, labels, value in samples:
         target, arm = labels.get("target", ""), labels.get("arm", "")
         if arm not in ("legacy", "upstream") or value <= 0:
             continue
         if series == contract.ARM_ITERATORS.series:
-            iterators.setdefault(target, {}).setdefault(arm, 0.0)
-            iterators[target][arm] += value
+            totals["iterators", target, arm] += value
             if labels.get("workers") == "bound":
-                bound.setdefault(target, {}).setdefault(arm, 0.0)
-                bound[target][arm] += value
+                totals["bound", target, arm] += value
         elif series == contract.ARM_FIRST_BATCHES.series:
-            first_count.setdefault(target, {})[arm] = first_count.get(target, {}).get(arm, 0.0) + value
+            totals["first batches", target, arm] += value
         elif series == contract.ARM_FIRST_BATCH.series:
-            first_sum.setdefault(target, {})[arm] = first_sum.get(target, {}).get(arm, 0.0) + value
+            totals["first batch seconds", target, arm] += value
     summaries = []
-    for target, by_arm in sorted(iterators.items()):
-        counts = {arm: round(n) for arm, n in by_arm.items()}
-        bound_of = bound.get(target, {})
+    for target in sorted({target for kind, target, _ in totals if kind == "iterators"}):
+        counts = {arm: round(totals["iterators", target, arm]) for arm in ARMS if totals["iterators", target, arm]}
+        bound = {arm: round(totals["bound", target, arm]) for arm in ARMS}
         affinity = "same"
-        if any(bound_of.get(arm, 0) for arm in counts) and bound_of.get("legacy", 0) != bound_of.get("upstream", 0):
+        if any(bound.values()) and bound["legacy"] != bound["upstream"]:
             affinity = "differs: workers bound to fewer cores than the process had in " + ", ".join(
-                f"{round(bound_of.get(arm, 0))} of {counts.get(arm, 0)} {arm} iterators" for arm in sorted(counts)
+                f"{bound[arm]} of {counts.get(arm, 0)} {arm} iterators" for arm in sorted(counts)
             )
         means = {
-            arm: first_sum[target][arm] / n
-            for arm, n in first_count.get(target, {}).items()
-            if n > 0 and first_sum.get(target, {}).get(arm, 0) > 0
+            arm: totals["first batch seconds", target, arm] / totals["first batches", target, arm]
+            for arm in ARMS
+            if totals["first batches", target, arm] > 0 and totals["first batch seconds", target, arm] > 0
         }
         first = None
-        if "legacy" in means and "upstream" in means:
+        if len(means) == 2:
             first = Ratio(
                 means["upstream"] / means["legacy"], None, None, counts.get("legacy", 0), counts.get("upstream", 0)
             )

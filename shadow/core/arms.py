@@ -142,7 +142,6 @@ class IteratorArms:
         self._measures: weakref.WeakKeyDictionary[Any, _Measure] = weakref.WeakKeyDictionary()
         self.process_cores = _cores()
         self.rolled_back_by: str | None = None
-        self.counts: dict[str, int] = {LEGACY: 0, UPSTREAM: 0}
         #: This tool's failures measuring iterators (counted, said once, never the job's).
         self.failures = 0
         self._saved: dict[str, Any] = {}
@@ -205,9 +204,7 @@ class IteratorArms:
             if not self._block:
                 self._block = [LEGACY, UPSTREAM]
                 self._random.shuffle(self._block)
-            arm = self._block.pop()
-            self.counts[arm] += 1
-            return arm
+            return self._block.pop()
 
     def _build(self, iterator: Any, args: tuple, kwargs: dict) -> None:
         arm = self._next_arm()

@@ -81,9 +81,8 @@ def upstream(name: str) -> Callable | None:
         return importlib.import_module("torch.serialization").load
     if name == "foreach_devices":
         return importlib.import_module("torch.utils._foreach_utils")._get_foreach_kernels_supported_devices
-    owner = {"dataloader_init": _iterator_class(), "lstm_forward": torch.nn.LSTM}.get(name, torch.nn.Module)
-    attribute = {"module_to": "to", "module_npu": "npu", "dataloader_init": "__init__", "lstm_forward": "forward"}[name]
-    found = upstream_of(owner, attribute) or _ON_IMPORT.get(name)
+    owner, attribute = {**PLACES, **ARM_PLACES}[name]
+    found = upstream_of(owner(), attribute) or _ON_IMPORT.get(name)
     if found is None and name == "module_npu":
         return _generated_module_npu
     return found

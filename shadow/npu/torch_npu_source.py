@@ -95,12 +95,6 @@ PATCHES: tuple[Patch, ...] = (
     ),
 )
 
-#: What the three original patches need loaded together (``_parallel_apply`` is what two of them call).
-DEFINITIONS: dict[str, tuple[str, ...]] = {
-    "torch_npu/utils/tensor_methods.py": ("_npu_type",),
-    _MODULE: ("_parallel_apply", "npu_parallel_apply", "npu_data_parallel"),
-}
-
 #: torch_npu's runtime Python that the patches call through ``torch.npu`` (device and stream handling), run from
 #: the same source where the accelerator is the emulated npu: ``torch_npu.npu.<name>`` for each name.
 RUNTIME: dict[str, tuple[str, ...]] = {
