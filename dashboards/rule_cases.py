@@ -93,6 +93,19 @@ def cases() -> list[dict]:
             ],
         ),
         case(
+            "ten clean hours then an hour at 5x the max rate: the sustained burn fires, the faster ones do not",
+            [
+                comparisons("match", "0+1000x660"),
+                comparisons("mismatch", "0x600 0+5x60"),
+            ],
+            [
+                ("590m", "NpuShadowDivergenceSustained", []),
+                ("665m", "NpuShadowDivergenceSustained", [expected("NpuShadowDivergenceSustained")]),
+                ("665m", "NpuShadowDivergenceFastBurn", []),
+                ("665m", "NpuShadowDivergenceSlowBurn", []),
+            ],
+        ),
+        case(
             "no traffic: ratios are 0/0 and nothing fires",
             [*quiet, series("npu_shadow_calls_total", "0x120"), series("npu_shadow_sample_rate", "0.01x120")],
             [(at, alertname, []) for at in ("30m", "119m") for alertname in _alerts_by_name()],

@@ -54,6 +54,13 @@ PARAMS: dict[str, Any] = {
     "min_samples": 100,
     "fast_burn": {"factor": verdict.BURN_RATE_FACTORS["fast burn"], "long": "30m", "short": "5m", "for": "1m"},
     "slow_burn": {"factor": verdict.BURN_RATE_FACTORS["slow burn"], "long": "2h", "short": "15m", "for": "5m"},
+    # an hour over 3x however clean the hours before it (the promotion verdict's recent window is an hour too)
+    "sustained_burn": {
+        "factor": verdict.BURN_RATE_FACTORS["sustained burn"],
+        "long": "1h",
+        "short": "5m",
+        "for": "5m",
+    },
     "hard_window": "10m",
     # blind: calls * sample rate promised this many comparisons in the window, and none came
     "blind": {"window": "15m", "expected": 20, "for": "10m"},
@@ -279,6 +286,15 @@ def _alerting_rules() -> list[dict]:
             "investigate",
             f"Upstream diverges slowly but steadily. Look at {MISMATCHES} by reason and at the "
             "error histograms; run `npu-shadow verdict` before deciding.",
+        ),
+        _burn(
+            PARAMS["sustained_burn"],
+            "NpuShadowDivergenceSustained",
+            "ticket",
+            "investigate",
+            "Upstream has diverged above the budget for the last hour, whatever the history before it (a change "
+            "of data, of phase, of a node): the verdict's recent window refuses promotion meanwhile. Read the "
+            "journal's mismatches of the last hour and run `npu-shadow verdict`.",
         ),
         _alert(
             "NpuShadowHardMismatch",

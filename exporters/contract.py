@@ -198,8 +198,9 @@ CLUSTERS = Metric(
     "{cluster}",
     "counter",
     ("target", "primary"),
-    "Clusters of comparisons (a process's 60 s blocks, an incident never cut: shadow.core.clusters): the unit the "
-    "verdict counts evidence in, by the side whose result the caller got.",
+    "Clusters of comparisons (a process's 60 s blocks, an incident never cut, a distributed job's rank counting "
+    "1/WORLD_SIZE of each: shadow.core.clusters): the unit the verdict counts evidence in, by the side whose result "
+    "the caller got.",
 )
 TRUTH_RUNS = Metric(
     "npu_shadow.truth_runs",

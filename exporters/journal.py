@@ -63,7 +63,7 @@ class _Counts:
         self.reasons: dict[str, int] = {}
         self.shared: dict[str, int] = {}
         self.calls: dict[str, int] = {}
-        self.clusters = 0  # (shadow.core.clusters: the clusters its comparisons opened)
+        self.clusters = 0.0  # (shadow.core.clusters: the clusters its comparisons opened, 1 / WORLD_SIZE each)
         self.drilled = 0
         self.truth: dict[str, dict[str, int]] = {}  # signature -> nearer -> truth runs
         self.truth_decades: dict[str, dict[str, int]] = {}  # signature -> error decade -> truth runs
@@ -76,7 +76,7 @@ class _Counts:
             return
         by_outcome = self.outcomes.setdefault(o.signature, {})
         by_outcome[o.outcome] = by_outcome.get(o.outcome, 0) + 1
-        self.clusters += o.opens_cluster
+        self.clusters += o.cluster_share
         for reason in o.reasons:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
         if o.shared_divergence:

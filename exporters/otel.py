@@ -234,8 +234,8 @@ class OTelExporter:
                     add(contract.SKIPPED, 1, target, reason, observation.signature, observation.primary)
                 return
             add(contract.COMPARISONS, 1, target, observation.outcome, observation.signature, observation.primary)
-            if observation.opens_cluster:
-                add(contract.CLUSTERS, 1, target, observation.primary)
+            if observation.cluster_share:
+                add(contract.CLUSTERS, observation.cluster_share, target, observation.primary)
             for reason in observation.reasons:
                 add(contract.MISMATCHES, 1, target, reason, observation.primary)
             if observation.shared_divergence:

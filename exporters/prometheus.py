@@ -305,8 +305,8 @@ class PrometheusExporter:
                 child(contract.SKIPPED, target, reason, observation.signature, observation.primary).inc()
             return
         child(contract.COMPARISONS, target, observation.outcome, observation.signature, observation.primary).inc()
-        if observation.opens_cluster:
-            child(contract.CLUSTERS, target, observation.primary).inc()
+        if observation.cluster_share:
+            child(contract.CLUSTERS, target, observation.primary).inc(observation.cluster_share)
         for reason in observation.reasons:
             child(contract.MISMATCHES, target, reason, observation.primary).inc()
         if observation.shared_divergence:

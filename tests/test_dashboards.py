@@ -47,6 +47,7 @@ def test_every_alert_has_severity_action_and_a_runbook():
     assert {a["alert"] for a in alerts} == {
         "NpuShadowDivergenceFastBurn",
         "NpuShadowDivergenceSlowBurn",
+        "NpuShadowDivergenceSustained",
         "NpuShadowHardMismatch",
         "NpuShadowBlind",
         "NpuShadowUpstreamErrors",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -342,3 +343,166 @@ def test_a_rollback_in_metrics_stands_until_a_person_resets_it(tmp_path):
         (decided,) = _verdict_json("--metrics-file", str(textfile))["targets"]
         decisions.append((decided["decision"], bool(decided["rollbacks"])))
     assert decisions == [("rollback", True), ("inconclusive", False)]
+
+
+# --------------------------------------------------------------------------- correlation that cannot be gamed
+
+
+def _ranks_in_lockstep(tmp_path, monkeypatch, world_size: int):
+    """``world_size`` ranks of one torchrun job (WORLD_SIZE set, one run), each with the real engine comparing the
+    same 200 inputs over 40 minutes of its monotonic clock: journals one per rank, metrics summed in one registry
+    as a multiprocess endpoint sums them. Returns the verdict's JSON target from each source."""
+    import types
+
+    import torch
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    import shadow
+    from exporters import JsonlExporter, PrometheusExporter
+    from shadow.core import clusters
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("NPU_SHADOW_RUN_ID", "job-1")
+    clock = [0.0]
+    monkeypatch.setattr(clusters, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    registry = CollectorRegistry()
+    metrics = PrometheusExporter(registry=registry)
+    paths = []
+    for rank in range(world_size):
+        clock[0] = 1_000.0
+        ops = types.SimpleNamespace(op=lambda x: x * 2)
+        target = shadow.Target("op", ops, "op", lambda x: x * 2)
+        path = tmp_path / f"w{world_size}-rank{rank}.jsonl"
+        with shadow.install(
+            [target], sample_rate=1.0, budget=None, seed=rank, exporters=[JsonlExporter(str(path)), metrics]
+        ):
+            torch.manual_seed(0)  # (every rank sees the same inputs)
+            for _ in range(40):
+                for _ in range(5):
+                    ops.op(torch.randn(4))
+                clock[0] += 60.0
+        paths.append(str(path))
+    textfile = tmp_path / f"w{world_size}.prom"
+    textfile.write_text(generate_latest(registry).decode())
+    (from_journals,) = _verdict_json("--max-rate", "0.05", "--journal", *paths)["targets"]
+    (from_metrics,) = _verdict_json("--max-rate", "0.05", "--metrics-file", str(textfile))["targets"]
+    return from_journals, from_metrics
+
+
+def test_eight_ranks_in_lockstep_are_the_evidence_of_one_not_eight(tmp_path, monkeypatch):
+    """Eight torchrun ranks that saw the same inputs counted as eight times one rank's evidence and promoted where
+    one rank was inconclusive: a block of the job is one cluster however many ranks compare in it."""
+    one = _ranks_in_lockstep(tmp_path, monkeypatch, 1)
+    eight = _ranks_in_lockstep(tmp_path, monkeypatch, 8)
+    for alone, together in zip(one, eight, strict=True):
+        assert together["compared"] == 8 * alone["compared"] == 1_600
+        assert alone["decision"] == together["decision"] == "inconclusive"
+        assert together["clusters"] == alone["clusters"] == 40
+        assert together["upper"] == pytest.approx(alone["upper"], rel=1e-9)
+    assert eight[0]["upper"] == pytest.approx(eight[1]["upper"], rel=1e-9)  # (journals and metrics alike)
+
+
+def test_a_world_size_that_is_not_a_number_of_ranks_fails_at_start_up_naming_it(monkeypatch):
+    import types
+
+    import shadow
+
+    monkeypatch.setenv("WORLD_SIZE", "eight")
+    original = lambda x: x  # noqa: E731
+    ops = types.SimpleNamespace(op=original)
+    with pytest.raises(ValueError, match="WORLD_SIZE='eight'"):
+        shadow.install([shadow.Target("op", ops, "op", lambda x: x)], sample_rate=1.0)
+    assert ops.op is original  # (nothing was left installed)
+
+
+# --------------------------------------------------------------------------- recent evidence and runs apart
+
+
+def _minutes(
+    path, minutes: int, diverging_from: int, rate: float, pids: range = range(10), run: str = "job-1"
+) -> pathlib.Path:
+    """Count records, a minute apart, of ``pids`` processes of ``run``: 100 comparisons a minute each (one cluster
+    a minute), ``rate`` of them divergent from minute ``diverging_from`` on."""
+    records = []
+    for pid in pids:
+        compared = divergent = 0
+        for minute in range(1, minutes + 1):
+            compared += 100
+            divergent += round(100 * rate) if minute > diverging_from else 0
+            record = journals.counts(
+                {"s": {"match": compared - divergent, "mismatch": divergent}},
+                timestamp=1_700_000_000.0 + 60 * minute,
+                pid=pid,
+            )
+            records.append({**record, "clusters": minute, "mono": 60.0 * minute, "run": run})
+    return journals.write(path, records)
+
+
+def test_ten_clean_hours_do_not_hide_an_hour_at_five_times_the_max_rate(tmp_path):
+    """Ten clean hours then an hour at 5x the max rate promoted on the pooled history (its rate 0.45x the max):
+    the last hour is decided too, and it rolls back."""
+    path = _minutes(tmp_path / "j.jsonl", 660, 600, 0.05)
+    decided = _verdict_json("--journal", str(path), "--max-rate", "0.01")
+    (target,) = decided["targets"]
+    assert target["compared"] == 660_000 and target["divergent"] == 3_000
+    assert target["upper"] < 0.01  # (the whole history alone would promote)
+    (recent,) = target["slices"]
+    assert recent["name"] == "the last 1h" and recent["decision"] == "rollback"
+    assert (recent["compared"], recent["divergent"]) == (60_000, 3_000)
+    assert recent["lower"] > 0.01
+    assert target["decision"] == decided["decision"] == "rollback"
+    assert target["why"].startswith("the last 1h, legacy phase: divergence rate is at least")
+    whole_only = _verdict_json("--journal", str(path), "--max-rate", "0.01", "--recent", "0")
+    assert whole_only["decision"] == "promote" and whole_only["targets"][0]["slices"] == []
+
+
+def test_a_quiet_recent_hour_never_outvotes_a_clean_history(tmp_path):
+    """The last hour alone holds too little evidence to promote: it allows promote, it does not hold it back."""
+    path = _minutes(tmp_path / "j.jsonl", 660, 660, 0.0, pids=range(2))
+    (target,) = _verdict_json("--journal", str(path), "--max-rate", "0.01")["targets"]
+    (recent,) = target["slices"]
+    assert recent["decision"] == "promote" and recent["upper"] > 0.01  # (it could not promote on its own)
+    assert target["decision"] == "promote"
+
+
+def test_a_divergent_hour_held_back_below_significance_waits(tmp_path):
+    """A recent hour whose rate is above the max rate without evidence to roll back holds promote as
+    inconclusive."""
+    path = _minutes(tmp_path / "j.jsonl", 660, 600, 0.04, pids=range(1))
+    path2 = _minutes(tmp_path / "k.jsonl", 660, 660, 0.0, pids=range(1, 3))
+    (target,) = _verdict_json("--journal", str(path), str(path2), "--max-rate", "0.01")["targets"]
+    assert target["upper"] < 0.01  # (the whole history alone would promote)
+    (recent,) = target["slices"]
+    assert recent["decision"] == "inconclusive" and recent["rate"] > 0.01 > recent["lower"]
+    assert target["decision"] == "inconclusive" and "promote waits until it is not" in target["why"]
+
+
+def test_two_runs_pooled_are_each_decided_and_the_worst_decides(tmp_path):
+    """Two jobs pooled (--all-runs), one of them 5% divergent, promoted on the pooled rate: each run is a slice,
+    and the divergent one rolls the target back."""
+    clean = _minutes(tmp_path / "a.jsonl", 60, 60, 0.0, pids=range(100), run="clean")
+    bad = _minutes(tmp_path / "b.jsonl", 60, 0, 0.05, pids=range(100, 105), run="bad")
+    decided = _verdict_json("--journal", str(clean), str(bad), "--all-runs", "--max-rate", "0.01", "--recent", "0")
+    (target,) = decided["targets"]
+    assert target["upper"] < 0.01  # (pooled: 0.0024)
+    slices = {s["name"]: s["decision"] for s in target["slices"]}
+    assert slices == {"run bad": "rollback", "run clean": "promote"}
+    assert decided["decision"] == "rollback" and target["why"].startswith("run bad, legacy phase")
+
+
+def test_two_runs_pooled_from_a_metrics_file_are_each_decided(tmp_path):
+    lines = ["# TYPE npu_shadow_comparisons_total counter", "# TYPE npu_shadow_clusters_total counter"]
+    for run, (matched, diverged, clusters) in {"clean": (600_000, 0, 6_000), "bad": (28_500, 1_500, 300)}.items():
+        for outcome, value in (("match", matched), ("mismatch", diverged)):
+            lines.append(
+                f'npu_shadow_comparisons_total{{run="{run}",target="op",outcome="{outcome}",signature="",'
+                f'primary="legacy"}} {value}'
+            )
+        lines.append(f'npu_shadow_clusters_total{{run="{run}",target="op",primary="legacy"}} {clusters}')
+    path = tmp_path / "m.prom"
+    path.write_text("\n".join(lines) + "\n")
+    decided = _verdict_json("--metrics-file", str(path), "--all-runs", "--max-rate", "0.01")
+    (target,) = decided["targets"]
+    assert target["upper"] < 0.01
+    assert {s["name"]: s["decision"] for s in target["slices"]} == {"run bad": "rollback", "run clean": "promote"}
+    assert decided["decision"] == "rollback"

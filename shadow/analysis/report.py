@@ -61,6 +61,8 @@ class Evidence:
     rollbacks: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)  # (time, target, event, by)
     #: The canary A/B's iterator records (shadow.analysis.arms).
     arms: list[dict] = dataclasses.field(default_factory=list)
+    #: The slices of the evidence decided besides the whole (shadow.analysis.verdict.decide): name -> counts.
+    slices: dict[str, dict[str, TargetCounts]] = dataclasses.field(default_factory=dict)
 
 
 def collect(
@@ -71,21 +73,26 @@ def collect(
     environment: Mapping[str, Iterable[str]] | None = None,
     run: str | None = None,
     all_runs: bool = False,
+    recent: float = 0.0,
+    slices: Mapping[str, Mapping[str, TargetCounts]] | None = None,
 ) -> Evidence:
     """Read the journals (with their rotated siblings), of ``run`` or of the one run they hold
     (:func:`shadow.analysis.sources.select_run`). ``counts`` (from a metrics source) take precedence over
     the journals' own; the journals' counts come from their count records (every comparison, not only the lines
-    written), the details from their lines."""
-    evidence = Evidence(counts=dict(counts) if counts is not None else {})
+    written), the details from their lines. The slices the verdict decides too (the last ``recent`` seconds, each
+    run of several) are the metrics source's ``slices`` where counts are given, else the journals'."""
+    evidence = Evidence(counts=dict(counts) if counts is not None else {}, slices=dict(slices or {}))
     for field, values in (environment or {}).items():  # (the metrics' build info)
         evidence.environment.setdefault(field, collections.Counter()).update(values)
     read, _ = with_rotated(journals)
     own: dict[str, TargetCounts] = {}
     if read:
-        reader = JournalReader(window)
+        reader = JournalReader(window, recent=recent)
         reader.read(read)
         reader.run = run = select_run(reader.runs(), run, all_runs, "the journals")
         own = reader.counts()
+        if counts is None:
+            evidence.slices = reader.slices()
         evidence.lines = reader.lines
         for stream in reader.streams.values():
             for phase in stream.phases.values():
@@ -203,7 +210,7 @@ def build(
     min_per_signature: int = 30,
 ) -> tuple[str, list[Section]]:
     """(overall decision, sections) for the evidence."""
-    decisions = verdict.decide_all(evidence.counts, max_rate, risky or {}, min_per_signature)
+    decisions = verdict.decide_all(evidence.counts, max_rate, risky or {}, min_per_signature, evidence.slices)
     overall = verdict.overall(decisions)
     absent = sorted(set(risky or {}) - set(evidence.counts))  # known targets the sources never saw
     sections = [_environment(evidence, sources), _verdict(decisions, overall, max_rate, absent), _phases(decisions)]

@@ -8,6 +8,7 @@ Reading is bounded in time and memory.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -25,6 +26,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporters import contract
+from shadow.analysis import verdict
 from shadow.analysis.verdict import TargetCounts
 from shadow.core.observation import (
     BACKWARD_OUTCOMES,
@@ -183,10 +185,11 @@ def from_exposition(
     run: str | None = None,
     all_runs: bool = False,
     arms: list[tuple[str, dict[str, str], float]] | None = None,
+    slices: dict[str, dict[str, TargetCounts]] | None = None,
 ) -> dict[str, TargetCounts]:
     """Counts from a Prometheus text exposition (a saved scrape, a textfile-collector file): of ``run``, or of the
     one run it holds (see :func:`select_run`). ``arms``, when given, receives the canary A/B's samples (series,
-    labels, value)."""
+    labels, value); ``slices``, each run's counts where several are pooled (one moment holds no recent window)."""
     counts: dict[str, TargetCounts] = {}
     try:
         families = list(text_string_to_metric_families(text))
@@ -194,6 +197,9 @@ def from_exposition(
         raise SourceError(f"{source}: not a Prometheus text exposition: {exc}") from exc
     runs = {s.labels.get(_RUN_LABEL, "") for family in families for s in family.samples if s.name in _COUNTED}
     chosen = select_run(runs, run, all_runs, source)
+    if slices is not None and chosen is None and len(runs) > 1:
+        for each in sorted(runs):
+            slices[verdict.run_slice(each)] = from_exposition(text, source, each)
     drill = False
     seconds = 0.0
     for family in families:
@@ -204,7 +210,7 @@ def from_exposition(
                 seconds += _count(sample.value, f"{source}: {sample.name}", whole=False)
             elif sample.name in _COUNTED:
                 where = f"{source}: {sample.name}{dict(sample.labels)}"
-                _add(counts, sample.name, sample.labels, _count(sample.value, where))
+                _add(counts, sample.name, sample.labels, _count(sample.value, where, whole=sample.name != CLUSTERS))
             elif sample.name == DRILL_ACTIVE and sample.value > 0:
                 drill = True
             elif sample.name in ARM_SERIES and arms is not None:
@@ -376,20 +382,30 @@ def from_prometheus(
     start: float | None = None,
     end: float | None = None,
     arms: list[tuple[str, dict[str, str], float]] | None = None,
+    recent: float = 0.0,
+    slices: dict[str, dict[str, TargetCounts]] | None = None,
 ) -> dict[str, TargetCounts]:
     """Counts from a Prometheus server, of ``run`` or of the one run it holds (:func:`select_run`; the runs seen in
     the last :data:`LOOKBACK`): each counter's exact value at ``end`` (default now; its last sample at or before,
     resets counted, so a run that has ended is read as it ended), less its value at ``start`` where given.
     ``window`` (e.g. '6h') instead takes ``increase()`` over the window before now, an extrapolation kept for
     dashboards' sake. ``selector`` narrows the series, e.g. 'job="train"'. All queries together take at most
-    ``timeout`` seconds. ``arms``, when given, receives the canary A/B's series (series, labels, value)."""
+    ``timeout`` seconds. ``arms``, when given, receives the canary A/B's series (series, labels, value).
+    ``slices``, when given, receives the counts of the last ``recent`` seconds before ``end`` (where the range
+    read is longer) and, where several runs are pooled, of each run (:func:`shadow.analysis.verdict.decide`)."""
     deadline = _Deadline(url, timeout)
-    chosen = select_run(
-        _runs(url, selector, end, deadline, window or LOOKBACK),
-        run,
-        all_runs,
-        f"{url}{f' ({selector})' if selector else ''}",
-    )
+    runs = _runs(url, selector, end, deadline, window or LOOKBACK)
+    chosen = select_run(runs, run, all_runs, f"{url}{f' ({selector})' if selector else ''}")
+    if slices is not None and not window:
+        left = deadline.left  # (the slices share the one timeout)
+        finish = time.time() if end is None else end
+        if recent > 0 and (start is None or start < finish - recent):
+            slices[verdict.recent_slice(recent)] = from_prometheus(
+                url, None, selector, left(), chosen, True, finish - recent, finish
+            )
+        if chosen is None and len(runs) > 1:
+            for each in sorted(runs):
+                slices[verdict.run_slice(each)] = from_prometheus(url, None, selector, left(), each, False, start, end)
     if chosen is not None:
         selector = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}"]))
     counts: dict[str, TargetCounts] = {}
@@ -401,15 +417,16 @@ def from_prometheus(
                 for item in deadline.query(promql)
             }
         else:
-            series = _exact(url, metric, selector, end, deadline)
+            whole = metric != CLUSTERS  # (a distributed job's rank counts 1 / WORLD_SIZE a cluster)
+            series = _exact(url, metric, selector, end, deadline, whole)
             if start is not None:
-                before = _exact(url, metric, selector, start, deadline)
+                before = _exact(url, metric, selector, start, deadline, whole)
                 series = {key: value - before.get(key, 0.0) for key, value in series.items()}
         for key, value in series.items():
             labels = dict(key)
             # increase() extrapolates to the window's edges: fractional there, never negative
-            value = _count(value, f"{url}: {metric}{labels}", whole=window is None)
-            _add(counts, metric, labels, float(round(value)))
+            value = _count(value, f"{url}: {metric}{labels}", whole=window is None and metric != CLUSTERS)
+            _add(counts, metric, labels, value if metric == CLUSTERS else float(round(value)))
     if not counts:
         raise SourceError(f"{url} has no {COMPARISONS} series{f' matching {selector}' if selector else ''}")
     for metric in ARM_SERIES if arms is not None and not window else ():
@@ -485,6 +502,9 @@ class _Phase:
     baseline: dict | None = None  # the count record at its target's last reset (set aside)
     intervals: list = dataclasses.field(default_factory=list)  # (timestamp, compared, divergent)
     previous: tuple[float, float] = (0.0, 0.0)  # cumulative (compared, divergent) at the last count record
+    #: Its count records since its target's last reset as (wall time, counts), oldest first, those before the
+    #: reader's recent window dropped as reading goes (all but the last of them: the window's baseline).
+    history: collections.deque = dataclasses.field(default_factory=collections.deque)
 
 
 @dataclasses.dataclass
@@ -554,6 +574,7 @@ class _Stream:
     marks: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     folded: dict[tuple[str, str], _Tail] = dataclasses.field(default_factory=dict)  # tail lines counted
     counted: bool = False  # has count records
+    tail_timed: bool = False  # the times of the lines after its last count record are in its phases' intervals
     run: str = ""  # the run its records name ("": before runs had ids)
     arms: list[dict] = dataclasses.field(default_factory=list)  # its canary A/B's iterators (shadow.core.arms)
     #: Its count records' monotonic clock (``mono``) and wall clock at the first and the last of them: its clusters
@@ -654,7 +675,7 @@ def _check_counts(record: dict, where: str) -> dict:
         "truth": truth,
         "truth_decades": decades,
         "backward": backward,
-        **({"clusters": _count(record["clusters"], f"{where}: clusters")} if "clusters" in record else {}),
+        **({"clusters": _count(record["clusters"], f"{where}: clusters", whole=False)} if "clusters" in record else {}),
     }
 
 
@@ -680,12 +701,17 @@ class JournalReader:
     record (0: the whole process), a run of blocks with divergences kept whole (one incident). Evidence from before
     a target's last reset (after a rollback) is set aside."""
 
-    def __init__(self, window: float = CLUSTER_WINDOW_SECONDS, run: str | None = None) -> None:
+    def __init__(self, window: float = CLUSTER_WINDOW_SECONDS, run: str | None = None, recent: float = 0.0) -> None:
         # (a window can only widen the bound: one shorter than the default would count more clusters, more
         # evidence, from the same comparisons; 0 is the widest, a cluster per process)
         self.window = window if window == 0 else max(window, CLUSTER_WINDOW_SECONDS)
         #: Count only the processes of this run (None: every process read).
         self.run = run
+        #: The length of the recent window :meth:`counts` can be asked for (seconds of wall time before the last
+        #: record read; 0: none is kept), and the last record's time.
+        self.recent = recent
+        self.latest: float | None = None
+        self.earliest = math.inf
         self.streams: dict[tuple, _Stream] = {}
         self._located: dict[bytes, _Stream] = {}  # an outcome line's process fields -> its process's stream
         self.torn: list[str] = []
@@ -799,6 +825,8 @@ class JournalReader:
             at = stream.process_time(record, where)
             if compared - before[0] > 0:
                 phase.intervals.append((at, compared - before[0], divergent - before[1]))
+            if self.recent > 0:
+                self._keep(phase, record["timestamp"], counts)
         elif event == "arm":
             stream.arms.append(record)
         elif event in ("rollback", "reset"):
@@ -809,10 +837,34 @@ class JournalReader:
                         phase.baseline = phase.counts
                         phase.previous = (0.0, 0.0)
                         phase.intervals.clear()
+                        phase.history.clear()
         else:  # an outcome line not framed as the exporter frames it: counted now, forgotten at a count record
             stream.see(record.get("timestamp"))
             primary = record.get("primary") if record.get("primary") in PRIMARY_SIDES else LEGACY
             stream.folded.setdefault((record["target"], primary), _Tail()).add(record)
+
+    def slices(self) -> dict[str, dict[str, TargetCounts]]:
+        """The slices of the evidence read, by name (:func:`shadow.analysis.verdict.decide`): the recent window
+        where the count records span more than it, and each run where several are pooled."""
+        found = {}
+        if self.recent > 0 and self.latest is not None and self.earliest < self.latest - self.recent:
+            found[verdict.recent_slice(self.recent)] = self.counts(recent=True)
+        runs = self.runs()
+        if self.run is None and len(runs) > 1:
+            for each in sorted(runs):
+                found[verdict.run_slice(each)] = self.counts(run=each)
+        return found
+
+    def _keep(self, phase: _Phase, timestamp: float, counts: dict) -> None:
+        """Keep a count record for the recent window; drop those no window ending at the latest record can
+        start after (the last of them stays: it is where such a window starts)."""
+        self.latest = timestamp if self.latest is None else max(self.latest, timestamp)
+        self.earliest = min(self.earliest, timestamp)
+        history = phase.history
+        history.append((timestamp, counts))
+        cutoff = self.latest - self.recent
+        while len(history) > 1 and history[1][0] <= cutoff:
+            history.popleft()
 
     def _fold(self, stream: _Stream) -> None:
         """Count the framed outcome lines after the process's last count record: read again from where they
@@ -821,12 +873,17 @@ class JournalReader:
         for path, start in marks.items():
             self._read_file(path, only=stream, start=start)
 
-    def counts(self) -> dict[str, TargetCounts]:
-        """The counts of every target, by phase, with clusters; refuses (SourceError) what cannot be counted."""
+    def counts(self, recent: bool = False, run: str | None = None) -> dict[str, TargetCounts]:
+        """The counts of every target, by phase, with clusters; refuses (SourceError) what cannot be counted.
+        ``recent``: only those of the last :attr:`recent` seconds before the latest count record (each process's
+        counts less those of its last count record at or before the window's start; the lines after its last
+        count record all count). ``run``: only that run's processes (else the reader's :attr:`run`, or all)."""
         counts: dict[str, TargetCounts] = {}
         seconds = 0.0  # (the processes' time, first record to last: the evidence rate's denominator)
+        run = self.run if run is None else run
+        since = self.latest - self.recent if recent and self.latest is not None else None
         for key, stream in self.streams.items():
-            if self.run is not None and stream.run != self.run:
+            if run is not None and stream.run != run:
                 continue
             self._fold(stream)
             if not stream.counted and stream.all_outcomes is not True and stream.folded:
@@ -835,13 +892,13 @@ class JournalReader:
                     "saying it wrote every outcome: its matches are not known, so no rate can be computed from it "
                     "(journals of npu-shadow before count records; write them with all_outcomes=True)"
                 )
-            self._add_stream(counts, key, stream)
+            self._add_stream(counts, key, stream, since)
             seconds += stream.seconds
         for entry in counts.values():
             entry.process_seconds = seconds
         return counts
 
-    def _add_stream(self, counts: dict[str, TargetCounts], key: tuple, stream: _Stream) -> None:
+    def _add_stream(self, counts: dict[str, TargetCounts], key: tuple, stream: _Stream, since: float | None) -> None:
         complete_tail = stream.all_outcomes is True
         last_reset: dict[str, int] = {}
         for index, event in enumerate(stream.events):
@@ -858,27 +915,34 @@ class JournalReader:
             entry = counts.setdefault(target, TargetCounts())
             if phase.counts is None:
                 continue
-            if phase.baseline is not None:
+            baseline = phase.baseline
+            before = [c for t, c in phase.history if t <= since] if since is not None else []
+            if before:
+                baseline = before[-1]  # (the window's start: what came before is not recent)
+            elif phase.baseline is not None:
                 entry.set_aside += _compared(phase.baseline)[0]
-            self._add_counts(entry, primary, _minus(phase.counts, phase.baseline))
+            self._add_counts(entry, primary, _minus(phase.counts, baseline))
         for (target, primary), tail in stream.folded.items():
             entry = counts.setdefault(target, TargetCounts())
             self._add_tail(entry, primary, tail, complete_tail)
             entry.clusters_not_counted(primary)  # (lines after its last count record: their clusters not known)
-            intervals = stream.phases.setdefault((target, primary), _Phase()).intervals
-            for second, (compared, divergent) in tail.seconds.items():
+            phase = stream.phases.setdefault((target, primary), _Phase())
+            for second, (compared, divergent) in tail.seconds.items() if not stream.tail_timed else ():
                 counted = compared if complete_tail else divergent  # (incomplete: only the divergences count)
                 if counted:
-                    intervals.append((stream.on_process_time(float(second)), counted, divergent))
+                    phase.intervals.append((stream.on_process_time(float(second)), counted, divergent))
             if not complete_tail and any(o in DIVERGENT_OUTCOMES for (_, o) in tail.outcomes):
                 entry.notes.append(
                     f"process {key[0]}/{key[1]} left {tail.lines} lines after its last count record (it did not "
                     "exit cleanly): their divergences count as comparisons whose matches are not known"
                 )
+        stream.tail_timed = True  # (its tail's times are in its intervals: once, however often it is counted)
+        start = -math.inf if since is None else stream.on_process_time(since)
         for (target, primary), phase in stream.phases.items():
             entry = counts.setdefault(target, TargetCounts())
             entry.clustering = clustering(self.window)
-            for block, (compared, divergent) in enumerate(_blocks(phase.intervals, stream.origin, self.window)):
+            recent = [i for i in phase.intervals if i[0] > start]
+            for block, (compared, divergent) in enumerate(_blocks(recent, stream.origin, self.window)):
                 entry.add_to_cluster((*key, block), compared, divergent, primary)
             for jump in stream.jumps[:3]:
                 if jump not in entry.notes:
@@ -968,11 +1032,15 @@ def from_journal(
     run: str | None = None,
     all_runs: bool = False,
     arms: list[dict] | None = None,
+    recent: float = 0.0,
+    slices: dict[str, dict[str, TargetCounts]] | None = None,
 ) -> dict[str, TargetCounts]:
     """Counts from JSONL journals and their rotated siblings (see :class:`JournalReader`), of ``run`` or of the one
     run they hold (:func:`select_run`); a torn final line is skipped (its place appended to ``torn`` when
-    given). ``arms``, when given, receives the run's canary A/B iterator records."""
-    reader = JournalReader(window)
+    given). ``arms``, when given, receives the run's canary A/B iterator records. ``slices``, when given,
+    receives the counts of the last ``recent`` seconds (where the evidence spans more) and, where several runs are
+    pooled, of each run (:func:`shadow.analysis.verdict.decide`)."""
+    reader = JournalReader(window, recent=recent if slices is not None else 0.0)
     read, added = with_rotated(paths)
     reader.read(read)
     reader.run = select_run(reader.runs(), run, all_runs, "the journals")
@@ -981,6 +1049,8 @@ def from_journal(
     if arms is not None:
         arms.extend(reader.arm_runs())
     counts = reader.counts()
+    if slices is not None:
+        slices.update(reader.slices())
     if added:
         for entry in counts.values():
             entry.notes.append(f"read with the rotated files beside them: {', '.join(added)}")

@@ -25,6 +25,14 @@ Decisions:
   skipped for a reason that keeps the evidence
   from a kind of call (user hooks or modes, compiled code, in-place legacy: ``UNCOVERED_REASONS``);
 - inconclusive otherwise, saying what more is needed.
+
+**Recent evidence and runs apart.** The whole pooled history is not the only witness: the last hour
+(:data:`RECENT_SECONDS`, ``--recent``) and, where several runs are pooled (``--all-runs``), each run are
+*slices* of the evidence, each decided on its own. Both the whole and every slice must allow promote (the worst
+decides): a slice that rolls back rolls the target back; one whose divergence rate is above the max rate, however
+little evidence it holds, holds promote as inconclusive. A slice never promotes on its own (an hour rarely holds
+the evidence to), so a clean history is not outvoted by a quiet hour, and ten clean hours do not hide a diverging
+one.
 """
 
 from __future__ import annotations
@@ -64,8 +72,10 @@ DEFAULT_MAX_RATE = 0.001  # the divergence rate a rollout tolerates; the alert r
 #: How clusters counted by the processes are formed, for the output.
 COUNTED_CLUSTERS = "process x 60 s blocks, counted as compared"
 DEFAULT_MIN_PER_SIGNATURE = 30  # comparisons each risky signature needs (--min-per-signature)
+#: The recent window every verdict also decides on (``--recent``; the sustained-burn alert's long window too).
+RECENT_SECONDS = 3600.0
 #: The burn-rate alerts fire at these multiples of the max rate (the rules and the report's chart share them).
-BURN_RATE_FACTORS = {"fast burn": 14.4, "slow burn": 6.0}
+BURN_RATE_FACTORS = {"fast burn": 14.4, "slow burn": 6.0, "sustained burn": 3.0}
 
 
 def comparisons_needed(max_rate: float, k: float = 0) -> float:
@@ -217,6 +227,10 @@ class TargetCounts:
     def compared(self) -> int:
         return round(sum(p.compared for p in self.phases.values()))
 
+    def empty(self) -> bool:
+        """Whether no phase holds evidence (comparisons, calls, skips, gradient comparisons)."""
+        return all(p.empty() and not p.backward and not p.backward_unmatched for p in self.phases.values())
+
     @property
     def divergent(self) -> int:
         return round(sum(p.divergent for p in self.phases.values()))
@@ -287,6 +301,21 @@ class PhaseDecision:
 
 
 @dataclasses.dataclass(frozen=True)
+class SliceDecision:
+    """One slice of a target's evidence (the last hour, one run), decided on its own: it can hold back or roll
+    back the target, never promote it."""
+
+    name: str
+    decision: str
+    compared: int
+    divergent: int
+    rate: float
+    lower: float
+    upper: float
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Decision:
     """The verdict on one target: the worst of its phases, with the numbers of the phase that decided."""
 
@@ -328,6 +357,8 @@ class Decision:
     #: much. Shown beside the decision, never folded into it: a difference where upstream is nearer is no
     #: regression, one where it is further is.
     truth: tuple[TruthSummary, ...] = ()
+    #: The slices decided besides the whole (the last hour, each run of several): each must allow promote.
+    slices: tuple[SliceDecision, ...] = ()
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -489,7 +520,9 @@ def decide_phase(primary: str, phase: PhaseCounts, max_rate: float, process_seco
     n, k = phase.compared, phase.divergent
     counted = n + sum(phase.unmatched.values())
     if phase.cluster_count > 0 and not phase.clusters_missing:  # (counted where they happened: every source)
-        clustered, cluster_count = True, round(phase.cluster_count)
+        # (a distributed job's ranks count 1 / WORLD_SIZE of a cluster each: a fraction, rounded only against the
+        # float sum's noise)
+        clustered, cluster_count = True, round(phase.cluster_count, 6)
     else:  # (a journal's blocks, formed from its count records' times)
         clusters = [c for c in phase.clusters.values() if c[0] > 0]
         clustered = bool(clusters) and round(sum(c[0] for c in clusters)) == round(counted)
@@ -510,7 +543,7 @@ def decide_phase(primary: str, phase: PhaseCounts, max_rate: float, process_seco
         "rate": rate,
         "effective": effective,
         "weighted": weighted,
-        "clusters": cluster_count if clustered else 0,
+        "clusters": round(cluster_count) if clustered else 0,
         "uncovered_share": share,
         "uncovered_by": uncovered,
     }
@@ -575,14 +608,8 @@ def gradient_evidence(phase: PhaseCounts) -> PhaseCounts:
     )
 
 
-def decide(
-    target: str,
-    counts: TargetCounts,
-    max_rate: float,
-    risky: Iterable[str] = (),
-    min_per_signature: int = DEFAULT_MIN_PER_SIGNATURE,
-) -> Decision:
-    """The decision for one target (see the module docstring)."""
+def _decide_phases(counts: TargetCounts, max_rate: float) -> list[PhaseDecision]:
+    """Each phase's forward evidence and gradient evidence, decided (legacy's first)."""
     order = {side: i for i, side in enumerate(PRIMARY_SIDES)}
     phases: list[PhaseDecision] = []
     for primary, phase in sorted(counts.phases.items(), key=lambda kv: order.get(kv[0], len(order))):
@@ -591,6 +618,74 @@ def decide(
         gradients = gradient_evidence(phase)
         if not gradients.empty():
             phases.append(decide_phase(f"{primary} {GRADIENTS}", gradients, max_rate, counts.process_seconds))
+    return phases
+
+
+def recent_slice(seconds: float) -> str:
+    """The name of the recent window's slice: ``the last 1h``."""
+    hours, rest = divmod(round(seconds), 3600)
+    minutes, secs = divmod(rest, 60)
+    text = "".join(f"{v}{u}" for v, u in ((hours, "h"), (minutes, "m"), (secs, "s")) if v) or "0s"
+    return f"the last {text}"
+
+
+def run_slice(run: str) -> str:
+    """The name of one run's slice, where several are pooled."""
+    return f"run {run or '(no id)'}"
+
+
+def decide_slice(name: str, counts: TargetCounts, max_rate: float) -> SliceDecision:
+    """One slice of a target's evidence decided on its own: rollback where a phase's lower bound is above the max
+    rate, inconclusive where a phase's rate is (promote is held back), promote (allows it) otherwise."""
+    phases = _decide_phases(counts, max_rate)
+    worst = max(phases, key=lambda p: (_SEVERITY[p.decision], p.rate), default=None)
+    if worst is None:
+        return SliceDecision(name, PROMOTE, 0, 0, 0.0, 0.0, 1.0, f"{name}: no comparison (allows promote)")
+    numbers = {
+        "compared": round(sum(p.compared for p in phases)),
+        "divergent": round(sum(p.divergent for p in phases)),
+        "rate": worst.rate,
+        "lower": worst.lower,
+        "upper": worst.upper,
+    }
+    if worst.decision == ROLLBACK:
+        return SliceDecision(name, ROLLBACK, why=f"{name}, {worst.primary} phase: {worst.why}", **numbers)
+    above = [p for p in phases if p.rate > max_rate]
+    if above:
+        p = max(above, key=lambda p: p.rate)
+        why = (
+            f"{name}, {p.primary} phase: divergence rate {p.rate:.3g} ({p.divergent}/{p.compared}) is above max rate "
+            f"{max_rate:g}: promote waits until it is not"
+        )
+        return SliceDecision(name, INCONCLUSIVE, why=why, **numbers)
+    return SliceDecision(name, PROMOTE, why=f"{name}: rate {worst.rate:.3g} allows promote", **numbers)
+
+
+def decide(
+    target: str,
+    counts: TargetCounts,
+    max_rate: float,
+    risky: Iterable[str] = (),
+    min_per_signature: int = DEFAULT_MIN_PER_SIGNATURE,
+    slices: Mapping[str, TargetCounts] | None = None,
+) -> Decision:
+    """The decision for one target (see the module docstring): on its whole evidence, then held back or rolled back
+    by any of ``slices`` (name -> that slice's counts) that does not allow promote."""
+    whole = _decide_whole(target, counts, max_rate, risky, min_per_signature)
+    decided = tuple(decide_slice(name, each, max_rate) for name, each in (slices or {}).items() if not each.empty())
+    if not decided:
+        return whole
+    whole = dataclasses.replace(whole, slices=decided)
+    worst = max(decided, key=lambda s: _SEVERITY[s.decision])
+    if _SEVERITY[worst.decision] <= _SEVERITY[whole.decision]:
+        return whole
+    return dataclasses.replace(whole, decision=worst.decision, why=f"{worst.why}; the whole history: {whole.why}")
+
+
+def _decide_whole(
+    target: str, counts: TargetCounts, max_rate: float, risky: Iterable[str], min_per_signature: int
+) -> Decision:
+    phases = _decide_phases(counts, max_rate)
     hard: dict[str, int] = {}
     shared: dict[str, int] = {}
     uncovered: dict[str, int] = {}
@@ -698,5 +793,14 @@ def decide_all(
     max_rate: float,
     risky: Mapping[str, Iterable[str]],
     min_per_signature: int,
+    slices: Mapping[str, Mapping[str, TargetCounts]] | None = None,
 ) -> list[Decision]:
-    return [decide(t, c, max_rate, risky.get(t, ()), min_per_signature) for t, c in sorted(counts.items())]
+    """Every target decided; ``slices``: slice name -> that slice's counts by target (see :func:`decide`)."""
+    slices = slices or {}
+    return [
+        decide(
+            t, c, max_rate, risky.get(t, ()), min_per_signature,
+            {name: by_target[t] for name, by_target in slices.items() if t in by_target},
+        )
+        for t, c in sorted(counts.items())
+    ]  # fmt: skip

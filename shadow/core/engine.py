@@ -292,7 +292,7 @@ class Experiment:
         self._oracle_runs = 0
         self._backward_runs = 0
         self._backward_skips: collections.Counter[str] = collections.Counter()
-        self._clusters = clusters.Clusters(clusters.WINDOW_SECONDS)
+        self._clusters = clusters.Clusters(clusters.WINDOW_SECONDS, clusters.cluster_share())
         self._drilled = 0
         self._truth_runs: collections.Counter[str] = collections.Counter()
         self._signatures: set[str] = set()
@@ -700,7 +700,7 @@ class Experiment:
             if observation.outcome != Outcome.SKIPPED.value and self._clusters.opens(
                 observation.primary, observation.outcome in DIVERGENT_OUTCOMES
             ):
-                observation = dataclasses.replace(observation, opens_cluster=True)
+                observation = dataclasses.replace(observation, cluster_share=self._clusters.share)
             self._drilled += observation.drill
             self._outcomes[observation.outcome] += 1
             self._reasons.update(observation.reasons)

@@ -285,9 +285,10 @@ class Observation:
     #: reason noise_pending); ``leaf_errors`` are what it is judged on.
     noise_pending: bool = False
     leaf_errors: tuple[tuple[str, float], ...] = dataclasses.field(default=(), repr=False, compare=False)
-    #: This comparison opened a new cluster of its process's comparisons (shadow.core.clusters): the unit the
-    #: verdict counts evidence in, counted once, here, for every exporter.
-    opens_cluster: bool = False
+    #: The share of a cluster this comparison opened (0 where it opened none; ``1 / WORLD_SIZE`` in a distributed
+    #: job, 1 elsewhere: shadow.core.clusters): the unit the verdict counts evidence in, counted once, here, for
+    #: every exporter.
+    cluster_share: float = 0.0
     #: For a value difference, a float64 truth run (shadow.core.truth): the side nearer it (legacy, upstream or tie;
     #: "" where none ran), each side's error against it, and the time it took.
     nearer: str = ""
@@ -355,8 +356,9 @@ class TargetStats:
     backward_skips: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     truth_runs: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     #: Sampled calls whose signature was counted as "other": the target had MAX_SIGNATURES already.
-    #: Clusters of this process's comparisons (shadow.core.clusters), every phase together.
-    clusters: int = 0
+    #: Clusters of this process's comparisons (shadow.core.clusters), every phase together (a distributed job's
+    #: rank counts each of its blocks as ``1 / WORLD_SIZE``).
+    clusters: float = 0.0
     #: Comparisons a fire drill injected its fault into (shadow.core.drill).
     drilled: int = 0
     signatures_over_cap: int = 0

@@ -97,17 +97,23 @@ def _verdict(args: argparse.Namespace) -> int:
 
     arm_records: list[dict] = []
     arm_series: list[tuple[str, dict[str, str], float]] = []
+    slices: dict[str, dict] = {}
     try:
         if args.prometheus:
             counts = from_prometheus(
-                args.prometheus, args.window, args.selector, **_prometheus_range(args), arms=arm_series
-            )
+                args.prometheus, args.window, args.selector, **_prometheus_range(args), arms=arm_series,
+                recent=args.recent, slices=slices,
+            )  # fmt: skip
         elif args.metrics_file:
             counts = from_exposition(
-                read_text(args.metrics_file), args.metrics_file, args.run, args.all_runs, arms=arm_series
-            )
+                read_text(args.metrics_file), args.metrics_file, args.run, args.all_runs, arms=arm_series,
+                slices=slices,
+            )  # fmt: skip
         else:
-            counts = from_journal(args.journal, torn := [], args.cluster_window, args.run, args.all_runs, arm_records)
+            counts = from_journal(
+                args.journal, torn := [], args.cluster_window, args.run, args.all_runs, arm_records,
+                recent=args.recent, slices=slices,
+            )  # fmt: skip
             if torn:
                 print(f"npu-shadow verdict: skipped {len(torn)} torn line(s): {', '.join(torn)}", file=sys.stderr)
     except (SourceError, OSError) as exc:
@@ -117,7 +123,7 @@ def _verdict(args: argparse.Namespace) -> int:
     for item in args.risky:
         target, _, pattern = item.partition("=")
         risky.setdefault(target, []).append(pattern)
-    decisions = verdict.decide_all(counts, args.max_rate, risky, args.min_per_signature)
+    decisions = verdict.decide_all(counts, args.max_rate, risky, args.min_per_signature, slices)
     result = verdict.overall(decisions)
     ab = arms.summarize(arm_records) if arm_records else arms.summarize_series(arm_series)
     if args.format == "json":
@@ -186,6 +192,11 @@ def _evidence(d: Any) -> list[str]:
             kinds = ", ".join(f"{reason} {share:.3g}" for reason, share in sorted(p.uncovered_by.items()))
             line += f"; calls never compared: {p.uncovered_share:.3g} of all ({kinds})"
         lines.append(line)
+    for s in d.slices:
+        lines.append(
+            f"{s.name}: {s.decision if s.decision != 'promote' else 'allows promote'}, rate {s.rate:.3g} over "
+            f"{s.compared:,} comparisons ({s.divergent:,} divergent), 95% bounds [{s.lower:.3g}, {s.upper:.3g}]"
+        )
     if d.rollbacks:
         lines.append(f"rollbacks not reset: {'; '.join(d.rollbacks)}")
     if d.resets:
@@ -247,16 +258,20 @@ def _report(args: argparse.Namespace) -> int:
     sources += [f"journals {', '.join(args.journal)}"] if args.journal else []
     try:
         counts = None
-        environment = {}
+        environment: dict = {}
+        slices: dict[str, dict] = {}
         if args.prometheus:
-            counts = from_prometheus(args.prometheus, args.window, args.selector, **_prometheus_range(args))
+            counts = from_prometheus(
+                args.prometheus, args.window, args.selector, **_prometheus_range(args), recent=args.recent,
+                slices=slices,
+            )  # fmt: skip
         elif args.metrics_file:
             text = read_text(args.metrics_file)
-            counts = from_exposition(text, args.metrics_file, args.run, args.all_runs)
+            counts = from_exposition(text, args.metrics_file, args.run, args.all_runs, slices=slices)
             environment = environment_from_exposition(text)
         evidence = report.collect(
             args.journal or (), counts, details=args.details, window=args.cluster_window, environment=environment,
-            run=args.run, all_runs=args.all_runs,
+            run=args.run, all_runs=args.all_runs, recent=args.recent, slices=slices,
         )  # fmt: skip
     except SourceError as exc:
         print(f"npu-shadow report: {exc}", file=sys.stderr)
@@ -410,7 +425,7 @@ def _add_emulate_npu(parser: argparse.ArgumentParser, what: str) -> None:
 
 def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._MutuallyExclusiveGroup) -> None:
     """The metrics sources and the decision's parameters, shared by verdict and report."""
-    from shadow.analysis.verdict import DEFAULT_MAX_RATE
+    from shadow.analysis.verdict import DEFAULT_MAX_RATE, RECENT_SECONDS
 
     source.add_argument("--prometheus", metavar="URL", help="a Prometheus server, e.g. http://127.0.0.1:9090")
     source.add_argument("--metrics-file", metavar="PATH", help="a Prometheus text exposition (saved scrape)")
@@ -429,6 +444,14 @@ def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._Mut
         "--end", type=_timestamp, metavar="TIME", help="with --prometheus: the counts up to this time (default: now)"
     )
     parser.add_argument("--max-rate", type=_rate, default=DEFAULT_MAX_RATE, help="tolerated divergence rate")
+    parser.add_argument(
+        "--recent",
+        type=_seconds,
+        default=RECENT_SECONDS,
+        metavar="SECONDS",
+        help="journals and --prometheus: the last this many seconds are decided too, and must allow promote as the "
+        "whole history must (0: the whole history only)",
+    )
     parser.add_argument("--min-per-signature", type=_count, default=30, help="comparisons each risky signature needs")
     parser.add_argument(
         "--cluster-window",
