@@ -506,3 +506,121 @@ def test_two_runs_pooled_from_a_metrics_file_are_each_decided(tmp_path):
     assert target["upper"] < 0.01
     assert {s["name"]: s["decision"] for s in target["slices"]} == {"run bad": "rollback", "run clean": "promote"}
     assert decided["decision"] == "rollback"
+
+
+def test_a_signature_that_always_diverges_rolls_back_on_its_own_whatever_its_share(tmp_path):
+    """One signature at 1e-5 of the calls, diverging on each of its 30 comparisons: it widened every signature's
+    joint bound (promote needed some 144,000 comparisons) and the verdict stayed inconclusive; its own bound decides
+    its rollback."""
+    record = journals.counts(
+        {"common": {"match": 20_000}, "rare": {"mismatch": 30}},
+        calls={"common": 10_000_000 - 100, "rare": 100},
+        timestamp=10.0,
+    )
+    record["clusters"] = 20_030
+    path = journals.write(tmp_path / "j.jsonl", [record])
+    (target,) = _verdict_json("--journal", str(path), "--max-rate", "0.001")["targets"]
+    assert target["rate"] < 0.001  # (its share of the calls: 1e-5)
+    assert target["decision"] == "rollback"
+    assert "signature rare diverges on its own" in target["why"]
+    from shadow.analysis import bounds
+
+    assert bounds.lower_bound(30, 30, bounds.ALPHA / 2) > 0.001  # (the independent check of its own bound)
+
+
+def test_a_signature_with_a_few_divergences_among_many_is_left_to_the_joint_bound(tmp_path):
+    record = journals.counts(
+        {"common": {"match": 20_000}, "rare": {"match": 9_999, "mismatch": 1}},
+        calls={"common": 10_000_000, "rare": 10_000},
+        timestamp=10.0,
+    )
+    record["clusters"] = 30_000
+    path = journals.write(tmp_path / "j.jsonl", [record])
+    (target,) = _verdict_json("--journal", str(path), "--max-rate", "0.001")["targets"]
+    assert "diverges on its own" not in target["why"] and target["decision"] != "rollback"
+
+
+# --------------------------------------------------------------------------- a fire drill set aside by its marks
+
+
+def _drill_then_clean(path, drill_minutes: int, clean_minutes: int) -> pathlib.Path:
+    """One process drilled (every comparison of its ``drill_minutes`` divergent, marked drilled), then a process
+    of the same run without a drill: 100 clean comparisons a minute for ``clean_minutes``, in 20 processes."""
+    records = []
+    for minute in range(1, drill_minutes + 1):
+        record = journals.counts({"s": {"mismatch": 100 * minute}}, timestamp=1_700_000_000.0 + 60 * minute, pid=1)
+        records.append({**record, "drilled": 100 * minute, "clusters": minute, "mono": 60.0 * minute})
+    start = 1_700_000_000.0 + 60 * (drill_minutes + 1)
+    for pid in range(2, 22):
+        for minute in range(1, clean_minutes + 1):
+            record = journals.counts({"s": {"match": 100 * minute}}, timestamp=start + 60 * minute, pid=pid)
+            records.append({**record, "clusters": minute, "mono": 60.0 * minute})
+    return journals.write(path, records)
+
+
+def test_a_fire_drill_followed_by_clean_evidence_is_set_aside_and_the_clean_evidence_decides(tmp_path):
+    """A ten-minute fire drill followed by clean evidence stayed inconclusive (or rolled back) for good."""
+    path = _drill_then_clean(tmp_path / "j.jsonl", 10, 60)
+    done = verdict_cli("--journal", str(path), "--max-rate", "0.01", "--recent", "0")
+    assert done.returncode == 0, done.stdout
+    assert "a fire drill is over: its 1,000 comparisons (op) were set aside by its marks" in done.stdout
+    assert "overall: promote (max rate 0.01)" in done.stdout
+    (target,) = _verdict_json("--journal", str(path), "--max-rate", "0.01", "--recent", "0")["targets"]
+    assert (target["compared"], target["divergent"], target["drill_set_aside"]) == (120_000, 0, 1_000)
+
+
+def test_a_fire_drill_still_drilling_is_rehearsed_not_set_aside(tmp_path):
+    path = _drill_then_clean(tmp_path / "j.jsonl", 10, 0)
+    done = verdict_cli("--journal", str(path), "--max-rate", "0.01")
+    assert done.returncode == 1 and "FIRE DRILL: 1,000 comparisons carry" in done.stdout
+    assert done.stdout.rstrip().endswith("- a FIRE DRILL")
+
+
+# --------------------------------------------------------------------------- repeated looks with the new units
+
+
+@pytest.mark.slow
+def test_repeated_looks_at_the_max_rate_with_rank_shares_and_a_recent_window_promote_at_most_5_percent():
+    """A job of 4 ranks in lockstep (each block 1/4 of a cluster), its true rate per comparison at the max rate,
+    the verdict read after every 400 clusters' worth up to 8,000, on the whole history and on its recent window
+    (the last two looks): promote at most 5% of the sequences (+ Monte Carlo error). Each look is decided by
+    ``verdict.decide`` itself, on the counts as the sources give them."""
+    import functools
+    import math
+
+    import numpy as np
+
+    from shadow.analysis import verdict
+
+    max_rate, ranks, looks, per_look = 0.01, 4, 20, 400  # (per look: 400 rank-blocks of 10 comparisons each)
+    rng = np.random.default_rng(39)
+    sequences = 600
+    divergent = rng.binomial(per_look * 10, max_rate, size=(sequences, looks))
+
+    def counts(k: int, n: int, clusters: float) -> verdict.TargetCounts:
+        found = verdict.TargetCounts()
+        found.add_outcome("s", "match", n - k)
+        found.add_outcome("s", "mismatch", k)
+        found.add_calls("s", n)
+        found.add_clusters(clusters)
+        return found
+
+    @functools.cache
+    def promotes(k: int, look: int, recent_k: int, recent_looks: int) -> bool:
+        n = (look + 1) * per_look * 10
+        whole = counts(k, n, (look + 1) * per_look / ranks)
+        recent = counts(recent_k, recent_looks * per_look * 10, recent_looks * per_look / ranks)
+        return verdict.decide("op", whole, max_rate, slices={"recent": recent}).decision == verdict.PROMOTE
+
+    promoted = 0
+    for row in divergent:
+        cumulative = row.cumsum()
+        for look in range(looks):
+            recent_looks = min(2, look + 1)
+            recent_k = int(cumulative[look] - (cumulative[look - 2] if look >= 2 else 0))
+            if promotes(int(cumulative[look]), look, recent_k, recent_looks):
+                promoted += 1
+                break
+    assert promoted / sequences <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / sequences)
+    # (the simulation can promote: the same job at a tenth of the max rate mostly does by the last look)
+    assert promotes(int(looks * per_look * 10 * max_rate / 10), looks - 1, 8, 2)

@@ -505,6 +505,11 @@ class _Phase:
     #: Its count records since its target's last reset as (wall time, counts), oldest first, those before the
     #: reader's recent window dropped as reading goes (all but the last of them: the window's baseline).
     history: collections.deque = dataclasses.field(default_factory=collections.deque)
+    #: A fire drill's span in it: the count record before its drilled count first grew (None: from the start) and
+    #: the last one where it grew, with their times.
+    drill_before: tuple[float, dict] | None = None
+    drill_last: tuple[float, dict] | None = None
+    at: float = -math.inf  # (the last count record's time)
 
 
 @dataclasses.dataclass
@@ -712,6 +717,9 @@ class JournalReader:
         self.recent = recent
         self.latest: float | None = None
         self.earliest = math.inf
+        #: By target: the last count record's time where a drill grew, and where comparisons grew without one.
+        self.drilled_until: dict[str, float] = {}
+        self.clean_until: dict[str, float] = {}
         self.streams: dict[tuple, _Stream] = {}
         self._located: dict[bytes, _Stream] = {}  # an outcome line's process fields -> its process's stream
         self.torn: list[str] = []
@@ -816,7 +824,8 @@ class JournalReader:
             stream.folded.clear()
             counts = _check_counts(record, where)
             phase = stream.phases.setdefault((record["target"], record["primary"]), _Phase())
-            phase.counts = counts
+            self._mark_drill(phase, record, counts)
+            phase.counts, phase.at = counts, record["timestamp"]
             compared, divergent = _compared(_minus(counts, phase.baseline))
             before = phase.previous
             if compared < before[0] or divergent < before[1]:
@@ -838,10 +847,30 @@ class JournalReader:
                         phase.previous = (0.0, 0.0)
                         phase.intervals.clear()
                         phase.history.clear()
+                        phase.drill_before = phase.drill_last = None
         else:  # an outcome line not framed as the exporter frames it: counted now, forgotten at a count record
             stream.see(record.get("timestamp"))
             primary = record.get("primary") if record.get("primary") in PRIMARY_SIDES else LEGACY
             stream.folded.setdefault((record["target"], primary), _Tail()).add(record)
+
+    def _mark_drill(self, phase: _Phase, record: dict, counts: dict) -> None:
+        """Follow a fire drill by its own marks (the drilled count of count records): the span it drilled in,
+        and per target the last time a drill grew and the last time comparisons grew without one."""
+        target, timestamp = record["target"], record["timestamp"]
+        previous = phase.counts or {}
+        drilled = counts["drilled"] - previous.get("drilled", 0)
+        compared = _compared(counts)[0] - _compared(previous)[0] if previous else _compared(counts)[0]
+        if drilled > 0:
+            if phase.drill_last is None:
+                phase.drill_before = (phase.at, phase.counts) if phase.counts is not None else None
+            phase.drill_last = (timestamp, counts)
+            self.drilled_until[target] = max(self.drilled_until.get(target, -math.inf), timestamp)
+        elif compared > 0:
+            self.clean_until[target] = max(self.clean_until.get(target, -math.inf), timestamp)
+
+    def drill_over(self, target: str) -> bool:
+        """Whether a fire drill of ``target`` is over: comparisons without one were counted after its last."""
+        return self.clean_until.get(target, -math.inf) > self.drilled_until.get(target, math.inf)
 
     def slices(self) -> dict[str, dict[str, TargetCounts]]:
         """The slices of the evidence read, by name (:func:`shadow.analysis.verdict.decide`): the recent window
@@ -882,10 +911,14 @@ class JournalReader:
         seconds = 0.0  # (the processes' time, first record to last: the evidence rate's denominator)
         run = self.run if run is None else run
         since = self.latest - self.recent if recent and self.latest is not None else None
+        for stream in self.streams.values():
+            self._fold(stream)
+            for (target, _), tail in stream.folded.items():
+                if sum(tail.drilled.values()):  # (a drill in its last lines: drilling to the end)
+                    self.drilled_until[target] = math.inf
         for key, stream in self.streams.items():
             if run is not None and stream.run != run:
                 continue
-            self._fold(stream)
             if not stream.counted and stream.all_outcomes is not True and stream.folded:
                 raise SourceError(
                     f"{stream.where}: process {key[0]}/{key[1]} wrote outcome lines but no count record and no header "
@@ -915,13 +948,19 @@ class JournalReader:
             entry = counts.setdefault(target, TargetCounts())
             if phase.counts is None:
                 continue
-            baseline = phase.baseline
-            before = [c for t, c in phase.history if t <= since] if since is not None else []
+            baseline, baseline_at = phase.baseline, -math.inf
+            before = [(t, c) for t, c in phase.history if t <= since] if since is not None else []
             if before:
-                baseline = before[-1]  # (the window's start: what came before is not recent)
+                baseline_at, baseline = before[-1]  # (the window's start: what came before is not recent)
             elif phase.baseline is not None:
                 entry.set_aside += _compared(phase.baseline)[0]
-            self._add_counts(entry, primary, _minus(phase.counts, baseline))
+            evidence = _minus(phase.counts, baseline)
+            if phase.drill_last is not None and self.drill_over(target) and phase.drill_last[0] > baseline_at:
+                start = phase.drill_before if phase.drill_before and phase.drill_before[0] > baseline_at else None
+                drilled = _minus(phase.drill_last[1], start[1] if start else baseline)
+                evidence = _minus(evidence, drilled)
+                entry.drill_set_aside += _compared(drilled)[0]
+            self._add_counts(entry, primary, evidence)
         for (target, primary), tail in stream.folded.items():
             entry = counts.setdefault(target, TargetCounts())
             self._add_tail(entry, primary, tail, complete_tail)

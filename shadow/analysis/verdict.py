@@ -158,6 +158,9 @@ class TargetCounts:
     #: A fire drill injected synthetic divergence into these sources: how many comparisons carry it (journals),
     #: or -1 where only that a drill was active is known (metrics).
     drilled: float = 0
+    #: Comparisons of a fire drill that is over (clean comparisons came after it), set aside by its own marks: the
+    #: clean evidence decides.
+    drill_set_aside: float = 0
     #: Process time behind the evidence, every process together (seconds; 0 where the source does not say): the
     #: evidence rate "how much more running it takes" is said at.
     process_seconds: float = 0.0
@@ -353,6 +356,8 @@ class Decision:
     #: Comparisons a fire drill injected divergence into (-1: a drill was active, how many is not known); a
     #: verdict over a drill is a rehearsal of the alerting and rollback, not evidence about upstream.
     drilled: int = 0
+    #: Comparisons of a fire drill that is over, set aside (see TargetCounts.drill_set_aside).
+    drill_set_aside: int = 0
     #: Float64 truth runs of the value differences, by signature: which side was nearer the truth, and by how
     #: much. Shown beside the decision, never folded into it: a difference where upstream is nearer is no
     #: regression, one where it is further is.
@@ -432,8 +437,11 @@ def _median(counts: dict[int, float]) -> int | None:
     return None
 
 
-def _strata(phase: PhaseCounts, cap: float | None) -> tuple[list[Stratum], list[Stratum], dict[str, float], bool]:
-    """(strata for the lower bound, strata for the upper bound, uncovered share by reason, weighted): each
+def _strata(
+    phase: PhaseCounts, cap: float | None
+) -> tuple[list[Stratum], list[Stratum], dict[str, float], bool, dict[str, tuple[float, float]]]:
+    """(strata for the lower bound, strata for the upper bound, uncovered share by reason, weighted, each
+    signature's own (divergences, comparisons) after clustering): each
     signature weighted by its share of the phase's calls (one stratum where calls are not known by signature),
     its non-response (skips tied to the call) a free stratum of its own; where the phase's comparisons fall in
     ``cap`` clusters, a stratum with more comparisons counts as ``cap`` comparisons at its own rate."""
@@ -461,6 +469,7 @@ def _strata(phase: PhaseCounts, cap: float | None) -> tuple[list[Stratum], list[
     lower: list[Stratum] = []
     upper: list[Stratum] = []
     uncovered: dict[str, float] = {}
+    own: dict[str, tuple[float, float]] = {}
     for signature, count in calls.items():
         if count <= 0:
             continue
@@ -483,6 +492,7 @@ def _strata(phase: PhaseCounts, cap: float | None) -> tuple[list[Stratum], list[
         scale = (n + extra) / cap if cap is not None and n + extra > cap else 1.0
         upper.append(Stratum(weight * (n + extra) / sampled, (k + extra) / scale, (n + extra) / scale))
         lower.append(Stratum(weight * (n + extra) / sampled, k / scale, (n + extra) / scale))
+        own[signature] = (k / scale, (n + extra) / scale)
     if by_signature and loose:
         sampled = sum(compared.values()) + sum(_merged(nonresponse.values()).values()) + sum(loose.values())
         share = sum(loose.values()) / sampled
@@ -490,7 +500,7 @@ def _strata(phase: PhaseCounts, cap: float | None) -> tuple[list[Stratum], list[
             uncovered[reason] = uncovered.get(reason, 0) + value / sampled
         upper = [dataclasses.replace(s, weight=s.weight * (1 - share)) for s in upper] + [Stratum(share, 0, 0)]
         lower = [dataclasses.replace(s, weight=s.weight * (1 - share)) for s in lower] + [Stratum(share, 0, 0)]
-    return lower, upper, uncovered, by_signature
+    return lower, upper, uncovered, by_signature, own
 
 
 def _merged(maps: Iterable[Mapping[str, float]]) -> dict[str, float]:
@@ -515,6 +525,25 @@ def _when(more: float, seen: float, process_seconds: float, units: str) -> str:
     )
 
 
+def _diverging_stratum(own: Mapping[str, tuple[float, float]], max_rate: float) -> str:
+    """Why one signature's own evidence rolls the phase back, or "": its own anytime-valid lower bound, at
+    ``ALPHA / m`` for m signatures compared (a union bound: every signature is looked at), above the max rate. A
+    path where upstream diverges nearly always is a rollback of its own, however small its share of the calls:
+    decided here rather than left to widen the joint bound of every other signature."""
+    compared = {s: kn for s, kn in own.items() if s and kn[1] > 0}
+    if len(compared) < 2:
+        return ""  # (one stratum: the phase's own lower bound is this one's)
+    alpha = bounds.ALPHA / len(compared)
+    found = [(bounds.lower_bound(k, n, alpha), s, k, n) for s, (k, n) in compared.items()]
+    low, signature, k, n = max(found)
+    if low <= max_rate:
+        return ""
+    return (
+        f"signature {signature} diverges on its own: its rate is at least {low:.3g} (95% lower bound over "
+        f"{len(compared)} signatures, {k:.3g}/{n:.3g} effective) > max rate {max_rate:g}, whatever its share of calls"
+    )
+
+
 def decide_phase(primary: str, phase: PhaseCounts, max_rate: float, process_seconds: float = 0.0) -> PhaseDecision:
     """The decision on one phase's evidence (hard mismatches and coverage are the target's: see :func:`decide`)."""
     n, k = phase.compared, phase.divergent
@@ -527,7 +556,7 @@ def decide_phase(primary: str, phase: PhaseCounts, max_rate: float, process_seco
         clusters = [c for c in phase.clusters.values() if c[0] > 0]
         clustered = bool(clusters) and round(sum(c[0] for c in clusters)) == round(counted)
         cluster_count = len(clusters)
-    lower_strata, upper_strata, uncovered, weighted = _strata(phase, cluster_count if clustered else None)
+    lower_strata, upper_strata, uncovered, weighted, own = _strata(phase, cluster_count if clustered else None)
     prior = Prior.for_max_rate(max_rate)
     lower, upper = bounds.lower(lower_strata), bounds.upper(upper_strata, prior)
     covered = sum(s.weight for s in lower_strata if s.n > 0)
@@ -549,6 +578,9 @@ def decide_phase(primary: str, phase: PhaseCounts, max_rate: float, process_seco
     }
     if n == 0:
         return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: no call compared", **common)
+    diverging = _diverging_stratum(own, max_rate)
+    if diverging and lower <= max_rate:
+        return PhaseDecision(decision=ROLLBACK, why=diverging, **common)
     if lower > max_rate:
         why = f"divergence rate is at least {lower:.3g} (95% lower bound, {k:.0f}/{n:.0f}) > max rate {max_rate:g}"
         return PhaseDecision(decision=ROLLBACK, why=why, **common)
@@ -735,6 +767,7 @@ def _decide_whole(
         "set_aside": round(counts.set_aside),
         "notes": tuple(counts.notes),
         "drilled": round(counts.drilled),
+        "drill_set_aside": round(counts.drill_set_aside),
         "truth": truth_summaries(counts),
     }
     if counts.compared == 0 and worst is None:
@@ -777,8 +810,16 @@ def overall(decisions: Iterable[Decision]) -> str:
 
 def drill_note(decisions: Iterable[Decision]) -> str:
     """The line that names a fire drill in a verdict's output, or "" when none was active."""
+    decisions = list(decisions)
     drilled = [d for d in decisions if d.drilled]
     if not drilled:
+        over = [d for d in decisions if d.drill_set_aside]
+        if over:
+            return (
+                f"a fire drill is over: its {sum(d.drill_set_aside for d in over):,} comparisons "
+                f"({', '.join(d.target for d in over)}) were set aside by its marks, and the clean evidence after it "
+                "decides"
+            )
         return ""
     counted = sum(d.drilled for d in drilled if d.drilled > 0)
     how_many = f"{counted:,} comparisons carry" if counted else "the metrics show"

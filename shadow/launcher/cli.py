@@ -173,7 +173,8 @@ def _verdict(args: argparse.Namespace) -> int:
         note = verdict.drill_note(decisions)
         if note:
             print(note)
-        print(f"overall: {result} (max rate {args.max_rate:g}){' - a FIRE DRILL' if note else ''}")
+        active = any(d.drilled for d in decisions)
+        print(f"overall: {result} (max rate {args.max_rate:g}){' - a FIRE DRILL' if active else ''}")
     return verdict.EXIT_CODES[result]
 
 
