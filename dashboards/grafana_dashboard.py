@@ -138,8 +138,8 @@ def build() -> Dashboard:
             stat_panel(
                 "Promotion bound (anytime-valid)",
                 "Per phase (primary: legacy shadowing, upstream in a canary), a conservative 95% upper bound of the "
-                "divergence rate while no divergence was seen, valid however often it is looked at: the one "
-                "NpuShadowPromotionEvidence reads (npu-shadow verdict computes the exact one, with clusters).",
+                "divergence rate (closed forms never below the verdict's), valid however often it is looked at: the "
+                "one NpuShadowPromotionEvidence reads (npu-shadow verdict computes the exact one, with clusters).",
                 f"npu_shadow:promotion:upper_bound_approx{{{SEL}}}",
                 "percentunit",
             )

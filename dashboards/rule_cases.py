@@ -8,6 +8,7 @@ rules themselves; the firing conditions are spelled out below, by hand.
 
 from __future__ import annotations
 
+import math
 import pathlib
 import re
 from typing import Any
@@ -238,7 +239,12 @@ def render() -> str:
 PROMOTION_EVAL_MINUTES = 100
 CLEAN = {"a": (900, 90, 0), "b": (100, 10, 0)}  # calls in proportion: 10,000 comparisons at EVAL
 PROMOTION_CASES = [
-    {"name": "clean, compared in proportion to calls: fires", "phases": {"legacy": CLEAN}, "fires": True},
+    {
+        "name": "clean, compared in proportion to calls: fires",
+        "phases": {"legacy": CLEAN},
+        "fires": True,
+        "bound": True,
+    },
     {"name": "an under-sampled signature", "phases": {"legacy": {"a": (950, 95, 0), "b": (50, 0.3, 0)}}},
     {"name": "a signature with calls never compared", "phases": {"legacy": {**CLEAN, "c": (10, 0, 0)}}},
     {
@@ -318,6 +324,44 @@ PROMOTION_CASES = [
         "fires": True,
     },
     {
+        "name": "a few value divergences in ample evidence: fires",
+        "phases": {"legacy": {"a": (9000, 900, 0.03), "b": (1000, 100, 0)}},
+        "fires": True,
+        "bound": True,
+    },
+    {
+        "name": "a few value divergences in too little evidence",
+        "phases": {"legacy": {"a": (900, 90, 0.03), "b": (100, 10, 0)}},
+    },
+    {
+        "name": "a few value divergences in ample evidence, but in few clusters",
+        "phases": {"legacy": {"a": (9000, 900, 0.03), "b": (1000, 100, 0)}},
+        "clusters": {"legacy": 50},
+        "bound": True,
+    },
+    {
+        "name": "a few divergences in ample evidence, one of them a hard mismatch",
+        "phases": {"legacy": {"a": (9000, 900, 0.03), "b": (1000, 100, 0)}},
+        "hard": {("legacy", "dtype"): 0.01},
+    },
+    {
+        "name": "a rare signature that diverges on every call it was compared on",
+        "phases": {"legacy": {"a": (9000, 900, 0), "b": (1000, 100, 0), "c": (0.5, 0.5, 0.5)}},
+    },
+    {
+        "name": "every comparison's gradients compared, a few differing in ample evidence: fires",
+        "phases": {"legacy": {"a": (9000, 900, 0.03), "b": (1000, 100, 0)}},
+        "backward": {("legacy", "a"): 900, ("legacy", "b"): 100},
+        "backward_mismatch": {("legacy", "a"): 0.03},
+        "fires": True,
+    },
+    {
+        "name": "a twentieth of the comparisons' gradients compared, a few differing",
+        "phases": {"legacy": {"a": (9000, 900, 0.03), "b": (1000, 100, 0)}},
+        "backward": {("legacy", "a"): 45, ("legacy", "b"): 5},
+        "backward_mismatch": {("legacy", "a"): 0.03},
+    },
+    {
         "name": "tensor_type whose job took a risky signature, compared too rarely",
         "target": "tensor_type",
         "phases": {"legacy": {"dtype/cpu/blocking": (1000, 100, 0), "npu_name/noncurrent/blocking": (1, 0.1, 0)}},
@@ -346,8 +390,16 @@ def promotion_case(spec: dict) -> dict:
         grow("npu_shadow_skipped_total", per_minute, primary=primary, signature=signature, reason=reason)
     for primary, per_minute in spec.get("clusters", {}).items():
         grow("npu_shadow_clusters_total", per_minute, primary=primary)
+    mismatched = spec.get("backward_mismatch", {})
     for (primary, signature), per_minute in spec.get("backward", {}).items():
-        grow("npu_shadow_backward_runs_total", per_minute, primary=primary, signature=signature, outcome="match")
+        differing = mismatched.get((primary, signature), 0)
+        grow("npu_shadow_backward_runs_total", per_minute - differing, primary=primary, signature=signature,
+             outcome="match")  # fmt: skip
+        if differing:
+            grow("npu_shadow_backward_runs_total", differing, primary=primary, signature=signature,
+                 outcome="mismatch")  # fmt: skip
+    for (primary, reason), per_minute in spec.get("hard", {}).items():
+        grow("npu_shadow_mismatches_total", per_minute, primary=primary, reason=reason)
     if spec.get("rollbacks"):
         grow("npu_shadow_rollbacks_total", spec["rollbacks"], source="http")
     for metric, values, labels in spec.get("raw", ()):
@@ -356,10 +408,24 @@ def promotion_case(spec: dict) -> dict:
     if spec.get("fires"):
         fired = [expected("NpuShadowPromotionEvidence", job="promo", target=target, primary=primary)
                  for primary in spec["phases"]]  # fmt: skip
+    exprs = []
+    if spec.get("bound"):  # the recorded bound is the Python form's (rules.promotion_upper), which tests check
+        ((primary, signatures),) = spec["phases"].items()
+        total = sum(calls for calls, _, _ in signatures.values())
+        strata = [(calls / total, k * PROMOTION_EVAL_MINUTES, n * PROMOTION_EVAL_MINUTES)
+                  for calls, n, k in signatures.values()]  # fmt: skip
+        clusters = spec.get("clusters", {}).get(primary)
+        value = rules.promotion_upper(strata, clusters * PROMOTION_EVAL_MINUTES if clusters else None)
+        labels = f'{{job="promo",primary="{primary}",target="{target}"}}'
+        # (in units of 1e-12, rounded: the two evaluate the sums in different orders)
+        exprs.append({"expr": "round(npu_shadow:promotion:upper_bound_approx * 1e12)",
+                      "eval_time": f"{PROMOTION_EVAL_MINUTES}m",
+                      "exp_samples": [{"labels": labels, "value": math.floor(value * 1e12 + 0.5)}]})  # fmt: skip
     return case(
         f"promotion evidence: {spec['name']}",
         inputs,
         [(f"{PROMOTION_EVAL_MINUTES}m", "NpuShadowPromotionEvidence", fired)],
+        exprs,
     )
 
 

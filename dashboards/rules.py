@@ -11,13 +11,16 @@ alerts' gates read is Kish's effective one; elsewhere it is the plain ratio. Eve
 upstream's in a canary) are never pooled, as ``npu-shadow verdict`` keeps them apart. Burn-rate windows follow the
 SRE workbook, scaled down for training jobs (hours, not months).
 
-``NpuShadowPromotionEvidence`` cannot compute the verdict's bound (a convex program) in PromQL; it uses a
-conservative approximation that never promotes where the verdict would not (see :func:`promotion_bound` and the
-promtool cases that check it against the verdict): with no divergence in any phase, no call skipped for a reason
-tied to the call, every signature with calls compared, every risky signature compared enough times, and no
-rollback, the verdict's zero-divergence upper bound is at most
+``NpuShadowPromotionEvidence`` cannot compute the verdict's bound (a convex program) in PromQL; it uses closed
+forms that are never below it (see :func:`promotion_upper` and the promtool cases decided by the verdict on the
+same counts). With no divergence in a phase, the verdict's zero-divergence upper bound is at most
 ``(log(1/alpha) - log(w) + log(1 + N / b)) / min_s(n_s / W_s)`` (since -log(1 - p) >= p; N comparisons, n_s of
-signature s whose share of calls is W_s, b and w the mixture's prior and shared-rate weight).
+signature s whose share of calls is W_s, b and w the mixture's prior and shared-rate weight). With divergences,
+the verdict's region ``sum_s n_s KL(q_s || p_s) <= B`` (q_s = k_s / n_s, B = log(1/alpha) - log(1 - w) plus each
+signature's regret envelope) holds every p with ``U - Q <= sqrt(2 B U / m)`` (KL(q || p) >= (p - q)^2 / 2p and
+Cauchy-Schwarz; Q = sum_s W_s q_s, m = min_s n_s / W_s), so ``U <= Q + B/m + sqrt(2 Q B / m + (B / m)^2)``; each
+regret is bounded by ``log((n + b + 1) / b) + k (1 + log((n + b + 1) / n)) + (n - k) log(1 - k / n)``
+(Gamma(k + 1) >= (k / e)^k; increasing in k, so it bounds the envelope too).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from dashboards.series import (
     SKIPPED,
 )
 from shadow.analysis import bounds, verdict
-from shadow.core.observation import NONRESPONSE_REASONS
+from shadow.core.observation import DIVERGENT_OUTCOMES, NONRESPONSE_REASONS
 
 #: Every threshold, in one place.
 PARAMS: dict[str, Any] = {
@@ -145,6 +148,7 @@ def _recording_rules() -> list[dict[str, str]]:
             "expr": f"sum by (job, run, target) (rate({SHADOW_TIME}[15m]))"
             f" / sum by (job, run, target) (rate({LEGACY_TIME}[15m]))",
         },
+        *_stratum_rules(),
         {"record": "npu_shadow:promotion:upper_bound_approx", "expr": promotion_bound()},
         {"record": "npu_shadow:promotion:gradient_upper_bound_approx", "expr": gradient_promotion_bound()},
         {"record": ROLLED_BACK, "expr": rolled_back_latch()},
@@ -153,8 +157,9 @@ def _recording_rules() -> list[dict[str, str]]:
 
 
 def promotion_bound() -> str:
-    """PromQL for a conservative approximation of the verdict's upper bound of a phase with no divergence (module
-    docstring): at least the verdict's, whatever the allocation of comparisons to signatures and clusters."""
+    """PromQL for a bound of a phase's divergence rate at least the verdict's upper bound (module docstring),
+    whatever the allocation of comparisons to signatures and clusters: the zero-divergence form where the phase's
+    forward evidence has no divergence, the form with divergences otherwise."""
     prior = bounds.Prior.for_max_rate(PARAMS["max_divergence"])
     budget = math.log(1 / bounds.ALPHA) - math.log(bounds.SHARED_RATE_WEIGHT)
     compared = _per_signature(f"{COMPARISONS}{{{COMPARED}}}", None)
@@ -167,7 +172,114 @@ def promotion_bound() -> str:
     # min_s(min(n_s, C) / W_s) >= min(min_s(n_s / W_s), C), dividing by the smaller of the two keeps the bound above it
     clusters = f"{BY} ({CLUSTERS})"
     clustered = f"(({least} <= {clusters}) or {clusters} or {least})"
-    return f"({budget!r} + ln(1 + npu_shadow:comparisons:total / {prior.b!r})) / {clustered}"
+    clean = f"({budget!r} + ln(1 + npu_shadow:comparisons:total / {prior.b!r})) / {clustered}"
+    diverged = f"{BY} ({STRATUM_DIVERGENT}) > 0"
+    return f"({clean} unless on ({PHASE}) ({diverged})) or {_with_divergences(_forward_strata())}"
+
+
+#: Per-stratum series of a phase's forward evidence (one stratum per signature where calls are counted by
+#: signature, the whole phase otherwise): comparisons, divergences (a gradient mismatch is the gradients'
+#: evidence, as the verdict counts it), share of the phase's calls, and comparisons capped at the phase's clusters.
+STRATUM_COMPARED = "npu_shadow:promotion:stratum_compared"
+STRATUM_DIVERGENT = "npu_shadow:promotion:stratum_divergent"
+STRATUM_SHARE = "npu_shadow:promotion:stratum_share"
+STRATUM_CAPPED = "npu_shadow:promotion:stratum_capped"
+
+
+def _by_stratum(selector: str) -> str:
+    signed = f'{BY} ({CALLS}{{signature!=""}}) > 0'
+    return (
+        f"({BY_SIGNATURE} ({selector}) and on ({PHASE}) ({signed}) or {BY} ({selector}) unless on ({PHASE}) ({signed}))"
+    )
+
+
+def _capped(n: str) -> str:
+    """PromQL: ``n`` (per stratum) at most the phase's clusters, where they are counted."""
+    clusters = f"({BY} ({CLUSTERS}) > 0)"
+    return (
+        f"(({n} <= on ({PHASE}) group_left () {clusters}) or ({n} * 0 + on ({PHASE}) group_left () {clusters}) or {n})"
+    )
+
+
+def _stratum_rules() -> list[dict[str, str]]:
+    calls = _per_signature(f'{CALLS}{{signature!=""}}', None)
+    grad_mismatches = _per_signature(f'{BACKWARD_RUNS}{{outcome="mismatch"}}', None)
+    divergent = _by_stratum(f"{COMPARISONS}{{{DIVERGENT}}}")
+    forward = f"clamp_min({divergent} - on ({PHASE}, signature) ({grad_mismatches} or {divergent} * 0), 0)"
+    signed = f"{BY} ({calls}) > 0"
+    return [
+        {"record": STRATUM_COMPARED, "expr": _by_stratum(f"{COMPARISONS}{{{COMPARED}}}")},
+        {"record": STRATUM_DIVERGENT, "expr": f"({forward} or {divergent}) or {STRATUM_COMPARED} * 0"},
+        {
+            "record": STRATUM_SHARE,
+            "expr": f"{calls} / on ({PHASE}) group_left {BY} ({calls}) "
+            f"or ({STRATUM_COMPARED} * 0 + 1 unless on ({PHASE}) ({signed}))",
+        },
+        {"record": STRATUM_CAPPED, "expr": _capped(STRATUM_COMPARED)},
+    ]
+
+
+def _forward_strata() -> tuple[str, str, str, str, str]:
+    """(n, k, capped n, share, the vector's grouping) of the forward strata, as recorded."""
+    return STRATUM_COMPARED, STRATUM_DIVERGENT, STRATUM_CAPPED, STRATUM_SHARE, f"{PHASE}, signature"
+
+
+def _regret(n: str, k: str) -> str:
+    """PromQL of the regret bound ``log((n + b + 1) / b) + k (1 + log((n + b + 1) / n)) + (n - k) log(1 - k / n)``
+    (module docstring), element-wise."""
+    b = bounds.Prior.for_max_rate(PARAMS["max_divergence"]).b
+    rest = f"clamp_min(1 - {k} / {n}, 1e-300)"  # (k = n: (n - k) log(...) is 0)
+    return f"(ln(({n} + {b + 1!r}) / {b!r}) + {k} * (1 + ln(({n} + {b + 1!r}) / {n})) + ({n} - {k}) * ln({rest}))"
+
+
+def _with_divergences(strata: tuple[str, str, str, str, str]) -> str:
+    """PromQL of ``Q + B/m + sqrt(2 Q B / m + (B / m)^2)`` over the strata (module docstring)."""
+    n, k, capped, share, grouping = strata
+    on = f"on ({grouping})"
+    q = f"{BY} ({k} / {n} * {on} {share})"
+    effective_k = f"({k} * {capped} / {n})"
+    base = math.log(1 / bounds.ALPHA) - math.log1p(-bounds.SHARED_RATE_WEIGHT)
+    budget = f"({base!r} + {BY} ({_regret(capped, effective_k)}))"
+    m = f"min by ({PHASE}) ({capped} / {on} {share})"
+    per = f"({budget} / {m})"
+    return f"({q} + {per} + sqrt(2 * {q} * {per} + {per} ^ 2))"
+
+
+def promotion_upper(strata: list[tuple[float, float, float]], clusters: float | None = None) -> float:
+    """The rules' bound of one phase in Python, for tests against the verdict: ``strata`` as (share of calls,
+    divergences, comparisons), every one compared, ``clusters`` the phase's where counted."""
+    b = bounds.Prior.for_max_rate(PARAMS["max_divergence"]).b
+    capped = [(w, k, n, min(n, clusters) if clusters else n) for w, k, n in strata]
+    m = min(c / w for w, _, _, c in capped)
+    if not any(k for _, k, _, _ in capped):
+        budget = math.log(1 / bounds.ALPHA) - math.log(bounds.SHARED_RATE_WEIGHT)
+        total = sum(n for _, _, n, _ in capped)
+        least = min(n / w for w, _, n, _ in capped)
+        return (budget + math.log1p(total / b)) / (min(least, clusters) if clusters else least)
+    q = sum(w * k / n for w, k, n, _ in capped)
+    regret = 0.0
+    for _, k, n, c in capped:
+        k = k * c / n
+        regret += (
+            math.log((c + b + 1) / b) + k * (1 + math.log((c + b + 1) / c)) + (c - k) * math.log(max(1 - k / c, 1e-300))
+        )
+    per = (math.log(1 / bounds.ALPHA) - math.log1p(-bounds.SHARED_RATE_WEIGHT) + regret) / m
+    return q + per + math.sqrt(2 * q * per + per**2)
+
+
+def gradient_promotion_bound() -> str:
+    """PromQL for the same bound over a phase's gradient evidence (the verdict's ``<primary> gradients`` phase: one
+    stratum of the B backward comparisons, in at most the phase's C clusters): with no gradient mismatch
+    ``(log(1/alpha) - log(w) + log(1 + B / b)) / min(B, C)``, the form with divergences otherwise."""
+    prior = bounds.Prior.for_max_rate(PARAMS["max_divergence"])
+    budget = math.log(1 / bounds.ALPHA) - math.log(bounds.SHARED_RATE_WEIGHT)
+    runs = f"{BY} ({BACKWARD_RUNS})"
+    clusters = f"{BY} ({CLUSTERS})"
+    clustered = f"(({runs} <= {clusters}) or {clusters} or {runs})"
+    mismatched = f'{BY} ({BACKWARD_RUNS}{{outcome=~"{"|".join(DIVERGENT_OUTCOMES)}"}})'
+    clean = f"({budget!r} + ln(1 + {runs} / {prior.b!r})) / {clustered}"
+    strata = (runs, f"({mismatched} or {runs} * 0)", _capped(runs), f"({runs} * 0 + 1)", PHASE)
+    return f"({clean} unless on ({PHASE}) ({mismatched} > 0)) or {_with_divergences(strata)}"
 
 
 #: A run's targets rolled back and not reset since, kept across process restarts (a counter a restart resets).
@@ -182,18 +294,6 @@ def rolled_back_latch() -> str:
     now = f"{by} ({ROLLBACKS}) > {by} ({RESETS}) or {by} ({ROLLBACKS}) > 0 unless {on} {by} ({RESETS})"
     reset = f"{by} (increase({RESETS}[{PARAMS['hard_window']}])) > 0"
     return f"group by (job, run, target) (({now}) or ({ROLLED_BACK} unless {on} ({reset})))"
-
-
-def gradient_promotion_bound() -> str:
-    """PromQL for the same approximation over a phase's gradient evidence (the verdict's ``<primary> gradients``
-    phase: one stratum of the B backward comparisons, in at most the phase's C clusters):
-    ``(log(1/alpha) - log(w) + log(1 + B / b)) / min(B, C)``."""
-    prior = bounds.Prior.for_max_rate(PARAMS["max_divergence"])
-    budget = math.log(1 / bounds.ALPHA) - math.log(bounds.SHARED_RATE_WEIGHT)
-    runs = f"{BY} ({BACKWARD_RUNS})"
-    clusters = f"{BY} ({CLUSTERS})"
-    clustered = f"(({runs} <= {clusters}) or {clusters} or {runs})"
-    return f"({budget!r} + ln(1 + {runs} / {prior.b!r})) / {clustered}"
 
 
 def _fnmatch_regex(pattern: str) -> str:
@@ -270,6 +370,7 @@ def _alerting_rules() -> list[dict]:
     nonresponse = "|".join(NONRESPONSE_REASONS)
     called = _per_signature(f'{CALLS}{{signature!=""}}', None)
     compared = _per_signature(f"{COMPARISONS}{{{COMPARED}}}", None)
+    max_rate, divergent = PARAMS["max_divergence"], "|".join(DIVERGENT_OUTCOMES)
     return [
         _burn(
             PARAMS["fast_burn"],
@@ -351,12 +452,18 @@ def _alerting_rules() -> list[dict]:
         ),
         _alert(
             "NpuShadowPromotionEvidence",
-            f"npu_shadow:promotion:upper_bound_approx < {PARAMS['max_divergence']!r}"
-            # no divergence in any phase of the target
-            " unless on (job, run, target) (npu_shadow:divergent:total > 0)"
-            # where gradients were compared, their own evidence (rated over those calls alone) bounded as well
-            " unless on (job, run, target, primary) "
-            f"(npu_shadow:promotion:gradient_upper_bound_approx >= {PARAMS['max_divergence']!r})"
+            f"npu_shadow:promotion:upper_bound_approx < {max_rate!r}"
+            # every phase of the target (forward and gradients) bounded below the max rate
+            f" unless on (job, run, target) (npu_shadow:promotion:upper_bound_approx >= {max_rate!r})"
+            f" unless on (job, run, target) (npu_shadow:promotion:gradient_upper_bound_approx >= {max_rate!r})"
+            # no hard mismatch (a difference in kind: the verdict rolls back on one)
+            f' unless on (job, run, target) sum by (job, run, target) ({MISMATCHES}{{reason=~"{hard}"}}) > 0'
+            # no signature diverging on most of its calls (the verdict may roll it back on its own)
+            f" unless on (job, run, target) ({STRATUM_DIVERGENT} / {STRATUM_COMPARED} > {verdict.SYSTEMATIC_RATE!r})"
+            # the last hour's rate within the max rate, forward and gradients (the verdict's recent window)
+            f" unless on (job, run, target) (npu_shadow:divergence:ratio_rate1h > {max_rate!r})"
+            f' unless on (job, run, target) ({BY} (increase({BACKWARD_RUNS}{{outcome=~"{divergent}"}}[1h]))'
+            f" / {BY} (increase({BACKWARD_RUNS}[1h])) > {max_rate!r})"
             # no call skipped for a reason tied to the call (non-response)
             f' unless on (job, run, target) sum by (job, run, target) ({SKIPPED}{{reason=~"{nonresponse}"}}) > 0'
             # every signature with calls compared
@@ -367,8 +474,8 @@ def _alerting_rules() -> list[dict]:
             f" unless on (job, run, target) ({_risky_uncovered()})",
             "info",
             "promote",
-            f"{{{{ $labels.target }}}} in {{{{ $labels.job }}}} ({{{{ $labels.primary }}}} phase): no divergence, and "
-            f"a conservative bound of the divergence rate below {PARAMS['max_divergence']:g}",
+            f"{{{{ $labels.target }}}} in {{{{ $labels.job }}}} ({{{{ $labels.primary }}}} phase): a conservative "
+            f"bound of the divergence rate below {PARAMS['max_divergence']:g}, in every phase and in the last hour",
             "Evidence that upstream behaves as legacy, valid however often it is looked at. Confirm with "
             "`npu-shadow verdict` (which also clusters journals by process) before removing the patch.",
             PARAMS["promotion"]["for"],

@@ -162,17 +162,23 @@ def _counts_at_eval(spec: dict):
         counts.add_skip(reason, per_minute * minutes, primary, signature)
     for primary, per_minute in spec.get("clusters", {}).items():
         counts.add_clusters(per_minute * minutes, primary)
+    mismatched = spec.get("backward_mismatch", {})
     for (primary, signature), per_minute in spec.get("backward", {}).items():
-        counts.add_backward(signature, "match", per_minute * minutes, primary)
+        differing = mismatched.get((primary, signature), 0)
+        counts.add_backward(signature, "match", (per_minute - differing) * minutes, primary)
+        counts.add_backward(signature, "mismatch", differing * minutes, primary)
+    for (primary, reason), per_minute in spec.get("hard", {}).items():
+        counts.add_reason(reason, per_minute * minutes, primary)
     if spec.get("rollbacks") or spec.get("rolled_back"):
         counts.rollbacks.append("http")  # (a restart's counter reset: the counts over the run still hold it)
     return counts
 
 
-def test_the_promotion_alert_never_fires_where_the_verdict_would_not():
+def test_the_promotion_alert_decides_as_the_verdict_does_on_the_same_counts():
     """Each promtool case of NpuShadowPromotionEvidence (dashboards/rule_cases.py) decided by the verdict on the
-    same counts: where the alert fires, the verdict promotes; the pooled, under-sampled, skipped, never-compared,
-    rolled-back and risky cases are not promoted by either."""
+    same counts: the alert fires where the verdict promotes (clean, or a few value divergences in ample evidence)
+    and nowhere else (pooled, under-sampled, skipped, never compared, rolled back, risky, a hard mismatch, a
+    signature diverging on every call, too few clusters or gradient comparisons for the divergences seen)."""
     from shadow.analysis import verdict
     from shadow.core.targets import BUILTINS
 
@@ -184,27 +190,36 @@ def test_the_promotion_alert_never_fires_where_the_verdict_would_not():
 
 
 def test_the_promotion_rules_bound_is_never_below_the_verdicts():
-    """The rule's closed form (log(1/alpha) - log(w) + log(1 + N/b)) / min_s(n_s / W_s) against the verdict's bound
-    of a phase with no divergence, over random allocations of comparisons to signatures."""
-    import math
+    """The rules' closed forms (rules.promotion_upper: zero-divergence, and with divergences) against the verdict's
+    upper bound of the same phase, over random allocations of comparisons and divergences to signatures and
+    clusters; and the regret bound against the verdict's regret envelope."""
     import random
 
     from shadow.analysis import bounds
     from shadow.analysis.verdict import TargetCounts, decide
 
+    max_rate = rules.PARAMS["max_divergence"]
+    prior = bounds.Prior.for_max_rate(max_rate)
     rng = random.Random(14)
-    prior = bounds.Prior.for_max_rate(0.001)
-    for _ in range(200):
+    for trial in range(300):
         counts = TargetCounts()
-        strata = {f"s{i}": (rng.randint(1, 10**6), rng.randint(1, 50_000)) for i in range(rng.randint(1, 6))}
-        for signature, (calls, compared) in strata.items():
+        strata = {}
+        for i in range(rng.randint(1, 6)):
+            compared = rng.randint(1, 50_000)
+            divergent = 0 if trial % 2 else min(compared, rng.choice([0, 0, 1, 2, 5, 20, rng.randint(0, compared)]))
+            strata[f"s{i}"] = (rng.randint(compared, 10**6), compared, divergent)
+        for signature, (calls, compared, divergent) in strata.items():
             counts.add_calls(signature, calls)
-            counts.add_outcome(signature, "match", compared)
-        total_calls = sum(c for c, _ in strata.values())
-        n = sum(m for _, m in strata.values())
-        least = min(m / (c / total_calls) for c, m in strata.values())
-        budget = math.log(1 / bounds.ALPHA) - math.log(bounds.SHARED_RATE_WEIGHT) + math.log1p(n / prior.b)
-        assert budget / least >= decide("op", counts, 0.001).upper * (1 - 1e-9)
-        clusters = rng.randint(1, n)  # (the comparisons in C clusters: the rule divides by min(least, C))
+            counts.add_outcome(signature, "match", compared - divergent)
+            counts.add_outcome(signature, "mismatch", divergent)
+            counts.add_reason("value", divergent)
+        total = sum(c for c, _, _ in strata.values())
+        shares = [(c / total, k, n) for c, n, k in strata.values()]
+        assert rules.promotion_upper(shares) >= decide("op", counts, max_rate).upper * (1 - 1e-9), strata
+        clusters = rng.randint(1, sum(n for _, n, _ in strata.values()))
         counts.add_clusters(clusters)
-        assert budget / min(least, clusters) >= decide("op", counts, 0.001).upper * (1 - 1e-9)
+        assert rules.promotion_upper(shares, clusters) >= decide("op", counts, max_rate).upper * (1 - 1e-9), strata
+    for _ in range(500):
+        n = rng.choice([1.0, 3.5, 100.0, 1e4, 1e6]) * rng.uniform(0.5, 2)
+        k = rng.choice([0.0, 0.4, 1.0, 3.0, n / 2, n]) * rng.uniform(0.1, 1)
+        assert rules.promotion_upper([(1.0, k, n)]) >= bounds.upper_bound(k, n, prior) * (1 - 1e-9), (k, n)
