@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pathlib
 import shutil
 import socket
 import subprocess
@@ -114,6 +115,26 @@ def prometheus(
     ]
     with process(tmp_path, "prometheus", argv, f"http://127.0.0.1:{port}/-/ready"):
         yield PrometheusServer(f"http://127.0.0.1:{port}")
+
+
+def backfill(data: pathlib.Path, samples: dict[str, list[tuple[dict[str, str], list[tuple[float, float]]]]]) -> None:
+    """Write history into a Prometheus data directory before the server starts (``promtool tsdb
+    create-blocks-from openmetrics``): ``samples`` maps each series name to its (labels, [(unix time, value)])."""
+    binary = shutil.which("promtool")
+    if binary is None:
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    lines = []
+    for name, series in samples.items():
+        family = name.removesuffix("_total")
+        lines.append(f"# TYPE {family} {'counter' if name.endswith('_total') else 'gauge'}")
+        for labels, points in series:
+            rendered = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            lines += [f"{name}{{{rendered}}} {value!r} {moment:.3f}" for moment, value in points]
+    source = data.parent / "backfill.om"
+    source.write_text("\n".join(lines) + "\n# EOF\n")
+    data.mkdir(parents=True, exist_ok=True)
+    subprocess.run([binary, "tsdb", "create-blocks-from", "openmetrics", str(source), str(data)],
+                   check=True, capture_output=True, timeout=120)  # fmt: skip
 
 
 @contextlib.contextmanager

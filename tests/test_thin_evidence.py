@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import journals
 import pytest
@@ -574,6 +575,60 @@ def test_a_fire_drill_still_drilling_is_rehearsed_not_set_aside(tmp_path):
     done = verdict_cli("--journal", str(path), "--max-rate", "0.01")
     assert done.returncode == 1 and "FIRE DRILL: 1,000 comparisons carry" in done.stdout
     assert done.stdout.rstrip().endswith("- a FIRE DRILL")
+
+
+def _drill_history(minutes: int, drill: range) -> tuple[dict, float]:
+    """A run's history as Prometheus would have scraped it, a sample a minute: 100 comparisons a minute, every one
+    a mismatch while a fire drill's gauge is 1 (the minutes in ``drill``), none otherwise. (series, its end)."""
+    start = (time.time() // 60 - minutes - 120) * 60  # (two hours back: within the head block's range, never ahead)
+    common = {"job": "train", "instance": "rank0", "run": "job-1", "target": "op", "primary": "legacy"}
+    match = mismatch = 0
+    points: dict[str, list[tuple[float, float]]] = {"calls": [], "match": [], "mismatch": [], "drill": []}
+    for minute in range(minutes + 1):
+        at = start + 60 * minute
+        if minute:
+            mismatch += 100 if minute in drill else 0
+            match += 0 if minute in drill else 100
+        for name, value in (("calls", match + mismatch), ("match", match), ("mismatch", mismatch)):
+            points[name].append((at, float(value)))
+        points["drill"].append((at, 1.0 if minute in drill else 0.0))
+    series = {
+        "npu_shadow_calls_total": [({**common, "signature": "s"}, points["calls"])],
+        "npu_shadow_comparisons_total": [
+            ({**common, "signature": "s", "outcome": "match"}, points["match"]),
+            ({**common, "signature": "s", "outcome": "mismatch"}, points["mismatch"]),
+        ],
+        "npu_shadow_mismatches_total": [({**common, "reason": "value"}, points["mismatch"])],
+        "npu_shadow_drill_active": [({"job": "train", "instance": "rank0", "run": "job-1"}, points["drill"])],
+    }
+    return series, start + 60 * minutes
+
+
+@pytest.mark.e2e
+def test_a_fire_drill_that_is_over_is_set_aside_from_prometheus_by_its_gauges_history(tmp_path):
+    """A ten-minute fire drill, then clean evidence, read from a real Prometheus: the drill's span (from the
+    last scrape without it to the first after it) is set aside by the drill gauge's history, the clean evidence
+    decides; a drill still on at the end is rehearsed (rollback, FIRE DRILL)."""
+    from prometheus_server import backfill, prometheus
+
+    over, over_end = _drill_history(130, range(31, 41))
+    still, still_end = _drill_history(130, range(121, 131))
+    for name, (history, end) in {"over": (over, over_end), "still": (still, still_end)}.items():
+        place = tmp_path / name
+        place.mkdir()
+        backfill(place / "data", history)
+        with prometheus(place, {}, []) as server:
+            args = ("--prometheus", server.url, "--end", str(end), "--max-rate", "0.01")
+            done = verdict_cli(*args)
+            if name == "over":
+                assert done.returncode == 0, done.stdout + done.stderr
+                assert "a fire drill is over: its 1,100 comparisons (op) were set aside" in done.stdout
+                (target,) = _verdict_json(*args)["targets"]
+                # 13,000 compared, 1,000 in the drill; minute 41's 100 clean ones lie in its span too
+                assert (target["compared"], target["divergent"], target["drill_set_aside"]) == (11_900, 0, 1_100)
+            else:
+                assert done.returncode == 1, done.stdout + done.stderr
+                assert "FIRE DRILL" in done.stdout and done.stdout.rstrip().endswith("- a FIRE DRILL")
 
 
 # --------------------------------------------------------------------------- repeated looks with the new units

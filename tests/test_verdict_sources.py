@@ -84,7 +84,11 @@ class FakePrometheus:
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
                 none = b'{"status": "success", "data": {"resultType": "vector", "result": []}}'
-                self.wfile.write(none if "rollbacks" in self.path or "resets" in self.path else body)
+                no_drill = b'{"status": "success", "data": {"resultType": "matrix", "result": []}}'
+                if "drill_active" in self.path:
+                    self.wfile.write(no_drill)
+                else:
+                    self.wfile.write(none if "rollbacks" in self.path or "resets" in self.path else body)
 
             def log_message(self, *args):
                 pass

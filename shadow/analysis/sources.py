@@ -367,6 +367,49 @@ def _exact(
     return values
 
 
+def _drill_spans(
+    url: str, selector: str, start: float | None, end: float | None, deadline: _Deadline
+) -> tuple[list[tuple[float | None, float]], bool]:
+    """The fire drills in the read's span, from the history of their gauge (any process of the run): (spans
+    that are over, each from the last sample without a drill before it (None: from the start) to the first
+    sample without one after it; whether a drill is still active at the end). A span's counts are the drill's
+    and whatever else was counted meanwhile: set aside whole, the evidence outside it decides."""
+    raw = deadline.query(f"{DRILL_ACTIVE}{{{selector}}}[{LOOKBACK}]", end, matrix=True)
+    spans: list[tuple[float | None, float]] = []
+    drilling = False
+    for series in raw:
+        on = start
+        active = False
+        for moment, value in series["values"]:
+            when = _number(moment, f"{url}: {DRILL_ACTIVE}")
+            if start is not None and when < start:
+                continue
+            if _number(value, f"{url}: {DRILL_ACTIVE}") > 0:
+                active = True
+            elif active:
+                spans.append((on, when))
+                active, on = False, when
+            else:
+                on = when
+        drilling = drilling or active
+    merged: list[tuple[float | None, float]] = []
+    for on, off in sorted(spans, key=lambda span: -math.inf if span[0] is None else span[0]):
+        if merged and (on is None or on < merged[-1][1]):
+            merged[-1] = (merged[-1][0], max(merged[-1][1], off))
+        else:
+            merged.append((on, off))
+    return merged, drilling
+
+
+def _counted_between(
+    url: str, metric: str, selector: str, on: float | None, off: float, deadline: _Deadline, whole: bool
+) -> dict[tuple, float]:
+    """Each series' count from ``on`` (None: from its start) to ``off``, exactly (:func:`_exact`)."""
+    after = _exact(url, metric, selector, off, deadline, whole)
+    before = _exact(url, metric, selector, on, deadline, whole) if on is not None else {}
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+
+
 def _runs(url: str, selector: str, at: float | None, deadline: _Deadline, lookback: str = LOOKBACK) -> set[str]:
     promql = f"count by ({_RUN_LABEL}) (last_over_time({CALLS}{{{selector}}}[{lookback}]))"
     return {str(item["metric"].get(_RUN_LABEL, "")) for item in deadline.query(promql, at)}
@@ -409,6 +452,8 @@ def from_prometheus(
     if chosen is not None:
         selector = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}"]))
     counts: dict[str, TargetCounts] = {}
+    spans, drilling = ([], False) if window else _drill_spans(url, selector, start, end, deadline)
+    set_aside: dict[str, float] = {}
     for metric, by in _QUERIES:
         if window:
             promql = f"sum by ({by}) (increase({metric}{{{selector}}}[{window}]))"
@@ -422,6 +467,15 @@ def from_prometheus(
             if start is not None:
                 before = _exact(url, metric, selector, start, deadline, whole)
                 series = {key: value - before.get(key, 0.0) for key, value in series.items()}
+            for on, off in spans if metric not in (ROLLBACKS, RESETS) else ():
+                drilled = _counted_between(url, metric, selector, on, off, deadline, whole)
+                series = {key: max(value - drilled.get(key, 0.0), 0.0) for key, value in series.items()}
+                if metric == COMPARISONS:
+                    for key, value in drilled.items():
+                        labels = dict(key)
+                        if labels.get("outcome") in COMPARED_OUTCOMES:
+                            target = labels.get("target", "")
+                            set_aside[target] = set_aside.get(target, 0.0) + value
         for key, value in series.items():
             labels = dict(key)
             # increase() extrapolates to the window's edges: fractional there, never negative
@@ -435,6 +489,9 @@ def from_prometheus(
             before = _exact(url, metric, selector, start, deadline, whole=False)
             series = {key: value - before.get(key, 0.0) for key, value in series.items()}
         arms.extend((metric, dict(key), value) for key, value in series.items())  # type: ignore[union-attr]
+    for target, entry in counts.items():
+        entry.drilled = -1 if drilling else 0
+        entry.drill_set_aside = 0.0 if drilling else set_aside.get(target, 0.0)
     if not window:
         seconds = sum(_exact(url, PROCESS_TIME, selector, end, deadline, whole=False).values())
         if start is not None:
