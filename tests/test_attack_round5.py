@@ -45,7 +45,7 @@ def _batchnorm_calls(dtype, truth_rate):
     return module, recorder
 
 
-def test_1_a_truth_run_never_writes_the_callers_module_state():
+def test_a_truth_run_never_writes_the_callers_module_state():
     for dtype in (torch.float32, torch.float64):
         unwrapped, _ = _batchnorm_calls(dtype, truth_rate=0.0)
         module, recorder = _batchnorm_calls(dtype, truth_rate=1.0)
@@ -55,7 +55,7 @@ def test_1_a_truth_run_never_writes_the_callers_module_state():
             assert torch.equal(module.state_dict()[name], tensor), (dtype, name)
 
 
-def test_1_a_truth_run_whose_host_copies_would_not_fit_is_not_run(monkeypatch):
+def test_a_truth_run_whose_host_copies_would_not_fit_is_not_run(monkeypatch):
     monkeypatch.setattr(memory, "host_free_bytes", lambda: 16 << 20)  # the copies need 2 x 8 MiB
     module = nn.Linear(1024, 1024).double()
     owner = types.SimpleNamespace()
@@ -70,7 +70,7 @@ def test_1_a_truth_run_whose_host_copies_would_not_fit_is_not_run(monkeypatch):
 # --------------------------------------------------------------------------- 2. a job's thread during an upstream run
 
 
-def test_2_a_daemon_thread_the_job_starts_during_an_upstream_run_gets_legacys_result():
+def test_a_daemon_thread_the_job_starts_during_an_upstream_run_gets_legacys_result():
     owner = types.SimpleNamespace()
     started = threading.Event()
     release = threading.Event()
@@ -101,7 +101,7 @@ def test_2_a_daemon_thread_the_job_starts_during_an_upstream_run_gets_legacys_re
     assert stats.calls == 2
 
 
-def test_2_a_thread_the_upstream_run_starts_is_the_upstream_runs():
+def test_a_thread_the_upstream_run_starts_is_the_upstream_runs():
     owner = types.SimpleNamespace()
     seen = []
 
@@ -136,7 +136,7 @@ class Big(nn.Module):
         return self.linear(x)
 
 
-def test_3_a_room_kept_between_runs_holds_no_reference_of_its_last_run():
+def test_a_room_kept_between_runs_holds_no_reference_of_its_last_run():
     owner = types.SimpleNamespace()
     made = []
 
@@ -169,7 +169,7 @@ def _cgroup_tree(tmp_path, lines, files):
     return str(tmp_path / "self_cgroup"), str(tmp_path / "fs")
 
 
-def test_4_a_cgroup_v1_memory_limit_is_seen(tmp_path, monkeypatch):
+def test_a_cgroup_v1_memory_limit_is_seen(tmp_path, monkeypatch):
     proc, root = _cgroup_tree(
         tmp_path,
         ["12:memory:/job", "3:cpu,cpuacct:/job"],
@@ -180,7 +180,7 @@ def test_4_a_cgroup_v1_memory_limit_is_seen(tmp_path, monkeypatch):
     assert memory.host_free_bytes() == 1073741824 - 1040187392
 
 
-def test_4_a_cgroup_v2_limit_of_the_processs_own_cgroup_is_seen(tmp_path, monkeypatch):
+def test_a_cgroup_v2_limit_of_the_processs_own_cgroup_is_seen(tmp_path, monkeypatch):
     proc, root = _cgroup_tree(
         tmp_path, ["0::/jobs/one"], {"jobs/one/memory.max": "2097152000\n", "jobs/one/memory.current": "2000000000\n"}
     )
@@ -189,7 +189,7 @@ def test_4_a_cgroup_v2_limit_of_the_processs_own_cgroup_is_seen(tmp_path, monkey
     assert memory.host_free_bytes() == 97152000
 
 
-def test_4_a_sampled_call_whose_copies_pass_a_cgroup_v1_limit_is_skipped(tmp_path, monkeypatch):
+def test_a_sampled_call_whose_copies_pass_a_cgroup_v1_limit_is_skipped(tmp_path, monkeypatch):
     proc, root = _cgroup_tree(
         tmp_path,
         ["9:memory:/"],
@@ -209,7 +209,7 @@ def test_4_a_sampled_call_whose_copies_pass_a_cgroup_v1_limit_is_skipped(tmp_pat
 # --------------------------------------------------------------------------- 7. a journal torn by a crash
 
 
-def test_7_a_job_restarted_after_a_torn_line_keeps_every_record_readable(tmp_path):
+def test_a_job_restarted_after_a_torn_line_keeps_every_record_readable(tmp_path):
     import json
 
     import journals
@@ -235,7 +235,7 @@ def test_7_a_job_restarted_after_a_torn_line_keeps_every_record_readable(tmp_pat
     assert torn == [f"{path}:5"]
 
 
-def test_7_the_verdict_reads_past_a_torn_line_in_the_middle(tmp_path):
+def test_the_verdict_reads_past_a_torn_line_in_the_middle(tmp_path):
     import json
 
     import journals
@@ -253,7 +253,7 @@ def test_7_the_verdict_reads_past_a_torn_line_in_the_middle(tmp_path):
 # --------------------------------------------------------------------------- 6. installs over a hanging upstream
 
 
-def test_6_an_upstream_holding_the_gil_holds_the_job_once():
+def test_an_upstream_holding_the_gil_holds_the_job_once():
     """C code that keeps the GIL cannot be left at the deadline (the caller's wait needs the GIL to return); the run
     ends past its deadline and is found finished, yet it counts as past it: the target stops, and no later call
     is held. (Before, it was compared, and the next sampled calls were held again.)"""
@@ -274,7 +274,7 @@ def test_6_an_upstream_holding_the_gil_holds_the_job_once():
     assert stats.by_reason == {"deadline": 4} and stats.compared == 0
 
 
-def test_6_installs_over_a_hanging_upstream_leave_one_thread_behind_not_one_each():
+def test_installs_over_a_hanging_upstream_leave_one_thread_behind_not_one_each():
     release = threading.Event()
     owner = types.SimpleNamespace()
 
@@ -301,7 +301,7 @@ def test_6_installs_over_a_hanging_upstream_leave_one_thread_behind_not_one_each
 
 @pytest.mark.parametrize("sample_rate", [0.0, 1.0])
 @pytest.mark.parametrize("effect", ["torch", "python", "numpy", "grad"])
-def test_8_a_signature_function_with_side_effects_changes_no_training(sample_rate, effect):
+def test_a_signature_function_with_side_effects_changes_no_training(sample_rate, effect):
     """A user's signature function that draws a random number (or turns grad off) runs on the job's own path: it
     shifted the job's random stream, at rate 0 too. Its first call is checked, put back, and it runs no more."""
     import random
@@ -328,7 +328,7 @@ def test_8_a_signature_function_with_side_effects_changes_no_training(sample_rat
     assert dict(stats.signature_calls) == {"unclassified": 40}
 
 
-def test_8_the_signature_check_is_never_traced_by_dynamo(monkeypatch):
+def test_the_signature_check_is_never_traced_by_dynamo(monkeypatch):
     """While dynamo traces the wrapper (at a graph break inside legacy) the check's own reads of the generators would
     be traced too (a graph break and a warning at each): the signature function is called plain there."""
     from shadow.core import engine

@@ -117,3 +117,24 @@ def test_no_paragraph_is_in_two_places():
         for paragraph in _paragraphs(read(page)):
             assert paragraph not in seen, f"in {os.path.basename(page)} and {seen[paragraph]}: {paragraph[:80]}"
             seen[paragraph] = os.path.basename(page)
+
+
+def test_every_test_the_docs_name_exists():
+    """A test named in the docs (exactly, or as a prefix ending in ``*`` or ``...``) is one the suite has (or,
+    said so just before it, one of PyTorch's or torch_npu's own)."""
+    import fnmatch
+
+    defined: set[str] = set()
+    for path in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True):
+        defined |= set(re.findall(r"^(?:async )?def (test_\w+)", read(path), re.M))
+    named = 0
+    for page in PAGES:
+        text = read(page)
+        for found in re.finditer(r"`(test_\w+(?:\*|\.\.\.)?)`", text):
+            if re.search(r"(PyTorch|torch_npu)'s own [^`]*$", text[max(0, found.start() - 60) : found.start()]):
+                continue
+            name = found.group(1)
+            named += 1
+            pattern = name.removesuffix("...") + ("*" if name.endswith("...") else "")
+            assert fnmatch.filter(defined, pattern), f"{os.path.basename(page)} names {name}, which no test is"
+    assert named > 20

@@ -64,7 +64,7 @@ print(stats.match, dict(stats.by_reason))
 
 
 @pytest.mark.parametrize("limit, expected", [("limited", "0 {'oom': 1}"), ("unlimited", "1 {}")])
-def test_1_the_copies_never_take_legacys_headroom(limit, expected):
+def test_the_copies_never_take_legacys_headroom(limit, expected):
     done = subprocess.run(
         [sys.executable, "-c", MEMORY_JOB, limit], capture_output=True, text=True, cwd=ROOT, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"},
@@ -73,7 +73,7 @@ def test_1_the_copies_never_take_legacys_headroom(limit, expected):
     assert done.stdout.strip() == expected
 
 
-def test_1_the_emulated_npu_reports_its_free_memory_as_torch_npu_does():
+def test_the_emulated_npu_reports_its_free_memory_as_torch_npu_does():
     from shadow.core import memory
 
     free, total = torch.npu.mem_get_info()
@@ -98,7 +98,7 @@ class _Huge:
 # --------------------------------------------------------------------------- 2. tiny and huge rates
 
 
-def test_2_a_tiny_sample_rate_never_crashes_the_job():
+def test_a_tiny_sample_rate_never_crashes_the_job():
     done = npu_shadow(
         "run",
         "--sample-rate",
@@ -114,7 +114,7 @@ def test_2_a_tiny_sample_rate_never_crashes_the_job():
 
 
 @pytest.mark.parametrize("rate", [1e-310, 1e-320, 5e-324])
-def test_2_tiny_rates_install_and_sample_nothing(rate):
+def test_tiny_rates_install_and_sample_nothing(rate):
     ops = types.SimpleNamespace(op=lambda x: x)
     with shadow.install([Target("op", ops, "op", lambda x: x)], sample_rate=rate, oracle=rate, budget=rate) as m:
         for _ in range(100):
@@ -141,14 +141,14 @@ HUGE = 10**400
     ],
     ids=["sample_rate", "sample_rate table", "oracle", "budget", "Tolerance", "Drill"],
 )
-def test_2_a_rate_beyond_any_float_is_a_value_error_naming_the_setting(make, setting):
+def test_a_rate_beyond_any_float_is_a_value_error_naming_the_setting(make, setting):
     with pytest.raises(ValueError, match=r"^" + setting.replace("[", r"\[").replace("]", r"\]")) as caught:
         make()
     assert len(str(caught.value)) < 200  # the number is not printed whole
 
 
 @pytest.mark.parametrize("max_rate", ["1e-310", "5e-324"])
-def test_2_the_verdict_takes_a_tiny_max_rate(tmp_path, max_rate):
+def test_the_verdict_takes_a_tiny_max_rate(tmp_path, max_rate):
     import journals
 
     journal = journals.write(tmp_path / "j.jsonl", [journals.line()])
@@ -161,7 +161,7 @@ def test_2_the_verdict_takes_a_tiny_max_rate(tmp_path, max_rate):
 # --------------------------------------------------------------------------- 3. restore failures
 
 
-def test_3_an_upstream_that_leaks_a_mode_never_leaves_the_thread_on_the_upstream_side():
+def test_an_upstream_that_leaks_a_mode_never_leaves_the_thread_on_the_upstream_side():
     from torch.overrides import TorchFunctionMode
 
     class Leaked(TorchFunctionMode):  # its __torch_function__ raises NotImplementedError for every torch call
@@ -222,7 +222,7 @@ def _launch(record, **popen):
     )  # fmt: skip
 
 
-def test_4_ctrl_c_at_a_terminal_reaches_the_job_once(tmp_path):
+def test_ctrl_c_at_a_terminal_reaches_the_job_once(tmp_path):
     import fcntl
     import pty
     import signal
@@ -251,7 +251,7 @@ def test_4_ctrl_c_at_a_terminal_reaches_the_job_once(tmp_path):
     assert record.read_text().split() == ["SIGINT"]
 
 
-def test_4_hup_and_usr_signals_sent_to_the_launcher_reach_the_job(tmp_path):
+def test_hup_and_usr_signals_sent_to_the_launcher_reach_the_job(tmp_path):
     import signal
 
     record = tmp_path / "signals"
@@ -269,7 +269,7 @@ def test_4_hup_and_usr_signals_sent_to_the_launcher_reach_the_job(tmp_path):
     assert record.read_text().split() == ["SIGUSR1", "SIGUSR2", "SIGHUP"]
 
 
-def test_4_a_command_that_cannot_run_exits_as_a_shell_says(tmp_path):
+def test_a_command_that_cannot_run_exits_as_a_shell_says(tmp_path):
     plain = tmp_path / "plain.txt"
     plain.write_text("not a program\n")
     assert npu_shadow("run", "--", str(plain)).returncode == 126
@@ -299,7 +299,7 @@ print(stats.match, stats.export_errors, journal.lines_lost)
 """
 
 
-def test_5_a_full_disk_loses_whole_lines_counted_and_the_journal_stays_readable(tmp_path):
+def test_a_full_disk_loses_whole_lines_counted_and_the_journal_stays_readable(tmp_path):
     from shadow.analysis import sources
 
     journal = tmp_path / "j.jsonl"
@@ -320,7 +320,7 @@ def test_5_a_full_disk_loses_whole_lines_counted_and_the_journal_stays_readable(
     assert counts["op"].compared == (40 if final_counts else written)
 
 
-def test_5_readers_skip_and_count_a_torn_final_line(tmp_path):
+def test_readers_skip_and_count_a_torn_final_line(tmp_path):
     import journals
 
     from shadow.analysis import sources
@@ -343,7 +343,7 @@ def test_5_readers_skip_and_count_a_torn_final_line(tmp_path):
 
 @pytest.mark.skipif(not os.path.exists("/dev/full") or not __import__("stat").S_ISCHR(os.stat("/dev/full").st_mode),
                     reason="needs /dev/full as a character device")  # fmt: skip
-def test_6_the_textfile_never_replaces_a_device_file():
+def test_the_textfile_never_replaces_a_device_file():
     import stat
 
     from exporters import PrometheusExporter
@@ -353,7 +353,7 @@ def test_6_the_textfile_never_replaces_a_device_file():
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
 
 
-def test_6_a_failed_push_never_costs_the_textfile_and_each_failure_is_said(tmp_path):
+def test_a_failed_push_never_costs_the_textfile_and_each_failure_is_said(tmp_path):
     textfile = tmp_path / "tf.prom"
     missing = tmp_path / "missing" / "tf.prom"
     job = "import torch; from shadow.npu import reference; reference.patch_torch(); torch.ones(2).type(torch.float16)"
@@ -370,7 +370,7 @@ def test_6_a_failed_push_never_costs_the_textfile_and_each_failure_is_said(tmp_p
 
 
 @pytest.mark.parametrize("template", ["tf-{rank:s}.prom", "tf-{pid:.0}.prom", "tf-{rank:>300}.prom", "tf-{pid!r}.prom"])
-def test_6_format_specs_are_refused_before_the_command(tmp_path, template):
+def test_format_specs_are_refused_before_the_command(tmp_path, template):
     done = npu_shadow("run", "--textfile", str(tmp_path / template), "--", sys.executable, "-c", "pass")
     assert done.returncode == 2 and "--textfile=" in done.stderr and "format spec" in done.stderr
 
@@ -409,7 +409,7 @@ monitor.uninstall()
 
 
 @pytest.mark.parametrize("rate", ["0.5", "0.01"])
-def test_7_forked_dataloader_workers_report_every_call(tmp_path, rate):
+def test_forked_dataloader_workers_report_every_call(tmp_path, rate):
     tally = tmp_path / "calls.txt"
     done = subprocess.run(
         [sys.executable, "-c", FORKED_WORKERS_JOB, str(tally), rate],
@@ -434,7 +434,7 @@ class StatelessNet(torch.nn.Linear):
         raise RuntimeError("no state")
 
 
-def test_8_a_state_dict_that_raises_keeps_the_mismatch():
+def test_a_state_dict_that_raises_keeps_the_mismatch():
     ops = types.SimpleNamespace(op=lambda m, x: m(x))
     recorder = Recorder()
     target = Target("op", ops, "op", lambda m, x: m(x) + 1)
@@ -445,7 +445,7 @@ def test_8_a_state_dict_that_raises_keeps_the_mismatch():
     assert all(o.evidence is not None and o.evidence.module_state is None for o in recorder.observations)
 
 
-def test_8_an_argument_whose_repr_raises_never_costs_the_journal_line(tmp_path):
+def test_an_argument_whose_repr_raises_never_costs_the_journal_line(tmp_path):
     from exporters import JsonlExporter
 
     ops = types.SimpleNamespace(op=lambda x, tag: x * 2)
@@ -475,7 +475,7 @@ def _otel_sum(reader, name):
     return None
 
 
-def test_8_a_forked_child_reports_its_own_otel_totals():
+def test_a_forked_child_reports_its_own_otel_totals():
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -501,7 +501,7 @@ def test_8_a_forked_child_reports_its_own_otel_totals():
     assert child == "1" and _otel_sum(reader, "npu_shadow.comparisons") == 5
 
 
-def test_8_an_sdk_fault_during_collection_is_counted():
+def test_an_sdk_fault_during_collection_is_counted():
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -525,7 +525,7 @@ def test_8_an_sdk_fault_during_collection_is_counted():
 # --------------------------------------------------------------------------- 9. hostile files
 
 
-def test_9_a_file_planted_at_the_journal_path_gets_nothing(tmp_path):
+def test_a_file_planted_at_the_journal_path_gets_nothing(tmp_path):
     from exporters import JsonlExporter
 
     planted = tmp_path / "j.jsonl"
@@ -539,7 +539,7 @@ def test_9_a_file_planted_at_the_journal_path_gets_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["journal", "lock"])
-def test_9_a_fifo_at_the_journal_path_never_blocks_the_job(tmp_path, where):
+def test_a_fifo_at_the_journal_path_never_blocks_the_job(tmp_path, where):
     path = tmp_path / "j.jsonl"
     if where == "lock":
         path.write_text("x" * 100)
@@ -566,7 +566,7 @@ print(m.stats()["op"].export_errors)
 
 
 @pytest.mark.parametrize("name", ["../escaped", "/tmp/absolute", "a/../../b"])
-def test_10_target_names_never_write_captures_outside_capture_dir(tmp_path, name):
+def test_target_names_never_write_captures_outside_capture_dir(tmp_path, name):
     from exporters import JsonlExporter
 
     captures = tmp_path / "inside" / "captures"
@@ -595,7 +595,7 @@ def test_10_target_names_never_write_captures_outside_capture_dir(tmp_path, name
         ("--port", "65535", {"LOCAL_RANK": "1"}),
     ],
 )
-def test_11_settings_that_would_break_later_are_refused_before_the_command(tmp_path, option, value, env):
+def test_settings_that_would_break_later_are_refused_before_the_command(tmp_path, option, value, env):
     marker = tmp_path / "ran"
     value = str(tmp_path) if value == "DIRECTORY" else value
     value = str(tmp_path / value) if option == "--journal" and not value.startswith("/") else value
@@ -606,7 +606,7 @@ def test_11_settings_that_would_break_later_are_refused_before_the_command(tmp_p
     assert option in done.stderr and not marker.exists()
 
 
-def test_11_exporters_refuse_bad_arguments_naming_them(tmp_path):
+def test_exporters_refuse_bad_arguments_naming_them(tmp_path):
     from exporters import JsonlExporter, PrometheusExporter
 
     with pytest.raises(ValueError, match=r"port must be an int in 0\.\.65535"):
@@ -618,7 +618,7 @@ def test_11_exporters_refuse_bad_arguments_naming_them(tmp_path):
         JsonlExporter("")
 
 
-def test_11_an_unbindable_port_loses_the_endpoint_not_the_monitor():
+def test_an_unbindable_port_loses_the_endpoint_not_the_monitor():
     from prometheus_client import CollectorRegistry
 
     from exporters.prometheus import serve_registry
@@ -667,7 +667,7 @@ def _deep(levels=3000):
     ],
     ids=["dag bomb", "deep", "exact tensor", "module_state list"],
 )
-def test_12_a_malformed_capture_is_refused_quickly_with_a_usage_error(tmp_path, fields, says):
+def test_a_malformed_capture_is_refused_quickly_with_a_usage_error(tmp_path, fields, says):
     import time
 
     from exporters import capture
@@ -682,7 +682,7 @@ def test_12_a_malformed_capture_is_refused_quickly_with_a_usage_error(tmp_path, 
     assert time.process_time() - start < 10
 
 
-def test_12_a_trickling_prometheus_is_given_up_on_within_the_timeout():
+def test_a_trickling_prometheus_is_given_up_on_within_the_timeout():
     import socket
     import threading
     import time
@@ -716,7 +716,7 @@ def test_12_a_trickling_prometheus_is_given_up_on_within_the_timeout():
     assert time.monotonic() - start < 30  # (deadline: 3 s, in this process; the trickle alone takes hours)
 
 
-def test_12_the_report_survives_surrogates_and_never_passes_raw_html(tmp_path):
+def test_the_report_survives_surrogates_and_never_passes_raw_html(tmp_path):
     import journals
 
     journal = tmp_path / "j.jsonl"
@@ -732,7 +732,7 @@ def test_12_the_report_survives_surrogates_and_never_passes_raw_html(tmp_path):
     assert "\\ud800" in text and "<!-- hidden" not in page.read_text()
 
 
-def test_12_a_nul_in_a_custom_signature_keeps_the_textfile_readable(tmp_path):
+def test_a_nul_in_a_custom_signature_keeps_the_textfile_readable(tmp_path):
     from exporters import PrometheusExporter
     from shadow.analysis import sources
 
@@ -780,7 +780,7 @@ MORE_SETTERS = {
 
 
 @pytest.mark.parametrize("setting", sorted(MORE_SETTERS))
-def test_13_settings_upstream_changes_never_reach_the_job(setting):
+def test_settings_upstream_changes_never_reach_the_job(setting):
     change, read = MORE_SETTERS[setting]
 
     def upstream(x):
@@ -796,7 +796,7 @@ def test_13_settings_upstream_changes_never_reach_the_job(setting):
     assert (stats.mismatch, stats.by_reason) == (1, {"state": 1})  # and upstream's difference is seen
 
 
-def test_13_upstream_turning_off_requires_grad_never_reaches_the_callers_parameters():
+def test_upstream_turning_off_requires_grad_never_reaches_the_callers_parameters():
     def upstream(module, x):
         for parameter in module.parameters():
             parameter.requires_grad_(False)
@@ -810,7 +810,7 @@ def test_13_upstream_turning_off_requires_grad_never_reaches_the_callers_paramet
     assert monitor.stats()["op"].by_reason == {"requires_grad": 1}
 
 
-def test_3_a_setting_that_cannot_be_put_back_is_counted_and_the_others_still_are(monkeypatch):
+def test_a_setting_that_cannot_be_put_back_is_counted_and_the_others_still_are(monkeypatch):
     from shadow.core import global_state
 
     def refuse(value):

@@ -267,18 +267,21 @@ def test_under_a_device_context_calls_are_compared_once_and_meta_values_never_co
 
 
 def test_a_slow_upstream_costs_one_call_then_the_budget_skips_until_the_job_catches_up():
-    import time
+    import fakes
 
-    ran = []
+    from shadow.core.budget import Budgets
+
+    clock, ran = fakes.Clock(), []
 
     def slow(x):
         ran.append(x)
-        time.sleep(0.6)  # (more than the 0.5 s of shadow side a target may save up)
+        clock.advance(0.6)  # (more than the 0.5 s of shadow side a target may save up)
         return x * 2
 
     ops, target = op_with(slow)
     recorder = Recorder()
-    with shadow.install([target], sample_rate=1.0, budget=0.1, exporters=[recorder]) as monitor:
+    budget = Budgets.of(0.1, clock)
+    with shadow.install([target], sample_rate=1.0, budget=budget, exporters=[recorder]) as monitor:
         ops.op(torch.ones(2))  # the one slow call: 0.6 s of shadow side
         for _ in range(20):
             ops.op(torch.ones(2))

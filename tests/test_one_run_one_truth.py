@@ -27,7 +27,7 @@ def _calls_exposed(registry, target):
     return total(samples(generate_latest(registry).decode()), "npu_shadow_calls_total", target=target)
 
 
-def test_1_calls_between_sampled_calls_reach_the_exposition_within_a_second():
+def test_calls_between_sampled_calls_reach_the_exposition_within_a_second():
     """Calls reached the exposition only with a published comparison: a job of unsampled calls showed none."""
     owner = types.SimpleNamespace(op=lambda x: x)
     registry = CollectorRegistry()
@@ -41,7 +41,7 @@ def test_1_calls_between_sampled_calls_reach_the_exposition_within_a_second():
         wait_for(lambda: _calls_exposed(registry, "op") == 251, "the next call too")
 
 
-def test_1_a_real_prometheus_sees_every_call_of_a_running_job_and_its_final_counts_after_it(tmp_path):
+def test_a_real_prometheus_sees_every_call_of_a_running_job_and_its_final_counts_after_it(tmp_path):
     """Under the launcher's defaults the last scrape held 30 of 40 calls of a target: calls reached the exposition
     only with a comparison, and the counts at exit were never scraped (a textfile beside the endpoint did not keep
     it after the job: the Prometheus that scraped it lacked the last counts)."""
@@ -97,7 +97,7 @@ def test_1_a_real_prometheus_sees_every_call_of_a_running_job_and_its_final_coun
 # --------------------------------------------------------------------------- 5. a default that gathers evidence
 
 
-def test_5_under_the_launchers_defaults_an_expensive_target_and_a_late_signature_get_their_comparisons():
+def test_under_the_launchers_defaults_an_expensive_target_and_a_late_signature_get_their_comparisons():
     """The issue's "1 of 48 compared" under --budget 0.2 was the undercount of point 1 (the same job at that commit
     compared 45 of 45 in its summary); this holds the property itself: where the budget does limit (a call whose
     shadow side costs 40 ms, beside a cast target's steady state), a target called 40 times gets at least 8
@@ -147,7 +147,7 @@ def _spend(seconds):
 # --------------------------------------------------------------------------- 2. a run id
 
 
-def test_2_every_series_and_journal_line_names_its_run(tmp_path, monkeypatch):
+def test_every_series_and_journal_line_names_its_run(tmp_path, monkeypatch):
     """No series, journal record or report named its run: two runs with one job label were mixed."""
     monkeypatch.setenv("NPU_SHADOW_RUN_ID", "train-42")
     owner = types.SimpleNamespace(op=lambda x: x)
@@ -162,7 +162,7 @@ def test_2_every_series_and_journal_line_names_its_run(tmp_path, monkeypatch):
     assert records and {record["run"] for record in records} == {"train-42"}
 
 
-def test_2_a_run_is_named_by_the_person_then_torchrun_then_the_launcher(monkeypatch):
+def test_a_run_is_named_by_the_person_then_torchrun_then_the_launcher(monkeypatch):
     environ = {"TORCHELASTIC_RUN_ID": "elastic-7", environment.MADE_RUN_ID_VARIABLE: "made-1"}
     assert environment.run_id(dict(environ, NPU_SHADOW_RUN_ID="named")) == "named"
     assert environment.run_id(dict(environ)) == "elastic-7"
@@ -175,7 +175,7 @@ def test_2_a_run_is_named_by_the_person_then_torchrun_then_the_launcher(monkeypa
         environment.run_id({"NPU_SHADOW_RUN_ID": "a b"})
 
 
-def test_2_the_launcher_says_the_run_first_and_every_process_of_the_job_shares_it(tmp_path):
+def test_the_launcher_says_the_run_first_and_every_process_of_the_job_shares_it(tmp_path):
     journal = tmp_path / "j-{pid}.jsonl"
     job = "import torch, multiprocessing as mp\nx = torch.ones(2)\nx.type(torch.float64)\n"
     done = subprocess.run(
@@ -219,7 +219,7 @@ def _two_runs_journal(tmp_path, monkeypatch):
     return path
 
 
-def test_3_two_runs_in_one_journal_are_named_never_mixed_and_each_is_decided_alone(tmp_path, monkeypatch):
+def test_two_runs_in_one_journal_are_named_never_mixed_and_each_is_decided_alone(tmp_path, monkeypatch):
     """Two successive runs with one job label were mixed: a report said 29,164 compared beside a 14,643 run."""
     path = _two_runs_journal(tmp_path, monkeypatch)
     mixed = _run_verdict("--journal", str(path))
@@ -237,7 +237,7 @@ def test_3_two_runs_in_one_journal_are_named_never_mixed_and_each_is_decided_alo
     assert "| run | bravo-9 |" in report.stdout and "alpha-7" not in report.stdout
 
 
-def test_3_two_runs_in_one_metrics_file_are_told_apart(tmp_path):
+def test_two_runs_in_one_metrics_file_are_told_apart(tmp_path):
     lines = ["# TYPE npu_shadow_comparisons_total counter"]
     for run, count in (("a", 10), ("b", 20)):
         lines.append(
@@ -255,7 +255,7 @@ def test_3_two_runs_in_one_metrics_file_are_told_apart(tmp_path):
 # --------------------------------------------------------------------------- 6. when it will decide
 
 
-def test_6_a_risky_signature_the_jobs_never_called_does_not_block_and_is_named():
+def test_a_risky_signature_the_jobs_never_called_does_not_block_and_is_named():
     """A realistic job needed 30 comparisons of risky call kinds it never makes: promote was out of reach."""
     from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, TargetCounts, decide
 
@@ -275,7 +275,7 @@ def test_6_a_risky_signature_the_jobs_never_called_does_not_block_and_is_named()
 # --------------------------------------------------------------------------- 4. one truth from every source
 
 
-def test_4_clusters_counted_where_comparisons_happen_are_the_journal_readers_blocks():
+def test_clusters_counted_where_comparisons_happen_are_the_journal_readers_blocks():
     """The same rule as the journal reader's blocks (sources._blocks), computed online, one comparison at a time."""
     import random
 
@@ -294,7 +294,7 @@ def test_4_clusters_counted_where_comparisons_happen_are_the_journal_readers_blo
         assert opened == len(sources._blocks(stream, stream[0][0], 60.0))
 
 
-def test_4_a_phase_decided_from_metrics_and_from_journals_gives_the_same_bounds(tmp_path):
+def test_a_phase_decided_from_metrics_and_from_journals_gives_the_same_bounds(tmp_path):
     """One 40-step run: the textfile's upper bound 0.096, the journals' 0.95 (process x 60 s blocks there only)."""
     from shadow.analysis import sources, verdict
 
@@ -313,7 +313,7 @@ def test_4_a_phase_decided_from_metrics_and_from_journals_gives_the_same_bounds(
     assert decided[0].decision == decided[1].decision
 
 
-def test_6_the_verdict_says_how_much_more_running_a_promote_takes_at_the_evidence_rate():
+def test_the_verdict_says_how_much_more_running_a_promote_takes_at_the_evidence_rate():
     """ "About 4,740 more clusters" said nothing of when: at this job's rate, how many process-hours or runs."""
     from shadow.analysis.verdict import INCONCLUSIVE, TargetCounts, comparisons_needed, decide
 
@@ -331,7 +331,7 @@ def test_6_the_verdict_says_how_much_more_running_a_promote_takes_at_the_evidenc
 # --------------------------------------------------------------------------- 7. the dashboard follows
 
 
-def test_7_the_dashboard_has_the_run_variable_panel_ids_rollbacks_and_the_side_returned():
+def test_the_dashboard_has_the_run_variable_panel_ids_rollbacks_and_the_side_returned():
     from dashboards import grafana_dashboard
 
     dashboard = json.loads(grafana_dashboard.DASHBOARD_PATH.read_text())
@@ -347,7 +347,7 @@ def test_7_the_dashboard_has_the_run_variable_panel_ids_rollbacks_and_the_side_r
             assert 'run=~"$run"' in expr, expr
 
 
-def test_2_a_capture_names_its_run_and_replay_says_it(tmp_path, monkeypatch):
+def test_a_capture_names_its_run_and_replay_says_it(tmp_path, monkeypatch):
     import faults
 
     from exporters import capture
@@ -370,7 +370,7 @@ def test_2_a_capture_names_its_run_and_replay_says_it(tmp_path, monkeypatch):
     assert "in run capture-run-3" in done.stdout, done.stdout + done.stderr
 
 
-def test_1_a_job_with_a_textfile_that_nobody_scraped_does_not_keep_its_endpoint(tmp_path):
+def test_a_job_with_a_textfile_that_nobody_scraped_does_not_keep_its_endpoint(tmp_path):
     """The endpoint is kept after the job (for a Prometheus that scraped it) only where something scraped it during
     the job; the exit summary's own read of the job's metrics is no scrape."""
     textfile = tmp_path / "final.prom"

@@ -52,7 +52,7 @@ class NeedsGrad(nn.Module):
         return -forces
 
 
-def test_1_upstream_runs_in_the_callers_grad_mode(legacy_patches):
+def test_upstream_runs_in_the_callers_grad_mode(legacy_patches):
     torch.manual_seed(0)
     dp = nn.DataParallel(NeedsGrad().to("npu:0"), device_ids=DEVICES)
     x = torch.randn(4, 4, device="npu:0")
@@ -65,7 +65,7 @@ def test_1_upstream_runs_in_the_callers_grad_mode(legacy_patches):
     assert outcomes == {"parallel_apply": ("match", (), ""), "data_parallel": ("match", (), "")}
 
 
-def test_1_upstream_runs_in_the_callers_inference_mode():
+def test_upstream_runs_in_the_callers_inference_mode():
     modes = []
 
     def legacy(module, x):
@@ -87,7 +87,7 @@ def test_1_upstream_runs_in_the_callers_inference_mode():
     assert [o.outcome for o in recorder.observations] == ["match", "match"]
 
 
-def test_1_a_grad_dependent_model_is_not_rolled_back(legacy_patches, tmp_path):
+def test_a_grad_dependent_model_is_not_rolled_back(legacy_patches, tmp_path):
     from exporters import JsonlExporter
     from shadow.analysis import sources
     from shadow.analysis.verdict import decide
@@ -105,7 +105,7 @@ def test_1_a_grad_dependent_model_is_not_rolled_back(legacy_patches, tmp_path):
     assert decision.decision == "inconclusive"  # 5 calls are too few to promote, and none diverged
 
 
-def test_1_the_fused_fast_path_is_taken_by_both_sides_or_neither(legacy_patches):
+def test_the_fused_fast_path_is_taken_by_both_sides_or_neither(legacy_patches):
     """nn.TransformerEncoderLayer in eval() takes its fused path only when grad is off or nothing requires grad:
     an upstream run under no_grad alone would take it and differ in the last bits."""
     torch.manual_seed(0)
@@ -119,7 +119,7 @@ def test_1_the_fused_fast_path_is_taken_by_both_sides_or_neither(legacy_patches)
     assert observation.outcome == "match", observation.detail
 
 
-def test_1_pytorchs_data_parallel_no_grad_holds_under_the_monitor(legacy_patches):
+def test_pytorchs_data_parallel_no_grad_holds_under_the_monitor(legacy_patches):
     """PyTorch's test_data_parallel_no_grad (test/distributed/test_data_parallel.py), cuda -> npu."""
 
     class Layer(nn.Module):
@@ -140,7 +140,7 @@ def test_1_pytorchs_data_parallel_no_grad_holds_under_the_monitor(legacy_patches
     assert len(recorder.of("data_parallel")) == 2
 
 
-def test_1_requires_grad_is_part_of_the_comparison():
+def test_requires_grad_is_part_of_the_comparison():
     def legacy(x):
         return x * 2
 
@@ -161,7 +161,7 @@ def test_1_requires_grad_is_part_of_the_comparison():
     assert second.outcome == "match"
 
 
-def test_1_the_upstream_graph_never_reaches_the_callers_tensors():
+def test_the_upstream_graph_never_reaches_the_callers_tensors():
     seen = []
 
     def legacy(module, x):
@@ -186,7 +186,7 @@ def test_1_the_upstream_graph_never_reaches_the_callers_tensors():
     torch.testing.assert_close(module.weight.grad, torch.ones(3, 1) * x.detach().sum(0), rtol=0, atol=1e-6)
 
 
-def test_1_tensor_type_runs_upstream_in_grad_mode_on_a_detached_leaf(legacy_patches):
+def test_tensor_type_runs_upstream_in_grad_mode_on_a_detached_leaf(legacy_patches):
     x = torch.randn(3, device="npu:0", requires_grad=True)
     monitor, recorder = shadowed(["tensor_type"])
     with monitor:
@@ -204,7 +204,7 @@ class CastsInForward(nn.Module):
 
 
 @pytest.mark.parametrize("batch", [1, 2], ids=["one replica", "two replicas"])
-def test_2_a_nested_divergence_is_reported_against_its_own_target(torch_npu_legacy, batch):
+def test_a_nested_divergence_is_reported_against_its_own_target(torch_npu_legacy, batch):
     """torch_npu's legacy accepts the 'torch_npu.npu.*' spelling, upstream Tensor.type does not: that divergence
     belongs to tensor_type, never to the parallel_apply call whose forward made it, on any thread."""
     patches = torch_npu_legacy.patch_torch()
@@ -227,7 +227,7 @@ def test_2_a_nested_divergence_is_reported_against_its_own_target(torch_npu_lega
 # --------------------------------------------------------------------------- 3. the oracle with a negative dim
 
 
-def test_3_the_oracle_handles_a_negative_dim(legacy_patches):
+def test_the_oracle_handles_a_negative_dim(legacy_patches):
     module = nn.Identity()
     x = torch.randn(3, 4, device="npu:0")
     monitor, recorder = shadowed(["data_parallel"], oracle=1.0)
@@ -252,7 +252,7 @@ class OneLinear(nn.Module):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_4_pytorchs_no_refcycles_test_holds_under_the_monitor(legacy_patches, batch):
+def test_pytorchs_no_refcycles_test_holds_under_the_monitor(legacy_patches, batch):
     """PyTorch's test_data_parallel_model_no_refcycles, cuda -> npu, at sample rate 1 with the oracle."""
     model = nn.DataParallel(OneLinear().to("npu:0"))
     data = torch.randn(batch, 1, device="npu:0")
@@ -270,7 +270,7 @@ def test_4_pytorchs_no_refcycles_test_holds_under_the_monitor(legacy_patches, ba
     assert recorder.observations  # the calls were compared
 
 
-def test_4_a_compared_mismatch_leaves_no_cycle():
+def test_a_compared_mismatch_leaves_no_cycle():
     ops = types.SimpleNamespace(op=lambda x: {"a": [x * 2, (x, 3)]})
     target = Target("op", ops, "op", lambda x: {"a": [x * 3, (x, 3)]})
     monitor, recorder = shadowed([target])
@@ -291,7 +291,7 @@ def test_4_a_compared_mismatch_leaves_no_cycle():
 
 
 @pytest.mark.parametrize("how", ["DataParallel", "parallel_apply", "data_parallel"])
-def test_5_the_current_device_legacy_leaves_behind_is_compared(legacy_patches, how):
+def test_the_current_device_legacy_leaves_behind_is_compared(legacy_patches, how):
     """With one replica legacy runs its worker in the caller's thread, and its set_device stays; upstream's does
     not. The caller still ends where legacy left it."""
     torch.manual_seed(0)
@@ -317,7 +317,7 @@ def test_5_the_current_device_legacy_leaves_behind_is_compared(legacy_patches, h
     assert "current device: legacy left 1, upstream left 0" in observation.detail
 
 
-def test_5_upstream_starts_from_the_state_the_caller_had_before_the_call():
+def test_upstream_starts_from_the_state_the_caller_had_before_the_call():
     starts = []
 
     def legacy(x):
@@ -344,7 +344,7 @@ def test_5_upstream_starts_from_the_state_the_caller_had_before_the_call():
 # --------------------------------------------------------------------------- 6. torch's own modes
 
 
-def test_6_a_default_device_is_torchs_own_mode_and_the_call_is_compared(legacy_patches):
+def test_a_default_device_is_torchs_own_mode_and_the_call_is_compared(legacy_patches):
     torch.set_default_device("npu")
     try:
         x = torch.randn(4, 4)
@@ -361,7 +361,7 @@ def test_6_a_default_device_is_torchs_own_mode_and_the_call_is_compared(legacy_p
     assert not any(o.outcome == "skipped" for o in recorder.observations), outcomes
 
 
-def test_6_a_users_mode_still_skips():
+def test_a_users_mode_still_skips():
     from torch.overrides import TorchFunctionMode
 
     class Users(TorchFunctionMode):
@@ -390,7 +390,7 @@ class Counted(nn.Module):
         return self.linear(x)
 
 
-def test_7_plain_attributes_a_forward_sets_are_set_once(legacy_patches):
+def test_plain_attributes_a_forward_sets_are_set_once(legacy_patches):
     module = Counted().to("npu:0")
     monitor, recorder = shadowed(["data_parallel"], oracle=1.0)
     with monitor:
@@ -400,7 +400,7 @@ def test_7_plain_attributes_a_forward_sets_are_set_once(legacy_patches):
     assert [o.outcome for o in recorder.observations] == ["match", "match"]
 
 
-def test_7_a_user_forward_hook_skips_the_call_and_runs_once_per_forward(legacy_patches):
+def test_a_user_forward_hook_skips_the_call_and_runs_once_per_forward(legacy_patches):
     features = []
     model = Counted().to("npu:0")
     handle = model.linear.register_forward_hook(lambda m, i, o: features.append(o.detach()))
@@ -415,7 +415,7 @@ def test_7_a_user_forward_hook_skips_the_call_and_runs_once_per_forward(legacy_p
     assert monitor.stats()["parallel_apply"].by_reason == {"hooks": 1}
 
 
-def test_7_the_verdict_shows_hook_skips_as_missing_coverage(tmp_path):
+def test_the_verdict_shows_hook_skips_as_missing_coverage(tmp_path):
     from exporters import JsonlExporter
     from shadow.analysis import sources
     from shadow.analysis.verdict import decide
@@ -451,7 +451,7 @@ def test_7_the_verdict_shows_hook_skips_as_missing_coverage(tmp_path):
     ],
     ids=["global forward", "global pre-forward", "global backward"],
 )
-def test_7_global_user_hooks_skip_too(legacy_patches, register):
+def test_global_user_hooks_skip_too(legacy_patches, register):
     dp = nn.DataParallel(nn.Linear(4, 4).to("npu:0"), device_ids=DEVICES)
     handle = register(lambda *a: None)
     try:
@@ -463,7 +463,7 @@ def test_7_global_user_hooks_skip_too(legacy_patches, register):
     assert [o.reasons for o in recorder.observations] == [("hooks",)]
 
 
-def test_7_hooks_declared_pure_are_compared(legacy_patches):
+def test_hooks_declared_pure_are_compared(legacy_patches):
     features = []
     model = nn.Linear(4, 4).to("npu:0")
     handle = model.register_forward_hook(lambda m, i, o: features.append(o.shape))
@@ -476,7 +476,7 @@ def test_7_hooks_declared_pure_are_compared(legacy_patches):
     assert len(features) == 4  # the user said running them again is harmless
 
 
-def test_7_torchs_own_hooks_are_not_user_hooks(legacy_patches):
+def test_torchs_own_hooks_are_not_user_hooks(legacy_patches):
     torch.manual_seed(0)
     model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 4)), nn.ReLU()).to("npu:0")
     nn.utils.prune.l1_unstructured(model[0], "bias", amount=0.5)
@@ -534,7 +534,7 @@ class ReturnsSubclass(nn.Module):
 
 
 @pytest.mark.parametrize("make", [WithSubclassBuffer, ReturnsSubclass], ids=["buffer", "output"])
-def test_8_subclasses_reached_through_the_module_or_returned_see_nothing_of_the_shadow(legacy_patches, make):
+def test_subclasses_reached_through_the_module_or_returned_see_nothing_of_the_shadow(legacy_patches, make):
     torch.manual_seed(0)
     dp = nn.DataParallel(make().to("npu:0"), device_ids=DEVICES)
     x = torch.randn(4, 4, device="npu:0")
@@ -546,7 +546,7 @@ def test_8_subclasses_reached_through_the_module_or_returned_see_nothing_of_the_
     assert [o.reasons for o in recorder.observations] == [("mode",)]
 
 
-def test_8_a_parameter_subclass_through_data_parallel_sees_nothing(legacy_patches):
+def test_a_parameter_subclass_through_data_parallel_sees_nothing(legacy_patches):
     class CountingParameter(nn.Parameter):
         calls = 0
 
@@ -571,7 +571,7 @@ def test_8_a_parameter_subclass_through_data_parallel_sees_nothing(legacy_patche
     assert [o.reasons for o in recorder.observations] == [("mode",)]
 
 
-def test_8_the_comparator_never_calls_into_a_subclass():
+def test_the_comparator_never_calls_into_a_subclass():
     ops = types.SimpleNamespace(op=lambda x: x * 2)
     target = Target("op", ops, "op", lambda x: (x * 2).as_subclass(Counting))
     monitor, recorder = shadowed([target])

@@ -62,7 +62,7 @@ def _assert_same_attributes(module, unwrapped):
             assert mine[name] == value, name
 
 
-def test_1_a_forward_that_changes_its_modules_python_state_is_compared_from_the_same_start(legacy_patches):
+def test_a_forward_that_changes_its_modules_python_state_is_compared_from_the_same_start(legacy_patches):
     torch.manual_seed(0)
     module = Stateful().to("npu:0")
     unwrapped = copy.deepcopy(module)
@@ -78,7 +78,7 @@ def test_1_a_forward_that_changes_its_modules_python_state_is_compared_from_the_
     _assert_same_attributes(module, unwrapped)
 
 
-def test_1_parallel_apply_replicas_start_from_the_state_legacy_started_from(legacy_patches):
+def test_parallel_apply_replicas_start_from_the_state_legacy_started_from(legacy_patches):
     torch.manual_seed(0)
     dp = nn.DataParallel(Counting().to("npu:0"), device_ids=DEVICES)
     unwrapped = copy.deepcopy(dp)
@@ -92,7 +92,7 @@ def test_1_parallel_apply_replicas_start_from_the_state_legacy_started_from(lega
     _assert_same_attributes(dp, unwrapped)
 
 
-def test_1_attributes_the_two_sides_change_differently_are_a_state_mismatch_naming_them():
+def test_attributes_the_two_sides_change_differently_are_a_state_mismatch_naming_them():
     class Mode(nn.Module):
         def __init__(self):
             super().__init__()
@@ -139,7 +139,7 @@ def cuda_autocast_flag():
     torch.set_autocast_dtype("npu", states[1])
 
 
-def test_2_torch_npus_parallel_apply_under_the_cuda_autocast_flag_matches(torch_npu_legacy, cuda_autocast_flag):
+def test_torch_npus_parallel_apply_under_the_cuda_autocast_flag_matches(torch_npu_legacy, cuda_autocast_flag):
     patches = torch_npu_legacy.patch_torch()
     try:
         torch.manual_seed(0)
@@ -157,7 +157,7 @@ def test_2_torch_npus_parallel_apply_under_the_cuda_autocast_flag_matches(torch_
         patches.undo()
 
 
-def test_2_a_real_autocast_dtype_difference_under_the_cuda_flag_is_reported_as_it_is(
+def test_a_real_autocast_dtype_difference_under_the_cuda_flag_is_reported_as_it_is(
     torch_npu_legacy, cuda_autocast_flag
 ):
     patches = torch_npu_legacy.patch_torch()
@@ -187,7 +187,7 @@ class Exits(nn.Module):
         raise SystemExit(3)
 
 
-def test_4_a_replica_raising_system_exit_has_the_state_it_leaves_compared(torch_npu_legacy):
+def test_a_replica_raising_system_exit_has_the_state_it_leaves_compared(torch_npu_legacy):
     patches = torch_npu_legacy.patch_torch()
     try:
         dp = nn.DataParallel(Exits().to("npu:1"), device_ids=[1])
@@ -214,7 +214,7 @@ def test_4_a_replica_raising_system_exit_has_the_state_it_leaves_compared(torch_
 # --------------------------------------------------------------------------- 6. a state detail within its bound
 
 
-def test_6_a_warning_filter_difference_names_the_filter_within_the_bound():
+def test_a_warning_filter_difference_names_the_filter_within_the_bound():
     def legacy(x):
         for index in range(40):  # (a long list of filters before it: the detail must still show the new one)
             warnings.filterwarnings("ignore", message=f"filler filter number {index} with a long message")
@@ -264,7 +264,7 @@ class SparseLookup(nn.Module):
         (SparseLookup, lambda: torch.tensor([1, 2, 3]), "sparse"),
     ],
 )
-def test_5_a_backward_comparison_that_cannot_be_made_is_a_counted_reason(make, argument, reason):
+def test_a_backward_comparison_that_cannot_be_made_is_a_counted_reason(make, argument, reason):
     ops = types.SimpleNamespace(op=lambda module, x: module(x))
     monitor, recorder = shadowed([Target("op", ops, "op", lambda module, x: module(x))], backward_rate=1.0)
     module = make()
@@ -298,9 +298,7 @@ def _raising(module, x):
         (lambda: nn.Linear(4, 4), lambda module, x: module(x) + 1, True, "diverged"),
     ],
 )
-def test_5_every_compared_call_drawn_for_a_backward_comparison_has_one_or_a_counted_reason(
-    make, upstream, grad, reason
-):
+def test_every_compared_call_drawn_for_a_backward_comparison_has_one_or_a_counted_reason(make, upstream, grad, reason):
     """PyTorch's test_data_parallel at backward rate 1: 20 of 274 compared calls had no backward comparison and no
     reason (a forward that raised, a call under no_grad)."""
     ops = types.SimpleNamespace(op=lambda module, x: module(x))
@@ -347,7 +345,7 @@ def _type_calls_unwrapped():
 
 
 @pytest.mark.parametrize("first_per_signature", [0, 30])
-def test_3_a_jobs_call_counts_are_the_calls_it_made(legacy_patches, first_per_signature):
+def test_a_jobs_call_counts_are_the_calls_it_made(legacy_patches, first_per_signature):
     expected = _type_calls_unwrapped()
     with shadow.install(
         ["parallel_apply", "data_parallel", "tensor_type"],

@@ -217,7 +217,7 @@ def _shadow(pair: _Pair, inputs, primary: str = "legacy", journal=None, aa_rate:
         return m.stats()["noisy"], m._experiments[0]
 
 
-def test_1_one_large_input_early_does_not_raise_the_floor_for_the_rest_of_the_run(tmp_path):
+def test_one_large_input_early_does_not_raise_the_floor_for_the_rest_of_the_run(tmp_path):
     """Legacy's noise scales with its input; one huge input comes first; upstream is off by a constant 2e-3 (1000x
     legacy's own noise on the rest). The running-maximum floor called all 400 calls noise and the verdict promoted."""
     pair = _Pair(
@@ -233,7 +233,7 @@ def test_1_one_large_input_early_does_not_raise_the_floor_for_the_rest_of_the_ru
     assert verdict.decide("noisy", counts, MAX).decision != PROMOTE
 
 
-def test_1_an_element_near_zero_cannot_make_the_floor_infinite():
+def test_an_element_near_zero_cannot_make_the_floor_infinite():
     """One output element is sometimes 0 and sometimes 1e-7 in legacy's A/A runs (an infinite relative floor); the
     other is 50% wrong upstream. Judged on absolute errors, that is a mismatch on every call."""
 
@@ -247,14 +247,14 @@ def test_1_an_element_near_zero_cannot_make_the_floor_infinite():
     assert stats.noise == 0 and stats.mismatch == 200
 
 
-def test_1_a_large_relative_error_is_not_noise():
+def test_a_large_relative_error_is_not_noise():
     """Legacy jitters at 1e-3 around 0.001; upstream is 5x that (500% relative error)."""
     pair = _Pair(lambda x: x * 0 + 1e-3 + _uniform(1e-3), lambda x: x * 0 + 5e-3 + _uniform(1e-3))
     stats, _ = _shadow(pair, [torch.ones(3)] * 100)
     assert stats.noise == 0 and stats.mismatch == 100
 
 
-def test_1_a_shift_inside_the_floor_is_found_by_the_rank_test(tmp_path):
+def test_a_shift_inside_the_floor_is_found_by_the_rank_test(tmp_path):
     """Upstream is shifted by 0.6x legacy's own jitter: within twice the floor call by call, so the old floor called
     it noise on every call; the rank test of the A/B errors against the A/A errors sees it within tens of calls."""
     pair = _Pair(lambda x: x * 2 + _uniform(1e-3), lambda x: x * 2 + _uniform(1e-3) + 6e-4)
@@ -277,7 +277,7 @@ def test_1_a_shift_inside_the_floor_is_found_by_the_rank_test(tmp_path):
     assert counts.phase().outcomes[("call", "mismatch")] == stats.mismatch
 
 
-def test_1_a_shift_inside_the_floor_is_never_noise_before_the_rank_test_can_see_it():
+def test_a_shift_inside_the_floor_is_never_noise_before_the_rank_test_can_see_it():
     """At the launcher's A/A rate (0.05) a 300-call job has its 10 A/A runs for a floor long before the rank test
     had its 20 a side: a shift inside the floor was called noise, untested, on every call in between (202 of 300).
     A difference within the floor now waits until the test runs (10 errors a side), and is judged by it."""
@@ -298,7 +298,7 @@ def test_1_a_shift_inside_the_floor_is_never_noise_before_the_rank_test_can_see_
     assert stats.mismatch >= 200 and stats.noise < 100, stats  # (the test finds the shift within tens of calls)
 
 
-def test_1_honest_noise_is_still_noise():
+def test_honest_noise_is_still_noise():
     """Legacy and upstream jitter alike: after the first A/A runs, value differences are noise (the rank test at
     level 0.001 rejects only by chance)."""
     pair = _Pair(lambda x: x * 2 + _uniform(1e-3), lambda x: x * 2 + _uniform(1e-3))
@@ -310,7 +310,7 @@ def test_1_honest_noise_is_still_noise():
 # --------------------------------------------------------------------------- 2. the A/A run is legacy's
 
 
-def test_2_in_a_canary_the_aa_run_repeats_legacy_not_upstream():
+def test_in_a_canary_the_aa_run_repeats_legacy_not_upstream():
     """Legacy is deterministic, upstream noisy and biased: with either primary every call is a mismatch (the old A/A
     ran the primary, so a canary's upstream noise excused its bias: noise on nearly every call)."""
     pair = _Pair(lambda x: x * 2, lambda x: x * 2 + _uniform(1e-3) + 3e-4)
@@ -321,7 +321,7 @@ def test_2_in_a_canary_the_aa_run_repeats_legacy_not_upstream():
         assert experiment.noise_floor()["call"][3] == 0  # legacy repeated itself bitwise
 
 
-def test_2_the_floor_never_crosses_a_rollback():
+def test_the_floor_never_crosses_a_rollback():
     pair = _Pair(lambda x: x * 2 + _uniform(1e-3), lambda x: x * 2 + _uniform(1e-3))
     target = pair.target()
     with shadow.install([target], sample_rate=1.0, aa_rate=1.0, seed=3, primary="upstream") as monitor:
@@ -344,7 +344,7 @@ def _processes(n_processes: int, per_process: int, mismatches: int = 0) -> Targe
     return records
 
 
-def test_3_more_divergences_never_turn_inconclusive_into_promote(tmp_path):
+def test_more_divergences_never_turn_inconclusive_into_promote(tmp_path):
     """100 processes x 1,000 clean: inconclusive. The old cluster bound estimated the design effect from one or two
     events, found ~1 and promoted the same evidence with 1 or 2 mismatches."""
     decisions = []
@@ -355,7 +355,7 @@ def test_3_more_divergences_never_turn_inconclusive_into_promote(tmp_path):
     assert decisions[0].upper <= decisions[1].upper <= decisions[2].upper
 
 
-def test_3_a_real_engine_journal_with_more_mismatches_is_never_promoted(tmp_path):
+def test_a_real_engine_journal_with_more_mismatches_is_never_promoted(tmp_path):
     """One process, 20,000 comparisons: 0 mismatches was inconclusive, 10 mismatches promoted (here 4,000 and 2)."""
     ops = types.SimpleNamespace(op=lambda x: x * 2)
     upstream = {0: lambda x: x * 2, 2: lambda x: x * 2 + (x == 7).float()}
@@ -456,7 +456,7 @@ def test_property_a_divergence_never_makes_promote_likelier_and_less_evidence_ne
 # --------------------------------------------------------------------------- 4. what was never compared
 
 
-def test_4_calls_skipped_for_reasons_tied_to_the_call_stop_a_promote():
+def test_calls_skipped_for_reasons_tied_to_the_call_stop_a_promote():
     """99% of sampled calls skipped oom: the old verdict promoted on the 1% compared."""
     counts = strata_counts({"": (10_000_000, 10_000, 0)})
     counts.add_skip("oom", 990_000)
@@ -468,7 +468,7 @@ def test_4_calls_skipped_for_reasons_tied_to_the_call_stop_a_promote():
     assert decide(budget).decision == PROMOTE
 
 
-def test_4_a_signature_with_calls_and_no_comparison_is_unknown_evidence():
+def test_a_signature_with_calls_and_no_comparison_is_unknown_evidence():
     """A signature with 30% of the calls was never compared: the old verdict dropped it from the weights."""
     counts = strata_counts({"common": (700_000, 50_000, 0), "rare": (300_000, 0, 0)})
     decision = decide(counts)
@@ -495,7 +495,7 @@ def verdict_cli_from_counts(counts: TargetCounts) -> str:
 # --------------------------------------------------------------------------- 5 and 11. under-sampled signatures
 
 
-def test_5_an_under_sampled_signature_bounds_the_rate_as_its_own_evidence_allows():
+def test_an_under_sampled_signature_bounds_the_rate_as_its_own_evidence_allows():
     """5% of calls, 30 comparisons, none divergent: Kish's bound was 5.3e-4 (promote); the exact fixed-n bound is
     4.75e-3 and ours is at least that."""
     counts = strata_counts({"common": (950_000, 100_000, 0), "rare": (50_000, 30, 0)})
@@ -505,7 +505,7 @@ def test_5_an_under_sampled_signature_bounds_the_rate_as_its_own_evidence_allows
     assert decision.decision == INCONCLUSIVE
 
 
-def test_5_at_twice_the_max_rate_in_the_under_sampled_signature_promote_stays_rare():
+def test_at_twice_the_max_rate_in_the_under_sampled_signature_promote_stays_rare():
     """The rare signature diverges at 4% (2x the max rate overall): 0 of its 30 comparisons diverge 29% of the time,
     and the old bound then promoted. Now at most 5% of such runs promote (Monte Carlo)."""
     rng = np.random.default_rng(5)
@@ -517,7 +517,7 @@ def test_5_at_twice_the_max_rate_in_the_under_sampled_signature_promote_stays_ra
     assert promoted / runs <= 0.05
 
 
-def test_11_divergences_in_an_under_sampled_signature_do_not_roll_back():
+def test_divergences_in_an_under_sampled_signature_do_not_roll_back():
     """2 of 30 divergent in a 5% signature: Kish's lower bound was 2.18e-3 > max (rollback); the exact test of
     rate <= max has p = 0.12. The joint bound's lower end stays below the max rate."""
     counts = strata_counts({"common": (950_000, 100_000, 0), "rare": (50_000, 30, 2)})
@@ -541,28 +541,28 @@ def _canary_then_clean(tmp_path, rollback: bool, reset: bool = False):
     return journals.write(tmp_path / "j.jsonl", records, all_outcomes=False)
 
 
-def test_6_a_canary_rolled_back_then_clean_shadowing_is_not_promoted(tmp_path):
+def test_a_canary_rolled_back_then_clean_shadowing_is_not_promoted(tmp_path):
     counts = sources.from_journal([str(_canary_then_clean(tmp_path, rollback=True))])["op"]
     decision = verdict.decide("op", counts, MAX)
     assert decision.decision == ROLLBACK and "http:alertmanager" in decision.why
     assert {p.primary: p.decision for p in decision.phases} == {"legacy": PROMOTE, "upstream": INCONCLUSIVE}
 
 
-def test_6_phases_are_never_pooled(tmp_path):
+def test_phases_are_never_pooled(tmp_path):
     """Without the rollback event: pooled, the canary's 3 divergences vanish in a million clean comparisons."""
     counts = sources.from_journal([str(_canary_then_clean(tmp_path, rollback=False))])["op"]
     decision = verdict.decide("op", counts, MAX)
     assert decision.decision == INCONCLUSIVE and "upstream phase" in decision.why
 
 
-def test_6_a_reset_sets_the_canarys_evidence_aside_and_fresh_evidence_decides(tmp_path):
+def test_a_reset_sets_the_canarys_evidence_aside_and_fresh_evidence_decides(tmp_path):
     counts = sources.from_journal([str(_canary_then_clean(tmp_path, rollback=True, reset=True))])["op"]
     decision = verdict.decide("op", counts, MAX)
     assert decision.decision == PROMOTE and decision.set_aside == 2000 and decision.resets
     assert [p.primary for p in decision.phases] == ["legacy"]
 
 
-def test_6_the_verdict_and_the_report_show_phases_and_rollbacks(tmp_path):
+def test_the_verdict_and_the_report_show_phases_and_rollbacks(tmp_path):
     path = _canary_then_clean(tmp_path, rollback=True)
     done = verdict_cli("--journal", str(path))
     assert done.returncode == 1, done.stdout + done.stderr
@@ -576,7 +576,7 @@ def test_6_the_verdict_and_the_report_show_phases_and_rollbacks(tmp_path):
     assert "| op | upstream | inconclusive |" in report.stdout
 
 
-def test_6_a_rollback_in_the_metrics_blocks_promote():
+def test_a_rollback_in_the_metrics_blocks_promote():
     counts = strata_counts({"": (10_000_000, 100_000, 0)})
     counts.rollbacks.append("1 by http (npu_shadow_rollbacks_total)")
     assert decide(counts).decision == ROLLBACK
@@ -585,7 +585,7 @@ def test_6_a_rollback_in_the_metrics_blocks_promote():
 # --------------------------------------------------------------------------- 7. repeated looks
 
 
-def test_7_looking_every_1000_comparisons_promotes_at_most_5_percent_at_the_max_rate():
+def test_looking_every_1000_comparisons_promotes_at_most_5_percent_at_the_max_rate():
     """At a true rate equal to the max, reading the bound every 1,000 comparisons up to 20,000: a fixed-n
     Clopper-Pearson bound promotes about 25% of sequences; the confidence sequence at most 5% (+ Monte Carlo)."""
     rng = np.random.default_rng(7)
@@ -600,7 +600,7 @@ def test_7_looking_every_1000_comparisons_promotes_at_most_5_percent_at_the_max_
     assert promoted_ours <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / sequences)
 
 
-def test_7_the_verdict_says_its_bounds_are_anytime_valid(tmp_path):
+def test_the_verdict_says_its_bounds_are_anytime_valid(tmp_path):
     path = journals.write(tmp_path / "j.jsonl", _processes(3, 100), all_outcomes=False)
     assert "anytime-valid 95%" in verdict_cli("--journal", str(path)).stdout
 
@@ -608,7 +608,7 @@ def test_7_the_verdict_says_its_bounds_are_anytime_valid(tmp_path):
 # --------------------------------------------------------------------------- 8 and 10. clusters
 
 
-def test_8_a_record_without_its_process_is_refused(tmp_path):
+def test_a_record_without_its_process_is_refused(tmp_path):
     """5,000 comparisons in one process (inconclusive), plus one record without pid: the old verdict dropped
     clustering for the whole target and promoted."""
     path = journals.write(tmp_path / "j.jsonl", [journals.line(timestamp=1.0 + i * 0.01) for i in range(5000)])
@@ -631,7 +631,7 @@ def _burst_journal(path, start: float):
     return journals.write(path, [journals.header(all_outcomes=False, timestamp=start), *records[:]], False)
 
 
-def test_10_a_burst_is_one_incident_wherever_the_wall_clock_minute_falls(tmp_path):
+def test_a_burst_is_one_incident_wherever_the_wall_clock_minute_falls(tmp_path):
     """The same process, its clock shifted so that the burst straddles a wall-clock minute or not: the same
     clusters and bounds (blocks count from the process's own start, and a burst is never cut)."""
     inside = sources.from_journal([str(_burst_journal(tmp_path / "a.jsonl", 60_000.0 + 1))])["op"]
@@ -664,7 +664,7 @@ def _guided_job(path, calls: int = 4000, all_outcomes: bool = False, **journal_o
     return monitor.stats()["op"], generate_latest(prometheus.registry).decode()
 
 
-def test_9_a_journal_without_every_outcome_counts_every_comparison_and_weights_as_the_metrics(tmp_path):
+def test_a_journal_without_every_outcome_counts_every_comparison_and_weights_as_the_metrics(tmp_path):
     stats, exposition = _guided_job(tmp_path / "j.jsonl")
     from_journal = sources.from_journal([str(tmp_path / "j.jsonl")])["op"]
     from_metrics = sources.from_exposition(exposition)["op"]
@@ -676,7 +676,7 @@ def test_9_a_journal_without_every_outcome_counts_every_comparison_and_weights_a
     assert j.rate == pytest.approx(m.rate) == pytest.approx(10 / 4000) and j.weighted and m.weighted
 
 
-def test_9_a_journal_that_cannot_count_every_comparison_is_refused(tmp_path):
+def test_a_journal_that_cannot_count_every_comparison_is_refused(tmp_path):
     """Mismatch lines only (no count record, no header saying every outcome is there): the old verdict read 10 of 10
     divergent and said rollback."""
     path = tmp_path / "old.jsonl"
@@ -685,7 +685,7 @@ def test_9_a_journal_that_cannot_count_every_comparison_is_refused(tmp_path):
     assert done.returncode == 2 and "matches are not known" in done.stderr
 
 
-def test_9_a_process_killed_before_its_last_count_record_never_rolls_back_on_its_tail(tmp_path):
+def test_a_process_killed_before_its_last_count_record_never_rolls_back_on_its_tail(tmp_path):
     """Lines after the last count record (the process died) count their divergences as comparisons whose matches
     are unknown: they raise the upper bound, never the lower one."""
     records = [journals.counts({"call": {"match": 999, "mismatch": 1}}, timestamp=1.0)]
@@ -697,7 +697,7 @@ def test_9_a_process_killed_before_its_last_count_record_never_rolls_back_on_its
     assert "did not exit cleanly" in " ".join(decision.notes)
 
 
-def test_9_the_launchers_journal_and_its_metrics_give_the_same_counts(tmp_path):
+def test_the_launchers_journal_and_its_metrics_give_the_same_counts(tmp_path):
     """`npu-shadow run --journal` on the example job: every comparison is in the journal's counts."""
     textfile = tmp_path / "metrics.prom"
     job = [os.path.join(ROOT, "examples", "train_dataparallel.py"), "--epochs", "1", "--samples", "64"]
@@ -719,7 +719,7 @@ def test_9_the_launchers_journal_and_its_metrics_give_the_same_counts(tmp_path):
         assert target["compared"] > 0 and target["decision"] != ROLLBACK
 
 
-def test_12_rotated_journals_are_read_with_the_current_one(tmp_path):
+def test_rotated_journals_are_read_with_the_current_one(tmp_path):
     path = tmp_path / "j.jsonl"
     stats, _ = _guided_job(path, calls=4000, all_outcomes=True, max_bytes=40_000, backups=50)
     assert (tmp_path / "j.jsonl.1").exists()
@@ -728,7 +728,7 @@ def test_12_rotated_journals_are_read_with_the_current_one(tmp_path):
     assert any("rotated files" in note and "j.jsonl.1" in note for note in counts.notes)
 
 
-def test_13_outcome_lines_are_not_parsed_where_count_records_cover_them(tmp_path, monkeypatch):
+def test_outcome_lines_are_not_parsed_where_count_records_cover_them(tmp_path, monkeypatch):
     """The fast path that decides a 10,000,000-comparison journal in seconds (benchmarks/bench_verdict.py): only
     headers, count records, events and the lines after a process's last count record are parsed."""
     stats, _ = _guided_job(tmp_path / "j.jsonl", calls=4000, all_outcomes=True, count_interval=0)
@@ -741,7 +741,7 @@ def test_13_outcome_lines_are_not_parsed_where_count_records_cover_them(tmp_path
     assert all(not raw.startswith(b'{"time"') for raw in parsed)
 
 
-def test_13_what_is_missing_is_said_in_the_bounds_units(tmp_path):
+def test_what_is_missing_is_said_in_the_bounds_units(tmp_path):
     """Clean comparisons in 10 processes: what is missing is clusters (each process's time blocks), not
     comparisons, and the number asked for is the effective number the bound needs less those there are."""
     path = journals.write(tmp_path / "j.jsonl", _processes(10, 1000), all_outcomes=False)

@@ -22,7 +22,7 @@ from shadow.core.targets import data_parallel_signature
 pytestmark = pytest.mark.slow
 
 
-def test_3_in_a_canary_skipped_calls_name_upstream_as_the_side_returned():
+def test_in_a_canary_skipped_calls_name_upstream_as_the_side_returned():
     """A call skipped for its module's hooks returned upstream's result in a canary: its skip says so."""
     ops = types.SimpleNamespace(op=lambda module, x: module(x))
     model = nn.Linear(2, 2)
@@ -36,7 +36,7 @@ def test_3_in_a_canary_skipped_calls_name_upstream_as_the_side_returned():
     assert 'npu_shadow_skipped_total{primary="upstream",reason="hooks",signature="",target="op"} 1.0' in text
 
 
-def test_4_data_parallels_signature_counts_the_replicas_that_run():
+def test_data_parallels_signature_counts_the_replicas_that_run():
     """A batch of one on [1, 0] runs one replica (scatter cuts no more chunks than rows): the risky replicas=1."""
     model = nn.Linear(2, 2)
     assert data_parallel_signature((model, torch.ones(1, 2), [1, 0]), {}).startswith("replicas=1/")
@@ -61,7 +61,7 @@ def _npu_shadow(*args: str) -> str:
     return out.getvalue()
 
 
-def test_12_the_command_says_its_version_and_each_subcommand_its_defaults():
+def test_the_command_says_its_version_and_each_subcommand_its_defaults():
     from importlib.metadata import version
 
     assert _npu_shadow("--version").strip() == f"npu-shadow {version('npu-shadow')}"
@@ -75,7 +75,7 @@ def test_12_the_command_says_its_version_and_each_subcommand_its_defaults():
         assert rest.strip() and not rest.startswith(("positional arguments", "options")), command  # a description
 
 
-def test_15_the_docs_never_suggest_an_unpinned_install():
+def test_the_docs_never_suggest_an_unpinned_install():
     """Every `pip install` of this project in the docs comes after torch is pinned."""
     import pathlib
     import re
@@ -98,7 +98,7 @@ print(sorted(shadow.BUILTINS))
 """
 
 
-def test_2_a_job_that_imports_shadow_before_torch_is_shadowed(tmp_path):
+def test_a_job_that_imports_shadow_before_torch_is_shadowed(tmp_path):
     """`import shadow` first under the launcher: installed (no circular import), the emulated npu applied, and
     the calls counted in the exit summary."""
     import subprocess
@@ -117,7 +117,7 @@ def test_2_a_job_that_imports_shadow_before_torch_is_shadowed(tmp_path):
     assert summary.split()[1] == "3", summary  # three calls
 
 
-def test_5_the_canary_demos_watcher_sees_a_hard_mismatch_whatever_the_labels():
+def test_the_canary_demos_watcher_sees_a_hard_mismatch_whatever_the_labels():
     """Its pattern predated the primary label, so the canary drill never rolled back."""
     import importlib.util
     import pathlib
@@ -150,7 +150,7 @@ class _ChecksItsReplica(nn.Module):
         return inp
 
 
-def test_1_pytorchs_parameter_list_dict_replica_holds_on_the_shadow_side(legacy_patches):
+def test_pytorchs_parameter_list_dict_replica_holds_on_the_shadow_side(legacy_patches):
     p1 = nn.Parameter(torch.rand(10))
     p2 = nn.Parameter(torch.rand(10))
     checked = []
@@ -186,7 +186,7 @@ class Recorder:
         self.observations.append(observation)
 
 
-def test_1_a_filter_written_by_legacys_first_import_is_no_difference(tmp_path, monkeypatch):
+def test_a_filter_written_by_legacys_first_import_is_no_difference(tmp_path, monkeypatch):
     """Legacy's first call imports a module that writes a warning filter at import (sympy does): upstream, run
     from the state before the call, finds it imported and cannot write it again. A filter the call itself writes
     is still a difference."""
@@ -230,7 +230,7 @@ def _drilled(kind, fn, *args):
     return observation
 
 
-def test_6_a_drill_injects_only_its_own_kind():
+def test_a_drill_injects_only_its_own_kind():
     x = torch.randn(3, 4, requires_grad=True)
     value = _drilled("value", lambda t: (t * 2, t.t() * 3), x)  # outputs that require grad, one transposed
     assert (value.outcome, value.reasons, value.drill) == ("mismatch", ("value",), True), value.detail
@@ -244,7 +244,7 @@ def test_6_a_drill_injects_only_its_own_kind():
     assert (shared.outcome, shared.reasons) == ("mismatch", ("value",)), shared.detail
 
 
-def test_6_a_drill_that_cannot_inject_its_kind_injects_nothing():
+def test_a_drill_that_cannot_inject_its_kind_injects_nothing():
     """An output that aliases an argument cannot be changed without writing the argument; a nan has no place in
     an integer tensor: the call compares as it is and is not counted as drilled."""
     same = _drilled("value", lambda t: t, torch.ones(2))
@@ -253,7 +253,7 @@ def test_6_a_drill_that_cannot_inject_its_kind_injects_nothing():
     assert (integers.outcome, integers.drill) == ("match", False), integers.detail
 
 
-def test_6_the_report_marks_the_rows_a_drill_made(tmp_path):
+def test_the_report_marks_the_rows_a_drill_made(tmp_path):
     import journals
 
     from shadow.analysis import report
@@ -267,7 +267,7 @@ def test_6_the_report_marks_the_rows_a_drill_made(tmp_path):
 CASTS = "import torch\nx = torch.ones(2)\nfor _ in range(5):\n    x.type(torch.float16)\n"
 
 
-def test_7_run_and_doctor_agree_on_a_host_without_torch_npu(tmp_path):
+def test_run_and_doctor_agree_on_a_host_without_torch_npu(tmp_path):
     """Without torch_npu and without --legacy-from, run shadows nothing and doctor says so; --legacy-from
     reference rehearses on shadow.npu.reference in both."""
     import subprocess
@@ -296,7 +296,7 @@ def test_7_run_and_doctor_agree_on_a_host_without_torch_npu(tmp_path):
     )
 
 
-def test_8_a_plugin_value_apart_from_its_option_is_refused_by_pytest_and_joined_by_ab(tmp_path):
+def test_a_plugin_value_apart_from_its_option_is_refused_by_pytest_and_joined_by_ab(tmp_path):
     """pytest chooses its rootdir before it knows the plugin's options: ``--npu-shadow-journal PATH`` (space form)
     would make PATH's directory the rootdir and drop the suite's own config."""
     import subprocess
@@ -342,7 +342,7 @@ def _replay(path):
     )
 
 
-def test_9_an_npu_capture_replays_on_the_emulated_npu_as_it_was_recorded(tmp_path):
+def test_an_npu_capture_replays_on_the_emulated_npu_as_it_was_recorded(tmp_path):
     """Captures taken on npu:1 (this process has the emulated npu): a fresh replay process has no npu of its own."""
     base = {"format": 1, "target": "tensor_type", "outcome": "match", "signature": "s", "detail": "", "kwargs": {}}
     on_npu = {**base, "args": [torch.ones(3, device="npu:1"), "torch.npu.HalfTensor"], "device": "npu:1"}
@@ -355,7 +355,7 @@ def test_9_an_npu_capture_replays_on_the_emulated_npu_as_it_was_recorded(tmp_pat
         assert "on the emulated npu (2 devices), current device npu:1" in done.stdout, done.stdout
 
 
-def test_9_a_capture_records_the_current_device(tmp_path):
+def test_a_capture_records_the_current_device(tmp_path):
     from exporters import JsonlExporter, capture
 
     ops = types.SimpleNamespace(op=lambda x: x + 1)
@@ -385,7 +385,7 @@ if __name__ == "__main__":
 """
 
 
-def test_10_the_exit_summary_covers_the_workers_or_says_it_does_not(tmp_path):
+def test_the_exit_summary_covers_the_workers_or_says_it_does_not(tmp_path):
     import subprocess
     import sys
 
@@ -417,7 +417,7 @@ def test_10_the_exit_summary_covers_the_workers_or_says_it_does_not(tmp_path):
     assert "(this process only: it forked 2 processes" in without_metrics, without_metrics
 
 
-def test_10_every_skip_reason_is_named_in_the_summary():
+def test_every_skip_reason_is_named_in_the_summary():
     import subprocess
     import sys
 
@@ -435,7 +435,7 @@ def test_10_every_skip_reason_is_named_in_the_summary():
     assert "skipped 1 for hooks: a module in the call has user hooks" in done.stdout, done.stdout
 
 
-def test_11_the_emulated_npus_first_build_says_what_it_is_doing(tmp_path, monkeypatch, capsys):
+def test_the_emulated_npus_first_build_says_what_it_is_doing(tmp_path, monkeypatch, capsys):
     from shadow.npu import emulated
 
     monkeypatch.setenv("NPU_SHADOW_CACHE_DIR", str(tmp_path))
@@ -448,7 +448,7 @@ def test_11_the_emulated_npus_first_build_says_what_it_is_doing(tmp_path, monkey
     assert capsys.readouterr().err == ""
 
 
-def test_11_the_receiver_says_it_listens_before_torch_could_load():
+def test_the_receiver_says_it_listens_before_torch_could_load():
     """The receiver needs no torch: it listens within a few seconds even where importing torch takes many."""
     import socket
     import subprocess
@@ -475,7 +475,7 @@ def test_11_the_receiver_says_it_listens_before_torch_could_load():
         receiver.wait(timeout=30)
 
 
-def test_11_setup_says_what_it_installs_when_it_installs():
+def test_setup_says_what_it_installs_when_it_installs():
     import pathlib
 
     setup = (pathlib.Path(__file__).parent.parent / "scripts" / "setup.sh").read_text()
@@ -555,7 +555,7 @@ def _chart_problems(tmp_path, page):
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (the test command installs it)")
 @pytest.mark.parametrize("rate", [0.5, 0.002], ids=["drill", "near-thresholds"])
-def test_13_no_chart_text_overlaps_or_leaves_its_picture_in_chromium(tmp_path, rate):
+def test_no_chart_text_overlaps_or_leaves_its_picture_in_chromium(tmp_path, rate):
     from shadow.launcher import cli
 
     journal = _layout_journal(tmp_path / "j.jsonl", rate)
@@ -572,7 +572,7 @@ def test_13_no_chart_text_overlaps_or_leaves_its_picture_in_chromium(tmp_path, r
     assert ">comparisons</text>" in histogram and ">greatest absolute error" in histogram  # axis titles
 
 
-def test_13_the_reports_environment_comes_from_the_metrics_build_info(tmp_path):
+def test_the_reports_environment_comes_from_the_metrics_build_info(tmp_path):
     from shadow.launcher import cli
 
     exporter = PrometheusExporter()
@@ -591,7 +591,7 @@ def test_13_the_reports_environment_comes_from_the_metrics_build_info(tmp_path):
     assert "| torch_npu | none |" in text and "| npu-shadow | 0." in text
 
 
-def test_14_no_test_bounds_the_wall_clock_time_of_what_it_starts():
+def test_no_test_bounds_the_wall_clock_time_of_what_it_starts():
     """A bound on wall-clock time fails on a busy machine (interpreters start slowly there): tests wait for
     conditions, and measure durations where the code measures them (a line it prints, CPU time). Only a bound on
     an in-process deadline of the code under test may read the clock, saying so."""

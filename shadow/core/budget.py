@@ -5,10 +5,10 @@ A token bucket (Tanenbaum, *Computer Networks*, 5th ed., 5.4.2; the leaky-bucket
 accrues at ``fraction`` seconds per second, up to ``BURST`` seconds; a sampled call's shadow side may start while
 the allowance covers what the target's last sampled call cost (at most ``BURST``) and is charged what it took (the
 allowance may go below zero). So over any window of W seconds the shadow side uses at most ``BURST + fraction * W``
-plus what the last call started in it overran its expected cost: ``fraction + 0.05`` of a 10 s window. (Starting
-whenever the allowance is above zero, the old rule, let a ResNet comparison that costs 0.3 s start on 1 ms of
-allowance: 0.273 of a window at budget 0.2.) Since install alone (the old rule) a job idle for an hour could spend the
-hour's share in one burst. One allowance is shared by every target of a monitor (:class:`Budgets`): with one each,
+plus what the last call started in it overran its expected cost: ``fraction + 0.05`` of a 10 s window. A call
+may not start on less allowance than its expected cost (a ResNet comparison that costs 0.3 s would otherwise
+spend 0.273 of a window at budget 0.2), and idle time accrues no more than the burst (a job idle for an hour would
+otherwise spend the hour's share at once). One allowance is shared by every target of a monitor (:class:`Budgets`): with one each,
 a job shadowing DataParallel and its casts could spend twice the budget in one window. Shared, it must not be
 taken from under a target that waits for it: a call refused for its cost reserves that much (the first refused, or
 one that needs more than twice what is reserved; until its target starts a call, or until the allowance is full and
@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 
 from shadow.core import forks
 
@@ -41,18 +42,27 @@ UNKNOWN_COST = BURST_SECONDS / 4
 DEFAULT_DEADLINE = 60.0
 
 
-class Budget:
-    """An allowance of shadow-side time (``fraction`` of wall time), drawn on from any thread by any target."""
+#: A clock of seconds: allowance accrues on it and what the shadow side costs is measured on it.
+Clock = Callable[[], float]
 
-    def __init__(self, fraction: float) -> None:
-        self.fraction = fraction
+
+class Budget:
+    """An allowance of shadow-side time (``fraction`` of wall time), drawn on from any thread by any target.
+
+    Args:
+        fraction: the share of wall time the shadow side may use.
+        clock: where time is read, for accrual (tests inject one that only moves when they say).
+    """
+
+    def __init__(self, fraction: float, clock: Clock = time.perf_counter) -> None:
+        self.fraction, self.clock = fraction, clock
         self._after_fork_in_child()
         forks.register(self)
 
     def _after_fork_in_child(self) -> None:  # (the parent's lock may have been held at fork; its spending is its own)
         self._lock = threading.Lock()
         self._allowance = BURST_SECONDS
-        self._at = time.monotonic()
+        self._at = self.clock()
         self._reserved: tuple[object, float] | None = None  # (who waits for the allowance, how much)
 
     def allows(self, expected: float = 0.0, who: object = None) -> bool:
@@ -63,7 +73,7 @@ class Budget:
 
     def _allows(self, expected: float, who: object) -> bool:
         """:meth:`allows`, under the lock, for a call expected to take ``expected`` (at most BURST) seconds."""
-        now = time.monotonic()
+        now = self.clock()
         allowance = self._allowance = min(BURST_SECONDS, self._allowance + self.fraction * (now - self._at))
         self._at = now
         reserved = self._reserved
@@ -101,6 +111,12 @@ class Budgets:
     shadow: Budget
     classifying: Budget
 
+    @property
+    def clock(self) -> Clock:
+        """The clock both allowances accrue on, and the shadow side's costs are measured on."""
+        return self.shadow.clock
+
     @classmethod
-    def of(cls, fraction: float) -> Budgets:
-        return cls(Budget(fraction), Budget(fraction))
+    def of(cls, fraction: float, clock: Clock = time.perf_counter) -> Budgets:
+        """Both allowances at ``fraction`` of wall time, on one ``clock``."""
+        return cls(Budget(fraction, clock), Budget(fraction, clock))

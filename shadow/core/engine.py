@@ -237,6 +237,7 @@ class Experiment:
         # over every 10 s window (shadow.core.budget); sampled calls beyond it are skipped (reason "budget") without
         # calling exporters, and reported to them in bulk at the next publish or flush.
         self._budget = budget.shadow if budget is not None else None
+        self._clock = budget.clock if budget is not None else time.perf_counter  # (what is charged is timed on it)
         self._classify_budget = budget.classifying if budget is not None else None  # (classifying's own share)
         self._sampled_seconds = 0.0  # (what the sampled call under way has taken so far: its plan, its upstream side)
         self._last_cost = 0.0  # (what the last sampled call that ended took: what the next one is expected to cost)
@@ -368,7 +369,7 @@ class Experiment:
             self._classified += 1
             checked = (self._classified <= 64 or self._classified & 255 == 1) and not torch.compiler.is_compiling()
             timed = budget is not None and self._classified & 15 == 1
-            start = time.perf_counter() if timed else 0.0
+            start = self._clock() if timed else 0.0
             with torch._C.DisableTorchFunction():  # (a user's mode or tensor subclass never sees the classifying)
                 raw = self.signature_of(args, kwargs) if checked else self.target.signature(args, kwargs)
             label = self._labels.get(raw)
@@ -377,7 +378,7 @@ class Experiment:
                 if len(self._labels) < 4 * MAX_SIGNATURES:
                     self._labels[raw] = label
             if timed:
-                self._classify_seconds = time.perf_counter() - start
+                self._classify_seconds = self._clock() - start
             if budget is not None:
                 budget.charge(self._classify_seconds)
                 self._charge(self._classify_seconds)
@@ -484,13 +485,13 @@ class Experiment:
             modules = modules_in_call(args, kwargs)
             skip = self._skip_reason(args, kwargs, modules)
             if skip is not None:
-                start = time.perf_counter()
+                start = self._clock()
                 skipped = Observation(
                     self.target.name, Outcome.SKIPPED, (skip[0],), signature=signature or "", timestamp=time.time(),
                     primary=self.primary, detail=skip[1],
                 )  # fmt: skip
                 self._publish(skipped)
-                self._charge(time.perf_counter() - start)
+                self._charge(self._clock() - start)
                 return self._run_legacy(args, kwargs)
             return self._sampled_call(args, kwargs, modules, signature)
         finally:
@@ -531,11 +532,11 @@ class Experiment:
         self, args: tuple, kwargs: dict, modules: list[torch.nn.Module], signature: str | None = None
     ) -> Any:
         """Plan the upstream side, run legacy (its result or exception is the caller's), then the upstream side."""
-        planning = time.perf_counter()
+        planning = self._clock()
         side = UpstreamSide.plan_call(self, args, kwargs, modules, signature)
+        self._sampled_seconds = self._clock() - planning
+        self._charge(self._sampled_seconds)
         start = time.perf_counter()
-        self._charge(start - planning)
-        self._sampled_seconds = start - planning
         try:
             result = self._run_legacy(args, kwargs)
         except KeyboardInterrupt:
@@ -567,7 +568,7 @@ class Experiment:
         # (set inside the try, put back first thing in its finally: no interrupt, wherever it lands, leaves this
         # thread marked, and the caller's later calls on upstream)
         outer = getattr(marks, "upstream_side", None)
-        started = time.perf_counter()
+        started = self._clock()
         held = False
         try:
             _HELD.hold()
@@ -596,7 +597,7 @@ class Experiment:
             marks.upstream_side = outer
             if held:
                 _HELD.release()
-            seconds = time.perf_counter() - started
+            seconds = self._clock() - started
             self._charge(seconds)
             self._sampled_seconds += seconds
             self._last_cost = self._sampled_seconds  # (plan and upstream side, once both are done)

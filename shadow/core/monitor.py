@@ -266,7 +266,7 @@ def install(
     drill: Drill | None = None,
     oracle: float | None = 0.1,
     yields: bool = False,
-    budget: float | None = None,
+    budget: float | Budgets | None = None,
     deadline: float | None = DEFAULT_DEADLINE,
     pure_hooks: bool = False,
     first_per_signature: int = DEFAULT_FIRST_PER_SIGNATURE,
@@ -286,6 +286,7 @@ def install(
     divergences legacy and upstream share (sampled calls under autocast always do); None turns it off.
     ``budget``: the fraction of wall time the upstream sides of all the targets together may use; beyond it sampled
     calls are skipped with reason "budget" (None: no limit); it holds over every 10 s window (``shadow.core.budget``).
+    A :class:`~shadow.core.budget.Budgets` is taken as it is (tests inject its clock).
     ``deadline``: the seconds the shadow side of one sampled call may take (its upstream, A/A and oracle runs each
     on a thread of their own that starts in the caller's torch context); past it the caller goes on with the
     primary's result, the call is skipped with reason "deadline" and the target stops shadowing (None: no deadline,
@@ -326,7 +327,8 @@ def install(
     if drill is not None and not isinstance(drill, Drill):
         raise ValueError(f"drill: expected a shadow.core.drill.Drill or None, got {drill!r}")
     oracle = None if oracle is None else check_rate(oracle, "oracle")
-    budget = None if budget is None else check_rate(budget, "budget", low="(0")
+    if budget is not None and not isinstance(budget, Budgets):
+        budget = check_rate(budget, "budget", low="(0")
     if deadline is not None and (
         isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < math.inf
     ):
@@ -342,7 +344,7 @@ def install(
         raise ValueError(f"primary: expected one of {PRIMARY_SIDES}, got {primary!r}")
 
     suspended = _step_aside(resolved)  # before the experiments read what is installed as their legacy
-    budgets = Budgets.of(budget) if budget is not None else None  # (one allowance for every target)
+    budgets = Budgets.of(budget) if isinstance(budget, float) else budget  # (one allowance for every target)
     experiments = [
         Experiment(
             t,
