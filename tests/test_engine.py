@@ -1,5 +1,6 @@
 """The engine through custom targets: detection, failures on either side, isolation, exporters."""
 
+import os
 import types
 
 import pytest
@@ -334,3 +335,44 @@ def test_an_isolation_that_fails_is_a_counted_skip_never_the_shadow_sides_except
         assert torch.equal(owner.op(torch.ones(2)), torch.full((2,), 2.0))
         stats = monitor.stats()["op"]
     assert (stats.error, stats.skipped, dict(stats.by_reason)) == (0, 1, {"comparator": 1})
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_childs_counts_start_at_zero_for_every_counter():
+    """A forked child (a DataLoader worker) counts its own calls: every count its parent had (outcomes, reasons,
+    clusters, signatures past the cap, exporters' failures, ...) is zero there, the whole tally started again (the
+    counters reset one by one missed the signatures past the cap)."""
+    import dataclasses
+    import pickle
+
+    import fakes
+
+    from shadow.core.engine import MAX_SIGNATURES
+    from shadow.core.observation import TargetStats
+
+    class Failing:
+        def export(self, observation):
+            raise RuntimeError("disk full")
+
+    ops, target = fakes.op_target(lambda x: x * 3, signature=lambda args, kwargs: f"s{int(args[0][0])}")
+    with shadow.install([target], sample_rate=1.0, first_per_signature=1, exporters=[Failing()]) as monitor:
+        for i in range(MAX_SIGNATURES + 5):
+            ops.op(torch.full((2,), float(i)))
+        parent = monitor.stats()["op"]
+        assert parent.signatures_over_cap > 0 and parent.export_errors > 0 and parent.mismatch > 0
+        assert parent.clusters > 0 and parent.by_reason
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # (the child: its counts, to the parent, then out without the parent's exit handlers)
+            try:
+                stats = monitor.stats()["op"]
+                fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+                os.write(write, pickle.dumps({k: dict(v) if hasattr(v, "keys") else v for k, v in fields.items()}))
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            child = pickle.loads(pipe.read())
+        os.waitpid(pid, 0)
+    fresh = TargetStats(primary="legacy")
+    assert {k: v for k, v in child.items() if v != getattr(fresh, k)} == {}

@@ -1,24 +1,24 @@
-"""The overhead budget: the share of wall time the shadow side of a monitor's targets may use, together, over every
-10 s window.
+"""The overhead budget: the share of wall time the shadow side of a monitor's targets may use, together, over every 10
+s window.
 
 A token bucket (Tanenbaum, *Computer Networks*, 5th ed., 5.4.2; the leaky-bucket shaping of traffic): allowance
 accrues at ``fraction`` seconds per second, up to ``BURST`` seconds; a sampled call's shadow side may start while
 the allowance covers what the target's last sampled call cost (at most ``BURST``) and is charged what it took (the
 allowance may go below zero). So over any window of W seconds the shadow side uses at most ``BURST + fraction * W``
-plus what the last call started in it overran its expected cost: ``fraction + 0.05`` of a 10 s window. A call
-may not start on less allowance than its expected cost (a ResNet comparison that costs 0.3 s would otherwise
-spend 0.273 of a window at budget 0.2), and idle time accrues no more than the burst (a job idle for an hour would
-otherwise spend the hour's share at once). One allowance is shared by every target of a monitor (:class:`Budgets`): with one each,
-a job shadowing DataParallel and its casts could spend twice the budget in one window. Shared, it must not be
+plus what the last call started in it overran its expected cost: ``fraction + 0.05`` of a 10 s window. A call may
+not start on less allowance than its expected cost (a ResNet comparison that costs 0.3 s would otherwise spend 0.273
+of a window at budget 0.2), and idle time accrues no more than the burst (a job idle for an hour would otherwise
+spend the hour's share at once). One allowance is shared by every target of a monitor (:class:`Budgets`): with one
+each, a job shadowing DataParallel and its casts could spend twice the budget in one window. Shared, it must not be
 taken from under a target that waits for it: a call refused for its cost reserves that much (the first refused, or
 one that needs more than twice what is reserved; until its target starts a call, or until the allowance is full and
 waiting gains it nothing), and while the allowance does not cover that reservation and its own cost too, no other
 target's call starts (a cheap target called often would otherwise keep an expensive one from ever starting).
 
-What every call pays outside a comparison (a guided target's signature function) is charged too, so comparisons
-give way to it; it also has a bucket of its own, the same size: while classifying alone has used the budget, calls
-are not classified (they count as "unclassified", a signature never compared). One comparison that overran never
-stops the classifying.
+What every call pays outside a comparison (a guided target's signature function) is charged too, so comparisons give
+way to it; it also has a bucket of its own, the same size: while classifying alone has used the budget, calls are
+not classified (they count as "unclassified", a signature never compared). One comparison that overran never stops
+the classifying.
 """
 
 from __future__ import annotations

@@ -3,23 +3,23 @@
 Data flows one way: call -> sampler -> legacy (returned to the caller), then on sampled calls the upstream side
 (:class:`shadow.core.upstream_side.UpstreamSide`, a room of its own per sampled call: the isolated upstream run,
 the comparator) -> :class:`Observation` -> exporters. The experiment keeps the call path, the sampler and its
-gate, the primary and the bookkeeping. Whatever runs after legacy is caught in :meth:`Experiment._upstream_side`
-and :meth:`Experiment._publish`, the two places where failures are counted and logged (at most once a minute per
-target and kind).
+gate, and the primary; what it counted is its :class:`~shadow.core.tally.Tally`, its random draws are
+:class:`~shadow.core.coin.Coin` s, its exporters the monitor's :class:`~shadow.core.publisher.Publisher`, its
+settings the monitor's :class:`~shadow.core.settings.Settings`. Whatever runs after legacy is caught in
+:meth:`Experiment._upstream_side`, and every exporter hook is called through the publisher: failures there are
+counted and logged (at most once a minute per target, or exporter, and kind), never the job's.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import itertools
 import logging
-import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,10 +27,9 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
 from shadow.core import clusters, compiling, forks, trees
-from shadow.core.budget import DEFAULT_DEADLINE, Budgets
+from shadow.core.budget import Budgets
+from shadow.core.coin import Coin
 from shadow.core.coverage import CLASSIFY_ONE_IN, Coverage
-from shadow.core.drill import Drill
-from shadow.core.exporting import call_hook
 from shadow.core.global_state import TorchGlobals
 from shadow.core.isolation import (
     SideEffects,
@@ -42,11 +41,9 @@ from shadow.core.isolation import (
 from shadow.core.memory import InsufficientMemory
 from shadow.core.noise import NoiseFloor
 from shadow.core.observation import (
-    DIVERGENT_OUTCOMES,
     LEGACY,
     OUTCOMES,
     UNCLASSIFIED_SIGNATURE,
-    UPSTREAM,
     Observation,
     Outcome,
     TargetStats,
@@ -54,8 +51,11 @@ from shadow.core.observation import (
     label_text,
     within_noise_floor,
 )
+from shadow.core.publisher import Publisher
 from shadow.core.sampler import Gate, Sampler
+from shadow.core.settings import Settings
 from shadow.core.sides import marks, upstream_side_of_this_thread
+from shadow.core.tally import Tally
 from shadow.core.targets import Target, patch_origin
 from shadow.core.tolerance import ToleranceSpec
 from shadow.core.upstream_side import Run, UpstreamSide, is_hooked_subclass
@@ -118,6 +118,19 @@ class _Held:
 
 
 _HELD = _Held()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Admission:
+    """What becomes of a call that found the gate closed (:meth:`Experiment._admit`): ``run`` it as it is, skip it
+    in bulk for ``skip`` (a reason), or compare it (``signature``: a guided target's; ``held``: what the budget
+    lent it, given back once its real cost is charged)."""
+
+    run: Callable | None = None
+    skip: str = ""
+    signature: str | None = None
+    held: float | None = None
+
 
 #: Value differences a target holds at most while its noise floor cannot judge them (more are skipped at once,
 #: reason noise_pending): bounded memory, whatever the job.
@@ -213,24 +226,25 @@ class Experiment:
         target: Target,
         sample_rate: float,
         tolerance: ToleranceSpec,
-        exporters: Sequence[Any],
-        seed: int | None,
-        drill: Drill | None = None,
-        oracle_rate: float | None = None,
+        publisher: Publisher,
+        settings: Settings,
         budget: Budgets | None = None,
-        pure_hooks: bool = False,
-        first_per_signature: int = 0,
-        aa_rate: float = 0.0,
-        primary: str = LEGACY,
-        deadline: float | None = DEFAULT_DEADLINE,
-        backward_rate: float = 0.0,
-        truth_rate: float = 0.0,
     ) -> None:
+        """Args:
+        target: what is shadowed.
+        sample_rate: the fraction of its calls compared.
+        tolerance: its tolerance (None: the target's own).
+        publisher: the monitor's exporters.
+        settings: the monitor's settings (checked).
+        budget: the monitor's allowances, shared by its targets (None: no limit); made from ``settings``.
+        """
         self.target = target
-        self.drill = drill
+        self.settings = settings
+        seed = settings.seed
+        self.drill = settings.drill
         # The user declares the forward/backward hooks of their modules free of side effects: calls that reach
         # such hooks are compared (the hooks run again on the upstream side) instead of skipped.
-        self.pure_hooks = pure_hooks
+        self.pure_hooks = settings.pure_hooks
         self.monitor: Any = None  # the Monitor that installed this experiment (set by it)
         # The overhead budget, the monitor's (shared by its targets): the upstream side's time (upstream,
         # comparison, oracle, exporters) and a guided target's classifying may use at most its fraction of wall time
@@ -247,25 +261,18 @@ class Experiment:
         self.signature_has_side_effects = False
         # The deadline of one call's shadow side (seconds, None: none): past it the call is skipped (reason
         # "deadline"), its run abandoned on its own thread, and every later sampled call is skipped too.
-        self.deadline = deadline
+        self.deadline = settings.deadline
         self.deadline_passed = False
-        self._skips_unreported: collections.Counter[str] = collections.Counter()
-        # The single-device oracle: None is off; else every sampled call under autocast and this fraction of
-        # the others (targets that describe a single-device call only).
-        self.oracle_rate = oracle_rate if target.oracle is not None and target.isolate else None
-        self.oracle_random = random.Random(f"{seed}/{target.name}/oracle" if seed is not None else None)
-        # The noise floor: on this fraction of sampled calls legacy runs a second time, isolated as upstream is,
-        # and the difference between its two results is the target's own nondeterminism, by signature and output
-        # leaf, as a distribution (shadow.core.noise).
-        self.aa_rate = aa_rate
-        self.aa_random = random.Random(f"{seed}/{target.name}/aa" if seed is not None else None)
-        # The backward comparison (shadow.core.gradients), on this fraction of sampled calls of an isolated target
-        # while legacy is the primary; its cotangents are drawn from seeds of backward_random's. The float64 truth
-        # run (shadow.core.truth), on this fraction of the calls whose outcome is a value difference.
-        self.backward_rate = backward_rate
-        self.backward_random = random.Random(f"{seed}/{target.name}/backward" if seed is not None else None)
-        self.truth_rate = truth_rate
-        self.truth_random = random.Random(f"{seed}/{target.name}/truth" if seed is not None else None)
+        # The extra runs' draws. The single-device oracle (None: off): every sampled call under autocast and this
+        # fraction of the others (targets that describe a single-device call only). The A/A run: legacy again,
+        # isolated as upstream is, its difference the target's own nondeterminism (shadow.core.noise). The
+        # backward comparison (shadow.core.gradients), while legacy is the primary; its cotangents' seeds drawn
+        # from its coin. The float64 truth run (shadow.core.truth), among the calls with a value difference.
+        oracle = settings.oracle if target.oracle is not None and target.isolate else None
+        self.oracle_coin = Coin(oracle, seed, f"{target.name}/oracle") if oracle is not None else None
+        self.aa_coin = Coin(settings.aa_rate, seed, f"{target.name}/aa")
+        self.backward_coin = Coin(settings.backward_rate, seed, f"{target.name}/backward")
+        self.truth_coin = Coin(settings.truth_rate, seed, f"{target.name}/truth")
         # (of the current phase: started again at a rollback or a reset)
         self.noise = NoiseFloor()
         # Value differences the floor cannot judge yet (shadow.core.noise): published once it can, as noise or as
@@ -275,8 +282,7 @@ class Experiment:
         self.legacy_origin = patch_origin(self.legacy) or ""
         # The primary side's result is the caller's (legacy while shadowing; upstream in a canary), the other side
         # runs as the shadow, isolated. A rollback makes legacy the primary (never the other way round).
-        if primary not in (LEGACY, UPSTREAM):
-            raise ValueError(f"primary: expected {LEGACY!r} or {UPSTREAM!r}, got {primary!r}")
+        primary = settings.primary
         self.primary = self.configured_primary = primary
         self.primary_fn, self.shadow_fn = (
             (self.legacy, target.upstream) if primary == LEGACY else (target.upstream, self.legacy)
@@ -285,31 +291,19 @@ class Experiment:
         # (a function whose run was left at its deadline in this process is not run beside it again)
         self.deadline_passed = id(self.shadow_fn) in _ABANDONED
         self.tolerance = tolerance if tolerance is not None else target.tolerance
-        self.exporters = tuple(exporters)
+        self.publisher = publisher
         self._lock = threading.Lock()
-        self._outcomes: collections.Counter[str] = collections.Counter()
-        self._reasons: collections.Counter[str] = collections.Counter()
-        self._shared: collections.Counter[str] = collections.Counter()
-        self._oracle_runs = 0
-        self._backward_runs = 0
-        self._backward_skips: collections.Counter[str] = collections.Counter()
-        self._clusters = clusters.Clusters(clusters.WINDOW_SECONDS, clusters.cluster_share())
-        self._drilled = 0
-        self._truth_runs: collections.Counter[str] = collections.Counter()
+        self.tally = Tally(clusters.cluster_share())
         self._signatures: set[str] = set()
-        self._signatures_over_cap = 0
-        self._export_errors = 0
-        self._settings_failures = 0
         self._last_logged: dict[str, float] = {}
         # Coverage guidance: the first calls of every signature are compared, later ones sampled at the rate
         # (shadow.core.coverage: every call classified until each signature seen has had its first calls, then one
         # in CLASSIFY_ONE_IN). It needs a signature function. Its sampler's gates end at the calls to classify;
         # the sampled calls are drawn among those (a thinning: each call is still sampled at the rate).
         self.sample_rate = sample_rate
-        self.first_per_signature = first_per_signature if target.signature is not None else 0
+        self.first_per_signature = settings.first_per_signature if target.signature is not None else 0
         self.coverage = Coverage(self.first_per_signature) if self.first_per_signature else None
-        self._guided_random = random.Random(f"{seed}/{target.name}/guided" if seed is not None else None)
-        self._signature_calls_reported: dict[str, int] = {}
+        self._guided_coin = Coin(sample_rate, seed, f"{target.name}/guided")
         self._labels: dict[Any, str] = {}  # what the signature function returned -> the admitted label
         # (keys whose signature had its first calls: those calls take the gate; the rest are classified)
         self._signature_key = target.signature_key if self.coverage is not None else None
@@ -322,10 +316,8 @@ class Experiment:
         gate_rate = max(sample_rate, 1 / CLASSIFY_ONE_IN) if self.coverage is not None else sample_rate
         self._thinning = sample_rate / gate_rate if gate_rate else 0.0
         self.sampler = Sampler(gate_rate, seed, target.name, self._gate_opened)
-        self._calls_reported = 0
-        for exporter in self.exporters:
-            self._call_exporter(exporter, "register", target.name, sample_rate)
-            self._call_exporter(exporter, "set_primary", target.name, self.primary)
+        publisher.each("register", target.name, sample_rate)
+        publisher.each("set_primary", target.name, self.primary)
         # Compiled code traces the primary of the moment it compiles (a rollback re-routes graphs compiled later).
         self._traced = [self.primary_fn]
         traced = self._traced
@@ -406,10 +398,10 @@ class Experiment:
         The wrapper's gate follows the coverage's mode."""
         classified_all = coverage.classify_all
         if classified_all or alone:
-            sampled = self._guided_random.random() < self.sample_rate
+            sampled = self._guided_coin.chance(self.sample_rate)
             first = coverage.count(signature, beside=alone)
         else:
-            sampled = self.sampler.arrive() and (self._thinning >= 1.0 or self._guided_random.random() < self._thinning)
+            sampled = self.sampler.arrive() and (self._thinning >= 1.0 or self._guided_coin.chance(self._thinning))
             first = coverage.count(signature, self.sampler.calls())
         if coverage.classify_all != classified_all:  # (a signature's first calls began or ended)
             self._refresh_gate()
@@ -436,9 +428,25 @@ class Experiment:
             pass
 
     def _arrive(self, args: tuple, kwargs: dict, novel: bool = False) -> Any:
-        """A call found the gate closed (or, ``novel``, its signature key is not known yet): maybe the sampled one,
-        or (a guided target) one to classify, maybe among the first of its signature (compared whatever the
-        rate)."""
+        """A call found the gate closed (or, ``novel``, its signature key is not known yet): admitted
+        (:meth:`_admit`), then run as admitted."""
+        admission = self._admit(args, kwargs, novel)
+        if admission.run is not None:  # (a nested call, or one not sampled)
+            return admission.run(*args, **kwargs)
+        if admission.skip:
+            with self._lock:  # nothing but counting: until the job's time catches up, or for good
+                self.tally.skip_in_bulk(admission.skip)
+            return self._run_legacy(args, kwargs)
+        try:
+            return self._compare(args, kwargs, admission.signature)
+        finally:
+            if admission.held:  # (what was taken at the start, given back: the call's real cost is charged by now)
+                self._charge(-admission.held)
+
+    def _admit(self, args: tuple, kwargs: dict, novel: bool) -> _Admission:
+        """What becomes of a call that found the gate closed: run as it is (a nested call, a call not sampled),
+        skipped in bulk (past the deadline, beyond the budget), or compared (the sampled one, or a guided target's
+        call among the first of its signature, compared whatever the rate)."""
         side = upstream_side_of_this_thread()
         publishing = getattr(marks, "publishing", False)
         if side is not None or publishing or getattr(marks, "in_legacy", None) is self:
@@ -446,17 +454,16 @@ class Experiment:
             # or recursion), by an upstream side (upstream, the oracle, the comparison) on its own thread or on a
             # thread its upstream run started (DataParallel's workers), or by an exporter. Not a call of the
             # job's: not counted, not compared. One rule on every thread: an upstream side's calls of its own
-            # target run upstream (upstream calling itself); every other nested call runs
-            # legacy, the world the job has today. So a comparison sees only its own target's difference, and
-            # another target's difference is compared, counted and reported by that target, on the calls the job's
-            # legacy run makes.
+            # target run upstream (upstream calling itself); every other nested call runs legacy, the world the
+            # job has today. So a comparison sees only its own target's difference, and another target's
+            # difference is compared, counted and reported by that target, on the calls the job's legacy run makes.
             with self._lock:
                 if not novel and (self.coverage is None or not self.coverage.classify_all):  # (it ended the gate)
                     self.sampler.arrive()
                     self.sampler.uncount()
-            return (self.shadow_fn if side is self and not publishing else self.primary_fn)(*args, **kwargs)
+            return _Admission(run=self.shadow_fn if side is self and not publishing else self.primary_fn)
         if not novel and _HELD.count and not self._classifies_all() and next(self._sampler_gate, False):
-            return self.primary_fn(*args, **kwargs)  # (the gate is closed for an upstream side: this call passes it)
+            return _Admission(run=self.primary_fn)  # (the gate is closed for an upstream side: this call passes it)
         signature, first = None, False
         if self.coverage is not None:
             signature = self._classify(args, kwargs)
@@ -469,34 +476,31 @@ class Experiment:
             with self._lock:
                 sampled = self.sampler.arrive()
         if not (first or sampled):
-            return self.primary_fn(*args, **kwargs)
-        passed = "deadline" if self.deadline_passed else None
+            return _Admission(run=self.primary_fn)
+        if self.deadline_passed:
+            return _Admission(skip="deadline")
         held = None
-        if passed is None and self._budget is not None:
+        if self._budget is not None:
             held = self._budget.take(self._last_cost, self)  # (taken now: threads starting together see it)
-            passed = "budget" if held is None else None
-        if passed is not None:
-            with self._lock:  # nothing but counting: until the job's time catches up, or for good
-                self._outcomes[Outcome.SKIPPED.value] += 1
-                self._reasons[passed] += 1
-                self._skips_unreported[passed] += 1
-            return self._run_legacy(args, kwargs)
-        try:
-            modules = modules_in_call(args, kwargs)
-            skip = self._skip_reason(args, kwargs, modules)
-            if skip is not None:
-                start = self._clock()
-                skipped = Observation(
-                    self.target.name, Outcome.SKIPPED, (skip[0],), signature=signature or "", timestamp=time.time(),
-                    primary=self.primary, detail=skip[1],
-                )  # fmt: skip
-                self._publish(skipped)
-                self._charge(self._clock() - start)
-                return self._run_legacy(args, kwargs)
+            if held is None:
+                return _Admission(skip="budget")
+        return _Admission(signature=signature, held=held)
+
+    def _compare(self, args: tuple, kwargs: dict, signature: str | None) -> Any:
+        """An admitted call: skipped with an observation where the shadow side cannot be the same call (a reason
+        of :meth:`_skip_reason`), else legacy against the shadow run (:meth:`_sampled_call`)."""
+        modules = modules_in_call(args, kwargs)
+        skip = self._skip_reason(args, kwargs, modules)
+        if skip is None:
             return self._sampled_call(args, kwargs, modules, signature)
-        finally:
-            if held:  # (what was taken at the start, given back: the call's real cost is charged by now)
-                self._charge(-held)
+        start = self._clock()
+        skipped = Observation(
+            self.target.name, Outcome.SKIPPED, (skip[0],), signature=signature or "", timestamp=time.time(),
+            primary=self.primary, detail=skip[1],
+        )  # fmt: skip
+        self._publish(skipped)
+        self._charge(self._clock() - start)
+        return self._run_legacy(args, kwargs)
 
     def _run_legacy(self, args: tuple, kwargs: dict) -> Any:
         """Legacy, marked as running on this thread: its own nested calls of the wrapper are not new calls."""
@@ -557,7 +561,7 @@ class Experiment:
             if len(self._signatures) < MAX_SIGNATURES:
                 self._signatures.add(signature)
                 return signature
-            self._signatures_over_cap += 1
+            self.tally.signatures_over_cap += 1
         self.log_limited("signatures", "more than %d signatures; the rest count as %r", MAX_SIGNATURES, OTHER_SIGNATURE)
         return OTHER_SIGNATURE
 
@@ -610,41 +614,38 @@ class Experiment:
         """Make legacy the primary from the next call on (upstream runs as the shadow): the rollback switch. Only
         toward legacy; True when this changed anything. Exporters hear of it (``record_rollback``); the noise
         floor starts again (the other phase's errors are not this one's)."""
-        self.report_calls(flush=True)  # (the calls so far are the phase's that ends)
-        if self.primary != LEGACY:
-            self.release_pending()  # (the phase's floor ends with it)
-        with self._lock:
-            if self.primary == LEGACY:
-                return False
-            self.noise = NoiseFloor()
-            self.primary, self.primary_fn, self.shadow_fn = LEGACY, self.legacy, self.target.upstream
-            self.rolled_back_by = by
-            self._set_primary(self.legacy)
-            self._traced[0] = self.legacy
-        for exporter in self.exporters:
-            self._call_exporter(exporter, "set_primary", self.target.name, LEGACY)
-            self._call_exporter(exporter, "record_rollback", self.target.name, by)
+        if not self._switch_primary(LEGACY, by, "record_rollback"):
+            return False
         log.warning("npu-shadow [%s]: rolled back to legacy by %s", self.target.name, by)
         return True
 
     def reset_primary(self, by: str) -> bool:
         """A person's reset after a rollback: the primary configured at install again. True when it changed."""
+        if not self._switch_primary(self.configured_primary, by, "record_reset"):
+            return False
+        log.warning("npu-shadow [%s]: primary reset to %s by %s", self.target.name, self.primary, by)
+        return True
+
+    def _switch_primary(self, primary: str, by: str, hook: str) -> bool:
+        """Make ``primary`` the side whose result the caller gets; exporters hear of it (``set_primary`` and
+        ``hook``). The calls so far are the ending phase's, its held value differences released as skips, and the
+        noise floor starts again. True when this changed anything."""
         self.report_calls(flush=True)
-        if self.primary != self.configured_primary:
+        if self.primary != primary:
             self.release_pending()
         with self._lock:
-            if self.primary == self.configured_primary:
+            if self.primary == primary:
                 return False
             self.noise = NoiseFloor()
-            self.primary = self.configured_primary
-            self.primary_fn, self.shadow_fn = self.target.upstream, self.legacy
-            self.rolled_back_by = None
+            self.primary = primary
+            self.primary_fn, self.shadow_fn = (
+                (self.legacy, self.target.upstream) if primary == LEGACY else (self.target.upstream, self.legacy)
+            )
+            self.rolled_back_by = by if hook == "record_rollback" else None
             self._set_primary(self.primary_fn)
             self._traced[0] = self.primary_fn
-        for exporter in self.exporters:
-            self._call_exporter(exporter, "set_primary", self.target.name, self.primary)
-            self._call_exporter(exporter, "record_reset", self.target.name, by)
-        log.warning("npu-shadow [%s]: primary reset to %s by %s", self.target.name, self.primary, by)
+        self.publisher.each("set_primary", self.target.name, primary)
+        self.publisher.each(hook, self.target.name, by)
         return True
 
     def noise_floor(self) -> dict[str, tuple[float, float, int, int]]:
@@ -668,7 +669,7 @@ class Experiment:
     def count_oracle_run(self) -> None:
         """One run of the single-device oracle (the upstream side's)."""
         with self._lock:
-            self._oracle_runs += 1
+            self.tally.oracle_runs += 1
 
     def deadline_missed(self) -> None:
         """A run of the shadow side passed its deadline: this target shadows no more (said once)."""
@@ -684,7 +685,7 @@ class Experiment:
 
     def _settings_failed(self, failure: BaseException) -> None:
         with self._lock:
-            self._settings_failures += 1
+            self.tally.settings_failures += 1
         self.log_limited("settings", "global settings could not be taken or put back: %r", failure)
 
     def _publish(self, observation: Observation, judged: bool = False) -> None:
@@ -698,33 +699,12 @@ class Experiment:
                     return
             observation = _unjudged(observation)
         with self._lock:
-            if observation.outcome != Outcome.SKIPPED.value and self._clusters.opens(
-                observation.primary, observation.outcome in DIVERGENT_OUTCOMES
-            ):
-                observation = dataclasses.replace(observation, cluster_share=self._clusters.share)
-            self._drilled += observation.drill
-            self._outcomes[observation.outcome] += 1
-            self._reasons.update(observation.reasons)
-            if observation.shared_divergence:
-                self._shared[observation.shared_divergence] += 1
-            self._backward_runs += observation.backward
-            if observation.backward_skip:
-                self._backward_skips[observation.backward_skip] += 1
-            if observation.nearer:
-                self._truth_runs[observation.nearer] += 1
-        publishing = getattr(marks, "publishing", False)
-        try:
-            marks.publishing = True
-            self.report_calls()
-            failed = [e for e in self.exporters if not self._call_exporter(e, "export", observation)]
-            if failed:
-                with self._lock:
-                    self._export_errors += len(failed)
-                for exporter in self.exporters:
-                    for _ in failed:
-                        self._call_exporter(exporter, "record_export_error", self.target.name)
-        finally:
-            marks.publishing = publishing
+            observation = self.tally.count(observation)
+        self.report_calls()
+        failed = self.publisher.export(self.target.name, observation)
+        if failed:
+            with self._lock:
+                self.tally.export_errors += failed
         if observation.aa and not judged and self._pending:
             self._judge_pending(observation.signature)
 
@@ -757,38 +737,25 @@ class Experiment:
         the budget skipped, since the last report (done at each publish, at a rollback or reset, each second by
         :mod:`shadow.core.reporter` and at flush: ``flush`` counts a guided target's open gate too)."""
         with self._lock:
+            tally = self.tally
             if self.coverage is not None:
                 # (the open gate's calls only when flushing: until then its last call may count them elsewhere)
                 counted = self.coverage.counts(self.sampler.calls(), flush=True) if flush else self.coverage.calls
                 deltas = {
-                    signature: calls - self._signature_calls_reported.get(signature, 0)
+                    signature: calls - tally.signature_calls_reported.get(signature, 0)
                     for signature, calls in counted.items()
                 }
-                self._signature_calls_reported = dict(counted)
+                tally.signature_calls_reported = dict(counted)
             else:
                 calls = self.sampler.calls()
-                deltas = {"": calls - self._calls_reported}
-                self._calls_reported = calls
-            skipped, self._skips_unreported = self._skips_unreported, collections.Counter()
-        publishing = getattr(marks, "publishing", False)
-        try:
-            marks.publishing = True  # (a patched function an exporter calls is not a call of the job's)
-            for signature, delta in deltas.items():
-                if delta:
-                    for exporter in self.exporters:
-                        self._call_exporter(exporter, "record_calls", self.target.name, delta, signature)
-            for reason, count in skipped.items():
-                for exporter in self.exporters:
-                    self._call_exporter(exporter, "record_skips", self.target.name, reason, count)
-        finally:
-            marks.publishing = publishing
-
-    def _call_exporter(self, exporter: Any, hook: str, *args: Any) -> bool:
-        """Call an exporter hook if it has it; False if it raised (logged at most once a minute)."""
-        failure = call_hook(exporter, hook, *args)
-        if failure is not None:
-            self.log_limited(f"{hook}:{id(exporter)}", "exporter %r failed in %s: %r", exporter, hook, failure)
-        return failure is None
+                deltas = {"": calls - tally.calls_reported}
+                tally.calls_reported = calls
+            skipped = tally.take_unreported_skips()
+        for signature, delta in deltas.items():
+            if delta:
+                self.publisher.each("record_calls", self.target.name, delta, signature)
+        for reason, count in skipped.items():
+            self.publisher.each("record_skips", self.target.name, reason, count)
 
     def log_limited(self, kind: str, message: str, *args: Any) -> None:
         now = time.monotonic()
@@ -802,7 +769,8 @@ class Experiment:
     def stats(self) -> TargetStats:
         """A consistent snapshot of this target's counts."""
         with self._lock:
-            outcomes = dict(self._outcomes)
+            tally = self.tally
+            outcomes = dict(tally.outcomes)
             coverage = self.coverage
             return TargetStats(
                 calls=self.sampler.calls() + (coverage.counted_alone if coverage is not None else 0),
@@ -811,45 +779,31 @@ class Experiment:
                 rolled_back_by=self.rolled_back_by or "",
                 sampled=sum(outcomes.values()),
                 **{outcome: outcomes.get(outcome, 0) for outcome in OUTCOMES},
-                by_reason=dict(self._reasons),
-                shared_divergences=dict(self._shared),
-                oracle_runs=self._oracle_runs,
-                backward_runs=self._backward_runs,
+                by_reason=dict(tally.reasons),
+                shared_divergences=dict(tally.shared),
+                oracle_runs=tally.oracle_runs,
+                backward_runs=tally.backward_runs,
                 noise_pending=len(self._pending),
-                backward_skips=dict(self._backward_skips),
-                truth_runs=dict(self._truth_runs),
-                clusters=self._clusters.count,
-                drilled=self._drilled,
-                signatures_over_cap=self._signatures_over_cap,
-                export_errors=self._export_errors,
-                settings_failures=self._settings_failures,
+                backward_skips=dict(tally.backward_skips),
+                truth_runs=dict(tally.truth_runs),
+                clusters=tally.clusters.count,
+                drilled=tally.drilled,
+                signatures_over_cap=tally.signatures_over_cap,
+                export_errors=tally.export_errors,
+                settings_failures=tally.settings_failures,
             )
 
     def _after_fork_in_child(self) -> None:
         # The parent's lock may have been held by another thread at fork time, and the parent's counts
         # belong to the parent: the child starts clean.
         self._lock = threading.Lock()
-        self._outcomes.clear()
-        self._reasons.clear()
-        self._shared.clear()
-        self._oracle_runs = 0
-        self._backward_runs = 0
-        self._backward_skips.clear()
-        self._clusters.clear()
-        self._drilled = 0
-        self._truth_runs.clear()
-        self._export_errors = 0
-        self._settings_failures = 0
-        self._skips_unreported.clear()
+        self.tally = self.tally.fresh()
         self.noise = NoiseFloor()
         self._pending = []
-        self._calls_reported = 0
-        self._signatures_over_cap = 0
         if self.coverage is not None:  # (its first calls compared again: the child's own evidence)
             self.coverage = Coverage(self.first_per_signature)
             self._known_keys.clear()
             self._set_gate(_CLOSED)
-        self._signature_calls_reported.clear()
 
 
 def _unjudged(observation: Observation) -> Observation:

@@ -6,9 +6,9 @@ a message that names the setting and what it accepts, and never leaves half a mo
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
-import math
 import multiprocessing.util
 import sys
 import time
@@ -22,13 +22,12 @@ from shadow.core import exporting, live_targets
 from shadow.core import targets as builtin
 from shadow.core import tolerance as tol
 from shadow.core.arms import IteratorArms
-from shadow.core.budget import DEFAULT_DEADLINE, Budgets
-from shadow.core.drill import Drill
 from shadow.core.engine import Experiment, experiment_of
-from shadow.core.observation import ARM_TARGETS, PRIMARY_SIDES, UPSTREAM, TargetStats
+from shadow.core.observation import ARM_TARGETS, UPSTREAM, TargetStats
+from shadow.core.publisher import Publisher
 from shadow.core.rates import check_rate
 from shadow.core.reporter import REPORTER
-from shadow.core.sampler import DEFAULT_FIRST_PER_SIGNATURE
+from shadow.core.settings import Settings
 from shadow.core.target import place_name
 from shadow.core.targets import Target
 
@@ -56,8 +55,12 @@ _NOTICES = _Notices()
 class Monitor:
     """The installed experiments (one per target). A context manager: leaving it uninstalls."""
 
-    def __init__(self, experiments: Sequence[Experiment], yields: bool = False) -> None:
+    def __init__(
+        self, experiments: Sequence[Experiment], yields: bool = False, publisher: Publisher | None = None
+    ) -> None:
         self._experiments = list(experiments)
+        #: The exporters, called through one publisher (the experiments').
+        self.publisher = publisher if publisher is not None else Publisher()
         self._restore: list[tuple[Any, str, bool, Any]] = []
         #: The canary A/B of the DataLoader's iterator (:mod:`shadow.core.arms`), where one runs.
         self.arms: IteratorArms | None = None
@@ -157,9 +160,7 @@ class Monitor:
             s.release_pending()  # (value differences the noise floor never could judge: skips now)
             s.report_calls(flush=True)
         self._report_time()
-        exporters = {id(e): (s, e) for s in self._experiments for e in s.exporters}
-        for s, exporter in exporters.values():
-            s._call_exporter(exporter, "flush")
+        self.publisher.each("flush")
 
     def report(self) -> None:
         """Report the calls counted since the last report, and the time passed, to the exporters
@@ -172,9 +173,7 @@ class Monitor:
     def _report_time(self) -> None:
         now = time.monotonic()
         seconds, self._timed_at = now - self._timed_at, now
-        exporters = {id(e): (s, e) for s in self._experiments for e in s.exporters}
-        for s, exporter in exporters.values():
-            s._call_exporter(exporter, "record_time", seconds)
+        self.publisher.each("record_time", seconds)
 
     def uninstall(self) -> None:
         """Flush, then put back exactly the objects that were there before install (safe to call twice)."""
@@ -262,61 +261,40 @@ def install(
     sample_rate: float | Mapping[str, float] = 0.01,
     tolerance: tol.ToleranceSpec | Mapping[str, tol.ToleranceSpec] = None,
     exporters: Sequence[Any] = (),
-    seed: int | None = None,
-    drill: Drill | None = None,
-    oracle: float | None = 0.1,
+    *,
     yields: bool = False,
-    budget: float | Budgets | None = None,
-    deadline: float | None = DEFAULT_DEADLINE,
-    pure_hooks: bool = False,
-    first_per_signature: int = DEFAULT_FIRST_PER_SIGNATURE,
-    aa_rate: float = 0.0,
-    primary: str = "legacy",
-    backward_rate: float = 0.0,
-    truth_rate: float = 0.0,
+    settings: Settings | None = None,
+    **options: Any,
 ) -> Monitor:
     """Shadow the given targets (by default every built-in whose legacy patch is active).
 
-    ``sample_rate``: the fraction of calls shadowed, one float or {target name: float} (absent
-    names: 0.01). ``tolerance``: one Tolerance, a {torch.dtype: Tolerance} table, or
-    {target name: either}. ``exporters``: objects with ``export(observation)``. ``seed``: makes the
-    choice of sampled calls reproducible. ``drill``: a :class:`shadow.core.drill.Drill` injecting synthetic
-    divergence into the upstream side (never into what the caller gets). ``oracle``: for the DataParallel
-    targets, the fraction of sampled calls without autocast that also run replica 0 alone on its device, to find
-    divergences legacy and upstream share (sampled calls under autocast always do); None turns it off.
-    ``budget``: the fraction of wall time the upstream sides of all the targets together may use; beyond it sampled
-    calls are skipped with reason "budget" (None: no limit); it holds over every 10 s window (``shadow.core.budget``).
-    A :class:`~shadow.core.budget.Budgets` is taken as it is (tests inject its clock).
-    ``deadline``: the seconds the shadow side of one sampled call may take (its upstream, A/A and oracle runs each
-    on a thread of their own that starts in the caller's torch context); past it the caller goes on with the
-    primary's result, the call is skipped with reason "deadline" and the target stops shadowing (None: no deadline,
-    each run waited for until it ends). ``pure_hooks``: the user's forward, pre-forward and
-    backward hooks on the modules in a call (and the global ones) are free of side effects, so calls that reach
-    them are compared, running them again on the upstream side (by default such calls are skipped with reason
-    "hooks": what a hook does outside the module cannot be undone). ``first_per_signature``: coverage guidance for
-    targets with a signature function: the first this many calls of every signature are compared whatever the
-    rate (rare code paths are reached at once), the rest are sampled at the rate; every call of such a target is
-    classified and counted by signature, so estimates can weight each signature by its share of calls (0: uniform
-    sampling, calls not classified). ``aa_rate``: the fraction of sampled calls on which legacy also runs a second
-    time, isolated as upstream is (an A/A run), to measure the target's own nondeterminism by signature (the noise
-    floor); a legacy-vs-upstream value difference within twice that floor is reported as ``noise``, not as a
-    mismatch. ``primary``: the side whose result the caller gets, ``"legacy"`` (shadowing: upstream is compared)
-    or ``"upstream"`` (a canary: legacy is compared, and :meth:`Monitor.roll_back` returns to legacy).
-    ``backward_rate``: the fraction of sampled calls of an isolated target (the DataParallel ones) whose gradients
-    are compared too, while legacy is the primary: seeded cotangents pulled back through upstream's graph and
-    through a graph of legacy's own, a re-run (``shadow.core.gradients``; reason "grad"). ``truth_rate``: the
-    fraction of calls with a value difference (outcome close, or a mismatch in value alone) that run once more in
-    float64 on the CPU, to tell which side is nearer the truth (``shadow.core.truth``; ``nearer`` in the
-    observation).
-    ``yields``: this monitor steps aside while a later
-    monitor shadows the same target (instead of that one raising "already shadowed"). Raises ValueError on
-    any bad argument, before patching.
+    Args:
+        targets: names of built-in targets and :class:`Target` s.
+        sample_rate: the fraction of calls shadowed, one float or {target name: float} (absent names: 0.01).
+        tolerance: one Tolerance, a {torch.dtype: Tolerance} table, or {target name: either}.
+        exporters: objects with ``export(observation)`` and any of the optional hooks
+            (:class:`shadow.core.exporting.Exporter`).
+        yields: this monitor steps aside while a later monitor shadows the same target (instead of that one
+            raising "already shadowed").
+        settings: the monitor's :class:`~shadow.core.settings.Settings`, whole (the launcher's).
+        **options: else, any of its fields by name (``seed``, ``budget``, ``deadline``, ``aa_rate``, ...).
+
+    Returns:
+        The installed :class:`Monitor` (a context manager: leaving it uninstalls).
+
+    Raises:
+        ValueError: on any bad argument, naming it, before anything is patched.
     """
     _warn_if_torch_npu_comes_later()
     resolved = _resolve_targets(targets)
     _check_places(resolved)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed: expected an int or None, got {seed!r}")
+    if settings is None:
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Settings)})
+        if unknown:
+            raise TypeError(f"install() got unexpected keyword argument(s) {unknown}")
+        settings = Settings(**options)
+    elif options:
+        raise TypeError(f"install(): give settings= or {sorted(options)}, not both")
     # Every value is checked whichever targets resolve (none may be active yet).
     names = [t.name for t in resolved]
     rates = _sample_rates(sample_rate, names)
@@ -324,60 +302,20 @@ def install(
     exporters = tuple(exporters)
     for exporter in exporters:
         exporting.check(exporter, "exporters")
-    if drill is not None and not isinstance(drill, Drill):
-        raise ValueError(f"drill: expected a shadow.core.drill.Drill or None, got {drill!r}")
-    oracle = None if oracle is None else check_rate(oracle, "oracle")
-    if budget is not None and not isinstance(budget, Budgets):
-        budget = check_rate(budget, "budget", low="(0")
-    if deadline is not None and (
-        isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < math.inf
-    ):
-        raise ValueError(f"deadline: expected seconds > 0 or None, got {deadline!r}")
-    if not isinstance(pure_hooks, bool):
-        raise ValueError(f"pure_hooks: expected True or False, got {pure_hooks!r}")
-    if isinstance(first_per_signature, bool) or not isinstance(first_per_signature, int) or first_per_signature < 0:
-        raise ValueError(f"first_per_signature: expected an int >= 0, got {first_per_signature!r}")
-    aa_rate = check_rate(aa_rate, "aa_rate")
-    backward_rate = check_rate(backward_rate, "backward_rate")
-    truth_rate = check_rate(truth_rate, "truth_rate")
-    if primary not in PRIMARY_SIDES:
-        raise ValueError(f"primary: expected one of {PRIMARY_SIDES}, got {primary!r}")
 
     suspended = _step_aside(resolved)  # before the experiments read what is installed as their legacy
-    budgets = Budgets.of(budget) if isinstance(budget, float) else budget  # (one allowance for every target)
-    experiments = [
-        Experiment(
-            t,
-            rates[t.name],
-            tolerances[t.name],
-            exporters,
-            seed,
-            drill,
-            oracle,
-            budgets,
-            pure_hooks,
-            first_per_signature,
-            aa_rate,
-            primary,
-            deadline=deadline,
-            backward_rate=backward_rate,
-            truth_rate=truth_rate,
-        )
-        for t in resolved
-    ]
-    monitor = Monitor(experiments, yields=yields)
+    publisher, budgets = Publisher(exporters), settings.budgets()  # (one of each for every target)
+    experiments = [Experiment(t, rates[t.name], tolerances[t.name], publisher, settings, budgets) for t in resolved]
+    monitor = Monitor(experiments, yields=yields, publisher=publisher)
     monitor._suspended = suspended
     try:
         monitor._patch()
-        monitor.arms = _arms(targets, primary, exporters, seed)
+        monitor.arms = _arms(targets, settings.primary, exporters, settings.seed)
     except Exception:
         monitor.uninstall()
         raise
-    if drill is not None:
-        for exporter in exporters:
-            failure = exporting.call_hook(exporter, "set_drill", True)
-            if failure is not None:
-                log.warning("npu-shadow: exporter %r failed in set_drill: %r", exporter, failure)
+    if settings.drill is not None:
+        publisher.each("set_drill", True)
     if exporters:
         REPORTER.add(monitor)  # (the calls between sampled ones reach the exporters within a second)
     log.debug("npu-shadow installed %s with torch %s", monitor.targets, torch.__version__)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import random
 import sys
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from shadow.core import trees
+from shadow.core.coin import Coin
 from shadow.core.compare import Comparison, compare, compare_custom, compare_exceptions, with_state
 from shadow.core.deadline import Finished, leave_room, room, run_here, run_within
 from shadow.core.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
@@ -175,14 +175,10 @@ class Experiment(Protocol):
     primary: str
     drill: Any
     deadline: float | None
-    oracle_rate: float | None
-    oracle_random: random.Random
-    aa_rate: float
-    aa_random: random.Random
-    backward_rate: float
-    backward_random: random.Random
-    truth_rate: float
-    truth_random: random.Random
+    oracle_coin: Coin | None
+    aa_coin: Coin
+    backward_coin: Coin
+    truth_coin: Coin
     noise: NoiseFloor
     signature_has_side_effects: bool
 
@@ -214,18 +210,10 @@ class UpstreamSide:
             autocast = autocast_state()
             plain = target.plain  # (the extra runs are for plain functions of tensors only)
             oracle = (
-                plain
-                and experiment.oracle_rate is not None
-                and ("=on/" in autocast or experiment.oracle_random.random() < experiment.oracle_rate)
+                plain and experiment.oracle_coin is not None and ("=on/" in autocast or experiment.oracle_coin.flip())
             )
-            aa = plain and experiment.aa_rate > 0 and experiment.aa_random.random() < experiment.aa_rate
-            drawn = (
-                plain
-                and target.isolate
-                and experiment.primary != UPSTREAM
-                and experiment.backward_rate > 0
-                and experiment.backward_random.random() < experiment.backward_rate
-            )
+            aa = plain and experiment.aa_coin.flip()
+            drawn = plain and target.isolate and experiment.primary != UPSTREAM and experiment.backward_coin.flip()
             backward = drawn and torch.is_grad_enabled()
             if target.isolate:
                 isolation = Isolation(args, kwargs, modules, runs=1 + oracle + backward + aa)
@@ -304,11 +292,11 @@ class UpstreamSide:
             found, backward = self._backward(plan, args, kwargs, upstream, left_by_legacy, found)
         truth = {}
         if (
-            experiment.truth_rate > 0
+            experiment.truth_coin.rate > 0
             and experiment.target.plain
             and returned
             and _value_difference(found)
-            and experiment.truth_random.random() < experiment.truth_rate
+            and experiment.truth_coin.flip()
         ):
             truth = self._truth(plan, args, kwargs, runs[0].value, runs[1].value, left_by_legacy)
         shared = {}
@@ -490,7 +478,7 @@ class UpstreamSide:
         differ, and the Observation fields of the backward run."""
         experiment = self.experiment
         start = time.perf_counter()
-        seed = experiment.backward_random.getrandbits(40)
+        seed = experiment.backward_coin.bits(40)
         skip = ""
         run = plan.backward_run
         legacy_args, legacy_kwargs = plan.isolation.arguments(run)
@@ -719,7 +707,7 @@ class UpstreamSide:
         Anything beyond the floor, or of another kind, stays a mismatch. Every value comparison's errors join the
         A/B sample."""
         experiment = self.experiment
-        if not experiment.aa_rate:  # (no A/A runs: no floor, nothing is noise, and no sample is kept)
+        if not experiment.aa_coin.rate:  # (no A/A runs: no floor, nothing is noise, and no sample is kept)
             return found, "", False
         noise_floor = experiment.noise
         if found.outcome in (Outcome.MATCH, Outcome.CLOSE) or set(found.reasons) == {"value"}:

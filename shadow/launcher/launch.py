@@ -101,6 +101,7 @@ class Launcher:
         """
         from shadow.core.drill import Drill
         from shadow.core.monitor import install
+        from shadow.core.settings import Settings
         from shadow.core.tolerance import Tolerance
         from shadow.launcher import config as config_module
 
@@ -138,11 +139,7 @@ class Launcher:
                 )  # see bootstrap
                 # (the exit summary says it: "no target installed")
                 warnings.filterwarnings("ignore", "npu-shadow: no torch_npu patch is active")
-                self.monitor = install(
-                    targets=config.targets,
-                    sample_rate=config.sample_rate,
-                    tolerance=tolerance,
-                    exporters=self.exporters,
+                settings = Settings(
                     seed=config.seed,
                     drill=drill,
                     oracle=config.oracle,
@@ -156,6 +153,7 @@ class Launcher:
                     # (a switch thrown stays thrown when the monitor is installed anew over new legacy patches)
                     primary="legacy" if self.rolled_back_by else config.primary,
                 )
+                self.monitor = install(config.targets, config.sample_rate, tolerance, self.exporters, settings=settings)
             self._start_switch(config)
             LEGACY_PATCHED.subscribe(refresh)
             if not self._at_exit_registered:

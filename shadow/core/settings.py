@@ -1,0 +1,84 @@
+"""How a monitor shadows its targets: one frozen record, checked whole when it is made."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from shadow.core.budget import DEFAULT_DEADLINE, Budgets
+from shadow.core.drill import Drill
+from shadow.core.observation import LEGACY, PRIMARY_SIDES
+from shadow.core.rates import check_rate
+from shadow.core.sampler import DEFAULT_FIRST_PER_SIGNATURE
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """A monitor's settings (every target's alike; sample rates and tolerances are per target, given beside them).
+    Made by ``shadow.install`` from its keyword arguments and by the launcher from its variables.
+
+    Attributes:
+        seed: makes every random draw reproducible (None: the operating system's randomness).
+        drill: a fire drill injecting synthetic divergence into the shadow run (never into what the caller gets).
+        oracle: for the DataParallel targets, the fraction of sampled calls without autocast that also run replica
+            0 alone on its device, to find divergences legacy and upstream share (under autocast always); None: off.
+        budget: the fraction of wall time the shadow side of all the targets together may use, over every 10 s
+            window (None: no limit); a :class:`~shadow.core.budget.Budgets` is taken as it is (an injected clock).
+        deadline: the seconds the shadow side of one sampled call may take (None: waited for until it ends).
+        pure_hooks: the user's module hooks are free of side effects, so calls that reach them are compared.
+        first_per_signature: the first this many calls of every signature are compared whatever the rate (0:
+            uniform sampling, calls not classified).
+        aa_rate: the fraction of sampled calls on which the primary runs again, isolated (the noise floor).
+        primary: the side whose result the caller gets: ``"legacy"`` (shadowing) or ``"upstream"`` (a canary).
+        backward_rate: the fraction of sampled calls of an isolated target whose gradients are compared too.
+        truth_rate: the fraction of calls with a value difference that run again in float64 (which side is nearer).
+
+    Raises:
+        ValueError: naming the setting and what it accepts, for any bad value.
+    """
+
+    seed: int | None = None
+    drill: Drill | None = None
+    oracle: float | None = 0.1
+    budget: float | Budgets | None = None
+    deadline: float | None = DEFAULT_DEADLINE
+    pure_hooks: bool = False
+    first_per_signature: int = DEFAULT_FIRST_PER_SIGNATURE
+    aa_rate: float = 0.0
+    primary: str = LEGACY
+    backward_rate: float = 0.0
+    truth_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        def fix(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed: expected an int or None, got {self.seed!r}")
+        if self.drill is not None and not isinstance(self.drill, Drill):
+            raise ValueError(f"drill: expected a shadow.core.drill.Drill or None, got {self.drill!r}")
+        if self.oracle is not None:
+            fix("oracle", check_rate(self.oracle, "oracle"))
+        if self.budget is not None and not isinstance(self.budget, Budgets):
+            fix("budget", check_rate(self.budget, "budget", low="(0"))
+        deadline = self.deadline
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < math.inf
+        ):
+            raise ValueError(f"deadline: expected seconds > 0 or None, got {deadline!r}")
+        if not isinstance(self.pure_hooks, bool):
+            raise ValueError(f"pure_hooks: expected True or False, got {self.pure_hooks!r}")
+        first = self.first_per_signature
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ValueError(f"first_per_signature: expected an int >= 0, got {first!r}")
+        for name in ("aa_rate", "backward_rate", "truth_rate"):
+            fix(name, check_rate(getattr(self, name), name))
+        if self.primary not in PRIMARY_SIDES:
+            raise ValueError(f"primary: expected one of {PRIMARY_SIDES}, got {self.primary!r}")
+
+    def budgets(self) -> Budgets | None:
+        """The allowances of one install (shared by its targets), or None without a budget."""
+        if isinstance(self.budget, Budgets) or self.budget is None:
+            return self.budget
+        return Budgets.of(self.budget)
