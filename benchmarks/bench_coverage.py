@@ -20,8 +20,8 @@ import types
 import torch
 
 import shadow
-from shadow.core.observation import COMPARED_OUTCOMES
-from shadow.core.targets import Target
+from shadow.core.model.observation import COMPARED_OUTCOMES
+from shadow.core.model.targets import Target
 
 
 class _Compared:

@@ -17,7 +17,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import CollectorRegistry
 
 from exporters import JsonlExporter, OTelExporter, PrometheusExporter
-from shadow.core.observation import Observation
+from shadow.core.model.observation import Observation
 
 
 def measure(observation: Observation, count: int, trials: int, tmp: str) -> tuple[float, dict[str, float]]:

@@ -39,8 +39,8 @@ from resnet18 import ResNet18
 from torch import nn
 
 import shadow
-from shadow.core import engine, upstream_side
-from shadow.core.budget import WINDOW_SECONDS
+from shadow.core.calls import engine, upstream_side
+from shadow.core.calls.budget import WINDOW_SECONDS
 from shadow.launcher.config import Config
 from shadow.npu import emulated
 

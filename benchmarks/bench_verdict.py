@@ -14,7 +14,7 @@ import time
 
 from exporters import JsonlExporter
 from shadow.analysis import sources, verdict
-from shadow.core.observation import Observation
+from shadow.core.model.observation import Observation
 
 GOAL_SECONDS = 30.0
 

@@ -47,7 +47,7 @@ from dashboards.series import (
     SKIPPED,
 )
 from shadow.analysis import bounds, verdict
-from shadow.core.observation import DIVERGENT_OUTCOMES, NONRESPONSE_REASONS
+from shadow.core.model.observation import DIVERGENT_OUTCOMES, NONRESPONSE_REASONS
 
 #: Every threshold, in one place.
 PARAMS: dict[str, Any] = {
@@ -305,7 +305,7 @@ def _risky_uncovered() -> str:
     """PromQL: the (job, run, target) of a built-in target one of whose risky signatures, where the job took it, was
     compared fewer times than the verdict's default --min-per-signature (each signature on its own, as the
     verdict counts them: another matching the same pattern covers none of its calls)."""
-    from shadow.core.observation import BUILTIN_RISKY
+    from shadow.core.model.observation import BUILTIN_RISKY
 
     needed = verdict.DEFAULT_MIN_PER_SIGNATURE
     by, on = "group by (job, run, target)", "on (job, run, target)"

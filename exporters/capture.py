@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_iter, tree_map
 
-from shadow.core.observation import Observation
-from shadow.core.runs import run_id_problem
+from shadow.core.model.observation import Observation
+from shadow.core.model.run_ids import run_id_problem
 
 FORMAT = 1
 _PLAIN = (torch.Tensor, torch.dtype, torch.device, str, int, float, bool, type(None), bytes)

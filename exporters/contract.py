@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shadow.core.environment import device as device  # the environment labels come from the core
-from shadow.core.environment import versions as versions
-from shadow.core.observation import (
+from shadow.core.model.observation import (
     BACKWARD_OUTCOMES,
     COMPARED_OUTCOMES,
     DIVERGENT_OUTCOMES,
@@ -23,12 +21,14 @@ from shadow.core.observation import (
     SHARED_DIVERGENCE_REASONS,
     SKIP_REASONS,
 )
-from shadow.core.observation import LEGACY as LEGACY_SIDE
-from shadow.core.runs import run_id as run_id
+from shadow.core.model.observation import LEGACY as LEGACY_SIDE
+from shadow.core.model.run_ids import run_id as run_id
+from shadow.core.support.environment import device as device  # the environment labels come from the core
+from shadow.core.support.environment import versions as versions
 
 PREFIX = "npu_shadow"
 
-#: The label every series carries: the run it belongs to (``shadow.core.environment.run_id``).
+#: The label every series carries: the run it belongs to (``shadow.core.support.environment.run_id``).
 RUN_LABEL = "run"
 
 #: The label sets, from the core's vocabulary (rules, dashboard and verdict read them here).
@@ -199,8 +199,8 @@ CLUSTERS = Metric(
     "counter",
     ("target", "primary"),
     "Clusters of comparisons (a process's 60 s blocks, an incident never cut, a distributed job's rank counting "
-    "1/WORLD_SIZE of each: shadow.core.clusters): the unit the verdict counts evidence in, by the side whose result "
-    "the caller got.",
+    "1/WORLD_SIZE of each: shadow.core.calls.clusters): the unit the verdict counts evidence in, by the side whose "
+    "result the caller got.",
 )
 TRUTH_RUNS = Metric(
     "npu_shadow.truth_runs",

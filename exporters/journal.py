@@ -19,10 +19,15 @@ from collections.abc import Callable, Mapping
 from json.encoder import encode_basestring_ascii
 
 from exporters import capture, contract
-from shadow.core import forks
-from shadow.core.arms import ArmRun
-from shadow.core.observation import DIFFERS_IN_FLOAT64, LEGACY, Observation, Outcome, error_decade
-from shadow.core.safe_paths import check_private_directory, make_private_directory, open_own_file, template_problem
+from shadow.core.calls.arms import ArmRun
+from shadow.core.model.observation import DIFFERS_IN_FLOAT64, LEGACY, Observation, Outcome, error_decade
+from shadow.core.support import forks
+from shadow.core.support.safe_paths import (
+    check_private_directory,
+    make_private_directory,
+    open_own_file,
+    template_problem,
+)
 
 
 def _rank() -> int | None:
@@ -63,7 +68,7 @@ class _Counts:
         self.reasons: dict[str, int] = {}
         self.shared: dict[str, int] = {}
         self.calls: dict[str, int] = {}
-        self.clusters = 0.0  # (shadow.core.clusters: the clusters its comparisons opened, 1 / WORLD_SIZE each)
+        self.clusters = 0.0  # (shadow.core.calls.clusters: the clusters its comparisons opened, 1 / WORLD_SIZE each)
         self.drilled = 0
         self.truth: dict[str, dict[str, int]] = {}  # signature -> nearer -> truth runs
         self.truth_decades: dict[str, dict[str, int]] = {}  # signature -> error decade -> truth runs
@@ -252,7 +257,8 @@ class JsonlExporter:
             raise failure
 
     def export_arm(self, run: ArmRun) -> None:
-        """One iterator of a canary A/B (``"event": "arm"``, :mod:`shadow.core.arms`): its arm and what was measured
+        """One iterator of a canary A/B (``"event": "arm"``, :mod:`shadow.core.calls.arms`): its arm and what was
+        measured
         of it."""
         fields = dataclasses.asdict(run)
         fields.pop("timestamp")

@@ -21,9 +21,9 @@ from collections.abc import Iterable
 from opentelemetry import metrics
 
 from exporters import contract
-from shadow.core import forks
-from shadow.core.arms import ArmRun
-from shadow.core.observation import Observation, Outcome
+from shadow.core.calls.arms import ArmRun
+from shadow.core.model.observation import Observation, Outcome
+from shadow.core.support import forks
 
 METER_NAME = "npu_shadow"
 
@@ -70,7 +70,7 @@ class OTelExporter:
     """
 
     def __init__(self, meter_provider: metrics.MeterProvider | None = None, run: str | None = None) -> None:
-        #: The run every value is attributed to (``run``): ``shadow.core.environment.run_id()`` unless given.
+        #: The run every value is attributed to (``run``): ``shadow.core.support.environment.run_id()`` unless given.
         self.run = run if run is not None else contract.run_id()
         self._run = {contract.RUN_LABEL: self.run}
         versions = contract.versions()
@@ -270,7 +270,7 @@ class OTelExporter:
         self._pending.extend(values)
 
     def export_arm(self, run: ArmRun) -> None:
-        """One iterator of a canary A/B (:mod:`shadow.core.arms`)."""
+        """One iterator of a canary A/B (:mod:`shadow.core.calls.arms`)."""
         with self._lock:
             self._add(contract.ARM_ITERATORS, 1, run.target, run.arm, "bound" if run.workers_bound else "unbound")
             if run.first_batch_seconds is not None:

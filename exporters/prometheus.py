@@ -29,11 +29,11 @@ from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from exporters import contract
-from shadow.core import forks
-from shadow.core.arms import ArmRun
-from shadow.core.engine import MAX_SIGNATURES, OTHER_SIGNATURE
-from shadow.core.observation import LEGACY, PRIMARY_SIDES, Observation, Outcome
-from shadow.core.safe_paths import check_private_directory, replace_regular_file
+from shadow.core.calls.arms import ArmRun
+from shadow.core.calls.engine import MAX_SIGNATURES, OTHER_SIGNATURE
+from shadow.core.model.observation import LEGACY, PRIMARY_SIDES, Observation, Outcome
+from shadow.core.support import forks
+from shadow.core.support.safe_paths import check_private_directory, replace_regular_file
 
 log = logging.getLogger("shadow")
 
@@ -177,7 +177,7 @@ class SignatureCappedCollector:
 class PrometheusExporter:
     """Exports observations as the ``npu_shadow_*`` metrics; serves /metrics when ``port`` is given.
 
-    Every series carries the ``run`` label (``run``, default ``shadow.core.environment.run_id()``).
+    Every series carries the ``run`` label (``run``, default ``shadow.core.support.environment.run_id()``).
     ``addr`` defaults to loopback (prometheus-client's own default is every interface). ``certfile``,
     ``keyfile``, ``client_cafile``, ``client_capath`` and ``client_auth_required`` turn on TLS and client
     certificates, passed through to prometheus-client. A port that cannot be bound gives a warning and
@@ -215,7 +215,7 @@ class PrometheusExporter:
         else:
             self.registry = metric_registry = registry if registry is not None else CollectorRegistry()
         forks.register(self)
-        #: The run every series is labelled with (``run``): ``shadow.core.environment.run_id()`` unless given.
+        #: The run every series is labelled with (``run``): ``shadow.core.support.environment.run_id()`` unless given.
         self.run = run if run is not None else contract.run_id()
         self._metrics = self._create(metric_registry)
         self._children: dict[tuple, Any] = {}
@@ -329,7 +329,7 @@ class PrometheusExporter:
         child(contract.SHADOW_DURATION, target).observe(observation.overhead_seconds)
 
     def export_arm(self, run: ArmRun) -> None:
-        """One iterator of a canary A/B (:mod:`shadow.core.arms`)."""
+        """One iterator of a canary A/B (:mod:`shadow.core.calls.arms`)."""
         self._child(contract.ARM_ITERATORS, run.target, run.arm, "bound" if run.workers_bound else "unbound").inc()
         if run.first_batch_seconds is not None:
             self._child(contract.ARM_FIRST_BATCH, run.target, run.arm).inc(run.first_batch_seconds)

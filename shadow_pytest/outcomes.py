@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from shadow.core.observation import bounded
+from shadow.core.model.observation import bounded
 
 
 class OutcomeRecorder:

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from exporters import JsonlExporter
-from shadow.core.monitor import install
-from shadow.core.observation import DIVERGENT_OUTCOMES, Observation, label_text
-from shadow.core.rates import parse_rate
+from shadow.core.calls.monitor import install
+from shadow.core.model.observation import DIVERGENT_OUTCOMES, Observation, label_text
+from shadow.core.support.rates import parse_rate
 from shadow.npu import reference, torch_npu_source
 
 DIVERGENT = DIVERGENT_OUTCOMES
@@ -287,8 +287,8 @@ class UpstreamWorld:
     the patches were) and nothing shadowed: the second run of a suite A/B (``npu-shadow ab``)."""
 
     def __init__(self, config: pytest.Config) -> None:
-        from shadow.core import live_targets
-        from shadow.core.targets import BUILTINS, PLACES, patch_origin
+        from shadow.core.model import live_targets
+        from shadow.core.model.targets import BUILTINS, PLACES, patch_origin
 
         _emulate_npu(config)
         if config.getoption("npu_shadow_legacy") != "reference" and importlib.util.find_spec("torch_npu") is not None:

@@ -15,7 +15,7 @@ from torch import nn
 
 import shadow
 from exporters.journal import JsonlExporter
-from shadow.core import truth
+from shadow.core.judging import truth
 
 
 class _Collect:

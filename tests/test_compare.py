@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shadow import Tolerance
-from shadow.core.compare import compare
+from shadow.core.judging.compare import compare
 
 Pair = collections.namedtuple("Pair", "first second")
 
@@ -248,7 +248,7 @@ def test_strides_of_size_one_dimensions_do_not_matter():
 
 # --------------------------------------------------------------------------- host and device statistics
 
-_compare_module = importlib.import_module("shadow.core.compare")
+_compare_module = importlib.import_module("shadow.core.judging.compare")
 
 
 def _special_pair(dtype: torch.dtype, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

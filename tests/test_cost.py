@@ -14,8 +14,10 @@ import torch
 from torch.utils._pytree import tree_iter
 
 import shadow
-from shadow.core import deadline, sides, targets, trees
-from shadow.core.budget import BURST_SECONDS, Budgets
+from shadow.core.calls.budget import BURST_SECONDS, Budgets
+from shadow.core.model import targets
+from shadow.core.runs import deadline, sides
+from shadow.core.support import trees
 
 
 def _op_target(upstream, name="op"):

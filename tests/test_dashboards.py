@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 import shadow
 from dashboards import grafana_dashboard, rule_cases, rules
 from exporters import PrometheusExporter
-from shadow.core.arms import ArmRun
+from shadow.core.calls.arms import ArmRun
 
 PROMETHEUS_DIR = rules.RULES_PATH.parent
 GRAFANA_DIR = grafana_dashboard.DASHBOARD_PATH.parent
@@ -180,7 +180,7 @@ def test_the_promotion_alert_decides_as_the_verdict_does_on_the_same_counts():
     and nowhere else (pooled, under-sampled, skipped, never compared, rolled back, risky, a hard mismatch, a
     signature diverging on every call, too few clusters or gradient comparisons for the divergences seen)."""
     from shadow.analysis import verdict
-    from shadow.core.targets import BUILTINS
+    from shadow.core.model.targets import BUILTINS
 
     for spec in rule_cases.PROMOTION_CASES:
         target = spec.get("target", "op")

@@ -135,12 +135,12 @@ def test_legacy_raising_reaches_the_caller_unchanged():
 
 
 def test_comparator_and_exporter_failures_are_counted_and_swallowed(monkeypatch, caplog):
-    import shadow.core.upstream_side
+    import shadow.core.calls.upstream_side
 
     def broken_compare(*args, **kwargs):
         raise RuntimeError("comparator bug")
 
-    monkeypatch.setattr(shadow.core.upstream_side, "compare", broken_compare)
+    monkeypatch.setattr(shadow.core.calls.upstream_side, "compare", broken_compare)
     ops = make_ops()
     with shadow.install([Target("op", ops, "op", scale)], sample_rate=1.0, exporters=[FailingExporter()]) as monitor:
         out = [ops.op(torch.ones(2)) for _ in range(5)]
@@ -321,7 +321,7 @@ def test_an_isolation_that_fails_is_a_counted_skip_never_the_shadow_sides_except
     compared as upstream's exception (a divergence, against promotion)."""
     import contextlib
 
-    from shadow.core import isolation
+    from shadow.core.runs import isolation
 
     @contextlib.contextmanager
     def broken(self, run=0):
@@ -347,8 +347,8 @@ def test_a_forked_childs_counts_start_at_zero_for_every_counter():
 
     import fakes
 
-    from shadow.core.engine import MAX_SIGNATURES
-    from shadow.core.observation import TargetStats
+    from shadow.core.calls.engine import MAX_SIGNATURES
+    from shadow.core.model.observation import TargetStats
 
     class Failing:
         def export(self, observation):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shadow
-from shadow.core import targets as builtin
+from shadow.core.model import targets as builtin
 
 pytestmark = pytest.mark.skipif(torch.accelerator.current_accelerator() is None, reason="needs the emulated npu")
 
@@ -90,7 +90,7 @@ def test_the_first_calls_of_every_signature_are_compared_whatever_the_rate():
     """At rate 0 nothing would ever be compared; guided, the first calls of each signature are, a rare one (1% of
     the calls) included. Every call is classified until each signature seen has had its first calls, then one in
     CLASSIFY_ONE_IN; the total is exact, each signature's count an estimate that adds up to it."""
-    from shadow.core.coverage import CLASSIFY_ONE_IN
+    from shadow.core.calls.coverage import CLASSIFY_ONE_IN
 
     ops = _Ops()
     x = torch.ones(3)
@@ -111,7 +111,7 @@ def test_the_first_calls_of_every_signature_are_compared_whatever_the_rate():
 def _estimate_sd(calls: int, share: float) -> float:
     """The standard deviation of a signature's estimated calls: systematic sampling with geometric gaps of mean
     CLASSIFY_ONE_IN, each classified call counting its gap (n p (1 - p) E[g^2] / E[g])."""
-    from shadow.core.coverage import CLASSIFY_ONE_IN
+    from shadow.core.calls.coverage import CLASSIFY_ONE_IN
 
     q = 1 / CLASSIFY_ONE_IN
     mean_gap, mean_square_gap = 1 / q, (2 - q) / q**2  # (a geometric gap on {1, 2, ...})
@@ -122,7 +122,7 @@ def test_sampled_classification_estimates_each_signatures_calls_without_bias():
     """Once the first calls are done, a call that ends a gate counts the gate's calls under its signature: the
     estimate of a signature of share p is within 4 standard deviations of its true count, the variance computed
     here for geometric gaps (systematic sampling: n p (1 - p) E[g^2] / E[g])."""
-    from shadow.core.coverage import CLASSIFY_ONE_IN
+    from shadow.core.calls.coverage import CLASSIFY_ONE_IN
 
     ops = _Ops()
     draw = random.Random(7)
@@ -497,8 +497,8 @@ def test_a_suite_ab_finds_the_difference_compiled_code_hides_from_call_level_sha
 
 
 def test_an_exception_divergence_shows_both_sides_however_long_legacys_text():
-    from shadow.core.compare import compare_exceptions
-    from shadow.core.observation import DETAIL_LIMIT
+    from shadow.core.judging.compare import compare_exceptions
+    from shadow.core.model.observation import DETAIL_LIMIT
 
     legacy = RuntimeError("torch_npu says no " + "[ERR00001] PTA invalid parameter " * 40)
     found = compare_exceptions(legacy, TypeError("upstream: 'torch_npu.npu.HalfTensor' is not a type"))

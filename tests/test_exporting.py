@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import shadow
-from shadow.core.drill import Drill
-from shadow.core.exporting import HOOKS, Exporter, call_hook
+from shadow.core.calls.drill import Drill
+from shadow.core.calls.exporting import HOOKS, Exporter, call_hook
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -74,7 +74,7 @@ def test_the_copies_never_take_legacys_headroom(limit, expected):
 
 
 def test_the_emulated_npu_reports_its_free_memory_as_torch_npu_does():
-    from shadow.core import memory
+    from shadow.core.support import memory
 
     free, total = torch.npu.mem_get_info()
     assert 0 < free <= total
@@ -121,7 +121,7 @@ def test_tiny_rates_install_and_sample_nothing(rate):
             ops.op(1)
     assert m.stats()["op"].calls == 100 and m.stats()["op"].sampled == 0
     assert shadow.Tolerance(rate, rate).rtol == rate
-    from shadow.core.drill import Drill
+    from shadow.core.calls.drill import Drill
 
     assert Drill("value", rate).rate == rate
 
@@ -137,7 +137,7 @@ HUGE = 10**400
         (lambda: shadow.install(["tensor_type"], oracle=HUGE), "oracle"),
         (lambda: shadow.install(["tensor_type"], budget=HUGE), "budget"),
         (lambda: shadow.Tolerance(HUGE, 0.0), "Tolerance.rtol"),
-        (lambda: __import__("shadow.core.drill").core.drill.Drill("value", HUGE), "drill rate"),
+        (lambda: __import__("shadow.core.calls.drill").core.calls.drill.Drill("value", HUGE), "drill rate"),
     ],
     ids=["sample_rate", "sample_rate table", "oracle", "budget", "Tolerance", "Drill"],
 )
@@ -811,7 +811,7 @@ def test_upstream_turning_off_requires_grad_never_reaches_the_callers_parameters
 
 
 def test_a_setting_that_cannot_be_put_back_is_counted_and_the_others_still_are(monkeypatch):
-    from shadow.core import global_state
+    from shadow.core.runs import global_state
 
     def refuse(value):
         raise RuntimeError("cannot write threads")

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import shadow
-import shadow.core.monitor
+import shadow.core.calls.monitor
 from shadow import Target, Tolerance
-from shadow.core import targets as builtin
+from shadow.core.model import targets as builtin
 
 
 def test_discovers_the_fake_torch_npu_patches_and_restores_identity(fake_torch_npu):
@@ -31,7 +31,7 @@ def test_discovers_the_fake_torch_npu_patches_and_restores_identity(fake_torch_n
 
 
 def test_without_torch_npu_nothing_is_installed_and_it_says_so_once(caplog, monkeypatch):
-    monkeypatch.setattr(shadow.core.monitor, "_NOTICES", shadow.core.monitor._Notices())
+    monkeypatch.setattr(shadow.core.calls.monitor, "_NOTICES", shadow.core.calls.monitor._Notices())
     with caplog.at_level(logging.INFO, logger="shadow"), pytest.warns(RuntimeWarning) as warned:
         first = shadow.install()
         second = shadow.install()

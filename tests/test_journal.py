@@ -156,7 +156,7 @@ def test_replayed_tensor_type_capture_runs_the_builtin_functions(tmp_path):
 def test_every_field_survives_a_json_round_trip_including_awkward_strings(tmp_path):
     import time
 
-    from shadow.core.observation import Observation
+    from shadow.core.model.observation import Observation
 
     journal = JsonlExporter(str(tmp_path / "j.jsonl"))
     awkward = Observation(

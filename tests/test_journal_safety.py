@@ -96,7 +96,7 @@ WRITER = """
 import sys
 sys.path.insert(0, {here!r})
 from exporters import JsonlExporter
-from shadow.core.observation import Observation
+from shadow.core.model.observation import Observation
 journal = JsonlExporter({path!r}, max_bytes=40_000, backups=1000)
 for i in range({count}):
     journal.export(Observation("op", "mismatch", ("value",), detail="x" * 100, signature=str(i % 50)))

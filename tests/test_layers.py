@@ -1,5 +1,6 @@
 """The house is one-way: every import (module level or inside a function) points to the same layer or a lower one,
-no file takes part in an import cycle, and a layer uses only the public names of the layers beneath it."""
+no file takes part in an import cycle, and a layer uses only the public names of the layers beneath it. The core's
+sub-packages are layers of their own (support < model < runs < judging < calls), each with a one-line docstring."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ PACKAGES = ("shadow", "exporters", "shadow_pytest", "dashboards")
 #: Lowest first. The ``shadow`` package itself (its __init__, the public API) sits on top of everything.
 LAYERS = (
     ("shadow.npu",),
+    ("shadow.core.support",),
+    ("shadow.core.model",),
+    ("shadow.core.runs",),
+    ("shadow.core.judging",),
+    ("shadow.core.calls",),
     ("shadow.core",),
     ("exporters",),
     ("shadow.analysis",),
@@ -138,3 +144,15 @@ def test_the_walk_sees_imports_inside_functions_and_finds_a_cycle(tmp_path):
     assert edges["shadow.core.engine"] == {("shadow.launcher.cli", "")}
     assert cycles(edges) == [["shadow.core.engine", "shadow.launcher.cli"]]
     assert layer("shadow.core.engine") < layer("shadow.launcher.cli")
+
+
+def test_the_core_is_its_sub_packages_each_saying_in_one_line_what_it_holds():
+    core = os.path.join(ROOT, "shadow", "core")
+    loose = sorted(n for n in os.listdir(core) if n.endswith(".py") and n != "__init__.py")
+    assert loose == [], f"modules outside the core's sub-packages: {loose}"
+    packages = sorted(n for n in os.listdir(core) if os.path.isfile(os.path.join(core, n, "__init__.py")))
+    assert packages == sorted(p.rpartition(".")[2] for (p,) in LAYERS[1:6])
+    for package in packages:
+        with open(os.path.join(core, package, "__init__.py"), encoding="utf-8") as file:
+            doc = ast.get_docstring(ast.parse(file.read()))
+        assert doc and "\n" not in doc, f"shadow.core.{package} needs a one-line docstring"

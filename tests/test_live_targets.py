@@ -20,8 +20,8 @@ import torch
 from torch_npu_wheels import wheel
 
 import shadow
-from shadow.core import live_targets
-from shadow.core.target import Target
+from shadow.core.model import live_targets
+from shadow.core.model.target import Target
 from shadow.npu import torch_npu_source
 
 
@@ -484,7 +484,7 @@ def test_an_optimizer_on_an_older_soc_shows_what_deleting_the_foreach_patch_turn
 
 
 def test_a_module_whose_second_copy_would_not_fit_is_skipped_for_memory(patched, monkeypatch) -> None:
-    from shadow.core import memory
+    from shadow.core.support import memory
 
     monkeypatch.setattr(memory, "free_bytes", lambda device: 8 << 20)  # (the copy takes at most half of it)
     model = torch.nn.Linear(1024, 2048)  # 8 MiB of parameters

@@ -16,7 +16,7 @@ from recorders import Recorder
 import shadow
 from exporters import JsonlExporter, PrometheusExporter
 from shadow import Target
-from shadow.core import runs as environment
+from shadow.core.model import run_ids as environment
 
 pytestmark = pytest.mark.slow
 
@@ -280,7 +280,7 @@ def test_clusters_counted_where_comparisons_happen_are_the_journal_readers_block
     import random
 
     from shadow.analysis import sources
-    from shadow.core.clusters import Clusters
+    from shadow.core.calls.clusters import Clusters
 
     generator = random.Random(7)
     for _ in range(200):

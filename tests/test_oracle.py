@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import shadow
-from shadow.core import oracle
+from shadow.core.model import oracle
 
 DEVICES = [0, 1]
 
@@ -109,7 +109,7 @@ def test_a_failing_oracle_loses_only_its_own_finding(legacy_patches, monkeypatch
     def broken(args, kwargs):
         raise RuntimeError("oracle bug")
 
-    target = shadow.core.targets.parallel_apply()
+    target = shadow.core.model.targets.parallel_apply()
     object.__setattr__(target, "oracle", broken)
     model = nn.Linear(8, 8).to("npu:0")
     dp = nn.DataParallel(model, device_ids=DEVICES)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 import shadow
 from exporters import OTelExporter, PrometheusExporter, contract
-from shadow.core.arms import ArmRun
+from shadow.core.calls.arms import ArmRun
 
 
 def run_workload(exporters):
@@ -105,7 +105,7 @@ def test_prometheus_translation_yields_the_direct_names():
 def test_histogram_values_that_find_the_queue_full_are_counted_not_lost_silently(monkeypatch):
     """Under slow collection the queue is bounded; every observation it cannot hold is counted."""
     from exporters import otel
-    from shadow.core.observation import Observation
+    from shadow.core.model.observation import Observation
 
     monkeypatch.setattr(otel, "MAX_PENDING", 300)
     reader = InMemoryMetricReader()

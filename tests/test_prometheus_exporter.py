@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 import shadow
 from exporters import PrometheusExporter
 from shadow import Target
-from shadow.core import targets as builtin
-from shadow.core.observation import COMPARED_OUTCOMES, MISMATCH_REASONS, SKIP_REASONS
+from shadow.core.model import targets as builtin
+from shadow.core.model.observation import COMPARED_OUTCOMES, MISMATCH_REASONS, SKIP_REASONS
 
 
 @pytest.fixture

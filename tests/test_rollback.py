@@ -17,7 +17,7 @@ import shadow
 from exporters.journal import JsonlExporter
 from exporters.prometheus import PrometheusExporter
 from shadow.analysis import sources
-from shadow.core.targets import Target
+from shadow.core.model.targets import Target
 from shadow.launcher.switch import RollbackSwitch
 
 

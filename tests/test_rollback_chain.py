@@ -504,7 +504,7 @@ def test_no_interrupt_at_any_point_leaves_the_caller_on_the_upstream_side():
     import torch
 
     import shadow
-    from shadow.core import sides
+    from shadow.core.runs import sides
 
     here = os.path.dirname(sides.__file__)
     ops = types.SimpleNamespace(op=lambda x: x * 2)
@@ -643,7 +643,7 @@ def test_one_collection_records_a_bounded_share_of_the_queue_and_none_is_lost():
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from exporters import OTelExporter, otel
-    from shadow.core.observation import Observation
+    from shadow.core.model.observation import Observation
 
     reader = InMemoryMetricReader()
     exporter = OTelExporter(meter_provider=MeterProvider(metric_readers=[reader]))
@@ -975,7 +975,7 @@ def test_the_budget_holds_over_a_window_after_a_long_idle_time():
     import torch
 
     import shadow
-    from shadow.core.budget import BURST_SECONDS, Budgets
+    from shadow.core.calls.budget import BURST_SECONDS, Budgets
 
     clock, spent = fakes.Clock(), []
     ops, target = fakes.op_target(clock.costing(0.02, spent))
@@ -999,7 +999,7 @@ def test_a_slow_signature_function_is_paid_from_the_budget():
     import torch
 
     import shadow
-    from shadow.core.budget import BURST_SECONDS, Budgets
+    from shadow.core.calls.budget import BURST_SECONDS, Budgets
 
     clock, classified = fakes.Clock(), []
 

@@ -14,7 +14,7 @@ import shadow
 from exporters import JsonlExporter, OTelExporter, PrometheusExporter
 from shadow.analysis import verdict
 from shadow.analysis.sources import from_exposition, from_journal
-from shadow.core.observation import SHARED_DIVERGENCE_REASONS
+from shadow.core.model.observation import SHARED_DIVERGENCE_REASONS
 from shadow.launcher import cli
 
 

@@ -44,7 +44,7 @@ def test_the_truth_from_both_code_paths_against_an_independent_computation():
     import numpy as np
     import torch
 
-    from shadow.core import truth
+    from shadow.core.judging import truth
 
     exact = np.linspace(-3.0, 5.0, 101)
     legacy = torch.tensor(exact * 3.14159, dtype=torch.float32)
@@ -360,7 +360,7 @@ def _ranks_in_lockstep(tmp_path, monkeypatch, world_size: int):
 
     import shadow
     from exporters import JsonlExporter, PrometheusExporter
-    from shadow.core import clusters
+    from shadow.core.calls import clusters
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("NPU_SHADOW_RUN_ID", "job-1")

@@ -24,7 +24,7 @@ from torch.nn.parallel import replicate
 from torch.utils._pytree import tree_flatten
 from torch_npu_wheels import wheel
 
-from shadow.core.compare import compare
+from shadow.core.judging.compare import compare
 from shadow.npu import reference, torch_npu_source
 from shadow.npu.tensor_types import NPU_TENSOR_TYPES
 

@@ -26,7 +26,7 @@ from exporters import JsonlExporter, PrometheusExporter
 from shadow.analysis import bounds, sources, verdict
 from shadow.analysis.bounds import Prior, Stratum
 from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, ROLLBACK, TargetCounts
-from shadow.core import targets as builtin
+from shadow.core.model import targets as builtin
 
 MAX = 0.001
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -281,7 +281,7 @@ def test_a_shift_inside_the_floor_is_never_noise_before_the_rank_test_can_see_it
     """At the launcher's A/A rate (0.05) a 300-call job has its 10 A/A runs for a floor long before the rank test
     had its 20 a side: a shift inside the floor was called noise, untested, on every call in between (202 of 300).
     A difference within the floor now waits until the test runs (10 errors a side), and is judged by it."""
-    from shadow.core.noise import MIN_TEST_SAMPLES
+    from shadow.core.judging.noise import MIN_TEST_SAMPLES
 
     class Seen:
         observations: list = []

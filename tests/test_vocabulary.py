@@ -4,7 +4,7 @@ import os
 import re
 
 from exporters import contract
-from shadow.core.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, OUTCOMES, Observation, Outcome
+from shadow.core.model.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, OUTCOMES, Observation, Outcome
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NAMES = sorted({m.prometheus_name for m in (*contract.ALL, contract.BUILD_INFO)}, key=len, reverse=True)

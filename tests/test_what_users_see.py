@@ -16,8 +16,8 @@ from torch import nn
 
 import shadow
 from exporters import PrometheusExporter
-from shadow.core.drill import Drill
-from shadow.core.targets import data_parallel_signature
+from shadow.core.calls.drill import Drill
+from shadow.core.model.targets import data_parallel_signature
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +130,7 @@ def test_the_canary_demos_watcher_sees_a_hard_mismatch_whatever_the_labels():
     exporter.register("tensor_type", 1.0)
     assert watcher.hard_mismatch(generate_latest(exporter.registry).decode()) is None  # (zeros)
     exporter.set_primary("tensor_type", "upstream")
-    from shadow.core.observation import Observation
+    from shadow.core.model.observation import Observation
 
     exporter.export(Observation("tensor_type", "mismatch", ("dtype",), signature="s", primary="upstream"))
     assert watcher.hard_mismatch(generate_latest(exporter.registry).decode()) == ("dtype", "tensor_type")

@@ -1,4 +1,4 @@
-"""What a canary A/B's iterators say (:mod:`shadow.core.arms`): the affinity each arm gives its workers and leaves
+"""What a canary A/B's iterators say (:mod:`shadow.core.calls.arms`): the affinity each arm gives its workers and leaves
 on the caller's thread, its throughput and time to the first batch as distributions, and whether batches of the
 same seed are equal.
 
@@ -6,7 +6,8 @@ Throughput and first-batch time are compared as ratios, upstream's over legacy's
 the shift between the two arms' log values (the median of every upstream-minus-legacy difference), with the 95%
 interval that inverts the Mann-Whitney test (Hollander, Wolfe and Chicken, "Nonparametric Statistical Methods",
 3rd ed., section 4.3: the differences ranked C + 1 and mn - C, C = mn/2 - z sqrt(mn(m + n + 1)/12) from the normal
-approximation): the same rank test the noise floor uses (:mod:`shadow.core.noise`), so a difference the test would
+approximation): the same rank test the noise floor uses (:mod:`shadow.core.judging.noise`), so a difference the test
+would
 call noise shows as an interval that holds 1.
 """
 

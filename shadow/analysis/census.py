@@ -467,8 +467,8 @@ def _kind(name: str, exists: bool) -> str:
 
 
 def _shadowing() -> list[tuple[Any, str, str]]:
-    from shadow.core.live_targets import ARM_PLACES
-    from shadow.core.targets import PLACES
+    from shadow.core.model.live_targets import ARM_PLACES
+    from shadow.core.model.targets import PLACES
 
     return [(owner(), attribute, name) for name, (owner, attribute) in {**PLACES, **ARM_PLACES}.items()]
 

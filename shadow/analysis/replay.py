@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_iter, tree_map
 
-from shadow.core.compare import Comparison, compare, compare_exceptions
-from shadow.core.observation import Outcome
+from shadow.core.judging.compare import Comparison, compare, compare_exceptions
+from shadow.core.model.observation import Outcome
 from shadow.npu import reference
 
 #: Targets whose capture holds evidence but cannot be re-run without the job's model.

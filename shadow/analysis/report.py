@@ -24,7 +24,7 @@ from shadow.analysis.sources import (
     with_rotated,
 )
 from shadow.analysis.verdict import Decision, TargetCounts
-from shadow.core.observation import COMPARED_OUTCOMES, DIFFERS_IN_FLOAT64, DIVERGENT_OUTCOMES, Outcome
+from shadow.core.model.observation import COMPARED_OUTCOMES, DIFFERS_IN_FLOAT64, DIVERGENT_OUTCOMES, Outcome
 
 DIVERGENT = DIVERGENT_OUTCOMES
 #: Journal fields that describe the run rather than one call: collected as the report's environment.

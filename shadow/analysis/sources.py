@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporters import contract
 from shadow.analysis import verdict
 from shadow.analysis.verdict import TargetCounts
-from shadow.core.observation import (
+from shadow.core.model.observation import (
     BACKWARD_OUTCOMES,
     COMPARED_OUTCOMES,
     DECADE_LIMIT,
@@ -638,7 +638,7 @@ class _Stream:
     counted: bool = False  # has count records
     tail_timed: bool = False  # the times of the lines after its last count record are in its phases' intervals
     run: str = ""  # the run its records name ("": before runs had ids)
-    arms: list[dict] = dataclasses.field(default_factory=list)  # its canary A/B's iterators (shadow.core.arms)
+    arms: list[dict] = dataclasses.field(default_factory=list)  # its canary A/B's iterators (shadow.core.calls.arms)
     #: Its count records' monotonic clock (``mono``) and wall clock at the first and the last of them: its clusters
     #: follow the monotonic clock, which no wall-clock jump moves.
     mono_start: float | None = None
@@ -1154,7 +1154,7 @@ def from_journal(
 
 
 def _check_arm(record: dict, where: str) -> dict:
-    """A canary A/B iterator record (``"event": "arm"``, :mod:`shadow.core.arms`), checked as data."""
+    """A canary A/B iterator record (``"event": "arm"``, :mod:`shadow.core.calls.arms`), checked as data."""
 
     def cores(value: object) -> bool:
         return isinstance(value, list) and len(value) <= 4096 and all(type(c) is int and c >= 0 for c in value)

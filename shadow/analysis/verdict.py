@@ -44,7 +44,7 @@ from collections.abc import Iterable, Mapping
 
 from shadow.analysis import bounds
 from shadow.analysis.bounds import Prior, Stratum
-from shadow.core.observation import (
+from shadow.core.model.observation import (
     COMPARED_OUTCOMES,
     CUSTOM_MEANING,
     DIVERGENT_OUTCOMES,
@@ -109,7 +109,7 @@ class PhaseCounts:
     #: Divergent comparisons whose matches are not known (lines a process wrote after its last count record,
     #: without every outcome): they raise the upper bound (as comparisons that all diverged), never the lower.
     unmatched: dict[str, float] = dataclasses.field(default_factory=dict)
-    #: Clusters its processes counted where the comparisons happened (shadow.core.clusters: metrics and journal
+    #: Clusters its processes counted where the comparisons happened (shadow.core.calls.clusters: metrics and journal
     #: count records carry them alike); ``clusters_missing`` where some comparisons came without them (an older
     #: process, lines after a process's last count record), so that this count does not cover them all.
     cluster_count: float = 0.0
@@ -213,7 +213,7 @@ class TargetCounts:
         phase.calls[signature] = phase.calls.get(signature, 0) + count
 
     def add_clusters(self, count: float, primary: str = LEGACY) -> None:
-        """Clusters counted where the comparisons happened (:mod:`shadow.core.clusters`)."""
+        """Clusters counted where the comparisons happened (:mod:`shadow.core.calls.clusters`)."""
         self.phase(primary).cluster_count += count
         self.clustering = self.clustering or COUNTED_CLUSTERS
 

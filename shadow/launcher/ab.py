@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from exporters.journal import JsonlExporter
-from shadow.core.observation import Observation, Outcome, bounded
+from shadow.core.model.observation import Observation, Outcome, bounded
 from shadow_pytest.outcomes import STARTED, recorded_outcomes, session_exit_status
 
 TARGET = "suite_ab"

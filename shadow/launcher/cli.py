@@ -9,8 +9,8 @@ import signal
 import sys
 from typing import Any
 
-from shadow.core.observation import DIVERGENT_OUTCOMES
-from shadow.core.rates import parse_rate
+from shadow.core.model.observation import DIVERGENT_OUTCOMES
+from shadow.core.support.rates import parse_rate
 
 #: Exit codes: 0 ok, 1 a difference was found, 2 usage error.
 EXIT_OK, EXIT_DIFFERENT, EXIT_USAGE = 0, 1, 2
@@ -93,7 +93,7 @@ def _verdict(args: argparse.Namespace) -> int:
 
     from shadow.analysis import arms, verdict
     from shadow.analysis.sources import SourceError, from_exposition, from_journal, from_prometheus, read_text
-    from shadow.core.observation import BUILTIN_RISKY
+    from shadow.core.model.observation import BUILTIN_RISKY
 
     arm_records: list[dict] = []
     arm_series: list[tuple[str, dict[str, str], float]] = []
@@ -249,7 +249,7 @@ def _report(args: argparse.Namespace) -> int:
         from_prometheus,
         read_text,
     )
-    from shadow.core.observation import BUILTIN_RISKY
+    from shadow.core.model.observation import BUILTIN_RISKY
 
     if not (args.journal or args.metrics_file or args.prometheus):
         print("npu-shadow report: give --journal, --metrics-file or --prometheus", file=sys.stderr)

@@ -13,12 +13,12 @@ import re
 import tempfile
 from collections.abc import Callable, Mapping
 
-from shadow.core.budget import DEFAULT_DEADLINE
-from shadow.core.observation import ARM_TARGETS, BUILTIN_TARGETS, DRILL_KINDS
-from shadow.core.rates import parse_rate
-from shadow.core.runs import RUN_ID_VARIABLE, run_id_problem
-from shadow.core.safe_paths import directory_problem, long_component, template_problem
-from shadow.core.sampler import DEFAULT_FIRST_PER_SIGNATURE
+from shadow.core.calls.budget import DEFAULT_DEADLINE
+from shadow.core.calls.sampler import DEFAULT_FIRST_PER_SIGNATURE
+from shadow.core.model.observation import ARM_TARGETS, BUILTIN_TARGETS, DRILL_KINDS
+from shadow.core.model.run_ids import RUN_ID_VARIABLE, run_id_problem
+from shadow.core.support.rates import parse_rate
+from shadow.core.support.safe_paths import directory_problem, long_component, template_problem
 
 #: Every target name the settings accept: the shadowed ones and the canary A/B's.
 BUILTINS = (*BUILTIN_TARGETS, *ARM_TARGETS)
@@ -173,7 +173,7 @@ def read_token_file(path: str) -> str:
     Invalid saying what is wrong."""
     import stat as stat_module
 
-    from shadow.core.safe_paths import open_own_file
+    from shadow.core.support.safe_paths import open_own_file
 
     try:
         fd = open_own_file(path, os.O_RDONLY)

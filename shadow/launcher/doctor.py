@@ -12,7 +12,7 @@ import socket
 
 import torch
 
-from shadow.core import targets
+from shadow.core.model import targets
 from shadow.launcher.config import REFERENCE
 from shadow.npu import reference
 
@@ -76,7 +76,7 @@ def _port_free(addr: str, port: int) -> str | None:
 
 def self_test() -> tuple[bool, str]:
     """Shadow a few ``.type()`` casts on this host's device at rate 1; all must be compared and agree."""
-    from shadow.core.monitor import install
+    from shadow.core.calls.monitor import install
 
     device = reference.current_device() or torch.device("cpu")
     patches = reference.patch_torch() if targets.patch_origin(torch.Tensor.type) is None else None

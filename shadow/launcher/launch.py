@@ -24,10 +24,10 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shadow.core import forks
-from shadow.core.exporting import call_hook
-from shadow.core.observation import DIFFERS_IN_FLOAT64, SKIP_REASON_MEANING
-from shadow.core.runs import run_id
+from shadow.core.calls.exporting import call_hook
+from shadow.core.model.observation import DIFFERS_IN_FLOAT64, SKIP_REASON_MEANING
+from shadow.core.model.run_ids import run_id
+from shadow.core.support import forks
 from shadow.npu.patching import LEGACY_PATCHED
 
 log = logging.getLogger("shadow")
@@ -99,10 +99,10 @@ class Launcher:
 
         Raises :class:`shadow.launcher.config.ConfigError` on a bad variable.
         """
-        from shadow.core.drill import Drill
-        from shadow.core.monitor import install
-        from shadow.core.settings import Settings
-        from shadow.core.tolerance import Tolerance
+        from shadow.core.calls.drill import Drill
+        from shadow.core.calls.monitor import install
+        from shadow.core.calls.settings import Settings
+        from shadow.core.model.tolerance import Tolerance
         from shadow.launcher import config as config_module
 
         with self._lock:
@@ -222,7 +222,7 @@ class Launcher:
             log.warning("npu-shadow: re-installing over new legacy patches failed (%r); shadowing as before", exc)
 
     def _refresh(self) -> None:
-        from shadow.core import targets
+        from shadow.core.model import targets
 
         with self._lock:
             if self.monitor is None:

@@ -11,8 +11,8 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 
-from shadow.core.runs import MADE_RUN_ID_VARIABLE, new_run_id
-from shadow.core.safe_paths import make_private_directory
+from shadow.core.model.run_ids import MADE_RUN_ID_VARIABLE, new_run_id
+from shadow.core.support.safe_paths import make_private_directory
 from shadow.launcher import config as cfg
 from shadow.launcher import linger
 from shadow.launcher.bootstrap import npu_shadow_boot as boot

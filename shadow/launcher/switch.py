@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shadow.core.safe_paths import open_own_file
+from shadow.core.support.safe_paths import open_own_file
 
 log = logging.getLogger("shadow")
 

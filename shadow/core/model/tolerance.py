@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from shadow.core.observation import bounded
+from shadow.core.model.observation import bounded
 
 
 @dataclasses.dataclass(frozen=True)

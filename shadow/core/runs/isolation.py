@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_iter
 
-from shadow.core import memory, trees
+from shadow.core.support import memory, trees
 
 
 def _accelerator_rng_module() -> Any | None:
@@ -393,7 +393,7 @@ class Isolation:
     side its own world.
 
     Before legacy only what legacy changes by design is copied: the module buffers (BatchNorm's running
-    statistics), when the copies fit in the memory free (:mod:`shadow.core.memory`). Arguments are copied after
+    statistics), when the copies fit in the memory free (:mod:`shadow.core.support.memory`). Arguments are copied after
     legacy, when legacy's own memory is no longer at stake, and only if legacy left them as they were (their
     autograd version counters tell). ``modules``: every module the call reaches (:func:`modules_in_call`).
     ``runs``: how many isolated runs will follow (the upstream run, and the single-device oracle's); each gets its

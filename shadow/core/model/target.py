@@ -6,9 +6,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from shadow.core.observation import label_text
-from shadow.core.oracle import SingleDeviceCall
-from shadow.core.tolerance import ToleranceSpec
+from shadow.core.model.observation import label_text
+from shadow.core.model.oracle import SingleDeviceCall
+from shadow.core.model.tolerance import ToleranceSpec
 
 Signature = Callable[[tuple, dict], str]
 
@@ -31,23 +31,24 @@ class Target:
     whenever a module or RNG is involved; only pure functions should turn it off).
     ``signature`` classifies a call into a small fixed set of code paths; ``risky_signatures`` are
     ``fnmatch`` patterns of the paths where legacy and upstream differ, which a verdict should see.
-    ``oracle`` describes a call's single-device equivalent (:mod:`shadow.core.oracle`), to find what legacy and
+    ``oracle`` describes a call's single-device equivalent (:mod:`shadow.core.model.oracle`), to find what legacy and
     upstream share but a single device would not do. ``never_blocks`` tells the calls whose upstream run cannot
     block or wait (no device work, no lock, no Python code: a query of a tensor's metadata in torch's C code): their
-    upstream runs on the caller's thread, without the deadline's thread (:mod:`shadow.core.deadline`), whose
+    upstream runs on the caller's thread, without the deadline's thread (:mod:`shadow.core.runs.deadline`), whose
     hand-off costs more than such a call's whole upstream side. ``signature_key`` (with ``signature``) is a cheap
     key of a call, hashable, read without running user code (no tensor attribute a mode would see), that stands for
     its signature or for several that are never risky, or None where it cannot be had cheaply: once a key's
     signature has had its first comparisons, calls with that key take the unguided wrapper's unsampled path (their
     signatures counted by systematic sampling), and every other call is classified, so a signature whose key is new
-    is compared on its first calls whenever it first appears, however rare (:mod:`shadow.core.coverage`). Without
+    is compared on its first calls whenever it first appears, however rare (:mod:`shadow.core.calls.coverage`). Without
     one, calls are classified one in ``CLASSIFY_ONE_IN`` once every signature seen has had its first comparisons.
 
     What calls that are not plain functions of tensors need (each makes the target's calls skip the extra runs:
     the A/A run, the oracle, the backward comparison and the float64 truth):
 
     ``run_if(args, kwargs)``: None when the call can be run twice, else why not (the call is then skipped, reason
-    ``ineligible``, the text in its detail); it may raise ``shadow.core.memory.InsufficientMemory`` (reason ``oom``).
+    ``ineligible``, the text in its detail); it may raise ``shadow.core.support.memory.InsufficientMemory`` (reason
+    ``oom``).
     Example: ``run_if=lambda a, k: None if a[0].seekable() else "a stream that cannot seek back"``.
 
     ``rewind(args, kwargs)``: for arguments a call consumes (a file read to its end), a function that puts them

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch.utils._pytree import keystr
 
-from shadow.core import tolerance as tol
-from shadow.core import trees
-from shadow.core.observation import DETAIL_LIMIT, MISMATCH_REASONS, Outcome, bounded
+from shadow.core.model import tolerance as tol
+from shadow.core.model.observation import DETAIL_LIMIT, MISMATCH_REASONS, Outcome, bounded
+from shadow.core.support import trees
 
 #: Elements per chunk on the host: the working set of one chunk (two inputs, three float and three bool
 #: scratch arrays) stays in a core's cache.
@@ -502,7 +502,7 @@ def compare_exceptions(legacy_error: BaseException | None, upstream_error: BaseE
 
 
 def compare_custom(equality: Any, legacy: Any, upstream: Any) -> Comparison:
-    """A target's own comparison (:attr:`shadow.core.target.Target.compare`): a ``match`` where it returns None,
+    """A target's own comparison (:attr:`shadow.core.model.target.Target.compare`): a ``match`` where it returns None,
     else a ``mismatch`` with reason ``custom`` and its text as the detail. A comparison that raises is this
     tool's fault (the engine counts it)."""
     with torch._C.DisableTorchFunction():  # (this tool's work: no subclass or mode sees it)

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from shadow.core import forks
+from shadow.core.support import forks
 
 marks = threading.local()
 
@@ -37,7 +37,7 @@ LEGACY_AGAIN = object()
 def upstream_run(experiment: Any, backward: bool = False) -> Iterator[None]:
     """While the body runs, this thread's upstream run is one of ``experiment``'s (the threads it starts, and a
     room it hands a run to, are part of it); with ``backward`` (a backward comparison's run,
-    :mod:`shadow.core.gradients`), so are the autograd engine's own threads (the device threads a backward
+    :mod:`shadow.core.judging.gradients`), so are the autograd engine's own threads (the device threads a backward
     through device tensors runs on). (The job's thread waits in the sampled call meanwhile; a backward of another
     job thread's at that moment would run its wrapped calls as nested ones, the primary's implementation,
     uncounted: what the job gets, unseen.)"""

@@ -30,14 +30,15 @@ from typing import Any
 
 import torch
 
-from shadow.core import forks
-from shadow.core.sides import marks
+from shadow.core.runs.sides import marks
+from shadow.core.support import forks
 
 
 @dataclasses.dataclass(frozen=True)
 class ThreadContext:
     """The thread-local torch state of the thread that took it that a snapshot of the settings
-    (:class:`shadow.core.global_state.TorchGlobals`, written back on the new thread) does not carry: inference mode,
+    (:class:`shadow.core.runs.global_state.TorchGlobals`, written back on the new thread) does not carry: inference
+    mode,
     the accelerator's current stream, the saved-tensors hooks on top of their stack."""
 
     inference: bool
@@ -144,7 +145,7 @@ class _Rooms:
 
 
 #: The room this thread is, its own state: ``leaving`` (set by :func:`leave_room`: the room ends after its run), and
-#: what the runs keep on it between runs (the settings it holds: shadow.core.upstream_side).
+#: what the runs keep on it between runs (the settings it holds: shadow.core.calls.upstream_side).
 room = threading.local()
 
 

@@ -1,11 +1,12 @@
 """The wrapper engine: one :class:`Experiment` per installed target.
 
 Data flows one way: call -> sampler -> legacy (returned to the caller), then on sampled calls the upstream side
-(:class:`shadow.core.upstream_side.UpstreamSide`, a room of its own per sampled call: the isolated upstream run,
+(:class:`shadow.core.calls.upstream_side.UpstreamSide`, a room of its own per sampled call: the isolated upstream run,
 the comparator) -> :class:`Observation` -> exporters. The experiment keeps the call path, the sampler and its
-gate, and the primary; what it counted is its :class:`~shadow.core.tally.Tally`, its random draws are
-:class:`~shadow.core.coin.Coin` s, its exporters the monitor's :class:`~shadow.core.publisher.Publisher`, its
-settings the monitor's :class:`~shadow.core.settings.Settings`. Whatever runs after legacy is caught in
+gate, and the primary; what it counted is its :class:`~shadow.core.calls.tally.Tally`, its random draws are
+:class:`~shadow.core.calls.coin.Coin` s, its exporters the monitor's :class:`~shadow.core.calls.publisher.Publisher`,
+its
+settings the monitor's :class:`~shadow.core.calls.settings.Settings`. Whatever runs after legacy is caught in
 :meth:`Experiment._upstream_side`, and every exporter hook is called through the publisher: failures there are
 counted and logged (at most once a minute per target, or exporter, and kind), never the job's.
 """
@@ -26,21 +27,17 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
-from shadow.core import clusters, compiling, forks, trees
-from shadow.core.budget import Budgets
-from shadow.core.coin import Coin
-from shadow.core.coverage import CLASSIFY_ONE_IN, Coverage
-from shadow.core.global_state import TorchGlobals
-from shadow.core.isolation import (
-    SideEffects,
-    call_without_side_effects,
-    has_user_hooks,
-    module_tensors,
-    modules_in_call,
-)
-from shadow.core.memory import InsufficientMemory
-from shadow.core.noise import NoiseFloor
-from shadow.core.observation import (
+from shadow.core.calls import clusters
+from shadow.core.calls.budget import Budgets
+from shadow.core.calls.coin import Coin
+from shadow.core.calls.coverage import CLASSIFY_ONE_IN, Coverage
+from shadow.core.calls.publisher import Publisher
+from shadow.core.calls.sampler import Gate, Sampler
+from shadow.core.calls.settings import Settings
+from shadow.core.calls.tally import Tally
+from shadow.core.calls.upstream_side import Run, UpstreamSide, is_hooked_subclass
+from shadow.core.judging.noise import NoiseFloor
+from shadow.core.model.observation import (
     LEGACY,
     OUTCOMES,
     UNCLASSIFIED_SIGNATURE,
@@ -51,14 +48,19 @@ from shadow.core.observation import (
     label_text,
     within_noise_floor,
 )
-from shadow.core.publisher import Publisher
-from shadow.core.sampler import Gate, Sampler
-from shadow.core.settings import Settings
-from shadow.core.sides import marks, upstream_side_of_this_thread
-from shadow.core.tally import Tally
-from shadow.core.targets import Target, patch_origin
-from shadow.core.tolerance import ToleranceSpec
-from shadow.core.upstream_side import Run, UpstreamSide, is_hooked_subclass
+from shadow.core.model.targets import Target, patch_origin
+from shadow.core.model.tolerance import ToleranceSpec
+from shadow.core.runs.global_state import TorchGlobals
+from shadow.core.runs.isolation import (
+    SideEffects,
+    call_without_side_effects,
+    has_user_hooks,
+    module_tensors,
+    modules_in_call,
+)
+from shadow.core.runs.sides import marks, upstream_side_of_this_thread
+from shadow.core.support import compiling, forks, trees
+from shadow.core.support.memory import InsufficientMemory
 
 log = logging.getLogger("shadow")
 
@@ -248,7 +250,8 @@ class Experiment:
         self.monitor: Any = None  # the Monitor that installed this experiment (set by it)
         # The overhead budget, the monitor's (shared by its targets): the upstream side's time (upstream,
         # comparison, oracle, exporters) and a guided target's classifying may use at most its fraction of wall time
-        # over every 10 s window (shadow.core.budget); sampled calls beyond it are skipped (reason "budget") without
+        # over every 10 s window (shadow.core.calls.budget); sampled calls beyond it are skipped (reason "budget")
+        # without
         # calling exporters, and reported to them in bulk at the next publish or flush.
         self._budget = budget.shadow if budget is not None else None
         self._clock = budget.clock if budget is not None else time.perf_counter  # (what is charged is timed on it)
@@ -265,9 +268,9 @@ class Experiment:
         self.deadline_passed = False
         # The extra runs' draws. The single-device oracle (None: off): every sampled call under autocast and this
         # fraction of the others (targets that describe a single-device call only). The A/A run: legacy again,
-        # isolated as upstream is, its difference the target's own nondeterminism (shadow.core.noise). The
-        # backward comparison (shadow.core.gradients), while legacy is the primary; its cotangents' seeds drawn
-        # from its coin. The float64 truth run (shadow.core.truth), among the calls with a value difference.
+        # isolated as upstream is, its difference the target's own nondeterminism (shadow.core.judging.noise). The
+        # backward comparison (shadow.core.judging.gradients), while legacy is the primary; its cotangents' seeds drawn
+        # from its coin. The float64 truth run (shadow.core.judging.truth), among the calls with a value difference.
         oracle = settings.oracle if target.oracle is not None and target.isolate else None
         self.oracle_coin = Coin(oracle, seed, f"{target.name}/oracle") if oracle is not None else None
         self.aa_coin = Coin(settings.aa_rate, seed, f"{target.name}/aa")
@@ -275,7 +278,8 @@ class Experiment:
         self.truth_coin = Coin(settings.truth_rate, seed, f"{target.name}/truth")
         # (of the current phase: started again at a rollback or a reset)
         self.noise = NoiseFloor()
-        # Value differences the floor cannot judge yet (shadow.core.noise): published once it can, as noise or as
+        # Value differences the floor cannot judge yet (shadow.core.judging.noise): published once it can, as noise
+        # or as
         # mismatches; neither divergence nor agreement meanwhile (a skip, reason noise_pending, if it never can).
         self._pending: list[Observation] = []
         self.legacy = target.resolve_legacy()
@@ -297,7 +301,7 @@ class Experiment:
         self._signatures: set[str] = set()
         self._last_logged: dict[str, float] = {}
         # Coverage guidance: the first calls of every signature are compared, later ones sampled at the rate
-        # (shadow.core.coverage: every call classified until each signature seen has had its first calls, then one
+        # (shadow.core.calls.coverage: every call classified until each signature seen has had its first calls, then one
         # in CLASSIFY_ONE_IN). It needs a signature function. Its sampler's gates end at the calls to classify;
         # the sampled calls are drawn among those (a thinning: each call is still sampled at the rate).
         self.sample_rate = sample_rate
@@ -382,7 +386,7 @@ class Experiment:
 
     def signature_of(self, args: tuple, kwargs: dict) -> Any:
         """The target's signature function on a call, checked: one that changes a generator or the grad mode
-        (:func:`shadow.core.isolation.call_without_side_effects`) has it put back, is said once and never runs
+        (:func:`shadow.core.runs.isolation.call_without_side_effects`) has it put back, is said once and never runs
         again (its calls classify as "unclassified"); raises what it raised."""
         try:
             return call_without_side_effects(self.target.signature, args, kwargs)
@@ -735,7 +739,7 @@ class Experiment:
     def report_calls(self, flush: bool = False) -> None:
         """Tell exporters how many calls passed (by signature for a guided target), and how many sampled calls
         the budget skipped, since the last report (done at each publish, at a rollback or reset, each second by
-        :mod:`shadow.core.reporter` and at flush: ``flush`` counts a guided target's open gate too)."""
+        :mod:`shadow.core.calls.reporter` and at flush: ``flush`` counts a guided target's open gate too)."""
         with self._lock:
             tally = self.tally
             if self.coverage is not None:

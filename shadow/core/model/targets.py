@@ -1,5 +1,5 @@
 """The built-in targets: the three patches npu-shadow was built for (here) and those torch_npu 2.13/2.14 still
-carry (:mod:`shadow.core.live_targets`); :data:`BUILTINS` names them all.
+carry (:mod:`shadow.core.model.live_targets`); :data:`BUILTINS` names them all.
 
 A built-in target's legacy is whatever is installed when the monitor installs (torch_npu's patch on an
 NPU host, its source's with ``--legacy-from``, :mod:`shadow.npu.reference`'s in a rehearsal); its upstream is
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_iter
 
-from shadow.core import live_targets, oracle
-from shadow.core.observation import BUILTIN_RISKY, BUILTIN_TARGETS
-from shadow.core.target import Target
+from shadow.core.model import live_targets, oracle
+from shadow.core.model.observation import BUILTIN_RISKY, BUILTIN_TARGETS
+from shadow.core.model.target import Target
 from shadow.npu import reference
 from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE
 
@@ -265,7 +265,7 @@ PLACES = {**ORIGINAL_PLACES, **live_targets.PLACES}
 def active_builtins() -> dict[str, str]:
     """{built-in target name: patch origin} for every built-in whose legacy patch is installed now (and, for the
     targets whose upstream torch keeps under no other name, whose upstream is known: see
-    :func:`shadow.core.live_targets.upstream`)."""
+    :func:`shadow.core.model.live_targets.upstream`)."""
     active = {}
     for name, (owner, attribute) in PLACES.items():
         origin = patch_origin(getattr(owner(), attribute, None))

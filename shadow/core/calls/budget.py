@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from shadow.core import forks
+from shadow.core.support import forks
 
 #: The window the budget holds over, and the allowance a target may save up (the 0.05 of a window it may exceed).
 WINDOW_SECONDS = 10.0

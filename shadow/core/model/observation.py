@@ -98,13 +98,13 @@ BACKWARD_SKIP_REASONS = ("deadline", "reentrant", "sparse", "raised", "no_grad",
 BACKWARD_OUTCOMES = ("match", "mismatch")
 
 #: Where the two sides' own code paths, both run in float64, differ by more than float64 rounding: the difference is
-#: in the algorithm, not in rounding, and neither side's float64 run is the truth (shadow.core.truth).
+#: in the algorithm, not in rounding, and neither side's float64 run is the truth (shadow.core.judging.truth).
 DIFFERS_IN_FLOAT64 = "differs-in-float64"
 
-#: Which side a float64 truth run found nearer the truth (shadow.core.truth): the values of ``nearer``.
+#: Which side a float64 truth run found nearer the truth (shadow.core.judging.truth): the values of ``nearer``.
 NEARER = ("legacy", "upstream", "tie", DIFFERS_IN_FLOAT64)
 
-#: The built-in targets' names (their Targets are in shadow.core.targets).
+#: The built-in targets' names (their Targets are in shadow.core.model.targets).
 BUILTIN_TARGETS = (
     "parallel_apply",
     "data_parallel",
@@ -117,7 +117,7 @@ BUILTIN_TARGETS = (
 )
 
 #: The built-in targets compared as a canary A/B, never shadowed: their calls cannot run twice (the DataLoader's
-#: iterator starts its workers once; shadow.core.arms). The arms: legacy, upstream.
+#: iterator starts its workers once; shadow.core.calls.arms). The arms: legacy, upstream.
 ARM_TARGETS = ("dataloader_init",)
 
 #: Where torch_npu 2.12's legacy and upstream are known to differ (the README's "what really differs"), by built-in
@@ -144,7 +144,7 @@ CUSTOM_MEANING = {
     "on this device type: the journal's detail says which way",
 }
 
-#: The faults a fire drill can inject into the upstream result (shadow.core.drill).
+#: The faults a fire drill can inject into the upstream result (shadow.core.calls.drill).
 DRILL_KINDS = ("value", "dtype", "nan", "exception")
 
 #: What each skip reason means, in a few words (the exit summary names every reason it counts).
@@ -274,7 +274,7 @@ class Observation:
     #: For a value difference: the noise floor's test of it (A/A and A/B runs, Mann-Whitney p, the floor), whether
     #: it made the outcome noise or not.
     noise_test: str = ""
-    #: A backward comparison ran on this call (shadow.core.gradients), and the time it took.
+    #: A backward comparison ran on this call (shadow.core.judging.gradients), and the time it took.
     backward: bool = False
     backward_seconds: float = 0.0
     #: Why a backward comparison planned for this call was not made (BACKWARD_SKIP_REASONS; "" where it was, or
@@ -286,10 +286,11 @@ class Observation:
     noise_pending: bool = False
     leaf_errors: tuple[tuple[str, float], ...] = dataclasses.field(default=(), repr=False, compare=False)
     #: The share of a cluster this comparison opened (0 where it opened none; ``1 / WORLD_SIZE`` in a distributed
-    #: job, 1 elsewhere: shadow.core.clusters): the unit the verdict counts evidence in, counted once, here, for
+    #: job, 1 elsewhere: shadow.core.calls.clusters): the unit the verdict counts evidence in, counted once, here, for
     #: every exporter.
     cluster_share: float = 0.0
-    #: For a value difference, a float64 truth run (shadow.core.truth): the side nearer it (legacy, upstream or tie;
+    #: For a value difference, a float64 truth run (shadow.core.judging.truth): the side nearer it (legacy, upstream
+    #: or tie;
     #: "" where none ran), each side's error against it, and the time it took.
     nearer: str = ""
     legacy_truth_error: float = 0.0
@@ -356,10 +357,10 @@ class TargetStats:
     backward_skips: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     truth_runs: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     #: Sampled calls whose signature was counted as "other": the target had MAX_SIGNATURES already.
-    #: Clusters of this process's comparisons (shadow.core.clusters), every phase together (a distributed job's
+    #: Clusters of this process's comparisons (shadow.core.calls.clusters), every phase together (a distributed job's
     #: rank counts each of its blocks as ``1 / WORLD_SIZE``).
     clusters: float = 0.0
-    #: Comparisons a fire drill injected its fault into (shadow.core.drill).
+    #: Comparisons a fire drill injected its fault into (shadow.core.calls.drill).
     drilled: int = 0
     signatures_over_cap: int = 0
     #: Observations an exporter failed to export (one per failing exporter).

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_iter
 
-from shadow.core import trees
-from shadow.core.compare import storage_key
-from shadow.core.observation import DRILL_KINDS
-from shadow.core.rates import check_rate
+from shadow.core.judging.compare import storage_key
+from shadow.core.model.observation import DRILL_KINDS
+from shadow.core.support import trees
+from shadow.core.support.rates import check_rate
 
 
 class DrillError(RuntimeError):

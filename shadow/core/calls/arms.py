@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_iter
 
-from shadow.core.exporting import call_hook
-from shadow.core.observation import ARM_TARGETS, LEGACY, UPSTREAM
+from shadow.core.calls.exporting import call_hook
+from shadow.core.model.observation import ARM_TARGETS, LEGACY, UPSTREAM
 
 log = logging.getLogger("shadow")
 

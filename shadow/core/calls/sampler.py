@@ -20,8 +20,8 @@ import random
 import sys
 from collections.abc import Callable
 
-from shadow.core import forks
-from shadow.core.rates import check_rate
+from shadow.core.support import forks
+from shadow.core.support.rates import check_rate
 
 #: Coverage guidance's default: the first calls of every signature that are compared whatever the rate.
 DEFAULT_FIRST_PER_SIGNATURE = 30

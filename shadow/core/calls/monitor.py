@@ -18,18 +18,19 @@ from typing import Any
 
 import torch
 
-from shadow.core import exporting, live_targets
-from shadow.core import targets as builtin
-from shadow.core import tolerance as tol
-from shadow.core.arms import IteratorArms
-from shadow.core.engine import Experiment, experiment_of
-from shadow.core.observation import ARM_TARGETS, UPSTREAM, TargetStats
-from shadow.core.publisher import Publisher
-from shadow.core.rates import check_rate
-from shadow.core.reporter import REPORTER
-from shadow.core.settings import Settings
-from shadow.core.target import place_name
-from shadow.core.targets import Target
+from shadow.core.calls import exporting
+from shadow.core.calls.arms import IteratorArms
+from shadow.core.calls.engine import Experiment, experiment_of
+from shadow.core.calls.publisher import Publisher
+from shadow.core.calls.reporter import REPORTER
+from shadow.core.calls.settings import Settings
+from shadow.core.model import live_targets
+from shadow.core.model import targets as builtin
+from shadow.core.model import tolerance as tol
+from shadow.core.model.observation import ARM_TARGETS, UPSTREAM, TargetStats
+from shadow.core.model.target import place_name
+from shadow.core.model.targets import Target
+from shadow.core.support.rates import check_rate
 
 log = logging.getLogger("shadow")
 
@@ -62,7 +63,7 @@ class Monitor:
         #: The exporters, called through one publisher (the experiments').
         self.publisher = publisher if publisher is not None else Publisher()
         self._restore: list[tuple[Any, str, bool, Any]] = []
-        #: The canary A/B of the DataLoader's iterator (:mod:`shadow.core.arms`), where one runs.
+        #: The canary A/B of the DataLoader's iterator (:mod:`shadow.core.calls.arms`), where one runs.
         self.arms: IteratorArms | None = None
         #: A yielding monitor steps aside for a monitor installed later on the same target, and comes back
         #: when that one is uninstalled (the pytest plugin's session monitor yields to a test's own).
@@ -164,7 +165,7 @@ class Monitor:
 
     def report(self) -> None:
         """Report the calls counted since the last report, and the time passed, to the exporters
-        (:mod:`shadow.core.reporter` does, each second)."""
+        (:mod:`shadow.core.calls.reporter` does, each second)."""
         if self._restore:
             for s in self._experiments:
                 s.report_calls(flush=True)  # (a guided target's open gate too: the total is the job's calls)
@@ -273,10 +274,10 @@ def install(
         sample_rate: the fraction of calls shadowed, one float or {target name: float} (absent names: 0.01).
         tolerance: one Tolerance, a {torch.dtype: Tolerance} table, or {target name: either}.
         exporters: objects with ``export(observation)`` and any of the optional hooks
-            (:class:`shadow.core.exporting.Exporter`).
+            (:class:`shadow.core.calls.exporting.Exporter`).
         yields: this monitor steps aside while a later monitor shadows the same target (instead of that one
             raising "already shadowed").
-        settings: the monitor's :class:`~shadow.core.settings.Settings`, whole (the launcher's).
+        settings: the monitor's :class:`~shadow.core.calls.settings.Settings`, whole (the launcher's).
         **options: else, any of its fields by name (``seed``, ``budget``, ``deadline``, ``aa_rate``, ...).
 
     Returns:

@@ -10,7 +10,7 @@ put back where it was, no graph. Where the two float64 runs agree within :data:`
 truth; where they do not, one side's code rounds (or computes) differently by design, and a truth run on that
 side's path would take its side: ``nearer`` is ``differs-in-float64``, each side's error measured against its own
 path's float64 run. For the DataParallel targets the truth is replica 0's module alone (the single-device call of
-:mod:`shadow.core.oracle`: one code path, neither side's), compared with replica 0's part of each side's result.
+:mod:`shadow.core.model.oracle`: one code path, neither side's), compared with replica 0's part of each side's result.
 
 Each side's error against the truth is, per output leaf, the greatest absolute difference divided by the
 greatest magnitude of the truth (a NaN or infinity where the truth has a finite value counts as infinite); a
@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
-from shadow.core import memory, trees
-from shadow.core.isolation import ModuleState, RngSnapshot, module_tensors, modules_in_call
-from shadow.core.observation import DECADE_LIMIT as DECADE_LIMIT
-from shadow.core.observation import DIFFERS_IN_FLOAT64
-from shadow.core.observation import NEARER as NEARER
-from shadow.core.observation import error_decade as error_decade
+from shadow.core.model.observation import DECADE_LIMIT as DECADE_LIMIT
+from shadow.core.model.observation import DIFFERS_IN_FLOAT64
+from shadow.core.model.observation import NEARER as NEARER
+from shadow.core.model.observation import error_decade as error_decade
+from shadow.core.runs.isolation import ModuleState, RngSnapshot, module_tensors, modules_in_call
+from shadow.core.support import memory, trees
 
 #: Errors within this share of the larger one are a tie.
 TIE_SHARE = 0.1

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import keystr, tree_iter
 
-from shadow.core import trees
-from shadow.core.compare import compare
-from shadow.core.observation import Outcome, bounded
-from shadow.core.tolerance import ToleranceSpec
+from shadow.core.judging.compare import compare
+from shadow.core.model.observation import Outcome, bounded
+from shadow.core.model.tolerance import ToleranceSpec
+from shadow.core.support import trees
 
 
 def names_of(args: tuple, kwargs: dict) -> dict[int, str]:

@@ -1,6 +1,6 @@
 """The targets of the patches torch_npu 2.13/2.14 still carry: ``torch.load``, ``Module.to``, ``Module.npu`` and the
 optimizers' foreach device list (the DataLoader iterator's ``__init__`` cannot run twice: it is compared as a
-canary A/B, :mod:`shadow.core.arms`).
+canary A/B, :mod:`shadow.core.calls.arms`).
 
 Each target's legacy is whatever is installed when the monitor installs (torch_npu's patch, or its source's with
 ``--legacy-from``); its upstream is torch's own function. torch keeps ``torch.serialization.load`` and
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from shadow.core import memory
-from shadow.core.observation import BUILTIN_RISKY
-from shadow.core.target import Target
+from shadow.core.model.observation import BUILTIN_RISKY
+from shadow.core.model.target import Target
+from shadow.core.support import memory
 from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE, upstream_of
 
 _DATALOADER = "torch.utils.data.dataloader"
@@ -333,7 +333,7 @@ def module_npu() -> Target:
     return _module_move("module_npu", "npu", module_npu_signature, module_npu_run_if)
 
 
-#: Where the canary A/B targets' legacy is installed (:mod:`shadow.core.arms`).
+#: Where the canary A/B targets' legacy is installed (:mod:`shadow.core.calls.arms`).
 ARM_PLACES: dict[str, tuple[Callable[[], Any], str]] = {"dataloader_init": (_iterator_class, "__init__")}
 
 
@@ -407,7 +407,7 @@ def lstm_forward() -> Target:
     )
 
 
-#: The live targets' factories, by name (:data:`shadow.core.targets.BUILTINS` has them all).
+#: The live targets' factories, by name (:data:`shadow.core.model.targets.BUILTINS` has them all).
 LIVE: dict[str, Callable[[], Target]] = {
     "torch_load": torch_load,
     "module_to": module_to,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch._utils import _get_all_device_indices, _get_device_index
 
-from shadow.core import trees
+from shadow.core.support import trees
 
 
 @dataclasses.dataclass(frozen=True)

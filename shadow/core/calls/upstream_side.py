@@ -5,7 +5,7 @@ signature, the settings legacy starts from, whether the oracle and the A/A run j
 :meth:`UpstreamSide.observe` runs the shadow side the way legacy ran (on a thread of its own, within the deadline,
 isolated), the A/A run and the single-device oracle where the plan asks for them, compares, and returns the
 :class:`Observation`. It never publishes and never counts calls: the experiment that made it does
-(:mod:`shadow.core.engine`), and it catches whatever this room raises.
+(:mod:`shadow.core.calls.engine`), and it catches whatever this room raises.
 """
 
 from __future__ import annotations
@@ -20,15 +20,12 @@ from typing import Any, Protocol
 
 import torch
 
-from shadow.core import trees
-from shadow.core.coin import Coin
-from shadow.core.compare import Comparison, compare, compare_custom, compare_exceptions, with_state
-from shadow.core.deadline import Finished, leave_room, room, run_here, run_within
-from shadow.core.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
-from shadow.core.gradients import GradientComparison, compare_gradients, names_of, vjp
-from shadow.core.isolation import ArgumentsChanged, Isolation, SideEffects, detach_tensors, find_modules
-from shadow.core.noise import NoiseFloor
-from shadow.core.observation import (
+from shadow.core.calls.coin import Coin
+from shadow.core.judging.compare import Comparison, compare, compare_custom, compare_exceptions, with_state
+from shadow.core.judging.gradients import GradientComparison, compare_gradients, names_of, vjp
+from shadow.core.judging.noise import NoiseFloor
+from shadow.core.judging.truth import in_float64, judge, judge_both, run_upcast
+from shadow.core.model.observation import (
     DIVERGENT_OUTCOMES,
     SHARED_DIVERGENCE_REASONS,
     UNCLASSIFIED_SIGNATURE,
@@ -40,10 +37,13 @@ from shadow.core.observation import (
     label_text,
     within_noise_floor,
 )
-from shadow.core.sides import LEGACY_AGAIN, current_run, marks, upstream_run
-from shadow.core.targets import Target
-from shadow.core.tolerance import ToleranceSpec
-from shadow.core.truth import in_float64, judge, judge_both, run_upcast
+from shadow.core.model.targets import Target
+from shadow.core.model.tolerance import ToleranceSpec
+from shadow.core.runs.deadline import Finished, leave_room, room, run_here, run_within
+from shadow.core.runs.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
+from shadow.core.runs.isolation import ArgumentsChanged, Isolation, SideEffects, detach_tensors, find_modules
+from shadow.core.runs.sides import LEGACY_AGAIN, current_run, marks, upstream_run
+from shadow.core.support import trees
 
 _PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
 
@@ -165,7 +165,7 @@ class Plan:
 
 
 class Experiment(Protocol):
-    """What the room reads of the experiment that made it (:class:`shadow.core.engine.Experiment`)."""
+    """What the room reads of the experiment that made it (:class:`shadow.core.calls.engine.Experiment`)."""
 
     target: Target
     tolerance: ToleranceSpec
@@ -366,7 +366,7 @@ class UpstreamSide:
     ) -> Finished:
         """``body()`` (a run of the shadow side, as ``side``'s upstream side, from the settings ``before``, which
         this thread has written already): on a daemon thread of the shadow side's, waited for at most the deadline
-        (:mod:`shadow.core.deadline`; without one, until it ends). Past the deadline the run is abandoned and the
+        (:mod:`shadow.core.runs.deadline`; without one, until it ends). Past the deadline the run is abandoned and the
         target stops shadowing (:meth:`Experiment.deadline_missed`). An interrupt the body raised is raised here, as
         it would be on the caller's thread. A run that leaves a setting of its thread changed ends its room (the
         body says so itself where ``checks_its_settings``)."""
@@ -473,7 +473,8 @@ class UpstreamSide:
     def _backward(
         self, plan: Plan, args: tuple, kwargs: dict, upstream: Run, left_by_legacy: TorchGlobals, found: Comparison
     ) -> tuple[Comparison, dict[str, Any]]:
-        """The backward comparison (:mod:`shadow.core.gradients`): legacy again, isolated, for a graph of its own,
+        """The backward comparison (:mod:`shadow.core.judging.gradients`): legacy again, isolated, for a graph of its
+        own,
         and the same seeded products through both graphs; the comparison turned into a ``grad`` mismatch where they
         differ, and the Observation fields of the backward run."""
         experiment = self.experiment
@@ -534,7 +535,8 @@ class UpstreamSide:
     def _truth(
         self, plan: Plan, args: tuple, kwargs: dict, legacy: Any, upstream: Any, left_by_legacy: TorchGlobals
     ) -> dict[str, Any]:
-        """The float64 CPU runs (:mod:`shadow.core.truth`: the single-device call's, or each side's code path's) and
+        """The float64 CPU runs (:mod:`shadow.core.judging.truth`: the single-device call's, or each side's code
+        path's) and
         each side's error against them: the Observation fields (none where the results cannot be paired with them)."""
         experiment = self.experiment
         start = time.perf_counter()
@@ -693,7 +695,7 @@ class UpstreamSide:
         return found
 
     def _module_differences(self, plan: Plan) -> dict[str, tuple[str, str]]:
-        """The module attributes the two runs left differently (:func:`shadow.core.isolation.module_differences`),
+        """The module attributes the two runs left differently (:func:`shadow.core.runs.isolation.module_differences`),
         as (legacy's, upstream's)."""
         found = plan.isolation.module_differences if plan.isolation is not None else {}
         if found and self.experiment.primary == UPSTREAM:  # (the isolated run was legacy's)
@@ -702,7 +704,8 @@ class UpstreamSide:
 
     def _within_noise(self, signature: str, found: Comparison) -> tuple[Comparison, str, bool]:
         """(the comparison, the noise test as text, whether it is pending): a value mismatch (nothing else) is
-        reported as noise while the noise floor says legacy differs from itself as much (:mod:`shadow.core.noise`),
+        reported as noise while the noise floor says legacy differs from itself as much
+        (:mod:`shadow.core.judging.noise`),
         and is pending while the floor cannot judge it yet (too few A/A runs: the engine holds it until it can).
         Anything beyond the floor, or of another kind, stays a mismatch. Every value comparison's errors join the
         A/B sample."""

@@ -1,0 +1,1 @@
+"""The call path: install, the gate, the experiment and its shadow side, what it counts and publishes."""

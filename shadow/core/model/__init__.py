@@ -1,0 +1,1 @@
+"""The vocabulary (outcomes, reasons, observations) and what is shadowed: targets, tolerances, oracles."""

@@ -1,0 +1,1 @@
+"""How the shadow run is made the same call: isolation, torch's settings, its threads and deadline."""
