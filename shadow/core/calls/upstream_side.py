@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -139,29 +139,61 @@ class Plan:
     kwargs: dict | None
     signature: str
     autocast: str
-    oracle: bool
     before: TorchGlobals
-    aa: bool = False  # legacy runs a second time (the noise floor's A/A run)
-    backward: bool = False  # the backward comparison: legacy runs again for a graph of its own
+    #: The runs that join the shadow run, each in an isolated slot of its own (where the target is isolated), by
+    #: name: the single-device oracle's, the backward comparison's legacy run (for a graph of its own), the A/A run
+    #: (legacy a second time: the noise floor).
+    extra: tuple[str, ...] = ()
     here: bool = False  # upstream cannot block (Target.never_blocks): it runs on the caller's thread
     backward_skip: str = ""  # a backward comparison drawn for a call that can have none (grad mode off)
     rewind: Callable[[], Any] | None = None  # puts the call's consumed arguments back where legacy found them
     modules_loaded: int = dataclasses.field(default_factory=lambda: len(sys.modules))
 
     @property
-    def isolation_runs(self) -> int:
-        """Isolated runs after legacy: upstream's, then the oracle's, the backward comparison's legacy run and the
-        A/A run's where they run."""
-        return 1 + self.oracle + self.backward + self.aa
+    def slots(self) -> tuple[str, ...]:
+        """The isolated runs after legacy, in the isolation's order: the shadow run's, then the extra ones."""
+        return (SHADOW, *self.extra)
 
-    @property
-    def backward_run(self) -> int:
-        """The isolated run of the backward comparison's legacy run."""
-        return 1 + self.oracle
+    oracle = property(lambda self: ORACLE in self.extra, doc="Whether the single-device oracle runs.")
+    backward = property(lambda self: BACKWARD in self.extra, doc="Whether the backward comparison runs.")
+    aa = property(lambda self: AA in self.extra, doc="Whether the A/A run runs.")
 
     def upstream_arguments(self) -> tuple[tuple, dict]:
         """What upstream receives: the isolation's copies (once taken), or the arguments above."""
         return self.isolation.arguments(0) if self.isolation is not None else (self.args, self.kwargs)
+
+    def stand_ins(self, slot: str) -> dict[int, torch.Tensor]:
+        """The isolation's stand-ins of the tensors that require grad, in the run of ``slot``."""
+        assert self.isolation is not None
+        return self.isolation.stand_ins(self.slots.index(slot))
+
+    @contextlib.contextmanager
+    def in_slot(self, slot: str) -> Iterator[tuple[tuple, dict]]:
+        """While the body runs, the isolation's world of the run of ``slot`` (its copies swapped in); it gets that
+        run's arguments (the arguments as they are where the target is not isolated)."""
+        if self.isolation is None:
+            yield self.upstream_arguments()
+            return
+        index = self.slots.index(slot)
+        with self.isolation.upstream_run(index):
+            yield self.isolation.arguments(index)
+
+
+#: The isolated runs of a sampled call, by name (:attr:`Plan.slots`).
+SHADOW, ORACLE, BACKWARD, AA = "shadow", "oracle", "backward", "aa"
+
+#: What a failure in each part of a sampled call's shadow side becomes: the monitor's failures are never a side's
+#: outcome. The plan, the isolation and a target's snapshot: the call is skipped as "comparator" (counted; see
+#: :class:`IsolationFailed`). An extra run's (the A/A run, the oracle, the backward comparison, the truth run):
+#: its finding alone is lost, said in the log (at most once a minute) with the message below.
+GUARDS: dict[str, str] = {
+    "plan": "skip: comparator",
+    "isolation": "skip: comparator",
+    AA: "A/A run failed: %r",
+    ORACLE: "single-device oracle failed: %r",
+    BACKWARD: "backward comparison failed: %r",
+    "truth": "float64 truth run failed: %r",
+}
 
 
 class Experiment(Protocol):
@@ -215,8 +247,9 @@ class UpstreamSide:
             aa = plain and experiment.aa_coin.flip()
             drawn = plain and target.isolate and experiment.primary != UPSTREAM and experiment.backward_coin.flip()
             backward = drawn and torch.is_grad_enabled()
+            extra = tuple(name for name, joins in ((ORACLE, oracle), (BACKWARD, backward), (AA, aa)) if joins)
             if target.isolate:
-                isolation = Isolation(args, kwargs, modules, runs=1 + oracle + backward + aa)
+                isolation = Isolation(args, kwargs, modules, runs=1 + len(extra))
                 up_args, up_kwargs = None, None
             else:
                 isolation, (up_args, up_kwargs) = None, detach_tensors((args, kwargs))
@@ -227,7 +260,7 @@ class UpstreamSide:
             # stream under the job later; it runs on the caller's thread)
             here = rewind is not None or (target.never_blocks is not None and bool(target.never_blocks(args, kwargs)))
             plan = Plan(
-                isolation, up_args, up_kwargs, signature, autocast, oracle, before, aa, backward, here,
+                isolation, up_args, up_kwargs, signature, autocast, before, extra, here,
                 backward_skip="no_grad" if drawn and not backward else "", rewind=rewind,
             )  # fmt: skip
             return cls(experiment, plan)
@@ -470,59 +503,72 @@ class UpstreamSide:
         # (SystemExit, GeneratorExit: upstream's outcome, never the caller's)
         return Run(finished.value, finished.error, seconds, autocast), drilled, left_by_upstream
 
+    def _extra_run(
+        self,
+        plan: Plan,
+        left_by_legacy: TorchGlobals,
+        side: object,
+        on: Callable[[], contextlib.AbstractContextManager[Any]],
+        run: Callable[[Any], Any],
+        backward: bool = False,
+    ) -> Finished | None:
+        """One run after the shadow run, the way every extra run is made: from the settings legacy started from,
+        within ``on()`` (a context giving what the run is made on: an isolation slot's arguments, float64 copies;
+        None: nothing to run, and None is returned), as one of ``side``'s runs (``backward``: a backward
+        comparison's), within the deadline; the settings legacy left are put back after, whatever happens."""
+        experiment = self.experiment
+        experiment.put_back(plan.before)
+        try:
+            with on() as bound, upstream_run(side, backward=backward):
+                if bound is None:
+                    return None
+                return self._within_deadline(side, plan.before, lambda: run(bound))
+        finally:
+            experiment.put_back(left_by_legacy)
+
+    def _guarded(
+        self, kind: str, work: Callable[[], dict[str, Any] | None], **failed: Callable[[BaseException], Any]
+    ) -> dict[str, Any]:
+        """``work()``'s Observation fields, with the seconds it took as ``<kind>_seconds`` (none where it returns
+        None: nothing ran). A failure of an extra run is this tool's: its finding is lost (the fields are then
+        ``failed``'s, each made from the failure), said in the log (:data:`GUARDS`)."""
+        start = time.perf_counter()
+        try:
+            fields = work()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            self.experiment.log_limited(kind, GUARDS[kind], exc)
+            fields = {name: make(exc) for name, make in failed.items()}
+        if fields is None:
+            return {}
+        return {**fields, f"{kind}_seconds": time.perf_counter() - start}
+
     def _backward(
         self, plan: Plan, args: tuple, kwargs: dict, upstream: Run, left_by_legacy: TorchGlobals, found: Comparison
     ) -> tuple[Comparison, dict[str, Any]]:
-        """The backward comparison (:mod:`shadow.core.judging.gradients`): legacy again, isolated, for a graph of its
-        own,
-        and the same seeded products through both graphs; the comparison turned into a ``grad`` mismatch where they
-        differ, and the Observation fields of the backward run."""
+        """The backward comparison (:mod:`shadow.core.judging.gradients`): legacy again, isolated, for a graph of
+        its own, and the same seeded products through both graphs; the comparison turned into a ``grad`` mismatch
+        where they differ, and the Observation fields of the backward run."""
         experiment = self.experiment
-        start = time.perf_counter()
         seed = experiment.backward_coin.bits(40)
-        skip = ""
-        run = plan.backward_run
-        legacy_args, legacy_kwargs = plan.isolation.arguments(run)
-        try:
-            experiment.put_back(plan.before)
-            try:
-                with plan.isolation.upstream_run(run), upstream_run(LEGACY_AGAIN, backward=True):
-                    wrt = plan.isolation.stand_ins(run)
 
-                    def again() -> Any:
-                        return vjp(experiment.legacy(*legacy_args, **legacy_kwargs), wrt, seed)
+        def gradients() -> dict[str, Any]:
+            ran = self._extra_run(
+                plan, left_by_legacy, LEGACY_AGAIN, lambda: plan.in_slot(BACKWARD),
+                lambda on: vjp(experiment.legacy(*on[0], **on[1]), plan.stand_ins(BACKWARD), seed), backward=True,
+            )  # fmt: skip
+            theirs = Finished(False)
+            if ran is not None and ran.finished:
+                theirs = self._extra_run(
+                    plan, left_by_legacy, experiment, lambda: contextlib.nullcontext(True),
+                    lambda _: vjp(upstream.value, plan.stand_ins(SHADOW), seed), backward=True,
+                )  # fmt: skip
+            return {"compared": _gradients_compared(ran, theirs, names_of(args, kwargs), experiment.tolerance)}
 
-                    ran = self._within_deadline(LEGACY_AGAIN, plan.before, again)
-                theirs = Finished(False)
-                if ran.finished:
-                    with upstream_run(experiment, backward=True):
-                        wrt = plan.isolation.stand_ins(0)
-                        theirs = self._within_deadline(experiment, plan.before, lambda: vjp(upstream.value, wrt, seed))
-            finally:
-                experiment.put_back(left_by_legacy)
-            if not (ran.finished and theirs.finished):
-                compared, skip = None, "deadline"
-            elif ran.error is not None or theirs.error is not None:
-                compared, skip = None, _backward_skip(ran.error or theirs.error)  # (both raised alike)
-                if type(ran.error) is not type(theirs.error):
-                    detail = bounded("backward: " + compare_exceptions(ran.error, theirs.error).detail)
-                    compared, skip = GradientComparison(Outcome.MISMATCH.value, detail), ""
-            elif ran.value is None or theirs.value is None:
-                compared, skip = None, "no_grad"  # (no output requires grad)
-            elif _any_sparse(ran.value) or _any_sparse(theirs.value):
-                compared, skip = None, "sparse"
-            else:
-                compared = compare_gradients(ran.value, theirs.value, names_of(args, kwargs), experiment.tolerance)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # the backward run is ours: its failure loses only the backward finding
-            experiment.log_limited("backward", "backward comparison failed: %r", exc)
-            compared, skip = None, _backward_skip(exc, ours=True)
-        fields = {
-            "backward": compared is not None,
-            "backward_skip": skip if compared is None else "",
-            "backward_seconds": time.perf_counter() - start,
-        }
+        fields = self._guarded(BACKWARD, gradients, compared=lambda exc: (None, _backward_skip(exc, ours=True)))
+        compared, skip = fields.pop("compared")
+        fields.update({"backward": compared is not None, "backward_skip": skip if compared is None else ""})
         if compared is not None and compared.outcome == Outcome.MISMATCH.value:
             detail = "; ".join(part for part in (compared.detail, found.detail) if part)
             found = dataclasses.replace(
@@ -536,12 +582,11 @@ class UpstreamSide:
         self, plan: Plan, args: tuple, kwargs: dict, legacy: Any, upstream: Any, left_by_legacy: TorchGlobals
     ) -> dict[str, Any]:
         """The float64 CPU runs (:mod:`shadow.core.judging.truth`: the single-device call's, or each side's code
-        path's) and
-        each side's error against them: the Observation fields (none where the results cannot be paired with them)."""
-        experiment = self.experiment
-        start = time.perf_counter()
-        target = experiment.target
-        try:
+        path's) and each side's error against them: the Observation fields (none where the results cannot be
+        paired with them)."""
+        experiment, target = self.experiment, self.experiment.target
+
+        def truth() -> dict[str, Any]:
             with torch.no_grad():  # (the single-device call's scatter: no graph on the caller's inputs)
                 call = target.oracle(args, kwargs) if target.oracle is not None else None
             if call is not None:
@@ -552,111 +597,82 @@ class UpstreamSide:
                 on, parts = (args, kwargs), (lambda result, truth: result)
             truths = []
             for function, side in paths:
-                experiment.put_back(plan.before)
-                try:
-                    with in_float64(function, *on) as (up_args, up_kwargs), upstream_run(side):
-                        body = functools.partial(run_upcast, function, up_args, up_kwargs)
-                        ran = self._within_deadline(side, plan.before, body)
-                finally:
-                    experiment.put_back(left_by_legacy)
-                if not ran.finished or ran.error is not None:
-                    return {"truth_seconds": time.perf_counter() - start}
+                ran = self._extra_run(
+                    plan, left_by_legacy, side, functools.partial(in_float64, function, *on),
+                    functools.partial(_upcast_run, function),
+                )  # fmt: skip
+                if ran is None or not ran.finished or ran.error is not None:
+                    return {}
                 truths.append(ran.value)
             if len(truths) == 1:
                 judged = judge(parts(legacy, truths[0]), parts(upstream, truths[0]), truths[0])
             else:
                 judged = judge_both(legacy, upstream, legacy_truth=truths[1], upstream_truth=truths[0])
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # the truth run is ours: its failure loses only its finding
-            experiment.log_limited("truth", "float64 truth run failed: %r", exc)
-            return {"truth_seconds": time.perf_counter() - start}
-        seconds = time.perf_counter() - start
-        if judged is None:
-            return {"truth_seconds": seconds}
-        return {
-            "nearer": judged.nearer,
-            "legacy_truth_error": judged.legacy_error,
-            "upstream_truth_error": judged.upstream_error,
-            "truth_seconds": seconds,
-        }
+            if judged is None:
+                return {}
+            return {
+                "nearer": judged.nearer,
+                "legacy_truth_error": judged.legacy_error,
+                "upstream_truth_error": judged.upstream_error,
+            }
+
+        return self._guarded("truth", truth)
 
     def _aa_run(self, plan: Plan, legacy: Run, left_by_legacy: TorchGlobals) -> dict[str, Any]:
         """Legacy once more (legacy, whatever the primary: the noise floor is the reference's own variation), from
         the same start and as isolated as the shadow run, compared with legacy's result (``legacy``): the
-        Observation fields of the A/A run, its errors added to the noise floor."""
+        Observation fields of the A/A run, its errors added to the noise floor. Legacy raising the second time is
+        noise of a kind not measured: the finding is lost."""
         experiment = self.experiment
-        start = time.perf_counter()
-        try:
-            if plan.isolation is not None:
-                args, kwargs = plan.isolation.arguments(plan.isolation_runs - 1)
-                context = plan.isolation.upstream_run(plan.isolation_runs - 1)
-            else:
-                args, kwargs = plan.upstream_arguments()
-                context = contextlib.nullcontext()
-            experiment.put_back(plan.before)
-            try:
-                # (a run of its own: the calls legacy makes of wrapped functions are nested calls, never upstream's)
-                with context, upstream_run(LEGACY_AGAIN):
-                    ran = self._within_deadline(LEGACY_AGAIN, plan.before, lambda: experiment.legacy(*args, **kwargs))
-                if not ran.finished:
-                    return {"aa_seconds": time.perf_counter() - start}
-                if ran.error is not None:
-                    raise ran.error
-                again = ran.value
-            finally:
-                experiment.put_back(left_by_legacy)
-            found = compare(legacy.value, again, tolerance=experiment.tolerance, exact=True)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # legacy raising the second time is noise of a kind we do not measure
-            experiment.log_limited("aa", "A/A run failed: %r", exc)
-            return {"aa_seconds": time.perf_counter() - start}
-        differs = found.outcome != Outcome.MATCH
-        abs_error = found.max_abs_error if differs else 0.0
-        rel_error = found.max_rel_error if differs else 0.0
-        experiment.noise.add_aa(plan.signature, found.leaf_errors, rel_error, differs)
-        seconds = time.perf_counter() - start
-        return {"aa": True, "aa_abs_error": abs_error, "aa_rel_error": rel_error, "aa_seconds": seconds}
+
+        def aa() -> dict[str, Any]:
+            # (a run of its own: the calls legacy makes of wrapped functions are nested calls, never upstream's)
+            on, again = (lambda: plan.in_slot(AA)), (lambda on: experiment.legacy(*on[0], **on[1]))
+            ran = self._extra_run(plan, left_by_legacy, LEGACY_AGAIN, on, again)
+            if ran is None or not ran.finished:
+                return {}
+            if ran.error is not None:
+                raise ran.error
+            found = compare(legacy.value, ran.value, tolerance=experiment.tolerance, exact=True)
+            differs = found.outcome != Outcome.MATCH
+            abs_error = found.max_abs_error if differs else 0.0
+            rel_error = found.max_rel_error if differs else 0.0
+            experiment.noise.add_aa(plan.signature, found.leaf_errors, rel_error, differs)
+            return {"aa": True, "aa_abs_error": abs_error, "aa_rel_error": rel_error}
+
+        return self._guarded(AA, aa)
 
     def _single_device(self, plan: Plan, legacy_result: Any, left_by_legacy: TorchGlobals) -> dict[str, Any]:
         """Run the call's replica 0 on its own device, isolated and from the same settings as the upstream run,
         and compare legacy's replica-0 output with it: the Observation fields of a shared divergence (none if
         they agree)."""
         experiment = self.experiment
-        start = time.perf_counter()
-        try:
-            args, kwargs = plan.isolation.arguments(1)
-            experiment.put_back(plan.before)
-            try:
-                with plan.isolation.upstream_run(1):
-                    call = experiment.target.oracle(args, kwargs)
-                    if call is None:
-                        return {}
-                    ran = self._within_deadline(experiment, plan.before, call.run)
-                    if not ran.finished:
-                        return {"oracle_seconds": time.perf_counter() - start}
-                    if ran.error is not None:
-                        raise ran.error
-                    single = ran.value
-            finally:
-                experiment.put_back(left_by_legacy)
+
+        @contextlib.contextmanager
+        def single_device() -> Iterator[Any]:
+            with plan.in_slot(ORACLE) as (args, kwargs):
+                yield experiment.target.oracle(args, kwargs)  # (None: the call has no single-device equivalent)
+
+        def oracle() -> dict[str, Any]:
+            ran = self._extra_run(plan, left_by_legacy, experiment, single_device, lambda call: (call, call.run()))
+            if ran is None:
+                return None  # (no single-device equivalent: no oracle run)
+            if not ran.finished:
+                return {}
+            if ran.error is not None:
+                raise ran.error
+            call, single = ran.value
             experiment.count_oracle_run()
             found = compare(call.legacy_part(legacy_result, single), single, tolerance=experiment.tolerance)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # the oracle is ours: its failure loses only the oracle's finding
-            experiment.log_limited("oracle", "single-device oracle failed: %r", exc)
-            return {"oracle_seconds": time.perf_counter() - start}
-        seconds = time.perf_counter() - start
-        if found.outcome != Outcome.MISMATCH:
-            return {"oracle_seconds": seconds}
-        reason = next((r for r in found.reasons if r in SHARED_DIVERGENCE_REASONS), "value")
-        return {
-            "shared_divergence": reason,
-            "shared_detail": bounded(f"legacy and upstream agree; replica 0 alone on its device: {found.detail}"),
-            "oracle_seconds": seconds,
-        }
+            if found.outcome != Outcome.MISMATCH:
+                return {}
+            reason = next((r for r in found.reasons if r in SHARED_DIVERGENCE_REASONS), "value")
+            return {
+                "shared_divergence": reason,
+                "shared_detail": bounded(f"legacy and upstream agree; replica 0 alone on its device: {found.detail}"),
+            }
+
+        return self._guarded(ORACLE, oracle)
 
     # ------------------------------------------------------------------ comparing
 
@@ -749,6 +765,30 @@ class UpstreamSide:
             exact=experiment.target.exact,
             device=_current_device(),
         )
+
+
+def _upcast_run(function: Callable, on: tuple[tuple, dict]) -> Any:
+    """``function`` on the float64 copies ``on`` (args, kwargs), without a graph or autocast."""
+    return run_upcast(function, *on)
+
+
+def _gradients_compared(
+    ran: Finished | None, theirs: Finished, names: Any, tolerance: ToleranceSpec
+) -> tuple[GradientComparison | None, str]:
+    """(the gradients compared, or None with the reason a backward comparison could not be made) from legacy's
+    and upstream's vector-Jacobian products."""
+    if ran is None or not (ran.finished and theirs.finished):
+        return None, "deadline"
+    if ran.error is not None or theirs.error is not None:
+        if type(ran.error) is not type(theirs.error):
+            detail = bounded("backward: " + compare_exceptions(ran.error, theirs.error).detail)
+            return GradientComparison(Outcome.MISMATCH.value, detail), ""
+        return None, _backward_skip(ran.error or theirs.error)  # (both raised alike)
+    if ran.value is None or theirs.value is None:
+        return None, "no_grad"  # (no output requires grad)
+    if _any_sparse(ran.value) or _any_sparse(theirs.value):
+        return None, "sparse"
+    return compare_gradients(ran.value, theirs.value, names, tolerance), ""
 
 
 def _raw_signature(experiment: Experiment, args: tuple, kwargs: dict) -> Any:
