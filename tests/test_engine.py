@@ -135,12 +135,12 @@ def test_legacy_raising_reaches_the_caller_unchanged():
 
 
 def test_comparator_and_exporter_failures_are_counted_and_swallowed(monkeypatch, caplog):
-    import shadow.core.calls.upstream_side
+    import shadow.core.calls.findings
 
     def broken_compare(*args, **kwargs):
         raise RuntimeError("comparator bug")
 
-    monkeypatch.setattr(shadow.core.calls.upstream_side, "compare", broken_compare)
+    monkeypatch.setattr(shadow.core.calls.findings, "compare", broken_compare)
     ops = make_ops()
     with shadow.install([Target("op", ops, "op", scale)], sample_rate=1.0, exporters=[FailingExporter()]) as monitor:
         out = [ops.op(torch.ones(2)) for _ in range(5)]

@@ -87,11 +87,11 @@ def test_both_sides_raising_is_reported_as_such_not_as_a_match(tmp_path):
 def test_the_engine_and_replay_share_one_rule_for_exceptions():
     import importlib
 
-    compare, upstream_side, replay = (
+    compare, findings, replay = (
         importlib.import_module(m)
-        for m in ("shadow.core.judging.compare", "shadow.core.calls.upstream_side", "shadow.analysis.replay")
+        for m in ("shadow.core.judging.compare", "shadow.core.calls.findings", "shadow.analysis.replay")
     )
-    assert upstream_side.compare_exceptions is replay.compare_exceptions is compare.compare_exceptions
+    assert findings.compare_exceptions is replay.compare_exceptions is compare.compare_exceptions
     assert compare.compare_exceptions(TypeError("a"), TypeError("a")).outcome == "match"
     assert compare.compare_exceptions(TypeError("a"), TypeError("b")).outcome == "close"
     assert compare.compare_exceptions(TypeError("a"), ValueError("a")).reasons == ("exception",)

@@ -31,11 +31,12 @@ from shadow.core.calls import clusters
 from shadow.core.calls.budget import Budgets
 from shadow.core.calls.coin import Coin
 from shadow.core.calls.coverage import CLASSIFY_ONE_IN, Coverage
+from shadow.core.calls.plan import Run, is_hooked_subclass
 from shadow.core.calls.publisher import Publisher
 from shadow.core.calls.sampler import Gate, Sampler
 from shadow.core.calls.settings import Settings
 from shadow.core.calls.tally import Tally
-from shadow.core.calls.upstream_side import Run, UpstreamSide, is_hooked_subclass
+from shadow.core.calls.upstream_side import UpstreamSide
 from shadow.core.judging.noise import NoiseFloor
 from shadow.core.model.observation import (
     LEGACY,

@@ -1,0 +1,242 @@
+"""The runs that join a sampled call's shadow run, one protocol for all: the A/A run (legacy again: the noise
+floor), the single-device oracle, the backward comparison and the float64 truth run. Each is drawn by its coin
+(:class:`~shadow.core.calls.coin.Coin`), runs in its own named isolation slot where it takes one
+(:attr:`~shadow.core.calls.plan.Plan.slots`), through one :meth:`ExtraRuns._run` (put-back, slot, side, deadline),
+guarded and timed by one :meth:`ExtraRuns._guarded` (a failure loses its finding alone: :data:`GUARDS`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from shadow.core.calls.plan import AA, BACKWARD, GUARDS, ORACLE, SHADOW, Experiment, Plan, Run, within_deadline
+from shadow.core.judging.compare import Comparison, compare, compare_exceptions
+from shadow.core.judging.gradients import GradientComparison, compare_gradients, names_of, vjp
+from shadow.core.judging.truth import in_float64, judge, judge_both, run_upcast
+from shadow.core.model.observation import SHARED_DIVERGENCE_REASONS, Outcome, bounded
+from shadow.core.model.tolerance import ToleranceSpec
+from shadow.core.runs.deadline import Finished
+from shadow.core.runs.global_state import TorchGlobals
+from shadow.core.runs.sides import LEGACY_AGAIN, upstream_run
+
+
+class ExtraRuns:
+    """The extra runs of one sampled call, made after its shadow run.
+
+    Args:
+        experiment: the experiment whose call it is.
+        plan: the call's plan (which runs joined, their slots).
+        left_by_legacy: the settings the primary's run left, put back after each run.
+    """
+
+    def __init__(self, experiment: Experiment, plan: Plan, left_by_legacy: TorchGlobals) -> None:
+        self.experiment, self.plan, self.left_by_legacy = experiment, plan, left_by_legacy
+
+    def _run(
+        self,
+        side: object,
+        on: Callable[[], contextlib.AbstractContextManager[Any]],
+        run: Callable[[Any], Any],
+        backward: bool = False,
+    ) -> Finished | None:
+        """One run after the shadow run, the way every extra run is made: from the settings legacy started from,
+        within ``on()`` (a context giving what the run is made on: an isolation slot's arguments, float64 copies;
+        None: nothing to run, and None is returned), as one of ``side``'s runs (``backward``: a backward
+        comparison's), within the deadline; the settings legacy left are put back after, whatever happens."""
+        experiment, plan, left_by_legacy = self.experiment, self.plan, self.left_by_legacy
+        experiment.put_back(plan.before)
+        try:
+            with on() as bound, upstream_run(side, backward=backward):
+                if bound is None:
+                    return None
+                return within_deadline(experiment, side, plan.before, lambda: run(bound))
+        finally:
+            experiment.put_back(left_by_legacy)
+
+    def _guarded(
+        self, kind: str, work: Callable[[], dict[str, Any] | None], **failed: Callable[[BaseException], Any]
+    ) -> dict[str, Any]:
+        """``work()``'s Observation fields, with the seconds it took as ``<kind>_seconds`` (none where it returns
+        None: nothing ran). A failure of an extra run is this tool's: its finding is lost (the fields are then
+        ``failed``'s, each made from the failure), said in the log (:data:`GUARDS`)."""
+        start = time.perf_counter()
+        try:
+            fields = work()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            self.experiment.log_limited(kind, GUARDS[kind], exc)
+            fields = {name: make(exc) for name, make in failed.items()}
+        if fields is None:
+            return {}
+        return {**fields, f"{kind}_seconds": time.perf_counter() - start}
+
+    def backward(
+        self, args: tuple, kwargs: dict, upstream: Run, found: Comparison
+    ) -> tuple[Comparison, dict[str, Any]]:
+        """The backward comparison (:mod:`shadow.core.judging.gradients`): legacy again, isolated, for a graph of
+        its own, and the same seeded products through both graphs; the comparison turned into a ``grad`` mismatch
+        where they differ, and the Observation fields of the backward run."""
+        experiment, plan = self.experiment, self.plan
+        seed = experiment.backward_coin.bits(40)
+
+        def gradients() -> dict[str, Any]:
+            ran = self._run(LEGACY_AGAIN, lambda: plan.in_slot(BACKWARD),
+                lambda on: vjp(experiment.legacy(*on[0], **on[1]), plan.stand_ins(BACKWARD), seed), backward=True,
+            )  # fmt: skip
+            theirs = Finished(False)
+            if ran is not None and ran.finished:
+                theirs = self._run(experiment, lambda: contextlib.nullcontext(True),
+                    lambda _: vjp(upstream.value, plan.stand_ins(SHADOW), seed), backward=True,
+                )  # fmt: skip
+            return {"compared": _gradients_compared(ran, theirs, names_of(args, kwargs), experiment.tolerance)}
+
+        fields = self._guarded(BACKWARD, gradients, compared=lambda exc: (None, _backward_skip(exc, ours=True)))
+        compared, skip = fields.pop("compared")
+        fields.update({"backward": compared is not None, "backward_skip": skip if compared is None else ""})
+        if compared is not None and compared.outcome == Outcome.MISMATCH.value:
+            detail = "; ".join(part for part in (compared.detail, found.detail) if part)
+            found = dataclasses.replace(
+                found, outcome=Outcome.MISMATCH.value, reasons=("grad",), detail=bounded(detail),
+                max_abs_error=max(found.max_abs_error, compared.max_abs_error),
+                max_rel_error=max(found.max_rel_error, compared.max_rel_error),
+            )  # fmt: skip
+        return found, fields
+
+    def truth(self, args: tuple, kwargs: dict, legacy: Any, upstream: Any) -> dict[str, Any]:
+        """The float64 CPU runs (:mod:`shadow.core.judging.truth`: the single-device call's, or each side's code
+        path's) and each side's error against them: the Observation fields (none where the results cannot be
+        paired with them)."""
+        experiment, target = self.experiment, self.experiment.target
+
+        def truth() -> dict[str, Any]:
+            with torch.no_grad():  # (the single-device call's scatter: no graph on the caller's inputs)
+                call = target.oracle(args, kwargs) if target.oracle is not None else None
+            if call is not None:
+                paths, on, parts = [(call.module, experiment)], (call.args, call.kwargs), call.legacy_part
+            else:
+                # (legacy's path as the A/A run runs it: the calls it makes of wrapped functions are legacy's)
+                paths = [(target.upstream, experiment), (experiment.legacy, LEGACY_AGAIN)]
+                on, parts = (args, kwargs), (lambda result, truth: result)
+            truths = []
+            for function, side in paths:
+                ran = self._run(side, functools.partial(in_float64, function, *on),
+                    functools.partial(_upcast_run, function),
+                )  # fmt: skip
+                if ran is None or not ran.finished or ran.error is not None:
+                    return {}
+                truths.append(ran.value)
+            if len(truths) == 1:
+                judged = judge(parts(legacy, truths[0]), parts(upstream, truths[0]), truths[0])
+            else:
+                judged = judge_both(legacy, upstream, legacy_truth=truths[1], upstream_truth=truths[0])
+            if judged is None:
+                return {}
+            return {
+                "nearer": judged.nearer,
+                "legacy_truth_error": judged.legacy_error,
+                "upstream_truth_error": judged.upstream_error,
+            }
+
+        return self._guarded("truth", truth)
+
+    def aa(self, legacy: Run) -> dict[str, Any]:
+        """Legacy once more (legacy, whatever the primary: the noise floor is the reference's own variation), from
+        the same start and as isolated as the shadow run, compared with legacy's result (``legacy``): the
+        Observation fields of the A/A run, its errors added to the noise floor. Legacy raising the second time is
+        noise of a kind not measured: the finding is lost."""
+        experiment, plan = self.experiment, self.plan
+
+        def aa() -> dict[str, Any]:
+            # (a run of its own: the calls legacy makes of wrapped functions are nested calls, never upstream's)
+            on, again = (lambda: plan.in_slot(AA)), (lambda on: experiment.legacy(*on[0], **on[1]))
+            ran = self._run(LEGACY_AGAIN, on, again)
+            if ran is None or not ran.finished:
+                return {}
+            if ran.error is not None:
+                raise ran.error
+            found = compare(legacy.value, ran.value, tolerance=experiment.tolerance, exact=True)
+            differs = found.outcome != Outcome.MATCH
+            abs_error = found.max_abs_error if differs else 0.0
+            rel_error = found.max_rel_error if differs else 0.0
+            experiment.noise.add_aa(plan.signature, found.leaf_errors, rel_error, differs)
+            return {"aa": True, "aa_abs_error": abs_error, "aa_rel_error": rel_error}
+
+        return self._guarded(AA, aa)
+
+    def single_device(self, legacy_result: Any) -> dict[str, Any]:
+        """Run the call's replica 0 on its own device, isolated and from the same settings as the upstream run,
+        and compare legacy's replica-0 output with it: the Observation fields of a shared divergence (none if
+        they agree)."""
+        experiment, plan = self.experiment, self.plan
+
+        @contextlib.contextmanager
+        def single_device() -> Iterator[Any]:
+            with plan.in_slot(ORACLE) as (args, kwargs):
+                yield experiment.target.oracle(args, kwargs)  # (None: the call has no single-device equivalent)
+
+        def oracle() -> dict[str, Any]:
+            ran = self._run(experiment, single_device, lambda call: (call, call.run()))
+            if ran is None:
+                return None  # (no single-device equivalent: no oracle run)
+            if not ran.finished:
+                return {}
+            if ran.error is not None:
+                raise ran.error
+            call, single = ran.value
+            experiment.count_oracle_run()
+            found = compare(call.legacy_part(legacy_result, single), single, tolerance=experiment.tolerance)
+            if found.outcome != Outcome.MISMATCH:
+                return {}
+            reason = next((r for r in found.reasons if r in SHARED_DIVERGENCE_REASONS), "value")
+            return {
+                "shared_divergence": reason,
+                "shared_detail": bounded(f"legacy and upstream agree; replica 0 alone on its device: {found.detail}"),
+            }
+
+        return self._guarded(ORACLE, oracle)
+
+
+def _any_sparse(grads: dict[int, torch.Tensor | None]) -> bool:
+    return any(grad is not None and grad.layout != torch.strided for grad in grads.values())
+
+
+def _backward_skip(failure: BaseException | None, ours: bool = False) -> str:
+    """Why a backward comparison could not be made, from what its run (or, ``ours``, this tool) raised: one of
+    BACKWARD_SKIP_REASONS."""
+    text = str(failure).lower()
+    if "checkpoint" in text and ("reentrant" in text or ".grad()" in text):
+        return "reentrant"
+    if "sparse" in text:
+        return "sparse"
+    return "failed" if ours else "raised"
+
+
+def _upcast_run(function: Callable, on: tuple[tuple, dict]) -> Any:
+    """``function`` on the float64 copies ``on`` (args, kwargs), without a graph or autocast."""
+    return run_upcast(function, *on)
+
+
+def _gradients_compared(
+    ran: Finished | None, theirs: Finished, names: Any, tolerance: ToleranceSpec
+) -> tuple[GradientComparison | None, str]:
+    """(the gradients compared, or None with the reason a backward comparison could not be made) from legacy's
+    and upstream's vector-Jacobian products."""
+    if ran is None or not (ran.finished and theirs.finished):
+        return None, "deadline"
+    if ran.error is not None or theirs.error is not None:
+        if type(ran.error) is not type(theirs.error):
+            detail = bounded("backward: " + compare_exceptions(ran.error, theirs.error).detail)
+            return GradientComparison(Outcome.MISMATCH.value, detail), ""
+        return None, _backward_skip(ran.error or theirs.error)  # (both raised alike)
+    if ran.value is None or theirs.value is None:
+        return None, "no_grad"  # (no output requires grad)
+    if _any_sparse(ran.value) or _any_sparse(theirs.value):
+        return None, "sparse"
+    return compare_gradients(ran.value, theirs.value, names, tolerance), ""
