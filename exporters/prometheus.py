@@ -30,7 +30,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from exporters import contract
 from shadow.core.calls.arms import ArmRun
-from shadow.core.calls.engine import MAX_SIGNATURES, OTHER_SIGNATURE
+from shadow.core.calls.classifier import MAX_SIGNATURES, OTHER_SIGNATURE
 from shadow.core.model.observation import LEGACY, PRIMARY_SIDES, Observation, Outcome
 from shadow.core.support import forks
 from shadow.core.support.safe_paths import check_private_directory, replace_regular_file

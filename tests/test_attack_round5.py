@@ -331,11 +331,11 @@ def test_a_signature_function_with_side_effects_changes_no_training(sample_rate,
 def test_the_signature_check_is_never_traced_by_dynamo(monkeypatch):
     """While dynamo traces the wrapper (at a graph break inside legacy) the check's own reads of the generators would
     be traced too (a graph break and a warning at each): the signature function is called plain there."""
-    from shadow.core.calls import engine
+    from shadow.core.calls import classifier
 
     checked = []
-    real = engine.call_without_side_effects
-    monkeypatch.setattr(engine, "call_without_side_effects", lambda f, *a: checked.append(f) or real(f, *a))
+    real = classifier.call_without_side_effects
+    monkeypatch.setattr(classifier, "call_without_side_effects", lambda f, *a: checked.append(f) or real(f, *a))
     owner = types.SimpleNamespace(op=lambda x: x + 1)
     target = Target("op", owner, "op", lambda x: x + 1, signature=lambda a, k: "s", isolate=False)
     with shadow.install([target], sample_rate=0.0, seed=1):

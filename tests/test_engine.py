@@ -347,7 +347,7 @@ def test_a_forked_childs_counts_start_at_zero_for_every_counter():
 
     import fakes
 
-    from shadow.core.calls.engine import MAX_SIGNATURES
+    from shadow.core.calls.classifier import MAX_SIGNATURES
     from shadow.core.model.observation import TargetStats
 
     class Failing:

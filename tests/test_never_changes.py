@@ -109,7 +109,7 @@ def test_a_per_target_rate_may_name_a_target_whose_legacy_comes_later():
 
 
 def test_signatures_per_target_are_capped_and_the_overflow_is_counted(caplog):
-    from shadow.core.calls.engine import MAX_SIGNATURES
+    from shadow.core.calls.classifier import MAX_SIGNATURES
 
     recorder = Recorder()
     ops, target = op_with(twice, signature=lambda args, kwargs: f"shape{args[0].shape[0]}")

@@ -77,7 +77,7 @@ def test_one_endpoint_shows_at_most_the_signature_cap_however_many_processes_wri
     from prometheus_client import CollectorRegistry, generate_latest
 
     from exporters.prometheus import SignatureCappedCollector
-    from shadow.core.calls.engine import MAX_SIGNATURES
+    from shadow.core.calls.classifier import MAX_SIGNATURES
 
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
     for process in range(3):  # 180 signature values in all, 60 each (within each process's own cap)

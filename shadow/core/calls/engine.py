@@ -29,8 +29,10 @@ from torch.utils._device import DeviceContext
 
 from shadow.core.calls import clusters
 from shadow.core.calls.budget import Budgets
+from shadow.core.calls.classifier import Classifier
 from shadow.core.calls.coin import Coin
 from shadow.core.calls.coverage import CLASSIFY_ONE_IN, Coverage
+from shadow.core.calls.held import HeldDifferences
 from shadow.core.calls.plan import Run, is_hooked_subclass
 from shadow.core.calls.publisher import Publisher
 from shadow.core.calls.sampler import Gate, Sampler
@@ -46,15 +48,12 @@ from shadow.core.model.observation import (
     Outcome,
     TargetStats,
     bounded,
-    label_text,
     within_noise_floor,
 )
 from shadow.core.model.targets import Target, patch_origin
 from shadow.core.model.tolerance import ToleranceSpec
 from shadow.core.runs.global_state import TorchGlobals
 from shadow.core.runs.isolation import (
-    SideEffects,
-    call_without_side_effects,
     has_user_hooks,
     module_tensors,
     modules_in_call,
@@ -66,14 +65,6 @@ from shadow.core.support.memory import InsufficientMemory
 log = logging.getLogger("shadow")
 
 _LOG_INTERVAL_SECONDS = 60.0
-
-#: Distinct signatures a target may have (each is a metric series); later ones count as "other".
-MAX_SIGNATURES = 100
-OTHER_SIGNATURE = "other"
-
-
-class _NotClassified(Exception):
-    """The budget is too deep in debt for a call to be classified, or its signature function is not run any more."""
 
 
 Setters = tuple[Callable[[Gate], None], Callable[[Callable], None]]
@@ -134,10 +125,6 @@ class _Admission:
     signature: str | None = None
     held: float | None = None
 
-
-#: Value differences a target holds at most while its noise floor cannot judge them (more are skipped at once,
-#: reason noise_pending): bounded memory, whatever the job.
-MAX_PENDING = 1000
 
 #: The functions whose shadow-side run passed its deadline in this process, by id (kept alive here): a run left to
 #: itself may hang for good, and a later install over the same function does not start another one beside it.
@@ -252,17 +239,11 @@ class Experiment:
         # The overhead budget, the monitor's (shared by its targets): the upstream side's time (upstream,
         # comparison, oracle, exporters) and a guided target's classifying may use at most its fraction of wall time
         # over every 10 s window (shadow.core.calls.budget); sampled calls beyond it are skipped (reason "budget")
-        # without
-        # calling exporters, and reported to them in bulk at the next publish or flush.
+        # without calling exporters, and reported to them in bulk at the next publish or flush.
         self._budget = budget.shadow if budget is not None else None
         self._clock = budget.clock if budget is not None else time.perf_counter  # (what is charged is timed on it)
-        self._classify_budget = budget.classifying if budget is not None else None  # (classifying's own share)
         self._sampled_seconds = 0.0  # (what the sampled call under way has taken so far: its plan, its upstream side)
         self._last_cost = 0.0  # (what the last sampled call that ended took: what the next one is expected to cost)
-        self._classified = 0
-        self._classify_seconds = 0.0  # (what the last timed call of the signature function took)
-        #: The signature function changed a generator or the grad mode (put back): it is not run any more.
-        self.signature_has_side_effects = False
         # The deadline of one call's shadow side (seconds, None: none): past it the call is skipped (reason
         # "deadline"), its run abandoned on its own thread, and every later sampled call is skipped too.
         self.deadline = settings.deadline
@@ -280,9 +261,8 @@ class Experiment:
         # (of the current phase: started again at a rollback or a reset)
         self.noise = NoiseFloor()
         # Value differences the floor cannot judge yet (shadow.core.judging.noise): published once it can, as noise
-        # or as
-        # mismatches; neither divergence nor agreement meanwhile (a skip, reason noise_pending, if it never can).
-        self._pending: list[Observation] = []
+        # or as mismatches; neither divergence nor agreement meanwhile (a skip, reason noise_pending, if it never can)
+        self.held = HeldDifferences()
         self.legacy = target.resolve_legacy()
         self.legacy_origin = patch_origin(self.legacy) or ""
         # The primary side's result is the caller's (legacy while shadowing; upstream in a canary), the other side
@@ -299,17 +279,16 @@ class Experiment:
         self.publisher = publisher
         self._lock = threading.Lock()
         self.tally = Tally(clusters.cluster_share())
-        self._signatures: set[str] = set()
         self._last_logged: dict[str, float] = {}
+        self.classifier = Classifier(target, budget, self._clock, self.log_limited, self._count_over_cap)
         # Coverage guidance: the first calls of every signature are compared, later ones sampled at the rate
-        # (shadow.core.calls.coverage: every call classified until each signature seen has had its first calls, then one
-        # in CLASSIFY_ONE_IN). It needs a signature function. Its sampler's gates end at the calls to classify;
+        # (shadow.core.calls.coverage: every call classified until each signature seen has had its first calls, then
+        # one in CLASSIFY_ONE_IN). It needs a signature function. Its sampler's gates end at the calls to classify;
         # the sampled calls are drawn among those (a thinning: each call is still sampled at the rate).
         self.sample_rate = sample_rate
         self.first_per_signature = settings.first_per_signature if target.signature is not None else 0
         self.coverage = Coverage(self.first_per_signature) if self.first_per_signature else None
         self._guided_coin = Coin(sample_rate, seed, f"{target.name}/guided")
-        self._labels: dict[Any, str] = {}  # what the signature function returned -> the admitted label
         # (keys whose signature had its first calls: those calls take the gate; the rest are classified)
         self._signature_key = target.signature_key if self.coverage is not None else None
         self._known_keys: set = set()
@@ -350,51 +329,14 @@ class Experiment:
         else the sampler's."""
         self._set_gate(_CLOSED if _HELD.count or self._classifies_all() else self._sampler_gate)
 
-    def _classify(self, args: tuple, kwargs: dict) -> str:
-        """A guided target's call: its signature. A signature function that fails, or that the budget has no room
-        for, classifies as "unclassified"."""
-        budget = self._classify_budget
-        try:
-            if budget is not None and not budget.allows():
-                raise _NotClassified  # (classifying alone has used the budget)
-            if self.signature_has_side_effects:
-                raise _NotClassified
-            # (one call in 16 is timed, the first among them: every call is charged what the last timed one took;
-            # the first 64 calls and one in 256 after are checked: a function that changed a generator or the grad
-            # mode is put back and never run again; not while dynamo traces this, where the check's own reads of
-            # the generators would be traced too)
-            self._classified += 1
-            checked = (self._classified <= 64 or self._classified & 255 == 1) and not torch.compiler.is_compiling()
-            timed = budget is not None and self._classified & 15 == 1
-            start = self._clock() if timed else 0.0
-            with torch._C.DisableTorchFunction():  # (a user's mode or tensor subclass never sees the classifying)
-                raw = self.signature_of(args, kwargs) if checked else self.target.signature(args, kwargs)
-            label = self._labels.get(raw)
-            if label is None:
-                label = self.admit(label_text(str(raw), 64))
-                if len(self._labels) < 4 * MAX_SIGNATURES:
-                    self._labels[raw] = label
-            if timed:
-                self._classify_seconds = self._clock() - start
-            if budget is not None:
-                budget.charge(self._classify_seconds)
-                self._charge(self._classify_seconds)
-        except KeyboardInterrupt:
-            raise
-        except BaseException:  # the user's signature function: its failure is counted, never the job's
-            label = UNCLASSIFIED_SIGNATURE
-        return label
-
     def signature_of(self, args: tuple, kwargs: dict) -> Any:
-        """The target's signature function on a call, checked: one that changes a generator or the grad mode
-        (:func:`shadow.core.runs.isolation.call_without_side_effects`) has it put back, is said once and never runs
-        again (its calls classify as "unclassified"); raises what it raised."""
-        try:
-            return call_without_side_effects(self.target.signature, args, kwargs)
-        except SideEffects as exc:
-            self.signature_has_side_effects = True
-            self.log_limited("signature", "its signature function is not run any more: %s (put back)", exc)
-            raise
+        """The target's signature function on a call, checked (:meth:`Classifier.signature_of`)."""
+        return self.classifier.signature_of(args, kwargs)
+
+    @property
+    def signature_has_side_effects(self) -> bool:
+        """Whether the signature function changed a generator or the grad mode (it is not run any more)."""
+        return self.classifier.has_side_effects
 
     def _count_classified(self, coverage: Coverage, signature: str, alone: bool = False) -> tuple[bool, bool]:
         """(among the first of its signature, sampled) for a classified call, counted (under the lock). While
@@ -471,7 +413,7 @@ class Experiment:
             return _Admission(run=self.primary_fn)  # (the gate is closed for an upstream side: this call passes it)
         signature, first = None, False
         if self.coverage is not None:
-            signature = self._classify(args, kwargs)
+            signature = self.classifier.classify(args, kwargs)
             with self._lock:
                 first, sampled = self._count_classified(self.coverage, signature, alone=novel)
                 finished = self._signature_key is not None and self.coverage.finished(signature)
@@ -560,15 +502,11 @@ class Experiment:
 
     def admit(self, signature: str) -> str:
         """The signature itself while the target has fewer than MAX_SIGNATURES, else "other" (counted, logged)."""
-        if signature in self._signatures:
-            return signature
+        return self.classifier.admit(signature)
+
+    def _count_over_cap(self) -> None:
         with self._lock:
-            if len(self._signatures) < MAX_SIGNATURES:
-                self._signatures.add(signature)
-                return signature
             self.tally.signatures_over_cap += 1
-        self.log_limited("signatures", "more than %d signatures; the rest count as %r", MAX_SIGNATURES, OTHER_SIGNATURE)
-        return OTHER_SIGNATURE
 
     def _upstream_side(self, side: UpstreamSide, args: tuple, kwargs: dict, legacy: Run) -> None:
         """Everything after legacy: observe, publish. Whatever it does to torch's global state is undone, and
@@ -695,13 +633,11 @@ class Experiment:
 
     def _publish(self, observation: Observation, judged: bool = False) -> None:
         """Count an observation and export it. A value difference the noise floor cannot judge yet is held
-        instead (at most MAX_PENDING); after an A/A run, the held ones of its signature are judged again
-        (``judged``: this is one of them)."""
+        instead (:class:`~shadow.core.calls.held.HeldDifferences`); after an A/A run, the held ones of its
+        signature are judged again (``judged``: this is one of them)."""
         if observation.noise_pending:
-            with self._lock:
-                if len(self._pending) < MAX_PENDING:
-                    self._pending.append(observation)
-                    return
+            if self.held.hold(observation):
+                return
             observation = _unjudged(observation)
         with self._lock:
             observation = self.tally.count(observation)
@@ -710,31 +646,15 @@ class Experiment:
         if failed:
             with self._lock:
                 self.tally.export_errors += failed
-        if observation.aa and not judged and self._pending:
-            self._judge_pending(observation.signature)
-
-    def _judge_pending(self, signature: str) -> None:
-        """The held value differences of ``signature`` the floor can judge now, published as it judges them."""
-        with self._lock:
-            held = [o for o in self._pending if o.signature == signature]
-        for observation in held:
-            noise, test = self.noise.judge(signature, observation.leaf_errors)
-            if noise is None:
-                continue
-            with self._lock:
-                left = [o for o in self._pending if o is not observation]
-                if len(left) == len(self._pending):
-                    continue  # (judged meanwhile on another thread)
-                self._pending = left
-            found = within_noise_floor(observation, test) if noise else observation
-            self._publish(dataclasses.replace(found, noise_pending=False, noise_test=test, leaf_errors=()), True)
+        if observation.aa and not judged and len(self.held):
+            for held, noise, test in self.held.judged(observation.signature, self.noise):
+                found = within_noise_floor(held, test) if noise else held
+                self._publish(dataclasses.replace(found, noise_pending=False, noise_test=test, leaf_errors=()), True)
 
     def release_pending(self) -> None:
         """Publish the value differences still held as skips (reason noise_pending): the floor never had the
         A/A runs to judge them (at a flush, a rollback, a reset)."""
-        with self._lock:
-            held, self._pending = self._pending, []
-        for observation in held:
+        for observation in self.held.release():
             self._publish(_unjudged(observation), True)
 
     def report_calls(self, flush: bool = False) -> None:
@@ -788,7 +708,7 @@ class Experiment:
                 shared_divergences=dict(tally.shared),
                 oracle_runs=tally.oracle_runs,
                 backward_runs=tally.backward_runs,
-                noise_pending=len(self._pending),
+                noise_pending=len(self.held),
                 backward_skips=dict(tally.backward_skips),
                 truth_runs=dict(tally.truth_runs),
                 clusters=tally.clusters.count,
@@ -804,7 +724,7 @@ class Experiment:
         self._lock = threading.Lock()
         self.tally = self.tally.fresh()
         self.noise = NoiseFloor()
-        self._pending = []
+        self.held = HeldDifferences()
         if self.coverage is not None:  # (its first calls compared again: the child's own evidence)
             self.coverage = Coverage(self.first_per_signature)
             self._known_keys.clear()

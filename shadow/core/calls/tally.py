@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from shadow.core.calls.clusters import WINDOW_SECONDS, Clusters
+from shadow.core.calls import clusters as clustering
 from shadow.core.model.observation import DIVERGENT_OUTCOMES, Observation, Outcome
 
 
@@ -40,7 +40,7 @@ class Tally:
     backward_runs: int = 0
     backward_skips: collections.Counter[str] = dataclasses.field(default_factory=_counter)
     truth_runs: collections.Counter[str] = dataclasses.field(default_factory=_counter)
-    clusters: Clusters = dataclasses.field(init=False)
+    clusters: clustering.Clusters = dataclasses.field(init=False)
     drilled: int = 0
     signatures_over_cap: int = 0
     export_errors: int = 0
@@ -50,7 +50,8 @@ class Tally:
     signature_calls_reported: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.clusters = Clusters(WINDOW_SECONDS, self.cluster_share)
+        # (the window as it is now, not as it was at import: a test sets it)
+        self.clusters = clustering.Clusters(clustering.WINDOW_SECONDS, self.cluster_share)
 
     def fresh(self) -> Tally:
         """A tally at zero with the same cluster share (a forked child's)."""

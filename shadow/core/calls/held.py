@@ -1,0 +1,56 @@
+"""Value differences the noise floor cannot judge yet: held, bounded, until it can or never will."""
+
+from __future__ import annotations
+
+import threading
+
+from shadow.core.judging.noise import NoiseFloor
+from shadow.core.model.observation import Observation
+
+#: Value differences a target holds at most while its noise floor cannot judge them (more are skipped at once,
+#: reason noise_pending): bounded memory, whatever the job.
+MAX_PENDING = 1000
+
+
+class HeldDifferences:
+    """One target's value differences held until its noise floor has the A/A runs to judge them: neither
+    divergence nor agreement meanwhile."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[Observation] = []
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, observation: Observation) -> bool:
+        """Hold ``observation``; False where MAX_PENDING are held already (it is then skipped at once)."""
+        with self._lock:
+            if len(self._held) >= MAX_PENDING:
+                return False
+            self._held.append(observation)
+            return True
+
+    def judged(self, signature: str, noise: NoiseFloor) -> list[tuple[Observation, bool, str]]:
+        """The held differences of ``signature`` the floor can judge now, each let go with its judgement (whether
+        it is noise, the test as text); those it still cannot judge stay held."""
+        with self._lock:
+            waiting = [o for o in self._held if o.signature == signature]
+        found = []
+        for observation in waiting:
+            noise_now, test = noise.judge(signature, observation.leaf_errors)
+            if noise_now is None:
+                continue
+            with self._lock:
+                left = [o for o in self._held if o is not observation]
+                if len(left) == len(self._held):
+                    continue  # (judged meanwhile on another thread)
+                self._held = left
+            found.append((observation, noise_now, test))
+        return found
+
+    def release(self) -> list[Observation]:
+        """Every difference still held, let go (the floor never had the A/A runs to judge them)."""
+        with self._lock:
+            held, self._held = self._held, []
+        return held
