@@ -116,11 +116,10 @@ _HELD = _Held()
 
 @dataclasses.dataclass(frozen=True)
 class _Admission:
-    """What becomes of a call that found the gate closed (:meth:`Experiment._admit`): ``run`` it as it is, skip it
-    in bulk for ``skip`` (a reason), or compare it (``signature``: a guided target's; ``held``: what the budget
-    lent it, given back once its real cost is charged)."""
+    """What becomes of a sampled call (:meth:`Experiment._admit`): skipped in bulk for ``skip`` (a reason), or
+    compared (``signature``: a guided target's; ``held``: what the budget lent it, given back once its real cost
+    is charged)."""
 
-    run: Callable | None = None
     skip: str = ""
     signature: str | None = None
     held: float | None = None
@@ -378,8 +377,8 @@ class Experiment:
         """A call found the gate closed (or, ``novel``, its signature key is not known yet): admitted
         (:meth:`_admit`), then run as admitted."""
         admission = self._admit(args, kwargs, novel)
-        if admission.run is not None:  # (a nested call, or one not sampled)
-            return admission.run(*args, **kwargs)
+        if callable(admission):  # (a nested call, or one not sampled: nothing is made for it)
+            return admission(*args, **kwargs)
         if admission.skip:
             with self._lock:  # nothing but counting: until the job's time catches up, or for good
                 self.tally.skip_in_bulk(admission.skip)
@@ -390,10 +389,10 @@ class Experiment:
             if admission.held:  # (what was taken at the start, given back: the call's real cost is charged by now)
                 self._charge(-admission.held)
 
-    def _admit(self, args: tuple, kwargs: dict, novel: bool) -> _Admission:
-        """What becomes of a call that found the gate closed: run as it is (a nested call, a call not sampled),
-        skipped in bulk (past the deadline, beyond the budget), or compared (the sampled one, or a guided target's
-        call among the first of its signature, compared whatever the rate)."""
+    def _admit(self, args: tuple, kwargs: dict, novel: bool) -> Callable | _Admission:
+        """What becomes of a call that found the gate closed: run as it is (the function returned: a nested call,
+        a call not sampled), skipped in bulk (past the deadline, beyond the budget), or compared (the sampled one,
+        or a guided target's call among the first of its signature, compared whatever the rate)."""
         side = upstream_side_of_this_thread()
         publishing = getattr(marks, "publishing", False)
         if side is not None or publishing or getattr(marks, "in_legacy", None) is self:
@@ -408,9 +407,9 @@ class Experiment:
                 if not novel and (self.coverage is None or not self.coverage.classify_all):  # (it ended the gate)
                     self.sampler.arrive()
                     self.sampler.uncount()
-            return _Admission(run=self.shadow_fn if side is self and not publishing else self.primary_fn)
+            return self.shadow_fn if side is self and not publishing else self.primary_fn
         if not novel and _HELD.count and not self._classifies_all() and next(self._sampler_gate, False):
-            return _Admission(run=self.primary_fn)  # (the gate is closed for an upstream side: this call passes it)
+            return self.primary_fn  # (the gate is closed for an upstream side: this call passes it)
         signature, first = None, False
         if self.coverage is not None:
             signature = self.classifier.classify(args, kwargs)
@@ -423,7 +422,7 @@ class Experiment:
             with self._lock:
                 sampled = self.sampler.arrive()
         if not (first or sampled):
-            return _Admission(run=self.primary_fn)
+            return self.primary_fn
         if self.deadline_passed:
             return _Admission(skip="deadline")
         held = None
