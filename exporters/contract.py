@@ -125,7 +125,11 @@ ABS_ERROR = Metric("npu_shadow.abs_error", "1", "histogram", ("target",), "Great
 REL_ERROR = Metric("npu_shadow.rel_error", "1", "histogram", ("target",), "Greatest relative error per comparison.")
 LEGACY = Metric("npu_shadow.legacy", "s", "counter", ("target",), "Time spent in legacy on sampled calls.")
 SHADOW = Metric(
-    "npu_shadow.shadow", "s", "counter", ("target",), "Time spent on the shadow side: upstream run plus comparison."
+    "npu_shadow.shadow",
+    "s",
+    "counter",
+    ("target",),
+    "Time spent on the shadow side: the shadow run, the comparison, and the oracle, A/A, backward and truth runs.",
 )
 SHADOW_DURATION = Metric(
     "npu_shadow.shadow.duration", "s", "histogram", ("target",), "Shadow side time per sampled call."

@@ -131,7 +131,7 @@ class JsonlExporter:
     ``capture_dir`` turns on repro captures of mismatches and errors: at most ``max_captures`` files and
     ``max_capture_bytes`` of tensor data per process. ``annotate`` returns fields to add to each line (the pytest
     plugin's test node id, say). Write errors (disk full, unwritable) are raised to
-    the engine, which counts them as ``export`` skips; training never sees them.
+    the engine, which counts them as export errors; training never sees them.
     """
 
     def __init__(
@@ -242,7 +242,7 @@ class JsonlExporter:
 
     def _export_line(self, observation: Observation) -> None:
         """The observation's line (under the lock). The line first: it never depends on the capture. A capture
-        that then fails is removed and raised (the engine counts it as an export skip); its line names a file that
+        that then fails is removed and raised (the engine counts it as an export error); its line names a file that
         is not there."""
         try:
             data, failure = self._capture_data(observation), None
