@@ -103,7 +103,7 @@ def test_a_per_target_rate_may_name_a_target_whose_legacy_comes_later():
     patches = reference.patch_torch()
     try:
         with shadow.install(sample_rate={"tensor_type": 0.5}) as monitor:
-            assert monitor.experiment("tensor_type").sampler.rate == 0.5
+            assert monitor.experiment("tensor_type").sampling.sampler.rate == 0.5
     finally:
         patches.undo()
 

@@ -50,14 +50,14 @@ class ExtraRuns:
         None: nothing to run, and None is returned), as one of ``side``'s runs (``backward``: a backward
         comparison's), within the deadline; the settings legacy left are put back after, whatever happens."""
         experiment, plan, left_by_legacy = self.experiment, self.plan, self.left_by_legacy
-        experiment.put_back(plan.before)
+        experiment.record.put_back(plan.before)
         try:
             with on() as bound, upstream_run(side, backward=backward):
                 if bound is None:
                     return None
                 return within_deadline(experiment, side, plan.before, lambda: run(bound))
         finally:
-            experiment.put_back(left_by_legacy)
+            experiment.record.put_back(left_by_legacy)
 
     def _guarded(
         self, kind: str, work: Callable[[], dict[str, Any] | None], **failed: Callable[[BaseException], Any]
@@ -71,7 +71,7 @@ class ExtraRuns:
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
-            self.experiment.log_limited(kind, GUARDS[kind], exc)
+            self.experiment.record.log_limited(kind, GUARDS[kind], exc)
             fields = {name: make(exc) for name, make in failed.items()}
         if fields is None:
             return {}
@@ -190,7 +190,7 @@ class ExtraRuns:
             if ran.error is not None:
                 raise ran.error
             call, single = ran.value
-            experiment.count_oracle_run()
+            experiment.record.add("oracle_runs")
             found = compare(call.legacy_part(legacy_result, single), single, tolerance=experiment.tolerance)
             if found.outcome != Outcome.MISMATCH:
                 return {}

@@ -105,7 +105,7 @@ def evidence(experiment: Experiment, plan: Plan, legacy: Run, upstream: Run) -> 
     try:
         module_state = modules[0].state_dict() if modules else None
     except Exception as exc:  # the user's state_dict: its failure loses the state, never the observation
-        experiment.log_limited("state_dict", "module state for the capture failed: %r", exc)
+        experiment.record.log_limited("state_dict", "module state for the capture failed: %r", exc)
         module_state = None
     return Evidence(
         args,

@@ -12,7 +12,9 @@ from typing import Any, Protocol
 
 import torch
 
+from shadow.core.calls.classifier import Classifier
 from shadow.core.calls.coin import Coin
+from shadow.core.calls.record import Record
 from shadow.core.judging.noise import NoiseFloor
 from shadow.core.model.targets import Target
 from shadow.core.model.tolerance import ToleranceSpec
@@ -148,13 +150,9 @@ class Experiment(Protocol):
     backward_coin: Coin
     truth_coin: Coin
     noise: NoiseFloor
-    signature_has_side_effects: bool
+    classifier: Classifier
+    record: Record
 
-    def admit(self, signature: str) -> str: ...
-    def signature_of(self, args: tuple, kwargs: dict) -> Any: ...
-    def put_back(self, settings: TorchGlobals) -> bool: ...
-    def log_limited(self, kind: str, message: str, *args: Any) -> None: ...
-    def count_oracle_run(self) -> None: ...
     def deadline_missed(self) -> None: ...
 
 
@@ -179,7 +177,7 @@ def within_deadline(
         known = getattr(room, "settings", None)
         if known is not None and known.same_as(before):
             return
-        if experiment.put_back(before):  # (on the room: its thread-local settings the caller's)
+        if experiment.record.put_back(before):  # (on the room: its thread-local settings the caller's)
             room.settings = before
         else:
             leave_room()

@@ -29,7 +29,7 @@ class Tally:
         export_errors: exporters that failed to export an observation.
         settings_failures: torch's global settings that could not be taken or put back.
         skips_unreported: sampled calls skipped in bulk (budget, deadline) since the last report.
-        calls_reported: the calls reported to the exporters so far (one number, or by signature when guided).
+        calls_reported: the calls reported to the exporters so far, by signature (under "" where not guided).
     """
 
     cluster_share: float = 1.0
@@ -46,8 +46,7 @@ class Tally:
     export_errors: int = 0
     settings_failures: int = 0
     skips_unreported: collections.Counter[str] = dataclasses.field(default_factory=_counter)
-    calls_reported: int = 0
-    signature_calls_reported: dict[str, int] = dataclasses.field(default_factory=dict)
+    calls_reported: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # (the window as it is now, not as it was at import: a test sets it)

@@ -95,7 +95,7 @@ class UpstreamSide:
             else:
                 isolation, (up_args, up_kwargs) = None, detach_tensors((args, kwargs))
             if signature is None:  # (a guided target's call comes classified)
-                signature = experiment.admit(label_text(str(_raw_signature(experiment, args, kwargs)), 64))
+                signature = experiment.classifier.admit(label_text(str(_raw_signature(experiment, args, kwargs)), 64))
             rewind = target.rewind(args, kwargs) if target.rewind is not None else None
             # (a run that reads the caller's stream is never left running past a deadline: it would move the
             # stream under the job later; it runs on the caller's thread)
@@ -249,7 +249,7 @@ class UpstreamSide:
         drilled = False
         autocast = ""
         if not left_by_legacy.same_as(plan.before):  # (legacy changed a setting: upstream starts where it did)
-            experiment.put_back(plan.before)
+            experiment.record.put_back(plan.before)
         shadow_fn = experiment.shadow_fn
         snapshot = experiment.target.snapshot
 
@@ -292,19 +292,19 @@ class UpstreamSide:
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the isolation's own failure (upstream's are in finished): a fault of ours,
-            experiment.put_back(left_by_legacy)  # counted as a "comparator" skip, never a side's exception
+            experiment.record.put_back(left_by_legacy)  # counted as a "comparator" skip, never a side's exception
             raise IsolationFailed(f"the isolation of the shadow run failed: {exc!r}") from exc
         finally:
             if left_there is not None:
                 left_there()
         if isinstance(finished.error, IsolationFailed):
-            experiment.put_back(left_by_legacy)
+            experiment.record.put_back(left_by_legacy)
             raise finished.error
         seconds = time.perf_counter() - start
         left_by_upstream = left if left is not None and finished.finished else TorchGlobals()
         unchanged = left_by_legacy.same_as(plan.before) and left_by_upstream.same_as(plan.before)
         if not (finished.finished and unchanged):  # (where neither run changed a setting, they are as legacy left)
-            experiment.put_back(left_by_legacy)
+            experiment.record.put_back(left_by_legacy)
         if not finished.finished:
             return None, drilled, left_by_upstream
         # (SystemExit, GeneratorExit: upstream's outcome, never the caller's)
@@ -316,9 +316,9 @@ def _raw_signature(experiment: Experiment, args: tuple, kwargs: dict) -> Any:
     changed a generator or the grad mode, now or before, names the call "unclassified"."""
     if experiment.target.signature is None:
         return "call"
-    if experiment.signature_has_side_effects:
+    if experiment.classifier.has_side_effects:
         return UNCLASSIFIED_SIGNATURE
     try:
-        return experiment.signature_of(args, kwargs)
+        return experiment.classifier.signature_of(args, kwargs)
     except SideEffects:
         return UNCLASSIFIED_SIGNATURE
