@@ -120,3 +120,28 @@ class Budgets:
     def of(cls, fraction: float, clock: Clock = time.perf_counter) -> Budgets:
         """Both allowances at ``fraction`` of wall time, on one ``clock``."""
         return cls(Budget(fraction, clock), Budget(fraction, clock))
+
+
+class ShadowCost:
+    """What one target's shadow side costs: timed on the budget's clock and charged to its allowance; the last
+    sampled call's whole cost is what the next one is expected to cost.
+
+    Args:
+        budgets: the monitor's allowances (None: no limit; costs are still timed).
+    """
+
+    def __init__(self, budgets: Budgets | None) -> None:
+        self.budget = budgets.shadow if budgets is not None else None
+        self.clock: Clock = budgets.clock if budgets is not None else time.perf_counter
+        self.last = 0.0  # (the last sampled call's plan and shadow side, once both were done)
+        self.planned = 0.0  # (the sampled call under way: its plan)
+
+    def take(self, who: object) -> float | None:
+        """What a sampled call of ``who``'s may take from the allowance now (:meth:`Budget.take`), or None where
+        it may not start; 0.0 without a budget."""
+        return self.budget.take(self.last, who) if self.budget is not None else 0.0
+
+    def charge(self, seconds: float) -> None:
+        """Seconds the shadow side used (negative: given back)."""
+        if self.budget is not None:
+            self.budget.charge(seconds)

@@ -6,9 +6,9 @@ Data flows one way: call -> the wrapper's gate (:mod:`~shadow.core.calls.wrapper
 -> :class:`Observation` -> the target's :class:`~shadow.core.calls.record.Record` -> exporters. The experiment
 keeps the call path, its admission and the primary; what it counted is its record's, its draws are
 :class:`~shadow.core.calls.coin.Coin` s, its signatures its :class:`~shadow.core.calls.classifier.Classifier`'s,
-its settings the monitor's :class:`~shadow.core.calls.settings.Settings`. Whatever runs after legacy is caught in
-:meth:`Experiment._shadow_side`: a failure there is counted and logged (at most once a minute per kind), never the
-job's.
+its settings the monitor's :class:`~shadow.core.calls.settings.Settings`. Whatever runs after the primary is caught in
+:func:`~shadow.core.calls.sampled_call.shadow_side`: a failure there is counted and logged (at most once a minute
+per kind), never the job's.
 """
 
 from __future__ import annotations
@@ -16,36 +16,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from shadow.core.calls import eligibility
-from shadow.core.calls.budget import Budgets
+from shadow.core.calls import sampled_call
+from shadow.core.calls.budget import Budgets, ShadowCost
 from shadow.core.calls.classifier import Classifier
 from shadow.core.calls.coin import Coin
-from shadow.core.calls.plan import Run
 from shadow.core.calls.publisher import Publisher
 from shadow.core.calls.record import Record
-from shadow.core.calls.sampling import UNDER_WAY, Sampling
+from shadow.core.calls.sampling import Sampling
 from shadow.core.calls.settings import Settings
-from shadow.core.calls.upstream_side import UpstreamSide
 from shadow.core.calls.wrapper import make_wrapper
 from shadow.core.judging.noise import NoiseFloor
 from shadow.core.model.observation import (
     LEGACY,
     UNCLASSIFIED_SIGNATURE,
     Observation,
-    Outcome,
     TargetStats,
-    bounded,
 )
 from shadow.core.model.targets import Target, patch_origin
 from shadow.core.model.tolerance import ToleranceSpec
-from shadow.core.runs.global_state import TorchGlobals
-from shadow.core.runs.isolation import modules_in_call
 from shadow.core.runs.sides import marks, upstream_side_of_this_thread
 from shadow.core.support import compiling, forks
 
@@ -94,9 +85,7 @@ class Experiment:
     ) -> None:
         self.target, self.settings, self.monitor = target, settings, None  # (the monitor sets itself)
         self.drill, self.pure_hooks, self.deadline = settings.drill, settings.pure_hooks, settings.deadline
-        self._budget = budget.shadow if budget is not None else None
-        self._clock = budget.clock if budget is not None else time.perf_counter  # (what is charged is timed on it)
-        self._sampled_seconds = self._last_cost = 0.0  # (the sampled call under way so far; the last one's whole)
+        self.cost = ShadowCost(budget)
         self._draw_extra_runs(settings)
         self.noise = NoiseFloor()  # (of the current phase: started again at a rollback or a reset)
         self.legacy = target.resolve_legacy()
@@ -110,7 +99,7 @@ class Experiment:
         self._lock = threading.Lock()
         self.record = Record(target.name, publisher, self._lock)
         self.classifier = Classifier(
-            target, budget, self._clock, self.record.log_limited, lambda: self.record.add("signatures_over_cap")
+            target, budget, self.cost.clock, self.record.log_limited, lambda: self.record.add("signatures_over_cap")
         )
         self.sampling = Sampling(target, sample_rate, settings.first_per_signature, settings.seed, self._lock)
         self.wrapper, (set_gate, self._set_primary) = make_wrapper(
@@ -154,12 +143,12 @@ class Experiment:
             return admission(*args, **kwargs)
         if admission.skip:  # (nothing but counting: until the job's time catches up, or for good)
             self.record.skip_in_bulk(admission.skip)
-            return self._run_primary(args, kwargs)
+            return sampled_call.run_primary(self, args, kwargs)
         try:
-            return self._compare(args, kwargs, admission.signature)
+            return sampled_call.compare(self, args, kwargs, admission.signature)
         finally:
             if admission.held:  # (what was taken at the start, given back: the call's real cost is charged by now)
-                self._charge(-admission.held)
+                self.cost.charge(-admission.held)
 
     def _admit(self, args: tuple, kwargs: dict, novel: bool) -> Callable | _Admission:
         """What becomes of a call that found the gate closed: run as it is (the function returned: a nested call,
@@ -191,96 +180,10 @@ class Experiment:
             return self.primary_fn
         if self.deadline_passed:
             return _Admission(skip="deadline")
-        held = None
-        if self._budget is not None:
-            held = self._budget.take(self._last_cost, self)  # (taken now: threads starting together see it)
-            if held is None:
-                return _Admission(skip="budget")
+        held = self.cost.take(self)  # (taken now: threads starting together see it)
+        if held is None:
+            return _Admission(skip="budget")
         return _Admission(signature=signature, held=held)
-
-    def _compare(self, args: tuple, kwargs: dict, signature: str | None) -> Any:
-        """An admitted call: skipped with an observation where the shadow side cannot be the same call
-        (:func:`~shadow.core.calls.eligibility.skip_reason`), else the primary's run against the shadow run."""
-        modules = modules_in_call(args, kwargs)
-        skip = eligibility.skip_reason(self.target, self.pure_hooks, args, kwargs, modules)
-        if skip is None:
-            return self._sampled_call(args, kwargs, modules, signature)
-        start = self._clock()
-        skipped = Observation(
-            self.target.name, Outcome.SKIPPED, (skip[0],), signature=signature or "", timestamp=time.time(),
-            primary=self.primary, detail=skip[1],
-        )  # fmt: skip
-        self._publish(skipped)
-        self._charge(self._clock() - start)
-        return self._run_primary(args, kwargs)
-
-    def _run_primary(self, args: tuple, kwargs: dict) -> Any:
-        """The primary, marked as running on this thread: its own nested calls of the wrapper are not new calls."""
-        outer = getattr(marks, "in_legacy", None)
-        try:
-            marks.in_legacy = self
-            return self.primary_fn(*args, **kwargs)
-        finally:
-            marks.in_legacy = outer
-
-    def _sampled_call(self, args: tuple, kwargs: dict, modules: list[torch.nn.Module], signature: str | None) -> Any:
-        """Plan the shadow side, run the primary (its result or exception is the caller's), then the shadow side."""
-        planning = self._clock()
-        side = UpstreamSide.plan_call(self, args, kwargs, modules, signature)
-        self._sampled_seconds = self._clock() - planning
-        self._charge(self._sampled_seconds)
-        start = time.perf_counter()
-        try:
-            result = self._run_primary(args, kwargs)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # (SystemExit too: the state it leaves is compared like any other ending)
-            self._shadow_side(side, args, kwargs, Run(error=exc, seconds=time.perf_counter() - start))
-            raise
-        self._shadow_side(side, args, kwargs, Run(value=result, seconds=time.perf_counter() - start))
-        return result
-
-    def _shadow_side(self, side: UpstreamSide, args: tuple, kwargs: dict, primary: Run) -> None:
-        """Everything after the primary's run: observe, publish. Whatever it does to torch's global state is undone,
-        and whatever it raises is this tool's fault: counted as a "comparator" skip, never the caller's problem."""
-        # Calls of wrapped functions from here on (the shadow run's, the extra runs', exporters') are not compared
-        # again. (set inside the try, put back first thing in its finally: no interrupt, wherever it lands, leaves
-        # this thread marked, and the caller's later calls on the shadow)
-        outer, started, held = getattr(marks, "upstream_side", None), self._clock(), False
-        try:
-            UNDER_WAY.hold()
-            held = True
-            marks.upstream_side = self
-            left_by_primary = TorchGlobals()  # the shadow side's changes never reach the job
-            try:
-                try:
-                    observation = side.observe(args, kwargs, primary, left_by_primary)
-                except KeyboardInterrupt:
-                    raise
-                except BaseException as exc:  # SystemExit too
-                    self.record.log_limited("comparator", "upstream side failed: %r", exc)
-                    observation = Observation(
-                        self.target.name, Outcome.SKIPPED, ("comparator",), detail=bounded(repr(exc)), signature="",
-                        primary=self.primary,
-                    )  # fmt: skip
-                self._publish(observation)
-            finally:
-                self.record.put_back(left_by_primary)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # taking torch's settings failed: ours to count, not the job's
-            self.record.settings_failed(exc)
-        finally:
-            marks.upstream_side = outer
-            if held:
-                UNDER_WAY.release()
-            seconds = self._clock() - started
-            self._charge(seconds)
-            self._last_cost = self._sampled_seconds + seconds  # (plan and shadow side, once both are done)
-
-    def _charge(self, seconds: float) -> None:
-        if self._budget is not None:
-            self._budget.charge(seconds)
 
     # ------------------------------------------------------------------ the primary
 
@@ -338,7 +241,7 @@ class Experiment:
             self.target.name, self.deadline,
         )  # fmt: skip
 
-    def _publish(self, observation: Observation) -> None:
+    def publish(self, observation: Observation) -> None:
         """Count an observation and export it (:meth:`Record.publish`)."""
         self.record.publish(observation, self.noise, self.report_calls)
 
