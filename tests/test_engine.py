@@ -376,3 +376,49 @@ def test_a_forked_childs_counts_start_at_zero_for_every_counter():
         os.waitpid(pid, 0)
     fresh = TargetStats(primary="legacy")
     assert {k: v for k, v in child.items() if v != getattr(fresh, k)} == {}
+
+
+def test_a_pure_signature_function_is_never_checked_so_other_threads_draws_are_never_put_back(monkeypatch):
+    """The side-effect check of a signature function snapshots every generator around it and puts them back where
+    they changed: in a job whose other threads draw random numbers meanwhile (DataParallel's replicas on the npu),
+    it took their draws for the function's and rewound them, and the training was no longer bitwise the same (the
+    clean-clone run caught it, for tensor_type under load). The built-ins' signature functions are declared pure
+    and never checked; a user's is checked as before."""
+    import threading
+
+    from shadow.core.calls import classifier
+    from shadow.core.model import targets
+
+    checked = []
+    real = classifier.call_without_side_effects
+    monkeypatch.setattr(classifier, "call_without_side_effects", lambda f, *a: checked.append(f) or real(f, *a))
+    assert targets.tensor_type().signature_pure
+    ops = make_ops()
+    pure = Target("op", ops, "op", scale, signature=lambda a, k: "s", signature_pure=True, isolate=False)
+    with shadow.install([pure], sample_rate=0.0, first_per_signature=1000, seed=1):
+        for _ in range(10):
+            ops.op(torch.ones(2))
+    assert checked == []
+    user = Target("op", ops, "op", scale, signature=lambda a, k: "s", isolate=False)
+    with shadow.install([user], sample_rate=0.0, first_per_signature=1000, seed=1):
+        ops.op(torch.ones(2))
+    assert len(checked) == 1
+
+    # a thread drawing random numbers while tensor_type classifies casts: its stream is never rewound
+    generator_seed, draws, done = 7, [], threading.Event()
+
+    def drawing():
+        torch.manual_seed(generator_seed)
+        while not done.is_set() or len(draws) < 2000:
+            draws.append(torch.rand(1).item())
+
+    x = torch.ones(2)
+    with shadow.install([targets.tensor_type()], sample_rate=0.0, first_per_signature=1000, seed=1):
+        thread = threading.Thread(target=drawing)
+        thread.start()
+        for _ in range(2000):
+            x.type(torch.float16)
+        done.set()
+        thread.join()
+    torch.manual_seed(generator_seed)
+    assert draws == [torch.rand(1).item() for _ in draws]

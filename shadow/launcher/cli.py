@@ -127,55 +127,64 @@ def _verdict(args: argparse.Namespace) -> int:
     result = verdict.overall(decisions)
     ab = arms.summarize(arm_records) if arm_records else arms.summarize_series(arm_series)
     if args.format == "json":
-        print(
-            json.dumps(
-                {"decision": result, "targets": [d.as_dict() for d in decisions], "ab": [a.as_dict() for a in ab]},
-                indent=2,
-            )
-        )
+        targets = [d.as_dict() for d in decisions]
+        print(json.dumps({"decision": result, "targets": targets, "ab": [a.as_dict() for a in ab]}, indent=2))
     else:
-        print(f"{'target':<16}{'decision':<14}{'compared':>10}{'divergent':>11}  {'95% bounds':<22} why")
-        for d in decisions:
-            bounds = f"[{d.lower:.3g}, {d.upper:.3g}]"
-            print(f"{d.target:<16}{d.decision:<14}{d.compared:>10}{d.divergent:>11}  {bounds:<22} {d.why}")
-            for line in _evidence(d):
-                print(f"{'':<16}{line}")
-            if d.risky:
-                coverage = ", ".join(f"{pattern} {seen}" for pattern, seen in d.risky.items())
-                print(f"{'':<16}risky signatures compared: {coverage}")
-            if d.not_exercised:
-                print(
-                    f"{'':<16}risky signatures not exercised by these jobs (never called; the promotion does not "
-                    f"cover them): {', '.join(d.not_exercised)}"
-                )
-            if d.uncovered:
-                found = ", ".join(f"{reason} {count}" for reason, count in sorted(d.uncovered.items()))
-                print(f"{'':<16}not compared: {found} sampled calls (coverage still missing)")
-            if d.shared:
-                found = ", ".join(f"{reason} {count}" for reason, count in sorted(d.shared.items()))
-                print(
-                    f"{'':<16}shared divergence: {found} (legacy and upstream agree, both unlike replica 0 alone on "
-                    "its device: an upstream issue to file, not a reason to keep the patch)"
-                )
-            for summary in d.truth:
-                print(
-                    f"{'':<16}float64 truth, {summary.signature}: {summary.describe()} (where upstream is nearer, "
-                    "the difference is no regression; where legacy is, it is one)"
-                )
-        if not decisions:
-            print("(no npu_shadow comparisons found)")
-        for summary in ab:
-            print(f"{summary.target:<16}{'canary A/B':<14}{summary.line()}")
-        print(
-            "bounds: anytime-valid 95% (a beta-binomial confidence sequence, valid however often the verdict is "
-            "re-run as evidence grows; docs/operations.md)"
-        )
-        note = verdict.drill_note(decisions)
-        if note:
-            print(note)
-        active = any(d.drilled for d in decisions)
-        print(f"overall: {result} (max rate {args.max_rate:g}){' - a FIRE DRILL' if active else ''}")
+        _print_verdict(decisions, ab, result, args.max_rate)
     return verdict.EXIT_CODES[result]
+
+
+def _print_verdict(decisions: list[Any], ab: list[Any], result: str, max_rate: float) -> None:
+    """The verdict as a table: a line per target, what its evidence says under it, the canary A/B, the overall."""
+    from shadow.analysis import verdict
+
+    print(f"{'target':<16}{'decision':<14}{'compared':>10}{'divergent':>11}  {'95% bounds':<22} why")
+    for d in decisions:
+        bounds = f"[{d.lower:.3g}, {d.upper:.3g}]"
+        print(f"{d.target:<16}{d.decision:<14}{d.compared:>10}{d.divergent:>11}  {bounds:<22} {d.why}")
+        for line in [*_evidence(d), *_coverage_lines(d)]:
+            print(f"{'':<16}{line}")
+    if not decisions:
+        print("(no npu_shadow comparisons found)")
+    for summary in ab:
+        print(f"{summary.target:<16}{'canary A/B':<14}{summary.line()}")
+    print(
+        "bounds: anytime-valid 95% (a beta-binomial confidence sequence, valid however often the verdict is "
+        "re-run as evidence grows; docs/operations.md)"
+    )
+    note = verdict.drill_note(decisions)
+    if note:
+        print(note)
+    active = any(d.drilled for d in decisions)
+    print(f"overall: {result} (max rate {max_rate:g}){' - a FIRE DRILL' if active else ''}")
+
+
+def _coverage_lines(d: Any) -> list[str]:
+    """What a decision's coverage says: risky signatures compared and not exercised, calls never compared, shared
+    divergences, the float64 truth."""
+    lines = []
+    if d.risky:
+        lines.append(f"risky signatures compared: {', '.join(f'{p} {seen}' for p, seen in d.risky.items())}")
+    if d.not_exercised:
+        lines.append(
+            "risky signatures not exercised by these jobs (never called; the promotion does not cover them): "
+            + ", ".join(d.not_exercised)
+        )
+    if d.uncovered:
+        found = ", ".join(f"{reason} {count}" for reason, count in sorted(d.uncovered.items()))
+        lines.append(f"not compared: {found} sampled calls (coverage still missing)")
+    if d.shared:
+        found = ", ".join(f"{reason} {count}" for reason, count in sorted(d.shared.items()))
+        lines.append(
+            f"shared divergence: {found} (legacy and upstream agree, both unlike replica 0 alone on its device: an "
+            "upstream issue to file, not a reason to keep the patch)"
+        )
+    for summary in d.truth:
+        lines.append(
+            f"float64 truth, {summary.signature}: {summary.describe()} (where upstream is nearer, the difference is "
+            "no regression; where legacy is, it is one)"
+        )
+    return lines
 
 
 def _evidence(d: Any) -> list[str]:
@@ -511,16 +520,8 @@ class _Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from importlib.metadata import PackageNotFoundError, version
-
-    parser = _Parser(prog="npu-shadow", description="Shadow torch_npu's patches against upstream.")
-    try:
-        known = version("npu-shadow")
-    except PackageNotFoundError:  # (run from a checkout that was never installed)
-        known = "unknown (not installed)"
-    parser.add_argument("--version", action="version", version=f"npu-shadow {known}")
-    commands = parser.add_subparsers(dest="command", required=True)
+def _add_replay_command(commands: Any) -> None:
+    """``npu-shadow replay``."""
     replay = commands.add_parser(
         "replay",
         help="re-run legacy and upstream on a repro capture and compare",
@@ -534,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--upstream", metavar="MODULE:FUNCTION", help="a custom target's upstream function")
     replay.set_defaults(handler=_replay)
 
+
+def _add_run_command(commands: Any) -> None:
+    """``npu-shadow run``."""
     from shadow.launcher.config import FLAGS, SETTINGS
 
     run = commands.add_parser(
@@ -554,6 +558,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(handler=_run)
 
+
+def _add_doctor_command(commands: Any) -> None:
+    """``npu-shadow doctor``."""
+    from shadow.launcher.config import SETTINGS
+
     doctor = commands.add_parser(
         "doctor",
         help="check that this host can shadow (exit 0) or say why not (1)",
@@ -570,6 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.set_defaults(handler=_doctor)
 
+
+def _add_verdict_command(commands: Any) -> None:
+    """``npu-shadow verdict``."""
     decide = commands.add_parser(
         "verdict",
         help="promote, rollback or inconclusive, per target (exit 0, 1, 3)",
@@ -588,6 +600,9 @@ def build_parser() -> argparse.ArgumentParser:
     decide.add_argument("--format", choices=("table", "json"), default="table", help="how to print the decisions")
     decide.set_defaults(handler=_verdict)
 
+
+def _add_ab_command(commands: Any) -> None:
+    """``npu-shadow ab``."""
     ab = commands.add_parser(
         "ab",
         help="run a pytest suite with and without torch_npu's patches and compare each test's outcome (exit 0, 1)",
@@ -603,6 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("pytest_args", nargs=argparse.REMAINDER, help="-- PYTEST_ARGS (with --npu-shadow-* options)")
     ab.set_defaults(handler=_ab)
 
+
+def _add_receiver_command(commands: Any) -> None:
+    """``npu-shadow receiver``."""
     receiver = commands.add_parser(
         "receiver",
         help="an Alertmanager webhook receiver that throws the rollback switch of the job an alert names",
@@ -622,6 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     receiver.set_defaults(handler=_receiver)
 
+
+def _add_report_command(commands: Any) -> None:
+    """``npu-shadow report``."""
     paper = commands.add_parser(
         "report",
         help="the evidence as Markdown (and HTML) for the pull request that deletes the patches",
@@ -635,6 +656,10 @@ def build_parser() -> argparse.ArgumentParser:
     paper.add_argument("--markdown", metavar="PATH", help="write the Markdown here (default: standard output)")
     paper.add_argument("--html", metavar="PATH", help="also write a self-contained HTML file")
     paper.set_defaults(handler=_report)
+
+
+def _add_census_command(commands: Any) -> None:
+    """``npu-shadow census``."""
     count = commands.add_parser(
         "census",
         help="list what a torch_npu release replaces in torch, from its source alone",
@@ -648,6 +673,26 @@ def build_parser() -> argparse.ArgumentParser:
     count.add_argument("--against", metavar="SOURCE", help="also list what changed since this release")
     count.add_argument("--format", choices=("text", "json"), default="text", help="output format")
     count.set_defaults(handler=_census)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import PackageNotFoundError, version
+
+    parser = _Parser(prog="npu-shadow", description="Shadow torch_npu's patches against upstream.")
+    try:
+        known = version("npu-shadow")
+    except PackageNotFoundError:  # (run from a checkout that was never installed)
+        known = "unknown (not installed)"
+    parser.add_argument("--version", action="version", version=f"npu-shadow {known}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_replay_command(commands)
+    _add_run_command(commands)
+    _add_doctor_command(commands)
+    _add_verdict_command(commands)
+    _add_ab_command(commands)
+    _add_receiver_command(commands)
+    _add_report_command(commands)
+    _add_census_command(commands)
     return parser
 
 

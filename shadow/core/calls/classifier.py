@@ -66,7 +66,11 @@ class Classifier:
             # mode is put back and never run again; not while dynamo traces this, where the check's own reads of
             # the generators would be traced too)
             self._classified += 1
-            checked = (self._classified <= 64 or self._classified & 255 == 1) and not torch.compiler.is_compiling()
+            checked = (
+                not self.target.signature_pure
+                and (self._classified <= 64 or self._classified & 255 == 1)
+                and not torch.compiler.is_compiling()
+            )
             timed = budgets is not None and self._classified & 15 == 1
             start = self._clock() if timed else 0.0
             with torch._C.DisableTorchFunction():  # (a user's mode or tensor subclass never sees the classifying)
@@ -90,7 +94,10 @@ class Classifier:
     def signature_of(self, args: tuple, kwargs: dict) -> Any:
         """The target's signature function on a call, checked: one that changes a generator or the grad mode
         (:func:`shadow.core.runs.isolation.call_without_side_effects`) has it put back, is said once and never runs
-        again (its calls classify as "unclassified"); raises what it raised."""
+        again (its calls classify as "unclassified"); raises what it raised. A pure one
+        (:attr:`Target.signature_pure`) is called as it is."""
+        if self.target.signature_pure:
+            return self.target.signature(args, kwargs)
         try:
             return call_without_side_effects(self.target.signature, args, kwargs)
         except SideEffects as exc:

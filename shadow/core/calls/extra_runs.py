@@ -77,6 +77,33 @@ class ExtraRuns:
             return {}
         return {**fields, f"{kind}_seconds": time.perf_counter() - start}
 
+    def after_comparing(
+        self, args: tuple, kwargs: dict, runs: tuple[Run, Run], primary: Run, found: Comparison, returned: bool
+    ) -> tuple[Comparison, dict[str, Any]]:
+        """The extra runs made once the two runs are compared (``runs``: legacy's, upstream's; ``primary``: the
+        caller's; ``returned``: both returned): the backward comparison where the plan drew it and the forward
+        agreed, the truth run where its coin draws a value difference, the oracle where the plan drew it and the two
+        agreed. The comparison (a ``grad`` mismatch where the gradients differ) and their Observation fields."""
+        experiment, plan = self.experiment, self.plan
+        fields: dict[str, Any] = {"backward_skip": plan.backward_skip}
+        if plan.backward and not returned:
+            fields = {"backward_skip": "raised"}
+        elif plan.backward and found.outcome not in (Outcome.MATCH, Outcome.CLOSE, Outcome.NOISE):
+            fields = {"backward_skip": "diverged"}  # (the forward is the finding; its gradients are not)
+        elif plan.backward:
+            found, fields = self.backward(args, kwargs, runs[1], found)
+        if (
+            experiment.truth_coin.rate > 0
+            and experiment.target.plain
+            and returned
+            and _value_difference(found)
+            and experiment.truth_coin.flip()
+        ):
+            fields.update(self.truth(args, kwargs, runs[0].value, runs[1].value))
+        if plan.oracle and returned and found.outcome in (Outcome.MATCH, Outcome.CLOSE):
+            fields.update(self.single_device(primary.value))
+        return found, fields
+
     def backward(
         self, args: tuple, kwargs: dict, upstream: Run, found: Comparison
     ) -> tuple[Comparison, dict[str, Any]]:
@@ -240,3 +267,8 @@ def _gradients_compared(
     if _any_sparse(ran.value) or _any_sparse(theirs.value):
         return None, "sparse"
     return compare_gradients(ran.value, theirs.value, names, tolerance), ""
+
+
+def _value_difference(found: Comparison) -> bool:
+    """A difference in value alone: where a float64 run can tell which side is nearer the truth."""
+    return found.outcome == Outcome.CLOSE or (found.outcome == Outcome.MISMATCH and found.reasons == ("value",))

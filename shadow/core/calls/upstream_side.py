@@ -31,7 +31,7 @@ from shadow.core.calls.plan import (
     is_hooked_subclass,
     within_deadline,
 )
-from shadow.core.judging.compare import Comparison, with_state
+from shadow.core.judging.compare import with_state
 from shadow.core.model.observation import (
     DIVERGENT_OUTCOMES,
     UNCLASSIFIED_SIGNATURE,
@@ -56,11 +56,6 @@ def _free_after_oom() -> None:
     with contextlib.suppress(Exception):
         if torch.accelerator.current_accelerator() is not None:
             torch.accelerator.empty_cache()
-
-
-def _value_difference(found: Comparison) -> bool:
-    """A difference in value alone: where a float64 run can tell which side is nearer the truth."""
-    return found.outcome == Outcome.CLOSE or (found.outcome == Outcome.MISMATCH and found.reasons == ("value",))
 
 
 class UpstreamSide:
@@ -147,10 +142,24 @@ class UpstreamSide:
             del upstream  # its error's traceback holds upstream's tensors
             _free_after_oom()
             return Observation(outcome=Outcome.SKIPPED, reasons=("oom",), **common)
+        return self._compared(args, kwargs, (legacy, upstream), (left_by_legacy, left_by_upstream), common)
+
+    def _compared(
+        self,
+        args: tuple,
+        kwargs: dict,
+        ran: tuple[Run, Run],
+        left: tuple[TorchGlobals, TorchGlobals],
+        common: dict[str, Any],
+    ) -> Observation:
+        """The observation of two runs that both ended (``ran``: the primary's, the shadow's; ``left``: the settings
+        each left): compared, held against the noise floor, and the extra runs the plan drew made."""
+        experiment, plan = self.experiment, self.plan
+        assert isinstance(plan, Plan)
+        (legacy, upstream), left_by_legacy = ran, left[0]
         returned = legacy.error is None and upstream.error is None
-        runs, left = (legacy, upstream), (left_by_legacy, left_by_upstream)
-        if experiment.primary == UPSTREAM:
-            runs, left = runs[::-1], left[::-1]
+        runs = ran[::-1] if experiment.primary == UPSTREAM else ran
+        left = left[::-1] if experiment.primary == UPSTREAM else left
         extra = ExtraRuns(experiment, plan, left_by_legacy)
         aa = extra.aa(runs[0]) if plan.aa and returned else {}
         start = time.perf_counter()
@@ -160,25 +169,7 @@ class UpstreamSide:
         )
         found, noise_test, pending = findings.within_noise(experiment, plan.signature, found)
         compare_seconds = time.perf_counter() - start
-        backward: dict[str, Any] = {"backward_skip": plan.backward_skip}
-        if plan.backward and not returned:
-            backward = {"backward_skip": "raised"}
-        elif plan.backward and found.outcome not in (Outcome.MATCH, Outcome.CLOSE, Outcome.NOISE):
-            backward = {"backward_skip": "diverged"}  # (the forward is the finding; its gradients are not)
-        elif plan.backward:
-            found, backward = extra.backward(args, kwargs, upstream, found)
-        truth = {}
-        if (
-            experiment.truth_coin.rate > 0
-            and experiment.target.plain
-            and returned
-            and _value_difference(found)
-            and experiment.truth_coin.flip()
-        ):
-            truth = extra.truth(args, kwargs, runs[0].value, runs[1].value)
-        shared = {}
-        if plan.oracle and returned and found.outcome in (Outcome.MATCH, Outcome.CLOSE):
-            shared = extra.single_device(legacy.value)
+        found, drawn = extra.after_comparing(args, kwargs, runs, legacy, found, returned)
         evidence = None
         # (a replay is of the forward; a pending difference is held, and holds no tensors while it waits)
         if found.outcome in DIVERGENT_OUTCOMES and "grad" not in found.reasons and not pending:
@@ -196,10 +187,8 @@ class UpstreamSide:
             evidence=evidence,
             noise_pending=pending,
             leaf_errors=tuple(found.leaf_errors) if pending else (),
-            **shared,
             **aa,
-            **backward,
-            **truth,
+            **drawn,
             **common,
         )
 

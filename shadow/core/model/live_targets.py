@@ -208,6 +208,7 @@ def torch_load() -> Target:
         upstream=upstream("torch_load"),
         exact=True,
         signature=torch_load_signature,
+        signature_pure=True,
         risky_signatures=BUILTIN_RISKY["torch_load"],
         run_if=torch_load_run_if,
         rewind=torch_load_rewind,
@@ -306,6 +307,7 @@ def _module_move(name: str, attribute: str, signature: Callable, run_if: Callabl
         upstream=upstream(name) or _missing(name),
         exact=True,
         signature=signature,
+        signature_pure=True,
         risky_signatures=BUILTIN_RISKY[name],
         run_if=run_if,
         snapshot=module_state,
@@ -373,6 +375,7 @@ def foreach_devices() -> Target:
         upstream=upstream("foreach_devices"),
         isolate=False,
         signature=lambda args, kwargs: "devices",
+        signature_pure=True,
         compare=foreach_difference,
     )
 
@@ -403,6 +406,7 @@ def lstm_forward() -> Target:
         attribute="forward",
         upstream=upstream("lstm_forward") or _missing("lstm_forward"),
         signature=lstm_signature,
+        signature_pure=True,
         risky_signatures=BUILTIN_RISKY["lstm_forward"],
     )
 

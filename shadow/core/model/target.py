@@ -42,6 +42,10 @@ class Target:
     signatures counted by systematic sampling), and every other call is classified, so a signature whose key is new
     is compared on its first calls whenever it first appears, however rare (:mod:`shadow.core.calls.coverage`). Without
     one, calls are classified one in ``CLASSIFY_ONE_IN`` once every signature seen has had its first comparisons.
+    A signature function is checked on its first 64 calls and one in 256 after to leave the random generators and
+    the grad mode as it found them; ``signature_pure=True`` declares one that cannot (the built-ins'): it is never
+    checked, since in a job whose other threads draw random numbers meanwhile (DataParallel's replicas) the check
+    could take their draws for the function's and put the generators back.
 
     What calls that are not plain functions of tensors need (each makes the target's calls skip the extra runs:
     the A/A run, the oracle, the backward comparison and the float64 truth):
@@ -81,6 +85,7 @@ class Target:
     oracle: Callable[[tuple, dict], SingleDeviceCall | None] | None = None
     never_blocks: Callable[[tuple, dict], bool] | None = None
     signature_key: Callable[[tuple, dict], Any] | None = None
+    signature_pure: bool = False
     run_if: Callable[[tuple, dict], str | None] | None = None
     rewind: Callable[[tuple, dict], Callable[[], Any] | None] | None = None
     snapshot: Callable[[Any, tuple, dict], Any] | None = None
@@ -92,6 +97,8 @@ class Target:
             raise ValueError(f"Target.name must be a non-empty string without control characters, got {self.name!r}")
         if not callable(self.upstream):
             raise ValueError(f"Target {self.name!r}: upstream must be callable, got {self.upstream!r}")
+        if not isinstance(self.signature_pure, bool):
+            raise ValueError(f"Target {self.name!r}: signature_pure must be True or False, got {self.signature_pure!r}")
         for field in ("legacy", "never_blocks", "run_if", "rewind", "snapshot", "compare", "clean"):
             value = getattr(self, field)
             if value is not None and not callable(value):

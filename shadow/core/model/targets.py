@@ -185,6 +185,7 @@ def tensor_type() -> Target:
         exact=True,
         isolate=False,
         signature=tensor_type_signature,
+        signature_pure=True,
         risky_signatures=TENSOR_TYPE_RISKY,
         never_blocks=names_its_type,
         signature_key=tensor_type_key,
@@ -207,6 +208,7 @@ def parallel_apply(apply: Callable | None = None) -> Target:
         attribute="parallel_apply",
         upstream=upstream_parallel_apply,
         signature=parallel_apply_signature,
+        signature_pure=True,
         risky_signatures=DATA_PARALLEL_RISKY,
         oracle=oracle.parallel_apply_call,
     )
@@ -220,6 +222,7 @@ def data_parallel(function: Callable | None = None) -> Target:
         attribute="data_parallel",
         upstream=function or _torch_data_parallel(),
         signature=data_parallel_signature,
+        signature_pure=True,
         risky_signatures=DATA_PARALLEL_RISKY,
         oracle=oracle.data_parallel_call,
     )
