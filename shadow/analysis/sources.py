@@ -982,125 +982,155 @@ class JournalReader:
                     "saying it wrote every outcome: its matches are not known, so no rate can be computed from it "
                     "(journals of npu-shadow before count records; write them with all_outcomes=True)"
                 )
-            self._add_stream(counts, key, stream, since)
+            _add_stream(self, counts, key, stream, since)
             seconds += stream.seconds
         for entry in counts.values():
             entry.process_seconds = seconds
         return counts
 
-    def _add_stream(self, counts: dict[str, TargetCounts], key: tuple, stream: _Stream, since: float | None) -> None:
-        complete_tail = stream.all_outcomes is True
-        last_reset: dict[str, int] = {}
-        for index, event in enumerate(stream.events):
-            if event["event"] == "reset":
-                last_reset[event["target"]] = index
-        for index, event in enumerate(stream.events):
-            entry = counts.setdefault(event["target"], TargetCounts())
-            said = f"{event['by']} at {event.get('time', '?')}"
-            if event["event"] == "reset":
-                entry.resets.append(said)
-            elif index > last_reset.get(event["target"], -1):
-                entry.rollbacks.append(said)
-        for (target, primary), phase in stream.phases.items():
-            entry = counts.setdefault(target, TargetCounts())
-            if phase.counts is None:
-                continue
-            baseline, baseline_at = phase.baseline, -math.inf
-            before = [(t, c) for t, c in phase.history if t <= since] if since is not None else []
-            if before:
-                baseline_at, baseline = before[-1]  # (the window's start: what came before is not recent)
-            elif phase.baseline is not None:
-                entry.set_aside += _compared(phase.baseline)[0]
-            evidence = _minus(phase.counts, baseline)
-            if phase.drill_last is not None and self.drill_over(target) and phase.drill_last[0] > baseline_at:
-                start = phase.drill_before if phase.drill_before and phase.drill_before[0] > baseline_at else None
-                drilled = _minus(phase.drill_last[1], start[1] if start else baseline)
-                evidence = _minus(evidence, drilled)
-                entry.drill_set_aside += _compared(drilled)[0]
-            self._add_counts(entry, primary, evidence)
-        for (target, primary), tail in stream.folded.items():
-            entry = counts.setdefault(target, TargetCounts())
-            self._add_tail(entry, primary, tail, complete_tail)
-            entry.clusters_not_counted(primary)  # (lines after its last count record: their clusters not known)
-            phase = stream.phases.setdefault((target, primary), _Phase())
-            for second, (compared, divergent) in tail.seconds.items() if not stream.tail_timed else ():
-                counted = compared if complete_tail else divergent  # (incomplete: only the divergences count)
-                if counted:
-                    phase.intervals.append((stream.on_process_time(float(second)), counted, divergent))
-            if not complete_tail and any(o in DIVERGENT_OUTCOMES for (_, o) in tail.outcomes):
-                entry.notes.append(
-                    f"process {key[0]}/{key[1]} left {tail.lines} lines after its last count record (it did not "
-                    "exit cleanly): their divergences count as comparisons whose matches are not known"
-                )
-        stream.tail_timed = True  # (its tail's times are in its intervals: once, however often it is counted)
-        start = -math.inf if since is None else stream.on_process_time(since)
-        for (target, primary), phase in stream.phases.items():
-            entry = counts.setdefault(target, TargetCounts())
-            entry.clustering = clustering(self.window)
-            recent = [i for i in phase.intervals if i[0] > start]
-            for block, (compared, divergent) in enumerate(_blocks(recent, stream.origin, self.window)):
-                entry.add_to_cluster((*key, block), compared, divergent, primary)
-            for jump in stream.jumps[:3]:
-                if jump not in entry.notes:
-                    entry.notes.append(jump)
 
-    @staticmethod
-    def _add_counts(entry: TargetCounts, primary: str, counts: dict) -> None:
-        for signature, by_outcome in counts["outcomes"].items():
-            for outcome, value in by_outcome.items():
-                entry.add_outcome(signature, outcome, value, primary)
-        for signature, by_reason in counts["skipped"].items():
-            for reason, value in by_reason.items():
-                entry.add_skip(reason, value, primary, signature)
-        for reason, value in counts["reasons"].items():
-            entry.add_reason(reason, value, primary)
-        for reason, value in counts["shared"].items():
-            entry.add_shared(reason, value, primary)
-        for signature, value in counts["calls"].items():
-            entry.add_calls(signature, value, primary)
-        entry.drilled += counts["drilled"]
-        if "clusters" in counts:
-            entry.add_clusters(counts["clusters"], primary)
-        elif _compared(counts)[0]:
-            entry.clusters_not_counted(primary)  # (a process of a version before clusters were counted)
-        for signature, by_side in counts.get("truth", {}).items():
-            for side, value in by_side.items():
-                entry.add_truth(signature, side, value, primary)
-        for signature, by_decade in counts.get("truth_decades", {}).items():
-            for decade, value in by_decade.items():
-                entry.add_truth_decade(signature, int(decade), value, primary)
-        for signature, by_found in counts.get("backward", {}).items():
-            for found, value in by_found.items():
-                entry.add_backward(signature, found, value, primary)
+def _add_stream(
+    reader: JournalReader, counts: dict[str, TargetCounts], key: tuple, stream: _Stream, since: float | None
+) -> None:
+    """One process's evidence added to ``counts``: its rollbacks and resets, its count records (less what came
+    before the recent window's start, a reset, a fire drill that is over), the lines after its last count record,
+    and its clusters."""
+    _add_events(counts, stream)
+    _add_records(reader, counts, stream, since)
+    _add_tails(counts, key, stream)
+    _add_clusters(reader, counts, key, stream, since)
 
-    @staticmethod
-    def _add_tail(entry: TargetCounts, primary: str, tail: _Tail, complete: bool) -> None:
-        """A process's lines after its last count record: all of them where it wrote every outcome; else skips and
-        divergences only (comparisons whose matches are not known: never counted as agreement)."""
-        for (signature, reason), value in tail.skipped.items():
+
+def _add_events(counts: dict[str, TargetCounts], stream: _Stream) -> None:
+    """The process's rollbacks (those after a target's last reset) and resets."""
+    last_reset: dict[str, int] = {}
+    for index, event in enumerate(stream.events):
+        if event["event"] == "reset":
+            last_reset[event["target"]] = index
+    for index, event in enumerate(stream.events):
+        entry = counts.setdefault(event["target"], TargetCounts())
+        said = f"{event['by']} at {event.get('time', '?')}"
+        if event["event"] == "reset":
+            entry.resets.append(said)
+        elif index > last_reset.get(event["target"], -1):
+            entry.rollbacks.append(said)
+
+
+def _add_records(reader: JournalReader, counts: dict[str, TargetCounts], stream: _Stream, since: float | None) -> None:
+    """The process's count records: each phase's last, less its baseline (a reset's, or the recent window's start)
+    and a fire drill's span where the drill is over."""
+    for (target, primary), phase in stream.phases.items():
+        entry = counts.setdefault(target, TargetCounts())
+        if phase.counts is None:
+            continue
+        baseline, baseline_at = phase.baseline, -math.inf
+        before = [(t, c) for t, c in phase.history if t <= since] if since is not None else []
+        if before:
+            baseline_at, baseline = before[-1]  # (the window's start: what came before is not recent)
+        elif phase.baseline is not None:
+            entry.set_aside += _compared(phase.baseline)[0]
+        evidence = _minus(phase.counts, baseline)
+        if phase.drill_last is not None and reader.drill_over(target) and phase.drill_last[0] > baseline_at:
+            start = phase.drill_before if phase.drill_before and phase.drill_before[0] > baseline_at else None
+            drilled = _minus(phase.drill_last[1], start[1] if start else baseline)
+            evidence = _minus(evidence, drilled)
+            entry.drill_set_aside += _compared(drilled)[0]
+        _add_counts(entry, primary, evidence)
+
+
+def _add_tails(counts: dict[str, TargetCounts], key: tuple, stream: _Stream) -> None:
+    """The lines after the process's last count record (their clusters not known), and their times."""
+    complete_tail = stream.all_outcomes is True
+    for (target, primary), tail in stream.folded.items():
+        entry = counts.setdefault(target, TargetCounts())
+        _add_tail(entry, primary, tail, complete_tail)
+        entry.clusters_not_counted(primary)  # (lines after its last count record: their clusters not known)
+        phase = stream.phases.setdefault((target, primary), _Phase())
+        for second, (compared, divergent) in tail.seconds.items() if not stream.tail_timed else ():
+            counted = compared if complete_tail else divergent  # (incomplete: only the divergences count)
+            if counted:
+                phase.intervals.append((stream.on_process_time(float(second)), counted, divergent))
+        if not complete_tail and any(o in DIVERGENT_OUTCOMES for (_, o) in tail.outcomes):
+            entry.notes.append(
+                f"process {key[0]}/{key[1]} left {tail.lines} lines after its last count record (it did not "
+                "exit cleanly): their divergences count as comparisons whose matches are not known"
+            )
+    stream.tail_timed = True  # (its tail's times are in its intervals: once, however often it is counted)
+
+
+def _add_clusters(
+    reader: JournalReader, counts: dict[str, TargetCounts], key: tuple, stream: _Stream, since: float | None
+) -> None:
+    """The process's clusters: its comparisons in blocks of the reader's window on its own time (those of the
+    recent window where ``since`` is given), and the clock jumps said."""
+    start = -math.inf if since is None else stream.on_process_time(since)
+    for (target, primary), phase in stream.phases.items():
+        entry = counts.setdefault(target, TargetCounts())
+        entry.clustering = clustering(reader.window)
+        recent = [i for i in phase.intervals if i[0] > start]
+        for block, (compared, divergent) in enumerate(_blocks(recent, stream.origin, reader.window)):
+            entry.add_to_cluster((*key, block), compared, divergent, primary)
+        for jump in stream.jumps[:3]:
+            if jump not in entry.notes:
+                entry.notes.append(jump)
+
+
+def _add_counts(entry: TargetCounts, primary: str, counts: dict) -> None:
+    for signature, by_outcome in counts["outcomes"].items():
+        for outcome, value in by_outcome.items():
+            entry.add_outcome(signature, outcome, value, primary)
+    for signature, by_reason in counts["skipped"].items():
+        for reason, value in by_reason.items():
             entry.add_skip(reason, value, primary, signature)
-        for (signature, outcome), value in tail.outcomes.items():
-            if complete:
-                entry.add_outcome(signature, outcome, value, primary)
-            elif outcome in DIVERGENT_OUTCOMES:
-                phase = entry.phase(primary)
-                phase.unmatched[signature] = phase.unmatched.get(signature, 0) + value
-        for (reason, divergent), value in tail.reasons.items():
-            if complete or divergent:
-                entry.add_reason(reason, value, primary)
-        for reason, value in tail.shared.items():
-            entry.add_shared(reason, value, primary)
-        for (signature, side), value in tail.truth.items():  # (truth runs are of value differences: all lines)
+    for reason, value in counts["reasons"].items():
+        entry.add_reason(reason, value, primary)
+    for reason, value in counts["shared"].items():
+        entry.add_shared(reason, value, primary)
+    for signature, value in counts["calls"].items():
+        entry.add_calls(signature, value, primary)
+    entry.drilled += counts["drilled"]
+    if "clusters" in counts:
+        entry.add_clusters(counts["clusters"], primary)
+    elif _compared(counts)[0]:
+        entry.clusters_not_counted(primary)  # (a process of a version before clusters were counted)
+    for signature, by_side in counts.get("truth", {}).items():
+        for side, value in by_side.items():
             entry.add_truth(signature, side, value, primary)
-        for (signature, decade), value in tail.truth_decades.items():
+    for signature, by_decade in counts.get("truth_decades", {}).items():
+        for decade, value in by_decade.items():
             entry.add_truth_decade(signature, int(decade), value, primary)
-        for (signature, found), value in tail.backward.items():
-            if complete:  # (a gradient match not written as a line is not known: never counted as agreement)
-                entry.add_backward(signature, found, value, primary)
-            elif found == "mismatch":
-                phase = entry.phase(primary)
-                phase.backward_unmatched[signature] = phase.backward_unmatched.get(signature, 0) + value
-        entry.drilled += sum(v for divergent, v in tail.drilled.items() if complete or divergent)
+    for signature, by_found in counts.get("backward", {}).items():
+        for found, value in by_found.items():
+            entry.add_backward(signature, found, value, primary)
+
+
+def _add_tail(entry: TargetCounts, primary: str, tail: _Tail, complete: bool) -> None:
+    """A process's lines after its last count record: all of them where it wrote every outcome; else skips and
+    divergences only (comparisons whose matches are not known: never counted as agreement)."""
+    for (signature, reason), value in tail.skipped.items():
+        entry.add_skip(reason, value, primary, signature)
+    for (signature, outcome), value in tail.outcomes.items():
+        if complete:
+            entry.add_outcome(signature, outcome, value, primary)
+        elif outcome in DIVERGENT_OUTCOMES:
+            phase = entry.phase(primary)
+            phase.unmatched[signature] = phase.unmatched.get(signature, 0) + value
+    for (reason, divergent), value in tail.reasons.items():
+        if complete or divergent:
+            entry.add_reason(reason, value, primary)
+    for reason, value in tail.shared.items():
+        entry.add_shared(reason, value, primary)
+    for (signature, side), value in tail.truth.items():  # (truth runs are of value differences: all lines)
+        entry.add_truth(signature, side, value, primary)
+    for (signature, decade), value in tail.truth_decades.items():
+        entry.add_truth_decade(signature, int(decade), value, primary)
+    for (signature, found), value in tail.backward.items():
+        if complete:  # (a gradient match not written as a line is not known: never counted as agreement)
+            entry.add_backward(signature, found, value, primary)
+        elif found == "mismatch":
+            phase = entry.phase(primary)
+            phase.backward_unmatched[signature] = phase.backward_unmatched.get(signature, 0) + value
+    entry.drilled += sum(v for divergent, v in tail.drilled.items() if complete or divergent)
 
 
 def _blocks(intervals: list, start: float | None, window: float) -> list[tuple[float, float]]:

@@ -12,6 +12,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from shadow.core.calls.budget import DEFAULT_DEADLINE
 from shadow.core.calls.sampler import DEFAULT_FIRST_PER_SIGNATURE
@@ -568,6 +569,27 @@ class Config:
     rollback_token: str | None = None
     rollback_token_file: str | None = None
     rollback_optional: bool = False
+
+    def monitor_settings(self, rolled_back: bool) -> Any:
+        """The monitor's :class:`~shadow.core.calls.settings.Settings` from these, whole; ``rolled_back``: a switch
+        thrown stays thrown when the monitor is installed anew (over new legacy patches, in a process started
+        after it)."""
+        from shadow.core.calls.drill import Drill
+        from shadow.core.calls.settings import Settings
+
+        return Settings(
+            seed=self.seed,
+            drill=Drill(*self.drill, seed=self.seed) if self.drill else None,
+            oracle=self.oracle,
+            budget=self.budget,
+            deadline=self.deadline,
+            pure_hooks=self.pure_hooks,
+            first_per_signature=self.first_per_signature,
+            aa_rate=self.aa_rate,
+            backward_rate=self.backward_rate,
+            truth_rate=self.truth_rate,
+            primary="legacy" if rolled_back else self.primary,
+        )
 
 
 #: NPU_SHADOW_* variables that are not settings: set by the launcher for the job's processes, or read by the

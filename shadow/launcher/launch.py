@@ -99,9 +99,7 @@ class Launcher:
 
         Raises :class:`shadow.launcher.config.ConfigError` on a bad variable.
         """
-        from shadow.core.calls.drill import Drill
         from shadow.core.calls.monitor import install
-        from shadow.core.calls.settings import Settings
         from shadow.core.model.tolerance import Tolerance
         from shadow.launcher import config as config_module
 
@@ -121,38 +119,13 @@ class Launcher:
                 self._legacy_from(config.legacy_from)
             if not self.exporters:
                 self.exporters = _exporters(config)
-            if not self.rolled_back_by:
-                # (a process started after the switch was thrown, a DataLoader worker say, starts rolled back:
-                # told by its environment whatever its start method, or by the file)
-                self.rolled_back_by = os.environ.get(ROLLED_BACK_BY) or None
-            if config.rollback_file and not self.rolled_back_by:
-                from shadow.launcher.switch import own_first_line
-
-                who = own_first_line(config.rollback_file)
-                if who is not None:
-                    self.rolled_back_by = f"file:{who or config.rollback_file}"
+            self._find_rollback(config)
             tolerance = Tolerance(config.rtol, config.atol) if config.rtol is not None else None
-            drill = Drill(*config.drill, seed=config.seed) if config.drill else None
+            settings = config.monitor_settings(rolled_back=bool(self.rolled_back_by))
             with warnings.catch_warnings():
-                warnings.filterwarnings(
-                    "ignore", "npu-shadow: torch_npu is installed but not imported"
-                )  # see bootstrap
+                warnings.filterwarnings("ignore", "npu-shadow: torch_npu is installed but not imported")  # (bootstrap)
                 # (the exit summary says it: "no target installed")
                 warnings.filterwarnings("ignore", "npu-shadow: no torch_npu patch is active")
-                settings = Settings(
-                    seed=config.seed,
-                    drill=drill,
-                    oracle=config.oracle,
-                    budget=config.budget,
-                    deadline=config.deadline,
-                    pure_hooks=config.pure_hooks,
-                    first_per_signature=config.first_per_signature,
-                    aa_rate=config.aa_rate,
-                    backward_rate=config.backward_rate,
-                    truth_rate=config.truth_rate,
-                    # (a switch thrown stays thrown when the monitor is installed anew over new legacy patches)
-                    primary="legacy" if self.rolled_back_by else config.primary,
-                )
                 self.monitor = install(config.targets, config.sample_rate, tolerance, self.exporters, settings=settings)
             self._start_switch(config)
             LEGACY_PATCHED.subscribe(refresh)
@@ -161,6 +134,18 @@ class Launcher:
                 atexit.register(self.at_exit)
                 _flush_on_sigterm(self.at_exit)
             return self.monitor
+
+    def _find_rollback(self, config: Any) -> None:
+        """A process started after the switch was thrown (a DataLoader worker, say) starts rolled back: told by its
+        environment whatever its start method, or by the rollback file."""
+        if not self.rolled_back_by:
+            self.rolled_back_by = os.environ.get(ROLLED_BACK_BY) or None
+        if config.rollback_file and not self.rolled_back_by:
+            from shadow.launcher.switch import own_first_line
+
+            who = own_first_line(config.rollback_file)
+            if who is not None:
+                self.rolled_back_by = f"file:{who or config.rollback_file}"
 
     def _start_switch(self, config: Any) -> None:
         if self.switch is not None or not (config.rollback_file or config.rollback_port is not None):
@@ -309,39 +294,9 @@ class Launcher:
                 print(f"npu-shadow: --emulate-npu ignored: {exc}", file=sys.stderr)
 
     def _legacy_from(self, path: str) -> None:
-        """Install torch_npu's own legacy from its source at ``path``, or :mod:`shadow.npu.reference`'s where
-        ``path`` is "reference" (once per process). Where torch_npu itself is imported its patches are the legacy;
-        where the source cannot be loaded, say so once and shadow what the process has."""
-        from shadow.launcher.config import REFERENCE
-        from shadow.npu import torch_npu_source
-
-        if self.legacy is not _NOT_LOADED:
-            return
-        self.legacy = None
-        if "torch_npu" in sys.modules:
-            print(
-                "npu-shadow: --legacy-from ignored: torch_npu is imported, its own patches are the legacy",
-                file=sys.stderr,
-            )
-            return
-        if path == REFERENCE:
-            from shadow.npu import reference
-
-            self.legacy = reference.patch_torch()
-            return
-        try:
-            legacy = torch_npu_source.load(path)
-        except (torch_npu_source.LegacySourceError, OSError) as exc:
-            print(f"npu-shadow: --legacy-from {path}: {exc}; shadowing the legacy this process has", file=sys.stderr)
-            return
-        self.legacy = legacy
-        legacy.patch_torch()
-        if legacy.missing and _is_job_process():  # (said once, by the job's process)
-            print(
-                f"npu-shadow: torch_npu {legacy.version} has no {', '.join(legacy.missing)} patch: "
-                "those targets are not installed",
-                file=sys.stderr,
-            )
+        """Install torch_npu's own legacy from its source at ``path`` (:func:`_load_legacy`), once per process."""
+        if self.legacy is _NOT_LOADED:
+            self.legacy = _load_legacy(path)
 
 
 _NOT_LOADED = object()
@@ -351,6 +306,37 @@ ROLLED_BACK_BY = "NPU_SHADOW_ROLLED_BACK_BY"
 
 #: The process's launcher: what ``npu-shadow run`` and :func:`install_from_env` install.
 LAUNCHER = Launcher()
+
+
+def _load_legacy(path: str) -> Any:
+    """Install torch_npu's own legacy from its source at ``path``, or :mod:`shadow.npu.reference`'s where ``path``
+    is "reference"; what is installed is returned (None where nothing is). Where torch_npu itself is imported its
+    patches are the legacy; where the source cannot be loaded, say so and shadow what the process has."""
+    from shadow.launcher.config import REFERENCE
+    from shadow.npu import torch_npu_source
+
+    if "torch_npu" in sys.modules:
+        print(
+            "npu-shadow: --legacy-from ignored: torch_npu is imported, its own patches are the legacy", file=sys.stderr
+        )
+        return None
+    if path == REFERENCE:
+        from shadow.npu import reference
+
+        return reference.patch_torch()
+    try:
+        legacy = torch_npu_source.load(path)
+    except (torch_npu_source.LegacySourceError, OSError) as exc:
+        print(f"npu-shadow: --legacy-from {path}: {exc}; shadowing the legacy this process has", file=sys.stderr)
+        return None
+    legacy.patch_torch()
+    if legacy.missing and _is_job_process():  # (said once, by the job's process)
+        print(
+            f"npu-shadow: torch_npu {legacy.version} has no {', '.join(legacy.missing)} patch: those targets are not "
+            "installed",
+            file=sys.stderr,
+        )
+    return legacy
 
 
 def install_from_env(environ: Mapping[str, str] | None = None) -> Any:
