@@ -156,3 +156,26 @@ def test_the_core_is_its_sub_packages_each_saying_in_one_line_what_it_holds():
         with open(os.path.join(core, package, "__init__.py"), encoding="utf-8") as file:
             doc = ast.get_docstring(ast.parse(file.read()))
         assert doc and "\n" not in doc, f"shadow.core.{package} needs a one-line docstring"
+
+
+def test_no_class_is_over_250_lines_and_at_most_five_functions_over_60():
+    """Rooms a next engineer can live in: no class in shadow/ over 250 lines, at most five functions over 60 (the
+    reference copy of torch_npu's code aside), counted on the syntax tree."""
+    classes, functions = [], []
+    for directory, _, files in os.walk(os.path.join(ROOT, "shadow")):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(directory, name)
+            with open(path, encoding="utf-8") as file:
+                tree = ast.parse(file.read(), path)
+            for node in ast.walk(tree):
+                size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+                where = f"{os.path.relpath(path, ROOT)}:{getattr(node, 'name', '')} ({size} lines)"
+                if isinstance(node, ast.ClassDef) and size > 250:
+                    classes.append(where)
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > 60:
+                    if not path.endswith(os.path.join("npu", "reference.py")):
+                        functions.append(where)
+    assert classes == []
+    assert len(functions) <= 5, functions

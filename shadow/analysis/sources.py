@@ -367,6 +367,62 @@ def _exact(
     return values
 
 
+def _prometheus_slices(
+    url: str,
+    selector: str,
+    deadline: _Deadline,
+    runs: set[str],
+    chosen: str | None,
+    start: float | None,
+    end: float | None,
+    recent: float,
+) -> dict[str, dict[str, TargetCounts]]:
+    """The recent window's counts (where the range read is longer) and each run's where several are pooled, read
+    within what is left of the one timeout."""
+    found = {}
+    finish = time.time() if end is None else end
+    if recent > 0 and (start is None or start < finish - recent):
+        found[verdict.recent_slice(recent)] = from_prometheus(
+            url, None, selector, deadline.left(), chosen, True, finish - recent, finish
+        )
+    if chosen is None and len(runs) > 1:
+        for each in sorted(runs):
+            found[verdict.run_slice(each)] = from_prometheus(
+                url, None, selector, deadline.left(), each, False, start, end
+            )
+    return found
+
+
+def _exact_between(
+    url: str,
+    metric: str,
+    selector: str,
+    start: float | None,
+    end: float | None,
+    deadline: _Deadline,
+    spans: list[tuple[float | None, float]],
+    set_aside: dict[str, float],
+    whole: bool | None = None,
+) -> dict[tuple, float]:
+    """Each series' exact count from ``start`` to ``end`` (:func:`_exact`; ``whole``: counts, not seconds or a
+    rank's share of a cluster), less what it counted in each fire drill's span (the comparisons set aside added to
+    ``set_aside`` by target)."""
+    if whole is None:
+        whole = metric not in (CLUSTERS, PROCESS_TIME)
+    series = _exact(url, metric, selector, end, deadline, whole)
+    if start is not None:
+        before = _exact(url, metric, selector, start, deadline, whole)
+        series = {key: value - before.get(key, 0.0) for key, value in series.items()}
+    for on, off in spans if metric not in (ROLLBACKS, RESETS) else ():
+        drilled = _counted_between(url, metric, selector, on, off, deadline, whole)
+        series = {key: max(value - drilled.get(key, 0.0), 0.0) for key, value in series.items()}
+        for key, value in drilled.items() if metric == COMPARISONS else ():
+            labels = dict(key)
+            if labels.get("outcome") in COMPARED_OUTCOMES:
+                set_aside[labels.get("target", "")] = set_aside.get(labels.get("target", ""), 0.0) + value
+    return series
+
+
 def _drill_spans(
     url: str, selector: str, start: float | None, end: float | None, deadline: _Deadline
 ) -> tuple[list[tuple[float | None, float]], bool]:
@@ -440,15 +496,7 @@ def from_prometheus(
     runs = _runs(url, selector, end, deadline, window or LOOKBACK)
     chosen = select_run(runs, run, all_runs, f"{url}{f' ({selector})' if selector else ''}")
     if slices is not None and not window:
-        left = deadline.left  # (the slices share the one timeout)
-        finish = time.time() if end is None else end
-        if recent > 0 and (start is None or start < finish - recent):
-            slices[verdict.recent_slice(recent)] = from_prometheus(
-                url, None, selector, left(), chosen, True, finish - recent, finish
-            )
-        if chosen is None and len(runs) > 1:
-            for each in sorted(runs):
-                slices[verdict.run_slice(each)] = from_prometheus(url, None, selector, left(), each, False, start, end)
+        slices.update(_prometheus_slices(url, selector, deadline, runs, chosen, start, end, recent))
     if chosen is not None:
         selector = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}"]))
     counts: dict[str, TargetCounts] = {}
@@ -462,20 +510,7 @@ def from_prometheus(
                 for item in deadline.query(promql)
             }
         else:
-            whole = metric != CLUSTERS  # (a distributed job's rank counts 1 / WORLD_SIZE a cluster)
-            series = _exact(url, metric, selector, end, deadline, whole)
-            if start is not None:
-                before = _exact(url, metric, selector, start, deadline, whole)
-                series = {key: value - before.get(key, 0.0) for key, value in series.items()}
-            for on, off in spans if metric not in (ROLLBACKS, RESETS) else ():
-                drilled = _counted_between(url, metric, selector, on, off, deadline, whole)
-                series = {key: max(value - drilled.get(key, 0.0), 0.0) for key, value in series.items()}
-                if metric == COMPARISONS:
-                    for key, value in drilled.items():
-                        labels = dict(key)
-                        if labels.get("outcome") in COMPARED_OUTCOMES:
-                            target = labels.get("target", "")
-                            set_aside[target] = set_aside.get(target, 0.0) + value
+            series = _exact_between(url, metric, selector, start, end, deadline, spans, set_aside)
         for key, value in series.items():
             labels = dict(key)
             # increase() extrapolates to the window's edges: fractional there, never negative
@@ -484,18 +519,13 @@ def from_prometheus(
     if not counts:
         raise SourceError(f"{url} has no {COMPARISONS} series{f' matching {selector}' if selector else ''}")
     for metric in ARM_SERIES if arms is not None and not window else ():
-        series = _exact(url, metric, selector, end, deadline, whole=False)
-        if start is not None:
-            before = _exact(url, metric, selector, start, deadline, whole=False)
-            series = {key: value - before.get(key, 0.0) for key, value in series.items()}
+        series = _exact_between(url, metric, selector, start, end, deadline, [], {}, whole=False)
         arms.extend((metric, dict(key), value) for key, value in series.items())  # type: ignore[union-attr]
     for target, entry in counts.items():
         entry.drilled = -1 if drilling else 0
         entry.drill_set_aside = 0.0 if drilling else set_aside.get(target, 0.0)
     if not window:
-        seconds = sum(_exact(url, PROCESS_TIME, selector, end, deadline, whole=False).values())
-        if start is not None:
-            seconds -= sum(_exact(url, PROCESS_TIME, selector, start, deadline, whole=False).values())
+        seconds = sum(_exact_between(url, PROCESS_TIME, selector, start, end, deadline, [], {}).values())
         for entry in counts.values():
             entry.process_seconds = max(seconds, 0.0)
     return _honour_resets(counts)

@@ -41,6 +41,7 @@ import dataclasses
 import fnmatch
 import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from shadow.analysis import bounds
 from shadow.analysis.bounds import Prior, Stratum
@@ -447,11 +448,7 @@ def _strata(
     ``cap`` clusters, a stratum with more comparisons counts as ``cap`` comparisons at its own rate."""
     compared = phase.by_signature(COMPARED_OUTCOMES)
     divergent = phase.by_signature(DIVERGENT_OUTCOMES)
-    nonresponse: dict[str, dict[str, float]] = {}
-    for (signature, reason), value in phase.skipped.items():
-        if reason in NONRESPONSE_REASONS and value > 0:
-            by_reason = nonresponse.setdefault(signature, {})
-            by_reason[reason] = by_reason.get(reason, 0) + value
+    nonresponse = _nonresponse(phase)
     unmatched = dict(phase.unmatched)
     by_signature = any(s for s in phase.calls if phase.calls[s] > 0)
     if not by_signature:  # one stratum: uniform sampling weights every comparison alike
@@ -461,7 +458,7 @@ def _strata(
         calls = {"": max(sum(phase.calls.values()), 1.0)}
     else:
         calls = dict(phase.calls)
-        loose = nonresponse.pop("", None)  # skips whose signature is not known: their share of all sampled calls
+        loose = nonresponse.pop("", None)
         for signature in set(compared) | set(nonresponse) | set(unmatched):
             seen = compared.get(signature, 0) + sum(nonresponse.get(signature, {}).values())
             calls[signature] = max(calls.get(signature, 0), seen + unmatched.get(signature, 0))
@@ -493,14 +490,31 @@ def _strata(
         upper.append(Stratum(weight * (n + extra) / sampled, (k + extra) / scale, (n + extra) / scale))
         lower.append(Stratum(weight * (n + extra) / sampled, k / scale, (n + extra) / scale))
         own[signature] = (k / scale, (n + extra) / scale)
-    if by_signature and loose:
+    if by_signature and loose:  # (skips whose signature is not known: their share of all sampled calls)
         sampled = sum(compared.values()) + sum(_merged(nonresponse.values()).values()) + sum(loose.values())
-        share = sum(loose.values()) / sampled
-        for reason, value in loose.items():
-            uncovered[reason] = uncovered.get(reason, 0) + value / sampled
-        upper = [dataclasses.replace(s, weight=s.weight * (1 - share)) for s in upper] + [Stratum(share, 0, 0)]
-        lower = [dataclasses.replace(s, weight=s.weight * (1 - share)) for s in lower] + [Stratum(share, 0, 0)]
+        lower, upper = _with_loose(lower, uncovered, loose, sampled), _with_loose(upper, {}, loose, sampled)
     return lower, upper, uncovered, by_signature, own
+
+
+def _nonresponse(phase: PhaseCounts) -> dict[str, dict[str, float]]:
+    """A phase's skips tied to the call (non-response), by signature and reason."""
+    found: dict[str, dict[str, float]] = {}
+    for (signature, reason), value in phase.skipped.items():
+        if reason in NONRESPONSE_REASONS and value > 0:
+            by_reason = found.setdefault(signature, {})
+            by_reason[reason] = by_reason.get(reason, 0) + value
+    return found
+
+
+def _with_loose(
+    strata: list[Stratum], uncovered: dict[str, float], loose: Mapping[str, float], sampled: float
+) -> list[Stratum]:
+    """``strata`` with the skips whose signature is not known as a free stratum of their share of the sampled
+    calls (the others scaled to the rest); their share added to ``uncovered`` by reason."""
+    share = sum(loose.values()) / sampled
+    for reason, value in loose.items():
+        uncovered[reason] = uncovered.get(reason, 0) + value / sampled
+    return [dataclasses.replace(s, weight=s.weight * (1 - share)) for s in strata] + [Stratum(share, 0, 0)]
 
 
 def _merged(maps: Iterable[Mapping[str, float]]) -> dict[str, float]:
@@ -720,10 +734,8 @@ def decide(
     return dataclasses.replace(whole, decision=worst.decision, why=f"{worst.why}; the whole history: {whole.why}")
 
 
-def _decide_whole(
-    target: str, counts: TargetCounts, max_rate: float, risky: Iterable[str], min_per_signature: int
-) -> Decision:
-    phases = _decide_phases(counts, max_rate)
+def _reasons_of(counts: TargetCounts) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """(hard mismatches, shared divergences, sampled calls never compared) of every phase, by reason."""
     hard: dict[str, int] = {}
     shared: dict[str, int] = {}
     uncovered: dict[str, int] = {}
@@ -737,9 +749,12 @@ def _decide_whole(
         for reason, value in phase.skipped_by_reason().items():
             if reason in UNCOVERED_REASONS and value > 0:
                 uncovered[reason] = uncovered.get(reason, 0) + round(value)
-    risky = list(risky)
-    not_exercised = tuple(p for p in risky if counts.never_called(p))
-    # (each risky signature taken on its own: another one matching the same pattern covers none of its calls)
+    return hard, shared, uncovered
+
+
+def _risky_coverage(counts: TargetCounts, risky: list[str], not_exercised: tuple[str, ...]) -> dict[str, int]:
+    """Comparisons of each risky signature taken, each on its own (another one matching the same pattern covers
+    none of its calls); by pattern where calls are not counted by signature (which were taken is not known)."""
     coverage: dict[str, int] = {}
     for pattern in risky:
         if pattern in not_exercised:
@@ -747,35 +762,37 @@ def _decide_whole(
         taken = counts.taken_matching(pattern)
         if taken and any(s for p in counts.phases.values() for s in p.calls):
             coverage.update({signature: counts.compared_of(signature) for signature in taken})
-        else:  # (calls not counted by signature: which risky signatures were taken is not known)
+        else:
             coverage[pattern] = counts.compared_matching(pattern)
+    return coverage
+
+
+def _worst_fields(worst: PhaseDecision | None) -> dict[str, Any]:
+    """The Decision's bounds and rates: its worst phase's (none decided: no evidence, the widest bounds)."""
+    if worst is None:
+        return {"lower": 0.0, "upper": 1.0, "rate": 0.0, "effective": 0.0, "weighted": False, "clusters": 0,
+                "uncovered_share": 0.0}  # fmt: skip
+    names = ("lower", "upper", "rate", "effective", "weighted", "clusters", "uncovered_share")
+    return {name: getattr(worst, name) for name in names}
+
+
+def _decide_whole(
+    target: str, counts: TargetCounts, max_rate: float, risky: Iterable[str], min_per_signature: int
+) -> Decision:
+    phases = _decide_phases(counts, max_rate)
+    hard, shared, uncovered = _reasons_of(counts)
+    risky = list(risky)
+    not_exercised = tuple(p for p in risky if counts.never_called(p))
+    coverage = _risky_coverage(counts, risky, not_exercised)
     worst = max(phases, key=lambda p: (_SEVERITY[p.decision], p.upper), default=None)
     made = {
-        "target": target,
-        "compared": counts.compared,
-        "divergent": counts.divergent,
-        "lower": worst.lower if worst else 0.0,
-        "upper": worst.upper if worst else 1.0,
-        "hard": hard,
-        "risky": coverage,
-        "not_exercised": not_exercised,
-        "shared": shared,
-        "uncovered": uncovered,
-        "rate": worst.rate if worst else 0.0,
-        "effective": worst.effective if worst else 0.0,
-        "weighted": worst.weighted if worst else False,
-        "clusters": worst.clusters if worst else 0,
-        "clustering": counts.clustering,
-        "uncovered_share": worst.uncovered_share if worst else 0.0,
-        "phases": tuple(phases),
-        "rollbacks": tuple(counts.rollbacks),
-        "resets": tuple(counts.resets),
-        "set_aside": round(counts.set_aside),
-        "notes": tuple(counts.notes),
-        "drilled": round(counts.drilled),
-        "drill_set_aside": round(counts.drill_set_aside),
-        "truth": truth_summaries(counts),
-    }
+        "target": target, "compared": counts.compared, "divergent": counts.divergent, "hard": hard,
+        "risky": coverage, "not_exercised": not_exercised, "shared": shared, "uncovered": uncovered,
+        "clustering": counts.clustering, "phases": tuple(phases), "rollbacks": tuple(counts.rollbacks),
+        "resets": tuple(counts.resets), "set_aside": round(counts.set_aside), "notes": tuple(counts.notes),
+        "drilled": round(counts.drilled), "drill_set_aside": round(counts.drill_set_aside),
+        "truth": truth_summaries(counts), **_worst_fields(worst),
+    }  # fmt: skip
     if counts.compared == 0 and worst is None:
         needed = comparisons_needed(max_rate)
         about = f"about {needed:,.0f}" if math.isfinite(needed) else "more than any job makes:"

@@ -415,6 +415,41 @@ def _run_or_problem() -> str:
         return f"unnamed ({exc})"
 
 
+def _target_lines(s: Any) -> list[str]:
+    """What the summary says under a target's line: its skips by reason, its phase, and its extra runs."""
+    lines: list[str] = []
+    skipped = {r: n for r, n in s.by_reason.items() if r in SKIP_REASON_MEANING and n}
+    for reason, count in sorted(skipped.items()):
+        lines.append(f"skipped {count} for {reason}: {SKIP_REASON_MEANING[reason]}")
+    if s.rolled_back_by:
+        lines.append(f"rolled back: legacy's result returned since the switch thrown by {s.rolled_back_by}")
+    elif s.primary == "upstream":
+        lines.append("canary: upstream's result returned, legacy compared")
+    if s.shared_divergences:
+        found = ", ".join(f"{reason} {count}" for reason, count in sorted(s.shared_divergences.items()))
+        lines.append(
+            f"shared divergence: {found} of {s.oracle_runs} single-device checks "
+            "(legacy = upstream, both unlike replica 0 alone)"
+        )
+    if s.backward_runs:
+        differ = s.by_reason.get("grad", 0)
+        lines.append(
+            f"backward compared on {s.backward_runs} calls (gradients through both graphs): "
+            f"{differ} differ, rated over these calls alone"
+        )
+    if s.drilled:
+        lines.append(
+            f"fire drill: injected into {s.drilled} of {s.compared} comparisons (a call whose result is "
+            "its own input is never drilled: that would write the caller's tensor)"
+        )
+    if s.truth_runs:
+        found = ", ".join(f"{side} {s.truth_runs.get(side, 0)}" for side in ("upstream", "legacy", "tie"))
+        differs = s.truth_runs.get(DIFFERS_IN_FLOAT64, 0)
+        found += f"; the two code paths differ in float64 too: {differs}" if differs else ""
+        lines.append(f"float64 truth runs, side nearer the truth: {found}")
+    return lines
+
+
 def summary(
     stats: dict,
     legacy: dict[str, str] | None = None,
@@ -439,35 +474,7 @@ def summary(
         lines.append(
             f"{name:<16}{s.calls:>10}{s.sampled:>9}{s.match:>8}{s.close:>7}{s.mismatch:>10}{s.error:>7}{s.skipped:>9}"
         )
-        skipped = {r: n for r, n in s.by_reason.items() if r in SKIP_REASON_MEANING and n}
-        for reason, count in sorted(skipped.items()):
-            lines.append(f"{'':<16}skipped {count} for {reason}: {SKIP_REASON_MEANING[reason]}")
-        if s.rolled_back_by:
-            lines.append(f"{'':<16}rolled back: legacy's result returned since the switch thrown by {s.rolled_back_by}")
-        elif s.primary == "upstream":
-            lines.append(f"{'':<16}canary: upstream's result returned, legacy compared")
-        if s.shared_divergences:
-            found = ", ".join(f"{reason} {count}" for reason, count in sorted(s.shared_divergences.items()))
-            lines.append(
-                f"{'':<16}shared divergence: {found} of {s.oracle_runs} single-device checks "
-                "(legacy = upstream, both unlike replica 0 alone)"
-            )
-        if s.backward_runs:
-            differ = s.by_reason.get("grad", 0)
-            lines.append(
-                f"{'':<16}backward compared on {s.backward_runs} calls (gradients through both graphs): "
-                f"{differ} differ, rated over these calls alone"
-            )
-        if s.drilled:
-            lines.append(
-                f"{'':<16}fire drill: injected into {s.drilled} of {s.compared} comparisons (a call whose result is "
-                "its own input is never drilled: that would write the caller's tensor)"
-            )
-        if s.truth_runs:
-            found = ", ".join(f"{side} {s.truth_runs.get(side, 0)}" for side in ("upstream", "legacy", "tie"))
-            differs = s.truth_runs.get(DIFFERS_IN_FLOAT64, 0)
-            found += f"; the two code paths differ in float64 too: {differs}" if differs else ""
-            lines.append(f"{'':<16}float64 truth runs, side nearer the truth: {found}")
+        lines += [f"{'':<16}{line}" for line in _target_lines(s)]
     if not stats:
         lines.append("(no target installed: no active legacy patch in this process)")
     if job is not None and processes > 1:

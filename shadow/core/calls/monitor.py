@@ -289,13 +289,7 @@ def install(
     _warn_if_torch_npu_comes_later()
     resolved = _resolve_targets(targets)
     _check_places(resolved)
-    if settings is None:
-        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Settings)})
-        if unknown:
-            raise TypeError(f"install() got unexpected keyword argument(s) {unknown}")
-        settings = Settings(**options)
-    elif options:
-        raise TypeError(f"install(): give settings= or {sorted(options)}, not both")
+    settings = _settings(settings, options)
     # Every value is checked whichever targets resolve (none may be active yet).
     names = [t.name for t in resolved]
     rates = _sample_rates(sample_rate, names)
@@ -321,6 +315,18 @@ def install(
         REPORTER.add(monitor)  # (the calls between sampled ones reach the exporters within a second)
     log.debug("npu-shadow installed %s with torch %s", monitor.targets, torch.__version__)
     return monitor
+
+
+def _settings(settings: Settings | None, options: dict[str, Any]) -> Settings:
+    """``settings``, or those made of ``options`` (by field name), checked."""
+    if settings is None:
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Settings)})
+        if unknown:
+            raise TypeError(f"install() got unexpected keyword argument(s) {unknown}")
+        return Settings(**options)
+    if options:
+        raise TypeError(f"install(): give settings= or {sorted(options)}, not both")
+    return settings
 
 
 def _arms(targets: Any, primary: str, exporters: Sequence[Any], seed: int | None) -> IteratorArms | None:

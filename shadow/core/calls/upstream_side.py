@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -235,37 +236,10 @@ class UpstreamSide:
         experiment = self.experiment
         context = plan.isolation.upstream_run() if plan.isolation is not None else contextlib.nullcontext()
         drill = experiment.drill if experiment.drill is not None and experiment.drill.fires() else None
-        drilled = False
-        autocast = ""
         if not left_by_legacy.same_as(plan.before):  # (legacy changed a setting: upstream starts where it did)
             experiment.record.put_back(plan.before)
-        shadow_fn = experiment.shadow_fn
-        snapshot = experiment.target.snapshot
-
-        left: TorchGlobals | None = None
-
-        def body() -> Any:
-            nonlocal autocast, drilled, left
-            try:
-                autocast = autocast_state()
-                if drill is not None and drill.kind == "exception":
-                    drilled = True
-                    drill.before_upstream()
-                args, kwargs = plan.upstream_arguments()
-                value = shadow_fn(*args, **kwargs)
-                if snapshot is not None:  # (taken on the isolation's stand-ins, before they are put back)
-                    try:
-                        value = snapshot(value, args, kwargs)
-                    except Exception as exc:  # (the target's own code, never the shadow side's outcome)
-                        raise IsolationFailed(f"the target's snapshot failed: {exc!r}") from exc
-                if drill is not None and drill.kind != "exception":
-                    value, drilled = drill.corrupt(value, (args, kwargs))
-                return value
-            finally:
-                left = TorchGlobals()  # (on the thread that ran it: its thread-local settings too)
-                if not (plan.here or left.same_as(plan.before)):
-                    leave_room()
-
+        shadow = _ShadowRun(plan, experiment.shadow_fn, experiment.target.snapshot, drill)
+        body = shadow.run
         start = time.perf_counter()
         finished = Finished(False)
         # (a consumed argument, a stream: where legacy left it, put back once the shadow run read it from the start)
@@ -290,14 +264,47 @@ class UpstreamSide:
             experiment.record.put_back(left_by_legacy)
             raise finished.error
         seconds = time.perf_counter() - start
-        left_by_upstream = left if left is not None and finished.finished else TorchGlobals()
+        left_by_upstream = shadow.left if shadow.left is not None and finished.finished else TorchGlobals()
         unchanged = left_by_legacy.same_as(plan.before) and left_by_upstream.same_as(plan.before)
         if not (finished.finished and unchanged):  # (where neither run changed a setting, they are as legacy left)
             experiment.record.put_back(left_by_legacy)
         if not finished.finished:
-            return None, drilled, left_by_upstream
+            return None, shadow.drilled, left_by_upstream
         # (SystemExit, GeneratorExit: upstream's outcome, never the caller's)
-        return Run(finished.value, finished.error, seconds, autocast), drilled, left_by_upstream
+        return Run(finished.value, finished.error, seconds, shadow.autocast), shadow.drilled, left_by_upstream
+
+
+class _ShadowRun:
+    """The body of one shadow run, on whichever thread runs it: what it ran under and left behind."""
+
+    def __init__(self, plan: Plan, shadow_fn: Callable, snapshot: Callable | None, drill: Any) -> None:
+        self.plan, self.shadow_fn, self.snapshot, self.drill = plan, shadow_fn, snapshot, drill
+        self.autocast, self.drilled = "", False
+        self.left: TorchGlobals | None = None
+
+    def run(self) -> Any:
+        """The shadow function on the plan's arguments (a fire drill's fault injected where it fires); the settings
+        it left are taken on its thread (thread-local ones too), and a worker whose run changed one ends with it."""
+        plan, drill = self.plan, self.drill
+        try:
+            self.autocast = autocast_state()
+            if drill is not None and drill.kind == "exception":
+                self.drilled = True
+                drill.before_upstream()
+            args, kwargs = plan.upstream_arguments()
+            value = self.shadow_fn(*args, **kwargs)
+            if self.snapshot is not None:  # (taken on the isolation's stand-ins, before they are put back)
+                try:
+                    value = self.snapshot(value, args, kwargs)
+                except Exception as exc:  # (the target's own code, never the shadow side's outcome)
+                    raise IsolationFailed(f"the target's snapshot failed: {exc!r}") from exc
+            if drill is not None and drill.kind != "exception":
+                value, self.drilled = drill.corrupt(value, (args, kwargs))
+            return value
+        finally:
+            self.left = TorchGlobals()
+            if not (plan.here or self.left.same_as(plan.before)):
+                leave_room()
 
 
 def _raw_signature(experiment: Experiment, args: tuple, kwargs: dict) -> Any:
