@@ -1,5 +1,5 @@
-"""Fakes the tests share: a clock that moves only when told, targets over a namespace, an exporter that keeps
-what it hears."""
+"""Fakes the tests share: a clock that moves only when told, targets over a namespace, exporters that keep what
+they hear or fail, and a monitor with one."""
 
 from __future__ import annotations
 
@@ -35,7 +35,37 @@ class Clock:
         return upstream
 
 
+def twice(x: Any) -> Any:
+    return x * 2
+
+
 def op_target(upstream: Callable, name: str = "op", **options: Any) -> tuple[types.SimpleNamespace, shadow.Target]:
-    """A namespace whose ``op`` (legacy: ``x * 2``) is shadowed by ``upstream``: (the namespace, its target)."""
-    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    """A namespace whose ``op`` (legacy: :func:`twice`) is shadowed by ``upstream``: (the namespace, its target)."""
+    ops = types.SimpleNamespace(op=twice)
     return ops, shadow.Target(name, ops, "op", upstream, **options)
+
+
+class Recorder:
+    """An exporter that keeps every observation, for tests that look at what the monitor saw."""
+
+    def __init__(self) -> None:
+        self.observations: list[Any] = []
+
+    def export(self, observation: Any) -> None:
+        self.observations.append(observation)
+
+    def of(self, target: str) -> list[Any]:
+        return [o for o in self.observations if o.target == target]
+
+
+class FailingExporter:
+    """An exporter whose every export fails (a full disk)."""
+
+    def export(self, observation: Any) -> None:
+        raise OSError("disk full")
+
+
+def shadowed(targets: Any, **options: Any) -> tuple[Any, Recorder]:
+    """A monitor of ``targets`` at sample rate 1.0 with seed 0 (not yet entered), and its recorder."""
+    recorder = Recorder()
+    return shadow.install(targets, sample_rate=1.0, exporters=[recorder], seed=0, **options), recorder

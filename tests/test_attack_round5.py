@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from recorders import Recorder
+from fakes import Recorder
 from torch import nn
 
 import shadow

@@ -11,20 +11,12 @@ import types
 import faults
 import pytest
 import torch
+from fakes import Recorder
 from torch import nn
 
 import shadow
 from exporters.journal import JsonlExporter
 from shadow.core.judging import truth
-
-
-class _Collect:
-    def __init__(self) -> None:
-        self.observations = []
-
-    def export(self, observation) -> None:
-        self.observations.append(observation)
-
 
 _ScaledGradient = faults.ScaledGradient
 
@@ -42,7 +34,7 @@ def _train_once(install_options, legacy=_legacy_linear):
     module = nn.Linear(4, 3)
     x = torch.randn(5, 4, requires_grad=True)
     ops = types.SimpleNamespace(op=legacy)
-    collect = _Collect()
+    collect = Recorder()
     target = shadow.Target("linear", ops, "op", _upstream_linear)
     rng = None
     if install_options is None:
@@ -160,7 +152,7 @@ def test_a_truth_run_tells_which_side_is_nearer_float64(tmp_path, dtype, legacy,
     ops = types.SimpleNamespace(op=legacy)
     target = shadow.Target("poly", ops, "op", upstream)
     journal = tmp_path / "journal.jsonl"
-    collect = _Collect()
+    collect = Recorder()
     with shadow.install(
         [target], sample_rate=1.0, truth_rate=1.0, budget=None, exporters=[collect, JsonlExporter(str(journal))]
     ) as monitor:

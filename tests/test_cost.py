@@ -20,11 +20,6 @@ from shadow.core.runs import deadline, sides
 from shadow.core.support import trees
 
 
-def _op_target(upstream, name="op"):
-    ops = types.SimpleNamespace(op=lambda x: x * 2)
-    return ops, shadow.Target(name, ops, "op", upstream)
-
-
 def test_sampled_calls_run_upstream_on_a_room_kept_between_runs():
     """Two sampled calls one after the other run upstream on the same thread (not the caller's), and it keeps no
     mark of the first run's between them."""
@@ -34,7 +29,7 @@ def test_sampled_calls_run_upstream_on_a_room_kept_between_runs():
         seen.append((threading.current_thread(), getattr(sides.marks, "upstream_side", None) is not None))
         return x * 2
 
-    ops, target = _op_target(upstream)
+    ops, target = fakes.op_target(upstream)
     with shadow.install([target], sample_rate=1.0, budget=None) as monitor:
         for _ in range(3):
             ops.op(torch.ones(2))
@@ -224,7 +219,7 @@ def test_a_run_on_the_callers_thread_leaves_the_callers_settings_as_legacy_left_
         torch.set_default_dtype(torch.float64)
         return x * 2
 
-    ops, target = _op_target(upstream)
+    ops, target = fakes.op_target(upstream)
     target = dataclasses.replace(target, never_blocks=lambda args, kwargs: True)
     dtype = torch.get_default_dtype()
     with shadow.install([target], sample_rate=1.0, budget=None) as monitor:

@@ -5,22 +5,10 @@ import types
 
 import pytest
 import torch
+from fakes import FailingExporter, Recorder
 
 import shadow
 from shadow import Target
-
-
-class RecordingExporter:
-    def __init__(self):
-        self.observations = []
-
-    def export(self, observation):
-        self.observations.append(observation)
-
-
-class FailingExporter:
-    def export(self, observation):
-        raise OSError("disk full")
 
 
 def scale(x):
@@ -33,7 +21,7 @@ def make_ops(legacy=scale):
 
 def run_target(upstream, legacy=scale, calls=1, inputs=None, **target_kwargs):
     ops = make_ops(legacy)
-    recorder = RecordingExporter()
+    recorder = Recorder()
     target = Target("op", ops, "op", upstream, **target_kwargs)
     with shadow.install([target], sample_rate=1.0, exporters=[recorder]) as monitor:
         results = [ops.op(inputs if inputs is not None else torch.arange(6.0)) for _ in range(calls)]
@@ -116,7 +104,7 @@ def test_legacy_raising_reaches_the_caller_unchanged():
         raise error
 
     ops = make_ops(legacy)
-    recorder = RecordingExporter()
+    recorder = Recorder()
     with (
         shadow.install([Target("op", ops, "op", scale)], sample_rate=1.0, exporters=[recorder]),
         pytest.raises(Boom) as caught,
@@ -258,7 +246,7 @@ def test_upstream_drawing_more_random_numbers_leaves_every_generator_where_legac
     assert monitor.stats()["op"].match == 1  # upstream's torch.rand(1) drew the same number as legacy's
 
 
-class HookedExporter(RecordingExporter):
+class HookedExporter(Recorder):
     def __init__(self):
         super().__init__()
         self.registered, self.calls, self.export_errors = {}, 0, 0

@@ -1,6 +1,4 @@
-"""The job never pays for the monitor: tiny rates, restore failures, memory, disks, signals and hostile files.
-
-Each test names the point of the issue it covers ("holds up" 1-13)."""
+"""The job never pays for the monitor: tiny rates, restore failures, memory, disks, signals and hostile files."""
 
 import json
 import os
@@ -12,6 +10,7 @@ import types
 
 import pytest
 import torch
+from fakes import Recorder
 
 import shadow
 from shadow import Target
@@ -25,14 +24,6 @@ def npu_shadow(*args, env=None, timeout=300):
     return subprocess.run(
         [sys.executable, "-m", "shadow", *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT
     )
-
-
-class Recorder:
-    def __init__(self):
-        self.observations = []
-
-    def export(self, observation):
-        self.observations.append(observation)
 
 
 # --------------------------------------------------------------------------- 1. memory

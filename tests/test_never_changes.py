@@ -5,6 +5,7 @@ import types
 
 import pytest
 import torch
+from fakes import Recorder, op_target
 
 import shadow
 from shadow import Target
@@ -14,25 +15,12 @@ def twice(x):
     return x * 2
 
 
-def op_with(upstream, **target_options):
-    ops = types.SimpleNamespace(op=twice)
-    return ops, Target("op", ops, "op", upstream, **target_options)
-
-
-class Recorder:
-    def __init__(self):
-        self.observations = []
-
-    def export(self, observation):
-        self.observations.append(observation)
-
-
 @pytest.mark.parametrize("error", [SystemExit(3), GeneratorExit(), StopIteration()])
 def test_anything_upstream_raises_is_counted_and_swallowed(error):
     def upstream(x):
         raise error
 
-    ops, target = op_with(upstream)
+    ops, target = op_target(upstream)
     with shadow.install([target], sample_rate=1.0) as monitor:
         assert torch.equal(ops.op(torch.ones(2)), torch.full((2,), 2.0))
     stats = monitor.stats()["op"]
@@ -48,11 +36,11 @@ def test_an_exporter_or_a_signature_raising_anything_is_counted_and_swallowed(er
     def signature(args, kwargs):
         raise error
 
-    ops, target = op_with(twice)
+    ops, target = op_target(twice)
     with shadow.install([target], sample_rate=1.0, exporters=[Raising()]) as monitor:
         ops.op(torch.ones(2))
     assert monitor.stats()["op"].by_reason == {} and monitor.stats()["op"].export_errors == 1
-    ops, target = op_with(twice, signature=signature)
+    ops, target = op_target(twice, signature=signature)
     with shadow.install([target], sample_rate=1.0, first_per_signature=0) as monitor:
         ops.op(torch.ones(2))
     assert monitor.stats()["op"].by_reason == {"comparator": 1}
@@ -65,7 +53,7 @@ def test_keyboard_interrupt_still_stops_the_job():
     def upstream(x):
         raise KeyboardInterrupt
 
-    ops, target = op_with(upstream)
+    ops, target = op_target(upstream)
     with shadow.install([target], sample_rate=1.0), pytest.raises(KeyboardInterrupt):
         ops.op(torch.ones(2))
 
@@ -91,7 +79,7 @@ def test_an_exporter_that_raises_on_attribute_lookup_is_a_value_error():
         def __getattr__(self, name):
             raise RuntimeError("no attributes here")
 
-    _, target = op_with(twice)
+    _, target = op_target(twice)
     with pytest.raises(ValueError, match="exporters: Hostile raised looking up export"):
         shadow.install([target], exporters=[Hostile()])
 
@@ -112,7 +100,7 @@ def test_signatures_per_target_are_capped_and_the_overflow_is_counted(caplog):
     from shadow.core.calls.classifier import MAX_SIGNATURES
 
     recorder = Recorder()
-    ops, target = op_with(twice, signature=lambda args, kwargs: f"shape{args[0].shape[0]}")
+    ops, target = op_target(twice, signature=lambda args, kwargs: f"shape{args[0].shape[0]}")
     with shadow.install([target], sample_rate=1.0, exporters=[recorder]) as monitor:
         for n in range(1, 5002):
             ops.op(torch.ones(n))
@@ -148,7 +136,7 @@ def test_global_torch_state_set_by_upstream_never_reaches_the_job(setting):
         change()
         return x * 2
 
-    ops, target = op_with(upstream)
+    ops, target = op_target(upstream)
     torch.accelerator.set_device_index(0)
     before = read()
     with shadow.install([target], sample_rate=1.0) as monitor:
@@ -278,7 +266,7 @@ def test_a_slow_upstream_costs_one_call_then_the_budget_skips_until_the_job_catc
         clock.advance(0.6)  # (more than the 0.5 s of shadow side a target may save up)
         return x * 2
 
-    ops, target = op_with(slow)
+    ops, target = op_target(slow)
     recorder = Recorder()
     budget = Budgets.of(0.1, clock)
     with shadow.install([target], sample_rate=1.0, budget=budget, exporters=[recorder]) as monitor:
@@ -307,7 +295,7 @@ def test_a_slow_exporter_cannot_hold_up_every_sampled_call(tmp_path):
             time.sleep(0.2)
 
     prometheus = PrometheusExporter(registry=CollectorRegistry())
-    ops, target = op_with(twice)
+    ops, target = op_target(twice)
     with shadow.install([target], sample_rate=1.0, budget=0.1, exporters=[Slow(), prometheus]) as monitor:
         for _ in range(20):
             ops.op(torch.ones(2))
@@ -369,7 +357,7 @@ def test_the_comparator_neither_sees_nor_changes_the_jobs_numpy_error_settings()
     import numpy as np
 
     special = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0])
-    ops, target = op_with(lambda x: x * 2)
+    ops, target = op_target(lambda x: x * 2)
     before = np.seterr(all="raise")
     try:
         with shadow.install([target], sample_rate=1.0) as monitor:

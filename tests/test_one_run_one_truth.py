@@ -8,10 +8,10 @@ import types
 
 import pytest
 import torch
+from fakes import Recorder
 from metrics_helpers import samples, total
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_server import free_port, prometheus, wait_for
-from recorders import Recorder
 
 import shadow
 from exporters import JsonlExporter, PrometheusExporter

@@ -2,20 +2,13 @@
 
 import pytest
 import torch
+from fakes import Recorder
 from torch import nn
 
 import shadow
 from shadow.core.model import oracle
 
 DEVICES = [0, 1]
-
-
-class Recorder:
-    def __init__(self):
-        self.observations = []
-
-    def export(self, observation):
-        self.observations.append(observation)
 
 
 class CountingNet(nn.Module):

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import fakes
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -868,18 +869,6 @@ def test_a_signal_to_ab_stops_the_running_pytest_too(tmp_path, signal_name):
 # --------------------------------------------------------------------------- 13. a deadline and a windowed budget
 
 
-def _op_target(upstream, **options):
-    import types
-
-    from shadow import Target
-
-    def twice(x):
-        return x * 2
-
-    ops = types.SimpleNamespace(op=twice)
-    return ops, Target("op", ops, "op", upstream, **options)
-
-
 def test_a_hanging_upstream_is_abandoned_at_its_deadline_and_the_target_stops_shadowing(caplog):
     import threading
     import time
@@ -895,7 +884,7 @@ def test_a_hanging_upstream_is_abandoned_at_its_deadline_and_the_target_stops_sh
         release.wait()  # (a lock never released: no exception reaches a thread blocked here)
         return x * 3
 
-    ops, target = _op_target(hangs)
+    ops, target = fakes.op_target(hangs)
     try:
         with shadow.install([target], sample_rate=1.0, deadline=0.3) as monitor:
             start = time.monotonic()
@@ -949,7 +938,7 @@ def test_the_shadow_side_runs_the_same_call_on_its_own_thread():
         torch.set_num_threads(torch.get_num_threads() + 1)  # (thread-local for OpenMP: seen on that thread)
         return x * 2
 
-    ops, target = _op_target(upstream)
+    ops, target = fakes.op_target(upstream)
     threads = torch.get_num_threads()
     with shadow.install([target], sample_rate=1.0, deadline=30) as monitor:
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), np.errstate(divide="raise"):

@@ -9,23 +9,13 @@ import types
 import pytest
 import torch
 import torch.nn.utils.prune
+from fakes import Recorder
 from torch import nn
 
 import shadow
 from shadow import Target
 
 DEVICES = [0, 1]
-
-
-class Recorder:
-    def __init__(self):
-        self.observations = []
-
-    def export(self, observation):
-        self.observations.append(observation)
-
-    def of(self, target):
-        return [o for o in self.observations if o.target == target]
 
 
 def shadowed(targets, **options):

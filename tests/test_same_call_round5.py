@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from recorders import shadowed
+from fakes import shadowed
 from torch import nn
 
 import shadow

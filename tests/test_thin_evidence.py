@@ -11,6 +11,7 @@ import time
 
 import journals
 import pytest
+from fakes import Recorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,14 +97,6 @@ def test_gradient_mismatches_are_rated_over_the_calls_that_had_a_backward_run(tm
     assert gradients["lower"] > 0.001
 
 
-class _Collect:
-    def __init__(self):
-        self.observations = []
-
-    def export(self, observation):
-        self.observations.append(observation)
-
-
 def test_the_real_engines_gradient_evidence_reaches_the_verdict_alike_from_journals_and_metrics(tmp_path):
     """A legacy whose weight gradient is scaled (the forward bitwise equal), compared backward on a tenth of the
     calls: the gradients' own phase holds those calls, all divergent, from either source."""
@@ -119,7 +112,7 @@ def test_the_real_engines_gradient_evidence_reaches_the_verdict_alike_from_journ
 
     ops = types.SimpleNamespace(op=lambda m, x: nn.functional.linear(x, ScaledGradient.apply(m.weight), m.bias))
     target = shadow.Target("linear", ops, "op", lambda m, x: m(x))
-    registry, collect = CollectorRegistry(), _Collect()
+    registry, collect = CollectorRegistry(), Recorder()
     journal = tmp_path / "j.jsonl"
     exporters = [collect, JsonlExporter(str(journal)), PrometheusExporter(registry=registry)]
     torch.manual_seed(0)
@@ -162,7 +155,7 @@ def test_five_rare_cross_device_casts_among_two_thousand_are_all_compared_at_one
     here, there = torch.ones(4, device="npu:0"), torch.ones(4, device="npu:1")
     rare_at = {700, 1100, 1400, 1700, 1950}
     for seed in range(10):
-        collect = _Collect()
+        collect = Recorder()
         with shadow.install(
             ["tensor_type"], sample_rate=0.01, first_per_signature=defaults.first_per_signature,
             budget=defaults.budget, seed=seed, exporters=[collect],
@@ -211,7 +204,7 @@ def test_a_late_cpu_signature_is_compared_on_its_first_calls_and_the_calls_are_c
     import shadow
 
     x = torch.ones(3)
-    collect = _Collect()
+    collect = Recorder()
     with shadow.install(["tensor_type"], sample_rate=0.0, first_per_signature=5, seed=2, exporters=[collect]) as m:
         for i in range(3_000):
             x.type(torch.float64)
@@ -252,7 +245,7 @@ def test_an_honest_jittering_job_at_the_launchers_defaults_never_counts_a_mismat
     ops = types.SimpleNamespace(op=_jitter)
     target = shadow.Target("op", ops, "op", _jitter, signature=lambda a, k: "call")
     journal = tmp_path / "j.jsonl"
-    collect = _Collect()
+    collect = Recorder()
     with shadow.install(
         [target], sample_rate=defaults.sample_rate, first_per_signature=defaults.first_per_signature,
         aa_rate=defaults.aa_rate, budget=None, seed=4, exporters=[collect, JsonlExporter(str(journal))],
@@ -279,7 +272,7 @@ def test_a_value_difference_the_floor_never_could_judge_is_a_skip_never_agreemen
 
     ops = types.SimpleNamespace(op=_jitter)
     target = shadow.Target("op", ops, "op", _jitter)
-    collect = _Collect()
+    collect = Recorder()
     with shadow.install([target], sample_rate=1.0, aa_rate=0.001, budget=None, seed=5, exporters=[collect]) as m:
         x = torch.zeros(8)
         for _ in range(30):

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from fakes import Recorder
 from metrics_helpers import without_run
 from prometheus_client import generate_latest
 from torch import nn
@@ -176,14 +177,6 @@ def test_pytorchs_parameter_list_dict_replica_holds_on_the_shadow_side(legacy_pa
     assert (stats.match, stats.compared) == (2, 2)
     assert len(checked) == 2 * 2 * 2  # two containers, two replicas, legacy and upstream
     assert p1.grad is None and p2.grad is None
-
-
-class Recorder:
-    def __init__(self):
-        self.observations = []
-
-    def export(self, observation):
-        self.observations.append(observation)
 
 
 def test_a_filter_written_by_legacys_first_import_is_no_difference(tmp_path, monkeypatch):
