@@ -39,7 +39,7 @@ from resnet18 import ResNet18
 from torch import nn
 
 import shadow
-from shadow.core.calls import classifier, sampled_call, upstream_side
+from shadow.core.calls import classifier, sampled_call, shadow_side
 from shadow.core.calls.budget import WINDOW_SECONDS
 from shadow.launcher.config import Config
 from shadow.npu import emulated
@@ -100,7 +100,7 @@ class ShadowClock:
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
         patched = [
-            (upstream_side.UpstreamSide, "plan_call", True),
+            (shadow_side.ShadowSide, "plan_call", True),
             (sampled_call, "shadow_side", False),
             (classifier.Classifier, "classify", False),
         ]

@@ -26,7 +26,7 @@ def test_sampled_calls_run_upstream_on_a_room_kept_between_runs():
     seen = []
 
     def upstream(x):
-        seen.append((threading.current_thread(), getattr(sides.marks, "upstream_side", None) is not None))
+        seen.append((threading.current_thread(), getattr(sides.marks, "shadow_side", None) is not None))
         return x * 2
 
     ops, target = fakes.op_target(upstream)

@@ -316,7 +316,7 @@ def test_an_isolation_that_fails_is_a_counted_skip_never_the_shadow_sides_except
         raise RuntimeError("restoring the generators failed")
         yield
 
-    monkeypatch.setattr(isolation.Isolation, "upstream_run", broken)
+    monkeypatch.setattr(isolation.Isolation, "shadow_run", broken)
     owner = types.SimpleNamespace(op=lambda x: x * 2)
     target = shadow.Target("op", owner, "op", lambda x: x * 2)
     with shadow.install([target], sample_rate=1.0, budget=None) as monitor:

@@ -546,7 +546,7 @@ def test_no_interrupt_at_any_point_leaves_the_caller_on_the_upstream_side():
             calls = monitor.stats()["op"].calls
             assert ops.op(torch.ones(2)).tolist() == [2.0, 2.0], f"interrupted at {where[-1]}: upstream's result after"
             assert monitor.stats()["op"].calls == calls + 1, f"interrupted at {where[-1]}: a call not counted after"
-            assert getattr(sides.marks, "upstream_side", None) is None and not sides.upstream_runs, where[-1]
+            assert getattr(sides.marks, "shadow_side", None) is None and not sides.shadow_runs, where[-1]
     assert k > 100  # (every point of a sampled call was tried)
 
 
@@ -1011,7 +1011,7 @@ def test_a_slow_signature_function_is_paid_from_the_budget():
     assert calls["unclassified"] == 400 - len(classified) > 0 and sum(calls.values()) == 400
 
 
-# --------------------------------------------------------------------------- round 5: the rollback always gets through
+# --------------------------------------------------------------------------- the rollback always gets through
 
 
 def test_idle_connections_without_a_token_never_keep_an_authorised_rollback_out():

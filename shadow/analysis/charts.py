@@ -34,12 +34,12 @@ e = html.escape
 
 def fit(text: str, width: float) -> str:
     """``text`` cut to what ``width`` pixels hold, at a word boundary where there is one, marked with "…"."""
-    room = max(int(width / CHAR_WIDTH), 4)
-    if len(text) <= room:
+    worker = max(int(width / CHAR_WIDTH), 4)
+    if len(text) <= worker:
         return text
-    cut = text[: room - 1]
+    cut = text[: worker - 1]
     boundary = max(cut.rfind(c) for c in " /_-(")
-    return (cut[:boundary] if boundary > room // 2 else cut).rstrip(" /_-(") + "…"
+    return (cut[:boundary] if boundary > worker // 2 else cut).rstrip(" /_-(") + "…"
 
 
 def _svg(title: str, subtitle: str, body: list[str], height: int = HEIGHT) -> str:
@@ -185,7 +185,7 @@ def horizontal_bars(
 
 def histogram(buckets: Mapping[int, int], title: str, colour: str, subtitle: str = "") -> str:
     """Counts by decade (``buckets``: exponent -> count, ``ZERO``: exactly 0) as vertical bars, a tick label
-    under every bar there is room for."""
+    under every bar there is worker for."""
     if not buckets:
         return ""
     keys = sorted(buckets)

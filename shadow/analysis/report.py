@@ -199,7 +199,7 @@ class Section:
     rows: list[Sequence[str]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     figures: list[str] = dataclasses.field(default_factory=list)  # inline SVG
-    html_only: bool = False  # (the charts: a pull request's Markdown has no room for them)
+    html_only: bool = False  # (the charts: a pull request's Markdown has no worker for them)
 
 
 def build(

@@ -66,7 +66,7 @@ def own_first_line(path: str) -> str | None:
 
 class _BoundedServer(http.server.ThreadingHTTPServer):
     """A threading server that serves at most MAX_CONNECTIONS connections at once. When every slot is taken, the
-    connection that has waited longest without showing its token is closed to make room: idle clients without a
+    connection that has waited longest without showing its token is closed to make worker: idle clients without a
     token can never keep an authorised one out. A handler's failure (a malformed request) is counted through
     ``on_error``, never printed on the job's stderr."""
 
@@ -100,7 +100,7 @@ class _BoundedServer(http.server.ThreadingHTTPServer):
         super().process_request(request, client_address)
 
     def authorised(self, request: Any) -> None:
-        """``request``'s connection showed the token: it is never closed to make room."""
+        """``request``'s connection showed the token: it is never closed to make worker."""
         with self._waiting_lock:
             self._waiting.pop(request, None)
 

@@ -53,7 +53,7 @@ class Classifier:
         self.seconds = 0.0  # (what the last timed call of the signature function took)
 
     def classify(self, args: tuple, kwargs: dict) -> str:
-        """A guided target's call: its signature. A signature function that fails, or that the budget has no room
+        """A guided target's call: its signature. A signature function that fails, or that the budget has no worker
         for, classifies as "unclassified"."""
         budgets = self.budgets
         try:

@@ -2,7 +2,7 @@
 
 Data flows one way: call -> the wrapper's gate (:mod:`~shadow.core.calls.wrapper`, :mod:`~shadow.core.calls.sampling`)
 -> admission -> legacy (returned to the caller), then on sampled calls the shadow side
-(:class:`~shadow.core.calls.upstream_side.UpstreamSide`: the isolated shadow run, the extra runs, the comparison)
+(:class:`~shadow.core.calls.shadow_side.ShadowSide`: the isolated shadow run, the extra runs, the comparison)
 -> :class:`Observation` -> the target's :class:`~shadow.core.calls.record.Record` -> exporters. The experiment
 keeps the call path, its admission and the primary; what it counted is its record's, its draws are
 :class:`~shadow.core.calls.coin.Coin` s, its signatures its :class:`~shadow.core.calls.classifier.Classifier`'s,
@@ -37,7 +37,7 @@ from shadow.core.model.observation import (
 )
 from shadow.core.model.targets import Target, patch_origin
 from shadow.core.model.tolerance import ToleranceSpec
-from shadow.core.runs.sides import marks, upstream_side_of_this_thread
+from shadow.core.runs.sides import marks, shadow_side_of_this_thread
 from shadow.core.support import compiling, forks
 
 log = logging.getLogger("shadow")
@@ -154,7 +154,7 @@ class Experiment:
         """What becomes of a call that found the gate closed: run as it is (the function returned: a nested call,
         a call not sampled), skipped in bulk (past the deadline, beyond the budget), or compared (the sampled one,
         or a guided target's call among the first of its signature, compared whatever the rate)."""
-        side = upstream_side_of_this_thread()
+        side = shadow_side_of_this_thread()
         publishing = getattr(marks, "publishing", False)
         if side is not None or publishing or getattr(marks, "in_legacy", None) is self:
             # A nested call, part of a call already counted: made by the primary itself (through a mode, a subclass

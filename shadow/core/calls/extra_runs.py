@@ -23,7 +23,7 @@ from shadow.core.model.observation import SHARED_DIVERGENCE_REASONS, Outcome, bo
 from shadow.core.model.tolerance import ToleranceSpec
 from shadow.core.runs.deadline import Finished
 from shadow.core.runs.global_state import TorchGlobals
-from shadow.core.runs.sides import LEGACY_AGAIN, upstream_run
+from shadow.core.runs.sides import LEGACY_AGAIN, shadow_run
 
 
 class ExtraRuns:
@@ -52,7 +52,7 @@ class ExtraRuns:
         experiment, plan, left_by_legacy = self.experiment, self.plan, self.left_by_legacy
         experiment.record.put_back(plan.before)
         try:
-            with on() as bound, upstream_run(side, backward=backward):
+            with on() as bound, shadow_run(side, backward=backward):
                 if bound is None:
                     return None
                 return within_deadline(experiment, side, plan.before, lambda: run(bound))

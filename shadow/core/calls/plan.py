@@ -18,7 +18,7 @@ from shadow.core.calls.record import Record
 from shadow.core.judging.noise import NoiseFloor
 from shadow.core.model.targets import Target
 from shadow.core.model.tolerance import ToleranceSpec
-from shadow.core.runs.deadline import Finished, leave_room, room, run_within
+from shadow.core.runs.deadline import Finished, leave_worker, run_within, worker
 from shadow.core.runs.global_state import TorchGlobals
 from shadow.core.runs.isolation import Isolation
 from shadow.core.runs.sides import current_run, marks
@@ -113,7 +113,7 @@ class Plan:
             yield self.upstream_arguments()
             return
         index = self.slots.index(slot)
-        with self.isolation.upstream_run(index):
+        with self.isolation.shadow_run(index):
             yield self.isolation.arguments(index)
 
 
@@ -135,7 +135,7 @@ GUARDS: dict[str, str] = {
 
 
 class Experiment(Protocol):
-    """What the room reads of the experiment that made it (:class:`shadow.core.calls.engine.Experiment`)."""
+    """What the worker reads of the experiment that made it (:class:`shadow.core.calls.engine.Experiment`)."""
 
     target: Target
     tolerance: ToleranceSpec
@@ -167,27 +167,27 @@ def within_deadline(
     this thread has written already): on a daemon thread of the shadow side's, waited for at most the deadline
     (:mod:`shadow.core.runs.deadline`; without one, until it ends). Past the deadline the run is abandoned and the
     target stops shadowing (:meth:`Experiment.deadline_missed`). An interrupt the body raised is raised here, as
-    it would be on the caller's thread. A run that leaves a setting of its thread changed ends its room (the
+    it would be on the caller's thread. A run that leaves a setting of its thread changed ends its worker (the
     body says so itself where ``checks_its_settings``)."""
     run = current_run()
 
     def start() -> None:
-        marks.upstream_side, marks.run = side, run
-        # (a room whose run changed a setting ends with it: a room kept holds what its last run started from)
-        known = getattr(room, "settings", None)
+        marks.shadow_side, marks.run = side, run
+        # (a worker whose run changed a setting ends with it: a worker kept holds what its last run started from)
+        known = getattr(worker, "settings", None)
         if known is not None and known.same_as(before):
             return
-        if experiment.record.put_back(before):  # (on the room: its thread-local settings the caller's)
-            room.settings = before
+        if experiment.record.put_back(before):  # (on the worker: its thread-local settings the caller's)
+            worker.settings = before
         else:
-            leave_room()
+            leave_worker()
 
     def checked() -> Any:
         try:
             return body()
         finally:
             if not TorchGlobals().same_as(before):
-                leave_room()
+                leave_worker()
 
     found = run_within(experiment.deadline, body if checks_its_settings else checked, start=start)
     if isinstance(found.error, KeyboardInterrupt):

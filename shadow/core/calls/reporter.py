@@ -62,7 +62,7 @@ class Reporter:
     def close(self, wait: float = 2.0) -> None:
         """Stop the thread and wait (at most ``wait`` seconds) for it to end: at interpreter exit, while the
         interpreter is whole (a daemon thread still running when it finalizes can abort the process: see
-        :meth:`shadow.core.runs.deadline._Rooms.close`). The exit's own last report is the launcher's."""
+        :meth:`shadow.core.runs.deadline._Workers.close`). The exit's own last report is the launcher's."""
         self._closed.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():

@@ -1,5 +1,5 @@
 """One sampled call, from its eligibility to its observation's publishing: the primary's run (its result or
-exception is the caller's), then the shadow side (:class:`~shadow.core.calls.upstream_side.UpstreamSide`), guarded:
+exception is the caller's), then the shadow side (:class:`~shadow.core.calls.shadow_side.ShadowSide`), guarded:
 whatever that raises is this tool's fault, counted as a "comparator" skip, never the caller's problem."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 from shadow.core.calls import eligibility
 from shadow.core.calls.plan import Run
 from shadow.core.calls.sampling import UNDER_WAY
-from shadow.core.calls.upstream_side import UpstreamSide
+from shadow.core.calls.shadow_side import ShadowSide
 from shadow.core.model.observation import Observation, Outcome, bounded
 from shadow.core.runs.global_state import TorchGlobals
 from shadow.core.runs.isolation import modules_in_call
@@ -44,7 +44,7 @@ def compare(experiment: Any, args: tuple, kwargs: dict, signature: str | None) -
         cost.charge(cost.clock() - start)
         return run_primary(experiment, args, kwargs)
     planning = cost.clock()
-    side = UpstreamSide.plan_call(experiment, args, kwargs, modules, signature)
+    side = ShadowSide.plan_call(experiment, args, kwargs, modules, signature)
     cost.planned = cost.clock() - planning
     cost.charge(cost.planned)
     start = time.perf_counter()
@@ -59,18 +59,18 @@ def compare(experiment: Any, args: tuple, kwargs: dict, signature: str | None) -
     return result
 
 
-def shadow_side(experiment: Any, side: UpstreamSide, args: tuple, kwargs: dict, primary: Run) -> None:
+def shadow_side(experiment: Any, side: ShadowSide, args: tuple, kwargs: dict, primary: Run) -> None:
     """Everything after the primary's run: observe, publish. Whatever it does to torch's global state is undone,
     and whatever it raises is counted (a "comparator" skip, or a settings failure)."""
     # Calls of wrapped functions from here on (the shadow run's, the extra runs', exporters') are not compared
     # again. (set inside the try, put back first thing in its finally: no interrupt, wherever it lands, leaves this
     # thread marked, and the caller's later calls on the shadow)
     record, cost = experiment.record, experiment.cost
-    outer, started, held = getattr(marks, "upstream_side", None), cost.clock(), False
+    outer, started, held = getattr(marks, "shadow_side", None), cost.clock(), False
     try:
         UNDER_WAY.hold()
         held = True
-        marks.upstream_side = experiment
+        marks.shadow_side = experiment
         left_by_primary = TorchGlobals()  # the shadow side's changes never reach the job
         try:
             try:
@@ -91,7 +91,7 @@ def shadow_side(experiment: Any, side: UpstreamSide, args: tuple, kwargs: dict, 
     except BaseException as exc:  # taking torch's settings failed: ours to count, not the job's
         record.settings_failed(exc)
     finally:
-        marks.upstream_side = outer
+        marks.shadow_side = outer
         if held:
             UNDER_WAY.release()
         seconds = cost.clock() - started

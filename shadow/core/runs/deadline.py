@@ -7,7 +7,7 @@ code never sees an exception), so a run past its deadline is abandoned: its thre
 never keeps the process alive, and the target stops shadowing. An abandoned run that wakes later can still do what
 upstream does (consume the global RNG, write its own copies); that is why the target stops at the first one.
 
-The threads are kept between runs (:class:`_Rooms`): starting one and waiting for the scheduler twice cost about
+The threads are kept between runs (:class:`_Workers`): starting one and waiting for the scheduler twice cost about
 300 us a run, more than a cheap call's whole upstream side. Each run starts in the caller's thread-local torch
 context, so it is the same call as on the caller's thread: the caller's ``start`` writes the settings snapshot legacy
 started from (grad mode, autocast, function and dispatch modes, the current device, intra-op threads, NumPy's error
@@ -81,15 +81,15 @@ class Finished:
     error: BaseException | None = None
 
 
-class _Rooms:
+class _Workers:
     """The threads shadow-side runs take place on, kept between runs (starting a thread and waiting for it to be
     scheduled costs more than a cheap call's whole upstream side).
 
-    Each room waits on a queue of its own (its inbox); the idle rooms' inboxes are a stack, the room idle last on
-    top: a run is handed to the room that ran the last one (its thread's caches still warm), or to a room started
-    for it, so it never waits behind a busy room (a run abandoned at its deadline keeps its room). Each step of a
-    hand-off is one C call: an interrupt between the two leaves one room idle for good (a later run takes another),
-    never a run without a room. A room whose run raised or changed a thread-local setting (:func:`leave_room`)
+    Each worker waits on a queue of its own (its inbox); the idle workers' inboxes are a stack, the worker idle last on
+    top: a run is handed to the worker that ran the last one (its thread's caches still warm), or to a worker started
+    for it, so it never waits behind a busy worker (a run abandoned at its deadline keeps its worker). Each step of a
+    hand-off is one C call: an interrupt between the two leaves one worker idle for good (a later run takes another),
+    never a run without a worker. A worker whose run raised or changed a thread-local setting (:func:`leave_worker`)
     leaves the pool (its thread may hold state of that run's), and so does an abandoned one.
     """
 
@@ -97,15 +97,15 @@ class _Rooms:
         self._after_fork_in_child()
         forks.register(self)
 
-    def _after_fork_in_child(self) -> None:  # (the rooms' threads are not in the child)
+    def _after_fork_in_child(self) -> None:  # (the workers' threads are not in the child)
         self._idle: collections.deque[tuple[queue.SimpleQueue[_Run | None], threading.Thread]] = collections.deque()
         self._closed = False
 
     def close(self, wait: float = 2.0) -> None:
-        """End the idle rooms and wait (at most ``wait`` seconds in all) for their threads to end: at interpreter
+        """End the idle workers and wait (at most ``wait`` seconds in all) for their threads to end: at interpreter
         exit, while the interpreter is whole. A daemon thread still there when it finalizes is ended wherever it
-        next takes the GIL, and one whose stack holds C++ frames (a room started under torch.compile's frame hook)
-        aborts the process there ("terminate called without an active exception"). An abandoned room's run cannot
+        next takes the GIL, and one whose stack holds C++ frames (a worker started under torch.compile's frame hook)
+        aborts the process there ("terminate called without an active exception"). An abandoned worker's run cannot
         be stopped; it is left as it is."""
         self._closed = True
         closed = []
@@ -121,42 +121,42 @@ class _Rooms:
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def hand_over(self, run: _Run) -> None:
-        """``run`` to the room idle last, or to a room started for it."""
+        """``run`` to the worker idle last, or to a worker started for it."""
         try:
             inbox, _ = self._idle.pop()
         except IndexError:
-            threading.Thread(target=self._room, args=(run,), name="npu-shadow upstream side", daemon=True).start()
+            threading.Thread(target=self._work, args=(run,), name="npu-shadow upstream side", daemon=True).start()
         else:
             inbox.put(run)
 
-    def _room(self, run: _Run | None) -> None:
+    def _work(self, run: _Run | None) -> None:
         inbox: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
         idle, me = self._idle, (inbox, threading.current_thread())
         while run is not None:
-            kept = run.run() and not run.abandoned and not getattr(room, "leaving", False)
-            run = None  # (a room waiting for its next run holds nothing of its last: its result, graph, copies)
+            kept = run.run() and not run.abandoned and not getattr(worker, "leaving", False)
+            run = None  # (a worker waiting for its next run holds nothing of its last: its result, graph, copies)
             if not kept:
                 return
             marks.__dict__.clear()  # (the marks of the run it had: the next run's start writes its own)
-            if self._closed:  # (the interpreter is exiting: a run after this starts a room of its own)
+            if self._closed:  # (the interpreter is exiting: a run after this starts a worker of its own)
                 return
             idle.append(me)
             run = inbox.get()  # (None: closed)
 
 
-#: The room this thread is, its own state: ``leaving`` (set by :func:`leave_room`: the room ends after its run), and
-#: what the runs keep on it between runs (the settings it holds: shadow.core.calls.upstream_side).
-room = threading.local()
+#: The worker this thread is, its own state: ``leaving`` (set by :func:`leave_worker`: the worker ends after its
+#: run), and what the runs keep on it between runs (the settings it holds: shadow.core.calls.shadow_side).
+worker = threading.local()
 
 
-def leave_room() -> None:
-    """The room this thread is ends after its run: the run left thread-local state on it that the next run's start
+def leave_worker() -> None:
+    """The worker this thread is ends after its run: the run left thread-local state on it that the next run's start
     might not write back (a setting it changed, one that could not be written)."""
-    room.leaving = True
+    worker.leaving = True
 
 
 class _Run:
-    """One run handed to a room: its start and body, and its outcome, released when it is there."""
+    """One run handed to a worker: its start and body, and its outcome, released when it is there."""
 
     __slots__ = ("abandoned", "body", "context", "done", "outcome", "start")
 
@@ -183,12 +183,12 @@ class _Run:
             self.done.release()
 
 
-_ROOMS = _Rooms()
-atexit.register(_ROOMS.close)
+_WORKERS = _Workers()
+atexit.register(_WORKERS.close)
 
 
 def run_within(seconds: float | None, body: Callable[[], Any], start: Callable[[], None] | None = None) -> Finished:
-    """``body()`` on a daemon thread of the shadow side's (:class:`_Rooms`), in this thread's torch context, waited
+    """``body()`` on a daemon thread of the shadow side's (:class:`_Workers`), in this thread's torch context, waited
     for at most ``seconds`` (None: until it ends).
     ``start`` runs first on that thread (to mark it and write the caller's settings). An exception of the body's is
     its result, never raised here; an interrupt of the caller's (Ctrl-C while waiting) is raised here, the run
@@ -196,7 +196,7 @@ def run_within(seconds: float | None, body: Callable[[], Any], start: Callable[[
     run = _Run(body, start, ThreadContext.take())
     handed = time.monotonic()
     try:
-        _ROOMS.hand_over(run)
+        _WORKERS.hand_over(run)
         finished = run.done.acquire(True, -1 if seconds is None else seconds)
     except BaseException:
         run.abandoned = True
@@ -217,5 +217,5 @@ def run_here(body: Callable[[], Any]) -> Finished:
         return Finished(True, body())
     except KeyboardInterrupt:
         raise
-    except BaseException as exc:  # (the body's outcome, as on a room)
+    except BaseException as exc:  # (the body's outcome, as on a worker)
         return Finished(True, error=exc)

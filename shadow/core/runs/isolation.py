@@ -389,7 +389,7 @@ class ArgumentsChanged(RuntimeError):
 
 
 class Isolation:
-    """Taken before legacy runs; :meth:`take_arguments` after it; :meth:`upstream_run` then gives the upstream
+    """Taken before legacy runs; :meth:`take_arguments` after it; :meth:`shadow_run` then gives the upstream
     side its own world.
 
     Before legacy only what legacy changes by design is copied: the module buffers (BatchNorm's running
@@ -479,7 +479,7 @@ class Isolation:
         return {key: value for key, value in found.items() if value.requires_grad}
 
     @contextlib.contextmanager
-    def upstream_run(self, run: int = 0) -> Iterator[None]:
+    def shadow_run(self, run: int = 0) -> Iterator[None]:
         """Run the body isolated: legacy's starting state, its own graph, nothing leaks out."""
         rng_after_legacy = RngSnapshot()
         swaps, originals = self._worlds[run]

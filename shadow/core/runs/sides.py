@@ -1,9 +1,9 @@
 """Which side of which experiment a thread is running: the marks the call path reads to tell a job's own call
 from a nested one.
 
-Per thread (``marks``): ``upstream_side``, the experiment whose upstream side this thread runs (upstream, the
+Per thread (``marks``): ``shadow_side``, the experiment whose shadow side this thread runs (upstream, the
 comparison, the oracle, the exporters); ``run``, the upstream run under way on it (a key of
-:data:`upstream_runs`); ``inherited``, the (run, experiment) of the thread that started this one; ``in_legacy``,
+:data:`shadow_runs`); ``inherited``, the (run, experiment) of the thread that started this one; ``in_legacy``,
 the experiment whose legacy it runs; ``publishing`` while it hands an observation to the exporters.
 
 A run's threads are known by construction: a thread started by a thread of an upstream run (DataParallel's workers
@@ -17,6 +17,7 @@ and call nothing: no lock, and no point where an interrupt could leave a run beh
 from __future__ import annotations
 
 import contextlib
+import enum
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,18 +26,27 @@ from shadow.core.support import forks
 
 marks = threading.local()
 
-#: The upstream runs under way, by a key of their own: its experiment, and whether it is a backward comparison's.
-upstream_runs: dict[object, tuple[Any, bool]] = {}
+#: The shadow runs under way, by a key of their own: its experiment, and whether it is a backward comparison's.
+shadow_runs: dict[object, tuple[Any, bool]] = {}
 
-#: Registered as the "upstream side" while legacy runs again for the noise floor: the calls it makes of wrapped
-#: functions are nested calls, and they run legacy (only an experiment's own upstream run routes them upstream).
-LEGACY_AGAIN = object()
+
+class Role(enum.Enum):
+    """Whose run a thread runs, besides an experiment's own shadow run."""
+
+    #: Legacy run again, isolated as the shadow run is (the A/A run, the backward comparison's, the truth run's):
+    #: the calls it makes of wrapped functions are nested calls, never the shadow's.
+    LEGACY_AGAIN = "legacy again"
+
+
+#: Registered as the shadow side while legacy runs again: the calls it makes of wrapped functions are nested calls,
+#: and they run legacy (only an experiment's own shadow run routes them to the shadow).
+LEGACY_AGAIN = Role.LEGACY_AGAIN
 
 
 @contextlib.contextmanager
-def upstream_run(experiment: Any, backward: bool = False) -> Iterator[None]:
+def shadow_run(experiment: Any, backward: bool = False) -> Iterator[None]:
     """While the body runs, this thread's upstream run is one of ``experiment``'s (the threads it starts, and a
-    room it hands a run to, are part of it); with ``backward`` (a backward comparison's run,
+    worker it hands a run to, are part of it); with ``backward`` (a backward comparison's run,
     :mod:`shadow.core.judging.gradients`), so are the autograd engine's own threads (the device threads a backward
     through device tensors runs on). (The job's thread waits in the sampled call meanwhile; a backward of another
     job thread's at that moment would run its wrapped calls as nested ones, the primary's implementation,
@@ -44,45 +54,45 @@ def upstream_run(experiment: Any, backward: bool = False) -> Iterator[None]:
     key = object()
     outer = getattr(marks, "run", None)
     try:
-        upstream_runs[key] = (experiment, backward)
+        shadow_runs[key] = (experiment, backward)
         marks.run = key
         yield
     finally:
-        del upstream_runs[key]  # (first: a key left in marks.run by an interrupt is no run's)
+        del shadow_runs[key]  # (first: a key left in marks.run by an interrupt is no run's)
         marks.run = outer
 
 
 def current_run() -> object | None:
-    """The key of the upstream run this thread is part of (to hand to a room that runs it), or None."""
+    """The key of the upstream run this thread is part of (to hand to a worker that runs it), or None."""
     run = getattr(marks, "run", None)
     if run is not None:
         return run
     inherited = getattr(marks, "inherited", None)
-    return inherited[0] if inherited is not None and inherited[0] in upstream_runs else None
+    return inherited[0] if inherited is not None and inherited[0] in shadow_runs else None
 
 
-def upstream_side_of_this_thread() -> Any | None:
+def shadow_side_of_this_thread() -> Any | None:
     """The experiment whose upstream side this thread is part of: running it, started by a thread of its
     upstream run while that run is under way, or an autograd thread during its backward run."""
-    side = getattr(marks, "upstream_side", None)
-    if side is not None or not upstream_runs:
+    side = getattr(marks, "shadow_side", None)
+    if side is not None or not shadow_runs:
         return side
     inherited = getattr(marks, "inherited", None)
-    if inherited is not None and inherited[0] in upstream_runs:
+    if inherited is not None and inherited[0] in shadow_runs:
         return inherited[1]
     if isinstance(threading.current_thread(), threading._DummyThread):
-        return next((experiment for experiment, backward in tuple(upstream_runs.values()) if backward), None)
+        return next((experiment for experiment, backward in tuple(shadow_runs.values()) if backward), None)
     return None
 
 
 def _inheritance() -> tuple[object, Any] | None:
     """What a thread started by this one inherits: (its upstream run, the experiment), or None."""
-    side = getattr(marks, "upstream_side", None)
+    side = getattr(marks, "shadow_side", None)
     run = getattr(marks, "run", None)
     if side is not None and run is not None:
         return run, side
     inherited = getattr(marks, "inherited", None)
-    return inherited if inherited is not None and inherited[0] in upstream_runs else None
+    return inherited if inherited is not None and inherited[0] in shadow_runs else None
 
 
 def _inheriting(start: Callable[..., Any]) -> Callable[..., Any]:
@@ -116,7 +126,7 @@ class _Runs:
     """The runs under way are the parent's: none in a forked child."""
 
     def _after_fork_in_child(self) -> None:
-        upstream_runs.clear()
+        shadow_runs.clear()
         marks.__dict__.pop("inherited", None)
 
 

@@ -49,7 +49,7 @@ PROC_SELF_CGROUP = "/proc/self/cgroup"
 
 
 def _cgroup_room() -> list[int]:
-    """The room left under each memory limit of this process's cgroups: v2 (``memory.max`` less
+    """The worker left under each memory limit of this process's cgroups: v2 (``memory.max`` less
     ``memory.current``) and v1 (``memory.limit_in_bytes`` less ``memory.usage_in_bytes``), in the process's own
     cgroup and at the mount's root (a container sees its own cgroup there)."""
     try:
@@ -71,17 +71,17 @@ def _cgroup_room() -> list[int]:
             places.append((v1, "memory.limit_in_bytes", "memory.usage_in_bytes"))
     places += [(CGROUP_ROOT, "memory.max", "memory.current"),
                (f"{CGROUP_ROOT}/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")]  # fmt: skip
-    room = []
+    worker = []
     for directory, limit_file, usage_file in dict.fromkeys(places):
         limit, used = _read_number(f"{directory}/{limit_file}"), _read_number(f"{directory}/{usage_file}")
         if limit is not None and used is not None:
-            room.append(max(0, limit - used))
-    return room
+            worker.append(max(0, limit - used))
+    return worker
 
 
 def host_free_bytes() -> int | None:
-    """What this process can still allocate on the host: the least of MemAvailable, the room left under
-    RLIMIT_AS and the room left under its cgroups' limits (v2 and v1); None where none of them can be read."""
+    """What this process can still allocate on the host: the least of MemAvailable, the worker left under
+    RLIMIT_AS and the worker left under its cgroups' limits (v2 and v1); None where none of them can be read."""
     figures = [_read_number("/proc/meminfo", "MemAvailable")]
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     used = _read_number("/proc/self/status", "VmSize")

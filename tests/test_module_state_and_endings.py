@@ -1,7 +1,7 @@
-"""The same call, round 5 (issue 44): a forward that changes its module's Python state starts each run from what
-legacy started from and leaves the caller's module as an unwrapped call does; the autocast flag both legacies
-read is in the shadow run; every ending of a call has its state compared; a ``state`` detail names what differed.
-Each test fails on the code before the fix."""
+"""The same call for a module's state and every ending: a forward that changes its module's Python state starts each
+run from what legacy started from and leaves the caller's module as an unwrapped call does; the autocast flag both
+legacies read is in the shadow run; every ending of a call has its state compared; a ``state`` detail names what
+differed."""
 
 import copy
 import types

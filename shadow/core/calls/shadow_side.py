@@ -1,11 +1,12 @@
-"""The upstream side of one sampled call: everything that runs after legacy, in a room of its own.
+"""The shadow side of one sampled call: everything that runs after the primary (legacy while shadowing, upstream
+in a canary), on a worker of its own.
 
-An :class:`UpstreamSide` is made for each sampled call before legacy runs (its :class:`Plan`: the isolation, the
-signature, the settings legacy starts from, whether the oracle and the A/A run join in). Once legacy has run,
-:meth:`UpstreamSide.observe` runs the shadow side the way legacy ran (on a thread of its own, within the deadline,
-isolated), the A/A run and the single-device oracle where the plan asks for them, compares, and returns the
+A :class:`ShadowSide` is made for each sampled call before the primary runs (its :class:`Plan`: the isolation, the
+signature, the settings the primary starts from, which extra runs join in). Once the primary has run,
+:meth:`ShadowSide.observe` runs the shadow the way the primary ran (on a worker thread, within the deadline,
+isolated), the extra runs the plan drew (:mod:`~shadow.core.calls.extra_runs`), compares, and returns the
 :class:`Observation`. It never publishes and never counts calls: the experiment that made it does
-(:mod:`shadow.core.calls.engine`), and it catches whatever this room raises.
+(:mod:`shadow.core.calls.engine`), and it catches whatever this worker raises.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ from shadow.core.model.observation import (
     bounded,
     label_text,
 )
-from shadow.core.runs.deadline import Finished, leave_room, run_here
+from shadow.core.runs.deadline import Finished, leave_worker, run_here
 from shadow.core.runs.global_state import TorchGlobals
 from shadow.core.runs.isolation import ArgumentsChanged, Isolation, SideEffects, detach_tensors
-from shadow.core.runs.sides import upstream_run
+from shadow.core.runs.sides import shadow_run
 from shadow.core.support import trees
 
 
@@ -59,7 +60,7 @@ def _free_after_oom() -> None:
             torch.accelerator.empty_cache()
 
 
-class UpstreamSide:
+class ShadowSide:
     """The upstream side of one sampled call of ``experiment``'s target: planned before legacy runs
     (:meth:`plan`), observed after it (:meth:`observe`)."""
 
@@ -71,7 +72,7 @@ class UpstreamSide:
     @classmethod
     def plan_call(
         cls, experiment: Experiment, args: tuple, kwargs: dict, modules: list[torch.nn.Module], signature: str | None
-    ) -> UpstreamSide:
+    ) -> ShadowSide:
         """What the upstream run (and the oracle's, the A/A run's) needs, taken before legacy runs."""
         try:
             target = experiment.target
@@ -108,22 +109,22 @@ class UpstreamSide:
 
     # ------------------------------------------------------------------ observing
 
-    def observe(self, args: tuple, kwargs: dict, legacy: Run, left_by_legacy: TorchGlobals) -> Observation:
-        """Run upstream the way legacy ran and compare the two runs: their results (or exceptions) and the torch
-        settings each left behind (``legacy`` and ``left_by_legacy`` are the primary's run: upstream's in a
+    def observe(self, args: tuple, kwargs: dict, primary: Run, left_by_primary: TorchGlobals) -> Observation:
+        """Run the shadow the way the primary ran and compare the two runs: their results (or exceptions) and the
+        torch settings each left behind (``primary`` and ``left_by_primary``: the primary's run, upstream's in a
         canary)."""
         experiment, plan = self.experiment, self.plan
         now = time.time()
         if isinstance(plan, BaseException):
             return self._skipped(plan, timestamp=now)
         snapshot = experiment.target.snapshot
-        if snapshot is not None and legacy.error is None:  # (what the primary's run left on the caller's object)
-            legacy = dataclasses.replace(legacy, value=snapshot(legacy.value, args, kwargs))
-        cannot = self._cannot_run_upstream(plan, legacy, now)
+        if snapshot is not None and primary.error is None:  # (what the primary's run left on the caller's object)
+            primary = dataclasses.replace(primary, value=snapshot(primary.value, args, kwargs))
+        cannot = self._cannot_run_shadow(plan, primary, now)
         if cannot is not None:
             return cannot
-        upstream, drilled, left_by_upstream = self._run_upstream(plan, left_by_legacy)
-        if upstream is None:
+        shadow, drilled, left_by_shadow = self._shadow_run(plan, left_by_primary)
+        if shadow is None:
             return Observation(
                 experiment.target.name, Outcome.SKIPPED, ("deadline",), signature=plan.signature, timestamp=now,
                 primary=experiment.primary,
@@ -134,16 +135,16 @@ class UpstreamSide:
             "primary": experiment.primary,
             "legacy": experiment.legacy_origin,
             "signature": plan.signature,
-            "legacy_seconds": legacy.seconds,
-            "upstream_seconds": upstream.seconds,
+            "legacy_seconds": primary.seconds,
+            "upstream_seconds": shadow.seconds,
             "drill": drilled,
             "timestamp": now,
         }
-        if upstream.error is not None and legacy.error is None and _is_oom(upstream.error):
-            del upstream  # its error's traceback holds upstream's tensors
+        if shadow.error is not None and primary.error is None and _is_oom(shadow.error):
+            del shadow  # its error's traceback holds shadow's tensors
             _free_after_oom()
             return Observation(outcome=Outcome.SKIPPED, reasons=("oom",), **common)
-        return self._compared(args, kwargs, (legacy, upstream), (left_by_legacy, left_by_upstream), common)
+        return self._compared(args, kwargs, (primary, shadow), (left_by_primary, left_by_shadow), common)
 
     def _compared(
         self,
@@ -157,11 +158,11 @@ class UpstreamSide:
         each left): compared, held against the noise floor, and the extra runs the plan drew made."""
         experiment, plan = self.experiment, self.plan
         assert isinstance(plan, Plan)
-        (legacy, upstream), left_by_legacy = ran, left[0]
-        returned = legacy.error is None and upstream.error is None
+        (primary, shadow), left_by_primary = ran, left[0]
+        returned = primary.error is None and shadow.error is None
         runs = ran[::-1] if experiment.primary == UPSTREAM else ran
         left = left[::-1] if experiment.primary == UPSTREAM else left
-        extra = ExtraRuns(experiment, plan, left_by_legacy)
+        extra = ExtraRuns(experiment, plan, left_by_primary)
         aa = extra.aa(runs[0]) if plan.aa and returned else {}
         start = time.perf_counter()
         found = findings.compare_runs(experiment, plan, args, kwargs, *runs)
@@ -170,7 +171,7 @@ class UpstreamSide:
         )
         found, noise_test, pending = findings.within_noise(experiment, plan.signature, found)
         compare_seconds = time.perf_counter() - start
-        found, drawn = extra.after_comparing(args, kwargs, runs, legacy, found, returned)
+        found, drawn = extra.after_comparing(args, kwargs, runs, primary, found, returned)
         evidence = None
         # (a replay is of the forward; a pending difference is held, and holds no tensors while it waits)
         if found.outcome in DIVERGENT_OUTCOMES and "grad" not in found.reasons and not pending:
@@ -193,12 +194,12 @@ class UpstreamSide:
             **common,
         )
 
-    def _cannot_run_upstream(self, plan: Plan, legacy: Run, now: float) -> Observation | None:
-        """The skip observation of a call whose upstream run would not be faithful, seen once legacy ran: legacy
+    def _cannot_run_shadow(self, plan: Plan, primary: Run, now: float) -> Observation | None:
+        """The skip observation of a call whose shadow run would not be faithful, seen once the primary ran: the primary
         returned a tensor subclass with hooks (comparing it would run its code), wrote an argument in place, or the
-        argument copies would not fit. None when upstream can run (the isolation's copies are then taken)."""
+        argument copies would not fit. None when the shadow can run (the isolation's copies are then taken)."""
         experiment = self.experiment
-        if legacy.error is None and any(map(is_hooked_subclass, trees.leaves(legacy.value))):
+        if primary.error is None and any(map(is_hooked_subclass, trees.leaves(primary.value))):
             return Observation(
                 experiment.target.name, Outcome.SKIPPED, ("mode",), signature=plan.signature, timestamp=now,
                 primary=experiment.primary,
@@ -226,52 +227,52 @@ class UpstreamSide:
             timestamp=timestamp, signature="", primary=self.experiment.primary,
         )  # fmt: skip
 
-    # ------------------------------------------------------------------ the runs after legacy
+    # ------------------------------------------------------------------ the shadow run
 
-    def _run_upstream(self, plan: Plan, left_by_legacy: TorchGlobals) -> tuple[Run | None, bool, TorchGlobals]:
-        """Upstream on the plan's arguments, from the torch settings the caller had before the call (legacy's
+    def _shadow_run(self, plan: Plan, left_by_primary: TorchGlobals) -> tuple[Run | None, bool, TorchGlobals]:
+        """The shadow on the plan's arguments, from the torch settings the caller had before the call (the primary's
         start), in the caller's grad mode, isolated where the target asks for it; whether a fire drill corrupted
-        it; and the torch settings it left behind (legacy's are put back before this returns). The run is None
+        it; and the torch settings it left behind (primary's are put back before this returns). The run is None
         where it passed its deadline. A call that cannot block runs here, on the caller's thread."""
         experiment = self.experiment
-        context = plan.isolation.upstream_run() if plan.isolation is not None else contextlib.nullcontext()
+        context = plan.isolation.shadow_run() if plan.isolation is not None else contextlib.nullcontext()
         drill = experiment.drill if experiment.drill is not None and experiment.drill.fires() else None
-        if not left_by_legacy.same_as(plan.before):  # (legacy changed a setting: upstream starts where it did)
+        if not left_by_primary.same_as(plan.before):  # (the primary changed a setting: the shadow starts where it did)
             experiment.record.put_back(plan.before)
         shadow = _ShadowRun(plan, experiment.shadow_fn, experiment.target.snapshot, drill)
         body = shadow.run
         start = time.perf_counter()
         finished = Finished(False)
-        # (a consumed argument, a stream: where legacy left it, put back once the shadow run read it from the start)
+        # (a consumed argument, a stream: where the primary left it, put back once the shadow read it from the start)
         left_there = experiment.target.rewind(*plan.upstream_arguments()) if plan.rewind is not None else None
         try:
             if plan.rewind is not None:
                 plan.rewind()
-            with context, upstream_run(experiment):
+            with context, shadow_run(experiment):
                 if plan.here:
                     finished = run_here(body)
                 else:
                     finished = within_deadline(experiment, experiment, plan.before, body, checks_its_settings=True)
         except KeyboardInterrupt:
             raise
-        except BaseException as exc:  # the isolation's own failure (upstream's are in finished): a fault of ours,
-            experiment.record.put_back(left_by_legacy)  # counted as a "comparator" skip, never a side's exception
+        except BaseException as exc:  # the isolation's own failure (the shadow's are in finished): a fault of ours,
+            experiment.record.put_back(left_by_primary)  # counted as a "comparator" skip, never a side's exception
             raise IsolationFailed(f"the isolation of the shadow run failed: {exc!r}") from exc
         finally:
             if left_there is not None:
                 left_there()
         if isinstance(finished.error, IsolationFailed):
-            experiment.record.put_back(left_by_legacy)
+            experiment.record.put_back(left_by_primary)
             raise finished.error
         seconds = time.perf_counter() - start
-        left_by_upstream = shadow.left if shadow.left is not None and finished.finished else TorchGlobals()
-        unchanged = left_by_legacy.same_as(plan.before) and left_by_upstream.same_as(plan.before)
-        if not (finished.finished and unchanged):  # (where neither run changed a setting, they are as legacy left)
-            experiment.record.put_back(left_by_legacy)
+        left_by_shadow = shadow.left if shadow.left is not None and finished.finished else TorchGlobals()
+        unchanged = left_by_primary.same_as(plan.before) and left_by_shadow.same_as(plan.before)
+        if not (finished.finished and unchanged):  # (where neither run changed a setting, they are as the primary left)
+            experiment.record.put_back(left_by_primary)
         if not finished.finished:
-            return None, shadow.drilled, left_by_upstream
-        # (SystemExit, GeneratorExit: upstream's outcome, never the caller's)
-        return Run(finished.value, finished.error, seconds, shadow.autocast), shadow.drilled, left_by_upstream
+            return None, shadow.drilled, left_by_shadow
+        # (SystemExit, GeneratorExit: the shadow's outcome, never the caller's)
+        return Run(finished.value, finished.error, seconds, shadow.autocast), shadow.drilled, left_by_shadow
 
 
 class _ShadowRun:
@@ -304,7 +305,7 @@ class _ShadowRun:
         finally:
             self.left = TorchGlobals()
             if not (plan.here or self.left.same_as(plan.before)):
-                leave_room()
+                leave_worker()
 
 
 def _raw_signature(experiment: Experiment, args: tuple, kwargs: dict) -> Any:

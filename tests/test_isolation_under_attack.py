@@ -1,6 +1,5 @@
-"""Holds under attack, round 5: the truth run never touches training, a job's threads always get legacy's result,
-a kept room holds nothing of its last run, and the memory check reads the limits that apply (issue 43, points
-1-4; each test fails on the code before the fix)."""
+"""Isolation under attack: the truth run never touches training, a job's threads always get legacy's result, a
+kept worker holds nothing of its last run, and the memory check reads the limits that apply."""
 
 import ctypes
 import gc
