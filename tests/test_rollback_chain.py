@@ -960,7 +960,6 @@ def test_the_budget_holds_over_a_window_after_a_long_idle_time():
     """Since install alone, an hour idle banked an hour's share: every call of a burst then compared. Now at most
     the burst is saved up: the burst's 100 calls of 0.02 s use 0.5 s and the share of their time, no more, and no
     less than that less one call."""
-    import fakes
     import torch
 
     import shadow
@@ -984,7 +983,6 @@ def test_a_slow_signature_function_is_paid_from_the_budget():
     """A guided target classifies every call while a signature is in its first calls: a 5 ms signature function
     on every call was outside the budget. Within it, classifying stops once it alone has used the budget (its calls
     count as unclassified): it uses the burst and the share of the time, within one call's cost."""
-    import fakes
     import torch
 
     import shadow
