@@ -5,6 +5,7 @@ caller's module, stream, RNG and exceptions are what the unwrapped call gives.""
 from __future__ import annotations
 
 import collections
+import contextlib
 import fnmatch
 import io
 import json
@@ -153,7 +154,11 @@ def test_the_weights_only_variable_in_mixed_case_is_read_by_upstream_only(patche
     checkpoint = tmp_path / "settings.pt"
     torch.save({"settings": Settings(0.5)}, checkpoint)
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TRUE")
-    with _monitor(primary) as monitor:
+    with _monitor(primary) as monitor:  # (a pickle of the job's own class: untrusted, it is never loaded again)
+        with contextlib.suppress(pickle.UnpicklingError):
+            torch.load(checkpoint)
+        assert _counts(monitor, "torch_load") == {"outcomes": {"skipped": 1}, "reasons": {"ineligible": 1}}
+    with _monitor(primary, targets=[live_targets.torch_load(trusted=True)]) as monitor:
         if primary == "upstream":
             assert torch.load(checkpoint)["settings"].rate == 0.5  # upstream lower-cases it: weights_only off
         else:

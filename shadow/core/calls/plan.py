@@ -85,6 +85,7 @@ class Plan:
     here: bool = False  # upstream cannot block (Target.never_blocks): it runs on the caller's thread
     backward_skip: str = ""  # a backward comparison drawn for a call that can have none (grad mode off)
     rewind: Callable[[], Any] | None = None  # puts the call's consumed arguments back where legacy found them
+    replay: Callable[[], tuple[tuple, dict]] | None = None  # the shadow run's arguments, once the primary ran
     modules_loaded: int = dataclasses.field(default_factory=lambda: len(sys.modules))
 
     @property

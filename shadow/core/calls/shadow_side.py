@@ -43,15 +43,20 @@ from shadow.core.model.observation import (
     bounded,
     label_text,
 )
+from shadow.core.model.target import CannotReplay
 from shadow.core.runs.deadline import Finished, leave_worker, run_here
 from shadow.core.runs.global_state import TorchGlobals
 from shadow.core.runs.isolation import ArgumentsChanged, Isolation, SideEffects, detach_tensors
 from shadow.core.runs.sides import shadow_run
 from shadow.core.support import trees
 
+#: What an allocator's failure says: a device's "out of memory", the host allocator's "can't allocate memory".
+_OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
 
 def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
+    text = str(exc).lower()
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or any(words in text for words in _OOM_TEXTS)
 
 
 def _free_after_oom() -> None:
@@ -68,6 +73,8 @@ class ShadowSide:
         self.experiment = experiment
         #: The plan, or the exception taking it raised (the call is then skipped as this tool's fault).
         self.plan = plan
+        #: The shadow run's arguments where the target replays the call's input (Target.replay), once the primary ran.
+        self.replayed: tuple[tuple, dict] | None = None
 
     @classmethod
     def plan_call(
@@ -94,12 +101,13 @@ class ShadowSide:
             if signature is None:  # (a guided target's call comes classified)
                 signature = experiment.classifier.admit(label_text(str(_raw_signature(experiment, args, kwargs)), 64))
             rewind = target.rewind(args, kwargs) if target.rewind is not None else None
+            replay = target.replay(args, kwargs) if target.replay is not None else None
             # (a run that reads the caller's stream is never left running past a deadline: it would move the
             # stream under the job later; it runs on the caller's thread)
             here = rewind is not None or (target.never_blocks is not None and bool(target.never_blocks(args, kwargs)))
             plan = Plan(
                 isolation, up_args, up_kwargs, signature, autocast, before, extra, here,
-                backward_skip="no_grad" if drawn and not backward else "", rewind=rewind,
+                backward_skip="no_grad" if drawn and not backward else "", rewind=rewind, replay=replay,
             )  # fmt: skip
             return cls(experiment, plan)
         except KeyboardInterrupt:
@@ -215,6 +223,22 @@ class ShadowSide:
             )  # fmt: skip
         except MemoryError as exc:
             return self._skipped(exc, timestamp=now)
+        return self._replay(plan, now)
+
+    def _replay(self, plan: Plan, now: float) -> Observation | None:
+        """The shadow run's arguments from the target's replay (the input the primary read, read once), or the skip
+        observation of a call whose input cannot be given again (``ineligible``) or would not fit (``oom``)."""
+        if plan.replay is None:
+            return None
+        try:
+            self.replayed = plan.replay()
+        except CannotReplay as exc:
+            return Observation(
+                self.experiment.target.name, Outcome.SKIPPED, ("ineligible",), signature=plan.signature,
+                detail=bounded(str(exc)), timestamp=now, primary=self.experiment.primary,
+            )  # fmt: skip
+        except MemoryError as exc:
+            return self._skipped(exc, timestamp=now)
         return None
 
     def _skipped(self, failure: BaseException, timestamp: float) -> Observation:
@@ -239,7 +263,7 @@ class ShadowSide:
         drill = experiment.drill if experiment.drill is not None and experiment.drill.fires() else None
         if not left_by_primary.same_as(plan.before):  # (the primary changed a setting: the shadow starts where it did)
             experiment.record.put_back(plan.before)
-        shadow = _ShadowRun(plan, experiment.shadow_fn, experiment.target.snapshot, drill)
+        shadow = _ShadowRun(plan, experiment.shadow_fn, experiment.target.snapshot, drill, self.replayed)
         body = shadow.run
         start = time.perf_counter()
         finished = Finished(False)
@@ -278,8 +302,11 @@ class ShadowSide:
 class _ShadowRun:
     """The body of one shadow run, on whichever thread runs it: what it ran under and left behind."""
 
-    def __init__(self, plan: Plan, shadow_fn: Callable, snapshot: Callable | None, drill: Any) -> None:
+    def __init__(
+        self, plan: Plan, shadow_fn: Callable, snapshot: Callable | None, drill: Any, arguments: tuple | None
+    ) -> None:
         self.plan, self.shadow_fn, self.snapshot, self.drill = plan, shadow_fn, snapshot, drill
+        self.arguments = arguments  # (the replayed input, where the target replays it)
         self.autocast, self.drilled = "", False
         self.left: TorchGlobals | None = None
 
@@ -292,7 +319,7 @@ class _ShadowRun:
             if drill is not None and drill.kind == "exception":
                 self.drilled = True
                 drill.before_upstream()
-            args, kwargs = plan.upstream_arguments()
+            args, kwargs = self.arguments if self.arguments is not None else plan.upstream_arguments()
             value = self.shadow_fn(*args, **kwargs)
             if self.snapshot is not None:  # (taken on the isolation's stand-ins, before they are put back)
                 try:

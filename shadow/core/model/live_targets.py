@@ -12,9 +12,9 @@ replaced (:func:`shadow.npu.patching.upstream_of`), else torch's own function as
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
-import io
 import os
 import sys
 from collections.abc import Callable
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from shadow.core.model import checkpoint, loaded
 from shadow.core.model.observation import BUILTIN_RISKY
 from shadow.core.model.target import Target
 from shadow.core.support import memory
@@ -97,15 +98,19 @@ def available(name: str) -> bool:
 
 
 def _source_kind(f: Any) -> str:
-    return "path" if isinstance(f, (str, os.PathLike)) else "buffer"
+    return "path" if checkpoint.is_path(f) else "buffer"
 
 
 def checkpoint_format(f: Any) -> str:
     """``safetensors`` (a path ending so), ``zip`` (torch's format since 1.6), ``legacy`` (the older pickle
-    stream) or ``unknown``, from the first bytes (a buffer is read and put back where it was)."""
-    if isinstance(f, (str, os.PathLike)):
-        if os.fspath(f).endswith(".safetensors"):
+    stream), ``special`` (a path that is not a regular file: a FIFO or a device is never opened) or ``unknown``, from
+    the first bytes (a buffer is read and put back where it was)."""
+    if checkpoint.is_path(f):
+        if os.fsdecode(os.fspath(f)).endswith(".safetensors"):
             return "safetensors"
+        regular = checkpoint.regular_file(f)
+        if not regular:
+            return "special" if regular is False else "unknown"
         try:
             with open(f, "rb") as opened:
                 head = opened.read(4)
@@ -164,43 +169,18 @@ def torch_load_signature(args: tuple, kwargs: dict) -> str:
     return f"{_source_kind(f)}/{checkpoint_format(f)}/map={_map_location_kind(location)}/wo={wo}{mmap}/env={_forcing()}"
 
 
-def _checkpoint(args: tuple, kwargs: dict) -> Any:
-    return args[0] if args else kwargs.get("f")
+def loaded_state(result: Any, args: tuple, kwargs: dict) -> Any:
+    """What a load gave, as the comparator reads it (:func:`shadow.core.model.loaded.comparable`): a whole module by
+    its class, parameters, buffers and attributes, an object by its fields, never by identity."""
+    return loaded.comparable(result)
 
 
-def torch_load_run_if(args: tuple, kwargs: dict) -> str | None:
-    """A load can run twice from a path, or from a buffer that can seek back; the second load must fit in the
-    memory free (its size: the file's, or what the buffer has left). Raises InsufficientMemory."""
-    f = _checkpoint(args, kwargs)
-    if isinstance(f, (str, os.PathLike)):
-        try:
-            size = os.path.getsize(f)
-        except OSError:
-            return None  # (both sides raise for it: compared)
-    else:
-        seekable = getattr(f, "seekable", None)
-        try:
-            if not (callable(seekable) and seekable()) or not callable(getattr(f, "tell", None)):
-                return "a stream that cannot seek back cannot be read twice"
-            where = f.tell()
-            size = f.seek(0, io.SEEK_END) - where
-            f.seek(where)
-        except Exception:
-            return "a stream that cannot seek back cannot be read twice"
-    memory.check_host_fits(max(size, 0), "a second load of the checkpoint")
-    return None
+def torch_load(trusted: bool = False) -> Target:
+    """``torch.load`` against ``torch.serialization.load`` (torch_npu's is a stale copy of an older upstream).
 
-
-def torch_load_rewind(args: tuple, kwargs: dict) -> Callable[[], Any] | None:
-    """A buffer is put back where it was (a path needs nothing)."""
-    f = _checkpoint(args, kwargs)
-    if isinstance(f, (str, os.PathLike)) or not callable(getattr(f, "tell", None)):
-        return None
-    return functools.partial(f.seek, f.tell())
-
-
-def torch_load() -> Target:
-    """``torch.load`` against ``torch.serialization.load`` (torch_npu's is a stale copy of an older upstream)."""
+    The shadow load reads the checkpoint the primary read, once, from a buffer of its own
+    (:mod:`shadow.core.model.checkpoint`); ``trusted`` declares the job's checkpoints safe to unpickle twice (a whole
+    model, a ``Namespace``, a callable ``map_location``: skipped otherwise)."""
     return Target(
         name="torch_load",
         owner=torch,
@@ -210,8 +190,9 @@ def torch_load() -> Target:
         signature=torch_load_signature,
         signature_pure=True,
         risky_signatures=BUILTIN_RISKY["torch_load"],
-        run_if=torch_load_run_if,
-        rewind=torch_load_rewind,
+        run_if=functools.partial(checkpoint.refusal, trusted=trusted),
+        replay=functools.partial(checkpoint.replay, trusted=trusted),
+        snapshot=loaded_state,
     )
 
 
@@ -242,15 +223,16 @@ def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _fits(module: torch.nn.Module, device: Any, dtype: torch.dtype | None) -> None:
-    """Raise InsufficientMemory unless the shadow run's copy of the module's tensors (on ``device``, in ``dtype``
-    where they are floating) fits in the memory free there."""
-    tensors = _module_tensors(module)
-    if device is None:
-        memory.check_fits(tensors, 1, "a second copy of the module's tensors")
-        return
-    size = sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
-               for t in tensors)  # fmt: skip
-    memory.check_device_fits(torch.device(device), size, "a second copy of the module's tensors")
+    """Raise InsufficientMemory unless the shadow run's copy of the module's tensors fits where it is made: on
+    ``device`` (each tensor's own where None), each floating tensor in ``dtype`` where one is given (a dtype-only
+    ``.to(torch.float64)`` makes copies twice the size of the tensors it has now)."""
+    needed: collections.Counter[torch.device] = collections.Counter()
+    for t in _module_tensors(module):
+        converts = dtype is not None and (t.is_floating_point() or t.is_complex())
+        itemsize = dtype.itemsize if converts else t.element_size()
+        needed[torch.device(device) if device is not None else t.device] += t.numel() * itemsize
+    for where, size in needed.items():
+        memory.check_device_fits(where, size, "a second copy of the module's tensors")
 
 
 def module_to_run_if(args: tuple, kwargs: dict) -> None:

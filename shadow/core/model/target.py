@@ -13,6 +13,11 @@ from shadow.core.model.tolerance import ToleranceSpec
 Signature = Callable[[tuple, dict], str]
 
 
+class CannotReplay(Exception):
+    """A target's ``replay`` cannot give the shadow run the call's input again: the call is skipped (reason
+    ``ineligible``, this text its detail)."""
+
+
 def place_name(owner: Any, attribute: str) -> str:
     """``module.Class.attribute`` (or ``module.attribute``) of an attribute of a class or module, for messages."""
     name = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
@@ -59,6 +64,13 @@ class Target:
     back where they are now. Taken before legacy runs; the shadow run starts from there, and the arguments are left
     where legacy left them. Example: ``rewind=lambda a, k: functools.partial(a[0].seek, a[0].tell())``.
 
+    ``replay(args, kwargs)``: for a call whose input must be read only once (a checkpoint: the file at a path may be
+    replaced between two reads, and unpickling it twice would run its code twice), taken before the primary runs: a
+    function that, once the primary ran, returns the shadow run's arguments (the bytes the primary read, in a
+    buffer of the shadow run's own), or raises :class:`CannotReplay` (reason ``ineligible``) or ``InsufficientMemory``
+    (reason ``oom``); None where the call's own arguments serve. The caller's arguments are left as the primary left
+    them. Example: :func:`shadow.core.model.checkpoint.replay`.
+
     ``snapshot(result, args, kwargs)``: for methods that change their receiver in place, what is compared of a run,
     taken right after it: legacy runs on the caller's object as always, the shadow run on the isolation's stand-ins
     for its tensors (its state before the call), and the two states are compared. Example, ``Module.to``:
@@ -88,6 +100,7 @@ class Target:
     signature_pure: bool = False
     run_if: Callable[[tuple, dict], str | None] | None = None
     rewind: Callable[[tuple, dict], Callable[[], Any] | None] | None = None
+    replay: Callable[[tuple, dict], Callable[[], tuple[tuple, dict]] | None] | None = None
     snapshot: Callable[[Any, tuple, dict], Any] | None = None
     compare: Callable[[Any, Any], str | None] | None = None
     clean: Callable[[Any], Any] | None = None
@@ -99,7 +112,7 @@ class Target:
             raise ValueError(f"Target {self.name!r}: upstream must be callable, got {self.upstream!r}")
         if not isinstance(self.signature_pure, bool):
             raise ValueError(f"Target {self.name!r}: signature_pure must be True or False, got {self.signature_pure!r}")
-        for field in ("legacy", "never_blocks", "run_if", "rewind", "snapshot", "compare", "clean"):
+        for field in ("legacy", "never_blocks", "run_if", "rewind", "replay", "snapshot", "compare", "clean"):
             value = getattr(self, field)
             if value is not None and not callable(value):
                 raise ValueError(f"Target {self.name!r}: {field} must be callable or None, got {value!r}")
@@ -113,9 +126,10 @@ class Target:
 
     @property
     def plain(self) -> bool:
-        """Whether the calls are plain functions of their tensors (no run_if, rewind, snapshot or compare): the
-        extra runs (A/A, oracle, backward, truth) are made for such targets only."""
-        return self.run_if is None and self.rewind is None and self.snapshot is None and self.compare is None
+        """Whether the calls are plain functions of their tensors (no run_if, rewind, replay, snapshot or compare):
+        the extra runs (A/A, oracle, backward, truth) are made for such targets only."""
+        hooks = (self.run_if, self.rewind, self.replay, self.snapshot, self.compare)
+        return all(hook is None for hook in hooks)
 
     @property
     def where(self) -> str:
