@@ -13,6 +13,7 @@ import os
 import pickle
 import subprocess
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -498,6 +499,31 @@ def test_a_module_whose_second_copy_would_not_fit_is_skipped_for_memory(patched,
         counts = _counts(monitor, "module_to")
     assert model.weight.device == torch.device("npu:0")  # legacy's move, as ever
     assert counts == {"outcomes": {"skipped": 1}, "reasons": {"oom": 1}}
+
+
+def test_a_dtype_only_move_is_sized_in_the_dtype_it_makes(patched, monkeypatch) -> None:
+    """``.to(torch.float64)`` makes copies twice the size of the float32 tensors it has: 8 MiB now, 16 MiB made, which
+    do not fit in half of 24 MiB free (the copy sized at the current dtype would have)."""
+    from shadow.core.support import memory
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 24 << 20)
+    model = torch.nn.Linear(1024, 2048)
+    with _monitor() as monitor:
+        model.to(torch.float64)
+        counts = _counts(monitor, "module_to")
+    assert model.weight.dtype == torch.float64
+    assert counts == {"outcomes": {"skipped": 1}, "reasons": {"oom": 1}}
+
+
+def test_the_shadows_failed_host_allocation_is_an_oom_skip_never_its_error() -> None:
+    def allocates(x):
+        torch.empty(1 << 50, dtype=torch.uint8)  # (the host allocator: "can't allocate memory")
+        return x
+
+    ops = types.SimpleNamespace(op=lambda x: x)
+    with _monitor(targets=[Target("op", ops, "op", allocates)]) as monitor:
+        assert torch.equal(ops.op(torch.ones(2)), torch.ones(2))
+        assert _counts(monitor, "op") == {"outcomes": {"skipped": 1}, "reasons": {"oom": 1}}
 
 
 def test_clean_says_what_the_evidence_keeps_of_a_result() -> None:
