@@ -125,13 +125,17 @@ class _Workers:
         try:
             inbox, _ = self._idle.pop()
         except IndexError:
-            threading.Thread(target=self._work, args=(run,), name="npu-shadow upstream side", daemon=True).start()
+            # (the run goes through the inbox, never the thread's arguments: a thread keeps those while it lives, and
+            # with them the first run's result, copies and graph)
+            inbox = queue.SimpleQueue()
+            inbox.put(run)
+            threading.Thread(target=self._work, args=(inbox,), name="npu-shadow upstream side", daemon=True).start()
         else:
             inbox.put(run)
 
-    def _work(self, run: _Run | None) -> None:
-        inbox: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
+    def _work(self, inbox: queue.SimpleQueue[_Run | None]) -> None:
         idle, me = self._idle, (inbox, threading.current_thread())
+        run = inbox.get()
         while run is not None:
             kept = run.run() and not run.abandoned and not getattr(worker, "leaving", False)
             run = None  # (a worker waiting for its next run holds nothing of its last: its result, graph, copies)
