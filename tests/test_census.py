@@ -4,15 +4,24 @@ here checks each way of patching and each way of reaching a patch; the cached wh
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
+import zipfile
 
 import pytest
 from torch_npu_wheels import wheel
 
 from shadow.analysis import census
-from shadow.npu.torch_npu_source import LATER_RELEASES, RELEASES, LegacySourceError
+from shadow.npu.torch_npu_source import (
+    LATER_RELEASES,
+    MAX_MEMBER_BYTES,
+    RELEASES,
+    LegacySourceError,
+    ReleaseFiles,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -248,3 +257,97 @@ def test_the_command_refuses_a_source_it_cannot_read(tmp_path):
         [sys.executable, "-m", "shadow", "census", str(tmp_path / "missing.whl")], capture_output=True, text=True
     )
     assert done.returncode == 2 and "npu-shadow census:" in done.stderr and "Traceback" not in done.stderr
+
+
+# --------------------------------------------------------------------------- hostile sources: refused, never followed
+
+
+def _release(tmp_path, extra: dict[str, bytes] | None = None):
+    """A minimal release directory (torch_npu/__init__.py patching torch.load) with ``extra`` files, each imported by
+    its ``__init__`` (census reads the modules an import reaches)."""
+    root = tmp_path / "release"
+    (root / "torch_npu" / "utils").mkdir(parents=True)
+    imports = "".join(
+        f"import {m.removesuffix('.py').removesuffix('/__init__').replace('/', '.')}\n" for m in extra or {}
+    )
+    init = f"import torch\n{imports}\n\ndef load(f):\n    return f\n\n\ntorch.load = load\n"
+    (root / "torch_npu" / "__init__.py").write_text(init)
+    for member, data in (extra or {}).items():
+        (root / member).write_bytes(data)
+    return root
+
+
+def _census(source, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shadow", "census", str(source)], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _refused(done: subprocess.CompletedProcess, *words: str) -> None:
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith("npu-shadow census:") and "Traceback" not in done.stderr
+    assert all(word in done.stderr for word in words), done.stderr
+
+
+def test_a_python_file_linked_out_of_the_source_is_never_followed(tmp_path):
+    outside = tmp_path / "outside.py"
+    outside.write_text("import torch\n\ntorch.save = None\n")
+    root = _release(tmp_path)
+    (root / "torch_npu" / "utils" / "evil.py").symlink_to(outside)
+    names = {p.name for p in census.take(str(root)).patches}
+    assert names == {"torch.load"}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_fifo_or_a_device_in_the_source_is_never_opened(tmp_path, kind):
+    root = _release(tmp_path)
+    special = root / "torch_npu" / "utils" / "special.py"
+    if kind == "fifo":
+        os.mkfifo(special)
+    else:
+        special.symlink_to("/dev/zero")
+    assert {p.name for p in census.take(str(root)).patches} == {"torch.load"}  # (never read: no hang, no memory)
+    with pytest.raises(LegacySourceError, match="not a regular file"):
+        ReleaseFiles(root).read("torch_npu/utils/special.py")
+
+
+def test_a_wheel_member_that_inflates_past_the_bound_is_refused_at_once(tmp_path):
+    wheel = tmp_path / "torch_npu-9.9.9-cp311-cp311-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as out:
+        out.writestr("torch_npu/__init__.py", "import torch\n")
+        out.writestr("torch_npu/utils/__init__.py", "")
+        out.writestr("torch_npu/big.py", b"#" * (MAX_MEMBER_BYTES + 10))
+    started = time.monotonic()
+    _refused(_census(wheel), "torch_npu/big.py", "larger than")
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b"x = '\xff\xfe'\n", ("not text in UTF-8",)),
+        ("x = 1\n".encode("utf-16"), ("not text in UTF-8",)),
+        (("x = " + "+".join(["a"] * 300_000) + "\n").encode(), ("nested deeper than",)),
+    ],
+    ids=["latin-1", "utf-16", "long-expression"],
+)
+def test_a_file_census_cannot_read_is_a_clear_refusal(tmp_path, data, words):
+    _refused(_census(_release(tmp_path, {"torch_npu/odd.py": data})), "torch_npu/odd.py", *words)
+
+
+def test_a_declared_encoding_is_read_as_declared(tmp_path):
+    declared = "# -*- coding: latin-1 -*-\nimport torch\n\ntorch.save = 'caf\xe9'\n".encode("latin-1")
+    root = _release(tmp_path, {"torch_npu/utils/__init__.py": declared})
+    assert {p.name for p in census.take(str(root)).patches} == {"torch.load", "torch.save"}
+
+
+def test_a_call_chain_deeper_than_census_follows_is_a_clear_refusal(tmp_path):
+    chain = "\n".join(f"def f{i}():\n    f{i + 1}()\n" for i in range(3000)) + "\ndef f3000():\n    pass\n\nf0()\n"
+    _refused(_census(_release(tmp_path, {"torch_npu/utils/__init__.py": chain.encode()})), "chained deeper than")
+
+
+def test_control_characters_in_names_are_printed_escaped(tmp_path):
+    root = _release(tmp_path)
+    (root / "torch_npu" / "__init__.py").write_text("import torch\n\nsetattr(torch, '\\x1b[31mred', None)\n")
+    done = _census(root)
+    assert done.returncode == 0 and "\x1b" not in done.stdout and "\\x1b[31mred" in done.stdout

@@ -162,6 +162,14 @@ def test_every_series_and_journal_line_names_its_run(tmp_path, monkeypatch):
     assert records and {record["run"] for record in records} == {"train-42"}
 
 
+def test_distinct_torchrun_ids_stay_distinct_runs():
+    ids = ["team/job-1", "team job-1", "team_job-1", "j" * 70, "j" * 64 + "k", "/leading", "ünïcode"]
+    runs = [environment.run_id({"TORCHELASTIC_RUN_ID": torchrun}) for torchrun in ids]
+    assert len(set(runs)) == len(ids) and all(environment.run_id_problem(run) is None for run in runs)
+    assert runs[2] == "team_job-1"  # (a valid id is kept as it is)
+    assert runs == [environment.run_id({"TORCHELASTIC_RUN_ID": torchrun}) for torchrun in ids]  # (every rank alike)
+
+
 def test_a_run_is_named_by_the_person_then_torchrun_then_the_launcher(monkeypatch):
     environ = {"TORCHELASTIC_RUN_ID": "elastic-7", environment.MADE_RUN_ID_VARIABLE: "made-1"}
     assert environment.run_id(dict(environ, NPU_SHADOW_RUN_ID="named")) == "named"

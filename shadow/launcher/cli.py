@@ -219,13 +219,13 @@ def _census(args: argparse.Namespace) -> int:
     import json
 
     from shadow.analysis import census
-    from shadow.npu.torch_npu_source import LegacySourceError
+    from shadow.npu.torch_npu_source import LegacySourceError, printable
 
     try:
         taken = census.take(args.source)
         against = census.take(args.against) if args.against else None
     except (LegacySourceError, OSError) as exc:
-        print(f"npu-shadow census: {exc}", file=sys.stderr)
+        print(f"npu-shadow census: {printable(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     if args.format == "json":
         found = taken.as_dict()
@@ -234,18 +234,22 @@ def _census(args: argparse.Namespace) -> int:
             found["against"] = {"source": against.source, "version": against.version, **changed}
         print(json.dumps(found, indent=2))
         return EXIT_OK
-    print(f"torch_npu {taken.version} ({taken.source}): {len(taken.patches)} attributes of torch replaced or added")
+    # (names and files come from the release's source: printed with their control characters escaped)
+    shown = f"torch_npu {taken.version} ({taken.source}): {len(taken.patches)} attributes of torch replaced or added"
+    print(printable(shown))
     print(f"{'patched':<64} {'kind':<12} {'applied':<22} {'shadowed by':<15} where")
     for patch in taken.patches:
         where = f"{patch.file}:{patch.line} {patch.function}" + (f" (table {patch.table})" if patch.table else "")
-        print(f"{patch.name:<64} {patch.kind:<12} {patch.applied:<22} {patch.shadowed_by or '-':<15} {where}")
+        row = f"{patch.name:<64} {patch.kind:<12} {patch.applied:<22} {patch.shadowed_by or '-':<15} {where}"
+        print(printable(row))
     if against is not None:
         changed = census.difference(taken, against)
-        print(f"against torch_npu {against.version}: {len(changed['added'])} added, {len(changed['removed'])} removed")
+        print(f"against torch_npu {printable(against.version)}: {len(changed['added'])} added, "
+              f"{len(changed['removed'])} removed")  # fmt: skip
         for name in changed["removed"]:
-            print(f"  removed: {name}")
+            print(f"  removed: {printable(name)}")
         for name in changed["added"]:
-            print(f"  added:   {name}")
+            print(f"  added:   {printable(name)}")
     return EXIT_OK
 
 

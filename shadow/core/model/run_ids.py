@@ -3,6 +3,7 @@ receiver read it before torch could load)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -26,6 +27,15 @@ def run_id_problem(text: str) -> str | None:
     return "1 to 64 letters, digits, '.', '_', ':' or '-', starting with a letter or digit"
 
 
+def _from_torchrun(torchrun: str) -> str:
+    """A run id for a torchrun id that cannot be one as it is (``team/job-1``, a space, 100 characters): what it has
+    of a run id's characters, and eight hex digits of a hash of the whole, so that distinct ids stay distinct (and
+    every rank, reading the same id, makes the same one)."""
+    digest = hashlib.sha256(torchrun.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    cleaned = re.sub(r"[^A-Za-z0-9._:-]", "_", torchrun)[:55]
+    return f"{cleaned if cleaned[:1].isalnum() else 'x' + cleaned[:54]}-{digest}"
+
+
 def new_run_id() -> str:
     """A fresh run id: the UTC time and six random hex digits (``20261203T073500Z-1a2b3c``)."""
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
@@ -43,8 +53,7 @@ def run_id(environ: MutableMapping[str, str] = os.environ) -> str:
         return named
     torchrun = environ.get(TORCHRUN_RUN_ID_VARIABLE, "")
     if torchrun and torchrun != "none":
-        cleaned = re.sub(r"[^A-Za-z0-9._:-]", "_", torchrun)[:64]
-        return cleaned if _RUN_ID.fullmatch(cleaned) else "x" + cleaned[:63]
+        return torchrun if _RUN_ID.fullmatch(torchrun) else _from_torchrun(torchrun)
     made = environ.get(MADE_RUN_ID_VARIABLE, "")
     if run_id_problem(made):
         made = environ[MADE_RUN_ID_VARIABLE] = new_run_id()
