@@ -67,3 +67,32 @@ def test_sampled_calls_leave_no_tensor_alive_that_the_unwrapped_calls_do_not(bac
         shadowed = _live_storage_bytes() - before
         assert monitor.stats()["op"].backward_runs == (6 if backward_rate else 0)
     assert shadowed == unwrapped == 0
+
+
+def test_noise_pending_differences_are_bounded_in_bytes_not_only_in_number() -> None:
+    """150 held differences of 1,000 leaves each took 36 MB: now what is held stays within MAX_PENDING_BYTES, as
+    tracemalloc measures it."""
+    import tracemalloc
+
+    from shadow.core.calls.held import MAX_PENDING_BYTES, HeldDifferences
+    from shadow.core.model.observation import Observation, Outcome
+
+    held = HeldDifferences()
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        kept = 0
+        for call in range(150):
+            leaves = tuple((f"['layer{i}']['weight'][{call}]", float(i)) for i in range(1000))
+            observation = Observation("op", Outcome.MISMATCH, ("value",), leaf_errors=leaves, noise_pending=True)
+            if not held.hold(observation):
+                break
+            kept += 1
+        del leaves, observation
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0 < kept < 150 and len(held) == kept
+    assert grown <= MAX_PENDING_BYTES * 1.1, (grown, kept)
+    assert len(held.release()) == kept and held.hold(Observation("op", Outcome.MISMATCH, ("value",)))

@@ -145,6 +145,18 @@ def test_the_markdown_of_a_known_journal(tmp_path):
     assert text == EXPECTED
 
 
+def test_a_journals_control_characters_reach_the_report_escaped(tmp_path):
+    journal = tmp_path / "j.jsonl"
+    hostile = record("tensor_type", "mismatch", "npu_name/noncurrent/blocking", ["device"], "\x1b[2J\x1b]0;owned\x07",
+                     test="t.py::test_\x1b[31mred")  # fmt: skip
+    journal.write_text("\n".join([HEADER, hostile]) + "\n")
+    markdown, page = tmp_path / "report.md", tmp_path / "report.html"
+    assert cli.main(["report", "--journal", str(journal), "--markdown", str(markdown), "--html", str(page)]) == 0
+    for written in (markdown.read_text(), page.read_text()):
+        assert "\x1b" not in written and "\x07" not in written
+        assert "\\x1b[2J" in written and "test_\\x1b[31mred" in written
+
+
 def test_counts_from_a_metrics_file_with_details_from_journals(tmp_path, capsys):
     journal = known_journal(tmp_path / "j.jsonl")
     scrape = tmp_path / "scrape.prom"

@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import datetime
 import html
+import re
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -480,8 +481,15 @@ def _cell(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace("|", "\\|").replace("\n", " ")
 
 
+#: Control characters (but a line break and a tab): a journal's text may hold an ESC, which a terminal showing the
+#: Markdown would obey.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
 def _encodable(text: str) -> str:
-    """``text`` writable as UTF-8: a lone surrogate (a journal's ``\\ud800``) becomes its escape."""
+    """``text`` writable as UTF-8 and safe to show: a lone surrogate (a journal's ``\\ud800``) and a control
+    character (an ESC) become their escapes."""
+    text = _CONTROL.sub(lambda found: found.group().encode("unicode_escape").decode("ascii"), text)
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
