@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch_npu_wheels import wheel
 
 from shadow.analysis import arms as analysis
+from shadow.core.calls import arms as core_arms
 from shadow.core.calls.arms import IteratorArms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -243,3 +244,27 @@ def test_a_failure_measuring_an_iterator_is_counted_and_never_the_jobs(monkeypat
         trial.uninstall()
     assert batches == [[0.0, 1.0], [2.0, 3.0]] and built  # (the job's iterator, built and read as ever)
     assert trial.failures >= 2 and keep.runs == []
+
+
+class _Loud:
+    """A batch leaf whose repr is the job's code."""
+
+    reprs = 0
+
+    def __repr__(self) -> str:
+        _Loud.reprs += 1
+        return "loud"
+
+
+def test_the_first_batchs_digest_reads_no_repr_and_copies_only_what_fits(monkeypatch) -> None:
+    from shadow.core.support import memory
+
+    strided = torch.arange(4 << 20, dtype=torch.float32).reshape(2048, 2048).t()  # (16 MiB, not contiguous)
+    batch = {"x": strided, "meta": _Loud(), "step": 3}
+    digest = core_arms._digest(batch)
+    assert _Loud.reprs == 0 and len(digest) == 16
+    assert digest == core_arms._digest({"x": strided.contiguous(), "meta": _Loud(), "step": 3})
+    assert digest != core_arms._digest({"x": strided.contiguous(), "meta": _Loud(), "step": 4})
+    monkeypatch.setattr(memory, "host_free_bytes", lambda: 8 << 20)  # (a 16 MiB copy would not fit)
+    assert core_arms._digest(batch) == ""
+    assert core_arms._digest({"x": strided.contiguous(), "step": 3}) != ""  # (read in place: no copy needed)

@@ -12,8 +12,8 @@ import collections
 import dataclasses
 import datetime
 import html
-import re
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from shadow.analysis import arms, charts, verdict

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_iter
 
 from shadow.core.calls.exporting import call_hook
 from shadow.core.model.observation import ARM_TARGETS, LEGACY, UPSTREAM
+from shadow.core.support import memory
 
 log = logging.getLogger("shadow")
 
@@ -77,17 +78,35 @@ def _cores(pid: int = 0) -> tuple[int, ...]:
         return ()
 
 
+#: Plain values a batch's digest reads by their value (their repr is the language's own): any other object is read
+#: by its type's name only, never by its repr (the job's code).
+_PLAIN = (int, float, complex, str, bytes, bool, type(None))
+
+
 def _digest(batch: Any) -> str:
-    """A digest of a batch's tensors (their dtype, shape and bytes), read on the host."""
+    """A digest of a batch: its tensors' dtype, shape and bytes (read in place where they are contiguous on the host,
+    else copied to the host within a memory check: an empty digest where the copy would not fit), its plain values,
+    and the type of anything else (whose repr is the job's code, never called)."""
     digest = hashlib.sha256()
     with torch._C.DisableTorchFunction():
         for leaf in tree_iter(batch):
             if isinstance(leaf, torch.Tensor):
-                data = leaf.detach().cpu().contiguous()
+                data = leaf.detach()
                 digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
-                digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+                if data.numel() == 0:
+                    continue
+                if data.device.type != "cpu" or not data.is_contiguous():
+                    try:
+                        memory.check_host_fits(data.numel() * data.element_size(), "a copy of the first batch")
+                    except memory.InsufficientMemory:
+                        return ""
+                    data = data.cpu().contiguous()
+                digest.update(memoryview(data.view(torch.uint8).numpy()))
+            elif type(leaf) in _PLAIN:
+                digest.update(repr(leaf).encode("utf-8", "backslashreplace"))
             else:
-                digest.update(repr(leaf).encode())
+                kind = type(leaf)
+                digest.update(f"<{kind.__module__}.{kind.__qualname__}>".encode("utf-8", "backslashreplace"))
     return digest.hexdigest()[:16]
 
 
