@@ -57,7 +57,15 @@ def serve_registry(
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         log.warning(message)
         return None
+    # (a connection that never sends its request would hold a thread and a descriptor for good: enough of them keep
+    # a real scrape out; each request's reads and writes time out instead)
+    handler = server.RequestHandlerClass
+    server.RequestHandlerClass = type(handler.__name__, (handler,), {"timeout": REQUEST_SECONDS})
     return server
+
+
+#: How long a scrape's connection may take to send its request and read the answer.
+REQUEST_SECONDS = 5.0
 
 
 #: The file a served endpoint leaves in its multiprocess folder at its first scrape: something scrapes the job, so

@@ -189,3 +189,57 @@ def test_tls_options_reach_the_endpoint(tmp_path):
             scrape(exporter.port)
     finally:
         exporter.close()
+
+
+_SERVE_WITH_FEW_DESCRIPTORS = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+from prometheus_client import CollectorRegistry, Counter
+from exporters.prometheus import serve_registry
+registry = CollectorRegistry()
+Counter("final", "the job's final count", registry=registry).inc(7)
+server = serve_registry(registry, 0, "127.0.0.1")
+print(server.server_port, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_half_open_connections_never_keep_a_real_scrape_out():
+    """Connections that never send a request (139 of them kept --linger's final scrape out: each held a descriptor
+    for good) are closed after REQUEST_SECONDS, so a scrape behind them is answered."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    server = subprocess.Popen([sys.executable, "-c", _SERVE_WITH_FEW_DESCRIPTORS], stdout=subprocess.PIPE, text=True)
+    held = []
+    try:
+        port = int(server.stdout.readline())
+        for _ in range(139):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        started = time.monotonic()
+        body = ""
+        while not body and time.monotonic() - started < 60:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+            except OSError:
+                time.sleep(0.5)
+        assert "final_total 7.0" in body
+    finally:
+        for connection in held:
+            connection.close()
+        server.kill()
+        server.wait()
+
+
+def test_a_linger_says_whether_a_signal_or_the_grace_period_ended_it():
+    from shadow.launcher import linger
+
+    registry = CollectorRegistry()
+    assert linger.wait_for_scrapes([registry], 0.05, lambda timeout: False).how == "timeout"
+    assert linger.wait_for_scrapes([registry], 60, lambda timeout: True).how == "signal"
+    scraper = threading.Timer(0.05, lambda: list(registry.collect()))
+    scraper.start()
+    assert linger.wait_for_scrapes([registry], 60, lambda timeout: threading.Event().wait(timeout)).how == "scraped"

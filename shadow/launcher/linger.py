@@ -9,6 +9,7 @@ or the grace period ends, or the launcher is signalled.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -41,7 +42,9 @@ def rank_directories(base: str) -> dict[int, str]:
 
 
 def serve_rank(directory: str, port: int, addr: str) -> tuple[Any, CollectorRegistry]:
-    """Serve one rank's values on ``addr:port`` as its process did (the server is None where the port is taken)."""
+    """Serve one rank's values on ``addr:port`` as its process did (the server is None where the port is taken).
+    A connection that sends no request within REQUEST_SECONDS is closed (:func:`exporters.prometheus.serve_registry`):
+    half-open clients never hold the descriptors a real scrape needs."""
     from exporters.prometheus import SignatureCappedCollector, serve_registry
 
     registry = CollectorRegistry()
@@ -49,14 +52,22 @@ def serve_rank(directory: str, port: int, addr: str) -> tuple[Any, CollectorRegi
     return serve_registry(registry, port, addr), registry
 
 
+@dataclasses.dataclass(frozen=True)
+class LingerEnd:
+    """How a linger ended: ``scraped`` (every endpoint read once), ``timeout`` (the grace period passed) or
+    ``signal`` (the launcher was signalled); after ``seconds``."""
+
+    how: str
+    seconds: float
+
+
 def wait_for_scrapes(
     registries: Iterable[CollectorRegistry],
     seconds: float,
     interrupted: Callable[[float], bool],
-) -> float | None:
+) -> LingerEnd:
     """Wait until each registry has been scraped once from now, for at most ``seconds``; ``interrupted(timeout)``
-    waits up to ``timeout`` for a signal that ends the wait early. Returns the seconds it took, None where some
-    endpoint was not scraped in time."""
+    waits up to ``timeout`` for a signal that ends the wait early."""
     watches = []
     for registry in registries:
         watch = ScrapeWatch()
@@ -65,11 +76,11 @@ def wait_for_scrapes(
     start = time.monotonic()
     while not all(watch.scraped.is_set() for watch in watches):
         left = seconds - (time.monotonic() - start)
-        if left <= 0 or interrupted(min(left, 0.2)):
-            return None
-        for watch in watches:
-            watch.scraped.wait(0)  # (a cheap look; the signal wait above is the sleep)
-    return time.monotonic() - start
+        if left <= 0:
+            return LingerEnd("timeout", time.monotonic() - start)
+        if interrupted(min(left, 0.2)):
+            return LingerEnd("signal", time.monotonic() - start)
+    return LingerEnd("scraped", time.monotonic() - start)
 
 
 def signalled(signals: Iterable[signal.Signals]) -> Callable[[float], bool]:

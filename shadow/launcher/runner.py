@@ -98,15 +98,18 @@ def _serve_final_counts(config: cfg.Config, base: str, node: tuple | None, stopp
             f"(at most {seconds:g} s, --linger)",
             file=sys.stderr,
         )
-        took = linger.wait_for_scrapes(registries, seconds, linger.signalled(FORWARDED))
-        if took is None:
+        ended = linger.wait_for_scrapes(registries, seconds, linger.signalled(FORWARDED))
+        if ended.how == "scraped":
             print(
-                "npu-shadow: no scrape read the final counts in time: Prometheus lacks the job's last counts "
+                f"npu-shadow: the final counts were scraped {ended.seconds:.1f} s after the job ended", file=sys.stderr
+            )
+        else:
+            why = "a signal stopped the wait" if ended.how == "signal" else f"no scrape read them in {seconds:g} s"
+            print(
+                f"npu-shadow: {why} before the final counts were scraped: Prometheus lacks the job's last counts "
                 "(its journal and textfile have them)",
                 file=sys.stderr,
             )
-        else:
-            print(f"npu-shadow: the final counts were scraped {took:.1f} s after the job ended", file=sys.stderr)
     finally:
         for server in servers:
             server.shutdown()
