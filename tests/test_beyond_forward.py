@@ -95,6 +95,43 @@ def test_the_backward_comparison_never_runs_the_callers_tensor_hooks():
     assert sorted(seen) == ["weight", "x"]  # (once each: the caller's own backward)
 
 
+class _LoggingNet(nn.Module):
+    """A forward that registers a hook on a tensor it makes (gradient logging): the job's code, run by a backward."""
+
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.linear, self.seen = nn.Linear(4, 3), seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        y.register_hook(lambda grad: self.seen.append("logged"))
+        return y
+
+
+def _forward(module, x):
+    return module(x)
+
+
+def test_hooks_a_forward_registers_run_only_in_the_jobs_backward():
+    seen: list[str] = []
+    net, x = _LoggingNet(seen), torch.randn(5, 4)
+    original = torch.Tensor.register_hook
+    ops = types.SimpleNamespace(op=_forward)
+    target = shadow.Target("forward", ops, "op", _forward)
+    with shadow.install([target], sample_rate=1.0, backward_rate=1.0, aa_rate=1.0, budget=None) as monitor:
+        out = ops.op(net, x)
+        stats = monitor.stats()["forward"]
+    out.sum().backward()
+    assert seen == ["logged"]  # (once: the job's own backward)
+    assert stats.match == 1 and stats.backward_skips == {"hooks": 1}
+    assert torch.Tensor.register_hook is original  # (put back with the monitor)
+    seen.clear()
+    with shadow.install([shadow.Target("forward", ops, "op", _forward)], sample_rate=1.0, budget=None):
+        assert torch.Tensor.register_hook is original  # (no backward comparison: nothing watched)
+        ops.op(net, x).sum().backward()
+    assert seen == ["logged"]
+
+
 def test_no_backward_comparison_without_grad_mode():
     ops = types.SimpleNamespace(op=_legacy_linear)
     target = shadow.Target("linear", ops, "op", _upstream_linear)

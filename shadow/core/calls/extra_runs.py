@@ -21,6 +21,7 @@ from shadow.core.judging.gradients import GradientComparison, compare_gradients,
 from shadow.core.judging.truth import in_float64, judge, judge_both, run_upcast
 from shadow.core.model.observation import SHARED_DIVERGENCE_REASONS, Outcome, bounded
 from shadow.core.model.tolerance import ToleranceSpec
+from shadow.core.runs import hook_watch
 from shadow.core.runs.deadline import Finished
 from shadow.core.runs.global_state import TorchGlobals
 from shadow.core.runs.sides import LEGACY_AGAIN, shadow_run
@@ -113,10 +114,18 @@ class ExtraRuns:
         experiment, plan = self.experiment, self.plan
         seed = experiment.backward_coin.bits(40)
 
+        def legacy_products(on: tuple[tuple, dict]) -> Any:
+            outputs = experiment.legacy(*on[0], **on[1])
+            if hook_watch.registered() != plan.hooks_seen:
+                raise _HooksRegistered  # (its backward would run the job's hooks again)
+            return vjp(outputs, plan.stand_ins(BACKWARD), seed)
+
         def gradients() -> dict[str, Any]:
-            ran = self._run(LEGACY_AGAIN, lambda: plan.in_slot(BACKWARD),
-                lambda on: vjp(experiment.legacy(*on[0], **on[1]), plan.stand_ins(BACKWARD), seed), backward=True,
-            )  # fmt: skip
+            if hook_watch.registered() != plan.hooks_seen:  # (the shadow run registered hooks on its graph)
+                return {"compared": (None, "hooks")}
+            ran = self._run(LEGACY_AGAIN, lambda: plan.in_slot(BACKWARD), legacy_products, backward=True)
+            if ran is not None and isinstance(ran.error, _HooksRegistered):
+                return {"compared": (None, "hooks")}
             theirs = Finished(False)
             if ran is not None and ran.finished:
                 theirs = self._run(experiment, lambda: contextlib.nullcontext(True),
@@ -228,6 +237,10 @@ class ExtraRuns:
             }
 
         return self._guarded(ORACLE, oracle)
+
+
+class _HooksRegistered(Exception):
+    """A run of the backward comparison's registered autograd hooks: its backward would run the job's code."""
 
 
 def _any_sparse(grads: dict[int, torch.Tensor | None]) -> bool:

@@ -30,6 +30,7 @@ from shadow.core.model import tolerance as tol
 from shadow.core.model.observation import ARM_TARGETS, UPSTREAM, TargetStats
 from shadow.core.model.target import place_name
 from shadow.core.model.targets import Target
+from shadow.core.runs import hook_watch
 from shadow.core.support.rates import check_rate
 
 log = logging.getLogger("shadow")
@@ -72,6 +73,8 @@ class Monitor:
         self._timed_at = time.monotonic()  # (the process time under this monitor, reported to the exporters)
         for s in self._experiments:
             s.monitor = self
+        #: Whether this monitor watches hook registrations (a backward comparison is drawn for some target).
+        self._watches_hooks = False
         # A forked multiprocessing child (a DataLoader worker) ends in os._exit: atexit never runs there, but
         # multiprocessing's finalizers do. Its calls since the last sampled one reach the exporters that way.
         multiprocessing.util.register_after_fork(self, Monitor._flush_at_child_exit)
@@ -112,6 +115,9 @@ class Monitor:
         raise KeyError(f"{name!r} is not installed; installed: {list(self.targets)}")
 
     def _patch(self) -> None:
+        if any(s.backward_coin.rate > 0 for s in self._experiments):
+            hook_watch.install()
+            self._watches_hooks = True
         for s in self._experiments:
             owner, attribute = s.target.owner, s.target.attribute
             had_own = attribute in vars(owner)
@@ -198,6 +204,9 @@ class Monitor:
         while self._suspended:
             monitor, experiment = self._suspended.pop()
             monitor.resume(experiment)
+        if self._watches_hooks:
+            self._watches_hooks = False
+            hook_watch.uninstall()
 
     @property
     def installed(self) -> bool:

@@ -18,6 +18,7 @@ from shadow.core.calls.record import Record
 from shadow.core.judging.noise import NoiseFloor
 from shadow.core.model.targets import Target
 from shadow.core.model.tolerance import ToleranceSpec
+from shadow.core.runs import hook_watch
 from shadow.core.runs.deadline import Finished, leave_worker, run_within, worker
 from shadow.core.runs.global_state import TorchGlobals
 from shadow.core.runs.isolation import Isolation
@@ -86,6 +87,8 @@ class Plan:
     backward_skip: str = ""  # a backward comparison drawn for a call that can have none (grad mode off)
     rewind: Callable[[], Any] | None = None  # puts the call's consumed arguments back where legacy found them
     replay: Callable[[], tuple[tuple, dict]] | None = None  # the shadow run's arguments, once the primary ran
+    #: The shadow side's hook registrations before this call's runs (:mod:`shadow.core.runs.hook_watch`).
+    hooks_seen: int = dataclasses.field(default_factory=hook_watch.registered)
     modules_loaded: int = dataclasses.field(default_factory=lambda: len(sys.modules))
 
     @property
