@@ -42,6 +42,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the suite's module hooks have no side effects: compare calls that run them (default: skip, reason hooks)",
     )
     group.addoption(
+        "--npu-shadow-trusted-checkpoints",
+        action="store_true",
+        help="the suite's checkpoints are safe to unpickle twice: torch_load compares loads that run their code "
+        "(default: skip, reason ineligible)",
+    )
+    group.addoption(
         "--npu-shadow-backward-rate",
         metavar="RATE",
         help="a fraction in [0, 1] of compared DataParallel calls whose gradients are compared too (reason grad; "

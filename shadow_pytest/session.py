@@ -120,6 +120,7 @@ class ShadowSession:
                 seed=0,
                 yields=True,
                 pure_hooks=option("npu_shadow_pure_hooks"),
+                trusted_checkpoints=option("npu_shadow_trusted_checkpoints"),
                 **rates,
             )
         except ValueError as exc:

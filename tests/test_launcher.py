@@ -101,6 +101,7 @@ INVALID = {
     "budget": "0",
     "deadline": "0",
     "pure_hooks": "sometimes",
+    "trusted_checkpoints": "maybe",
     "first_per_signature": "-1",
     "aa_rate": "1.5",
     "backward_rate": "2",

@@ -280,3 +280,15 @@ def test_a_fifo_is_never_opened_by_the_signature_or_the_shadow_side(patched, tmp
     if rate == 1.0:
         assert counts == {"outcomes": {"skipped": 1}, "reasons": {"ineligible": 1}}
     assert _unblocked(fifo, lambda: live_targets.checkpoint_format(fifo), seconds=5) == "special"
+
+
+@pytest.mark.parametrize("variable, outcome", [("1", "match"), ("0", "skipped")])
+def test_the_launchers_setting_trusts_the_checkpoints(patched, tmp_path, variable, outcome) -> None:
+    from shadow.launcher import config as cfg
+
+    path = tmp_path / "model.pt"
+    torch.save(torch.nn.Linear(2, 2), path)
+    settings = cfg.from_sources({"NPU_SHADOW_TRUSTED_CHECKPOINTS": variable}).monitor_settings(rolled_back=False)
+    with shadow.install(["torch_load"], sample_rate=1.0, settings=settings) as monitor:
+        torch.load(path, weights_only=False)
+        assert _counts(monitor)["outcomes"] == {outcome: 1}

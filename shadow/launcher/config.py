@@ -443,6 +443,14 @@ SETTINGS = {
         "them are compared (they run again on the upstream side) instead of skipped with reason hooks",
         _flag,
     ),
+    "trusted_checkpoints": Setting(
+        "NPU_SHADOW_TRUSTED_CHECKPOINTS",
+        "--trusted-checkpoints",
+        "1/true/yes or 0/false/no: the job's checkpoints are safe to unpickle twice, so torch_load compares loads "
+        "whose pickle names the job's own classes (a whole model, an args Namespace) or with a callable "
+        "map_location, instead of skipping them as ineligible (default: no)",
+        _flag,
+    ),
     "first_per_signature": Setting(
         "NPU_SHADOW_FIRST_PER_SIGNATURE",
         "--first-per-signature",
@@ -526,6 +534,7 @@ FLAGS = {
     "otel": "export through OpenTelemetry",
     "rollback_optional": "run a canary even where its rollback endpoint cannot start",
     "pure_hooks": "the job's module hooks have no side effects: compare calls that run them",
+    "trusted_checkpoints": "the job's checkpoints are safe to unpickle twice: compare loads that run their code",
     "journal_all": "a journal line for every comparison, matches too",
 }
 
@@ -558,6 +567,7 @@ class Config:
     budget: float | None = 0.2
     deadline: float | None = DEFAULT_DEADLINE
     pure_hooks: bool = False
+    trusted_checkpoints: bool = False
     first_per_signature: int = DEFAULT_FIRST_PER_SIGNATURE
     aa_rate: float = 0.05
     backward_rate: float = 0.05
@@ -584,6 +594,7 @@ class Config:
             budget=self.budget,
             deadline=self.deadline,
             pure_hooks=self.pure_hooks,
+            trusted_checkpoints=self.trusted_checkpoints,
             first_per_signature=self.first_per_signature,
             aa_rate=self.aa_rate,
             backward_rate=self.backward_rate,

@@ -222,7 +222,14 @@ class Monitor:
         return f"<shadow.Monitor targets={list(self.targets)} installed={self.installed}>"
 
 
-def _resolve_targets(targets: Iterable[str | Target] | None) -> list[Target]:
+def _builtin(name: str, settings: Settings) -> Target:
+    """A built-in target, made with the settings it reads (``torch_load``: whether checkpoints are trusted)."""
+    if name == "torch_load":
+        return live_targets.torch_load(trusted=settings.trusted_checkpoints)
+    return builtin.BUILTINS[name]()
+
+
+def _resolve_targets(targets: Iterable[str | Target] | None, settings: Settings) -> list[Target]:
     if targets is None:
         active = builtin.active_builtins()
         if not active:
@@ -236,7 +243,7 @@ def _resolve_targets(targets: Iterable[str | Target] | None) -> list[Target]:
         for name, origin in active.items():
             if origin == "reference":
                 log.info("npu-shadow: %s shadows shadow.npu.reference's legacy (a rehearsal, not torch_npu)", name)
-        return [builtin.BUILTINS[name]() for name in active]
+        return [_builtin(name, settings) for name in active]
     if isinstance(targets, (str, Target)):
         targets = [targets]
     resolved = []
@@ -246,7 +253,7 @@ def _resolve_targets(targets: Iterable[str | Target] | None) -> list[Target]:
         elif item in ARM_TARGETS:
             continue  # (a canary A/B of its own: see _arms)
         elif isinstance(item, str) and item in builtin.BUILTINS:
-            resolved.append(builtin.BUILTINS[item]())
+            resolved.append(_builtin(item, settings))
         else:
             raise ValueError(
                 f"targets: unknown target {item!r}; allowed: built-in names {sorted(builtin.BUILTINS)} "
@@ -296,9 +303,9 @@ def install(
         ValueError: on any bad argument, naming it, before anything is patched.
     """
     _warn_if_torch_npu_comes_later()
-    resolved = _resolve_targets(targets)
-    _check_places(resolved)
     settings = _settings(settings, options)
+    resolved = _resolve_targets(targets, settings)
+    _check_places(resolved)
     # Every value is checked whichever targets resolve (none may be active yet).
     names = [t.name for t in resolved]
     rates = _sample_rates(sample_rate, names)

@@ -33,6 +33,8 @@ class Settings:
         primary: the side whose result the caller gets: ``"legacy"`` (shadowing) or ``"upstream"`` (a canary).
         backward_rate: the fraction of sampled calls of an isolated target whose gradients are compared too.
         truth_rate: the fraction of calls with a value difference that run again in float64 (which side is nearer).
+        trusted_checkpoints: the job's checkpoints are safe to unpickle twice: ``torch_load`` compares loads whose
+            pickle names the job's own classes or functions, or with a callable ``map_location`` (else skipped).
 
     Raises:
         ValueError: naming the setting and what it accepts, for any bad value.
@@ -49,6 +51,7 @@ class Settings:
     primary: str = LEGACY
     backward_rate: float = 0.0
     truth_rate: float = 0.0
+    trusted_checkpoints: bool = False
 
     def __post_init__(self) -> None:
         def fix(name: str, value: Any) -> None:
@@ -67,8 +70,9 @@ class Settings:
             isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < math.inf
         ):
             raise ValueError(f"deadline: expected seconds > 0 or None, got {deadline!r}")
-        if not isinstance(self.pure_hooks, bool):
-            raise ValueError(f"pure_hooks: expected True or False, got {self.pure_hooks!r}")
+        for flag in ("pure_hooks", "trusted_checkpoints"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag}: expected True or False, got {getattr(self, flag)!r}")
         first = self.first_per_signature
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ValueError(f"first_per_signature: expected an int >= 0, got {first!r}")
