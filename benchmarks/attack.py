@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import logging
 import os
@@ -240,6 +241,277 @@ def _hostile_files(trials: int, rng: random.Random) -> list[bool]:
     return held
 
 
+#: What the job's code did while loading (a __reduce__, a callable map_location): it must run once per load.
+_RAN: list[str] = []
+
+
+class _Registered:
+    """An object whose unpickling runs the job's code."""
+
+    def __reduce__(self) -> tuple:
+        return _RAN.append, ("unpickled",)
+
+
+def _remembers(storage: Any, location: str) -> Any:
+    _RAN.append("mapped")
+    return storage
+
+
+class _Republishing:
+    """torch's own load (legacy here: any divergence is false) that republishes the file by an atomic rename right
+    after reading it, once per ``next_bytes`` given."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.next_bytes = path, []
+
+    def load(self, f: Any, *args: Any, **kwargs: Any) -> Any:
+        result = torch.serialization.load(f, *args, **kwargs)
+        if self.next_bytes:
+            with open(self.path + ".tmp", "wb") as out:
+                out.write(self.next_bytes.pop())
+            os.replace(self.path + ".tmp", self.path)
+        return result
+
+
+def _write_checkpoint(kind: str, path: str, rng: random.Random) -> dict[str, Any]:
+    """A checkpoint of ``kind`` at ``path``; the load's keyword arguments."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, rng.randint(1, 8)), torch.nn.ReLU())
+    kwargs: dict[str, Any] = {"weights_only": False}
+    if kind == "model":
+        torch.save(model, path)
+    elif kind == "code":
+        torch.save({"plugin": _Registered(), "w": torch.ones(2)}, path)
+    elif kind == "deflated":  # (8 MiB of storage in a small file)
+        buffer = io.BytesIO()
+        torch.save({"w": torch.zeros(8 << 18)}, buffer)
+        with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as source, zipfile.ZipFile(path, "w") as out:
+            for info in source.infolist():
+                out.writestr(info.filename, source.read(info), zipfile.ZIP_DEFLATED)
+    else:
+        torch.save(model.state_dict(), path, _use_new_zipfile_serialization=rng.random() < 0.5)
+    if kind == "callable":
+        kwargs["map_location"] = _remembers
+    if kind == "truncated":
+        with open(path, "rb+") as handle:
+            handle.truncate(rng.randint(1, os.path.getsize(path) - 1))
+    return kwargs
+
+
+def _load(loader: _Republishing, kwargs: dict[str, Any]) -> tuple[str, Any, list[str]]:
+    _RAN.clear()
+    try:
+        return "returned", _state(loader.load(loader.path, **kwargs)), list(_RAN)
+    except Exception as exc:
+        return type(exc).__name__, str(exc), list(_RAN)
+
+
+def _torch_load_case(kind: str, path: str, rng: random.Random) -> bool:
+    """One load of a ``kind`` checkpoint unwrapped, then shadowed (the same bytes, republished alike)."""
+    import dataclasses
+
+    from shadow.core.model import live_targets
+    from shadow.core.support import memory
+
+    kwargs = _write_checkpoint(kind, path, rng)
+    with open(path, "rb") as handle:
+        written = handle.read()
+    replacement = io.BytesIO()
+    torch.save({"other": torch.zeros(3)}, replacement)
+    loader = _Republishing(path)
+    loader.next_bytes = [replacement.getvalue()] if kind == "rename" else []
+    alone = _load(loader, kwargs)
+    with open(path, "wb") as out:
+        out.write(written)
+    loader.next_bytes = [replacement.getvalue()] if kind == "rename" else []
+    target = dataclasses.replace(live_targets.torch_load(), owner=loader, attribute="load")
+    original_free = memory.host_free_bytes
+    if kind == "deflated":
+        memory.host_free_bytes = lambda: 4 << 20  # (what it loads to does not fit: never loaded again)
+    try:
+        with shadow.install([target], sample_rate=1.0, budget=None, deadline=None) as monitor:
+            shadowed = _load(loader, kwargs)
+            stats = monitor.stats()["torch_load"]
+    finally:
+        memory.host_free_bytes = original_free
+    return repr(alone) == repr(shadowed) and stats.mismatch == 0 and stats.error == 0
+
+
+def _torch_load(trials: int, rng: random.Random) -> list[bool]:
+    """torch_load over hostile and racing checkpoints: whole models, objects whose unpickling runs the job's code,
+    callable map_locations, files republished by rename mid-load, deflated storages that do not fit, truncated files,
+    FIFOs. Holds when the job gets what the unwrapped load gives (the same code run as often), and nothing
+    diverges (legacy is torch's own load)."""
+    from shadow.core.model import live_targets
+
+    held = []
+    with tempfile.TemporaryDirectory() as directory:
+        for index in range(trials):
+            kind = rng.choice(["model", "state", "code", "callable", "rename", "deflated", "truncated", "fifo"])
+            path = os.path.join(directory, f"latest{index}.pt")
+            if kind == "fifo":  # (never opened by the signature: a load from it would block on the writer)
+                os.mkfifo(path)
+                held.append(live_targets.checkpoint_format(path) == "special")
+            else:
+                held.append(_torch_load_case(kind, path, rng))
+    return held
+
+
+def _state(loaded: Any) -> Any:
+    if isinstance(loaded, torch.nn.Module):
+        return {k: v.tolist() for k, v in loaded.state_dict().items()}
+    if isinstance(loaded, dict):
+        return {k: v.tolist() if isinstance(v, torch.Tensor) else type(v).__name__ for k, v in loaded.items()}
+    return loaded
+
+
+def _module_to(trials: int, rng: random.Random) -> list[bool]:
+    """Module.to in every dtype and memory format under memory that cannot hold a second copy: the module ends as the
+    unwrapped call leaves it, and no shadow run's allocation failure is counted as upstream's."""
+    from shadow.core.support import memory
+
+    held = []
+    for _ in range(trials):
+        seed = rng.randint(0, 1000)
+
+        def make(seed: int = seed) -> torch.nn.Module:
+            torch.manual_seed(seed)
+            return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Linear(8, 512))
+
+        dtype = rng.choice([torch.float64, torch.float16, torch.bfloat16, torch.float32])
+        fmt = rng.choice([None, torch.channels_last])
+        options = {} if fmt is None else {"memory_format": fmt}
+        alone = make().to(dtype, **options)
+        free = rng.choice([1 << 20, 6 << 20, 1 << 40])
+        original_free = memory.free_bytes
+        memory.free_bytes = lambda device, free=free: free
+        try:
+            with shadow.install(["module_to"], sample_rate=1.0, budget=None, deadline=None) as monitor:
+                module = make().to(dtype, **options)
+                stats = monitor.stats()["module_to"]
+        finally:
+            memory.free_bytes = original_free
+        same = all(
+            a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
+            for a, b in zip(alone.state_dict().values(), module.state_dict().values(), strict=True)
+        )
+        held.append(same and stats.error == 0 and stats.mismatch == 0)
+    return held
+
+
+def _census(trials: int, rng: random.Random) -> list[bool]:
+    """census over hostile sources: links out of the tree, FIFOs, devices, members that inflate past the bound,
+    undecodable text, deep expressions and call chains, escape sequences. Holds when it answers within 60 s with a
+    clear refusal (exit 2) or a census, never a traceback or raw control characters."""
+    hostile = {
+        "link": None,
+        "fifo": None,
+        "device": None,
+        "undecodable": b"x = '\xff\xfe'\n",
+        "expression": ("x = " + "+".join(["a"] * 200_000) + "\n").encode(),
+        "chain": ("".join(f"def f{i}():\n    f{i + 1}()\n" for i in range(2000)) + "f0()\n").encode(),
+        "escape": b"import torch\n\nsetattr(torch, '\\x1b[2Jred', None)\n",
+        "bomb": None,
+    }
+    held = []
+    with tempfile.TemporaryDirectory() as directory:
+        for index in range(trials):
+            kind = rng.choice(sorted(hostile))
+            root = os.path.join(directory, f"release{index}")
+            os.makedirs(os.path.join(root, "torch_npu", "utils"))
+            with open(os.path.join(root, "torch_npu", "__init__.py"), "w") as init:
+                init.write("import torch\nimport torch_npu.odd\n\ntorch.load = None\n")
+            odd = os.path.join(root, "torch_npu", "odd.py")
+            source = root
+            if kind == "link":
+                outside = os.path.join(directory, f"outside{index}.py")
+                with open(outside, "w") as handle:
+                    handle.write("import torch\ntorch.save = None\n")
+                os.symlink(outside, odd)
+            elif kind == "fifo":
+                os.mkfifo(odd)
+            elif kind == "device":
+                os.symlink("/dev/zero", odd)
+            elif kind == "bomb":
+                source = os.path.join(directory, f"torch_npu-9.9.{index}-py3-none-any.whl")
+                with zipfile.ZipFile(source, "w", zipfile.ZIP_DEFLATED) as wheel:
+                    wheel.writestr("torch_npu/__init__.py", "import torch\n")
+                    wheel.writestr("torch_npu/utils/__init__.py", "")
+                    wheel.writestr("torch_npu/big.py", b"#" * (20 << 20))
+            else:
+                with open(odd, "wb") as handle:
+                    handle.write(hostile[kind])
+            try:
+                done = subprocess.run([sys.executable, "-m", "shadow", "census", source], capture_output=True,
+                                      text=True, timeout=60, cwd=ROOT)  # fmt: skip
+            except subprocess.TimeoutExpired:
+                held.append(False)
+                continue
+            clean = "Traceback" not in done.stderr and "\x1b" not in done.stdout + done.stderr
+            held.append(clean and done.returncode in (0, 2))
+    return held
+
+
+def _linger(trials: int) -> list[bool]:
+    """Half-open connections by the hundred never keep a real scrape of a lingering endpoint out (a child serving
+    with few descriptors, as a launcher near its limit)."""
+    script = (
+        "import resource, sys, time\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))\n"
+        "from prometheus_client import CollectorRegistry, Counter\n"
+        "from exporters.prometheus import serve_registry\n"
+        "registry = CollectorRegistry()\n"
+        "Counter('final', 'the final count', registry=registry).inc(7)\n"
+        "print(serve_registry(registry, 0, '127.0.0.1').server_port, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    held = []
+    for _ in range(trials):
+        server = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        connections = []
+        try:
+            port = int(server.stdout.readline())
+            for _ in range(139):
+                connections.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            body = ""
+            for _ in range(60):
+                try:
+                    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+                    break
+                except OSError:
+                    threading.Event().wait(0.5)
+            held.append("final_total 7.0" in body)
+        finally:
+            for connection in connections:
+                connection.close()
+            server.kill()
+            server.wait()
+    return held
+
+
+def _verdict_inputs(trials: int, rng: random.Random) -> list[bool]:
+    """Hostile count records in journals (huge, negative, fractional, NaN counts; calls below the comparisons, more
+    drilled than compared). Holds when the verdict answers with a clear refusal naming the field (exit 2), never a
+    traceback and never a decision."""
+    import journals
+
+    held = []
+    with tempfile.TemporaryDirectory() as directory:
+        for index in range(trials):
+            record = journals.counts({"sig": {"match": 100}}, calls={"sig": 200})
+            field, value = rng.choice([
+                ("calls", {"sig": 10**400}), ("calls", {"sig": -1}), ("calls", {"sig": 2.5}), ("calls", {"sig": 10}),
+                ("drilled", 101), ("drilled", float("nan")), ("outcomes", {"sig": {"match": 10**400}}),
+            ])  # fmt: skip
+            record[field] = value
+            path = os.path.join(directory, f"j{index}.jsonl")
+            with open(path, "w") as handle:
+                handle.write(json.dumps(journals.header()) + "\n" + json.dumps(record) + "\n")
+            done = subprocess.run([sys.executable, "-m", "shadow", "verdict", "--journal", path], capture_output=True,
+                                  text=True, timeout=120, cwd=ROOT)  # fmt: skip
+            held.append(done.returncode == 2 and "Traceback" not in done.stderr and field in done.stderr)
+    return held
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer trials of each (the test suite's run)")
@@ -254,6 +526,11 @@ def main() -> int:
         "limits": lambda: _limits(3 if not args.quick else 1),
         "connections": lambda: _connections(15 // n, rng),
         "hostile files": lambda: _hostile_files(300 // n, rng),
+        "torch_load": lambda: _torch_load(80 // n, rng),
+        "module_to": lambda: _module_to(30 // n, rng),
+        "census": lambda: _census(16 // n, rng),
+        "linger": lambda: _linger(2 if not args.quick else 1),
+        "verdict inputs": lambda: _verdict_inputs(14 // n, rng),
     }
     tried = held = 0
     for name, run in surfaces.items():

@@ -59,9 +59,21 @@ def serve_registry(
         return None
     # (a connection that never sends its request would hold a thread and a descriptor for good: enough of them keep
     # a real scrape out; each request's reads and writes time out instead)
-    handler = server.RequestHandlerClass
-    server.RequestHandlerClass = type(handler.__name__, (handler,), {"timeout": REQUEST_SECONDS})
+    server.RequestHandlerClass = _timed(server.RequestHandlerClass)
     return server
+
+
+def _timed(handler: type) -> type:
+    """``handler`` whose connection's reads and writes time out after REQUEST_SECONDS, a timed-out or dropped one
+    closed quietly (socketserver would print each one's traceback on the job's stderr)."""
+
+    def handle(self: Any) -> None:
+        try:
+            handler.handle(self)
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True
+
+    return type(handler.__name__, (handler,), {"timeout": REQUEST_SECONDS, "handle": handle})
 
 
 #: How long a scrape's connection may take to send its request and read the answer.

@@ -39,6 +39,7 @@ from shadow.core.model.observation import (
     OUTCOMES,
     PRIMARY_SIDES,
     Outcome,
+    bounded,
     error_decade,
     label_text,
 )
@@ -106,12 +107,20 @@ def select_run(runs: Iterable[str], run: str | None, all_runs: bool, source: str
     )
 
 
+def _shown(value: object) -> str:
+    """A value from a source, for a message: a huge integer by its size (its digits could be thousands)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    return bounded(repr(value), 80)
+
+
 def _count(value: object, where: str, whole: bool = True) -> float:
     """A checked count: finite, >= 0, at most MAX_COUNT and (unless ``whole`` is False) an integer."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SourceError(f"{where}: {value!r} is not a number")
-    if not math.isfinite(value) or value < 0 or value > MAX_COUNT:
-        raise SourceError(f"{where}: {value!r} cannot be a count (negative, not finite or too large)")
+        raise SourceError(f"{where}: {_shown(value)} is not a number")
+    # (an int past a float's range, 10**400, is compared as an int: never turned into a float that overflows)
+    if not (0 <= value <= MAX_COUNT) or (isinstance(value, float) and not math.isfinite(value)):
+        raise SourceError(f"{where}: {_shown(value)} cannot be a count (negative, not finite or too large)")
     if whole and value != int(value):
         raise SourceError(f"{where}: {value!r} is not a whole count")
     return float(value)
@@ -757,13 +766,32 @@ def _check_counts(record: dict, where: str) -> dict:
     known = {str(d) for d in range(-DECADE_LIMIT, DECADE_LIMIT + 1)}
     if any(decade not in known for by_decade in decades.values() for decade in by_decade):
         raise SourceError(f"{where}: a count record with an unknown error decade")
+    outcomes, skipped, calls, drilled = (
+        table("outcomes", 2),
+        table("skipped", 2),
+        table("calls", 1),
+        record.get("drilled", 0),
+    )
+    drilled = _count(drilled, f"{where}: drilled")
+    compared = sum(n for by_outcome in outcomes.values() for n in by_outcome.values())
+    sampled = compared + sum(n for by_reason in skipped.values() for n in by_reason.values())
+    if calls and sum(calls.values()) < sampled:
+        raise SourceError(
+            f"{where}: calls: a count record with {sum(calls.values()):g} calls but {sampled:g} compared or skipped "
+            "(a call is counted before it is sampled): not a record npu-shadow writes"
+        )
+    if drilled > compared:
+        raise SourceError(
+            f"{where}: drilled: a count record with {drilled:g} drilled comparisons of {compared:g}: not a record "
+            "npu-shadow writes"
+        )
     return {
-        "outcomes": table("outcomes", 2),
-        "skipped": table("skipped", 2),
+        "outcomes": outcomes,
+        "skipped": skipped,
         "reasons": table("reasons", 1),
         "shared": table("shared", 1),
-        "calls": table("calls", 1),
-        "drilled": _count(record.get("drilled", 0), f"{where}: drilled"),
+        "calls": calls,
+        "drilled": drilled,
         "truth": truth,
         "truth_decades": decades,
         "backward": backward,
