@@ -29,6 +29,7 @@ from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from exporters import contract
+from exporters.signatures import JobSignatures
 from shadow.core.calls.arms import ArmRun
 from shadow.core.calls.classifier import MAX_SIGNATURES, OTHER_SIGNATURE
 from shadow.core.model.observation import LEGACY, PRIMARY_SIDES, Observation, Outcome
@@ -241,6 +242,8 @@ class PrometheusExporter:
         self._children: dict[tuple, Any] = {}
         self._floors: dict[tuple[str, str, str], float] = {}  # (target, signature, measure) -> the greatest
         self._primary: dict[str, str] = {}  # target -> the side the caller gets now (for calls and bulk skips)
+        #: The signature values the job's processes share under the launcher (None: this process's own cap alone).
+        self._job_signatures = JobSignatures.from_environment()
         self._metrics[contract.BUILD_INFO].labels(self.run, *contract.versions().values()).set(1)
         self._child(contract.DRILL_ACTIVE).set(0)
         self.server: Any = None
@@ -278,7 +281,11 @@ class PrometheusExporter:
         key = (metric, labels)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = self._metrics[metric].labels(self.run, *labels)
+            shown = labels
+            if self._job_signatures is not None and "signature" in metric.labels:  # (shared with the job's processes)
+                where, target = metric.labels.index("signature"), labels[metric.labels.index("target")]
+                shown = (*labels[:where], self._job_signatures.admit(target, labels[where]), *labels[where + 1 :])
+            child = self._children[key] = self._metrics[metric].labels(self.run, *shown)
         return child
 
     def register(self, target: str, sample_rate: float) -> None:

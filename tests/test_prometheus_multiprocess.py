@@ -130,3 +130,28 @@ def test_a_torn_value_file_leaves_out_that_file_never_the_scrape_nor_a_traceback
         _, err = job.communicate("", timeout=60)
     assert all('npu_shadow_calls_total{target="op"} 7.0' in body for body in bodies), bodies[0]
     assert "Traceback" not in err and err.count("cannot be read, left out") == 2, err  # (once each: two files)
+
+
+def test_ranks_exporting_on_their_own_show_at_most_the_cap_between_them(tmp_path, monkeypatch):
+    """Twelve ranks, each with its own endpoint or Pushgateway group, each with 100 signatures of its own: what they
+    show together (a Pushgateway holds every group) is at most the cap and ``other``, none of their calls lost."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from exporters import PrometheusExporter, signatures
+    from shadow.core.calls.classifier import MAX_SIGNATURES
+    from shadow.launcher.bootstrap import npu_shadow_boot as boot
+
+    assert signatures.SHARED_DIR_VARIABLE == boot.METRICS_DIR
+    shared = tmp_path / "metrics"
+    shared.mkdir(mode=0o700)
+    monkeypatch.setenv(boot.METRICS_DIR, str(shared))
+    shown, calls = set(), 0
+    for rank in range(12):
+        exporter = PrometheusExporter(registry=CollectorRegistry())
+        for index in range(MAX_SIGNATURES):
+            exporter.record_calls("op", 1, f"rank{rank}-signature{index:03d}")
+        parsed = samples(generate_latest(exporter.registry).decode())
+        shown |= {dict(items)["signature"] for name, items in parsed if name == "npu_shadow_calls_total"}
+        calls += total(parsed, "npu_shadow_calls_total", target="op")
+    assert len(shown - {""}) == MAX_SIGNATURES + 1 and "other" in shown
+    assert calls == 12 * MAX_SIGNATURES
