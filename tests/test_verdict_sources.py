@@ -148,3 +148,24 @@ def test_count_records_that_go_backwards_are_refused(tmp_path):
     assert_source_error(run_verdict("--journal", str(path)), f"{path}:3", "counts only grow")
     bad = journals.counts({"call": {"match": -1}})
     assert_source_error(run_verdict("--journal", str(journals.write(tmp_path / "k.jsonl", [bad]))), "cannot be a count")
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("calls", {"call": 10**400}, ["calls.call", "cannot be a count"]),
+        ("outcomes", {"call": {"match": 10**400}}, ["outcomes.call.match", "cannot be a count"]),
+        ("calls", {"call": 10}, ["calls:", "110 compared or skipped"]),
+        ("drilled", 101, ["drilled:", "101 drilled comparisons of 100"]),
+    ],
+    ids=["huge-calls", "huge-outcome", "calls-below-sampled", "more-drilled-than-compared"],
+)
+def test_count_records_that_cannot_be_are_refused_naming_the_field(tmp_path, field, value, words):
+    import journals
+
+    record = journals.counts({"call": {"match": 100}}, calls={"call": 200}, skipped={"call": {"budget": 10}})
+    record[field] = value
+    path = journals.write(tmp_path / "j.jsonl", [record])
+    done = run_verdict("--journal", str(path))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert all(word in done.stderr for word in words), done.stderr
