@@ -268,3 +268,5 @@ def test_the_first_batchs_digest_reads_no_repr_and_copies_only_what_fits(monkeyp
     monkeypatch.setattr(memory, "host_free_bytes", lambda: 8 << 20)  # (a 16 MiB copy would not fit)
     assert core_arms._digest(batch) == ""
     assert core_arms._digest({"x": strided.contiguous(), "step": 3}) != ""  # (read in place: no copy needed)
+    labels = {"label": torch.tensor(3), "flag": torch.tensor(True), "half": torch.ones(2, dtype=torch.bfloat16)}
+    assert len(core_arms._digest(labels)) == 16  # (0-d tensors and two-byte types read too)

@@ -63,6 +63,9 @@ def test_resnet_benchmark_runs_and_reports_every_figure():
 
 def test_the_attack_round_holds_every_attack_it_tries():
     out = run_quick("attack.py")
-    *surfaces, total = [line.split() for line in out.strip().splitlines()[-7:]]
-    assert [s[0] for s in surfaces] == ["threads", "gil", "forks", "limits", "connections", "hostile"], out
+    *surfaces, total = [line.split() for line in out.strip().splitlines()[-12:]]
+    assert [s[0] for s in surfaces] == [
+        "threads", "gil", "forks", "limits", "connections", "hostile", "torch_load", "module_to", "census", "linger",
+        "verdict",
+    ], out  # fmt: skip
     assert total[0] == "all" and int(total[2]) > 100 and total[2] == total[4], out

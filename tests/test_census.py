@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 import zipfile
 
 import pytest
@@ -317,9 +316,7 @@ def test_a_wheel_member_that_inflates_past_the_bound_is_refused_at_once(tmp_path
         out.writestr("torch_npu/__init__.py", "import torch\n")
         out.writestr("torch_npu/utils/__init__.py", "")
         out.writestr("torch_npu/big.py", b"#" * (MAX_MEMBER_BYTES + 10))
-    started = time.monotonic()
-    _refused(_census(wheel), "torch_npu/big.py", "larger than")
-    assert time.monotonic() - started < 60
+    _refused(_census(wheel, timeout=120), "torch_npu/big.py", "larger than")  # (a 2 GiB one ran past 300 s)
 
 
 @pytest.mark.parametrize(

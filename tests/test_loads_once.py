@@ -91,6 +91,13 @@ class _Opaque:
     __slots__ = ()
 
 
+class _Slotted:
+    __slots__ = "value"  # (a single slot named by a string)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
 def test_a_loaded_object_is_compared_by_its_state_type_and_structure() -> None:
     first, second = _net(), _net()
     assert compare(loaded.comparable(first), loaded.comparable(second), exact=True).outcome == "match"
@@ -106,6 +113,7 @@ def test_a_loaded_object_is_compared_by_its_state_type_and_structure() -> None:
     shared = torch.nn.Linear(2, 2)
     twice = loaded.comparable(torch.nn.Sequential(shared, shared))
     assert twice["_modules"]["1"] == "<the object at ._modules['0']>"
+    assert loaded.comparable(_Slotted(3)) == {"__class__": f"{__name__}._Slotted", "value": 3}
     with pytest.raises(loaded.Uncomparable, match="_Opaque"):
         loaded.comparable({"x": _Opaque()})
 

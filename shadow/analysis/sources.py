@@ -766,25 +766,9 @@ def _check_counts(record: dict, where: str) -> dict:
     known = {str(d) for d in range(-DECADE_LIMIT, DECADE_LIMIT + 1)}
     if any(decade not in known for by_decade in decades.values() for decade in by_decade):
         raise SourceError(f"{where}: a count record with an unknown error decade")
-    outcomes, skipped, calls, drilled = (
-        table("outcomes", 2),
-        table("skipped", 2),
-        table("calls", 1),
-        record.get("drilled", 0),
-    )
-    drilled = _count(drilled, f"{where}: drilled")
-    compared = sum(n for by_outcome in outcomes.values() for n in by_outcome.values())
-    sampled = compared + sum(n for by_reason in skipped.values() for n in by_reason.values())
-    if calls and sum(calls.values()) < sampled:
-        raise SourceError(
-            f"{where}: calls: a count record with {sum(calls.values()):g} calls but {sampled:g} compared or skipped "
-            "(a call is counted before it is sampled): not a record npu-shadow writes"
-        )
-    if drilled > compared:
-        raise SourceError(
-            f"{where}: drilled: a count record with {drilled:g} drilled comparisons of {compared:g}: not a record "
-            "npu-shadow writes"
-        )
+    outcomes, skipped, calls = table("outcomes", 2), table("skipped", 2), table("calls", 1)
+    drilled = _count(record.get("drilled", 0), f"{where}: drilled")
+    _check_totals(outcomes, skipped, calls, drilled, where)
     return {
         "outcomes": outcomes,
         "skipped": skipped,
@@ -797,6 +781,23 @@ def _check_counts(record: dict, where: str) -> dict:
         "backward": backward,
         **({"clusters": _count(record["clusters"], f"{where}: clusters", whole=False)} if "clusters" in record else {}),
     }
+
+
+def _check_totals(outcomes: dict, skipped: dict, calls: dict, drilled: float, where: str) -> None:
+    """A count record's totals must be possible: its calls at least its sampled calls (a call is counted before it
+    is sampled), its drilled comparisons at most its comparisons."""
+    compared = sum(n for by_outcome in outcomes.values() for n in by_outcome.values())
+    sampled = compared + sum(n for by_reason in skipped.values() for n in by_reason.values())
+    if calls and sum(calls.values()) < sampled:
+        raise SourceError(
+            f"{where}: calls: a count record with {sum(calls.values()):g} calls but {sampled:g} compared or skipped: "
+            "not a record npu-shadow writes"
+        )
+    if drilled > compared:
+        raise SourceError(
+            f"{where}: drilled: a count record with {drilled:g} drilled comparisons of {compared:g}: not a record "
+            "npu-shadow writes"
+        )
 
 
 def _minus(now: dict, base: dict | None) -> dict:

@@ -101,7 +101,7 @@ def _digest(batch: Any) -> str:
                     except memory.InsufficientMemory:
                         return ""
                     data = data.cpu().contiguous()
-                digest.update(memoryview(data.view(torch.uint8).numpy()))
+                digest.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # (0-d too: a label)
             elif type(leaf) in _PLAIN:
                 digest.update(repr(leaf).encode("utf-8", "backslashreplace"))
             else:

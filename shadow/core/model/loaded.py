@@ -65,8 +65,11 @@ def _fields(obj: Any) -> dict[str, Any] | None:
     own = _raw(obj, "__dict__")
     if isinstance(own, dict):
         found.update(own)
-    slots = [name for cls in type(obj).__mro__ for name in (vars(cls).get("__slots__") or ())]
-    for name in [slots] if isinstance(slots, str) else slots:
+    slots = []
+    for cls in type(obj).__mro__:
+        declared = vars(cls).get("__slots__") or ()
+        slots += [declared] if isinstance(declared, str) else list(declared)
+    for name in slots:
         if name not in ("__dict__", "__weakref__"):
             value = _raw(obj, name)
             if value is not None:

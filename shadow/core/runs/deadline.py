@@ -177,8 +177,7 @@ class _Run:
             if self.start is not None:
                 self.start()
             with self.context.entered():
-                value = self.body()
-            self.outcome = Finished(True, value)
+                self.outcome = Finished(True, self.body())  # (no local of this frame's holds the value)
             return True
         except BaseException as exc:  # (the body's outcome, handed to the caller)
             self.outcome = Finished(True, error=exc)
@@ -211,7 +210,8 @@ def run_within(seconds: float | None, body: Callable[[], Any], start: Callable[[
     if not finished or (seconds is not None and time.monotonic() - handed > seconds):
         run.abandoned = True
         return Finished(False)
-    return run.outcome
+    outcome, run.outcome, run.body = run.outcome, None, None  # (the worker may hold the run a moment longer)
+    return outcome
 
 
 def run_here(body: Callable[[], Any]) -> Finished:
