@@ -300,3 +300,21 @@ def test_the_launchers_setting_trusts_the_checkpoints(patched, tmp_path, variabl
     with shadow.install(["torch_load"], sample_rate=1.0, settings=settings) as monitor:
         torch.load(path, weights_only=False)
         assert _counts(monitor)["outcomes"] == {outcome: 1}
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_a_replay_gives_the_shadow_run_its_arguments_whether_or_not_the_target_isolates(isolate) -> None:
+    seen: list[str] = []
+    owner = types.SimpleNamespace(op=lambda x: x)
+
+    def upstream(x: str) -> str:
+        seen.append(x)
+        return x
+
+    def replay(args: tuple, kwargs: dict) -> Any:
+        return lambda: (("read once",), {})
+
+    target = shadow.Target("op", owner, "op", upstream, isolate=isolate, replay=replay)
+    with _monitor([target]):
+        assert owner.op("the caller's") == "the caller's"
+    assert seen == ["read once"]

@@ -213,7 +213,7 @@ class ShadowSide:
                 primary=experiment.primary,
             )  # fmt: skip
         if plan.isolation is None:
-            return None
+            return self._replay(plan, now)
         try:
             plan.isolation.take_arguments()
         except ArgumentsChanged as exc:
