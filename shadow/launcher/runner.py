@@ -104,9 +104,9 @@ def _serve_final_counts(config: cfg.Config, base: str, node: tuple | None, stopp
                 f"npu-shadow: the final counts were scraped {ended.seconds:.1f} s after the job ended", file=sys.stderr
             )
         else:
-            why = "a signal stopped the wait" if ended.how == "signal" else f"no scrape read them in {seconds:g} s"
+            why = "a signal stopped the wait" if ended.how == "signal" else f"no scrape came in {seconds:g} s"
             print(
-                f"npu-shadow: {why} before the final counts were scraped: Prometheus lacks the job's last counts "
+                f"npu-shadow: the final counts were not scraped ({why}): Prometheus lacks the job's last counts "
                 "(its journal and textfile have them)",
                 file=sys.stderr,
             )
