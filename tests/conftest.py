@@ -88,3 +88,26 @@ def fake_torch_npu():
         for name in [n for n in sys.modules if n == "torch_npu" or n.startswith("torch_npu.")]:
             del sys.modules[name]
         sys.path.remove(FAKE_TORCH_NPU)
+
+
+@pytest.fixture(scope="module")
+def legacy_213() -> torch_npu_source.TorchNpuLegacy:
+    """torch_npu 2.13.0's own legacy, read from its wheel (not installed)."""
+    from torch_npu_wheels import wheel
+
+    return torch_npu_source.load(wheel("2.13.0"))
+
+
+def installed(legacy: torch_npu_source.TorchNpuLegacy):
+    """``legacy`` patched onto torch while the fixture using this lives."""
+    patches = legacy.patch_torch()
+    try:
+        yield legacy
+    finally:
+        patches.undo()
+
+
+@pytest.fixture
+def patched(legacy_213: torch_npu_source.TorchNpuLegacy):
+    """torch with torch_npu 2.13.0's patches installed, for one test."""
+    yield from installed(legacy_213)

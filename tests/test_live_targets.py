@@ -19,30 +19,13 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import installed
 from torch_npu_wheels import wheel
 
 import shadow
 from shadow.core.model import live_targets
 from shadow.core.model.target import Target
 from shadow.npu import torch_npu_source
-
-
-@pytest.fixture(scope="module")
-def legacy_213() -> torch_npu_source.TorchNpuLegacy:
-    return torch_npu_source.load(wheel("2.13.0"))
-
-
-def _installed(legacy: torch_npu_source.TorchNpuLegacy) -> Iterator[torch_npu_source.TorchNpuLegacy]:
-    patches = legacy.patch_torch()
-    try:
-        yield legacy
-    finally:
-        patches.undo()
-
-
-@pytest.fixture
-def patched(legacy_213: torch_npu_source.TorchNpuLegacy) -> Iterator[torch_npu_source.TorchNpuLegacy]:
-    yield from _installed(legacy_213)
 
 
 def _monitor(primary: str = "legacy", targets: Any = None) -> shadow.Monitor:
@@ -441,7 +424,7 @@ def test_under_the_launcher_the_job_gets_legacys_results_and_the_evidence_names_
 
 @pytest.fixture
 def patched_212(torch_npu_legacy: torch_npu_source.TorchNpuLegacy) -> Iterator[torch_npu_source.TorchNpuLegacy]:
-    yield from _installed(torch_npu_legacy)
+    yield from installed(torch_npu_legacy)
 
 
 def test_the_lstm_forward_of_212_differs_on_a_packed_sequence_of_unequal_lengths_only(patched_212) -> None:

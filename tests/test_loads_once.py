@@ -13,32 +13,15 @@ import os
 import threading
 import types
 import zipfile
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from torch_npu_wheels import wheel
 
 import shadow
 from shadow.core.judging.compare import compare
 from shadow.core.model import live_targets, loaded
 from shadow.core.support import memory
-from shadow.npu import torch_npu_source
-
-
-@pytest.fixture(scope="module")
-def legacy_213() -> torch_npu_source.TorchNpuLegacy:
-    return torch_npu_source.load(wheel("2.13.0"))
-
-
-@pytest.fixture
-def patched(legacy_213: torch_npu_source.TorchNpuLegacy) -> Iterator[torch_npu_source.TorchNpuLegacy]:
-    patches = legacy_213.patch_torch()
-    try:
-        yield legacy_213
-    finally:
-        patches.undo()
 
 
 def _monitor(targets: Any = None, rate: float = 1.0) -> shadow.Monitor:
