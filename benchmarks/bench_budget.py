@@ -22,7 +22,7 @@ import torch
 
 import shadow
 from shadow import Target
-from shadow.core.calls.budget import BURST_SECONDS, WINDOW_SECONDS
+from shadow.core.calls.gate.budget import BURST_SECONDS, WINDOW_SECONDS
 
 BUDGET = 0.1
 

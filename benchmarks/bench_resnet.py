@@ -39,8 +39,8 @@ from resnet18 import ResNet18
 from torch import nn
 
 import shadow
-from shadow.core.calls import classifier, sampled_call, shadow_side
-from shadow.core.calls.budget import WINDOW_SECONDS
+from shadow.core.calls.gate import classifier, sampled_call, shadow_side
+from shadow.core.calls.gate.budget import WINDOW_SECONDS
 from shadow.launcher.config import Config
 from shadow.npu import emulated
 

@@ -203,8 +203,8 @@ CLUSTERS = Metric(
     "counter",
     ("target", "primary"),
     "Clusters of comparisons (a process's 60 s blocks, an incident never cut, a distributed job's rank counting "
-    "1/WORLD_SIZE of each: shadow.core.calls.clusters): the unit the verdict counts evidence in, by the side whose "
-    "result the caller got.",
+    "1/WORLD_SIZE of each: shadow.core.calls.record.clusters): the unit the verdict counts evidence in, by the "
+    "side whose result the caller got.",
 )
 TRUTH_RUNS = Metric(
     "npu_shadow.truth_runs",

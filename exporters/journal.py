@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from json.encoder import encode_basestring_ascii
 
 from exporters import capture, contract
-from shadow.core.calls.arms import ArmRun
+from shadow.core.calls.canary.arms import ArmRun
 from shadow.core.model.observation import DIFFERS_IN_FLOAT64, LEGACY, Observation, Outcome, error_decade
 from shadow.core.support import forks
 from shadow.core.support.safe_paths import (
@@ -68,7 +68,9 @@ class _Counts:
         self.reasons: dict[str, int] = {}
         self.shared: dict[str, int] = {}
         self.calls: dict[str, int] = {}
-        self.clusters = 0.0  # (shadow.core.calls.clusters: the clusters its comparisons opened, 1 / WORLD_SIZE each)
+        self.clusters = (
+            0.0  # (shadow.core.calls.record.clusters: the clusters its comparisons opened, 1 / WORLD_SIZE each)
+        )
         self.drilled = 0
         self.truth: dict[str, dict[str, int]] = {}  # signature -> nearer -> truth runs
         self.truth_decades: dict[str, dict[str, int]] = {}  # signature -> error decade -> truth runs
@@ -257,7 +259,7 @@ class JsonlExporter:
             raise failure
 
     def export_arm(self, run: ArmRun) -> None:
-        """One iterator of a canary A/B (``"event": "arm"``, :mod:`shadow.core.calls.arms`): its arm and what was
+        """One iterator of a canary A/B (``"event": "arm"``, :mod:`shadow.core.calls.canary.arms`): its arm and what was
         measured
         of it."""
         fields = dataclasses.asdict(run)

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from opentelemetry import metrics
 
 from exporters import contract
-from shadow.core.calls.arms import ArmRun
+from shadow.core.calls.canary.arms import ArmRun
 from shadow.core.model.observation import Observation, Outcome
 from shadow.core.support import forks
 
@@ -256,7 +256,7 @@ class OTelExporter:
                 add(contract.BACKWARD_SKIPS, 1, target, observation.backward_skip)
             if observation.nearer:
                 add(contract.TRUTH_RUNS, 1, target, observation.signature, observation.nearer)
-            add(contract.LEGACY, observation.legacy_seconds, target)
+            add(contract.LEGACY, observation.primary_seconds, target)
             add(contract.SHADOW, observation.overhead_seconds, target)
         values = [(contract.SHADOW_DURATION, observation.overhead_seconds, target)]
         if observation.outcome != Outcome.ERROR and observation.numel:
@@ -270,7 +270,7 @@ class OTelExporter:
         self._pending.extend(values)
 
     def export_arm(self, run: ArmRun) -> None:
-        """One iterator of a canary A/B (:mod:`shadow.core.calls.arms`)."""
+        """One iterator of a canary A/B (:mod:`shadow.core.calls.canary.arms`)."""
         with self._lock:
             self._add(contract.ARM_ITERATORS, 1, run.target, run.arm, "bound" if run.workers_bound else "unbound")
             if run.first_batch_seconds is not None:

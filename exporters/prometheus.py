@@ -30,8 +30,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from exporters import contract
 from exporters.signatures import JobSignatures
-from shadow.core.calls.arms import ArmRun
-from shadow.core.calls.classifier import MAX_SIGNATURES, OTHER_SIGNATURE
+from shadow.core.calls.canary.arms import ArmRun
+from shadow.core.calls.gate.classifier import MAX_SIGNATURES, OTHER_SIGNATURE
 from shadow.core.model.observation import LEGACY, PRIMARY_SIDES, Observation, Outcome
 from shadow.core.support import forks
 from shadow.core.support.safe_paths import check_private_directory, replace_regular_file
@@ -351,12 +351,12 @@ class PrometheusExporter:
             child(contract.BACKWARD_SKIPS, target, observation.backward_skip).inc()
         if observation.nearer:
             child(contract.TRUTH_RUNS, target, observation.signature, observation.nearer).inc()
-        child(contract.LEGACY, target).inc(observation.legacy_seconds)
+        child(contract.LEGACY, target).inc(observation.primary_seconds)
         child(contract.SHADOW, target).inc(observation.overhead_seconds)
         child(contract.SHADOW_DURATION, target).observe(observation.overhead_seconds)
 
     def export_arm(self, run: ArmRun) -> None:
-        """One iterator of a canary A/B (:mod:`shadow.core.calls.arms`)."""
+        """One iterator of a canary A/B (:mod:`shadow.core.calls.canary.arms`)."""
         self._child(contract.ARM_ITERATORS, run.target, run.arm, "bound" if run.workers_bound else "unbound").inc()
         if run.first_batch_seconds is not None:
             self._child(contract.ARM_FIRST_BATCH, run.target, run.arm).inc(run.first_batch_seconds)

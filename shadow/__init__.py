@@ -21,7 +21,7 @@ _PUBLIC = {
     "Comparison": "shadow.core.judging.compare",
     "compare": "shadow.core.judging.compare",
     "Experiment": "shadow.core.calls.engine",
-    "Exporter": "shadow.core.calls.exporting",
+    "Exporter": "shadow.core.calls.record.exporting",
     "Monitor": "shadow.core.calls.monitor",
     "install": "shadow.core.calls.monitor",
     "HARD_REASONS": "shadow.core.model.observation",

@@ -1,4 +1,4 @@
-"""The canary A/B of the DataLoader's iterator (shadow.core.calls.arms) and what the verdict makes of it
+"""The canary A/B of the DataLoader's iterator (shadow.core.calls.canary.arms) and what the verdict makes of it
 (shadow.analysis.arms): the arms, the measurements, the statistics against an independent computation, and the
 whole path under the launcher with torch_npu 2.13.0's own legacy."""
 
@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch_npu_wheels import wheel
 
 from shadow.analysis import arms as analysis
-from shadow.core.calls import arms as core_arms
-from shadow.core.calls.arms import IteratorArms
+from shadow.core.calls.canary import arms as core_arms
+from shadow.core.calls.canary.arms import IteratorArms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -229,7 +229,7 @@ def test_a_dataloader_canary_runs_both_arms_and_the_verdict_reports_legacys_affi
 
 
 def test_a_failure_measuring_an_iterator_is_counted_and_never_the_jobs(monkeypatch) -> None:
-    from shadow.core.calls import arms as core_arms
+    from shadow.core.calls.canary import arms as core_arms
 
     def broken(pid: int = 0) -> tuple:
         raise OSError("no affinity here")

@@ -14,7 +14,7 @@ import torch
 from torch.utils._pytree import tree_iter
 
 import shadow
-from shadow.core.calls.budget import BURST_SECONDS, Budgets
+from shadow.core.calls.gate.budget import BURST_SECONDS, Budgets
 from shadow.core.model import targets
 from shadow.core.runs import deadline, sides
 from shadow.core.support import trees

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 import shadow
 from dashboards import grafana_dashboard, rule_cases, rules
 from exporters import PrometheusExporter
-from shadow.core.calls.arms import ArmRun
+from shadow.core.calls.canary.arms import ArmRun
 
 PROMETHEUS_DIR = rules.RULES_PATH.parent
 GRAFANA_DIR = grafana_dashboard.DASHBOARD_PATH.parent

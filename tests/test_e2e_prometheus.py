@@ -16,7 +16,7 @@ import shadow
 from dashboards import rules
 from exporters import PrometheusExporter
 from shadow.analysis import verdict
-from shadow.core.calls import clusters
+from shadow.core.calls.record import clusters
 from shadow.core.model import targets as builtin
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

@@ -123,12 +123,12 @@ def test_legacy_raising_reaches_the_caller_unchanged():
 
 
 def test_comparator_and_exporter_failures_are_counted_and_swallowed(monkeypatch, caplog):
-    import shadow.core.calls.findings
+    import shadow.core.calls.sampled.findings
 
     def broken_compare(*args, **kwargs):
         raise RuntimeError("comparator bug")
 
-    monkeypatch.setattr(shadow.core.calls.findings, "compare", broken_compare)
+    monkeypatch.setattr(shadow.core.calls.sampled.findings, "compare", broken_compare)
     ops = make_ops()
     with shadow.install([Target("op", ops, "op", scale)], sample_rate=1.0, exporters=[FailingExporter()]) as monitor:
         out = [ops.op(torch.ones(2)) for _ in range(5)]
@@ -335,7 +335,7 @@ def test_a_forked_childs_counts_start_at_zero_for_every_counter():
 
     import fakes
 
-    from shadow.core.calls.classifier import MAX_SIGNATURES
+    from shadow.core.calls.gate.classifier import MAX_SIGNATURES
     from shadow.core.model.observation import TargetStats
 
     class Failing:
@@ -374,7 +374,7 @@ def test_a_pure_signature_function_is_never_checked_so_other_threads_draws_are_n
     and never checked; a user's is checked as before."""
     import threading
 
-    from shadow.core.calls import classifier
+    from shadow.core.calls.gate import classifier
     from shadow.core.model import targets
 
     checked = []

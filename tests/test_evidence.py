@@ -90,7 +90,7 @@ def test_the_first_calls_of_every_signature_are_compared_whatever_the_rate():
     """At rate 0 nothing would ever be compared; guided, the first calls of each signature are, a rare one (1% of
     the calls) included. Every call is classified until each signature seen has had its first calls, then one in
     CLASSIFY_ONE_IN; the total is exact, each signature's count an estimate that adds up to it."""
-    from shadow.core.calls.coverage import CLASSIFY_ONE_IN
+    from shadow.core.calls.gate.coverage import CLASSIFY_ONE_IN
 
     ops = _Ops()
     x = torch.ones(3)
@@ -111,7 +111,7 @@ def test_the_first_calls_of_every_signature_are_compared_whatever_the_rate():
 def _estimate_sd(calls: int, share: float) -> float:
     """The standard deviation of a signature's estimated calls: systematic sampling with geometric gaps of mean
     CLASSIFY_ONE_IN, each classified call counting its gap (n p (1 - p) E[g^2] / E[g])."""
-    from shadow.core.calls.coverage import CLASSIFY_ONE_IN
+    from shadow.core.calls.gate.coverage import CLASSIFY_ONE_IN
 
     q = 1 / CLASSIFY_ONE_IN
     mean_gap, mean_square_gap = 1 / q, (2 - q) / q**2  # (a geometric gap on {1, 2, ...})
@@ -122,7 +122,7 @@ def test_sampled_classification_estimates_each_signatures_calls_without_bias():
     """Once the first calls are done, a call that ends a gate counts the gate's calls under its signature: the
     estimate of a signature of share p is within 4 standard deviations of its true count, the variance computed
     here for geometric gaps (systematic sampling: n p (1 - p) E[g^2] / E[g])."""
-    from shadow.core.calls.coverage import CLASSIFY_ONE_IN
+    from shadow.core.calls.gate.coverage import CLASSIFY_ONE_IN
 
     ops = _Ops()
     draw = random.Random(7)

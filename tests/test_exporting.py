@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import shadow
-from shadow.core.calls.drill import Drill
-from shadow.core.calls.exporting import HOOKS, Exporter, call_hook
+from shadow.core.calls.record.exporting import HOOKS, Exporter, call_hook
+from shadow.core.calls.sampled.drill import Drill
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -112,7 +112,7 @@ def test_tiny_rates_install_and_sample_nothing(rate):
             ops.op(1)
     assert m.stats()["op"].calls == 100 and m.stats()["op"].sampled == 0
     assert shadow.Tolerance(rate, rate).rtol == rate
-    from shadow.core.calls.drill import Drill
+    from shadow.core.calls.sampled.drill import Drill
 
     assert Drill("value", rate).rate == rate
 
@@ -128,7 +128,7 @@ HUGE = 10**400
         (lambda: shadow.install(["tensor_type"], oracle=HUGE), "oracle"),
         (lambda: shadow.install(["tensor_type"], budget=HUGE), "budget"),
         (lambda: shadow.Tolerance(HUGE, 0.0), "Tolerance.rtol"),
-        (lambda: __import__("shadow.core.calls.drill").core.calls.drill.Drill("value", HUGE), "drill rate"),
+        (lambda: __import__("shadow.core.calls.sampled.drill").core.calls.drill.Drill("value", HUGE), "drill rate"),
     ],
     ids=["sample_rate", "sample_rate table", "oracle", "budget", "Tolerance", "Drill"],
 )

@@ -169,7 +169,7 @@ def test_every_field_survives_a_json_round_trip_including_awkward_strings(tmp_pa
         numel=10,
         signature='odd/"quoted"/sig',
         detail='line\nbreak, tab\t, quote " and backslash \\ and unicode \u00e9',
-        legacy_seconds=1e-6,
+        primary_seconds=1e-6,
         timestamp=time.time(),
         drill=True,
     )

@@ -87,7 +87,7 @@ def test_noise_pending_differences_are_bounded_in_bytes_not_only_in_number() -> 
     tracemalloc measures it."""
     import tracemalloc
 
-    from shadow.core.calls.held import MAX_PENDING_BYTES, HeldDifferences
+    from shadow.core.calls.record.held import MAX_PENDING_BYTES, HeldDifferences
     from shadow.core.model.observation import Observation, Outcome
 
     held = HeldDifferences()

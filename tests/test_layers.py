@@ -1,6 +1,7 @@
 """The house is one-way: every import (module level or inside a function) points to the same layer or a lower one,
 no file takes part in an import cycle, and a layer uses only the public names of the layers beneath it. The core's
-sub-packages are layers of their own (support < model < runs < judging < calls), each with a one-line docstring."""
+sub-packages are layers of their own (support < model < runs < judging < calls), and so are the call path's families
+(gate < record < sampled < canary), each with a one-line docstring."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ LAYERS = (
     ("shadow.core.model",),
     ("shadow.core.runs",),
     ("shadow.core.judging",),
+    ("shadow.core.calls.gate",),
+    ("shadow.core.calls.record",),
+    ("shadow.core.calls.sampled",),
+    ("shadow.core.calls.canary",),
     ("shadow.core.calls",),
     ("shadow.core",),
     ("exporters",),
@@ -151,8 +156,13 @@ def test_the_core_is_its_sub_packages_each_saying_in_one_line_what_it_holds():
     loose = sorted(n for n in os.listdir(core) if n.endswith(".py") and n != "__init__.py")
     assert loose == [], f"modules outside the core's sub-packages: {loose}"
     packages = sorted(n for n in os.listdir(core) if os.path.isfile(os.path.join(core, n, "__init__.py")))
-    assert packages == sorted(p.rpartition(".")[2] for (p,) in LAYERS[1:6])
-    for package in packages:
+    assert packages == sorted(
+        p[0].rpartition(".")[2] for p in LAYERS if p[0].startswith("shadow.core.") and p[0].count(".") == 2
+    )
+    calls = os.path.join(core, "calls")
+    families = sorted(n for n in os.listdir(calls) if os.path.isfile(os.path.join(calls, n, "__init__.py")))
+    assert families == sorted(p[0].rpartition(".")[2] for p in LAYERS if p[0].startswith("shadow.core.calls."))
+    for package in [*packages, *(f"calls/{family}" for family in families)]:
         with open(os.path.join(core, package, "__init__.py"), encoding="utf-8") as file:
             doc = ast.get_docstring(ast.parse(file.read()))
         assert doc and "\n" not in doc, f"shadow.core.{package} needs a one-line docstring"

@@ -97,7 +97,7 @@ def test_a_per_target_rate_may_name_a_target_whose_legacy_comes_later():
 
 
 def test_signatures_per_target_are_capped_and_the_overflow_is_counted(caplog):
-    from shadow.core.calls.classifier import MAX_SIGNATURES
+    from shadow.core.calls.gate.classifier import MAX_SIGNATURES
 
     recorder = Recorder()
     ops, target = op_target(twice, signature=lambda args, kwargs: f"shape{args[0].shape[0]}")
@@ -257,7 +257,7 @@ def test_under_a_device_context_calls_are_compared_once_and_meta_values_never_co
 def test_a_slow_upstream_costs_one_call_then_the_budget_skips_until_the_job_catches_up():
     import fakes
 
-    from shadow.core.calls.budget import Budgets
+    from shadow.core.calls.gate.budget import Budgets
 
     clock, ran = fakes.Clock(), []
 

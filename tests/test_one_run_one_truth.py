@@ -288,7 +288,7 @@ def test_clusters_counted_where_comparisons_happen_are_the_journal_readers_block
     import random
 
     from shadow.analysis import sources
-    from shadow.core.calls.clusters import Clusters
+    from shadow.core.calls.record.clusters import Clusters
 
     generator = random.Random(7)
     for _ in range(200):

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 import shadow
 from exporters import OTelExporter, PrometheusExporter, contract
-from shadow.core.calls.arms import ArmRun
+from shadow.core.calls.canary.arms import ArmRun
 
 
 def run_workload(exporters):
@@ -112,7 +112,7 @@ def test_histogram_values_that_find_the_queue_full_are_counted_not_lost_silently
     exporter = OTelExporter(meter_provider=MeterProvider(metric_readers=[reader]))
     exporter.register("op", 1.0)
     for _ in range(1000):
-        exporter.export(Observation("op", "close", numel=4, max_abs_error=1e-6, upstream_seconds=0.001))
+        exporter.export(Observation("op", "close", numel=4, max_abs_error=1e-6, shadow_seconds=0.001))
     by_name = {m.name: m for m in reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics}
     recorded = sum(p.count for p in by_name["npu_shadow.shadow.duration"].data.data_points)
     export_errors = sum(p.value for p in by_name["npu_shadow.export_errors"].data.data_points)

@@ -5,8 +5,8 @@ import math
 import pytest
 
 import shadow
-from shadow.core.calls.drill import Drill
-from shadow.core.calls.sampler import Sampler
+from shadow.core.calls.gate.sampler import Sampler
+from shadow.core.calls.sampled.drill import Drill
 from shadow.core.support.rates import check_rate, parse_rate
 from shadow.launcher import config as cfg
 from shadow.launcher.cli import main

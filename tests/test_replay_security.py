@@ -89,7 +89,7 @@ def test_the_engine_and_replay_share_one_rule_for_exceptions():
 
     compare, findings, replay = (
         importlib.import_module(m)
-        for m in ("shadow.core.judging.compare", "shadow.core.calls.findings", "shadow.analysis.replay")
+        for m in ("shadow.core.judging.compare", "shadow.core.calls.sampled.findings", "shadow.analysis.replay")
     )
     assert findings.compare_exceptions is replay.compare_exceptions is compare.compare_exceptions
     assert compare.compare_exceptions(TypeError("a"), TypeError("a")).outcome == "match"

@@ -649,7 +649,7 @@ def test_one_collection_records_a_bounded_share_of_the_queue_and_none_is_lost():
     reader = InMemoryMetricReader()
     exporter = OTelExporter(meter_provider=MeterProvider(metric_readers=[reader]))
     exporter.register("op", 1.0)
-    observation = Observation("op", "close", numel=4, max_abs_error=1e-6, upstream_seconds=0.001)
+    observation = Observation("op", "close", numel=4, max_abs_error=1e-6, shadow_seconds=0.001)
     for _ in range(60_000):
         exporter.export(observation)
     queued = 100_000 - 100_000 % 3  # (MAX_PENDING: whole observations of 3 values each)
@@ -963,7 +963,7 @@ def test_the_budget_holds_over_a_window_after_a_long_idle_time():
     import torch
 
     import shadow
-    from shadow.core.calls.budget import BURST_SECONDS, Budgets
+    from shadow.core.calls.gate.budget import BURST_SECONDS, Budgets
 
     clock, spent = fakes.Clock(), []
     ops, target = fakes.op_target(clock.costing(0.02, spent))
@@ -986,7 +986,7 @@ def test_a_slow_signature_function_is_paid_from_the_budget():
     import torch
 
     import shadow
-    from shadow.core.calls.budget import BURST_SECONDS, Budgets
+    from shadow.core.calls.gate.budget import BURST_SECONDS, Budgets
 
     clock, classified = fakes.Clock(), []
 

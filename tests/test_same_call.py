@@ -663,7 +663,7 @@ def test_resnet18_in_dataparallel_trains_bitwise_identically_with_backward_and_t
     """Every call compared forward and backward (legacy run again for its graph, the products through both
     graphs), a truth run wherever values differ: the caller's gradients, BatchNorm statistics, Dropout's RNG and
     the optimizer's steps are as unwrapped."""
-    from shadow.core.calls.drill import Drill
+    from shadow.core.calls.sampled.drill import Drill
 
     unshadowed, _, _ = _train(0.0, hook=False)
     job_casts = _train.tensor_type_calls

@@ -353,7 +353,7 @@ def _ranks_in_lockstep(tmp_path, monkeypatch, world_size: int):
 
     import shadow
     from exporters import JsonlExporter, PrometheusExporter
-    from shadow.core.calls import clusters
+    from shadow.core.calls.record import clusters
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("NPU_SHADOW_RUN_ID", "job-1")

@@ -17,7 +17,7 @@ from torch import nn
 
 import shadow
 from exporters import PrometheusExporter
-from shadow.core.calls.drill import Drill
+from shadow.core.calls.sampled.drill import Drill
 from shadow.core.model.targets import data_parallel_signature
 
 pytestmark = pytest.mark.slow

@@ -1,6 +1,6 @@
-"""What a canary A/B's iterators say (:mod:`shadow.core.calls.arms`): the affinity each arm gives its workers and leaves
-on the caller's thread, its throughput and time to the first batch as distributions, and whether batches of the
-same seed are equal.
+"""What a canary A/B's iterators say (:mod:`shadow.core.calls.canary.arms`): the affinity each arm gives its
+workers and leaves on the caller's thread, its throughput and time to the first batch as distributions, and
+whether batches of the same seed are equal.
 
 Throughput and first-batch time are compared as ratios, upstream's over legacy's: the Hodges-Lehmann estimate of
 the shift between the two arms' log values (the median of every upstream-minus-legacy difference), with the 95%

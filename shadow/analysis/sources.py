@@ -677,7 +677,9 @@ class _Stream:
     counted: bool = False  # has count records
     tail_timed: bool = False  # the times of the lines after its last count record are in its phases' intervals
     run: str = ""  # the run its records name ("": before runs had ids)
-    arms: list[dict] = dataclasses.field(default_factory=list)  # its canary A/B's iterators (shadow.core.calls.arms)
+    arms: list[dict] = dataclasses.field(
+        default_factory=list
+    )  # its canary A/B's iterators (shadow.core.calls.canary.arms)
     #: Its count records' monotonic clock (``mono``) and wall clock at the first and the last of them: its clusters
     #: follow the monotonic clock, which no wall-clock jump moves.
     mono_start: float | None = None
@@ -1237,7 +1239,7 @@ def from_journal(
 
 
 def _check_arm(record: dict, where: str) -> dict:
-    """A canary A/B iterator record (``"event": "arm"``, :mod:`shadow.core.calls.arms`), checked as data."""
+    """A canary A/B iterator record (``"event": "arm"``, :mod:`shadow.core.calls.canary.arms`), checked as data."""
 
     def cores(value: object) -> bool:
         return isinstance(value, list) and len(value) <= 4096 and all(type(c) is int and c >= 0 for c in value)

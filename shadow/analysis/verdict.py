@@ -110,7 +110,8 @@ class PhaseCounts:
     #: Divergent comparisons whose matches are not known (lines a process wrote after its last count record,
     #: without every outcome): they raise the upper bound (as comparisons that all diverged), never the lower.
     unmatched: dict[str, float] = dataclasses.field(default_factory=dict)
-    #: Clusters its processes counted where the comparisons happened (shadow.core.calls.clusters: metrics and journal
+    #: Clusters its processes counted where the comparisons happened (shadow.core.calls.record.clusters: metrics and
+    #: journal
     #: count records carry them alike); ``clusters_missing`` where some comparisons came without them (an older
     #: process, lines after a process's last count record), so that this count does not cover them all.
     cluster_count: float = 0.0
@@ -214,7 +215,7 @@ class TargetCounts:
         phase.calls[signature] = phase.calls.get(signature, 0) + count
 
     def add_clusters(self, count: float, primary: str = LEGACY) -> None:
-        """Clusters counted where the comparisons happened (:mod:`shadow.core.calls.clusters`)."""
+        """Clusters counted where the comparisons happened (:mod:`shadow.core.calls.record.clusters`)."""
         self.phase(primary).cluster_count += count
         self.clustering = self.clustering or COUNTED_CLUSTERS
 

@@ -14,8 +14,8 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shadow.core.calls.budget import DEFAULT_DEADLINE
-from shadow.core.calls.sampler import DEFAULT_FIRST_PER_SIGNATURE
+from shadow.core.calls.gate.budget import DEFAULT_DEADLINE
+from shadow.core.calls.gate.sampler import DEFAULT_FIRST_PER_SIGNATURE
 from shadow.core.model.observation import ARM_TARGETS, BUILTIN_TARGETS, DRILL_KINDS
 from shadow.core.model.run_ids import RUN_ID_VARIABLE, run_id_problem
 from shadow.core.support.rates import parse_rate
@@ -584,7 +584,7 @@ class Config:
         """The monitor's :class:`~shadow.core.calls.settings.Settings` from these, whole; ``rolled_back``: a switch
         thrown stays thrown when the monitor is installed anew (over new legacy patches, in a process started
         after it)."""
-        from shadow.core.calls.drill import Drill
+        from shadow.core.calls.sampled.drill import Drill
         from shadow.core.calls.settings import Settings
 
         return Settings(

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shadow.core.calls.exporting import call_hook
+from shadow.core.calls.record.exporting import call_hook
 from shadow.core.model.observation import DIFFERS_IN_FLOAT64, SKIP_REASON_MEANING
 from shadow.core.model.run_ids import run_id
 from shadow.core.support import forks

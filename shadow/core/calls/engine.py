@@ -1,14 +1,14 @@
 """The wrapper engine: one :class:`Experiment` per installed target.
 
-Data flows one way: call -> the wrapper's gate (:mod:`~shadow.core.calls.wrapper`, :mod:`~shadow.core.calls.sampling`)
--> admission -> legacy (returned to the caller), then on sampled calls the shadow side
-(:class:`~shadow.core.calls.shadow_side.ShadowSide`: the isolated shadow run, the extra runs, the comparison)
--> :class:`Observation` -> the target's :class:`~shadow.core.calls.record.Record` -> exporters. The experiment
-keeps the call path, its admission and the primary; what it counted is its record's, its draws are
-:class:`~shadow.core.calls.coin.Coin` s, its signatures its :class:`~shadow.core.calls.classifier.Classifier`'s,
-its settings the monitor's :class:`~shadow.core.calls.settings.Settings`. Whatever runs after the primary is caught in
-:func:`~shadow.core.calls.sampled_call.shadow_side`: a failure there is counted and logged (at most once a minute
-per kind), never the job's.
+Data flows one way: call -> the wrapper's gate (:mod:`~shadow.core.calls.gate`) -> admission -> on a sampled call,
+one :class:`~shadow.core.calls.sampled.call.SampledCall` (the primary, returned to the caller; the isolated shadow
+run, the extra runs, the comparison) -> :class:`Observation` -> the target's
+:class:`~shadow.core.calls.record.record.Record` -> exporters. The experiment keeps the gate, the admission and the
+primary switch; a sampled call reads only its frozen :class:`~shadow.core.calls.sampled.context.CallContext`, made
+again when the primary switches. What it counted is its record's, its draws are
+:class:`~shadow.core.calls.sampled.context.Coins`, its signatures its
+:class:`~shadow.core.calls.gate.classifier.Classifier`'s, its settings the monitor's
+:class:`~shadow.core.calls.settings.Settings`.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from shadow.core.calls import sampled_call
-from shadow.core.calls.budget import Budgets, ShadowCost
-from shadow.core.calls.classifier import Classifier
-from shadow.core.calls.coin import Coin
-from shadow.core.calls.publisher import Publisher
-from shadow.core.calls.record import Record
-from shadow.core.calls.sampling import Sampling
+from shadow.core.calls.gate.budget import Budgets, ShadowCost
+from shadow.core.calls.gate.classifier import Classifier
+from shadow.core.calls.gate.sampling import Sampling
+from shadow.core.calls.gate.wrapper import make_wrapper
+from shadow.core.calls.record.publisher import Publisher
+from shadow.core.calls.record.record import Record
+from shadow.core.calls.sampled.call import SampledCall, run_primary
+from shadow.core.calls.sampled.context import CallContext, Coins
 from shadow.core.calls.settings import Settings
-from shadow.core.calls.wrapper import make_wrapper
 from shadow.core.judging.noise import NoiseFloor
 from shadow.core.model.observation import (
     LEGACY,
@@ -86,7 +86,9 @@ class Experiment:
         self.target, self.settings, self.monitor = target, settings, None  # (the monitor sets itself)
         self.drill, self.pure_hooks, self.deadline = settings.drill, settings.pure_hooks, settings.deadline
         self.cost = ShadowCost(budget)
-        self._draw_extra_runs(settings)
+        self.coins = Coins.of(
+            target, settings.seed, settings.oracle, settings.aa_rate, settings.backward_rate, settings.truth_rate
+        )
         self.noise = NoiseFloor()  # (of the current phase: started again at a rollback or a reset)
         self.legacy = target.resolve_legacy()
         self.legacy_origin = patch_origin(self.legacy) or ""
@@ -107,6 +109,7 @@ class Experiment:
         )
         self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
         self.sampling.attach(set_gate)
+        self.context = self._context()
         publisher.each("register", target.name, sample_rate)
         publisher.each("set_primary", target.name, self.primary)
         # Compiled code traces the primary of the moment it compiles (a rollback re-routes graphs compiled later).
@@ -114,16 +117,13 @@ class Experiment:
         compiling.trace_as_legacy(self.wrapper, lambda *args, **kwargs: traced[0](*args, **kwargs))
         forks.register(self)
 
-    def _draw_extra_runs(self, settings: Settings) -> None:
-        """The extra runs' coins: the single-device oracle (None: off; every sampled call under autocast and this
-        fraction of the others, for targets that describe a single-device call), the A/A run (the noise floor), the
-        backward comparison (its cotangents' seeds drawn from its coin), the truth run (among value differences)."""
-        target, seed = self.target, settings.seed
-        oracle = settings.oracle if target.oracle is not None and target.isolate else None
-        self.oracle_coin = Coin(oracle, seed, f"{target.name}/oracle") if oracle is not None else None
-        self.aa_coin = Coin(settings.aa_rate, seed, f"{target.name}/aa")
-        self.backward_coin = Coin(settings.backward_rate, seed, f"{target.name}/backward")
-        self.truth_coin = Coin(settings.truth_rate, seed, f"{target.name}/truth")
+    def _context(self) -> CallContext:
+        """What a sampled call reads of this experiment, as it is now (made again at a primary switch)."""
+        return CallContext(
+            self.target, self.primary, self.primary_fn, self.shadow_fn, self.legacy, self.legacy_origin,
+            self.tolerance, self.pure_hooks, self.deadline, self.drill, self.coins, self.noise, self.classifier,
+            self.record, self.cost, side=self, deadline_missed=self.deadline_missed, publish=self.publish,
+        )  # fmt: skip
 
     def _sides(self, primary: str) -> tuple[Callable, Callable]:
         """(the primary's function, the shadow's) when ``primary`` is the side whose result the caller gets."""
@@ -143,9 +143,9 @@ class Experiment:
             return admission(*args, **kwargs)
         if admission.skip:  # (nothing but counting: until the job's time catches up, or for good)
             self.record.skip_in_bulk(admission.skip)
-            return sampled_call.run_primary(self, args, kwargs)
+            return run_primary(self.context, args, kwargs)
         try:
-            return sampled_call.compare(self, args, kwargs, admission.signature)
+            return SampledCall(self.context, args, kwargs, admission.signature).run()
         finally:
             if admission.held:  # (what was taken at the start, given back: the call's real cost is charged by now)
                 self.cost.charge(-admission.held)
@@ -218,6 +218,7 @@ class Experiment:
             self.rolled_back_by = by if hook == "record_rollback" else None
             self._set_primary(self.primary_fn)
             self._traced[0] = self.primary_fn
+            self.context = self._context()
         self.record.publisher.each("set_primary", self.target.name, primary)
         self.record.publisher.each(hook, self.target.name, by)
         return True
@@ -253,7 +254,7 @@ class Experiment:
     def report_calls(self, flush: bool = False) -> None:
         """Tell exporters how many calls passed (by signature for a guided target), and how many sampled calls
         were skipped in bulk, since the last report (done at each publish, at a rollback or reset, each second by
-        :mod:`shadow.core.calls.reporter` and at flush: ``flush`` counts a guided target's open gate too)."""
+        :mod:`shadow.core.calls.record.reporter` and at flush: ``flush`` counts a guided target's open gate too)."""
         self.record.report_calls(lambda: self.sampling.counted(flush))
 
     def noise_floor(self) -> dict[str, tuple[float, float, int, int]]:
@@ -273,6 +274,7 @@ class Experiment:
         self.record.after_fork(self._lock)
         self.sampling.after_fork(self._lock)
         self.noise = NoiseFloor()
+        self.context = self._context()
 
 
 def experiment_of(obj: Any) -> Experiment | None:

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from shadow.core.calls import exporting
-from shadow.core.calls.arms import IteratorArms
+from shadow.core.calls.canary.arms import IteratorArms
 from shadow.core.calls.engine import Experiment, experiment_of
-from shadow.core.calls.publisher import Publisher
-from shadow.core.calls.reporter import REPORTER
+from shadow.core.calls.record import exporting
+from shadow.core.calls.record.publisher import Publisher
+from shadow.core.calls.record.reporter import REPORTER
 from shadow.core.calls.settings import Settings
 from shadow.core.model import live_targets
 from shadow.core.model import targets as builtin
@@ -64,7 +64,7 @@ class Monitor:
         #: The exporters, called through one publisher (the experiments').
         self.publisher = publisher if publisher is not None else Publisher()
         self._restore: list[tuple[Any, str, bool, Any]] = []
-        #: The canary A/B of the DataLoader's iterator (:mod:`shadow.core.calls.arms`), where one runs.
+        #: The canary A/B of the DataLoader's iterator (:mod:`shadow.core.calls.canary.arms`), where one runs.
         self.arms: IteratorArms | None = None
         #: A yielding monitor steps aside for a monitor installed later on the same target, and comes back
         #: when that one is uninstalled (the pytest plugin's session monitor yields to a test's own).
@@ -115,7 +115,7 @@ class Monitor:
         raise KeyError(f"{name!r} is not installed; installed: {list(self.targets)}")
 
     def _patch(self) -> None:
-        if any(s.backward_coin.rate > 0 for s in self._experiments):
+        if any(s.coins.backward.rate > 0 for s in self._experiments):
             hook_watch.install()
             self._watches_hooks = True
         for s in self._experiments:
@@ -171,7 +171,7 @@ class Monitor:
 
     def report(self) -> None:
         """Report the calls counted since the last report, and the time passed, to the exporters
-        (:mod:`shadow.core.calls.reporter` does, each second)."""
+        (:mod:`shadow.core.calls.record.reporter` does, each second)."""
         if self._restore:
             for s in self._experiments:
                 s.report_calls(flush=True)  # (a guided target's open gate too: the total is the job's calls)
@@ -290,7 +290,7 @@ def install(
         sample_rate: the fraction of calls shadowed, one float or {target name: float} (absent names: 0.01).
         tolerance: one Tolerance, a {torch.dtype: Tolerance} table, or {target name: either}.
         exporters: objects with ``export(observation)`` and any of the optional hooks
-            (:class:`shadow.core.calls.exporting.Exporter`).
+            (:class:`shadow.core.calls.record.exporting.Exporter`).
         yields: this monitor steps aside while a later monitor shadows the same target (instead of that one
             raising "already shadowed").
         settings: the monitor's :class:`~shadow.core.calls.settings.Settings`, whole (the launcher's).

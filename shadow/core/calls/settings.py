@@ -6,9 +6,9 @@ import dataclasses
 import math
 from typing import Any
 
-from shadow.core.calls.budget import DEFAULT_DEADLINE, Budgets
-from shadow.core.calls.drill import Drill
-from shadow.core.calls.sampler import DEFAULT_FIRST_PER_SIGNATURE
+from shadow.core.calls.gate.budget import DEFAULT_DEADLINE, Budgets
+from shadow.core.calls.gate.sampler import DEFAULT_FIRST_PER_SIGNATURE
+from shadow.core.calls.sampled.drill import Drill
 from shadow.core.model.observation import LEGACY, PRIMARY_SIDES
 from shadow.core.support.rates import check_rate
 
@@ -24,7 +24,8 @@ class Settings:
         oracle: for the DataParallel targets, the fraction of sampled calls without autocast that also run replica
             0 alone on its device, to find divergences legacy and upstream share (under autocast always); None: off.
         budget: the fraction of wall time the shadow side of all the targets together may use, over every 10 s
-            window (None: no limit); a :class:`~shadow.core.calls.budget.Budgets` is taken as it is (an injected clock).
+            window (None: no limit); a :class:`~shadow.core.calls.gate.budget.Budgets` is taken as it is (an injected
+            clock).
         deadline: the seconds the shadow side of one sampled call may take (None: waited for until it ends).
         pure_hooks: the user's module hooks are free of side effects, so calls that reach them are compared.
         first_per_signature: the first this many calls of every signature are compared whatever the rate (0:
@@ -60,7 +61,7 @@ class Settings:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed: expected an int or None, got {self.seed!r}")
         if self.drill is not None and not isinstance(self.drill, Drill):
-            raise ValueError(f"drill: expected a shadow.core.calls.drill.Drill or None, got {self.drill!r}")
+            raise ValueError(f"drill: expected a shadow.core.calls.sampled.drill.Drill or None, got {self.drill!r}")
         if self.oracle is not None:
             fix("oracle", check_rate(self.oracle, "oracle"))
         if self.budget is not None and not isinstance(self.budget, Budgets):

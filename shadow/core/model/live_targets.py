@@ -1,6 +1,6 @@
 """The targets of the patches torch_npu 2.13/2.14 still carry: ``torch.load``, ``Module.to``, ``Module.npu`` and the
 optimizers' foreach device list (the DataLoader iterator's ``__init__`` cannot run twice: it is compared as a
-canary A/B, :mod:`shadow.core.calls.arms`).
+canary A/B, :mod:`shadow.core.calls.canary.arms`).
 
 Each target's legacy is whatever is installed when the monitor installs (torch_npu's patch, or its source's with
 ``--legacy-from``); its upstream is torch's own function. torch keeps ``torch.serialization.load`` and
@@ -317,7 +317,7 @@ def module_npu() -> Target:
     return _module_move("module_npu", "npu", module_npu_signature, module_npu_run_if)
 
 
-#: Where the canary A/B targets' legacy is installed (:mod:`shadow.core.calls.arms`).
+#: Where the canary A/B targets' legacy is installed (:mod:`shadow.core.calls.canary.arms`).
 ARM_PLACES: dict[str, tuple[Callable[[], Any], str]] = {"dataloader_init": (_iterator_class, "__init__")}
 
 

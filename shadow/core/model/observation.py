@@ -118,7 +118,7 @@ BUILTIN_TARGETS = (
 )
 
 #: The built-in targets compared as a canary A/B, never shadowed: their calls cannot run twice (the DataLoader's
-#: iterator starts its workers once; shadow.core.calls.arms). The arms: legacy, upstream.
+#: iterator starts its workers once; shadow.core.calls.canary.arms). The arms: legacy, upstream.
 ARM_TARGETS = ("dataloader_init",)
 
 #: Where torch_npu 2.12's legacy and upstream are known to differ (the README's "what really differs"), by built-in
@@ -145,7 +145,7 @@ CUSTOM_MEANING = {
     "on this device type: the journal's detail says which way",
 }
 
-#: The faults a fire drill can inject into the upstream result (shadow.core.calls.drill).
+#: The faults a fire drill can inject into the upstream result (shadow.core.calls.sampled.drill).
 DRILL_KINDS = ("value", "dtype", "nan", "exception")
 
 #: What each skip reason means, in a few words (the exit summary names every reason it counts).
@@ -252,8 +252,9 @@ class Observation:
     max_rel_error: float = 0.0
     mismatched: int = 0
     numel: int = 0
-    legacy_seconds: float = 0.0
-    upstream_seconds: float = 0.0
+    #: The time the primary's run took (the caller's own call), and the shadow run's.
+    primary_seconds: float = 0.0
+    shadow_seconds: float = 0.0
     compare_seconds: float = 0.0
     signature: str = "call"
     detail: str = ""
@@ -287,7 +288,8 @@ class Observation:
     noise_pending: bool = False
     leaf_errors: tuple[tuple[str, float], ...] = dataclasses.field(default=(), repr=False, compare=False)
     #: The share of a cluster this comparison opened (0 where it opened none; ``1 / WORLD_SIZE`` in a distributed
-    #: job, 1 elsewhere: shadow.core.calls.clusters): the unit the verdict counts evidence in, counted once, here, for
+    #: job, 1 elsewhere: shadow.core.calls.record.clusters): the unit the verdict counts evidence in, counted once,
+    #: here, for
     #: every exporter.
     cluster_share: float = 0.0
     #: For a value difference, a float64 truth run (shadow.core.judging.truth): the side nearer it (legacy, upstream
@@ -312,6 +314,16 @@ class Observation:
         object.__setattr__(self, "outcome", outcome.value)  # the plain value, also when given a member
 
     @property
+    def legacy_seconds(self) -> float:
+        """The time legacy's run took, whichever side it ran as."""
+        return self.primary_seconds if self.primary == LEGACY else self.shadow_seconds
+
+    @property
+    def upstream_seconds(self) -> float:
+        """The time upstream's run took, whichever side it ran as."""
+        return self.shadow_seconds if self.primary == LEGACY else self.primary_seconds
+
+    @property
     def backward_outcome(self) -> str:
         """What its backward comparison found (:data:`BACKWARD_OUTCOMES`), or "" where none ran."""
         if not self.backward:
@@ -320,10 +332,10 @@ class Observation:
 
     @property
     def overhead_seconds(self) -> float:
-        """Time the upstream side cost the caller: the upstream run, the comparison, the oracle, the A/A, backward
+        """Time the shadow side cost the caller: the shadow run, the comparison, the oracle, the A/A, backward
         and truth runs."""
         return (
-            self.upstream_seconds + self.compare_seconds + self.oracle_seconds + self.aa_seconds
+            self.shadow_seconds + self.compare_seconds + self.oracle_seconds + self.aa_seconds
             + self.backward_seconds + self.truth_seconds
         )  # fmt: skip
 
@@ -358,10 +370,11 @@ class TargetStats:
     backward_skips: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     truth_runs: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     #: Sampled calls whose signature was counted as "other": the target had MAX_SIGNATURES already.
-    #: Clusters of this process's comparisons (shadow.core.calls.clusters), every phase together (a distributed job's
+    #: Clusters of this process's comparisons (shadow.core.calls.record.clusters), every phase together (a distributed
+    #: job's
     #: rank counts each of its blocks as ``1 / WORLD_SIZE``).
     clusters: float = 0.0
-    #: Comparisons a fire drill injected its fault into (shadow.core.calls.drill).
+    #: Comparisons a fire drill injected its fault into (shadow.core.calls.sampled.drill).
     drilled: int = 0
     signatures_over_cap: int = 0
     #: Observations an exporter failed to export (one per failing exporter).

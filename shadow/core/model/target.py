@@ -45,7 +45,8 @@ class Target:
     its signature or for several that are never risky, or None where it cannot be had cheaply: once a key's
     signature has had its first comparisons, calls with that key take the unguided wrapper's unsampled path (their
     signatures counted by systematic sampling), and every other call is classified, so a signature whose key is new
-    is compared on its first calls whenever it first appears, however rare (:mod:`shadow.core.calls.coverage`). Without
+    is compared on its first calls whenever it first appears, however rare (:mod:`shadow.core.calls.gate.coverage`).
+    Without
     one, calls are classified one in ``CLASSIFY_ONE_IN`` once every signature seen has had its first comparisons.
     A signature function is checked on its first 64 calls and one in 256 after to leave the random generators and
     the grad mode as it found them; ``signature_pure=True`` declares one that cannot (the built-ins'): it is never

@@ -149,7 +149,7 @@ class _Workers:
 
 
 #: The worker this thread is, its own state: ``leaving`` (set by :func:`leave_worker`: the worker ends after its
-#: run), and what the runs keep on it between runs (the settings it holds: shadow.core.calls.shadow_side).
+#: run), and what the runs keep on it between runs (the settings it holds: shadow.core.calls.sampled.shadow_side).
 worker = threading.local()
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from shadow.core.calls.budget import Budgets, Clock
+from shadow.core.calls.gate.budget import Budgets, Clock
 from shadow.core.model.observation import UNCLASSIFIED_SIGNATURE, label_text
 from shadow.core.model.targets import Target
 from shadow.core.runs.isolation import SideEffects, call_without_side_effects

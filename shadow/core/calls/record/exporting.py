@@ -58,7 +58,7 @@ class Exporter(Protocol):
         """Release files, sockets and servers (the launcher calls it when its settings change)."""
 
     def export_arm(self, run: Any) -> None:
-        """One iterator of a canary A/B, built by one arm (a ``shadow.core.calls.arms.ArmRun``)."""
+        """One iterator of a canary A/B, built by one arm (a ``shadow.core.calls.canary.arms.ArmRun``)."""
 
 
 #: Every hook, in the order of the protocol above.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from shadow.core.calls import clusters as clustering
+from shadow.core.calls.record import clusters as clustering
 from shadow.core.model.observation import DIVERGENT_OUTCOMES, Observation, Outcome
 
 
@@ -23,7 +23,7 @@ class Tally:
         shared: divergences legacy and upstream share (the single-device oracle's finding), by reason.
         oracle_runs, backward_runs, backward_skips, truth_runs: the extra runs made (and the backward comparisons
             that could not be made, by reason; the truth runs by which side was nearer).
-        clusters: the process's clusters of comparisons (:mod:`shadow.core.calls.clusters`).
+        clusters: the process's clusters of comparisons (:mod:`shadow.core.calls.record.clusters`).
         drilled: comparisons a fire drill corrupted.
         signatures_over_cap: calls whose signature counted as "other" (past the cap).
         export_errors: exporters that failed to export an observation.

@@ -4,7 +4,8 @@ their signature (those are compared whatever the sample rate).
 While some signature seen is still short of its first calls, every call is classified (the target's signature
 function runs on it) and counted one by one. Once every signature seen has had its first calls, calls are
 classified one in :data:`CLASSIFY_ONE_IN` on average: at the end of a gate drawn as sampled calls are drawn
-(geometric gaps, :mod:`shadow.core.calls.sampler`), so the unsampled path is the plain wrapper's ``next(gate, False)``.
+(geometric gaps, :mod:`shadow.core.calls.gate.sampler`), so the unsampled path is the plain wrapper's ``next(gate,
+False)``.
 The call that ends a gate stands for the gate: the calls that passed it are counted under its signature. This is
 systematic sampling with random gaps (Cochran, *Sampling Techniques*, 3rd ed., ch. 8; the gaps are geometric, so
 where a gate ends is independent of the signatures): a signature's count is an unbiased estimate, its variance

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_iter
 
-from shadow.core.calls.exporting import call_hook
+from shadow.core.calls.record.exporting import call_hook
 from shadow.core.model.observation import ARM_TARGETS, LEGACY, UPSTREAM
 from shadow.core.support import memory
 

@@ -1,5 +1,6 @@
-"""Two runs of one call turned into a finding: their results (or exceptions) compared, the settings and module
-attributes each left, a value difference held against the noise floor, and a divergence's capture."""
+"""Two runs of one call turned into a finding (:func:`judge`): their results (or exceptions) compared, the settings
+and module attributes each left, a value difference held against the noise floor; and a divergence's capture
+(:func:`evidence`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from typing import Any
 
 import torch
 
-from shadow.core.calls.plan import Experiment, Plan, Run
-from shadow.core.judging.compare import Comparison, compare, compare_custom, compare_exceptions
+from shadow.core.calls.sampled.context import CallContext
+from shadow.core.calls.sampled.guards import failed
+from shadow.core.calls.sampled.plan import Plan, Run
+from shadow.core.judging.compare import Comparison, compare, compare_custom, compare_exceptions, with_state
 from shadow.core.model.observation import UPSTREAM, Evidence, Outcome, bounded, within_noise_floor
 from shadow.core.runs.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
 from shadow.core.runs.isolation import find_modules
@@ -27,23 +30,32 @@ def _current_device() -> str | None:
     return None if accelerator is None else f"{accelerator.type}:{torch.accelerator.current_device_index()}"
 
 
-def compare_runs(
-    experiment: Experiment, plan: Plan, args: tuple, kwargs: dict, legacy: Run, upstream: Run
-) -> Comparison:
+def judge(
+    context: CallContext, plan: Plan, arguments: tuple[tuple, dict], runs: tuple[Run, Run], left: tuple
+) -> tuple[Comparison, str, bool]:
+    """(the finding, the noise test as text, whether it is pending) of two runs of one call (``runs`` and ``left``,
+    their results and the settings each left: legacy's, upstream's): compared, with the settings and module
+    attributes each left, and a value difference held against the noise floor (:func:`within_noise`)."""
+    found = compare_runs(context, plan, *arguments, *runs)
+    differences = {**state_differences(plan, *left), **module_differences(context, plan)}
+    return within_noise(context, plan.signature, with_state(found, differences) if differences else found)
+
+
+def compare_runs(context: CallContext, plan: Plan, args: tuple, kwargs: dict, legacy: Run, upstream: Run) -> Comparison:
     """Legacy's result against upstream's (with both runs' autocast state where they mismatch), or the one rule
     for exceptions where either raised."""
     if legacy.error is not None or upstream.error is not None:
         return compare_exceptions(legacy.error, upstream.error)
-    target = experiment.target
+    target = context.target
     if target.compare is not None:
         return compare_custom(target.compare, legacy.value, upstream.value)
     found = compare(
         legacy.value,
         upstream.value,
-        tolerance=experiment.tolerance,
+        tolerance=context.tolerance,
         exact=target.exact,
         legacy_inputs=(args, kwargs),
-        upstream_inputs=plan.upstream_arguments(),
+        upstream_inputs=plan.shadow_arguments(),
     )
     if found.outcome == Outcome.MISMATCH:
         autocast = f"autocast legacy: {plan.autocast}; upstream: {upstream.autocast}"
@@ -64,25 +76,25 @@ def state_differences(plan: Plan, first: TorchGlobals, second: TorchGlobals) -> 
     return found
 
 
-def module_differences(experiment: Experiment, plan: Plan) -> dict[str, tuple[str, str]]:
+def module_differences(context: CallContext, plan: Plan) -> dict[str, tuple[str, str]]:
     """The module attributes the two runs left differently (:func:`shadow.core.runs.isolation.module_differences`),
     as (legacy's, upstream's)."""
     found = plan.isolation.module_differences if plan.isolation is not None else {}
-    if found and experiment.primary == UPSTREAM:  # (the isolated run was legacy's)
+    if found and context.primary == UPSTREAM:  # (the isolated run was legacy's)
         return {name: (b, a) for name, (a, b) in found.items()}
     return found
 
 
-def within_noise(experiment: Experiment, signature: str, found: Comparison) -> tuple[Comparison, str, bool]:
+def within_noise(context: CallContext, signature: str, found: Comparison) -> tuple[Comparison, str, bool]:
     """(the comparison, the noise test as text, whether it is pending): a value mismatch (nothing else) is
     reported as noise while the noise floor says legacy differs from itself as much
     (:mod:`shadow.core.judging.noise`),
     and is pending while the floor cannot judge it yet (too few A/A runs: the engine holds it until it can).
     Anything beyond the floor, or of another kind, stays a mismatch. Every value comparison's errors join the
     A/B sample."""
-    if not experiment.aa_coin.rate:  # (no A/A runs: no floor, nothing is noise, and no sample is kept)
+    if not context.coins.aa.rate:  # (no A/A runs: no floor, nothing is noise, and no sample is kept)
         return found, "", False
-    noise_floor = experiment.noise
+    noise_floor = context.noise
     if found.outcome in (Outcome.MATCH, Outcome.CLOSE) or set(found.reasons) == {"value"}:
         noise_floor.add_ab(signature, found.leaf_errors)
     if found.outcome != Outcome.MISMATCH or set(found.reasons) != {"value"}:
@@ -95,17 +107,17 @@ def within_noise(experiment: Experiment, signature: str, found: Comparison) -> t
     return within_noise_floor(found, test), test, False
 
 
-def evidence(experiment: Experiment, plan: Plan, legacy: Run, upstream: Run) -> Evidence:
+def evidence(context: CallContext, plan: Plan, legacy: Run, upstream: Run) -> Evidence:
     """What a repro capture needs: the inputs as upstream received them, both outputs, the module state."""
-    args, kwargs = plan.upstream_arguments()
+    args, kwargs = plan.shadow_arguments()
     modules = find_modules((args, kwargs))
-    clean = experiment.target.clean or _as_it_is
+    clean = context.target.clean or _as_it_is
     with torch._C.DisableTorchFunction():  # (no subclass sees the detach)
         upstream_value = trees.map_only(torch.Tensor, torch.Tensor.detach, clean(upstream.value))
     try:
         module_state = modules[0].state_dict() if modules else None
     except Exception as exc:  # the user's state_dict: its failure loses the state, never the observation
-        experiment.record.log_limited("state_dict", "module state for the capture failed: %r", exc)
+        failed(context.record, "state_dict", exc)
         module_state = None
     return Evidence(
         args,
@@ -114,8 +126,8 @@ def evidence(experiment: Experiment, plan: Plan, legacy: Run, upstream: Run) -> 
         # (detached: the evidence never keeps upstream's autograd graph alive)
         upstream=upstream.error or upstream_value,
         module_state=module_state,
-        legacy_fn=experiment.legacy,
-        upstream_fn=experiment.target.upstream,
-        exact=experiment.target.exact,
+        legacy_fn=context.legacy,
+        upstream_fn=context.target.upstream,
+        exact=context.target.exact,
         device=_current_device(),
     )

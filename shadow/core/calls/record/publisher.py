@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from shadow.core.calls.exporting import call_hook
+from shadow.core.calls.record.exporting import call_hook
 from shadow.core.runs.sides import marks
 
 log = logging.getLogger("shadow")
@@ -17,7 +17,8 @@ LOG_INTERVAL_SECONDS = 60.0
 
 
 class Publisher:
-    """A monitor's exporters, called through :func:`shadow.core.calls.exporting.call_hook` (a failure is returned, never
+    """A monitor's exporters, called through :func:`shadow.core.calls.record.exporting.call_hook` (a failure is
+    returned, never
     raised), under the ``publishing`` mark (a patched function an exporter calls is not a call of the job's), each
     failure logged at most once a minute per exporter and hook.
 

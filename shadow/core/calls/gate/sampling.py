@@ -8,10 +8,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from shadow.core.calls.coin import Coin
-from shadow.core.calls.coverage import CLASSIFY_ONE_IN, Coverage
-from shadow.core.calls.sampler import Gate, Sampler
-from shadow.core.calls.wrapper import CLOSED
+from shadow.core.calls.gate.coin import Coin
+from shadow.core.calls.gate.coverage import CLASSIFY_ONE_IN, Coverage
+from shadow.core.calls.gate.sampler import Gate, Sampler
+from shadow.core.calls.gate.wrapper import CLOSED
 from shadow.core.model.targets import Target
 from shadow.core.support import forks
 
@@ -61,7 +61,7 @@ class Sampling:
     """One target's sampling (read and written under its experiment's lock where said).
 
     Coverage guidance: the first calls of every signature are compared, later ones sampled at the rate
-    (:mod:`shadow.core.calls.coverage`: every call classified until each signature seen has had its first calls,
+    (:mod:`shadow.core.calls.gate.coverage`: every call classified until each signature seen has had its first calls,
     then one in CLASSIFY_ONE_IN). It needs a signature function. Its sampler's gates end at the calls to classify;
     the sampled calls are drawn among those (a thinning: each call is still sampled at the rate).
 

@@ -1,8 +1,9 @@
 """The runs that join a sampled call's shadow run, one protocol for all: the A/A run (legacy again: the noise
 floor), the single-device oracle, the backward comparison and the float64 truth run. Each is drawn by its coin
-(:class:`~shadow.core.calls.coin.Coin`), runs in its own named isolation slot where it takes one
-(:attr:`~shadow.core.calls.plan.Plan.slots`), through one :meth:`ExtraRuns._run` (put-back, slot, side, deadline),
-guarded and timed by one :meth:`ExtraRuns._guarded` (a failure loses its finding alone: :data:`GUARDS`)."""
+(:class:`~shadow.core.calls.sampled.context.Coins`), runs in its own named isolation slot where it takes one
+(:attr:`~shadow.core.calls.sampled.plan.Plan.slots`), through one :meth:`ExtraRuns._run` (put-back, slot, side,
+deadline), guarded and timed by one :meth:`ExtraRuns._guarded` (a failure loses its finding alone:
+:data:`~shadow.core.calls.sampled.guards.GUARDS`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from typing import Any
 
 import torch
 
-from shadow.core.calls.plan import AA, BACKWARD, GUARDS, ORACLE, SHADOW, Experiment, Plan, Run, within_deadline
+from shadow.core.calls.sampled import guards
+from shadow.core.calls.sampled.context import CallContext
+from shadow.core.calls.sampled.plan import AA, BACKWARD, ORACLE, SHADOW, Plan, Run
 from shadow.core.judging.compare import Comparison, compare, compare_exceptions
 from shadow.core.judging.gradients import GradientComparison, compare_gradients, names_of, vjp
 from shadow.core.judging.truth import in_float64, judge, judge_both, run_upcast
@@ -31,13 +34,13 @@ class ExtraRuns:
     """The extra runs of one sampled call, made after its shadow run.
 
     Args:
-        experiment: the experiment whose call it is.
+        context: the call's context.
         plan: the call's plan (which runs joined, their slots).
         left_by_legacy: the settings the primary's run left, put back after each run.
     """
 
-    def __init__(self, experiment: Experiment, plan: Plan, left_by_legacy: TorchGlobals) -> None:
-        self.experiment, self.plan, self.left_by_legacy = experiment, plan, left_by_legacy
+    def __init__(self, context: CallContext, plan: Plan, left_by_legacy: TorchGlobals) -> None:
+        self.context, self.plan, self.left_by_legacy = context, plan, left_by_legacy
 
     def _run(
         self,
@@ -50,29 +53,29 @@ class ExtraRuns:
         within ``on()`` (a context giving what the run is made on: an isolation slot's arguments, float64 copies;
         None: nothing to run, and None is returned), as one of ``side``'s runs (``backward``: a backward
         comparison's), within the deadline; the settings legacy left are put back after, whatever happens."""
-        experiment, plan, left_by_legacy = self.experiment, self.plan, self.left_by_legacy
-        experiment.record.put_back(plan.before)
+        context, plan, left_by_legacy = self.context, self.plan, self.left_by_legacy
+        context.record.put_back(plan.before)
         try:
             with on() as bound, shadow_run(side, backward=backward):
                 if bound is None:
                     return None
-                return within_deadline(experiment, side, plan.before, lambda: run(bound))
+                return context.within_deadline(side, plan.before, lambda: run(bound))
         finally:
-            experiment.record.put_back(left_by_legacy)
+            context.record.put_back(left_by_legacy)
 
     def _guarded(
         self, kind: str, work: Callable[[], dict[str, Any] | None], **failed: Callable[[BaseException], Any]
     ) -> dict[str, Any]:
         """``work()``'s Observation fields, with the seconds it took as ``<kind>_seconds`` (none where it returns
         None: nothing ran). A failure of an extra run is this tool's: its finding is lost (the fields are then
-        ``failed``'s, each made from the failure), said in the log (:data:`GUARDS`)."""
+        ``failed``'s, each made from the failure), said in the log (:mod:`~shadow.core.calls.sampled.guards`)."""
         start = time.perf_counter()
         try:
             fields = work()
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
-            self.experiment.record.log_limited(kind, GUARDS[kind], exc)
+            guards.failed(self.context.record, kind, exc)
             fields = {name: make(exc) for name, make in failed.items()}
         if fields is None:
             return {}
@@ -85,7 +88,7 @@ class ExtraRuns:
         caller's; ``returned``: both returned): the backward comparison where the plan drew it and the forward
         agreed, the truth run where its coin draws a value difference, the oracle where the plan drew it and the two
         agreed. The comparison (a ``grad`` mismatch where the gradients differ) and their Observation fields."""
-        experiment, plan = self.experiment, self.plan
+        context, plan = self.context, self.plan
         fields: dict[str, Any] = {"backward_skip": plan.backward_skip}
         if plan.backward and not returned:
             fields = {"backward_skip": "raised"}
@@ -94,11 +97,11 @@ class ExtraRuns:
         elif plan.backward:
             found, fields = self.backward(args, kwargs, runs[1], found)
         if (
-            experiment.truth_coin.rate > 0
-            and experiment.target.plain
+            context.coins.truth.rate > 0
+            and context.target.plain
             and returned
             and _value_difference(found)
-            and experiment.truth_coin.flip()
+            and context.coins.truth.flip()
         ):
             fields.update(self.truth(args, kwargs, runs[0].value, runs[1].value))
         if plan.oracle and returned and found.outcome in (Outcome.MATCH, Outcome.CLOSE):
@@ -111,11 +114,11 @@ class ExtraRuns:
         """The backward comparison (:mod:`shadow.core.judging.gradients`): legacy again, isolated, for a graph of
         its own, and the same seeded products through both graphs; the comparison turned into a ``grad`` mismatch
         where they differ, and the Observation fields of the backward run."""
-        experiment, plan = self.experiment, self.plan
-        seed = experiment.backward_coin.bits(40)
+        context, plan = self.context, self.plan
+        seed = context.coins.backward.bits(40)
 
         def legacy_products(on: tuple[tuple, dict]) -> Any:
-            outputs = experiment.legacy(*on[0], **on[1])
+            outputs = context.legacy(*on[0], **on[1])
             if hook_watch.registered() != plan.hooks_seen:
                 raise _HooksRegistered  # (its backward would run the job's hooks again)
             return vjp(outputs, plan.stand_ins(BACKWARD), seed)
@@ -128,10 +131,10 @@ class ExtraRuns:
                 return {"compared": (None, "hooks")}
             theirs = Finished(False)
             if ran is not None and ran.finished:
-                theirs = self._run(experiment, lambda: contextlib.nullcontext(True),
+                theirs = self._run(context.side, lambda: contextlib.nullcontext(True),
                     lambda _: vjp(upstream.value, plan.stand_ins(SHADOW), seed), backward=True,
                 )  # fmt: skip
-            return {"compared": _gradients_compared(ran, theirs, names_of(args, kwargs), experiment.tolerance)}
+            return {"compared": _gradients_compared(ran, theirs, names_of(args, kwargs), context.tolerance)}
 
         fields = self._guarded(BACKWARD, gradients, compared=lambda exc: (None, _backward_skip(exc, ours=True)))
         compared, skip = fields.pop("compared")
@@ -149,16 +152,16 @@ class ExtraRuns:
         """The float64 CPU runs (:mod:`shadow.core.judging.truth`: the single-device call's, or each side's code
         path's) and each side's error against them: the Observation fields (none where the results cannot be
         paired with them)."""
-        experiment, target = self.experiment, self.experiment.target
+        context, target = self.context, self.context.target
 
         def truth() -> dict[str, Any]:
             with torch.no_grad():  # (the single-device call's scatter: no graph on the caller's inputs)
                 call = target.oracle(args, kwargs) if target.oracle is not None else None
             if call is not None:
-                paths, on, parts = [(call.module, experiment)], (call.args, call.kwargs), call.legacy_part
+                paths, on, parts = [(call.module, context.side)], (call.args, call.kwargs), call.legacy_part
             else:
                 # (legacy's path as the A/A run runs it: the calls it makes of wrapped functions are legacy's)
-                paths = [(target.upstream, experiment), (experiment.legacy, LEGACY_AGAIN)]
+                paths = [(target.upstream, context.side), (context.legacy, LEGACY_AGAIN)]
                 on, parts = (args, kwargs), (lambda result, truth: result)
             truths = []
             for function, side in paths:
@@ -187,21 +190,21 @@ class ExtraRuns:
         the same start and as isolated as the shadow run, compared with legacy's result (``legacy``): the
         Observation fields of the A/A run, its errors added to the noise floor. Legacy raising the second time is
         noise of a kind not measured: the finding is lost."""
-        experiment, plan = self.experiment, self.plan
+        context, plan = self.context, self.plan
 
         def aa() -> dict[str, Any]:
             # (a run of its own: the calls legacy makes of wrapped functions are nested calls, never upstream's)
-            on, again = (lambda: plan.in_slot(AA)), (lambda on: experiment.legacy(*on[0], **on[1]))
+            on, again = (lambda: plan.in_slot(AA)), (lambda on: context.legacy(*on[0], **on[1]))
             ran = self._run(LEGACY_AGAIN, on, again)
             if ran is None or not ran.finished:
                 return {}
             if ran.error is not None:
                 raise ran.error
-            found = compare(legacy.value, ran.value, tolerance=experiment.tolerance, exact=True)
+            found = compare(legacy.value, ran.value, tolerance=context.tolerance, exact=True)
             differs = found.outcome != Outcome.MATCH
             abs_error = found.max_abs_error if differs else 0.0
             rel_error = found.max_rel_error if differs else 0.0
-            experiment.noise.add_aa(plan.signature, found.leaf_errors, rel_error, differs)
+            context.noise.add_aa(plan.signature, found.leaf_errors, rel_error, differs)
             return {"aa": True, "aa_abs_error": abs_error, "aa_rel_error": rel_error}
 
         return self._guarded(AA, aa)
@@ -210,15 +213,15 @@ class ExtraRuns:
         """Run the call's replica 0 on its own device, isolated and from the same settings as the upstream run,
         and compare legacy's replica-0 output with it: the Observation fields of a shared divergence (none if
         they agree)."""
-        experiment, plan = self.experiment, self.plan
+        context, plan = self.context, self.plan
 
         @contextlib.contextmanager
         def single_device() -> Iterator[Any]:
             with plan.in_slot(ORACLE) as (args, kwargs):
-                yield experiment.target.oracle(args, kwargs)  # (None: the call has no single-device equivalent)
+                yield context.target.oracle(args, kwargs)  # (None: the call has no single-device equivalent)
 
         def oracle() -> dict[str, Any]:
-            ran = self._run(experiment, single_device, lambda call: (call, call.run()))
+            ran = self._run(context.side, single_device, lambda call: (call, call.run()))
             if ran is None:
                 return None  # (no single-device equivalent: no oracle run)
             if not ran.finished:
@@ -226,8 +229,8 @@ class ExtraRuns:
             if ran.error is not None:
                 raise ran.error
             call, single = ran.value
-            experiment.record.add("oracle_runs")
-            found = compare(call.legacy_part(legacy_result, single), single, tolerance=experiment.tolerance)
+            context.record.add("oracle_runs")
+            found = compare(call.legacy_part(legacy_result, single), single, tolerance=context.tolerance)
             if found.outcome != Outcome.MISMATCH:
                 return {}
             reason = next((r for r in found.reasons if r in SHARED_DIVERGENCE_REASONS), "value")

@@ -9,11 +9,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shadow.core.calls import clusters
-from shadow.core.calls.held import HeldDifferences
-from shadow.core.calls.publisher import Publisher
-from shadow.core.calls.sampling import Sampling
-from shadow.core.calls.tally import Tally
+from shadow.core.calls.gate.sampling import Sampling
+from shadow.core.calls.record import clusters
+from shadow.core.calls.record.held import HeldDifferences
+from shadow.core.calls.record.publisher import Publisher
+from shadow.core.calls.record.tally import Tally
 from shadow.core.judging.noise import NoiseFloor
 from shadow.core.model.observation import OUTCOMES, Observation, Outcome, TargetStats, within_noise_floor
 from shadow.core.runs.global_state import TorchGlobals

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from shadow.core.calls.sampler import Gate
+from shadow.core.calls.gate.sampler import Gate
 
 Setters = tuple[Callable[[Gate], None], Callable[[Callable], None]]
 

@@ -3,16 +3,29 @@ own code, or not the same call."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
-from shadow.core.calls.plan import is_hooked_subclass
 from shadow.core.model.observation import bounded
 from shadow.core.model.targets import Target
 from shadow.core.runs.isolation import has_user_hooks, module_tensors
 from shadow.core.support import trees
 from shadow.core.support.memory import InsufficientMemory
+
+_PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
+
+
+def is_hooked_subclass(leaf: Any) -> bool:
+    """A tensor subclass with its own __torch_function__ or __torch_dispatch__ (nn.Parameter has neither)."""
+    cls = type(leaf)
+    if cls is torch.Tensor or not isinstance(leaf, torch.Tensor):
+        return False
+    function = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+    return function not in _PLAIN_TORCH_FUNCTION or cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
 
 #: torch's own TorchFunctionModes: they are part of the call's context, active for legacy and upstream alike.
 _TORCHS_OWN_MODES = (DeviceContext,)  # torch.set_default_device, ``with torch.device(...)``

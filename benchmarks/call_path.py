@@ -1,0 +1,141 @@
+"""How far one sampled call travels through the project's code on the caller's thread.
+
+Every Python call and return on the caller's thread is followed (``sys.setprofile``); a frame counts where its code
+lives in the project (``shadow/``, ``exporters/``). Reported for one sampled ``x.type(torch.float16)`` and one
+sampled ``DataParallel.parallel_apply`` on the emulated npu (each after a warm-up call, so imports and first-call
+caches are not counted):
+
+- files: the project files the call entered;
+- functions: the project functions it called (distinct);
+- switches: how often the running project file changed (a call into another file, or a return out of one);
+- returns: the returns that came back to a file already left (the caller's project file is not the callee's).
+
+The review that asked for this counted the same way (a profiler hook over the project's files); the goal for one
+sampled ``.type()`` is at most 20 files and 30 returns.
+
+Run: ``python benchmarks/call_path.py`` (prints both calls' figures; ``--list`` also lists the files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import threading
+from collections.abc import Callable
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PROJECT = tuple(os.path.join(ROOT, part) + os.sep for part in ("shadow", "exporters"))
+
+
+@dataclasses.dataclass
+class Path:
+    """What one call crossed: the files, functions, switches and returns above."""
+
+    files: list[str] = dataclasses.field(default_factory=list)
+    functions: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+    switches: int = 0
+    returns: int = 0
+
+    def line(self, name: str) -> str:
+        return (
+            f"{name}: {len(self.files)} files, {len(self.functions)} functions, {self.switches} file switches, "
+            f"{self.returns} returns to a file already left"
+        )
+
+
+def _project_file(filename: str) -> str | None:
+    return os.path.relpath(filename, ROOT) if filename.startswith(_PROJECT) else None
+
+
+def follow(call: Callable[[], object]) -> Path:
+    """The path ``call()`` takes through the project's files on this thread."""
+    path = Path()
+    stack: list[str | None] = []  # the project file of each frame on the stack (None: not the project's)
+    thread = threading.get_ident()
+
+    def running() -> str | None:
+        return next((f for f in reversed(stack) if f is not None), None)
+
+    def profile(frame, event, _arg):
+        if threading.get_ident() != thread or event not in ("call", "return"):
+            return
+        if event == "call":
+            before = running()
+            file = _project_file(frame.f_code.co_filename)
+            stack.append(file)
+            if file is not None:
+                if file not in path.files:
+                    path.files.append(file)
+                path.functions.add((file, frame.f_code.co_firstlineno))
+                if before is not None and file != before:
+                    path.switches += 1
+            return
+        if not stack:
+            return
+        left = running()
+        stack.pop()
+        back = running()
+        if left is not None and back is not None and back != left:
+            path.switches += 1
+            path.returns += 1
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return path
+
+
+def tensor_type() -> Path:
+    """One sampled ``x.type(torch.float16)`` (legacy: our reading of torch_npu's patch)."""
+    import shadow
+    from shadow.npu import reference
+
+    torch.Tensor.type = reference.npu_type
+    try:
+        with shadow.install(["tensor_type"], sample_rate=1.0, first_per_signature=0, aa_rate=0.0):
+            x = torch.ones(4, 4)
+            x.type(torch.float16)  # (warm-up)
+            return follow(lambda: x.type(torch.float16))
+    finally:
+        del torch.Tensor.type
+
+
+def parallel_apply() -> Path:
+    """One sampled ``DataParallel.parallel_apply`` over two emulated npu devices."""
+    import shadow
+    from shadow.npu import emulated, reference
+
+    emulated.install(devices=2)
+    before = torch.nn.DataParallel.parallel_apply
+    torch.nn.DataParallel.parallel_apply = reference.npu_parallel_apply
+    try:
+        with shadow.install(["parallel_apply"], sample_rate=1.0, first_per_signature=0, aa_rate=0.0):
+            dp = torch.nn.DataParallel(torch.nn.Linear(8, 4).to("npu:0"), device_ids=[0, 1])
+            x = torch.randn(4, 8, device="npu:0")
+            dp(x)  # (warm-up)
+            replicas = dp.replicate(dp.module, dp.device_ids)
+            inputs, kwargs = dp.scatter((x,), {}, dp.device_ids)
+            return follow(lambda: dp.parallel_apply(replicas, inputs, kwargs))
+    finally:
+        torch.nn.DataParallel.parallel_apply = before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="list the files each call entered")
+    listing = parser.parse_args().list
+    for name, measure in (("sampled .type()", tensor_type), ("sampled parallel_apply", parallel_apply)):
+        path = measure()
+        print(path.line(name))
+        if listing:
+            print("\n".join(f"  {file}" for file in path.files))
+
+
+if __name__ == "__main__":
+    main()

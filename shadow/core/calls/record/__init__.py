@@ -1,0 +1,1 @@
+"""What a target counted and the exporters told of it: its record, tally, clusters, held differences."""

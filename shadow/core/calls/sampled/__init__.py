@@ -1,0 +1,1 @@
+"""One sampled call: its eligibility, plan, primary and shadow side, findings and extra runs."""

@@ -1,0 +1,140 @@
+"""What a sampled call's shadow side works from, taken before the primary runs: its :class:`Plan` (the isolation,
+the signature, the settings the primary starts from, which extra runs join in, their named slots), and the
+:class:`Run` of each side."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from shadow.core.calls.sampled.context import CallContext
+from shadow.core.model.observation import UNCLASSIFIED_SIGNATURE, UPSTREAM, label_text
+from shadow.core.runs import hook_watch
+from shadow.core.runs.global_state import TorchGlobals
+from shadow.core.runs.isolation import Isolation, SideEffects, detach_tensors
+
+#: The isolated runs of a sampled call, by name (:attr:`Plan.slots`).
+SHADOW, ORACLE, BACKWARD, AA = "shadow", "oracle", "backward", "aa"
+
+
+def autocast_state() -> str:
+    """The autocast state of the CPU and the accelerator, as text (``cpu=off, npu=on/float16``)."""
+    accelerator = torch.accelerator.current_accelerator()
+    device_types = ["cpu"] + ([accelerator.type] if accelerator is not None else [])
+    if "cuda" not in device_types and torch.is_autocast_enabled("cuda"):  # (the flag parallel_apply reads)
+        device_types.append("cuda")
+
+    def state(device_type: str) -> str:
+        if not torch.is_autocast_enabled(device_type):
+            return "off"
+        return "on/" + str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+
+    return ", ".join(f"{t}={state(t)}" for t in device_types)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One side's run of a call: what it returned or raised, how long it took, the autocast state it ran under."""
+
+    value: Any = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+    autocast: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the shadow side of one sampled call needs, taken before the primary runs: the isolation (None for
+    targets that are not isolated; it copies the arguments after the primary), the arguments of a target that is
+    not isolated (the caller's own, with new leaves for those that require grad), the call's signature, the autocast
+    state and torch settings the primary starts from, and the extra runs that join in."""
+
+    isolation: Isolation | None
+    args: tuple | None
+    kwargs: dict | None
+    signature: str
+    autocast: str
+    before: TorchGlobals
+    #: The isolated runs, in the isolation's order: the shadow run's, then the extra runs' that join it, each in a
+    #: slot of its own (where the target is isolated): the single-device oracle's, the backward comparison's legacy
+    #: run (for a graph of its own), the A/A run's (legacy a second time: the noise floor).
+    slots: tuple[str, ...] = (SHADOW,)
+    oracle: bool = False
+    backward: bool = False
+    aa: bool = False
+    here: bool = False  # the shadow cannot block (Target.never_blocks): it runs on the caller's thread
+    backward_skip: str = ""  # a backward comparison drawn for a call that can have none (grad mode off)
+    rewind: Callable[[], Any] | None = None  # puts the call's consumed arguments back where the primary found them
+    replay: Callable[[], tuple[tuple, dict]] | None = None  # the shadow run's arguments, once the primary ran
+    #: The shadow side's hook registrations before this call's runs (:mod:`shadow.core.runs.hook_watch`).
+    hooks_seen: int = 0
+    modules_loaded: int = 0
+
+    def shadow_arguments(self) -> tuple[tuple, dict]:
+        """What the shadow receives: the isolation's copies (once taken), or the arguments above."""
+        return self.isolation.arguments(0) if self.isolation is not None else (self.args, self.kwargs)
+
+    def stand_ins(self, slot: str) -> dict[int, torch.Tensor]:
+        """The isolation's stand-ins of the tensors that require grad, in the run of ``slot``."""
+        assert self.isolation is not None
+        return self.isolation.stand_ins(self.slots.index(slot))
+
+    @contextlib.contextmanager
+    def in_slot(self, slot: str) -> Iterator[tuple[tuple, dict]]:
+        """While the body runs, the isolation's world of the run of ``slot`` (its copies swapped in); it gets that
+        run's arguments (the arguments as they are where the target is not isolated)."""
+        if self.isolation is None:
+            yield self.shadow_arguments()
+            return
+        index = self.slots.index(slot)
+        with self.isolation.shadow_run(index):
+            yield self.isolation.arguments(index)
+
+
+def plan(context: CallContext, args: tuple, kwargs: dict, modules: list[torch.nn.Module], signature: str | None):
+    """The plan of a sampled call of ``context``'s target, before the primary runs (``signature``: a guided
+    target's call comes classified; None: classified here). Raises what taking it raised."""
+    target, coins = context.target, context.coins
+    before = TorchGlobals()
+    autocast = autocast_state()
+    plain = target.plain  # (the extra runs are for plain functions of tensors only)
+    oracle = plain and coins.oracle is not None and ("=on/" in autocast or coins.oracle.flip())
+    aa = plain and coins.aa.flip()
+    drawn = plain and target.isolate and context.primary != UPSTREAM and coins.backward.flip()
+    backward = drawn and torch.is_grad_enabled()
+    extra = tuple(name for name, joins in ((ORACLE, oracle), (BACKWARD, backward), (AA, aa)) if joins)
+    if target.isolate:
+        isolation = Isolation(args, kwargs, modules, runs=1 + len(extra))
+        shadow_args, shadow_kwargs = None, None
+    else:
+        isolation, (shadow_args, shadow_kwargs) = None, detach_tensors((args, kwargs))
+    if signature is None:
+        signature = context.classifier.admit(label_text(str(_raw_signature(context, args, kwargs)), 64))
+    rewind = target.rewind(args, kwargs) if target.rewind is not None else None
+    replay = target.replay(args, kwargs) if target.replay is not None else None
+    # (a run that reads the caller's stream is never left running past a deadline: it would move the stream under
+    # the job later; it runs on the caller's thread)
+    here = rewind is not None or (target.never_blocks is not None and bool(target.never_blocks(args, kwargs)))
+    return Plan(
+        isolation, shadow_args, shadow_kwargs, signature, autocast, before, slots=(SHADOW, *extra),
+        oracle=oracle, backward=backward, aa=aa, here=here, backward_skip="no_grad" if drawn and not backward else "",
+        rewind=rewind, replay=replay, hooks_seen=hook_watch.registered(), modules_loaded=len(sys.modules),
+    )  # fmt: skip
+
+
+def _raw_signature(context: CallContext, args: tuple, kwargs: dict) -> Any:
+    """A sampled call's signature by the target's function, checked (:meth:`Classifier.signature_of`): one that
+    changed a generator or the grad mode, now or before, names the call "unclassified"."""
+    if context.target.signature is None:
+        return "call"
+    if context.classifier.has_side_effects:
+        return UNCLASSIFIED_SIGNATURE
+    try:
+        return context.classifier.signature_of(args, kwargs)
+    except SideEffects:
+        return UNCLASSIFIED_SIGNATURE

@@ -1,0 +1,242 @@
+"""The shadow side of one sampled call: everything after the primary's run (legacy while shadowing, upstream in a
+canary), on a worker of its own.
+
+:meth:`ShadowSide.observe` runs the shadow the way the primary ran (on a worker thread, within the deadline,
+isolated, from the settings the primary started from), the extra runs the plan drew
+(:mod:`~shadow.core.calls.sampled.extra_runs`), compares (:mod:`~shadow.core.calls.sampled.findings`), and returns
+the :class:`Observation`. It never publishes and never counts calls: the sampled call does
+(:mod:`shadow.core.calls.sampled.call`), and it guards whatever this raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shadow.core.calls.sampled import findings
+from shadow.core.calls.sampled.context import CallContext
+from shadow.core.calls.sampled.eligibility import is_hooked_subclass
+from shadow.core.calls.sampled.extra_runs import ExtraRuns
+from shadow.core.calls.sampled.guards import IsolationFailed
+from shadow.core.calls.sampled.plan import Plan, Run, autocast_state
+from shadow.core.model.observation import DIVERGENT_OUTCOMES, UPSTREAM, Observation, Outcome, bounded
+from shadow.core.model.target import CannotReplay
+from shadow.core.runs.deadline import Finished, leave_worker, run_here
+from shadow.core.runs.global_state import TorchGlobals
+from shadow.core.runs.isolation import ArgumentsChanged
+from shadow.core.runs.sides import shadow_run
+from shadow.core.support import trees
+
+#: What an allocator's failure says: a device's "out of memory", the host allocator's "can't allocate memory".
+_OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocator's failure (a device's or the host's)."""
+    text = str(exc).lower()
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or any(words in text for words in _OOM_TEXTS)
+
+
+def free_after_oom() -> None:
+    """Give the accelerator's cached blocks back after the shadow side ran out of memory."""
+    with contextlib.suppress(Exception):
+        if torch.accelerator.current_accelerator() is not None:
+            torch.accelerator.empty_cache()
+
+
+class ShadowSide:
+    """The shadow side of one sampled call, from its plan (taken before the primary ran)."""
+
+    def __init__(self, context: CallContext, plan: Plan) -> None:
+        self.context, self.plan = context, plan
+        #: The shadow run's arguments where the target replays the call's input (Target.replay), once the primary ran.
+        self.replayed: tuple[tuple, dict] | None = None
+
+    def skipped(self, reason: str, detail: str = "", **fields: Any) -> Observation:
+        """The observation of this call skipped for ``reason``."""
+        context = self.context
+        return Observation(
+            context.target.name, Outcome.SKIPPED, (reason,), signature=self.plan.signature, detail=detail,
+            timestamp=time.time(), primary=context.primary, **fields,
+        )  # fmt: skip
+
+    def observe(self, args: tuple, kwargs: dict, primary: Run, left_by_primary: TorchGlobals) -> Observation:
+        """Run the shadow the way the primary ran and compare the two runs: their results (or exceptions) and the
+        torch settings each left behind (``primary`` and ``left_by_primary``: the primary's run)."""
+        context = self.context
+        snapshot = context.target.snapshot
+        if snapshot is not None and primary.error is None:  # (what the primary's run left on the caller's object)
+            primary = dataclasses.replace(primary, value=snapshot(primary.value, args, kwargs))
+        cannot = self._cannot_run_shadow(primary)
+        if cannot is not None:
+            return cannot
+        shadow, drilled, left_by_shadow = self._shadow_run(left_by_primary)
+        if shadow is None:
+            return self.skipped("deadline", f"the shadow side took longer than its deadline ({context.deadline:g} s)")
+        common = {
+            "primary_seconds": primary.seconds,
+            "shadow_seconds": shadow.seconds,
+            "legacy": context.legacy_origin,
+            "drill": drilled,
+        }
+        if shadow.error is not None and primary.error is None and is_oom(shadow.error):
+            del shadow  # its error's traceback holds shadow's tensors
+            free_after_oom()
+            return self.skipped("oom", **common)
+        return self._compared(args, kwargs, (primary, shadow), (left_by_primary, left_by_shadow), common)
+
+    def _compared(
+        self, args: tuple, kwargs: dict, ran: tuple[Run, Run], left: tuple[TorchGlobals, TorchGlobals], common: dict
+    ) -> Observation:
+        """The observation of two runs that both ended (``ran``: the primary's, the shadow's; ``left``: the settings
+        each left): compared, held against the noise floor, and the extra runs the plan drew made."""
+        context, plan = self.context, self.plan
+        (primary, shadow), left_by_primary = ran, left[0]
+        returned = primary.error is None and shadow.error is None
+        canary = context.primary == UPSTREAM
+        runs, left = (ran[::-1], left[::-1]) if canary else (ran, left)  # (legacy's, upstream's)
+        extra = ExtraRuns(context, plan, left_by_primary)
+        aa = extra.aa(runs[0]) if plan.aa and returned else {}
+        start = time.perf_counter()
+        found, noise_test, pending = findings.judge(context, plan, (args, kwargs), runs, left)
+        compare_seconds = time.perf_counter() - start
+        found, drawn = extra.after_comparing(args, kwargs, runs, primary, found, returned)
+        evidence = None
+        # (a replay is of the forward; a pending difference is held, and holds no tensors while it waits)
+        if found.outcome in DIVERGENT_OUTCOMES and "grad" not in found.reasons and not pending:
+            evidence = findings.evidence(context, plan, *runs)
+        return Observation(
+            context.target.name,
+            found.outcome,
+            found.reasons,
+            max_abs_error=found.max_abs_error,
+            max_rel_error=found.max_rel_error,
+            mismatched=found.mismatched,
+            numel=found.numel,
+            compare_seconds=compare_seconds,
+            detail=found.detail,
+            noise_test=noise_test,
+            evidence=evidence,
+            noise_pending=pending,
+            leaf_errors=tuple(found.leaf_errors) if pending else (),
+            signature=plan.signature,
+            timestamp=time.time(),
+            primary=context.primary,
+            **aa,
+            **drawn,
+            **common,
+        )
+
+    def _cannot_run_shadow(self, primary: Run) -> Observation | None:
+        """The skip observation of a call whose shadow run would not be faithful, seen once the primary ran: the
+        primary returned a tensor subclass with hooks (comparing it would run its code), wrote an argument in place,
+        or the argument copies would not fit. None when the shadow can run (the isolation's copies are then
+        taken)."""
+        plan = self.plan
+        if primary.error is None and any(map(is_hooked_subclass, trees.leaves(primary.value))):
+            return self.skipped("mode")
+        try:
+            if plan.isolation is not None:
+                plan.isolation.take_arguments()
+            if plan.replay is not None:  # (the input the primary read, read once)
+                self.replayed = plan.replay()
+        except ArgumentsChanged as exc:
+            return self.skipped("inplace", str(exc))
+        except CannotReplay as exc:
+            return self.skipped("ineligible", bounded(str(exc)))
+        except MemoryError as exc:
+            return self.failed(exc)
+        return None
+
+    def failed(self, failure: BaseException) -> Observation:
+        """The observation of a call whose shadow side ran out of memory before comparing (or, anything else, a
+        fault of this tool)."""
+        if is_oom(failure):
+            free_after_oom()
+            return self.skipped("oom", bounded(repr(failure)))
+        return self.skipped("comparator", bounded(repr(failure)))
+
+    def _shadow_run(self, left_by_primary: TorchGlobals) -> tuple[Run | None, bool, TorchGlobals]:
+        """The shadow on the plan's arguments, from the torch settings the caller had before the call (the primary's
+        start), in the caller's grad mode, isolated where the target asks for it; whether a fire drill corrupted
+        it; and the torch settings it left behind (the primary's are put back before this returns). The run is None
+        where it passed its deadline. A call that cannot block runs here, on the caller's thread."""
+        context, plan, record = self.context, self.plan, self.context.record
+        isolated = plan.isolation.shadow_run() if plan.isolation is not None else contextlib.nullcontext()
+        drill = context.drill if context.drill is not None and context.drill.fires() else None
+        if not left_by_primary.same_as(plan.before):  # (the primary changed a setting: the shadow starts where it did)
+            record.put_back(plan.before)
+        shadow = _ShadowRun(plan, context.shadow_fn, context.target.snapshot, drill, self.replayed)
+        start = time.perf_counter()
+        finished = Finished(False)
+        # (a consumed argument, a stream: where the primary left it, put back once the shadow read it from the start)
+        left_there = context.target.rewind(*plan.shadow_arguments()) if plan.rewind is not None else None
+        try:
+            if plan.rewind is not None:
+                plan.rewind()
+            with isolated, shadow_run(context.side):
+                if plan.here:
+                    finished = run_here(shadow.run)
+                else:
+                    finished = context.within_deadline(context.side, plan.before, shadow.run, checks_its_settings=True)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the isolation's own failure (the shadow's are in finished): a fault of ours,
+            record.put_back(left_by_primary)  # counted as a "comparator" skip, never a side's exception
+            raise IsolationFailed(f"the isolation of the shadow run failed: {exc!r}") from exc
+        finally:
+            if left_there is not None:
+                left_there()
+        if isinstance(finished.error, IsolationFailed):
+            record.put_back(left_by_primary)
+            raise finished.error
+        seconds = time.perf_counter() - start
+        left_by_shadow = shadow.left if shadow.left is not None and finished.finished else TorchGlobals()
+        unchanged = left_by_primary.same_as(plan.before) and left_by_shadow.same_as(plan.before)
+        if not (finished.finished and unchanged):  # (where neither run changed a setting, they are as the primary left)
+            record.put_back(left_by_primary)
+        if not finished.finished:
+            return None, shadow.drilled, left_by_shadow
+        # (SystemExit, GeneratorExit: the shadow's outcome, never the caller's)
+        return Run(finished.value, finished.error, seconds, shadow.autocast), shadow.drilled, left_by_shadow
+
+
+class _ShadowRun:
+    """The body of one shadow run, on whichever thread runs it: what it ran under and left behind."""
+
+    def __init__(
+        self, plan: Plan, shadow_fn: Callable, snapshot: Callable | None, drill: Any, arguments: tuple | None
+    ) -> None:
+        self.plan, self.shadow_fn, self.snapshot, self.drill = plan, shadow_fn, snapshot, drill
+        self.arguments = arguments  # (the replayed input, where the target replays it)
+        self.autocast, self.drilled = "", False
+        self.left: TorchGlobals | None = None
+
+    def run(self) -> Any:
+        """The shadow function on the plan's arguments (a fire drill's fault injected where it fires); the settings
+        it left are taken on its thread (thread-local ones too), and a worker whose run changed one ends with it."""
+        plan, drill = self.plan, self.drill
+        try:
+            self.autocast = autocast_state()
+            if drill is not None and drill.kind == "exception":
+                self.drilled = True
+                drill.before_upstream()
+            args, kwargs = self.arguments if self.arguments is not None else plan.shadow_arguments()
+            value = self.shadow_fn(*args, **kwargs)
+            if self.snapshot is not None:  # (taken on the isolation's stand-ins, before they are put back)
+                try:
+                    value = self.snapshot(value, args, kwargs)
+                except Exception as exc:  # (the target's own code, never the shadow side's outcome)
+                    raise IsolationFailed(f"the target's snapshot failed: {exc!r}") from exc
+            if drill is not None and drill.kind != "exception":
+                value, self.drilled = drill.corrupt(value, (args, kwargs))
+            return value
+        finally:
+            self.left = TorchGlobals()
+            if not (plan.here or self.left.same_as(plan.before)):
+                leave_worker()
