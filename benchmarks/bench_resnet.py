@@ -39,7 +39,8 @@ from resnet18 import ResNet18
 from torch import nn
 
 import shadow
-from shadow.core.calls.gate import classifier, sampled_call, shadow_side
+from shadow.core.calls.gate import coverage
+from shadow.core.calls.sampled import call
 from shadow.core.calls.gate.budget import WINDOW_SECONDS
 from shadow.launcher.config import Config
 from shadow.npu import emulated
@@ -100,16 +101,13 @@ class ShadowClock:
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
         patched = [
-            (shadow_side.ShadowSide, "plan_call", True),
-            (sampled_call, "shadow_side", False),
-            (classifier.Classifier, "classify", False),
+            (call, "plan"),  # (a sampled call's plan, as the call reads it)
+            (call.SampledCall, "_shadow_side"),
+            (coverage.Classifier, "classify"),
         ]
-        originals = [(owner, name, vars(owner)[name]) for owner, name, _ in patched]
-        for owner, name, is_classmethod in patched:
-            function = getattr(owner, name)
-            setattr(
-                owner, name, classmethod(self._timed(function.__func__)) if is_classmethod else self._timed(function)
-            )
+        originals = [(owner, name, vars(owner)[name]) for owner, name in patched]
+        for owner, name in patched:
+            setattr(owner, name, self._timed(getattr(owner, name)))
         try:
             yield
         finally:

@@ -1,14 +1,15 @@
 """How far one sampled call travels through the project's code on the caller's thread.
 
-Every Python call and return on the caller's thread is followed (``sys.setprofile``); a frame counts where its code
-lives in the project (``shadow/``, ``exporters/``). Reported for one sampled ``x.type(torch.float16)`` and one
-sampled ``DataParallel.parallel_apply`` on the emulated npu (each after a warm-up call, so imports and first-call
-caches are not counted):
+Every Python call on the caller's thread is followed (``sys.setprofile``); a call counts where its code lives in
+the project (``shadow/``, ``exporters/``), and the path is the sequence of those calls' files, a file repeated in a
+row counted once. Reported for one sampled ``x.type(torch.float16)`` and one
+sampled ``DataParallel.parallel_apply`` on the emulated npu, at ``shadow.install``'s defaults (each after a warm-up
+call, so imports and first-call caches are not counted):
 
 - files: the project files the call entered;
 - functions: the project functions it called (distinct);
-- switches: how often the running project file changed (a call into another file, or a return out of one);
-- returns: the returns that came back to a file already left (the caller's project file is not the callee's).
+- switches: how often the path moves to another file;
+- returns: the moves back to a file the path had left (switches less the first entries: files - 1).
 
 The review that asked for this counted the same way (a profiler hook over the project's files); the goal for one
 sampled ``.type()`` is at most 20 files and 30 returns.
@@ -33,7 +34,7 @@ _PROJECT = tuple(os.path.join(ROOT, part) + os.sep for part in ("shadow", "expor
 
 @dataclasses.dataclass
 class Path:
-    """What one call crossed: the files, functions, switches and returns above."""
+    """What one call crossed: the files (in the order first entered), functions, switches and returns above."""
 
     files: list[str] = dataclasses.field(default_factory=list)
     functions: set[tuple[str, int]] = dataclasses.field(default_factory=set)
@@ -52,36 +53,27 @@ def _project_file(filename: str) -> str | None:
 
 
 def follow(call: Callable[[], object]) -> Path:
-    """The path ``call()`` takes through the project's files on this thread."""
+    """The path ``call()`` takes through the project's files on this thread: the project files of its calls, in
+    the order they are made, a file repeated in a row counted once."""
     path = Path()
-    stack: list[str | None] = []  # the project file of each frame on the stack (None: not the project's)
     thread = threading.get_ident()
-
-    def running() -> str | None:
-        return next((f for f in reversed(stack) if f is not None), None)
+    last: list[str] = []
 
     def profile(frame, event, _arg):
-        if threading.get_ident() != thread or event not in ("call", "return"):
+        if event != "call" or threading.get_ident() != thread:
             return
-        if event == "call":
-            before = running()
-            file = _project_file(frame.f_code.co_filename)
-            stack.append(file)
-            if file is not None:
-                if file not in path.files:
-                    path.files.append(file)
-                path.functions.add((file, frame.f_code.co_firstlineno))
-                if before is not None and file != before:
-                    path.switches += 1
+        file = _project_file(frame.f_code.co_filename)
+        if file is None:
             return
-        if not stack:
+        path.functions.add((file, frame.f_code.co_firstlineno))
+        if last and last[0] == file:
             return
-        left = running()
-        stack.pop()
-        back = running()
-        if left is not None and back is not None and back != left:
+        if last:
             path.switches += 1
-            path.returns += 1
+            path.returns += file in path.files
+        if file not in path.files:
+            path.files.append(file)
+        last[:] = [file]
 
     sys.setprofile(profile)
     try:
@@ -98,7 +90,7 @@ def tensor_type() -> Path:
 
     torch.Tensor.type = reference.npu_type
     try:
-        with shadow.install(["tensor_type"], sample_rate=1.0, first_per_signature=0, aa_rate=0.0):
+        with shadow.install(["tensor_type"], sample_rate=1.0):
             x = torch.ones(4, 4)
             x.type(torch.float16)  # (warm-up)
             return follow(lambda: x.type(torch.float16))
@@ -115,7 +107,7 @@ def parallel_apply() -> Path:
     before = torch.nn.DataParallel.parallel_apply
     torch.nn.DataParallel.parallel_apply = reference.npu_parallel_apply
     try:
-        with shadow.install(["parallel_apply"], sample_rate=1.0, first_per_signature=0, aa_rate=0.0):
+        with shadow.install(["parallel_apply"], sample_rate=1.0):
             dp = torch.nn.DataParallel(torch.nn.Linear(8, 4).to("npu:0"), device_ids=[0, 1])
             x = torch.randn(4, 8, device="npu:0")
             dp(x)  # (warm-up)

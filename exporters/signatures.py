@@ -1,6 +1,6 @@
 """Which signature values a job's processes show, at most MAX_SIGNATURES per target between them.
 
-Each process caps its own signatures (:mod:`shadow.core.calls.gate.classifier`), and an endpoint that aggregates a
+Each process caps its own signatures (:mod:`shadow.core.calls.gate.coverage`), and an endpoint that aggregates a
 folder of processes caps what it serves (:class:`exporters.prometheus.SignatureCappedCollector`). Processes that
 export on their own (each rank its own folder, endpoint and Pushgateway group) would still show their caps added
 up: twelve ranks, 1,200 values on the Pushgateway. Under the launcher they share its metrics folder, and admit a
@@ -14,7 +14,7 @@ import hashlib
 import os
 import threading
 
-from shadow.core.calls.gate.classifier import MAX_SIGNATURES, OTHER_SIGNATURE
+from shadow.core.calls.gate.coverage import MAX_SIGNATURES, OTHER_SIGNATURE
 from shadow.core.support.safe_paths import check_private_directory
 
 #: The launcher's metrics folder, shared by the job's processes on a node (the bootstrap's METRICS_DIR).

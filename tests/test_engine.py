@@ -335,7 +335,7 @@ def test_a_forked_childs_counts_start_at_zero_for_every_counter():
 
     import fakes
 
-    from shadow.core.calls.gate.classifier import MAX_SIGNATURES
+    from shadow.core.calls.gate.coverage import MAX_SIGNATURES
     from shadow.core.model.observation import TargetStats
 
     class Failing:
@@ -374,7 +374,7 @@ def test_a_pure_signature_function_is_never_checked_so_other_threads_draws_are_n
     and never checked; a user's is checked as before."""
     import threading
 
-    from shadow.core.calls.gate import classifier
+    from shadow.core.calls.gate import coverage as classifier
     from shadow.core.model import targets
 
     checked = []

@@ -330,7 +330,7 @@ def test_a_signature_function_with_side_effects_changes_no_training(sample_rate,
 def test_the_signature_check_is_never_traced_by_dynamo(monkeypatch):
     """While dynamo traces the wrapper (at a graph break inside legacy) the check's own reads of the generators would
     be traced too (a graph break and a warning at each): the signature function is called plain there."""
-    from shadow.core.calls.gate import classifier
+    from shadow.core.calls.gate import coverage as classifier
 
     checked = []
     real = classifier.call_without_side_effects

@@ -192,3 +192,17 @@ def test_no_class_is_over_250_lines_and_at_most_five_functions_over_60():
                     functions.append(where)
     assert classes == []
     assert len(functions) <= 5, functions
+
+
+def test_one_sampled_call_stays_in_few_files():
+    """The path of one sampled ``x.type(torch.float16)`` on the caller's thread, followed as the design review
+    followed it (benchmarks/call_path.py: every call into the project's files): at most 20 files, and at most 30
+    moves back to a file already left (it was 28 files and 62 such moves before the call path's families)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import call_path
+
+    path = call_path.tensor_type()
+    assert len(path.files) <= 20 and path.returns <= 30, path.line("sampled .type()")
+    assert "shadow/core/calls/sampled/call.py" in path.files  # (the walk saw the sampled call)

@@ -97,7 +97,7 @@ def test_a_per_target_rate_may_name_a_target_whose_legacy_comes_later():
 
 
 def test_signatures_per_target_are_capped_and_the_overflow_is_counted(caplog):
-    from shadow.core.calls.gate.classifier import MAX_SIGNATURES
+    from shadow.core.calls.gate.coverage import MAX_SIGNATURES
 
     recorder = Recorder()
     ops, target = op_target(twice, signature=lambda args, kwargs: f"shape{args[0].shape[0]}")

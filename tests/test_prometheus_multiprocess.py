@@ -77,7 +77,7 @@ def test_one_endpoint_shows_at_most_the_signature_cap_however_many_processes_wri
     from prometheus_client import CollectorRegistry, generate_latest
 
     from exporters.prometheus import SignatureCappedCollector
-    from shadow.core.calls.gate.classifier import MAX_SIGNATURES
+    from shadow.core.calls.gate.coverage import MAX_SIGNATURES
 
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
     for process in range(3):  # 180 signature values in all, 60 each (within each process's own cap)
@@ -138,7 +138,7 @@ def test_ranks_exporting_on_their_own_show_at_most_the_cap_between_them(tmp_path
     from prometheus_client import CollectorRegistry, generate_latest
 
     from exporters import PrometheusExporter, signatures
-    from shadow.core.calls.gate.classifier import MAX_SIGNATURES
+    from shadow.core.calls.gate.coverage import MAX_SIGNATURES
     from shadow.launcher.bootstrap import npu_shadow_boot as boot
 
     assert signatures.SHARED_DIR_VARIABLE == boot.METRICS_DIR

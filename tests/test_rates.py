@@ -5,7 +5,7 @@ import math
 import pytest
 
 import shadow
-from shadow.core.calls.gate.sampler import Sampler
+from shadow.core.calls.gate.sampling import Sampler
 from shadow.core.calls.sampled.drill import Drill
 from shadow.core.support.rates import check_rate, parse_rate
 from shadow.launcher import config as cfg

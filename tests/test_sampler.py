@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from shadow.core.calls.gate.sampler import Sampler
+from shadow.core.calls.gate.sampling import Sampler
 
 
 class GateHolder:

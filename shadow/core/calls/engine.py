@@ -4,10 +4,10 @@ Data flows one way: call -> the wrapper's gate (:mod:`~shadow.core.calls.gate`) 
 one :class:`~shadow.core.calls.sampled.call.SampledCall` (the primary, returned to the caller; the isolated shadow
 run, the extra runs, the comparison) -> :class:`Observation` -> the target's
 :class:`~shadow.core.calls.record.record.Record` -> exporters. The experiment keeps the gate, the admission and the
-primary switch; a sampled call reads only its frozen :class:`~shadow.core.calls.sampled.context.CallContext`, made
+primary switch; a sampled call reads only its frozen :class:`~shadow.core.calls.sampled.plan.CallContext`, made
 again when the primary switches. What it counted is its record's, its draws are
-:class:`~shadow.core.calls.sampled.context.Coins`, its signatures its
-:class:`~shadow.core.calls.gate.classifier.Classifier`'s, its settings the monitor's
+:class:`~shadow.core.calls.sampled.plan.Coins`, its signatures its
+:class:`~shadow.core.calls.gate.coverage.Classifier`'s, its settings the monitor's
 :class:`~shadow.core.calls.settings.Settings`.
 """
 
@@ -20,13 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 from shadow.core.calls.gate.budget import Budgets, ShadowCost
-from shadow.core.calls.gate.classifier import Classifier
+from shadow.core.calls.gate.coverage import Classifier
 from shadow.core.calls.gate.sampling import Sampling
 from shadow.core.calls.gate.wrapper import make_wrapper
-from shadow.core.calls.record.publisher import Publisher
-from shadow.core.calls.record.record import Record
+from shadow.core.calls.record.record import Publisher, Record
 from shadow.core.calls.sampled.call import SampledCall, run_primary
-from shadow.core.calls.sampled.context import CallContext, Coins
+from shadow.core.calls.sampled.plan import CallContext, Coins
 from shadow.core.calls.settings import Settings
 from shadow.core.judging.noise import NoiseFloor
 from shadow.core.model.observation import (
@@ -99,11 +98,11 @@ class Experiment:
         self.deadline_passed = id(self.shadow_fn) in _ABANDONED
         self.tolerance = tolerance if tolerance is not None else target.tolerance
         self._lock = threading.Lock()
-        self.record = Record(target.name, publisher, self._lock)
+        self.sampling = Sampling(target, sample_rate, settings.first_per_signature, settings.seed, self._lock)
+        self.record = Record(target.name, publisher, self._lock, self.sampling.counted)
         self.classifier = Classifier(
             target, budget, self.cost.clock, self.record.log_limited, lambda: self.record.add("signatures_over_cap")
         )
-        self.sampling = Sampling(target, sample_rate, settings.first_per_signature, settings.seed, self._lock)
         self.wrapper, (set_gate, self._set_primary) = make_wrapper(
             self.primary_fn, self._arrive, self._arrive_novel, self.sampling.key, self.sampling.known
         )
@@ -122,7 +121,7 @@ class Experiment:
         return CallContext(
             self.target, self.primary, self.primary_fn, self.shadow_fn, self.legacy, self.legacy_origin,
             self.tolerance, self.pure_hooks, self.deadline, self.drill, self.coins, self.noise, self.classifier,
-            self.record, self.cost, side=self, deadline_missed=self.deadline_missed, publish=self.publish,
+            self.record, self.cost, plain=self.target.plain, side=self, deadline_missed=self.deadline_missed,
         )  # fmt: skip
 
     def _sides(self, primary: str) -> tuple[Callable, Callable]:
@@ -244,18 +243,18 @@ class Experiment:
 
     def publish(self, observation: Observation) -> None:
         """Count an observation and export it (:meth:`Record.publish`)."""
-        self.record.publish(observation, self.noise, self.report_calls)
+        self.record.publish(observation, self.noise)
 
     def release_pending(self) -> None:
         """Publish the value differences still held as skips (reason noise_pending): the floor never had the
         A/A runs to judge them (at a flush, a rollback, a reset)."""
-        self.record.release_held(self.noise, self.report_calls)
+        self.record.release_held(self.noise)
 
     def report_calls(self, flush: bool = False) -> None:
         """Tell exporters how many calls passed (by signature for a guided target), and how many sampled calls
         were skipped in bulk, since the last report (done at each publish, at a rollback or reset, each second by
         :mod:`shadow.core.calls.record.reporter` and at flush: ``flush`` counts a guided target's open gate too)."""
-        self.record.report_calls(lambda: self.sampling.counted(flush))
+        self.record.report_calls(flush)
 
     def noise_floor(self) -> dict[str, tuple[float, float, int, int]]:
         """{signature: (greatest abs difference, greatest rel difference, A/A runs, runs that differed)} of the

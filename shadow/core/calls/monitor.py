@@ -21,7 +21,7 @@ import torch
 from shadow.core.calls.canary.arms import IteratorArms
 from shadow.core.calls.engine import Experiment, experiment_of
 from shadow.core.calls.record import exporting
-from shadow.core.calls.record.publisher import Publisher
+from shadow.core.calls.record.record import Publisher
 from shadow.core.calls.record.reporter import REPORTER
 from shadow.core.calls.settings import Settings
 from shadow.core.model import live_targets
@@ -115,7 +115,7 @@ class Monitor:
         raise KeyError(f"{name!r} is not installed; installed: {list(self.targets)}")
 
     def _patch(self) -> None:
-        if any(s.coins.backward.rate > 0 for s in self._experiments):
+        if any(s.coins.backward is not None for s in self._experiments):
             hook_watch.install()
             self._watches_hooks = True
         for s in self._experiments:

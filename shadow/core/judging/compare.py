@@ -54,21 +54,20 @@ class Comparison:
 # --------------------------------------------------------------------------- structure
 
 
-def _is_dataclass_instance(obj: Any) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-
-
-def _flatten(obj: Any, prefix: str = "") -> tuple[dict[str, Any], list[tuple[str, Any]]]:
-    """(leaves by path, container specs by path) of a nested output."""
-    pairs, spec = trees.flatten_with_paths(obj, is_leaf=_is_dataclass_instance)
+def _flatten(
+    flattened: tuple[list[tuple[Any, Any]], Any], prefix: str = ""
+) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """(leaves by path, container specs by path) of a nested output, from its (key path, leaf) pairs and spec
+    (:func:`trees.flatten_with_paths`, a dataclass instance a leaf: its fields are opened here)."""
+    pairs, spec = flattened
     leaves: dict[str, Any] = {}
     specs: list[tuple[str, Any]] = [(prefix, spec)]
     for key_path, leaf in pairs:
         path = prefix + keystr(key_path)
-        if _is_dataclass_instance(leaf):
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             specs.append((path, type(leaf)))
             fields = {f.name: getattr(leaf, f.name) for f in dataclasses.fields(leaf)}
-            sub_leaves, sub_specs = _flatten(fields, path)
+            sub_leaves, sub_specs = _flatten(trees.flatten_with_paths(fields, dataclasses_as_leaves=True), path)
             leaves.update(sub_leaves)
             specs.extend(sub_specs)
         else:
@@ -86,9 +85,9 @@ def storage_key(t: torch.Tensor) -> tuple | None:
     return (t.device, ptr) if ptr else None
 
 
-def _alias_map(inputs: Any) -> dict[tuple, int]:
+def _alias_map(input_leaves: list[Any]) -> dict[tuple, int]:
     keys: dict[tuple, int] = {}
-    for index, leaf in enumerate(x for x in trees.leaves(inputs) if isinstance(x, torch.Tensor)):
+    for index, leaf in enumerate(x for x in input_leaves if isinstance(x, torch.Tensor)):
         key = storage_key(leaf)
         if key is not None:
             keys.setdefault(key, index)
@@ -365,10 +364,12 @@ def compare(
         return _EQUAL_ATOMS  # (a type name, a size: what the full path would find, without flattening)
     # The comparison is this tool's own work: no tensor subclass or TorchFunctionMode may see it.
     with torch._C.DisableTorchFunction():
-        legacy_leaves, legacy_specs = _flatten(legacy)
-        upstream_leaves, upstream_specs = _flatten(upstream)
+        flattened = trees.flatten_with_paths(legacy, True), trees.flatten_with_paths(upstream, True)
+        inputs = trees.leaves(legacy_inputs), trees.leaves(upstream_inputs)
+        legacy_leaves, legacy_specs = _flatten(flattened[0])
+        upstream_leaves, upstream_specs = _flatten(flattened[1])
         structure = _structure_note(legacy_leaves, legacy_specs, upstream_leaves, upstream_specs)
-        reports = _check_leaves(legacy_leaves, upstream_leaves, tolerance, exact, legacy_inputs, upstream_inputs)
+        reports = _check_leaves(legacy_leaves, upstream_leaves, tolerance, exact, *inputs)
         errors = _apply_statistics(reports)
     return _verdict(reports, structure, errors)
 
@@ -393,11 +394,12 @@ def _check_leaves(
     upstream_leaves: dict[str, Any],
     tolerance: tol.ToleranceSpec,
     exact: bool,
-    legacy_inputs: Any,
-    upstream_inputs: Any,
+    legacy_inputs: list[Any],
+    upstream_inputs: list[Any],
 ) -> list[_LeafReport]:
-    """A report per pair of leaves present on both sides: metadata and aliasing checked on the host, value
-    statistics started on the tensors' device."""
+    """A report per pair of leaves present on both sides (``legacy_inputs``, ``upstream_inputs``: the leaves of
+    each side's inputs): metadata and aliasing checked on the host, value statistics started on the tensors'
+    device."""
     tensors = any(isinstance(leaf, torch.Tensor) for leaf in legacy_leaves.values())
     legacy_alias = _alias_map(legacy_inputs) if tensors else {}  # (an output without tensors aliases nothing)
     upstream_alias = _alias_map(upstream_inputs) if tensors else {}
@@ -479,7 +481,7 @@ def _verdict(
         max_rel_error=max_rel,
         mismatched=mismatched,
         numel=sum(r.numel for r in reports),
-        detail=bounded(" | ".join(notes)),
+        detail=bounded(" | ".join(notes)) if notes else "",
         leaf_errors=leaves,
     )
 

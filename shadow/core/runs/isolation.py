@@ -26,6 +26,17 @@ from torch.utils._pytree import tree_iter
 
 from shadow.core.support import memory, trees
 
+_PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
+
+
+def is_hooked_subclass(leaf: Any) -> bool:
+    """A tensor subclass with its own __torch_function__ or __torch_dispatch__ (nn.Parameter has neither)."""
+    cls = type(leaf)
+    if cls is torch.Tensor or not isinstance(leaf, torch.Tensor):
+        return False
+    function = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+    return function not in _PLAIN_TORCH_FUNCTION or cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
 
 def _accelerator_rng_module() -> Any | None:
     """The device module (torch.cuda, torch.npu, ...) whose generators may have been used, if any."""
@@ -133,6 +144,27 @@ def modules_in_call(args: tuple, kwargs: dict) -> list[torch.nn.Module]:
     return list({id(m): m for root in find_modules((args, kwargs)) for m in root.modules()}.values())
 
 
+def user_code_reached(args: tuple, kwargs: dict, pure_hooks: bool) -> tuple[list[torch.nn.Module], str]:
+    """(every module the call can reach (:func:`modules_in_call`), and what of the job's own code a second run of
+    it would run): ``mode`` where it reaches a tensor subclass with its own hooks (an argument, or a parameter,
+    buffer or tensor attribute of a module in the call), ``hooks`` where a forward of its modules runs a hook the
+    user registered (unless the user declared them ``pure_hooks``), else ""."""
+    leaves = trees.leaves((args, kwargs))
+    roots = {id(leaf): leaf for leaf in leaves if isinstance(leaf, torch.nn.Module)}
+    modules = list({id(m): m for root in roots.values() for m in root.modules()}.values())
+    if any(map(is_hooked_subclass, leaves)) or any(map(is_hooked_subclass, module_tensors(modules))):
+        return modules, "mode"
+    if not pure_hooks and has_user_hooks(modules):
+        return modules, "hooks"
+    return modules, ""
+
+
+def holds_hooked_subclass(tree: Any) -> bool:
+    """Whether a tensor subclass with its own hooks is among the leaves of ``tree`` (a result whose comparison
+    would run its code)."""
+    return any(map(is_hooked_subclass, trees.leaves(tree)))
+
+
 def _plain_tensors(modules: list[torch.nn.Module]) -> Iterator[torch.Tensor]:
     """The plain tensor attributes of ``modules`` that do not require grad (a replica's parameters do)."""
     for module in modules:
@@ -217,7 +249,10 @@ def clone_tensors(tree: Any, copied: dict[int, torch.Tensor] | None = None) -> A
 def detach_tensors(tree: Any) -> Any:
     """``tree`` with every tensor that requires grad replaced by a new leaf over the same storage: a run on it
     builds a graph of its own, never one that reaches the caller's tensors. ``tree`` itself when none does."""
-    if not any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in trees.leaves(tree)):
+    for leaf in trees.leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            break
+    else:
         return tree
     return trees.map_only(torch.Tensor, lambda t: _new_leaf(t, copy=False) if t.requires_grad else t, tree)
 
@@ -426,9 +461,9 @@ class Isolation:
         self._worlds = [self._swaps(modules) for _ in range(runs)]
         self._arguments: list[tuple[tuple, dict]] = []
 
-    def take_arguments(self) -> None:
-        """Copy the arguments for every run, after legacy. Raises ArgumentsChanged where legacy wrote one in
-        place, InsufficientMemory where the copies would not fit."""
+    def take_arguments(self) -> tuple[tuple, dict]:
+        """Copy the arguments for every run, after legacy: the first run's (args, kwargs). Raises ArgumentsChanged
+        where legacy wrote one in place, InsufficientMemory where the copies would not fit."""
         changed = sum(t._version != version for t, version in self._versions)
         if changed:
             raise ArgumentsChanged(f"legacy wrote {changed} of the call's tensor arguments in place")
@@ -437,6 +472,7 @@ class Isolation:
             raise ArgumentsChanged(f"legacy wrote {changed} of the modules' parameters in place")
         memory.check_fits((t for t, _ in self._versions), self._runs, "argument copies")
         self._arguments = [clone_tensors(self._given, early) for early in self._early]
+        return self._arguments[0]
 
     @staticmethod
     def _swaps(modules: list[torch.nn.Module]) -> tuple[list[_Swap], list[torch.Tensor]]:

@@ -44,19 +44,19 @@ LEGACY_AGAIN = Role.LEGACY_AGAIN
 
 
 @contextlib.contextmanager
-def shadow_run(experiment: Any, backward: bool = False) -> Iterator[None]:
+def shadow_run(experiment: Any, backward: bool = False) -> Iterator[object]:
     """While the body runs, this thread's upstream run is one of ``experiment``'s (the threads it starts, and a
-    worker it hands a run to, are part of it); with ``backward`` (a backward comparison's run,
-    :mod:`shadow.core.judging.gradients`), so are the autograd engine's own threads (the device threads a backward
-    through device tensors runs on). (The job's thread waits in the sampled call meanwhile; a backward of another
-    job thread's at that moment would run its wrapped calls as nested ones, the primary's implementation,
-    uncounted: what the job gets, unseen.)"""
+    worker it hands a run to, are part of it: the key it gives, :func:`current_run`'s); with ``backward`` (a
+    backward comparison's run, :mod:`shadow.core.judging.gradients`), so are the autograd engine's own threads (the
+    device threads a backward through device tensors runs on). (The job's thread waits in the sampled call meanwhile; a
+    backward of another job thread's at that moment would run its wrapped calls as nested ones, the primary's
+    implementation, uncounted: what the job gets, unseen.)"""
     key = object()
     outer = getattr(marks, "run", None)
     try:
         shadow_runs[key] = (experiment, backward)
         marks.run = key
-        yield
+        yield key
     finally:
         del shadow_runs[key]  # (first: a key left in marks.run by an interrupt is no run's)
         marks.run = outer

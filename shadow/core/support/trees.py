@@ -9,6 +9,7 @@ leaves no cycle.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -32,10 +33,17 @@ def flatten(tree: Any, is_leaf: IsLeaf = None) -> tuple[list[Any], pytree.TreeSp
     return leaves, _flatten_into(tree, is_leaf, leaves)
 
 
-def flatten_with_paths(tree: Any, is_leaf: IsLeaf = None) -> tuple[list[tuple[Any, Any]], pytree.TreeSpec]:
-    """``tree_flatten_with_path``: (key path, leaf) pairs and the spec."""
+def flatten_with_paths(tree: Any, dataclasses_as_leaves: bool = False) -> tuple[list[tuple[Any, Any]], pytree.TreeSpec]:
+    """``tree_flatten_with_path``: (key path, leaf) pairs and the spec (``dataclasses_as_leaves``: a dataclass
+    instance is a leaf, for the caller to open)."""
+    is_leaf = is_dataclass_instance if dataclasses_as_leaves else None
     _, spec = flatten(tree, is_leaf)
     return list(pytree._generate_key_paths((), tree, is_leaf)), spec
+
+
+def is_dataclass_instance(node: Any) -> bool:
+    """Whether ``node`` is a dataclass instance (a leaf for :func:`flatten_with_paths`' ``dataclasses_as_leaves``)."""
+    return dataclasses.is_dataclass(node) and not isinstance(node, type)
 
 
 def leaves(tree: Any) -> list[Any]:

@@ -18,14 +18,12 @@ class Coin:
     def __init__(self, rate: float, seed: int | None, stream: str) -> None:
         self.rate = rate
         self._random = random.Random(f"{seed}/{stream}" if seed is not None else None)
+        #: A uniform draw in [0, 1) from the stream (at another probability than the rate: ``coin.random() < p``).
+        self.random = self._random.random
 
     def flip(self) -> bool:
         """Whether this one is drawn (no draw at all while the rate is 0)."""
         return self.rate > 0 and self._random.random() < self.rate
-
-    def chance(self, probability: float) -> bool:
-        """A draw at another probability, from the same stream."""
-        return self._random.random() < probability
 
     def bits(self, count: int) -> int:
         """``count`` random bits from the stream (seeds of what the draw decided)."""

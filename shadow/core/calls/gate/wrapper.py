@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Callable
 from typing import Any
 
-from shadow.core.calls.gate.sampler import Gate
+from shadow.core.calls.gate.sampling import CLOSED, Gate
 
 Setters = tuple[Callable[[Gate], None], Callable[[Callable], None]]
-
-#: The gate of a wrapper whose every call arrives (a guided target classifying every call).
-CLOSED: Gate = itertools.repeat(True, 0)
 
 
 def make_wrapper(

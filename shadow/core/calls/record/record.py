@@ -1,27 +1,157 @@
-"""What one target counted, and the exporters told of it: its tally, its held value differences, its log."""
+"""What one target counted, and the exporters told of it: its :class:`Record` (the :class:`Tally`, its held value
+differences, its log), and the monitor's :class:`Publisher` (the one way the core calls its exporters)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shadow.core.calls.gate.sampling import Sampling
-from shadow.core.calls.record import clusters
+from shadow.core.calls.record import clusters as clustering
+from shadow.core.calls.record.exporting import call_hook
 from shadow.core.calls.record.held import HeldDifferences
-from shadow.core.calls.record.publisher import Publisher
-from shadow.core.calls.record.tally import Tally
 from shadow.core.judging.noise import NoiseFloor
-from shadow.core.model.observation import OUTCOMES, Observation, Outcome, TargetStats, within_noise_floor
+from shadow.core.model.observation import (
+    DIVERGENT_OUTCOMES,
+    OUTCOMES,
+    Observation,
+    Outcome,
+    TargetStats,
+    within_noise_floor,
+)
 from shadow.core.runs.global_state import TorchGlobals
+from shadow.core.runs.sides import marks
 
 log = logging.getLogger("shadow")
 
-#: The least time between two log lines of one kind of one target's.
+#: The least time between two log lines of one kind of one target's (or of one exporter's failures in one hook).
 LOG_INTERVAL_SECONDS = 60.0
+
+
+class Publisher:
+    """A monitor's exporters, called through :func:`shadow.core.calls.record.exporting.call_hook` (a failure is
+    returned, never raised), under the ``publishing`` mark (a patched function an exporter calls is not a call of
+    the job's), each failure logged at most once a minute per exporter and hook.
+
+    Args:
+        exporters: objects with ``export`` (checked by ``install``) and any of the optional hooks.
+    """
+
+    def __init__(self, exporters: Sequence[Any] = ()) -> None:
+        self.exporters = tuple(exporters)
+        self._last_logged: dict[tuple[str, int], float] = {}
+
+    def each(self, hook: str, *args: Any) -> int:
+        """Call ``hook`` on every exporter that has it. Returns how many failed."""
+        publishing = getattr(marks, "publishing", False)
+        failed = 0
+        try:
+            marks.publishing = True
+            for exporter in self.exporters:
+                failure = call_hook(exporter, hook, *args)
+                if failure is not None:
+                    failed += 1
+                    self._log(exporter, hook, failure)
+        finally:
+            marks.publishing = publishing
+        return failed
+
+    def export(self, target: str, observation: Any) -> int:
+        """Export an observation; each exporter that failed is told to the others (``record_export_error``).
+        Returns how many failed."""
+        failed = self.each("export", observation)
+        for _ in range(failed):
+            self.each("record_export_error", target)
+        return failed
+
+    def _log(self, exporter: Any, hook: str, failure: BaseException) -> None:
+        now, key = time.monotonic(), (hook, id(exporter))
+        last = self._last_logged.get(key)
+        if last is None or now - last >= LOG_INTERVAL_SECONDS:
+            self._last_logged[key] = now
+            log.warning("npu-shadow: exporter %r failed in %s: %r", exporter, hook, failure)
+
+
+def _counter() -> collections.Counter[str]:
+    return collections.Counter()
+
+
+@dataclasses.dataclass
+class Tally:
+    """One target's counts (read and written under its experiment's lock).
+
+    Attributes:
+        outcomes: observations published, by outcome (skips included).
+        reasons: their reasons (a comparison may have several; skips' reasons too).
+        shared: divergences legacy and upstream share (the single-device oracle's finding), by reason.
+        oracle_runs, backward_runs, backward_skips, truth_runs: the extra runs made (and the backward comparisons
+            that could not be made, by reason; the truth runs by which side was nearer).
+        clusters: the process's clusters of comparisons (:mod:`shadow.core.calls.record.clusters`).
+        drilled: comparisons a fire drill corrupted.
+        signatures_over_cap: calls whose signature counted as "other" (past the cap).
+        export_errors: exporters that failed to export an observation.
+        settings_failures: torch's global settings that could not be taken or put back.
+        skips_unreported: sampled calls skipped in bulk (budget, deadline) since the last report.
+        calls_reported: the calls reported to the exporters so far, by signature (under "" where not guided).
+    """
+
+    cluster_share: float = 1.0
+    outcomes: collections.Counter[str] = dataclasses.field(default_factory=_counter)
+    reasons: collections.Counter[str] = dataclasses.field(default_factory=_counter)
+    shared: collections.Counter[str] = dataclasses.field(default_factory=_counter)
+    oracle_runs: int = 0
+    backward_runs: int = 0
+    backward_skips: collections.Counter[str] = dataclasses.field(default_factory=_counter)
+    truth_runs: collections.Counter[str] = dataclasses.field(default_factory=_counter)
+    clusters: clustering.Clusters = dataclasses.field(init=False)
+    drilled: int = 0
+    signatures_over_cap: int = 0
+    export_errors: int = 0
+    settings_failures: int = 0
+    skips_unreported: collections.Counter[str] = dataclasses.field(default_factory=_counter)
+    calls_reported: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # (the window as it is now, not as it was at import: a test sets it)
+        self.clusters = clustering.Clusters(clustering.WINDOW_SECONDS, self.cluster_share)
+
+    def fresh(self) -> Tally:
+        """A tally at zero with the same cluster share (a forked child's)."""
+        return Tally(self.cluster_share)
+
+    def count(self, observation: Observation) -> Observation:
+        """Count a published observation; returned with its cluster share where it opens a cluster."""
+        if observation.outcome != Outcome.SKIPPED.value and self.clusters.opens(
+            observation.primary, observation.outcome in DIVERGENT_OUTCOMES
+        ):
+            observation = dataclasses.replace(observation, cluster_share=self.clusters.share)
+        self.drilled += observation.drill
+        self.outcomes[observation.outcome] += 1
+        self.reasons.update(observation.reasons)
+        if observation.shared_divergence:
+            self.shared[observation.shared_divergence] += 1
+        self.backward_runs += observation.backward
+        if observation.backward_skip:
+            self.backward_skips[observation.backward_skip] += 1
+        if observation.nearer:
+            self.truth_runs[observation.nearer] += 1
+        return observation
+
+    def skip_in_bulk(self, reason: str) -> None:
+        """A sampled call skipped without an observation of its own (reported with the next report)."""
+        self.outcomes[Outcome.SKIPPED.value] += 1
+        self.reasons[reason] += 1
+        self.skips_unreported[reason] += 1
+
+    def take_unreported_skips(self) -> collections.Counter[str]:
+        """The skips in bulk since the last report, and none from now."""
+        skipped, self.skips_unreported = self.skips_unreported, collections.Counter()
+        return skipped
 
 
 class Record:
@@ -31,11 +161,15 @@ class Record:
         target: the target's name.
         publisher: the monitor's exporters.
         lock: the experiment's lock (the tally is read and written under it).
+        counted: the calls to report, taken under the lock (:meth:`Sampling.counted`; ``flush``: the open gate's
+            too).
     """
 
-    def __init__(self, target: str, publisher: Publisher, lock: threading.Lock) -> None:
-        self.target, self.publisher, self._lock = target, publisher, lock
-        self.tally = Tally(clusters.cluster_share())
+    def __init__(
+        self, target: str, publisher: Publisher, lock: threading.Lock, counted: Callable[[bool], dict[str, Any]]
+    ) -> None:
+        self.target, self.publisher, self._lock, self._counted = target, publisher, lock, counted
+        self.tally = Tally(clustering.cluster_share())
         self.held = HeldDifferences()
         self._last_logged: dict[str, float] = {}
 
@@ -73,10 +207,8 @@ class Record:
         with self._lock:
             self.tally.skip_in_bulk(reason)
 
-    def publish(
-        self, observation: Observation, noise: NoiseFloor, report: Callable[[], None], judged: bool = False
-    ) -> None:
-        """Count an observation and export it (the calls so far reported first, by ``report``). A value difference
+    def publish(self, observation: Observation, noise: NoiseFloor, judged: bool = False) -> None:
+        """Count an observation and export it (the calls so far reported first). A value difference
         the noise floor cannot judge yet is held instead; after an A/A run, the held ones of its signature are
         judged again by ``noise`` (``judged``: this is one of them)."""
         if observation.noise_pending:
@@ -85,7 +217,7 @@ class Record:
             observation = unjudged(observation)
         with self._lock:
             observation = self.tally.count(observation)
-        report()
+        self.report_calls()
         failed = self.publisher.export(self.target, observation)
         if failed:
             self.add("export_errors", failed)
@@ -93,19 +225,19 @@ class Record:
             for held, is_noise, test in self.held.judged(observation.signature, noise):
                 found = within_noise_floor(held, test) if is_noise else held
                 found = dataclasses.replace(found, noise_pending=False, noise_test=test, leaf_errors=())
-                self.publish(found, noise, report, True)
+                self.publish(found, noise, True)
 
-    def release_held(self, noise: NoiseFloor, report: Callable[[], None]) -> None:
+    def release_held(self, noise: NoiseFloor) -> None:
         """Publish the value differences still held as skips (reason noise_pending): the floor never had the A/A
         runs to judge them."""
         for observation in self.held.release():
-            self.publish(unjudged(observation), noise, report, True)
+            self.publish(unjudged(observation), noise, True)
 
-    def report_calls(self, counted: Callable[[], dict[str, int]]) -> None:
-        """Tell exporters how many calls passed since the last report (``counted()``, called under the lock: by
-        signature, or under ""), and how many sampled calls were skipped in bulk."""
+    def report_calls(self, flush: bool = False) -> None:
+        """Tell exporters how many calls passed since the last report (by signature, or under ""), and how many
+        sampled calls were skipped in bulk (``flush``: a guided target's open gate's calls too)."""
         with self._lock:
-            now = counted()
+            now = self._counted(flush)
             reported = self.tally.calls_reported
             deltas = {signature: calls - reported.get(signature, 0) for signature, calls in now.items()}
             self.tally.calls_reported = dict(now)

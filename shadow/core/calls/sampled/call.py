@@ -1,23 +1,71 @@
-"""One sampled call, one object: :meth:`SampledCall.run` takes it from its eligibility to its observation's
-publishing. The primary's run (its result or exception is the caller's), then the shadow side
-(:class:`~shadow.core.calls.sampled.shadow_side.ShadowSide`), guarded: whatever that raises is this tool's fault,
-counted as a "comparator" skip (:mod:`~shadow.core.calls.sampled.guards`), never the caller's problem."""
+"""One sampled call, one object: :meth:`SampledCall.run` takes it from its eligibility (:func:`skip_reason`: can it
+run twice as the same call?) to its observation's publishing. The primary's run (its result or exception is the
+caller's), then the shadow side (:class:`~shadow.core.calls.sampled.shadow_side.ShadowSide`), guarded: whatever that
+raises is this tool's fault, counted as a "comparator" skip (:mod:`~shadow.core.calls.sampled.guards`), never the
+caller's problem."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
+
 from shadow.core.calls.gate.sampling import UNDER_WAY
 from shadow.core.calls.sampled import guards
-from shadow.core.calls.sampled.context import CallContext
-from shadow.core.calls.sampled.eligibility import skip_reason
-from shadow.core.calls.sampled.plan import Run, plan
+from shadow.core.calls.sampled.plan import CallContext, Run, plan
 from shadow.core.calls.sampled.shadow_side import ShadowSide, free_after_oom, is_oom
 from shadow.core.model.observation import Observation, Outcome, bounded
+from shadow.core.model.targets import Target
 from shadow.core.runs.global_state import TorchGlobals
-from shadow.core.runs.isolation import modules_in_call
+from shadow.core.runs.isolation import user_code_reached
 from shadow.core.runs.sides import marks
+from shadow.core.support.memory import InsufficientMemory
+
+#: torch's own TorchFunctionModes: they are part of the call's context, active for legacy and upstream alike.
+_TORCHS_OWN_MODES = (DeviceContext,)  # torch.set_default_device, ``with torch.device(...)``
+
+
+def skip_reason(
+    target: Target, pure_hooks: bool, args: tuple, kwargs: dict
+) -> tuple[list[torch.nn.Module], tuple[str, str] | None]:
+    """(the modules in the call, and (reason, detail) where a sampled call of ``target`` cannot be compared
+    faithfully, else None).
+
+    Args:
+        target: the call's target (its ``run_if``).
+        pure_hooks: the user's module hooks are declared free of side effects.
+        args, kwargs: the call's arguments.
+
+    Why the shadow side would be visible to code the job runs: a user's TorchFunctionMode or any TorchDispatchMode
+    is active, or the call reaches a tensor subclass with its own hooks, or a user's module hooks (their code would
+    see every operation of the shadow side, and upstream's calls would come back through them to the wrapper, so
+    the comparison would not be faithful: reason "mode", or "hooks"; torch's own modes, a default device, are part
+    of the call: upstream runs under them too); the call is being compiled; or the target says the call cannot run
+    twice (:attr:`Target.run_if`). None when it can be compared.
+    """
+    if torch.compiler.is_compiling():
+        return [], ("compiling", "")
+    if torch._C._len_torch_dispatch_stack() or (
+        torch._C._len_torch_function_stack()
+        and not all(isinstance(mode, _TORCHS_OWN_MODES) for mode in _get_current_function_mode_stack())
+    ):
+        return [], ("mode", "")
+    modules, reached = user_code_reached(args, kwargs, pure_hooks)
+    if reached:
+        return modules, (reached, "")
+    if target.run_if is not None:
+        try:
+            why = target.run_if(args, kwargs)
+        except InsufficientMemory as exc:
+            return modules, ("oom", bounded(str(exc)))
+        except Exception as exc:  # (the target's own check: its failure is ours to count, never the job's)
+            return modules, ("comparator", bounded(f"run_if raised {exc!r}"))
+        if why is not None:
+            return modules, ("ineligible", bounded(str(why)))
+    return modules, None
 
 
 def run_primary(context: CallContext, args: tuple, kwargs: dict) -> Any:
@@ -42,10 +90,9 @@ class SampledCall:
         against the shadow run. Returns what the primary returned (or raises what it raised)."""
         context, args, kwargs, cost = self.context, self.args, self.kwargs, self.context.cost
         start = cost.clock()
-        modules = modules_in_call(args, kwargs)
-        skip = skip_reason(context.target, context.pure_hooks, args, kwargs, modules)
+        modules, skip = skip_reason(context.target, context.pure_hooks, args, kwargs)
         if skip is not None:
-            self._publish(self._skipped(skip[0], skip[1], self.signature or ""))
+            context.record.publish(self._skipped(skip[0], skip[1], self.signature or ""), context.noise)
             cost.charge(cost.clock() - start)
             return run_primary(context, args, kwargs)
         try:
@@ -54,8 +101,7 @@ class SampledCall:
             raise
         except BaseException as exc:  # (taking the plan: ours to count, the call skipped)
             side = exc
-        cost.planned = cost.clock() - start
-        cost.charge(cost.planned)
+        cost.planned = cost.clock() - start  # (charged with the shadow side's time, once it ended)
         start = time.perf_counter()
         try:
             result = run_primary(context, args, kwargs)
@@ -76,12 +122,17 @@ class SampledCall:
         context, cost = self.context, self.context.cost
         outer, started, held = getattr(marks, "shadow_side", None), cost.clock(), False
         try:
+            left_by_primary = TorchGlobals()  # the shadow side's changes never reach the job
+            changed = isinstance(side, ShadowSide) and not left_by_primary.same_as(side.plan.before)
             UNDER_WAY.hold()
             held = True
             marks.shadow_side = context.side
-            left_by_primary = TorchGlobals()  # the shadow side's changes never reach the job
             try:
-                self._publish(self._observe(side, primary, left_by_primary))
+                if isinstance(side, ShadowSide):
+                    observation = side.observe(self.args, self.kwargs, primary, left_by_primary, changed)
+                else:
+                    observation = self._plan_failed(side)
+                context.record.publish(observation, context.noise)
             finally:
                 context.record.put_back(left_by_primary)
         except KeyboardInterrupt:
@@ -92,25 +143,15 @@ class SampledCall:
             marks.shadow_side = outer
             if held:
                 UNDER_WAY.release()
-            seconds = cost.clock() - started
-            cost.charge(seconds)
-            cost.last = cost.planned + seconds
+            cost.last = cost.planned + cost.clock() - started
+            cost.charge(cost.last)
 
-    def _observe(self, side: ShadowSide | BaseException, primary: Run, left_by_primary: TorchGlobals) -> Observation:
-        """The shadow side's observation; a plan that could not be taken, or a failure of the shadow side, as the
-        skip its guard says."""
-        if isinstance(side, BaseException):  # (out of memory, or ours)
-            reason = "oom" if is_oom(side) else guards.failed(self.context.record, "plan", side)
-            if reason == "oom":
-                free_after_oom()
-            return self._skipped(reason, bounded(repr(side)), "")
-        try:
-            return side.observe(self.args, self.kwargs, primary, left_by_primary)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # SystemExit too
-            step = "isolation" if isinstance(exc, guards.IsolationFailed) else "shadow_side"
-            return self._skipped(guards.failed(self.context.record, step, exc), bounded(repr(exc)), "")
+    def _plan_failed(self, failure: BaseException) -> Observation:
+        """The observation of a call whose plan could not be taken: out of memory, or ours (its guard's skip)."""
+        reason = "oom" if is_oom(failure) else guards.failed(self.context.record, "plan", failure)
+        if reason == "oom":
+            free_after_oom()
+        return self._skipped(reason, bounded(repr(failure)), "")
 
     def _skipped(self, reason: str, detail: str, signature: str) -> Observation:
         context = self.context
@@ -118,6 +159,3 @@ class SampledCall:
             context.target.name, Outcome.SKIPPED, (reason,), signature=signature, detail=detail,
             timestamp=time.time(), primary=context.primary,
         )  # fmt: skip
-
-    def _publish(self, observation: Observation) -> None:
-        self.context.publish(observation)

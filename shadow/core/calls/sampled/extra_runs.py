@@ -1,6 +1,6 @@
 """The runs that join a sampled call's shadow run, one protocol for all: the A/A run (legacy again: the noise
 floor), the single-device oracle, the backward comparison and the float64 truth run. Each is drawn by its coin
-(:class:`~shadow.core.calls.sampled.context.Coins`), runs in its own named isolation slot where it takes one
+(:class:`~shadow.core.calls.sampled.plan.Coins`), runs in its own named isolation slot where it takes one
 (:attr:`~shadow.core.calls.sampled.plan.Plan.slots`), through one :meth:`ExtraRuns._run` (put-back, slot, side,
 deadline), guarded and timed by one :meth:`ExtraRuns._guarded` (a failure loses its finding alone:
 :data:`~shadow.core.calls.sampled.guards.GUARDS`)."""
@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from shadow.core.calls.sampled import guards
-from shadow.core.calls.sampled.context import CallContext
-from shadow.core.calls.sampled.plan import AA, BACKWARD, ORACLE, SHADOW, Plan, Run
+from shadow.core.calls.sampled.plan import AA, BACKWARD, ORACLE, SHADOW, CallContext, Plan, Run
 from shadow.core.judging.compare import Comparison, compare, compare_exceptions
 from shadow.core.judging.gradients import GradientComparison, compare_gradients, names_of, vjp
 from shadow.core.judging.truth import in_float64, judge, judge_both, run_upcast
@@ -56,10 +55,10 @@ class ExtraRuns:
         context, plan, left_by_legacy = self.context, self.plan, self.left_by_legacy
         context.record.put_back(plan.before)
         try:
-            with on() as bound, shadow_run(side, backward=backward):
+            with on() as bound, shadow_run(side, backward=backward) as key:
                 if bound is None:
                     return None
-                return context.within_deadline(side, plan.before, lambda: run(bound))
+                return context.within_deadline(key, side, plan.before, lambda: run(bound))
         finally:
             context.record.put_back(left_by_legacy)
 
@@ -97,8 +96,8 @@ class ExtraRuns:
         elif plan.backward:
             found, fields = self.backward(args, kwargs, runs[1], found)
         if (
-            context.coins.truth.rate > 0
-            and context.target.plain
+            context.coins.truth is not None
+            and context.plain
             and returned
             and _value_difference(found)
             and context.coins.truth.flip()
@@ -115,7 +114,7 @@ class ExtraRuns:
         its own, and the same seeded products through both graphs; the comparison turned into a ``grad`` mismatch
         where they differ, and the Observation fields of the backward run."""
         context, plan = self.context, self.plan
-        seed = context.coins.backward.bits(40)
+        seed = context.coins.backward.bits(40)  # type: ignore[union-attr]  # (drawn: it flipped)
 
         def legacy_products(on: tuple[tuple, dict]) -> Any:
             outputs = context.legacy(*on[0], **on[1])

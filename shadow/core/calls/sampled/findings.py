@@ -10,9 +10,8 @@ from typing import Any
 
 import torch
 
-from shadow.core.calls.sampled.context import CallContext
 from shadow.core.calls.sampled.guards import failed
-from shadow.core.calls.sampled.plan import Plan, Run
+from shadow.core.calls.sampled.plan import CallContext, Plan, Run
 from shadow.core.judging.compare import Comparison, compare, compare_custom, compare_exceptions, with_state
 from shadow.core.model.observation import UPSTREAM, Evidence, Outcome, bounded, within_noise_floor
 from shadow.core.runs.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
@@ -31,17 +30,19 @@ def _current_device() -> str | None:
 
 
 def judge(
-    context: CallContext, plan: Plan, arguments: tuple[tuple, dict], runs: tuple[Run, Run], left: tuple
+    context: CallContext, plan: Plan, arguments: tuple, runs: tuple[Run, Run], left: tuple | None
 ) -> tuple[Comparison, str, bool]:
-    """(the finding, the noise test as text, whether it is pending) of two runs of one call (``runs`` and ``left``,
-    their results and the settings each left: legacy's, upstream's): compared, with the settings and module
-    attributes each left, and a value difference held against the noise floor (:func:`within_noise`)."""
-    found = compare_runs(context, plan, *arguments, *runs)
-    differences = {**state_differences(plan, *left), **module_differences(context, plan)}
+    """(the finding, the noise test as text, whether it is pending) of two runs of one call (``arguments``: what
+    legacy and upstream received; ``runs`` and ``left``: their results and the settings each left, legacy's and
+    upstream's, ``left`` None where neither left one changed): compared, with the settings and module attributes
+    each left, and a value difference held against the noise floor (:func:`within_noise`)."""
+    found = compare_runs(context, plan, arguments, *runs)
+    states = state_differences(plan, *left) if left is not None else {}
+    differences = {**states, **module_differences(context, plan)}
     return within_noise(context, plan.signature, with_state(found, differences) if differences else found)
 
 
-def compare_runs(context: CallContext, plan: Plan, args: tuple, kwargs: dict, legacy: Run, upstream: Run) -> Comparison:
+def compare_runs(context: CallContext, plan: Plan, arguments: tuple, legacy: Run, upstream: Run) -> Comparison:
     """Legacy's result against upstream's (with both runs' autocast state where they mismatch), or the one rule
     for exceptions where either raised."""
     if legacy.error is not None or upstream.error is not None:
@@ -54,8 +55,8 @@ def compare_runs(context: CallContext, plan: Plan, args: tuple, kwargs: dict, le
         upstream.value,
         tolerance=context.tolerance,
         exact=target.exact,
-        legacy_inputs=(args, kwargs),
-        upstream_inputs=plan.shadow_arguments(),
+        legacy_inputs=arguments[0],
+        upstream_inputs=arguments[1],
     )
     if found.outcome == Outcome.MISMATCH:
         autocast = f"autocast legacy: {plan.autocast}; upstream: {upstream.autocast}"
@@ -92,7 +93,7 @@ def within_noise(context: CallContext, signature: str, found: Comparison) -> tup
     and is pending while the floor cannot judge it yet (too few A/A runs: the engine holds it until it can).
     Anything beyond the floor, or of another kind, stays a mismatch. Every value comparison's errors join the
     A/B sample."""
-    if not context.coins.aa.rate:  # (no A/A runs: no floor, nothing is noise, and no sample is kept)
+    if context.coins.aa is None:  # (no A/A runs: no floor, nothing is noise, and no sample is kept)
         return found, "", False
     noise_floor = context.noise
     if found.outcome in (Outcome.MATCH, Outcome.CLOSE) or set(found.reasons) == {"value"}:
@@ -107,9 +108,10 @@ def within_noise(context: CallContext, signature: str, found: Comparison) -> tup
     return within_noise_floor(found, test), test, False
 
 
-def evidence(context: CallContext, plan: Plan, legacy: Run, upstream: Run) -> Evidence:
-    """What a repro capture needs: the inputs as upstream received them, both outputs, the module state."""
-    args, kwargs = plan.shadow_arguments()
+def evidence(context: CallContext, arguments: tuple[tuple, dict], legacy: Run, upstream: Run) -> Evidence:
+    """What a repro capture needs: the inputs as upstream received them (``arguments``), both outputs, the module
+    state."""
+    args, kwargs = arguments
     modules = find_modules((args, kwargs))
     clean = context.target.clean or _as_it_is
     with torch._C.DisableTorchFunction():  # (no subclass sees the detach)

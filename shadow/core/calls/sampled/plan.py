@@ -1,6 +1,7 @@
-"""What a sampled call's shadow side works from, taken before the primary runs: its :class:`Plan` (the isolation,
-the signature, the settings the primary starts from, which extra runs join in, their named slots), and the
-:class:`Run` of each side."""
+"""What a sampled call works from: the :class:`CallContext` it reads of its target's experiment (frozen, made again
+whenever the primary switches or a forked child starts; a sampled call never sees the experiment itself), its
+:class:`Coins`, and, taken before the primary runs, its :class:`Plan` (the isolation, the signature, the settings the
+primary starts from, which extra runs join in, their named slots) and the :class:`Run` of each side."""
 
 from __future__ import annotations
 
@@ -12,11 +13,136 @@ from typing import Any
 
 import torch
 
-from shadow.core.calls.sampled.context import CallContext
+from shadow.core.calls.gate.budget import ShadowCost
+from shadow.core.calls.gate.coin import Coin
+from shadow.core.calls.gate.coverage import Classifier
+from shadow.core.calls.record.record import Record
+from shadow.core.calls.sampled.drill import Drill
+from shadow.core.judging.noise import NoiseFloor
 from shadow.core.model.observation import UNCLASSIFIED_SIGNATURE, UPSTREAM, label_text
+from shadow.core.model.targets import Target
+from shadow.core.model.tolerance import ToleranceSpec
 from shadow.core.runs import hook_watch
+from shadow.core.runs.deadline import Finished, leave_worker, run_within, worker
 from shadow.core.runs.global_state import TorchGlobals
 from shadow.core.runs.isolation import Isolation, SideEffects, detach_tensors
+from shadow.core.runs.sides import marks
+
+
+@dataclasses.dataclass(frozen=True)
+class Coins:
+    """A target's random draws, each from a stream of its own, None where it never draws: the single-device oracle
+    (every sampled call under autocast and this fraction of the others, for targets that describe a single-device
+    call), the A/A run (the noise floor), the backward comparison (its cotangents' seeds drawn from it), the truth
+    run (among value differences)."""
+
+    oracle: Coin | None
+    aa: Coin | None
+    backward: Coin | None
+    truth: Coin | None
+
+    @classmethod
+    def of(cls, target: Target, seed: int | None, oracle: float | None, aa: float, backward: float, truth: float):
+        """The coins of ``target`` at these rates (``oracle`` None: no oracle; a rate of 0: no coin), seeded by the
+        monitor's ``seed``."""
+        oracle = oracle if target.oracle is not None and target.isolate else None
+
+        def coin(rate: float | None, what: str) -> Coin | None:
+            return (
+                Coin(rate, seed, f"{target.name}/{what}")
+                if rate is not None and (rate > 0 or what == "oracle")
+                else None
+            )
+
+        return cls(coin(oracle, "oracle"), coin(aa, "aa"), coin(backward, "backward"), coin(truth, "truth"))
+
+
+@dataclasses.dataclass(frozen=True)
+class CallContext:
+    """What a sampled call of one target works from, frozen when the call is admitted.
+
+    Args:
+        target: what is shadowed.
+        primary: the side whose result the caller gets (``legacy``, or ``upstream`` in a canary).
+        primary_fn: its function.
+        shadow_fn: the other side's, run again isolated as the same call.
+        legacy: legacy's function, whatever the primary (the A/A run's, the backward comparison's).
+        legacy_origin: where legacy comes from (a torch_npu release's patch), for the observation.
+        tolerance: the target's tolerance.
+        pure_hooks: the job's module hooks are declared free of side effects.
+        deadline: the most seconds the caller waits for a run of the shadow side (None: no limit).
+        drill: the fire drill, where one runs.
+        coins: the target's draws.
+        noise: the noise floor of the current phase.
+        classifier: the target's signatures.
+        record: what the target counted (and its log).
+        cost: what the shadow side cost, charged to the budget.
+        plain: the target's calls are plain functions of tensors (:attr:`Target.plain`: the extra runs are made).
+        side: who the call's shadow side runs as (the experiment: a nested call of the target there runs the
+            shadow); an identity, never read.
+        deadline_missed: called when a run passed its deadline (the target stops shadowing).
+    """
+
+    target: Target
+    primary: str
+    primary_fn: Callable
+    shadow_fn: Callable
+    legacy: Callable
+    legacy_origin: str
+    tolerance: ToleranceSpec
+    pure_hooks: bool
+    deadline: float | None
+    drill: Drill | None
+    coins: Coins
+    noise: NoiseFloor
+    classifier: Classifier
+    record: Record
+    cost: ShadowCost
+    plain: bool
+    side: object
+    deadline_missed: Callable[[], None]
+
+    def within_deadline(
+        self,
+        run: object,
+        side: object,
+        before: TorchGlobals,
+        body: Callable[[], Any],
+        checks_its_settings: bool = False,
+    ) -> Finished:
+        """``body()`` (a run of the shadow side, ``run``, as ``side``'s (:func:`~shadow.core.runs.sides.shadow_run`),
+        from the settings ``before``, which this thread has written already): on a daemon thread of the shadow
+        side's, waited for at most the deadline (:mod:`shadow.core.runs.deadline`; without one, until it ends). Past the
+        deadline the run is abandoned and the target stops shadowing (``deadline_missed``). An interrupt the body raised
+        is raised here, as it would be on the caller's thread. A run that leaves a setting of its thread changed ends
+        its worker (the body says so itself where ``checks_its_settings``)."""
+        record = self.record
+
+        def start() -> None:
+            marks.shadow_side, marks.run = side, run
+            # (a worker whose run changed a setting ends with it: a worker kept holds what its last run started from)
+            known = getattr(worker, "settings", None)
+            if known is not None and known.same_as(before):
+                return
+            if record.put_back(before):  # (on the worker: its thread-local settings the caller's)
+                worker.settings = before
+            else:
+                leave_worker()
+
+        def checked() -> Any:
+            try:
+                return body()
+            finally:
+                if not TorchGlobals().same_as(before):
+                    leave_worker()
+
+        found = run_within(self.deadline, body if checks_its_settings else checked, start=start)
+        if isinstance(found.error, KeyboardInterrupt):
+            raise found.error
+        if not found.finished:
+            self.deadline_missed()
+        return found
+
 
 #: The isolated runs of a sampled call, by name (:attr:`Plan.slots`).
 SHADOW, ORACLE, BACKWARD, AA = "shadow", "oracle", "backward", "aa"
@@ -71,7 +197,8 @@ class Plan:
     backward_skip: str = ""  # a backward comparison drawn for a call that can have none (grad mode off)
     rewind: Callable[[], Any] | None = None  # puts the call's consumed arguments back where the primary found them
     replay: Callable[[], tuple[tuple, dict]] | None = None  # the shadow run's arguments, once the primary ran
-    #: The shadow side's hook registrations before this call's runs (:mod:`shadow.core.runs.hook_watch`).
+    #: The shadow side's hook registrations before this call's runs, where a backward comparison runs
+    #: (:mod:`shadow.core.runs.hook_watch`).
     hooks_seen: int = 0
     modules_loaded: int = 0
 
@@ -100,14 +227,20 @@ def plan(context: CallContext, args: tuple, kwargs: dict, modules: list[torch.nn
     """The plan of a sampled call of ``context``'s target, before the primary runs (``signature``: a guided
     target's call comes classified; None: classified here). Raises what taking it raised."""
     target, coins = context.target, context.coins
-    before = TorchGlobals()
     autocast = autocast_state()
-    plain = target.plain  # (the extra runs are for plain functions of tensors only)
+    before = TorchGlobals()
+    plain = context.plain  # (the extra runs are for plain functions of tensors only)
     oracle = plain and coins.oracle is not None and ("=on/" in autocast or coins.oracle.flip())
-    aa = plain and coins.aa.flip()
-    drawn = plain and target.isolate and context.primary != UPSTREAM and coins.backward.flip()
+    aa = plain and coins.aa is not None and coins.aa.flip()
+    drawn = (
+        plain
+        and target.isolate
+        and context.primary != UPSTREAM
+        and coins.backward is not None
+        and coins.backward.flip()
+    )
     backward = drawn and torch.is_grad_enabled()
-    extra = tuple(name for name, joins in ((ORACLE, oracle), (BACKWARD, backward), (AA, aa)) if joins)
+    extra = (ORACLE,) * oracle + (BACKWARD,) * backward + (AA,) * aa  # (in the isolation's order)
     if target.isolate:
         isolation = Isolation(args, kwargs, modules, runs=1 + len(extra))
         shadow_args, shadow_kwargs = None, None
@@ -123,7 +256,8 @@ def plan(context: CallContext, args: tuple, kwargs: dict, modules: list[torch.nn
     return Plan(
         isolation, shadow_args, shadow_kwargs, signature, autocast, before, slots=(SHADOW, *extra),
         oracle=oracle, backward=backward, aa=aa, here=here, backward_skip="no_grad" if drawn and not backward else "",
-        rewind=rewind, replay=replay, hooks_seen=hook_watch.registered(), modules_loaded=len(sys.modules),
+        rewind=rewind, replay=replay, hooks_seen=hook_watch.registered() if backward else 0,
+        modules_loaded=len(sys.modules),
     )  # fmt: skip
 
 

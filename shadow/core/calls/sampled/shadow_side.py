@@ -18,19 +18,16 @@ from typing import Any
 
 import torch
 
-from shadow.core.calls.sampled import findings
-from shadow.core.calls.sampled.context import CallContext
-from shadow.core.calls.sampled.eligibility import is_hooked_subclass
+from shadow.core.calls.sampled import findings, guards
 from shadow.core.calls.sampled.extra_runs import ExtraRuns
 from shadow.core.calls.sampled.guards import IsolationFailed
-from shadow.core.calls.sampled.plan import Plan, Run, autocast_state
+from shadow.core.calls.sampled.plan import CallContext, Plan, Run, autocast_state
 from shadow.core.model.observation import DIVERGENT_OUTCOMES, UPSTREAM, Observation, Outcome, bounded
 from shadow.core.model.target import CannotReplay
 from shadow.core.runs.deadline import Finished, leave_worker, run_here
 from shadow.core.runs.global_state import TorchGlobals
-from shadow.core.runs.isolation import ArgumentsChanged
+from shadow.core.runs.isolation import ArgumentsChanged, holds_hooked_subclass
 from shadow.core.runs.sides import shadow_run
-from shadow.core.support import trees
 
 #: What an allocator's failure says: a device's "out of memory", the host allocator's "can't allocate memory".
 _OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory")
@@ -49,13 +46,17 @@ def free_after_oom() -> None:
             torch.accelerator.empty_cache()
 
 
+@dataclasses.dataclass
 class ShadowSide:
     """The shadow side of one sampled call, from its plan (taken before the primary ran)."""
 
-    def __init__(self, context: CallContext, plan: Plan) -> None:
-        self.context, self.plan = context, plan
-        #: The shadow run's arguments where the target replays the call's input (Target.replay), once the primary ran.
-        self.replayed: tuple[tuple, dict] | None = None
+    context: CallContext
+    plan: Plan
+    #: What the shadow receives, once the primary ran: the isolation's copies, or the plan's arguments
+    #: (:meth:`Plan.shadow_arguments`), and what its run is made on (the replayed input where the target replays
+    #: it, Target.replay; else the same).
+    shadow_arguments: tuple = ()
+    run_arguments: tuple = ()
 
     def skipped(self, reason: str, detail: str = "", **fields: Any) -> Observation:
         """The observation of this call skipped for ``reason``."""
@@ -65,9 +66,28 @@ class ShadowSide:
             timestamp=time.time(), primary=context.primary, **fields,
         )  # fmt: skip
 
-    def observe(self, args: tuple, kwargs: dict, primary: Run, left_by_primary: TorchGlobals) -> Observation:
+    def observe(
+        self, args: tuple, kwargs: dict, primary: Run, left_by_primary: TorchGlobals, primary_changed: bool
+    ) -> Observation:
         """Run the shadow the way the primary ran and compare the two runs: their results (or exceptions) and the
-        torch settings each left behind (``primary`` and ``left_by_primary``: the primary's run)."""
+        torch settings each left behind (``primary`` and ``left_by_primary``: the primary's run; ``primary_changed``:
+        those are not the settings it started from). Never raises: a failure here is the skip its guard says
+        (:mod:`~shadow.core.calls.sampled.guards`)."""
+        try:
+            return self._observe(args, kwargs, primary, left_by_primary, primary_changed)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit too
+            step = "isolation" if isinstance(exc, IsolationFailed) else "shadow_side"
+            reason = guards.failed(self.context.record, step, exc)
+            return Observation(
+                self.context.target.name, Outcome.SKIPPED, (reason,), signature="", detail=bounded(repr(exc)),
+                timestamp=time.time(), primary=self.context.primary,
+            )  # fmt: skip
+
+    def _observe(
+        self, args: tuple, kwargs: dict, primary: Run, left_by_primary: TorchGlobals, primary_changed: bool
+    ) -> Observation:
         context = self.context
         snapshot = context.target.snapshot
         if snapshot is not None and primary.error is None:  # (what the primary's run left on the caller's object)
@@ -75,7 +95,7 @@ class ShadowSide:
         cannot = self._cannot_run_shadow(primary)
         if cannot is not None:
             return cannot
-        shadow, drilled, left_by_shadow = self._shadow_run(left_by_primary)
+        shadow, drilled, left_by_shadow, changed = self._shadow_run(left_by_primary, primary_changed)
         if shadow is None:
             return self.skipped("deadline", f"the shadow side took longer than its deadline ({context.deadline:g} s)")
         common = {
@@ -88,28 +108,41 @@ class ShadowSide:
             del shadow  # its error's traceback holds shadow's tensors
             free_after_oom()
             return self.skipped("oom", **common)
-        return self._compared(args, kwargs, (primary, shadow), (left_by_primary, left_by_shadow), common)
+        left = (left_by_primary, left_by_shadow) if changed else None
+        return self._compared(args, kwargs, (primary, shadow), left_by_primary, left, common)
 
     def _compared(
-        self, args: tuple, kwargs: dict, ran: tuple[Run, Run], left: tuple[TorchGlobals, TorchGlobals], common: dict
+        self,
+        args: tuple,
+        kwargs: dict,
+        ran: tuple[Run, Run],
+        left_by_primary: TorchGlobals,
+        left: tuple[TorchGlobals, TorchGlobals] | None,
+        common: dict,
     ) -> Observation:
         """The observation of two runs that both ended (``ran``: the primary's, the shadow's; ``left``: the settings
-        each left): compared, held against the noise floor, and the extra runs the plan drew made."""
+        each left, None where neither changed one): compared, held against the noise floor, and the extra runs the
+        plan drew made."""
         context, plan = self.context, self.plan
-        (primary, shadow), left_by_primary = ran, left[0]
+        (primary, shadow) = ran
         returned = primary.error is None and shadow.error is None
         canary = context.primary == UPSTREAM
-        runs, left = (ran[::-1], left[::-1]) if canary else (ran, left)  # (legacy's, upstream's)
-        extra = ExtraRuns(context, plan, left_by_primary)
-        aa = extra.aa(runs[0]) if plan.aa and returned else {}
+        runs = ran[::-1] if canary else ran  # (legacy's, upstream's)
+        if left is not None and canary:
+            left = left[::-1]
+        drawn = plan.aa or plan.oracle or plan.backward or plan.backward_skip or context.coins.truth is not None
+        extra = ExtraRuns(context, plan, left_by_primary) if drawn else None
+        aa = extra.aa(runs[0]) if extra is not None and plan.aa and returned else {}
         start = time.perf_counter()
-        found, noise_test, pending = findings.judge(context, plan, (args, kwargs), runs, left)
+        found, noise_test, pending = findings.judge(context, plan, ((args, kwargs), self.shadow_arguments), runs, left)
         compare_seconds = time.perf_counter() - start
-        found, drawn = extra.after_comparing(args, kwargs, runs, primary, found, returned)
+        fields: dict[str, Any] = {}
+        if extra is not None:  # (the extra runs the plan drew, and a truth run a difference may draw)
+            found, fields = extra.after_comparing(args, kwargs, runs, primary, found, returned)
         evidence = None
         # (a replay is of the forward; a pending difference is held, and holds no tensors while it waits)
         if found.outcome in DIVERGENT_OUTCOMES and "grad" not in found.reasons and not pending:
-            evidence = findings.evidence(context, plan, *runs)
+            evidence = findings.evidence(context, self.shadow_arguments, *runs)
         return Observation(
             context.target.name,
             found.outcome,
@@ -128,7 +161,7 @@ class ShadowSide:
             timestamp=time.time(),
             primary=context.primary,
             **aa,
-            **drawn,
+            **fields,
             **common,
         )
 
@@ -138,13 +171,16 @@ class ShadowSide:
         or the argument copies would not fit. None when the shadow can run (the isolation's copies are then
         taken)."""
         plan = self.plan
-        if primary.error is None and any(map(is_hooked_subclass, trees.leaves(primary.value))):
+        value = primary.value
+        if primary.error is None and type(value) is not torch.Tensor and holds_hooked_subclass(value):
             return self.skipped("mode")
         try:
             if plan.isolation is not None:
-                plan.isolation.take_arguments()
-            if plan.replay is not None:  # (the input the primary read, read once)
-                self.replayed = plan.replay()
+                self.shadow_arguments = plan.isolation.take_arguments()
+            else:
+                self.shadow_arguments = (plan.args, plan.kwargs)
+            # (the input the primary read, read once, where the target replays it)
+            self.run_arguments = plan.replay() if plan.replay is not None else self.shadow_arguments
         except ArgumentsChanged as exc:
             return self.skipped("inplace", str(exc))
         except CannotReplay as exc:
@@ -161,29 +197,32 @@ class ShadowSide:
             return self.skipped("oom", bounded(repr(failure)))
         return self.skipped("comparator", bounded(repr(failure)))
 
-    def _shadow_run(self, left_by_primary: TorchGlobals) -> tuple[Run | None, bool, TorchGlobals]:
+    def _shadow_run(
+        self, left_by_primary: TorchGlobals, primary_changed: bool
+    ) -> tuple[Run | None, bool, TorchGlobals, bool]:
         """The shadow on the plan's arguments, from the torch settings the caller had before the call (the primary's
         start), in the caller's grad mode, isolated where the target asks for it; whether a fire drill corrupted
-        it; and the torch settings it left behind (the primary's are put back before this returns). The run is None
-        where it passed its deadline. A call that cannot block runs here, on the caller's thread."""
+        it; the torch settings it left behind (the primary's are put back before this returns); and whether either
+        run left a setting changed. The run is None where it passed its deadline. A call that cannot block runs
+        here, on the caller's thread."""
         context, plan, record = self.context, self.plan, self.context.record
         isolated = plan.isolation.shadow_run() if plan.isolation is not None else contextlib.nullcontext()
         drill = context.drill if context.drill is not None and context.drill.fires() else None
-        if not left_by_primary.same_as(plan.before):  # (the primary changed a setting: the shadow starts where it did)
+        if primary_changed:  # (the primary changed a setting: the shadow starts where it did)
             record.put_back(plan.before)
-        shadow = _ShadowRun(plan, context.shadow_fn, context.target.snapshot, drill, self.replayed)
+        shadow = _ShadowRun(plan, context.shadow_fn, context.target.snapshot, drill, self.run_arguments)
         start = time.perf_counter()
         finished = Finished(False)
         # (a consumed argument, a stream: where the primary left it, put back once the shadow read it from the start)
-        left_there = context.target.rewind(*plan.shadow_arguments()) if plan.rewind is not None else None
+        left_there = context.target.rewind(*self.shadow_arguments) if plan.rewind is not None else None
         try:
             if plan.rewind is not None:
                 plan.rewind()
-            with isolated, shadow_run(context.side):
+            with isolated, shadow_run(context.side) as run:
                 if plan.here:
                     finished = run_here(shadow.run)
                 else:
-                    finished = context.within_deadline(context.side, plan.before, shadow.run, checks_its_settings=True)
+                    finished = context.within_deadline(run, context.side, plan.before, shadow.run, True)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the isolation's own failure (the shadow's are in finished): a fault of ours,
@@ -197,25 +236,28 @@ class ShadowSide:
             raise finished.error
         seconds = time.perf_counter() - start
         left_by_shadow = shadow.left if shadow.left is not None and finished.finished else TorchGlobals()
-        unchanged = left_by_primary.same_as(plan.before) and left_by_shadow.same_as(plan.before)
-        if not (finished.finished and unchanged):  # (where neither run changed a setting, they are as the primary left)
+        changed = primary_changed or not left_by_shadow.same_as(plan.before)
+        if changed or not finished.finished:  # (where neither run changed a setting, they are as the primary left)
             record.put_back(left_by_primary)
         if not finished.finished:
-            return None, shadow.drilled, left_by_shadow
+            return None, shadow.drilled, left_by_shadow, changed
         # (SystemExit, GeneratorExit: the shadow's outcome, never the caller's)
-        return Run(finished.value, finished.error, seconds, shadow.autocast), shadow.drilled, left_by_shadow
+        return Run(finished.value, finished.error, seconds, shadow.autocast), shadow.drilled, left_by_shadow, changed
 
 
+@dataclasses.dataclass
 class _ShadowRun:
-    """The body of one shadow run, on whichever thread runs it: what it ran under and left behind."""
+    """The body of one shadow run (the shadow function on ``arguments``, its snapshot taken, a drill's fault
+    injected), on whichever thread runs it: what it ran under and left behind."""
 
-    def __init__(
-        self, plan: Plan, shadow_fn: Callable, snapshot: Callable | None, drill: Any, arguments: tuple | None
-    ) -> None:
-        self.plan, self.shadow_fn, self.snapshot, self.drill = plan, shadow_fn, snapshot, drill
-        self.arguments = arguments  # (the replayed input, where the target replays it)
-        self.autocast, self.drilled = "", False
-        self.left: TorchGlobals | None = None
+    plan: Plan
+    shadow_fn: Callable
+    snapshot: Callable | None
+    drill: Any
+    arguments: tuple[tuple, dict]
+    autocast: str = ""
+    drilled: bool = False
+    left: TorchGlobals | None = None
 
     def run(self) -> Any:
         """The shadow function on the plan's arguments (a fire drill's fault injected where it fires); the settings
@@ -226,7 +268,7 @@ class _ShadowRun:
             if drill is not None and drill.kind == "exception":
                 self.drilled = True
                 drill.before_upstream()
-            args, kwargs = self.arguments if self.arguments is not None else plan.shadow_arguments()
+            args, kwargs = self.arguments
             value = self.shadow_fn(*args, **kwargs)
             if self.snapshot is not None:  # (taken on the isolation's stand-ins, before they are put back)
                 try:
