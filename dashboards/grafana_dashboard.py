@@ -28,6 +28,7 @@ from dashboards.series import (
     DRILL_ACTIVE,
     EXPORT_ERRORS,
     LEGACY_TIME,
+    PRIMARY_TIME,
     MISMATCHES,
     NOISE_FLOOR,
     PRIMARY,
@@ -307,13 +308,13 @@ def build() -> Dashboard:
         .with_panel(
             series_panel(
                 "Shadow overhead",
-                "Shadow side seconds (upstream run + comparison) per legacy second on sampled calls, and shadow "
-                "seconds per second of wall time.",
+                "Shadow side seconds (the shadow run + comparison) per second of the primary's own runs on sampled "
+                "calls, and shadow seconds per second of wall time.",
                 "short",
                 query(
                     f"sum by (target) (rate({SHADOW_TIME}{{{SEL}}}{rate})) / "
-                    f"sum by (target) (rate({LEGACY_TIME}{{{SEL}}}{rate}))",
-                    "{{target}} shadow / legacy",
+                    f"sum by (target) (rate({PRIMARY_TIME}{{{SEL}}}{rate}) or rate({LEGACY_TIME}{{{SEL}}}{rate}))",
+                    "{{target}} shadow / primary",
                 ),
                 query(
                     f"sum by (target) (rate({SHADOW_TIME}{{{SEL}}}{rate}))",

@@ -144,10 +144,11 @@ def cases() -> list[dict]:
             [("30m", "NpuShadowUpstreamErrors", [expected("NpuShadowUpstreamErrors")])],
         ),
         case(
-            "overhead: 6x legacy and 10% of wall time fires; 6x but 1% of wall time does not",
+            "overhead: 6x the primary's time and 10% of wall time fires; 6x but 1% does not (an older job's legacy-named "
+            "series read alike)",
             [
                 series("npu_shadow_shadow_seconds_total", "0+6x60"),
-                series("npu_shadow_legacy_seconds_total", "0+1x60"),
+                series("npu_shadow_primary_run_seconds_total", "0+1x60"),
                 series("npu_shadow_shadow_seconds_total", "0+0.6x60", job="cheap"),
                 series("npu_shadow_legacy_seconds_total", "0+0.1x60", job="cheap"),
             ],

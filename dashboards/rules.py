@@ -39,6 +39,7 @@ from dashboards.series import (
     DIVERGENT,
     HARD_REASONS,
     LEGACY_TIME,
+    PRIMARY_TIME,
     MISMATCHES,
     RESETS,
     ROLLBACKS,
@@ -146,7 +147,7 @@ def _recording_rules() -> list[dict[str, str]]:
         {
             "record": "npu_shadow:overhead:ratio_rate15m",
             "expr": f"sum by (job, run, target) (rate({SHADOW_TIME}[15m]))"
-            f" / sum by (job, run, target) (rate({LEGACY_TIME}[15m]))",
+            f" / sum by (job, run, target) (rate({PRIMARY_TIME}[15m]) or rate({LEGACY_TIME}[15m]))",
         },
         *_stratum_rules(),
         {"record": "npu_shadow:promotion:upper_bound_approx", "expr": promotion_bound()},

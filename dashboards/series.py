@@ -16,7 +16,9 @@ EXPORT_ERRORS = contract.EXPORT_ERRORS.series
 SHARED = contract.SHARED_DIVERGENCES.series
 ABS_ERROR = contract.ABS_ERROR.series
 REL_ERROR = contract.REL_ERROR.series
-LEGACY_TIME = contract.LEGACY.series
+PRIMARY_TIME = contract.PRIMARY_TIME.series
+#: The primary's time as series written before it was named by role carry it (read beside PRIMARY_TIME).
+LEGACY_TIME = contract.LEGACY_TIME_SERIES
 SHADOW_TIME = contract.SHADOW.series
 SAMPLE_RATE = contract.SAMPLE_RATE.prometheus_name
 PRIMARY = contract.PRIMARY.prometheus_name

@@ -1,15 +1,22 @@
-"""The metric contract shared by the Prometheus and OpenTelemetry paths.
+"""The metric contract shared by the Prometheus and OpenTelemetry paths, and the one place values become samples.
 
 One dashboard and one rule file serve both: the OpenTelemetry instruments below come out of the SDK's
 Prometheus translation with exactly the Prometheus names (dots become underscores, ``_total`` is added to
 monotonic sums, ``_seconds`` for unit ``s``, and ``{annotation}`` units add nothing).
 Labels come only from bounded sets: target, outcome, reason, signature; and every series carries the run it
 belongs to (:data:`RUN_LABEL`, one value per process).
+
+What an :class:`Observation` (and each exporter hook) says is turned into samples here, once
+(:func:`observation_samples`, after prometheus/client_python's collectors: values become samples in one place,
+backends stay thin): a :data:`Sample` is (metric, its labels in the metric's order, value), a counter's increment,
+a histogram's observation or a gauge's value. Adding a metric is a :class:`Metric` in :data:`ALL` and, where an
+observation carries it, a rule in :data:`OBSERVATION_RULES`; both exporters then carry it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 
 from shadow.core.model.observation import (
     BACKWARD_OUTCOMES,
@@ -20,6 +27,8 @@ from shadow.core.model.observation import (
     NEARER,
     SHARED_DIVERGENCE_REASONS,
     SKIP_REASONS,
+    Observation,
+    Outcome,
 )
 from shadow.core.model.observation import LEGACY as LEGACY_SIDE
 from shadow.core.model.run_ids import run_id as run_id
@@ -62,6 +71,8 @@ class Metric:
     kind: str  # counter, histogram, gauge
     labels: tuple[str, ...]
     description: str
+    #: A gauge that shows the greatest value its samples gave (else the last).
+    greatest: bool = False
 
     @property
     def prometheus_name(self) -> str:
@@ -123,7 +134,16 @@ SHARED_DIVERGENCES = Metric(
 )
 ABS_ERROR = Metric("npu_shadow.abs_error", "1", "histogram", ("target",), "Greatest absolute error per comparison.")
 REL_ERROR = Metric("npu_shadow.rel_error", "1", "histogram", ("target",), "Greatest relative error per comparison.")
-LEGACY = Metric("npu_shadow.legacy", "s", "counter", ("target",), "Time spent in legacy on sampled calls.")
+PRIMARY_TIME = Metric(
+    "npu_shadow.primary_run",
+    "s",
+    "counter",
+    ("target",),
+    "Time the primary's runs took on sampled calls (the caller's own calls: legacy's, upstream's in a canary).",
+)
+#: The series the primary's time had before it was named by role (``npu_shadow.legacy``, which held upstream's time
+#: in a canary): rules and dashboards read it beside :data:`PRIMARY_TIME` for series written before.
+LEGACY_TIME_SERIES = "npu_shadow_legacy_seconds_total"
 SHADOW = Metric(
     "npu_shadow.shadow",
     "s",
@@ -172,6 +192,7 @@ NOISE_FLOOR = Metric(
     "The noise floor: the greatest difference between two legacy runs of the same call (A/A), by signature and "
     "measure (abs, rel). A legacy-vs-upstream value difference is outcome noise only within twice a robust floor "
     "of the A/A errors and while a rank test finds the A/B errors no larger than the A/A ones.",
+    greatest=True,
 )
 BACKWARD_RUNS = Metric(
     "npu_shadow.backward_runs",
@@ -259,7 +280,7 @@ ALL = (
     SHARED_DIVERGENCES,
     ABS_ERROR,
     REL_ERROR,
-    LEGACY,
+    PRIMARY_TIME,
     SHADOW,
     SHADOW_DURATION,
     AA_RUNS,
@@ -301,7 +322,135 @@ def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:
     series += [
         (SHARED_DIVERGENCES, {"target": target, "reason": r, "primary": legacy}) for r in SHARED_DIVERGENCE_REASONS
     ]
-    series += [(LEGACY, {"target": target}), (SHADOW, {"target": target})]
+    series += [(PRIMARY_TIME, {"target": target}), (SHADOW, {"target": target})]
     series += [(ROLLBACKS, {"target": target, "source": source}) for source in ROLLBACK_SOURCES]
     series += [(RESETS, {"target": target})]
     return series
+
+
+# --------------------------------------------------------------------------- samples
+
+#: One value for one series: (metric, its labels in the metric's order, value).
+Sample = tuple[Metric, tuple[str, ...], float]
+
+
+def _outcome(o: Observation) -> Iterable[Sample]:
+    if o.outcome == Outcome.SKIPPED:
+        return [(SKIPPED, (o.target, reason, o.signature, o.primary), 1) for reason in o.reasons]
+    found: list[Sample] = [(COMPARISONS, (o.target, o.outcome, o.signature, o.primary), 1)]
+    if o.cluster_share:
+        found.append((CLUSTERS, (o.target, o.primary), o.cluster_share))
+    found += [(MISMATCHES, (o.target, reason, o.primary), 1) for reason in o.reasons]
+    if o.shared_divergence:
+        found.append((SHARED_DIVERGENCES, (o.target, o.shared_divergence, o.primary), 1))
+    return found
+
+
+def _errors(o: Observation) -> Iterable[Sample]:
+    if o.outcome in (Outcome.SKIPPED, Outcome.ERROR) or not o.numel:
+        return ()
+    return (
+        (ABS_ERROR, (o.target,), min(o.max_abs_error, ERROR_CAP)),
+        (REL_ERROR, (o.target,), min(o.max_rel_error, ERROR_CAP)),
+    )
+
+
+def _aa(o: Observation) -> Iterable[Sample]:
+    if not o.aa or o.outcome == Outcome.SKIPPED:
+        return ()
+    differs = o.aa_abs_error > 0 or o.aa_rel_error > 0
+    return (
+        (AA_RUNS, (o.target, o.signature, "differs" if differs else "same"), 1),
+        (NOISE_FLOOR, (o.target, o.signature, "abs"), min(o.aa_abs_error, ERROR_CAP)),
+        (NOISE_FLOOR, (o.target, o.signature, "rel"), min(o.aa_rel_error, ERROR_CAP)),
+    )
+
+
+def _extra_runs(o: Observation) -> Iterable[Sample]:
+    if o.outcome == Outcome.SKIPPED:
+        return ()
+    found: list[Sample] = []
+    if o.backward:
+        found.append((BACKWARD_RUNS, (o.target, o.signature, o.primary, o.backward_outcome), 1))
+    if o.backward_skip:
+        found.append((BACKWARD_SKIPS, (o.target, o.backward_skip), 1))
+    if o.nearer:
+        found.append((TRUTH_RUNS, (o.target, o.signature, o.nearer), 1))
+    return found
+
+
+def _time(o: Observation) -> Iterable[Sample]:
+    if o.outcome == Outcome.SKIPPED:
+        return ()
+    overhead = o.overhead_seconds
+    return (
+        (PRIMARY_TIME, (o.target,), o.primary_seconds),
+        (SHADOW, (o.target,), overhead),
+        (SHADOW_DURATION, (o.target,), overhead),
+    )
+
+
+#: What an observation says, by metric: each rule gives its samples (none where it says nothing of them).
+OBSERVATION_RULES: list[Callable[[Observation], Iterable[Sample]]] = [_outcome, _errors, _aa, _extra_runs, _time]
+
+
+def observation_samples(observation: Observation) -> list[Sample]:
+    """Every sample of one observation, from :data:`OBSERVATION_RULES`."""
+    return [sample for rule in OBSERVATION_RULES for sample in rule(observation)]
+
+
+def call_samples(target: str, calls: int, signature: str, primary: str) -> list[Sample]:
+    """Calls that passed since the last report (``record_calls``), by the side the caller got."""
+    return [(CALLS, (target, signature, primary), calls)]
+
+
+def skip_samples(target: str, reason: str, count: int, primary: str) -> list[Sample]:
+    """Sampled calls skipped in bulk, without an observation each (``record_skips``: the overhead budget)."""
+    return [(SKIPPED, (target, reason, "", primary), count)]
+
+
+def primary_samples(target: str, side: str) -> list[Sample]:
+    """The side whose result the caller of ``target`` gets from now on (``set_primary``)."""
+    return [(PRIMARY, (target, each), 1 if each == side else 0) for each in (LEGACY_SIDE, "upstream")]
+
+
+def rollback_samples(target: str, by: str) -> list[Sample]:
+    """A rollback (``record_rollback``), by what threw it."""
+    return [(ROLLBACKS, (target, rollback_source(by)), 1)]
+
+
+def reset_samples(target: str) -> list[Sample]:
+    """A person's reset after a rollback (``record_reset``)."""
+    return [(RESETS, (target,), 1)]
+
+
+def time_samples(seconds: float) -> list[Sample]:
+    """Process time under the monitor (``record_time``)."""
+    return [(PROCESS_TIME, (), seconds)] if seconds > 0 else []
+
+
+def export_error_samples(target: str) -> list[Sample]:
+    """An exporter that failed to export one of ``target``'s observations (``record_export_error``)."""
+    return [(EXPORT_ERRORS, (target,), 1)]
+
+
+def registered_samples(target: str, sample_rate: float) -> list[Sample]:
+    """A target installed (``register``): every series of :func:`zero_series` at zero, and its sample rate."""
+    found: list[Sample] = [
+        (metric, tuple(labels[name] for name in metric.labels), 0) for metric, labels in zero_series(target)
+    ]
+    found.append((SAMPLE_RATE, (target,), sample_rate))
+    return found
+
+
+def drill_samples(active: bool) -> list[Sample]:
+    """Whether a fire drill injects synthetic divergence (``set_drill``)."""
+    return [(DRILL_ACTIVE, (), 1 if active else 0)]
+
+
+def arm_samples(target: str, arm: str, workers_bound: bool, first_batch_seconds: float | None) -> list[Sample]:
+    """One iterator of a canary A/B (``export_arm``)."""
+    found: list[Sample] = [(ARM_ITERATORS, (target, arm, "bound" if workers_bound else "unbound"), 1)]
+    if first_batch_seconds is not None:
+        found += [(ARM_FIRST_BATCH, (target, arm), first_batch_seconds), (ARM_FIRST_BATCHES, (target, arm), 1)]
+    return found

@@ -22,7 +22,7 @@ from opentelemetry import metrics
 
 from exporters import contract
 from shadow.core.calls.canary.arms import ArmRun
-from shadow.core.model.observation import Observation, Outcome
+from shadow.core.model.observation import LEGACY, Observation
 from shadow.core.support import forks
 
 METER_NAME = "npu_shadow"
@@ -37,28 +37,14 @@ MAX_PENDING = 100_000
 MAX_RECORDED_PER_COLLECTION = 10_000
 RECORD_SECONDS = 1.0
 
-_SUMS = (
-    contract.CALLS,
-    contract.ARM_ITERATORS,
-    contract.ARM_FIRST_BATCH,
-    contract.ARM_FIRST_BATCHES,
-    contract.COMPARISONS,
-    contract.CLUSTERS,
-    contract.PROCESS_TIME,
-    contract.MISMATCHES,
-    contract.SKIPPED,
-    contract.EXPORT_ERRORS,
-    contract.SHARED_DIVERGENCES,
-    contract.LEGACY,
-    contract.SHADOW,
-    contract.AA_RUNS,
-    contract.BACKWARD_RUNS,
-    contract.BACKWARD_SKIPS,
-    contract.TRUTH_RUNS,
-    contract.ROLLBACKS,
-    contract.RESETS,
-)
-_HISTOGRAMS = (contract.ABS_ERROR, contract.REL_ERROR, contract.SHADOW_DURATION)
+_SUMS = tuple(metric for metric in contract.ALL if metric.kind == "counter")
+_HISTOGRAMS = tuple(metric for metric in contract.ALL if metric.kind == "histogram")
+_GAUGES = tuple(metric for metric in contract.ALL if metric.kind == "gauge")
+
+
+def _target(metric: contract.Metric, value: float, labels: tuple[str, ...]) -> str:
+    """The target of a histogram value (every histogram is by target)."""
+    return labels[metric.labels.index("target")]
 
 
 class OTelExporter:
@@ -79,8 +65,8 @@ class OTelExporter:
         )
         self._lock = threading.Lock()
         self._totals: dict[contract.Metric, dict[tuple[str, ...], float]] = {m: {} for m in _SUMS}
-        self._rates: dict[str, float] = {}
-        self._pending: collections.deque[tuple[contract.Metric, float, str]] = collections.deque()
+        self._gauges: dict[contract.Metric, dict[tuple[str, ...], float]] = {m: {} for m in _GAUGES}
+        self._pending: collections.deque[tuple[contract.Metric, float, tuple[str, ...]]] = collections.deque()
         self.dropped = 0  # histogram values lost: the queue was full, or the SDK failed to record them
         self._histograms = {
             metric: self.meter.create_histogram(
@@ -96,65 +82,33 @@ class OTelExporter:
         for metric in _SUMS:
             self.meter.create_observable_counter(
                 metric.otel_name,
-                [lambda options, metric=metric: self._observe_totals(metric)],
+                [lambda options, metric=metric: self._observe(metric, self._totals)],
                 unit=metric.unit,
                 description=metric.description,
             )
-        self.meter.create_observable_gauge(
-            contract.SAMPLE_RATE.otel_name,
-            [self._observe_rates],
-            unit=contract.SAMPLE_RATE.unit,
-            description=contract.SAMPLE_RATE.description,
-        )
-        self._primary: dict[tuple[str, str], int] = {}  # (target, side) -> 1 for the side the caller gets
-        self.meter.create_observable_gauge(
-            contract.PRIMARY.otel_name,
-            [self._observe_primary],
-            unit=contract.PRIMARY.unit,
-            description=contract.PRIMARY.description,
-        )
-        self._floors: dict[tuple[str, str, str], float] = {}  # (target, signature, measure) -> the greatest
-        self.meter.create_observable_gauge(
-            contract.NOISE_FLOOR.otel_name,
-            [self._observe_floors],
-            unit=contract.NOISE_FLOOR.unit,
-            description=contract.NOISE_FLOOR.description,
-        )
-        self._drill = 0
-        self.meter.create_observable_gauge(
-            contract.DRILL_ACTIVE.otel_name,
-            [lambda options: [metrics.Observation(self._drill, {contract.RUN_LABEL: self.run})]],
-            unit=contract.DRILL_ACTIVE.unit,
-            description=contract.DRILL_ACTIVE.description,
-        )
+        for metric in _GAUGES:
+            self.meter.create_observable_gauge(
+                metric.otel_name,
+                [lambda options, metric=metric: self._observe(metric, self._gauges)],
+                unit=metric.unit,
+                description=metric.description,
+            )
+        self._primary: dict[str, str] = {}  # target -> the side the caller gets now (set_primary)
+        self._apply(contract.drill_samples(False))
         forks.register(self)
 
     # ------------------------------------------------------------------ collection time
 
-    def _observe_totals(self, metric: contract.Metric) -> Iterable[metrics.Observation]:
+    def _observe(
+        self, metric: contract.Metric, values: dict[contract.Metric, dict[tuple[str, ...], float]]
+    ) -> Iterable[metrics.Observation]:
         if metric is _SUMS[0]:  # (once per collection: one callback records the queued values)
             self._record_pending()
         with self._lock:
-            totals = list(self._totals[metric].items())
+            found = list(values[metric].items())
         return [
-            metrics.Observation(value, {**self._run, **dict(zip(metric.labels, labels))}) for labels, value in totals
+            metrics.Observation(value, {**self._run, **dict(zip(metric.labels, labels))}) for labels, value in found
         ]
-
-    def _observe_rates(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        with self._lock:
-            rates = list(self._rates.items())
-        return [metrics.Observation(rate, {**self._run, "target": target}) for target, rate in rates]
-
-    def _observe_primary(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        with self._lock:
-            primary = list(self._primary.items())
-        return [metrics.Observation(value, {**self._run, "target": t, "side": side}) for (t, side), value in primary]
-
-    def _observe_floors(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        with self._lock:
-            floors = list(self._floors.items())
-        labels = contract.NOISE_FLOOR.labels
-        return [metrics.Observation(value, {**self._run, **dict(zip(labels, key))}) for key, value in floors]
 
     def _record_pending(self) -> None:
         """Record queued histogram values, a bounded share per collection (MAX_RECORDED_PER_COLLECTION values,
@@ -164,118 +118,83 @@ class OTelExporter:
             if done % 256 == 255 and time.monotonic() > deadline:
                 return
             try:
-                metric, value, target = self._pending.popleft()
+                metric, value, labels = self._pending.popleft()
             except IndexError:
                 return
             try:
-                self._histograms[metric].record(value, {**self._run, "target": target})
+                self._histograms[metric].record(value, {**self._run, **dict(zip(metric.labels, labels))})
             except Exception:  # the SDK's fault: the value is lost, and counted as such
                 with self._lock:
                     self.dropped += 1
-                    self._add(contract.EXPORT_ERRORS, 1, target)
+                    self._apply_totals(contract.export_error_samples(_target(metric, value, labels)))
 
     # ------------------------------------------------------------------ exporter protocol
 
-    def _add(self, metric: contract.Metric, amount: float, *labels: str) -> None:
-        totals = self._totals[metric]
-        totals[labels] = totals.get(labels, 0) + amount
+    def _apply_totals(self, samples: Iterable[contract.Sample]) -> list[tuple[contract.Metric, float, tuple]]:
+        """Each counter's and gauge's sample on its value (under the lock); the histograms' samples returned, to be
+        queued."""
+        values = []
+        for metric, labels, value in samples:
+            if metric.kind == "counter":
+                totals = self._totals[metric]
+                totals[labels] = totals.get(labels, 0) + value
+            elif metric.kind == "gauge":
+                gauge = self._gauges[metric]
+                gauge[labels] = max(gauge.get(labels, value), value) if metric.greatest else value
+            else:
+                values.append((metric, value, labels))
+        return values
+
+    def _apply(self, samples: Iterable[contract.Sample]) -> None:
+        """The samples on the totals and gauges (under the lock), and histogram values queued for the next
+        collection (an observation whose values would not fit loses them, counted as an export error)."""
+        with self._lock:
+            values = self._apply_totals(samples)
+            if values and len(self._pending) + len(values) > MAX_PENDING:
+                self.dropped += 1
+                self._apply_totals(
+                    contract.export_error_samples(dict(zip(values[0][0].labels, values[0][2]))["target"])
+                )
+                return
+        self._pending.extend(values)
 
     def register(self, target: str, sample_rate: float) -> None:
         """Create the target's sums at zero and record its sample rate."""
-        with self._lock:
-            self._rates[target] = sample_rate
-            for metric, labels in contract.zero_series(target):
-                self._add(metric, 0, *(labels[name] for name in metric.labels))
+        self._apply(contract.registered_samples(target, sample_rate))
 
     def set_drill(self, active: bool) -> None:
         """Show whether a fire drill is injecting synthetic divergence."""
-        self._drill = 1 if active else 0
+        self._apply(contract.drill_samples(active))
 
     def record_calls(self, target: str, calls: int, signature: str = "") -> None:
-        with self._lock:
-            self._add(contract.CALLS, calls, target, signature, self._side(target))
-
-    def _side(self, target: str) -> str:
-        """The side the caller of ``target`` gets now (as set_primary last said)."""
-        return "upstream" if self._primary.get((target, "upstream")) else "legacy"
+        self._apply(contract.call_samples(target, calls, signature, self._primary.get(target, LEGACY)))
 
     def set_primary(self, target: str, side: str) -> None:
-        with self._lock:
-            for each in ("legacy", "upstream"):
-                self._primary[(target, each)] = 1 if each == side else 0
+        self._primary[target] = side
+        self._apply(contract.primary_samples(target, side))
 
     def record_rollback(self, target: str, by: str) -> None:
-        with self._lock:
-            self._add(contract.ROLLBACKS, 1, target, contract.rollback_source(by))
+        self._apply(contract.rollback_samples(target, by))
 
     def record_reset(self, target: str, by: str) -> None:
-        with self._lock:
-            self._add(contract.RESETS, 1, target)
+        self._apply(contract.reset_samples(target))
 
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
-        with self._lock:
-            self._add(contract.SKIPPED, count, target, reason, "", self._side(target))
+        self._apply(contract.skip_samples(target, reason, count, self._primary.get(target, LEGACY)))
 
     def record_time(self, seconds: float) -> None:
-        if seconds > 0:
-            with self._lock:
-                self._add(contract.PROCESS_TIME, seconds)
+        self._apply(contract.time_samples(seconds))
 
     def record_export_error(self, target: str) -> None:
-        with self._lock:
-            self._add(contract.EXPORT_ERRORS, 1, target)
+        self._apply(contract.export_error_samples(target))
 
     def export(self, observation: Observation) -> None:
-        target, add = observation.target, self._add
-        with self._lock:
-            if observation.outcome == Outcome.SKIPPED:
-                for reason in observation.reasons:
-                    add(contract.SKIPPED, 1, target, reason, observation.signature, observation.primary)
-                return
-            add(contract.COMPARISONS, 1, target, observation.outcome, observation.signature, observation.primary)
-            if observation.cluster_share:
-                add(contract.CLUSTERS, observation.cluster_share, target, observation.primary)
-            for reason in observation.reasons:
-                add(contract.MISMATCHES, 1, target, reason, observation.primary)
-            if observation.shared_divergence:
-                add(contract.SHARED_DIVERGENCES, 1, target, observation.shared_divergence, observation.primary)
-            if observation.aa:
-                signature = observation.signature
-                differs = observation.aa_abs_error > 0 or observation.aa_rel_error > 0
-                add(contract.AA_RUNS, 1, target, signature, "differs" if differs else "same")
-                for measure, value in (("abs", observation.aa_abs_error), ("rel", observation.aa_rel_error)):
-                    key = (target, signature, measure)
-                    self._floors[key] = max(self._floors.get(key, 0.0), min(value, contract.ERROR_CAP))
-            if observation.backward:
-                add(
-                    contract.BACKWARD_RUNS, 1, target, observation.signature, observation.primary,
-                    observation.backward_outcome,
-                )  # fmt: skip
-            if observation.backward_skip:
-                add(contract.BACKWARD_SKIPS, 1, target, observation.backward_skip)
-            if observation.nearer:
-                add(contract.TRUTH_RUNS, 1, target, observation.signature, observation.nearer)
-            add(contract.LEGACY, observation.primary_seconds, target)
-            add(contract.SHADOW, observation.overhead_seconds, target)
-        values = [(contract.SHADOW_DURATION, observation.overhead_seconds, target)]
-        if observation.outcome != Outcome.ERROR and observation.numel:
-            values.append((contract.ABS_ERROR, min(observation.max_abs_error, contract.ERROR_CAP), target))
-            values.append((contract.REL_ERROR, min(observation.max_rel_error, contract.ERROR_CAP), target))
-        if len(self._pending) + len(values) > MAX_PENDING:
-            with self._lock:
-                self.dropped += 1
-                add(contract.EXPORT_ERRORS, 1, target)
-            return
-        self._pending.extend(values)
+        self._apply(contract.observation_samples(observation))
 
     def export_arm(self, run: ArmRun) -> None:
         """One iterator of a canary A/B (:mod:`shadow.core.calls.canary.arms`)."""
-        with self._lock:
-            self._add(contract.ARM_ITERATORS, 1, run.target, run.arm, "bound" if run.workers_bound else "unbound")
-            if run.first_batch_seconds is not None:
-                self._add(contract.ARM_FIRST_BATCH, run.first_batch_seconds, run.target, run.arm)
-                self._add(contract.ARM_FIRST_BATCHES, 1, run.target, run.arm)
+        self._apply(contract.arm_samples(run.target, run.arm, run.workers_bound, run.first_batch_seconds))
 
     def _after_fork_in_child(self) -> None:
         # The parent's totals are the parent's: a forked child reports its own, from zero (its series stay).
@@ -283,5 +202,7 @@ class OTelExporter:
         for totals in self._totals.values():
             for labels in totals:
                 totals[labels] = 0
+        for greatest in (metric for metric in _GAUGES if metric.greatest):
+            self._gauges[greatest].clear()
         self._pending.clear()
         self.dropped = 0

@@ -17,6 +17,7 @@ import contextlib
 import glob
 import json
 import logging
+import math
 import os
 import warnings
 from collections.abc import Iterable
@@ -32,7 +33,7 @@ from exporters import contract
 from exporters.signatures import JobSignatures
 from shadow.core.calls.canary.arms import ArmRun
 from shadow.core.calls.gate.coverage import MAX_SIGNATURES, OTHER_SIGNATURE
-from shadow.core.model.observation import LEGACY, PRIMARY_SIDES, Observation, Outcome
+from shadow.core.model.observation import LEGACY, Observation
 from shadow.core.support import forks
 from shadow.core.support.safe_paths import check_private_directory, replace_regular_file
 
@@ -240,12 +241,12 @@ class PrometheusExporter:
         self.run = run if run is not None else contract.run_id()
         self._metrics = self._create(metric_registry)
         self._children: dict[tuple, Any] = {}
-        self._floors: dict[tuple[str, str, str], float] = {}  # (target, signature, measure) -> the greatest
+        self._greatest: dict[tuple, float] = {}  # (metric, labels) -> the greatest value of a gauge that keeps it
         self._primary: dict[str, str] = {}  # target -> the side the caller gets now (for calls and bulk skips)
         #: The signature values the job's processes share under the launcher (None: this process's own cap alone).
         self._job_signatures = JobSignatures.from_environment()
         self._metrics[contract.BUILD_INFO].labels(self.run, *contract.versions().values()).set(1)
-        self._child(contract.DRILL_ACTIVE).set(0)
+        self._apply(contract.drill_samples(False))
         self.server: Any = None
         self.port: int | None = None
         if port is not None:
@@ -288,90 +289,60 @@ class PrometheusExporter:
             child = self._children[key] = self._metrics[metric].labels(self.run, *shown)
         return child
 
+    def _apply(self, samples: Iterable[contract.Sample]) -> None:
+        """Each sample on its child: a counter's increment, a histogram's observation, a gauge's value (the
+        greatest so far, for a gauge that keeps it)."""
+        # No lock of our own: each prometheus-client value has its own, and the child cache is a dict whose get/set
+        # are atomic (a race at worst asks labels() twice for the same child).
+        for metric, labels, value in samples:
+            child = self._child(metric, *labels)
+            if metric.kind == "counter":
+                child.inc(value)
+            elif metric.kind == "histogram":
+                child.observe(value)
+            elif not metric.greatest:
+                child.set(value)
+            elif value >= self._greatest.get((metric, labels), -math.inf):
+                self._greatest[(metric, labels)] = value
+                child.set(value)
+
     def register(self, target: str, sample_rate: float) -> None:
         """Create every series of ``target`` at zero and record its sample rate."""
-        for metric, labels in contract.zero_series(target):
-            self._child(metric, *(labels[name] for name in metric.labels))
-        self._child(contract.SAMPLE_RATE, target).set(sample_rate)
+        self._apply(contract.registered_samples(target, sample_rate))
 
     def set_drill(self, active: bool) -> None:
         """Show whether a fire drill is injecting synthetic divergence."""
-        self._child(contract.DRILL_ACTIVE).set(1 if active else 0)
+        self._apply(contract.drill_samples(active))
 
     def record_calls(self, target: str, calls: int, signature: str = "") -> None:
-        self._child(contract.CALLS, target, signature, self._primary.get(target, LEGACY)).inc(calls)
+        self._apply(contract.call_samples(target, calls, signature, self._primary.get(target, LEGACY)))
 
     def set_primary(self, target: str, side: str) -> None:
         self._primary[target] = side
-        for each in PRIMARY_SIDES:
-            self._child(contract.PRIMARY, target, each).set(1 if each == side else 0)
+        self._apply(contract.primary_samples(target, side))
 
     def record_rollback(self, target: str, by: str) -> None:
-        self._child(contract.ROLLBACKS, target, contract.rollback_source(by)).inc()
+        self._apply(contract.rollback_samples(target, by))
 
     def record_reset(self, target: str, by: str) -> None:
-        self._child(contract.RESETS, target).inc()
+        self._apply(contract.reset_samples(target))
 
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
-        self._child(contract.SKIPPED, target, reason, "", self._primary.get(target, LEGACY)).inc(count)
+        self._apply(contract.skip_samples(target, reason, count, self._primary.get(target, LEGACY)))
 
     def record_time(self, seconds: float) -> None:
-        if seconds > 0:
-            self._child(contract.PROCESS_TIME).inc(seconds)
+        self._apply(contract.time_samples(seconds))
 
     def record_export_error(self, target: str) -> None:
-        self._child(contract.EXPORT_ERRORS, target).inc()
+        self._apply(contract.export_error_samples(target))
 
     def export(self, observation: Observation) -> None:
-        # No lock of our own: each prometheus-client value has its own, and the child cache is a dict
-        # whose get/set are atomic (a race at worst asks labels() twice for the same child).
-        child, target = self._child, observation.target
-        if observation.outcome == Outcome.SKIPPED:
-            for reason in observation.reasons:
-                child(contract.SKIPPED, target, reason, observation.signature, observation.primary).inc()
-            return
-        child(contract.COMPARISONS, target, observation.outcome, observation.signature, observation.primary).inc()
-        if observation.cluster_share:
-            child(contract.CLUSTERS, target, observation.primary).inc(observation.cluster_share)
-        for reason in observation.reasons:
-            child(contract.MISMATCHES, target, reason, observation.primary).inc()
-        if observation.shared_divergence:
-            child(contract.SHARED_DIVERGENCES, target, observation.shared_divergence, observation.primary).inc()
-        if observation.outcome != Outcome.ERROR and observation.numel:
-            child(contract.ABS_ERROR, target).observe(min(observation.max_abs_error, contract.ERROR_CAP))
-            child(contract.REL_ERROR, target).observe(min(observation.max_rel_error, contract.ERROR_CAP))
-        if observation.aa:
-            self._aa(observation)
-        if observation.backward:
-            child(
-                contract.BACKWARD_RUNS, target, observation.signature, observation.primary, observation.backward_outcome
-            ).inc()
-        if observation.backward_skip:
-            child(contract.BACKWARD_SKIPS, target, observation.backward_skip).inc()
-        if observation.nearer:
-            child(contract.TRUTH_RUNS, target, observation.signature, observation.nearer).inc()
-        child(contract.LEGACY, target).inc(observation.primary_seconds)
-        child(contract.SHADOW, target).inc(observation.overhead_seconds)
-        child(contract.SHADOW_DURATION, target).observe(observation.overhead_seconds)
+        self._apply(contract.observation_samples(observation))
 
     def export_arm(self, run: ArmRun) -> None:
         """One iterator of a canary A/B (:mod:`shadow.core.calls.canary.arms`)."""
-        self._child(contract.ARM_ITERATORS, run.target, run.arm, "bound" if run.workers_bound else "unbound").inc()
-        if run.first_batch_seconds is not None:
-            self._child(contract.ARM_FIRST_BATCH, run.target, run.arm).inc(run.first_batch_seconds)
-            self._child(contract.ARM_FIRST_BATCHES, run.target, run.arm).inc()
-
-    def _aa(self, observation: Observation) -> None:
-        target, signature = observation.target, observation.signature
-        differs = observation.aa_abs_error > 0 or observation.aa_rel_error > 0
-        self._child(contract.AA_RUNS, target, signature, "differs" if differs else "same").inc()
-        for measure, value in (("abs", observation.aa_abs_error), ("rel", observation.aa_rel_error)):
-            key = (target, signature, measure)
-            value = min(value, contract.ERROR_CAP)
-            if value >= self._floors.get(key, -1.0):
-                self._floors[key] = value
-                self._child(contract.NOISE_FLOOR, *key).set(value)
+        self._apply(contract.arm_samples(run.target, run.arm, run.workers_bound, run.first_batch_seconds))
 
     # ------------------------------------------------------------------ getting metrics out
 

@@ -98,7 +98,7 @@ def test_prometheus_translation_yields_the_direct_names():
     native = metric_names(generate_latest(direct.registry).decode())
     native.discard("npu_shadow_build_info")  # OTel carries versions on the meter instead
     assert translated == native
-    assert "npu_shadow_shadow_duration_seconds" in translated and "npu_shadow_legacy_seconds_total" in translated
+    assert "npu_shadow_shadow_duration_seconds" in translated and "npu_shadow_primary_run_seconds_total" in translated
     provider.shutdown()
 
 
