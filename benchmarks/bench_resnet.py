@@ -40,8 +40,8 @@ from torch import nn
 
 import shadow
 from shadow.core.calls.gate import coverage
-from shadow.core.calls.sampled import call
 from shadow.core.calls.gate.budget import WINDOW_SECONDS
+from shadow.core.calls.sampled import call
 from shadow.launcher.config import Config
 from shadow.npu import emulated
 

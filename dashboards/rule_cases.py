@@ -144,8 +144,8 @@ def cases() -> list[dict]:
             [("30m", "NpuShadowUpstreamErrors", [expected("NpuShadowUpstreamErrors")])],
         ),
         case(
-            "overhead: 6x the primary's time and 10% of wall time fires; 6x but 1% does not (an older job's legacy-named "
-            "series read alike)",
+            "overhead: 6x the primary's time and 10% of wall time fires; 6x but 1% does not (an older job's "
+            "legacy-named series read alike)",
             [
                 series("npu_shadow_shadow_seconds_total", "0+6x60"),
                 series("npu_shadow_primary_run_seconds_total", "0+1x60"),

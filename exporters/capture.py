@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_iter, tree_map
 
 from shadow.core.model.observation import Observation
 from shadow.core.model.run_ids import run_id_problem
+from shadow.core.support.safe_paths import make_private_directory
 
 FORMAT = 1
 _PLAIN = (torch.Tensor, torch.dtype, torch.device, str, int, float, bool, type(None), bytes)
@@ -198,3 +199,45 @@ def _check_size(data: dict[str, Any], path: str) -> None:
 
 #: The fields every capture has, with their types.
 _FIELDS = {"target": str, "outcome": str, "signature": str, "detail": str, "args": list, "kwargs": dict}
+
+
+class Captures:
+    """A process's repro captures into ``directory``: at most ``max_captures`` files and ``max_bytes`` of tensor
+    data. A capture that fails is removed and raised; its attempt still used its name."""
+
+    def __init__(self, directory: str, max_captures: int, max_bytes: int) -> None:
+        self.directory, self.max_captures, self.max_bytes = directory, max_captures, max_bytes
+        self.written = self.tried = self.failed = self.bytes = 0
+
+    def data(self, observation: Observation, run: str) -> dict | None:
+        """What this observation's capture would hold (``run``: whose evidence it is), if it gets one within the
+        limits. Raises what describing its evidence raised (counted as failed)."""
+        if observation.evidence is None or self.written >= self.max_captures:
+            return None
+        try:
+            data = {**payload(observation), "run": run}
+        except Exception:
+            self.failed += 1
+            raise
+        return data if self.bytes + size_of(data) <= self.max_bytes else None
+
+    def path(self, observation: Observation, pid: int) -> str:
+        """A fresh name: one that no earlier attempt of this process used, failed or not."""
+        self.tried += 1
+        # (a target's name is anyone's string: only its plain characters make the file name, inside the directory)
+        name = re.sub(r"[^A-Za-z0-9_-]", "_", observation.target)[:64]
+        return os.path.join(self.directory, f"{name}-{pid}-{self.tried:04d}.pt")
+
+    def save(self, data: dict, path: str) -> None:
+        """Write the capture (0600, in the private directory); a failure removes the partial file and is raised."""
+        try:
+            make_private_directory(self.directory, "capture_dir")
+            save(data, path)
+        except BaseException:
+            self.failed += 1
+            with contextlib.suppress(OSError):
+                if os.path.isfile(path) and not os.path.islink(path):
+                    os.remove(path)  # a partial file; the next capture gets another name anyway
+            raise
+        self.written += 1
+        self.bytes += size_of(data)

@@ -179,5 +179,33 @@ def test_every_field_survives_a_json_round_trip_including_awkward_strings(tmp_pa
     assert record["detail"] == awkward.detail and record["signature"] == awkward.signature
     assert record["reasons"] == ["nan", "value"] and record["drill"] is True
     assert record["max_abs_error"] == "inf" and record["max_rel_error"] == "nan"
-    assert record["timestamp"] == awkward.timestamp and record["legacy_seconds"] == 1e-6
+    assert record["timestamp"] == awkward.timestamp and record["primary_seconds"] == 1e-6
     assert record["pid"] == os.getpid() and record["capture"] is None
+
+
+def test_the_line_carries_every_field_of_the_schema_and_the_reader_reads_old_lines_by_role(tmp_path):
+    """One schema for writer and reader (exporters.journal_format): every observation field that is data is on the
+    line with its value (the A/A, backward and truth seconds among them), and a line written before the role names
+    (legacy_seconds, upstream_seconds) reads with them, by the side that was primary."""
+    import dataclasses
+
+    from exporters.journal_format import NULL_WHEN_EMPTY, OBSERVATION_FIELDS, readable
+    from shadow.analysis.sources import journal_records
+    from shadow.core.model.observation import Observation
+
+    values = {"aa_seconds": 0.25, "backward_seconds": 0.5, "truth_seconds": 0.75, "shadow_seconds": 2.0}
+    observation = Observation("op", "close", numel=4, primary_seconds=1.0, primary="upstream", **values)
+    journal = JsonlExporter(str(tmp_path / "j.jsonl"), all_outcomes=True)
+    journal.export(observation)
+    journal.close()
+    (record,) = [r for r in journal_records([str(tmp_path / "j.jsonl")]) if "outcome" in r]
+    for name, _ in OBSERVATION_FIELDS:
+        expected = getattr(observation, name)
+        expected = list(expected) if isinstance(expected, tuple) else expected
+        assert record[name] == (None if expected == "" and name in NULL_WHEN_EMPTY else expected), name
+    assert {f.name for f in dataclasses.fields(Observation)} - {n for n, _ in OBSERVATION_FIELDS} == {
+        "evidence", "leaf_errors", "noise_pending", "timestamp"
+    }  # fmt: skip
+    old = {"outcome": "close", "primary": "upstream", "legacy_seconds": 2.0, "upstream_seconds": 1.0}
+    assert readable(old)["primary_seconds"] == 1.0 and readable(old)["shadow_seconds"] == 2.0
+    assert readable({**old, "primary": "legacy"})["primary_seconds"] == 2.0

@@ -284,7 +284,8 @@ def test_a_risky_signature_the_jobs_never_called_does_not_block_and_is_named():
 
 
 def test_clusters_counted_where_comparisons_happen_are_the_journal_readers_blocks():
-    """The same rule as the journal reader's blocks (sources._blocks), computed online, one comparison at a time."""
+    """The same rule as the journal reader's blocks (sources.journals._blocks), computed online, one comparison at a
+    time."""
     import random
 
     from shadow.analysis import sources
@@ -299,7 +300,7 @@ def test_clusters_counted_where_comparisons_happen_are_the_journal_readers_block
             divergent = generator.random() < 0.2
             stream.append((now, 1, 1 if divergent else 0))
             opened += clusters.opens("legacy", divergent, now)
-        assert opened == len(sources._blocks(stream, stream[0][0], 60.0))
+        assert opened == len(sources.journals._blocks(stream, stream[0][0], 60.0))
 
 
 def test_a_phase_decided_from_metrics_and_from_journals_gives_the_same_bounds(tmp_path):

@@ -103,3 +103,22 @@ def test_forked_child_gets_its_own_stream_and_counts_from_zero():
     parent_pattern = [not next(holder.gate, False) and sampler.arrive() for _ in range(500)]
     assert child_calls == 0
     assert child_pattern != parent_pattern
+
+
+def test_a_shadow_side_refreshes_the_gates_of_installed_targets_only():
+    """Every shadow side closes the gates of every target while it runs (its own runs' calls are not the job's):
+    an uninstalled target's gate is no longer among them, so a job that installs and uninstalls many monitors does
+    not pay for each of them on every sampled call."""
+    import shadow
+    from shadow.core.calls.gate.sampling import UNDER_WAY
+    from shadow.npu import reference
+
+    torch.Tensor.type = reference.npu_type
+    try:
+        with shadow.install(["tensor_type"], sample_rate=1.0) as monitor:
+            sampling = monitor.experiment("tensor_type").sampling
+            assert sampling in UNDER_WAY
+            torch.ones(2).type(torch.float16)
+        assert sampling not in UNDER_WAY
+    finally:
+        del torch.Tensor.type

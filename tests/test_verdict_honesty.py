@@ -733,8 +733,10 @@ def test_outcome_lines_are_not_parsed_where_count_records_cover_them(tmp_path, m
     headers, count records, events and the lines after a process's last count record are parsed."""
     stats, _ = _guided_job(tmp_path / "j.jsonl", calls=4000, all_outcomes=True, count_interval=0)
     parsed = []
-    real = sources._journal_record
-    monkeypatch.setattr(sources, "_journal_record", lambda raw, where: parsed.append(raw) or real(raw, where))
+    from shadow.analysis.sources import journals
+
+    real = journals._journal_record
+    monkeypatch.setattr(journals, "_journal_record", lambda raw, where: parsed.append(raw) or real(raw, where))
     counts = sources.from_journal([str(tmp_path / "j.jsonl")])["op"]
     lines = (tmp_path / "j.jsonl").read_text().splitlines()
     assert counts.compared == stats.compared and len(lines) > 2 * stats.compared

@@ -192,6 +192,7 @@ class Monitor:
             self.flush()
         while self._restore:
             s, had_own, raw = self._restore.pop()
+            s.sampling.detach()
             owner, attribute = s.target.owner, s.target.attribute
             if experiment_of(vars(owner).get(attribute)) is not s:
                 # Something patched over the wrapper after install: putting the old object back would

@@ -122,6 +122,14 @@ class ShadowSidesUnderWay:
         with self._lock:
             self._samplings.add(sampling)
 
+    def discard(self, sampling: Sampling) -> None:
+        with self._lock:
+            self._samplings.discard(sampling)
+
+    def __contains__(self, sampling: Sampling) -> bool:
+        """Whether a shadow side under way closes ``sampling``'s gate."""
+        return sampling in self._samplings
+
     def hold(self) -> None:
         with self._lock:
             self.count += 1
@@ -182,6 +190,11 @@ class Sampling:
         self._set_gate = set_gate
         self.sampler = Sampler(*self._sampler_args, self._gate_opened)
         UNDER_WAY.add(self)
+
+    def detach(self) -> None:
+        """Stop closing this sampling's gate for shadow sides (its wrapper was uninstalled): a shadow side under way
+        refreshes the gates of installed targets only."""
+        UNDER_WAY.discard(self)
 
     def _gate_opened(self, gate: Gate) -> None:
         """The sampler's new gate: the wrapper's too, unless every call is classified now or a shadow side is under

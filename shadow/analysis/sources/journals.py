@@ -1,32 +1,26 @@
-"""Where the verdict's counts come from: a Prometheus server, a saved exposition, or journals.
-
-Sources are data from elsewhere and are checked as such: a source that is not what it claims (binary, not
-UTF-8, too large, malformed), or whose counts cannot be counts (negative, fractional where they must be whole,
-not finite, beyond what a float counts exactly) raises :class:`SourceError` naming the source and what is wrong.
-Reading is bounded in time and memory.
-"""
+"""Counts from journals (:mod:`exporters.journal_format`'s records): the count records of every process, the
+outcome lines after its last one, rollbacks and resets, clusters cut on each process's own clock."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import json
 import math
 import os
 import re
-import threading
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterable, Iterator
-from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from exporters import contract
+from exporters import journal_format
 from shadow.analysis import verdict
+from shadow.analysis.sources.common import (
+    CLOCK_JUMP_SECONDS,
+    CLUSTER_WINDOW_SECONDS,
+    MAX_LINE_BYTES,
+    SourceError,
+    _count,
+    select_run,
+)
 from shadow.analysis.verdict import TargetCounts
 from shadow.core.model.observation import (
     BACKWARD_OUTCOMES,
@@ -39,505 +33,8 @@ from shadow.core.model.observation import (
     OUTCOMES,
     PRIMARY_SIDES,
     Outcome,
-    bounded,
     error_decade,
-    label_text,
 )
-
-COMPARISONS = contract.COMPARISONS.series
-MISMATCHES = contract.MISMATCHES.series
-SHARED = contract.SHARED_DIVERGENCES.series
-SKIPPED = contract.SKIPPED.series
-CALLS = contract.CALLS.series
-CLUSTERS = contract.CLUSTERS.series
-PROCESS_TIME = contract.PROCESS_TIME.series
-TRUTH_RUNS = contract.TRUTH_RUNS.series
-BACKWARD_RUNS = contract.BACKWARD_RUNS.series
-ROLLBACKS = contract.ROLLBACKS.series
-RESETS = contract.RESETS.series
-DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
-#: The canary A/B's series (shadow.analysis.arms reads them: not comparisons).
-ARM_SERIES = (
-    contract.ARM_ITERATORS.series,
-    contract.ARM_FIRST_BATCH.series,
-    contract.ARM_FIRST_BATCHES.series,
-)
-BUILD_INFO = contract.BUILD_INFO.prometheus_name
-#: Comparisons in one process within this many seconds form one cluster (the verdict's clustered bound).
-CLUSTER_WINDOW_SECONDS = 60.0
-#: A process's wall clock and monotonic clock parting by more than this between two count records is a jump, said.
-CLOCK_JUMP_SECONDS = 5.0
-
-#: The most a metrics file, a journal line or a Prometheus answer may hold.
-MAX_FILE_BYTES = 64 << 20
-MAX_LINE_BYTES = 1 << 20
-#: Counts beyond this are not exact in a float: no real counter gets there.
-MAX_COUNT = float(2**53)
-
-
-class SourceError(Exception):
-    """A source could not be read; the message says which and why."""
-
-
-#: How far back an exact Prometheus read looks for a run's last samples (Prometheus keeps 15 days by default).
-LOOKBACK = "31d"
-_RUN_LABEL = contract.RUN_LABEL
-
-
-def run_names(runs: Iterable[str], most: int = 8) -> str:
-    """Runs as a message lists them ("" is evidence from before runs had ids)."""
-    names = [run or "(unnamed)" for run in sorted(runs)]
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def select_run(runs: Iterable[str], run: str | None, all_runs: bool, source: str) -> str | None:
-    """The run a decision is made on: ``run`` (refused where the source holds none of its evidence), else the only
-    run there is; None where the evidence of every run is pooled (``all_runs``, or a source of one run). A source
-    holding several runs without one of the two is refused (SourceError), naming them: two runs are never mixed
-    unasked."""
-    found = set(runs)
-    if run is not None:
-        if run not in found:
-            raise SourceError(f"{source} holds no evidence of run {run!r}; it holds {run_names(found) or 'none'}")
-        return run
-    if all_runs or len(found) <= 1:
-        return None
-    raise SourceError(
-        f"{source} holds {len(found)} runs: {run_names(found)}; choose one with --run ID, or pool them with --all-runs"
-    )
-
-
-def _shown(value: object) -> str:
-    """A value from a source, for a message: a huge integer by its size (its digits could be thousands)."""
-    if isinstance(value, int) and value.bit_length() > 128:
-        return f"an integer of {value.bit_length()} bits"
-    return bounded(repr(value), 80)
-
-
-def _count(value: object, where: str, whole: bool = True) -> float:
-    """A checked count: finite, >= 0, at most MAX_COUNT and (unless ``whole`` is False) an integer."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SourceError(f"{where}: {_shown(value)} is not a number")
-    # (an int past a float's range, 10**400, is compared as an int: never turned into a float that overflows)
-    if not (0 <= value <= MAX_COUNT) or (isinstance(value, float) and not math.isfinite(value)):
-        raise SourceError(f"{where}: {_shown(value)} cannot be a count (negative, not finite or too large)")
-    if whole and value != int(value):
-        raise SourceError(f"{where}: {value!r} is not a whole count")
-    return float(value)
-
-
-def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], value: float) -> None:
-    if name in (ROLLBACKS, RESETS) and value <= 0:
-        return
-    target = counts.setdefault(labels.get("target", ""), TargetCounts())
-    primary = labels.get("primary") or LEGACY  # (series from before the primary label: legacy's)
-    if name == ROLLBACKS:
-        target.rollbacks.append(f"{round(value)} by {labels.get('source', '?')} ({ROLLBACKS})")
-        target.counted_rollbacks += value
-    elif name == RESETS:
-        target.counted_resets += value
-    elif name == COMPARISONS:
-        target.add_outcome(labels.get("signature", ""), labels.get("outcome", ""), value, primary)
-    elif name == MISMATCHES:
-        target.add_reason(labels.get("reason", ""), value, primary)
-    elif name == SKIPPED:
-        target.add_skip(labels.get("reason", ""), value, primary, labels.get("signature", ""))
-    elif name == CALLS:
-        target.add_calls(labels.get("signature", ""), value, primary)
-    elif name == CLUSTERS:
-        target.add_clusters(value, primary)
-    elif name == TRUTH_RUNS:
-        if labels.get("nearer") in NEARER:
-            target.add_truth(labels.get("signature", ""), labels["nearer"], value, primary)
-    elif name == BACKWARD_RUNS:
-        if labels.get("outcome") in BACKWARD_OUTCOMES:  # (series from before the outcome label: not evidence)
-            target.add_backward(labels.get("signature", ""), labels["outcome"], value, primary)
-    else:
-        target.add_shared(labels.get("reason", ""), value, primary)
-
-
-def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
-    """A text file of at most ``limit`` bytes, UTF-8, without NUL bytes; else SourceError."""
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read(limit + 1)
-    except OSError as exc:
-        raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    if len(data) > limit:
-        raise SourceError(f"{path} is larger than {limit >> 20} MiB: not a metrics file")
-    if b"\0" in data:
-        raise SourceError(f"{path} holds binary data (NUL bytes): not a text exposition")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SourceError(f"{path} is not UTF-8 text: {exc}") from exc
-
-
-_COUNTED = (
-    COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, CLUSTERS, ROLLBACKS, RESETS, TRUTH_RUNS, BACKWARD_RUNS,
-)  # fmt: skip
-
-
-def _honour_resets(counts: dict[str, TargetCounts]) -> dict[str, TargetCounts]:
-    """A target whose metrics count as many resets as rollbacks was reset by a person after each: no rollback
-    stands (each reset follows a rollback)."""
-    for entry in counts.values():
-        if entry.counted_rollbacks and entry.counted_resets >= entry.counted_rollbacks:
-            entry.rollbacks = [r for r in entry.rollbacks if not r.endswith(f"({ROLLBACKS})")]
-            entry.resets.append(f"{round(entry.counted_resets)} by a person ({RESETS})")
-    return counts
-
-
-def from_exposition(
-    text: str,
-    source: str = "exposition",
-    run: str | None = None,
-    all_runs: bool = False,
-    arms: list[tuple[str, dict[str, str], float]] | None = None,
-    slices: dict[str, dict[str, TargetCounts]] | None = None,
-) -> dict[str, TargetCounts]:
-    """Counts from a Prometheus text exposition (a saved scrape, a textfile-collector file): of ``run``, or of the
-    one run it holds (see :func:`select_run`). ``arms``, when given, receives the canary A/B's samples (series,
-    labels, value); ``slices``, each run's counts where several are pooled (one moment holds no recent window)."""
-    counts: dict[str, TargetCounts] = {}
-    try:
-        families = list(text_string_to_metric_families(text))
-    except Exception as exc:
-        raise SourceError(f"{source}: not a Prometheus text exposition: {exc}") from exc
-    runs = {s.labels.get(_RUN_LABEL, "") for family in families for s in family.samples if s.name in _COUNTED}
-    chosen = select_run(runs, run, all_runs, source)
-    if slices is not None and chosen is None and len(runs) > 1:
-        for each in sorted(runs):
-            slices[verdict.run_slice(each)] = from_exposition(text, source, each)
-    drill = False
-    seconds = 0.0
-    for family in families:
-        for sample in family.samples:
-            if chosen is not None and sample.labels.get(_RUN_LABEL, "") != chosen:
-                continue
-            if sample.name == PROCESS_TIME:
-                seconds += _count(sample.value, f"{source}: {sample.name}", whole=False)
-            elif sample.name in _COUNTED:
-                where = f"{source}: {sample.name}{dict(sample.labels)}"
-                _add(counts, sample.name, sample.labels, _count(sample.value, where, whole=sample.name != CLUSTERS))
-            elif sample.name == DRILL_ACTIVE and sample.value > 0:
-                drill = True
-            elif sample.name in ARM_SERIES and arms is not None:
-                where = f"{source}: {sample.name}{dict(sample.labels)}"
-                arms.append((sample.name, dict(sample.labels), _count(sample.value, where, whole=False)))
-    if drill:
-        for entry in counts.values():
-            entry.drilled = -1
-    for entry in counts.values():
-        entry.process_seconds = seconds
-    return _honour_resets(counts)
-
-
-def environment_from_exposition(text: str) -> dict[str, set[str]]:
-    """What the processes behind an exposition ran ({"torch": {...}, "torch_npu": {...}, "npu-shadow": {...}}),
-    from their ``npu_shadow_build_info`` series; {} where there is none (or the text is not an exposition)."""
-    found: dict[str, set[str]] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == BUILD_INFO and sample.value > 0:
-                    for label, field in (
-                        ("run", "run"), ("torch", "torch"), ("torch_npu", "torch_npu"), ("version", "npu-shadow")
-                    ):  # fmt: skip
-                        if sample.labels.get(label):
-                            found.setdefault(field, set()).add(label_text(sample.labels[label], 64))
-    except Exception:  # (from_exposition says what is wrong with the text)
-        return {}
-    return found
-
-
-def _fetch(address: str, timeout: float, said: float | None = None) -> bytes:
-    """The body at ``address``, in at most ``timeout`` seconds however slowly the server answers (a server that
-    trickles a byte at a time is given up on, not waited for). Raises SourceError."""
-    outcome: list[Any] = []
-
-    def fetch() -> None:
-        try:
-            with urllib.request.urlopen(address, timeout=timeout) as response:
-                outcome.append(response.read(MAX_FILE_BYTES + 1))
-        except BaseException as exc:
-            outcome.append(exc)
-
-    worker = threading.Thread(target=fetch, name="npu-shadow-query", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if not outcome:  # (the daemon thread is abandoned: it ends with its socket's timeout, or with the process)
-        raise SourceError(f"{address.split('/api/')[0]} did not answer within {said or timeout:g} s")
-    if isinstance(outcome[0], BaseException):
-        said = ""
-        if isinstance(outcome[0], urllib.error.HTTPError):  # (Prometheus says what it refused, in JSON)
-            try:
-                said = f" ({json.loads(outcome[0].read(4096)).get('error')})"
-            except Exception:
-                said = ""
-        raise SourceError(f"cannot query {address.split('/api/')[0]}: {outcome[0]}{said}") from outcome[0]
-    return outcome[0]
-
-
-def _query(
-    url: str, promql: str, timeout: float, at: float | None = None, matrix: bool = False, said: float | None = None
-) -> list[dict]:
-    """The result of an instant query (at ``at``, unix seconds, when given): a vector, or with ``matrix`` the raw
-    samples of a range selector. ``said``: the time limit a timeout names (the whole read's)."""
-    params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
-    address = f"{url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode(params)}"
-    raw = _fetch(address, timeout, said)
-    if len(raw) > MAX_FILE_BYTES:
-        raise SourceError(f"{url} answered more than {MAX_FILE_BYTES >> 20} MiB")
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise SourceError(f"{url} did not answer JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise SourceError(f"{url} answered {type(body).__name__}, not a Prometheus API object")
-    if body.get("status") != "success":
-        raise SourceError(f"{url} answered {body.get('errorType')}: {body.get('error')}")
-    data = body.get("data")
-    result = data.get("result") if isinstance(data, dict) else None
-    key = "values" if matrix else "value"
-    if not isinstance(result, list) or not all(
-        isinstance(item, dict)
-        and isinstance(item.get("metric"), dict)
-        and isinstance(item.get(key), list)
-        and (matrix or len(item["value"]) == 2)
-        for item in result
-    ):
-        raise SourceError(f"{url} answered success without a {'matrix' if matrix else 'vector'} for {promql}")
-    return result
-
-
-def _number(value: object, where: str) -> float:
-    try:
-        return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise SourceError(f"{where}: {value!r} is not a number") from None
-
-
-def _labels(item: dict) -> dict[str, str]:
-    return {str(k): str(v) for k, v in item["metric"].items() if k != "__name__"}
-
-
-def _selector(labels: dict[str, str]) -> str:
-    return ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
-
-
-_QUERIES = [
-    (COMPARISONS, "target, signature, outcome, primary"),
-    (MISMATCHES, "target, reason, primary"),
-    (SHARED, "target, reason, primary"),
-    (SKIPPED, "target, reason, signature, primary"),
-    (CALLS, "target, signature, primary"),
-    (CLUSTERS, "target, primary"),
-    (ROLLBACKS, "target, source"),
-    (RESETS, "target"),
-    (TRUTH_RUNS, "target, signature, nearer, primary"),
-    (BACKWARD_RUNS, "target, signature, outcome, primary"),
-]
-
-
-class _Deadline:
-    def __init__(self, url: str, timeout: float) -> None:
-        self.url, self.timeout, self.end = url, timeout, time.monotonic() + timeout
-
-    def left(self) -> float:
-        remaining = self.end - time.monotonic()
-        if remaining <= 0:
-            raise SourceError(f"{self.url} did not answer within {self.timeout:g} s")
-        return remaining
-
-    def query(self, promql: str, at: float | None = None, matrix: bool = False) -> list[dict]:
-        """:func:`_query` within what is left of the read's time."""
-        return _query(self.url, promql, self.left(), at, matrix, said=self.timeout)
-
-
-def _exact(
-    url: str, metric: str, selector: str, at: float | None, deadline: _Deadline, whole: bool = True
-) -> dict[tuple, float]:
-    """Each series' exact count at ``at`` (now where None): its last sample at or before then, with what it had
-    counted before each reset added (a process of the run that started again), never an extrapolation. By the
-    series' sorted label items."""
-    selected = f"{metric}{{{selector}}}[{LOOKBACK}]"
-    values = {}
-    for item in deadline.query(f"last_over_time({selected})", at):
-        labels, where = _labels(item), f"{url}: {metric}{_labels(item)}"
-        values[tuple(sorted(labels.items()))] = _count(_number(item["value"][1], where), where, whole)
-    for item in deadline.query(f"resets({selected}) > 0", at):
-        labels = _labels(item)
-        raw = deadline.query(f"{metric}{{{_selector(labels)}}}[{LOOKBACK}]", at, matrix=True)
-        for series in raw:
-            points = [_number(value, f"{url}: {metric}{labels}") for _, value in series["values"]]
-            lost = sum(before for before, after in itertools.pairwise(points) if after < before)
-            values[tuple(sorted(_labels(series).items()))] = points[-1] + lost if points else 0.0
-    return values
-
-
-def _prometheus_slices(
-    url: str,
-    selector: str,
-    deadline: _Deadline,
-    runs: set[str],
-    chosen: str | None,
-    start: float | None,
-    end: float | None,
-    recent: float,
-) -> dict[str, dict[str, TargetCounts]]:
-    """The recent window's counts (where the range read is longer) and each run's where several are pooled, read
-    within what is left of the one timeout."""
-    found = {}
-    finish = time.time() if end is None else end
-    if recent > 0 and (start is None or start < finish - recent):
-        found[verdict.recent_slice(recent)] = from_prometheus(
-            url, None, selector, deadline.left(), chosen, True, finish - recent, finish
-        )
-    if chosen is None and len(runs) > 1:
-        for each in sorted(runs):
-            found[verdict.run_slice(each)] = from_prometheus(
-                url, None, selector, deadline.left(), each, False, start, end
-            )
-    return found
-
-
-def _exact_between(
-    url: str,
-    metric: str,
-    selector: str,
-    start: float | None,
-    end: float | None,
-    deadline: _Deadline,
-    spans: list[tuple[float | None, float]],
-    set_aside: dict[str, float],
-    whole: bool | None = None,
-) -> dict[tuple, float]:
-    """Each series' exact count from ``start`` to ``end`` (:func:`_exact`; ``whole``: counts, not seconds or a
-    rank's share of a cluster), less what it counted in each fire drill's span (the comparisons set aside added to
-    ``set_aside`` by target)."""
-    if whole is None:
-        whole = metric not in (CLUSTERS, PROCESS_TIME)
-    series = _exact(url, metric, selector, end, deadline, whole)
-    if start is not None:
-        before = _exact(url, metric, selector, start, deadline, whole)
-        series = {key: value - before.get(key, 0.0) for key, value in series.items()}
-    for on, off in spans if metric not in (ROLLBACKS, RESETS) else ():
-        drilled = _counted_between(url, metric, selector, on, off, deadline, whole)
-        series = {key: max(value - drilled.get(key, 0.0), 0.0) for key, value in series.items()}
-        for key, value in drilled.items() if metric == COMPARISONS else ():
-            labels = dict(key)
-            if labels.get("outcome") in COMPARED_OUTCOMES:
-                set_aside[labels.get("target", "")] = set_aside.get(labels.get("target", ""), 0.0) + value
-    return series
-
-
-def _drill_spans(
-    url: str, selector: str, start: float | None, end: float | None, deadline: _Deadline
-) -> tuple[list[tuple[float | None, float]], bool]:
-    """The fire drills in the read's span, from the history of their gauge (any process of the run): (spans
-    that are over, each from the last sample without a drill before it (None: from the start) to the first
-    sample without one after it; whether a drill is still active at the end). A span's counts are the drill's
-    and whatever else was counted meanwhile: set aside whole, the evidence outside it decides."""
-    raw = deadline.query(f"{DRILL_ACTIVE}{{{selector}}}[{LOOKBACK}]", end, matrix=True)
-    spans: list[tuple[float | None, float]] = []
-    drilling = False
-    for series in raw:
-        on = start
-        active = False
-        for moment, value in series["values"]:
-            when = _number(moment, f"{url}: {DRILL_ACTIVE}")
-            if start is not None and when < start:
-                continue
-            if _number(value, f"{url}: {DRILL_ACTIVE}") > 0:
-                active = True
-            elif active:
-                spans.append((on, when))
-                active, on = False, when
-            else:
-                on = when
-        drilling = drilling or active
-    merged: list[tuple[float | None, float]] = []
-    for on, off in sorted(spans, key=lambda span: -math.inf if span[0] is None else span[0]):
-        if merged and (on is None or on < merged[-1][1]):
-            merged[-1] = (merged[-1][0], max(merged[-1][1], off))
-        else:
-            merged.append((on, off))
-    return merged, drilling
-
-
-def _counted_between(
-    url: str, metric: str, selector: str, on: float | None, off: float, deadline: _Deadline, whole: bool
-) -> dict[tuple, float]:
-    """Each series' count from ``on`` (None: from its start) to ``off``, exactly (:func:`_exact`)."""
-    after = _exact(url, metric, selector, off, deadline, whole)
-    before = _exact(url, metric, selector, on, deadline, whole) if on is not None else {}
-    return {key: value - before.get(key, 0.0) for key, value in after.items()}
-
-
-def _runs(url: str, selector: str, at: float | None, deadline: _Deadline, lookback: str = LOOKBACK) -> set[str]:
-    promql = f"count by ({_RUN_LABEL}) (last_over_time({CALLS}{{{selector}}}[{lookback}]))"
-    return {str(item["metric"].get(_RUN_LABEL, "")) for item in deadline.query(promql, at)}
-
-
-def from_prometheus(
-    url: str,
-    window: str | None = None,
-    selector: str = "",
-    timeout: float = 30,
-    run: str | None = None,
-    all_runs: bool = False,
-    start: float | None = None,
-    end: float | None = None,
-    arms: list[tuple[str, dict[str, str], float]] | None = None,
-    recent: float = 0.0,
-    slices: dict[str, dict[str, TargetCounts]] | None = None,
-) -> dict[str, TargetCounts]:
-    """Counts from a Prometheus server, of ``run`` or of the one run it holds (:func:`select_run`; the runs seen in
-    the last :data:`LOOKBACK`): each counter's exact value at ``end`` (default now; its last sample at or before,
-    resets counted, so a run that has ended is read as it ended), less its value at ``start`` where given.
-    ``window`` (e.g. '6h') instead takes ``increase()`` over the window before now, an extrapolation kept for
-    dashboards' sake. ``selector`` narrows the series, e.g. 'job="train"'. All queries together take at most
-    ``timeout`` seconds. ``arms``, when given, receives the canary A/B's series (series, labels, value).
-    ``slices``, when given, receives the counts of the last ``recent`` seconds before ``end`` (where the range
-    read is longer) and, where several runs are pooled, of each run (:func:`shadow.analysis.verdict.decide`)."""
-    deadline = _Deadline(url, timeout)
-    runs = _runs(url, selector, end, deadline, window or LOOKBACK)
-    chosen = select_run(runs, run, all_runs, f"{url}{f' ({selector})' if selector else ''}")
-    if slices is not None and not window:
-        slices.update(_prometheus_slices(url, selector, deadline, runs, chosen, start, end, recent))
-    if chosen is not None:
-        selector = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}"]))
-    counts: dict[str, TargetCounts] = {}
-    spans, drilling = ([], False) if window else _drill_spans(url, selector, start, end, deadline)
-    set_aside: dict[str, float] = {}
-    for metric, by in _QUERIES:
-        if window:
-            promql = f"sum by ({by}) (increase({metric}{{{selector}}}[{window}]))"
-            series = {
-                tuple(sorted(_labels(item).items())): _number(item["value"][1], f"{url}: {metric}{_labels(item)}")
-                for item in deadline.query(promql)
-            }
-        else:
-            series = _exact_between(url, metric, selector, start, end, deadline, spans, set_aside)
-        for key, value in series.items():
-            labels = dict(key)
-            # increase() extrapolates to the window's edges: fractional there, never negative
-            value = _count(value, f"{url}: {metric}{labels}", whole=window is None and metric != CLUSTERS)
-            _add(counts, metric, labels, value if metric == CLUSTERS else float(round(value)))
-    if not counts:
-        raise SourceError(f"{url} has no {COMPARISONS} series{f' matching {selector}' if selector else ''}")
-    for metric in ARM_SERIES if arms is not None and not window else ():
-        series = _exact_between(url, metric, selector, start, end, deadline, [], {}, whole=False)
-        arms.extend((metric, dict(key), value) for key, value in series.items())  # type: ignore[union-attr]
-    for target, entry in counts.items():
-        entry.drilled = -1 if drilling else 0
-        entry.drill_set_aside = 0.0 if drilling else set_aside.get(target, 0.0)
-    if not window:
-        seconds = sum(_exact_between(url, PROCESS_TIME, selector, start, end, deadline, [], {}).values())
-        for entry in counts.values():
-            entry.process_seconds = max(seconds, 0.0)
-    return _honour_resets(counts)
 
 
 def journal_records(paths: Iterable[str], torn: list[str] | None = None) -> Iterator[dict]:
@@ -586,8 +83,8 @@ def with_rotated(paths: Iterable[str]) -> tuple[list[str], list[str]]:
 
 _ROTATED = re.compile(r"\.\d+$")
 #: An outcome line as the journal exporter frames it: its process is read without parsing the line (fast path).
-_OUTCOME_START = b'{"time":'
-_PROCESS_FIELDS = re.compile(rb',"host":("(?:[^"\\]|\\.)*"|null),"pid":(\d+),"stream":"([0-9a-f]*)"')
+_OUTCOME_START = journal_format.LINE_START
+_PROCESS_FIELDS = journal_format.PROCESS_KEY
 
 
 @dataclasses.dataclass
@@ -744,7 +241,7 @@ def _check_counts(record: dict, where: str) -> dict:
             "(when its comparisons were counted, which the clusters are cut by)"
         )
 
-    def table(name: str, depth: int) -> dict:
+    def table(name: str, depth: int) -> dict:  # (depth: journal_format.COUNT_TABLES')
         value = record.get(name, {})
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise SourceError(f"{where}: a count record whose {name} is not a map")
@@ -757,10 +254,11 @@ def _check_counts(record: dict, where: str) -> dict:
             raise SourceError(f"{where}: a count record whose {name} is not a map")
         return {k: _count(v, f"{where}: {name}.{k}") for k, v in value.items()}
 
-    for outcomes in (table("outcomes", 2)).values():
+    tables = {name: table(name, depth) for name, depth in journal_format.COUNT_TABLES.items()}
+    for outcomes in tables["outcomes"].values():
         if any(o not in COMPARED_OUTCOMES for o in outcomes):
             raise SourceError(f"{where}: a count record with an unknown outcome")
-    truth, decades, backward = table("truth", 2), table("truth_decades", 2), table("backward", 2)
+    truth, decades, backward = tables["truth"], tables["truth_decades"], tables["backward"]
     if any(found not in BACKWARD_OUTCOMES for by_found in backward.values() for found in by_found):
         raise SourceError(f"{where}: a count record with an unknown backward outcome")
     if any(side not in NEARER for by_side in truth.values() for side in by_side):
@@ -768,19 +266,11 @@ def _check_counts(record: dict, where: str) -> dict:
     known = {str(d) for d in range(-DECADE_LIMIT, DECADE_LIMIT + 1)}
     if any(decade not in known for by_decade in decades.values() for decade in by_decade):
         raise SourceError(f"{where}: a count record with an unknown error decade")
-    outcomes, skipped, calls = table("outcomes", 2), table("skipped", 2), table("calls", 1)
     drilled = _count(record.get("drilled", 0), f"{where}: drilled")
-    _check_totals(outcomes, drilled, where)
+    _check_totals(tables["outcomes"], drilled, where)
     return {
-        "outcomes": outcomes,
-        "skipped": skipped,
-        "reasons": table("reasons", 1),
-        "shared": table("shared", 1),
-        "calls": calls,
+        **tables,
         "drilled": drilled,
-        "truth": truth,
-        "truth_decades": decades,
-        "backward": backward,
         **({"clusters": _count(record["clusters"], f"{where}: clusters", whole=False)} if "clusters" in record else {}),
     }
 
@@ -1312,6 +802,8 @@ def _journal_record(raw: bytes, where: str) -> dict | None:
         raise SourceError(f"{where}: not a journal line (a JSON {type(record).__name__})")
     if "event" in record:
         event = record["event"]
+        if event not in journal_format.EVENTS:
+            raise SourceError(f"{where}: not a journal line (an unknown event)")
         if event in ("journal", "counts"):  # (a process's header; its counts, checked where they are read)
             return record
         if event == "arm":
@@ -1330,4 +822,4 @@ def _journal_record(raw: bytes, where: str) -> dict | None:
         raise SourceError(f"{where}: not a journal line (reasons must be a list of strings)")
     if shared is not None and not isinstance(shared, str):
         raise SourceError(f"{where}: not a journal line (shared_divergence must be a string)")
-    return record
+    return journal_format.readable(record)

@@ -1,0 +1,171 @@
+"""The journal's schema, shared by its writer (:class:`exporters.journal.JsonlExporter`) and its readers
+(:mod:`shadow.analysis.sources`, :mod:`shadow.analysis.report`): the records it holds, each one JSON object a line.
+
+- An observation's line: ``time`` and ``timestamp`` first, then every field of :class:`Observation` that is data
+  (:data:`OBSERVATION_FIELDS`, in the dataclass's order: a field added there is journalled), ``capture``, the
+  caller's annotations, and the process's fields last (:data:`PROCESS_FIELDS`). Fields are named by role
+  (``primary_seconds``, ``shadow_seconds``); a line written before carries ``legacy_seconds`` and
+  ``upstream_seconds``, which :func:`readable` turns into the role's names.
+- Event records (``"event"``: :data:`EVENTS`): the journal's header, count records (:data:`COUNT_TABLES`), rollbacks,
+  resets and a canary A/B's iterators.
+
+The line is framed by a function made once from the schema (strings through json's own C escaper): several times
+faster than encoding a dict, and the journal writes on the training thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import re
+from collections.abc import Callable
+from json.encoder import encode_basestring_ascii
+
+from shadow.core.model.observation import DIFFERS_IN_FLOAT64, LEGACY, Observation, Outcome, error_decade
+
+#: How every observation's line starts: readers locate outcome lines by it without parsing them.
+LINE_START = b'{"time":'
+
+#: The process's fields, last on every line, in this order (readers locate a line's process from its end).
+PROCESS_FIELDS = ("run", "host", "pid", "stream", "rank", "torch", "torch_npu", "device")
+#: The process fields as a line ends with them: host, pid and stream (the process's own key).
+PROCESS_KEY = re.compile(rb',"host":("(?:[^"\\]|\\.)*"|null),"pid":(\d+),"stream":"([0-9a-f]*)"')
+
+#: The records that are not observations, by their ``event``.
+EVENTS = ("journal", "counts", "rollback", "reset", "arm")
+
+#: A count record's tables: name -> depth (2: {signature: {key: count}}, 1: {key: count}); and its plain counts.
+COUNT_TABLES = {
+    "outcomes": 2,
+    "skipped": 2,
+    "reasons": 1,
+    "shared": 1,
+    "calls": 1,
+    "truth": 2,
+    "truth_decades": 2,
+    "backward": 2,
+}
+COUNT_SCALARS = ("clusters", "drilled")
+
+#: Observation fields never journalled: the evidence (a capture's), what a held difference waits with, and the
+#: timestamp (written first, beside its ISO time).
+_NOT_JOURNALLED = {"evidence", "leaf_errors", "noise_pending", "timestamp"}
+#: Text fields written as null where empty (what a reader tests for).
+NULL_WHEN_EMPTY = {"shared_divergence", "backward_skip", "nearer"}
+
+#: The observation's fields on its line, in order, with their types.
+OBSERVATION_FIELDS: tuple[tuple[str, str], ...] = tuple(
+    (f.name, str(f.type)) for f in dataclasses.fields(Observation) if f.name not in _NOT_JOURNALLED
+)
+
+#: Names a line had before they were named by role: new name -> (the name where legacy was the primary, where
+#: upstream was).
+RENAMED = {
+    "primary_seconds": ("legacy_seconds", "upstream_seconds"),
+    "shadow_seconds": ("upstream_seconds", "legacy_seconds"),
+}
+
+_UTC = datetime.timezone.utc
+quote = encode_basestring_ascii
+
+
+def number(value: float) -> str:
+    """A JSON number, or a string for inf/nan (strict JSON has neither)."""
+    return repr(float(value)) if math.isfinite(value) else f'"{value}"'
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp, _UTC).isoformat()
+
+
+def _encoded(name: str, kind: str) -> str:
+    """The f-string part that writes field ``name`` of ``o`` (its type ``kind``)."""
+    value = f"o.{name}"
+    if kind == "str":
+        text = f"_quote({value})"
+        return f'{{{text} if {value} else "null"}}' if name in NULL_WHEN_EMPTY else f"{{{text}}}"
+    if kind == "float":
+        return f"{{_number({value})}}"
+    if kind == "int":
+        return f"{{{value}:d}}"
+    if kind == "bool":
+        return f'{{"true" if {value} else "false"}}'
+    if kind == "tuple[str, ...]":
+        return f'[{{",".join(map(_quote, {value}))}}]'
+    raise TypeError(f"the journal cannot write Observation.{name} of type {kind}")
+
+
+def _line_function() -> Callable[[Observation, str, str], str]:
+    """``line(o, capture, tail)``: an observation's line, from :data:`OBSERVATION_FIELDS` (``capture``: the JSON
+    of its capture's path; ``tail``: the members after it, annotations and process fields, with the newline)."""
+    members = ",".join(f'"{name}":{_encoded(name, kind)}' for name, kind in OBSERVATION_FIELDS)
+    source = (
+        "def line(o, capture, tail):\n"
+        f'    return f\'{{{{"time":{{_quote(_iso(o.timestamp))}},"timestamp":{{o.timestamp!r}},{members},'
+        '"capture":{capture},{tail}\'\n'
+    )
+    scope = {"_quote": quote, "_number": number, "_iso": _iso}
+    exec(compile(source, "<journal line>", "exec"), scope)  # (our own schema's text: no outside input)
+    return scope["line"]
+
+
+#: An observation's line (:func:`_line_function`).
+observation_line = _line_function()
+
+
+def readable(record: dict) -> dict:
+    """An observation's record with the fields of today's schema: a line written before the role names gets them
+    from the old ones (by the side that was primary)."""
+    if "primary_seconds" in record or "legacy_seconds" not in record:
+        return record
+    was = 0 if record.get("primary", LEGACY) == LEGACY else 1
+    return {**record, **{new: record.get(old[was], 0.0) for new, old in RENAMED.items()}}
+
+
+class Counts:
+    """What one (target, primary) phase of a process saw since the exporter started: every observation (those not
+    written as lines too), calls and budget skips. Written whole (cumulative) in count records
+    (:data:`COUNT_TABLES`)."""
+
+    __slots__ = (*COUNT_TABLES, *COUNT_SCALARS)
+
+    def __init__(self) -> None:
+        for name in COUNT_TABLES:
+            setattr(self, name, {})
+        self.clusters = 0.0  # (shadow.core.calls.record.clusters: the clusters its comparisons opened)
+        self.drilled = 0
+
+    def observe(self, o: Observation) -> None:
+        """Count one observation."""
+        if o.outcome == Outcome.SKIPPED:
+            for reason in o.reasons:
+                self.skip(o.signature, reason, 1)
+            return
+        _bump(self.outcomes, o.signature, o.outcome)
+        self.clusters += o.cluster_share
+        for reason in o.reasons:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        if o.shared_divergence:
+            self.shared[o.shared_divergence] = self.shared.get(o.shared_divergence, 0) + 1
+        self.drilled += o.drill
+        if o.backward:
+            _bump(self.backward, o.signature, o.backward_outcome)
+        if o.nearer:
+            _bump(self.truth, o.signature, o.nearer)
+            decade = error_decade(o.legacy_truth_error, o.upstream_truth_error)
+            if decade is not None and o.nearer != DIFFERS_IN_FLOAT64:  # (errors against two runs: no ratio)
+                _bump(self.truth_decades, o.signature, str(decade))
+
+    def skip(self, signature: str, reason: str, count: int) -> None:
+        """Count sampled calls skipped for ``reason``."""
+        _bump(self.skipped, signature, reason, count)
+
+    def fields(self) -> dict:
+        """The count record's fields."""
+        return {name: getattr(self, name) for name in (*COUNT_TABLES, *COUNT_SCALARS)}
+
+
+def _bump(table: dict[str, dict[str, int]], signature: str, key: str, count: int = 1) -> None:
+    by_key = table.setdefault(signature, {})
+    by_key[key] = by_key.get(key, 0) + count

@@ -1,0 +1,159 @@
+"""What every source of the verdict's counts shares: the series it counts, the limits it reads within, the one
+error it raises (:class:`SourceError`), and a run's selection."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from exporters import contract
+from shadow.analysis.verdict import TargetCounts
+from shadow.core.model.observation import (
+    BACKWARD_OUTCOMES,
+    LEGACY,
+    NEARER,
+    bounded,
+)
+
+COMPARISONS = contract.COMPARISONS.series
+MISMATCHES = contract.MISMATCHES.series
+SHARED = contract.SHARED_DIVERGENCES.series
+SKIPPED = contract.SKIPPED.series
+CALLS = contract.CALLS.series
+CLUSTERS = contract.CLUSTERS.series
+PROCESS_TIME = contract.PROCESS_TIME.series
+TRUTH_RUNS = contract.TRUTH_RUNS.series
+BACKWARD_RUNS = contract.BACKWARD_RUNS.series
+ROLLBACKS = contract.ROLLBACKS.series
+RESETS = contract.RESETS.series
+DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
+#: The canary A/B's series (shadow.analysis.arms reads them: not comparisons).
+ARM_SERIES = (
+    contract.ARM_ITERATORS.series,
+    contract.ARM_FIRST_BATCH.series,
+    contract.ARM_FIRST_BATCHES.series,
+)
+BUILD_INFO = contract.BUILD_INFO.prometheus_name
+#: Comparisons in one process within this many seconds form one cluster (the verdict's clustered bound).
+CLUSTER_WINDOW_SECONDS = 60.0
+#: A process's wall clock and monotonic clock parting by more than this between two count records is a jump, said.
+CLOCK_JUMP_SECONDS = 5.0
+
+#: The most a metrics file, a journal line or a Prometheus answer may hold.
+MAX_FILE_BYTES = 64 << 20
+MAX_LINE_BYTES = 1 << 20
+#: Counts beyond this are not exact in a float: no real counter gets there.
+MAX_COUNT = float(2**53)
+
+
+class SourceError(Exception):
+    """A source could not be read; the message says which and why."""
+
+
+#: How far back an exact Prometheus read looks for a run's last samples (Prometheus keeps 15 days by default).
+LOOKBACK = "31d"
+_RUN_LABEL = contract.RUN_LABEL
+
+
+def run_names(runs: Iterable[str], most: int = 8) -> str:
+    """Runs as a message lists them ("" is evidence from before runs had ids)."""
+    names = [run or "(unnamed)" for run in sorted(runs)]
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def select_run(runs: Iterable[str], run: str | None, all_runs: bool, source: str) -> str | None:
+    """The run a decision is made on: ``run`` (refused where the source holds none of its evidence), else the only
+    run there is; None where the evidence of every run is pooled (``all_runs``, or a source of one run). A source
+    holding several runs without one of the two is refused (SourceError), naming them: two runs are never mixed
+    unasked."""
+    found = set(runs)
+    if run is not None:
+        if run not in found:
+            raise SourceError(f"{source} holds no evidence of run {run!r}; it holds {run_names(found) or 'none'}")
+        return run
+    if all_runs or len(found) <= 1:
+        return None
+    raise SourceError(
+        f"{source} holds {len(found)} runs: {run_names(found)}; choose one with --run ID, or pool them with --all-runs"
+    )
+
+
+def _shown(value: object) -> str:
+    """A value from a source, for a message: a huge integer by its size (its digits could be thousands)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    return bounded(repr(value), 80)
+
+
+def _count(value: object, where: str, whole: bool = True) -> float:
+    """A checked count: finite, >= 0, at most MAX_COUNT and (unless ``whole`` is False) an integer."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SourceError(f"{where}: {_shown(value)} is not a number")
+    # (an int past a float's range, 10**400, is compared as an int: never turned into a float that overflows)
+    if not (0 <= value <= MAX_COUNT) or (isinstance(value, float) and not math.isfinite(value)):
+        raise SourceError(f"{where}: {_shown(value)} cannot be a count (negative, not finite or too large)")
+    if whole and value != int(value):
+        raise SourceError(f"{where}: {value!r} is not a whole count")
+    return float(value)
+
+
+def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], value: float) -> None:
+    if name in (ROLLBACKS, RESETS) and value <= 0:
+        return
+    target = counts.setdefault(labels.get("target", ""), TargetCounts())
+    primary = labels.get("primary") or LEGACY  # (series from before the primary label: legacy's)
+    if name == ROLLBACKS:
+        target.rollbacks.append(f"{round(value)} by {labels.get('source', '?')} ({ROLLBACKS})")
+        target.counted_rollbacks += value
+    elif name == RESETS:
+        target.counted_resets += value
+    elif name == COMPARISONS:
+        target.add_outcome(labels.get("signature", ""), labels.get("outcome", ""), value, primary)
+    elif name == MISMATCHES:
+        target.add_reason(labels.get("reason", ""), value, primary)
+    elif name == SKIPPED:
+        target.add_skip(labels.get("reason", ""), value, primary, labels.get("signature", ""))
+    elif name == CALLS:
+        target.add_calls(labels.get("signature", ""), value, primary)
+    elif name == CLUSTERS:
+        target.add_clusters(value, primary)
+    elif name == TRUTH_RUNS:
+        if labels.get("nearer") in NEARER:
+            target.add_truth(labels.get("signature", ""), labels["nearer"], value, primary)
+    elif name == BACKWARD_RUNS:
+        if labels.get("outcome") in BACKWARD_OUTCOMES:  # (series from before the outcome label: not evidence)
+            target.add_backward(labels.get("signature", ""), labels["outcome"], value, primary)
+    else:
+        target.add_shared(labels.get("reason", ""), value, primary)
+
+
+def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
+    """A text file of at most ``limit`` bytes, UTF-8, without NUL bytes; else SourceError."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if len(data) > limit:
+        raise SourceError(f"{path} is larger than {limit >> 20} MiB: not a metrics file")
+    if b"\0" in data:
+        raise SourceError(f"{path} holds binary data (NUL bytes): not a text exposition")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"{path} is not UTF-8 text: {exc}") from exc
+
+
+_COUNTED = (
+    COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, CLUSTERS, ROLLBACKS, RESETS, TRUTH_RUNS, BACKWARD_RUNS,
+)  # fmt: skip
+
+
+def _honour_resets(counts: dict[str, TargetCounts]) -> dict[str, TargetCounts]:
+    """A target whose metrics count as many resets as rollbacks was reset by a person after each: no rollback
+    stands (each reset follows a rollback)."""
+    for entry in counts.values():
+        if entry.counted_rollbacks and entry.counted_resets >= entry.counted_rollbacks:
+            entry.rollbacks = [r for r in entry.rollbacks if not r.endswith(f"({ROLLBACKS})")]
+            entry.resets.append(f"{round(entry.counted_resets)} by a person ({RESETS})")
+    return counts

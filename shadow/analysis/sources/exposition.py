@@ -1,0 +1,88 @@
+"""Counts from a saved Prometheus text exposition (a scrape, a textfile-collector file)."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from shadow.analysis import verdict
+from shadow.analysis.sources.common import (
+    _COUNTED,
+    _RUN_LABEL,
+    ARM_SERIES,
+    BUILD_INFO,
+    CLUSTERS,
+    DRILL_ACTIVE,
+    PROCESS_TIME,
+    SourceError,
+    _add,
+    _count,
+    _honour_resets,
+    select_run,
+)
+from shadow.analysis.verdict import TargetCounts
+from shadow.core.model.observation import (
+    label_text,
+)
+
+
+def from_exposition(
+    text: str,
+    source: str = "exposition",
+    run: str | None = None,
+    all_runs: bool = False,
+    arms: list[tuple[str, dict[str, str], float]] | None = None,
+    slices: dict[str, dict[str, TargetCounts]] | None = None,
+) -> dict[str, TargetCounts]:
+    """Counts from a Prometheus text exposition (a saved scrape, a textfile-collector file): of ``run``, or of the
+    one run it holds (see :func:`select_run`). ``arms``, when given, receives the canary A/B's samples (series,
+    labels, value); ``slices``, each run's counts where several are pooled (one moment holds no recent window)."""
+    counts: dict[str, TargetCounts] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except Exception as exc:
+        raise SourceError(f"{source}: not a Prometheus text exposition: {exc}") from exc
+    runs = {s.labels.get(_RUN_LABEL, "") for family in families for s in family.samples if s.name in _COUNTED}
+    chosen = select_run(runs, run, all_runs, source)
+    if slices is not None and chosen is None and len(runs) > 1:
+        for each in sorted(runs):
+            slices[verdict.run_slice(each)] = from_exposition(text, source, each)
+    drill = False
+    seconds = 0.0
+    for family in families:
+        for sample in family.samples:
+            if chosen is not None and sample.labels.get(_RUN_LABEL, "") != chosen:
+                continue
+            if sample.name == PROCESS_TIME:
+                seconds += _count(sample.value, f"{source}: {sample.name}", whole=False)
+            elif sample.name in _COUNTED:
+                where = f"{source}: {sample.name}{dict(sample.labels)}"
+                _add(counts, sample.name, sample.labels, _count(sample.value, where, whole=sample.name != CLUSTERS))
+            elif sample.name == DRILL_ACTIVE and sample.value > 0:
+                drill = True
+            elif sample.name in ARM_SERIES and arms is not None:
+                where = f"{source}: {sample.name}{dict(sample.labels)}"
+                arms.append((sample.name, dict(sample.labels), _count(sample.value, where, whole=False)))
+    if drill:
+        for entry in counts.values():
+            entry.drilled = -1
+    for entry in counts.values():
+        entry.process_seconds = seconds
+    return _honour_resets(counts)
+
+
+def environment_from_exposition(text: str) -> dict[str, set[str]]:
+    """What the processes behind an exposition ran ({"torch": {...}, "torch_npu": {...}, "npu-shadow": {...}}),
+    from their ``npu_shadow_build_info`` series; {} where there is none (or the text is not an exposition)."""
+    found: dict[str, set[str]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == BUILD_INFO and sample.value > 0:
+                    for label, field in (
+                        ("run", "run"), ("torch", "torch"), ("torch_npu", "torch_npu"), ("version", "npu-shadow")
+                    ):  # fmt: skip
+                        if sample.labels.get(label):
+                            found.setdefault(field, set()).add(label_text(sample.labels[label], 64))
+    except Exception:  # (from_exposition says what is wrong with the text)
+        return {}
+    return found

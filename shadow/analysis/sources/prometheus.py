@@ -1,0 +1,332 @@
+"""Counts from a Prometheus server: its exact counts over the run, and the run's slices (its last hour, its
+drills), each query bounded in time."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from shadow.analysis import verdict
+from shadow.analysis.sources.common import (
+    _RUN_LABEL,
+    ARM_SERIES,
+    BACKWARD_RUNS,
+    CALLS,
+    CLUSTERS,
+    COMPARISONS,
+    DRILL_ACTIVE,
+    LOOKBACK,
+    MAX_FILE_BYTES,
+    MISMATCHES,
+    PROCESS_TIME,
+    RESETS,
+    ROLLBACKS,
+    SHARED,
+    SKIPPED,
+    TRUTH_RUNS,
+    SourceError,
+    _add,
+    _count,
+    _honour_resets,
+    select_run,
+)
+from shadow.analysis.verdict import TargetCounts
+from shadow.core.model.observation import (
+    COMPARED_OUTCOMES,
+)
+
+
+def _fetch(address: str, timeout: float, said: float | None = None) -> bytes:
+    """The body at ``address``, in at most ``timeout`` seconds however slowly the server answers (a server that
+    trickles a byte at a time is given up on, not waited for). Raises SourceError."""
+    outcome: list[Any] = []
+
+    def fetch() -> None:
+        try:
+            with urllib.request.urlopen(address, timeout=timeout) as response:
+                outcome.append(response.read(MAX_FILE_BYTES + 1))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=fetch, name="npu-shadow-query", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not outcome:  # (the daemon thread is abandoned: it ends with its socket's timeout, or with the process)
+        raise SourceError(f"{address.split('/api/')[0]} did not answer within {said or timeout:g} s")
+    if isinstance(outcome[0], BaseException):
+        said = ""
+        if isinstance(outcome[0], urllib.error.HTTPError):  # (Prometheus says what it refused, in JSON)
+            try:
+                said = f" ({json.loads(outcome[0].read(4096)).get('error')})"
+            except Exception:
+                said = ""
+        raise SourceError(f"cannot query {address.split('/api/')[0]}: {outcome[0]}{said}") from outcome[0]
+    return outcome[0]
+
+
+def _query(
+    url: str, promql: str, timeout: float, at: float | None = None, matrix: bool = False, said: float | None = None
+) -> list[dict]:
+    """The result of an instant query (at ``at``, unix seconds, when given): a vector, or with ``matrix`` the raw
+    samples of a range selector. ``said``: the time limit a timeout names (the whole read's)."""
+    params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
+    address = f"{url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode(params)}"
+    raw = _fetch(address, timeout, said)
+    if len(raw) > MAX_FILE_BYTES:
+        raise SourceError(f"{url} answered more than {MAX_FILE_BYTES >> 20} MiB")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise SourceError(f"{url} did not answer JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise SourceError(f"{url} answered {type(body).__name__}, not a Prometheus API object")
+    if body.get("status") != "success":
+        raise SourceError(f"{url} answered {body.get('errorType')}: {body.get('error')}")
+    data = body.get("data")
+    result = data.get("result") if isinstance(data, dict) else None
+    key = "values" if matrix else "value"
+    if not isinstance(result, list) or not all(
+        isinstance(item, dict)
+        and isinstance(item.get("metric"), dict)
+        and isinstance(item.get(key), list)
+        and (matrix or len(item["value"]) == 2)
+        for item in result
+    ):
+        raise SourceError(f"{url} answered success without a {'matrix' if matrix else 'vector'} for {promql}")
+    return result
+
+
+def _number(value: object, where: str) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise SourceError(f"{where}: {value!r} is not a number") from None
+
+
+def _labels(item: dict) -> dict[str, str]:
+    return {str(k): str(v) for k, v in item["metric"].items() if k != "__name__"}
+
+
+def _selector(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
+
+
+_QUERIES = [
+    (COMPARISONS, "target, signature, outcome, primary"),
+    (MISMATCHES, "target, reason, primary"),
+    (SHARED, "target, reason, primary"),
+    (SKIPPED, "target, reason, signature, primary"),
+    (CALLS, "target, signature, primary"),
+    (CLUSTERS, "target, primary"),
+    (ROLLBACKS, "target, source"),
+    (RESETS, "target"),
+    (TRUTH_RUNS, "target, signature, nearer, primary"),
+    (BACKWARD_RUNS, "target, signature, outcome, primary"),
+]
+
+
+class _Deadline:
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url, self.timeout, self.end = url, timeout, time.monotonic() + timeout
+
+    def left(self) -> float:
+        remaining = self.end - time.monotonic()
+        if remaining <= 0:
+            raise SourceError(f"{self.url} did not answer within {self.timeout:g} s")
+        return remaining
+
+    def query(self, promql: str, at: float | None = None, matrix: bool = False) -> list[dict]:
+        """:func:`_query` within what is left of the read's time."""
+        return _query(self.url, promql, self.left(), at, matrix, said=self.timeout)
+
+
+def _exact(
+    url: str, metric: str, selector: str, at: float | None, deadline: _Deadline, whole: bool = True
+) -> dict[tuple, float]:
+    """Each series' exact count at ``at`` (now where None): its last sample at or before then, with what it had
+    counted before each reset added (a process of the run that started again), never an extrapolation. By the
+    series' sorted label items."""
+    selected = f"{metric}{{{selector}}}[{LOOKBACK}]"
+    values = {}
+    for item in deadline.query(f"last_over_time({selected})", at):
+        labels, where = _labels(item), f"{url}: {metric}{_labels(item)}"
+        values[tuple(sorted(labels.items()))] = _count(_number(item["value"][1], where), where, whole)
+    for item in deadline.query(f"resets({selected}) > 0", at):
+        labels = _labels(item)
+        raw = deadline.query(f"{metric}{{{_selector(labels)}}}[{LOOKBACK}]", at, matrix=True)
+        for series in raw:
+            points = [_number(value, f"{url}: {metric}{labels}") for _, value in series["values"]]
+            lost = sum(before for before, after in itertools.pairwise(points) if after < before)
+            values[tuple(sorted(_labels(series).items()))] = points[-1] + lost if points else 0.0
+    return values
+
+
+def _prometheus_slices(
+    url: str,
+    selector: str,
+    deadline: _Deadline,
+    runs: set[str],
+    chosen: str | None,
+    start: float | None,
+    end: float | None,
+    recent: float,
+) -> dict[str, dict[str, TargetCounts]]:
+    """The recent window's counts (where the range read is longer) and each run's where several are pooled, read
+    within what is left of the one timeout."""
+    found = {}
+    finish = time.time() if end is None else end
+    if recent > 0 and (start is None or start < finish - recent):
+        found[verdict.recent_slice(recent)] = from_prometheus(
+            url, None, selector, deadline.left(), chosen, True, finish - recent, finish
+        )
+    if chosen is None and len(runs) > 1:
+        for each in sorted(runs):
+            found[verdict.run_slice(each)] = from_prometheus(
+                url, None, selector, deadline.left(), each, False, start, end
+            )
+    return found
+
+
+def _exact_between(
+    url: str,
+    metric: str,
+    selector: str,
+    start: float | None,
+    end: float | None,
+    deadline: _Deadline,
+    spans: list[tuple[float | None, float]],
+    set_aside: dict[str, float],
+    whole: bool | None = None,
+) -> dict[tuple, float]:
+    """Each series' exact count from ``start`` to ``end`` (:func:`_exact`; ``whole``: counts, not seconds or a
+    rank's share of a cluster), less what it counted in each fire drill's span (the comparisons set aside added to
+    ``set_aside`` by target)."""
+    if whole is None:
+        whole = metric not in (CLUSTERS, PROCESS_TIME)
+    series = _exact(url, metric, selector, end, deadline, whole)
+    if start is not None:
+        before = _exact(url, metric, selector, start, deadline, whole)
+        series = {key: value - before.get(key, 0.0) for key, value in series.items()}
+    for on, off in spans if metric not in (ROLLBACKS, RESETS) else ():
+        drilled = _counted_between(url, metric, selector, on, off, deadline, whole)
+        series = {key: max(value - drilled.get(key, 0.0), 0.0) for key, value in series.items()}
+        for key, value in drilled.items() if metric == COMPARISONS else ():
+            labels = dict(key)
+            if labels.get("outcome") in COMPARED_OUTCOMES:
+                set_aside[labels.get("target", "")] = set_aside.get(labels.get("target", ""), 0.0) + value
+    return series
+
+
+def _drill_spans(
+    url: str, selector: str, start: float | None, end: float | None, deadline: _Deadline
+) -> tuple[list[tuple[float | None, float]], bool]:
+    """The fire drills in the read's span, from the history of their gauge (any process of the run): (spans
+    that are over, each from the last sample without a drill before it (None: from the start) to the first
+    sample without one after it; whether a drill is still active at the end). A span's counts are the drill's
+    and whatever else was counted meanwhile: set aside whole, the evidence outside it decides."""
+    raw = deadline.query(f"{DRILL_ACTIVE}{{{selector}}}[{LOOKBACK}]", end, matrix=True)
+    spans: list[tuple[float | None, float]] = []
+    drilling = False
+    for series in raw:
+        on = start
+        active = False
+        for moment, value in series["values"]:
+            when = _number(moment, f"{url}: {DRILL_ACTIVE}")
+            if start is not None and when < start:
+                continue
+            if _number(value, f"{url}: {DRILL_ACTIVE}") > 0:
+                active = True
+            elif active:
+                spans.append((on, when))
+                active, on = False, when
+            else:
+                on = when
+        drilling = drilling or active
+    merged: list[tuple[float | None, float]] = []
+    for on, off in sorted(spans, key=lambda span: -math.inf if span[0] is None else span[0]):
+        if merged and (on is None or on < merged[-1][1]):
+            merged[-1] = (merged[-1][0], max(merged[-1][1], off))
+        else:
+            merged.append((on, off))
+    return merged, drilling
+
+
+def _counted_between(
+    url: str, metric: str, selector: str, on: float | None, off: float, deadline: _Deadline, whole: bool
+) -> dict[tuple, float]:
+    """Each series' count from ``on`` (None: from its start) to ``off``, exactly (:func:`_exact`)."""
+    after = _exact(url, metric, selector, off, deadline, whole)
+    before = _exact(url, metric, selector, on, deadline, whole) if on is not None else {}
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+
+
+def _runs(url: str, selector: str, at: float | None, deadline: _Deadline, lookback: str = LOOKBACK) -> set[str]:
+    promql = f"count by ({_RUN_LABEL}) (last_over_time({CALLS}{{{selector}}}[{lookback}]))"
+    return {str(item["metric"].get(_RUN_LABEL, "")) for item in deadline.query(promql, at)}
+
+
+def from_prometheus(
+    url: str,
+    window: str | None = None,
+    selector: str = "",
+    timeout: float = 30,
+    run: str | None = None,
+    all_runs: bool = False,
+    start: float | None = None,
+    end: float | None = None,
+    arms: list[tuple[str, dict[str, str], float]] | None = None,
+    recent: float = 0.0,
+    slices: dict[str, dict[str, TargetCounts]] | None = None,
+) -> dict[str, TargetCounts]:
+    """Counts from a Prometheus server, of ``run`` or of the one run it holds (:func:`select_run`; the runs seen in
+    the last :data:`LOOKBACK`): each counter's exact value at ``end`` (default now; its last sample at or before,
+    resets counted, so a run that has ended is read as it ended), less its value at ``start`` where given.
+    ``window`` (e.g. '6h') instead takes ``increase()`` over the window before now, an extrapolation kept for
+    dashboards' sake. ``selector`` narrows the series, e.g. 'job="train"'. All queries together take at most
+    ``timeout`` seconds. ``arms``, when given, receives the canary A/B's series (series, labels, value).
+    ``slices``, when given, receives the counts of the last ``recent`` seconds before ``end`` (where the range
+    read is longer) and, where several runs are pooled, of each run (:func:`shadow.analysis.verdict.decide`)."""
+    deadline = _Deadline(url, timeout)
+    runs = _runs(url, selector, end, deadline, window or LOOKBACK)
+    chosen = select_run(runs, run, all_runs, f"{url}{f' ({selector})' if selector else ''}")
+    if slices is not None and not window:
+        slices.update(_prometheus_slices(url, selector, deadline, runs, chosen, start, end, recent))
+    if chosen is not None:
+        selector = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}"]))
+    counts: dict[str, TargetCounts] = {}
+    spans, drilling = ([], False) if window else _drill_spans(url, selector, start, end, deadline)
+    set_aside: dict[str, float] = {}
+    for metric, by in _QUERIES:
+        if window:
+            promql = f"sum by ({by}) (increase({metric}{{{selector}}}[{window}]))"
+            series = {
+                tuple(sorted(_labels(item).items())): _number(item["value"][1], f"{url}: {metric}{_labels(item)}")
+                for item in deadline.query(promql)
+            }
+        else:
+            series = _exact_between(url, metric, selector, start, end, deadline, spans, set_aside)
+        for key, value in series.items():
+            labels = dict(key)
+            # increase() extrapolates to the window's edges: fractional there, never negative
+            value = _count(value, f"{url}: {metric}{labels}", whole=window is None and metric != CLUSTERS)
+            _add(counts, metric, labels, value if metric == CLUSTERS else float(round(value)))
+    if not counts:
+        raise SourceError(f"{url} has no {COMPARISONS} series{f' matching {selector}' if selector else ''}")
+    for metric in ARM_SERIES if arms is not None and not window else ():
+        series = _exact_between(url, metric, selector, start, end, deadline, [], {}, whole=False)
+        arms.extend((metric, dict(key), value) for key, value in series.items())  # type: ignore[union-attr]
+    for target, entry in counts.items():
+        entry.drilled = -1 if drilling else 0
+        entry.drill_set_aside = 0.0 if drilling else set_aside.get(target, 0.0)
+    if not window:
+        seconds = sum(_exact_between(url, PROCESS_TIME, selector, start, end, deadline, [], {}).values())
+        for entry in counts.values():
+            entry.process_seconds = max(seconds, 0.0)
+    return _honour_resets(counts)
