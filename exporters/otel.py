@@ -37,11 +37,6 @@ MAX_PENDING = 100_000
 MAX_RECORDED_PER_COLLECTION = 10_000
 RECORD_SECONDS = 1.0
 
-_SUMS = tuple(metric for metric in contract.ALL if metric.kind == "counter")
-_HISTOGRAMS = tuple(metric for metric in contract.ALL if metric.kind == "histogram")
-_GAUGES = tuple(metric for metric in contract.ALL if metric.kind == "gauge")
-
-
 def _target(metric: contract.Metric, value: float, labels: tuple[str, ...]) -> str:
     """The target of a histogram value (every histogram is by target)."""
     return labels[metric.labels.index("target")]
@@ -64,8 +59,10 @@ class OTelExporter:
             METER_NAME, versions["version"], meter_provider=meter_provider, attributes=versions
         )
         self._lock = threading.Lock()
-        self._totals: dict[contract.Metric, dict[tuple[str, ...], float]] = {m: {} for m in _SUMS}
-        self._gauges: dict[contract.Metric, dict[tuple[str, ...], float]] = {m: {} for m in _GAUGES}
+        kinds = {kind: tuple(m for m in contract.ALL if m.kind == kind) for kind in ("counter", "histogram", "gauge")}
+        self._sums = kinds["counter"]  # (the contract's instruments, each sum an observable counter)
+        self._totals: dict[contract.Metric, dict[tuple[str, ...], float]] = {m: {} for m in self._sums}
+        self._gauges: dict[contract.Metric, dict[tuple[str, ...], float]] = {m: {} for m in kinds["gauge"]}
         self._pending: collections.deque[tuple[contract.Metric, float, tuple[str, ...]]] = collections.deque()
         self.dropped = 0  # histogram values lost: the queue was full, or the SDK failed to record them
         self._histograms = {
@@ -77,16 +74,16 @@ class OTelExporter:
                     contract.DURATION_BUCKETS if metric is contract.SHADOW_DURATION else contract.ERROR_BUCKETS
                 ),
             )
-            for metric in _HISTOGRAMS
+            for metric in kinds["histogram"]
         }
-        for metric in _SUMS:
+        for metric in self._sums:
             self.meter.create_observable_counter(
                 metric.otel_name,
                 [lambda options, metric=metric: self._observe(metric, self._totals)],
                 unit=metric.unit,
                 description=metric.description,
             )
-        for metric in _GAUGES:
+        for metric in kinds["gauge"]:
             self.meter.create_observable_gauge(
                 metric.otel_name,
                 [lambda options, metric=metric: self._observe(metric, self._gauges)],
@@ -102,7 +99,7 @@ class OTelExporter:
     def _observe(
         self, metric: contract.Metric, values: dict[contract.Metric, dict[tuple[str, ...], float]]
     ) -> Iterable[metrics.Observation]:
-        if metric is _SUMS[0]:  # (once per collection: one callback records the queued values)
+        if metric is self._sums[0]:  # (once per collection: one callback records the queued values)
             self._record_pending()
         with self._lock:
             found = list(values[metric].items())
@@ -202,7 +199,8 @@ class OTelExporter:
         for totals in self._totals.values():
             for labels in totals:
                 totals[labels] = 0
-        for greatest in (metric for metric in _GAUGES if metric.greatest):
-            self._gauges[greatest].clear()
+        for metric, gauge in self._gauges.items():
+            if metric.greatest:
+                gauge.clear()
         self._pending.clear()
         self.dropped = 0

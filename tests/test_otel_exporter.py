@@ -119,3 +119,31 @@ def test_histogram_values_that_find_the_queue_full_are_counted_not_lost_silently
     assert recorded == 100 and exporter.dropped == 900  # 3 values per observation: 100 fit in 300
     assert export_errors == exporter.dropped
     assert recorded + export_errors == 1000
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_metric_added_in_the_vocabulary_reaches_prometheus_opentelemetry_and_the_journal(monkeypatch, tmp_path):
+    """Adding a metric is one Metric and one rule in exporters.contract: the comparator's time per comparison, say.
+    Both exporters then carry it with its value, and the journal line carries the field it is made from (the schema
+    is the Observation's fields), read back by the journal reader."""
+    from exporters import JsonlExporter, contract
+    from shadow.analysis.sources import journal_records
+    from shadow.core.model.observation import Observation
+
+    compare = contract.Metric("npu_shadow.compare", "s", "counter", ("target",), "The comparator's time.")
+    rule = lambda o: [(compare, (o.target,), o.compare_seconds)] if o.outcome != "skipped" else []  # noqa: E731
+    monkeypatch.setattr(contract, "ALL", (*contract.ALL, compare))
+    monkeypatch.setattr(contract, "OBSERVATION_RULES", [*contract.OBSERVATION_RULES, rule])
+    registry = CollectorRegistry()
+    provider = MeterProvider(metric_readers=[PrometheusMetricReader(registry=registry)])
+    direct = PrometheusExporter(registry=CollectorRegistry())
+    journal = JsonlExporter(str(tmp_path / "j.jsonl"), all_outcomes=True)
+    observation = Observation("op", "close", numel=4, compare_seconds=0.125)
+    for exporter in (OTelExporter(meter_provider=provider), direct, journal):
+        exporter.export(observation)
+    journal.close()
+    for text in (generate_latest(registry).decode(), generate_latest(direct.registry).decode()):
+        found = [value for (name, _), value in samples(text).items() if name == "npu_shadow_compare_seconds_total"]
+        assert found == [0.125], text
+    (line,) = [r for r in journal_records([str(tmp_path / "j.jsonl")]) if "outcome" in r]
+    assert line["compare_seconds"] == 0.125
