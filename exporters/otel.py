@@ -37,6 +37,7 @@ MAX_PENDING = 100_000
 MAX_RECORDED_PER_COLLECTION = 10_000
 RECORD_SECONDS = 1.0
 
+
 def _target(metric: contract.Metric, value: float, labels: tuple[str, ...]) -> str:
     """The target of a histogram value (every histogram is by target)."""
     return labels[metric.labels.index("target")]

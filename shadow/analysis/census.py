@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from shadow.npu import catalog
 from shadow.npu.torch_npu_source import LegacySourceError, ReleaseFiles, cached_wheel, parse, printable
 
 #: How deep census follows imports and calls (each a function of its own that reaches the next): a chain deeper than
@@ -485,10 +486,8 @@ def _kind(name: str, exists: bool) -> str:
 
 
 def _shadowing() -> list[tuple[Any, str, str]]:
-    from shadow.core.model.live_targets import ARM_PLACES
-    from shadow.core.model.targets import PLACES
-
-    return [(owner(), attribute, name) for name, (owner, attribute) in {**PLACES, **ARM_PLACES}.items()]
+    """(owner, attribute, target) of every built-in target (:data:`shadow.npu.catalog.CATALOG`)."""
+    return [(row.resolve_owner(), row.attribute, row.name) for row in catalog.CATALOG]
 
 
 def take(source_path: str) -> Census:

@@ -14,7 +14,7 @@ import torch
 
 from shadow.core.model import targets
 from shadow.launcher.config import REFERENCE
-from shadow.npu import reference
+from shadow.npu import catalog, reference
 
 
 def _cached_wheel_hint() -> str:
@@ -200,21 +200,19 @@ def _diagnose_shadowing(lines: list[str], port: int, addr: str, imported_npu: bo
 
     accelerator = torch.accelerator.current_accelerator()
     version = _torch_version()
-    shadowable = ["tensor_type"]
+    needing = ", ".join(row.name for row in catalog.rows(catalog.SHADOWED) if row.needs == "accelerator")
+    runs = {"": True, "accelerator": False, "npu_backend": hasattr(torch.nn.Module, "npu")}  # (torch generates it)
     if version < (2, 10):
-        lines.append(
-            "parallel_apply, data_parallel: upstream needs torch >= 2.10 (torch.accelerator); "
-            "every comparison would be an error"
-        )
+        lines.append(f"{needing}: upstream needs torch >= 2.10 (torch.accelerator); every comparison would be an error")
     elif accelerator is None:
         lines.append(
-            "parallel_apply, data_parallel cannot run without an accelerator: upstream asserts one exists "
+            f"{needing} cannot run without an accelerator: upstream asserts one exists "
             "(not exercised here); `npu-shadow doctor --emulate-npu 2` and `npu-shadow run --emulate-npu 2` give "
             "this host two emulated npus that run torch's upstream"
         )
     else:
-        shadowable += ["parallel_apply", "data_parallel"]
-        lines.append(f"parallel_apply, data_parallel: upstream can run on {accelerator.type}")
+        runs["accelerator"] = True
+        lines.append(f"{needing}: upstream can run on {accelerator.type}")
     if KNOWN_DEFECT_VERSIONS[0] <= version and (accelerator is None or accelerator.type != "cuda"):
         lines.append(
             "known shared defect: upstream parallel_apply and torch_npu's (up to 2.12) both read "
@@ -223,13 +221,12 @@ def _diagnose_shadowing(lines: list[str], port: int, addr: str, imported_npu: bo
             "autocast, so shadowing reports a match under autocast (a defect of both, not a divergence); "
             "the single-device oracle (--oracle) counts it as a shared divergence"
         )
-    shadowable += ["torch_load", "module_to", "foreach_devices", "lstm_forward"]
-    if hasattr(torch.nn.Module, "npu"):  # (torch generates it for an npu backend)
-        shadowable.append("module_npu")
-    lines.append(
-        "dataloader_init (the DataLoader iterator's __init__, which cannot run twice): compared as a canary A/B, in "
-        "a job run with --primary upstream"
-    )
+    shadowable = [row.name for row in catalog.rows(catalog.SHADOWED) if runs[row.needs]]
+    for row in catalog.rows(catalog.CANARY):
+        lines.append(
+            f"{row.name} ({row.wrapped.strip('`')}, which cannot run twice): compared as a canary A/B, in a job run "
+            "with --primary upstream"
+        )
     busy = _port_free(addr, port)
     lines.append(f"prometheus port {addr}:{port}: " + ("free" if busy is None else f"cannot bind ({busy})"))
     ok, text = self_test()

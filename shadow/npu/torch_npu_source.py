@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from shadow.npu import catalog
 from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE, LEGACY_PATCHED, Patches, replace, upstream_of
 from shadow.npu.tensor_types import NPU_TENSOR_TYPES
 
@@ -70,32 +71,10 @@ class Patch:
     helpers: tuple[tuple[str, str, str], ...] = ()  # (definition, owner, attribute)
 
 
-_MODULE = "torch_npu/utils/_module.py"
-_CAST_WEIGHT = (("cast_weight", "torch.nn.Module", "cast_weight"),)
-
-#: Every patch npu-shadow can shadow, by built-in target. A release that lacks one of them lacks that target.
-PATCHES: tuple[Patch, ...] = (
-    Patch("tensor_type", "torch_npu/utils/tensor_methods.py", "_npu_type", "torch.Tensor", "type"),
-    Patch("parallel_apply", _MODULE, "npu_parallel_apply", "torch.nn.DataParallel", "parallel_apply"),
-    Patch("data_parallel", _MODULE, "npu_data_parallel", "torch.nn.parallel", "data_parallel"),
-    Patch("torch_load", "torch_npu/utils/serialization.py", "load", "torch", "load"),
-    Patch("module_to", _MODULE, "to", "torch.nn.Module", "to", _CAST_WEIGHT),
-    Patch("module_npu", _MODULE, "npu", "torch.nn.Module", "npu", _CAST_WEIGHT),
-    Patch(
-        "foreach_devices",
-        "torch_npu/utils/_optim.py",
-        "patch_supported_devices",
-        "torch.optim.optimizer",
-        "_get_foreach_kernels_supported_devices",
-    ),
-    Patch("lstm_forward", _MODULE, "_lstm_forward", "torch.nn.LSTM", "forward"),
-    Patch(
-        "dataloader_init",
-        _MODULE,
-        "_mpdl_iter_init",
-        "torch.utils.data.dataloader._MultiProcessingDataLoaderIter",
-        "__init__",
-    ),
+#: Every patch npu-shadow can shadow, by built-in target (one row each: :data:`shadow.npu.catalog.CATALOG`). A release
+#: that lacks one of them lacks that target.
+PATCHES: tuple[Patch, ...] = tuple(
+    Patch(row.name, row.file, row.definition, row.owner, row.attribute, row.helpers) for row in catalog.CATALOG
 )
 
 #: torch_npu's runtime Python that the patches call through ``torch.npu`` (device and stream handling), run from
@@ -807,7 +786,7 @@ def load(path: str | os.PathLike) -> TorchNpuLegacy:
     if cache is not None:
         cache.tensortype_list_dict_init()
     origin = f"torch_npu {version} source"
-    parallel_apply_function = loader.namespaces.get(_MODULE, {}).get("_parallel_apply")
+    parallel_apply_function = loader.namespaces.get(catalog.row("parallel_apply").file, {}).get("_parallel_apply")
     for function in (*patches.values(), *helpers.values(), parallel_apply_function):
         if function is not None:
             setattr(function, ORIGIN_ATTRIBUTE, origin)

@@ -26,6 +26,7 @@ from shadow.core.model import checkpoint, loaded
 from shadow.core.model.observation import BUILTIN_RISKY
 from shadow.core.model.target import Target
 from shadow.core.support import memory
+from shadow.npu import catalog
 from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE, upstream_of
 
 _DATALOADER = "torch.utils.data.dataloader"
@@ -39,13 +40,12 @@ def _iterator_class() -> type:
     return importlib.import_module(_DATALOADER)._MultiProcessingDataLoaderIter
 
 
+#: The targets made here, by name: the catalog's rows whose factory is this module's.
+LIVE_NAMES = tuple(row.name for row in catalog.CATALOG if row.factory.startswith(f"{__name__}:"))
+
 #: Where each target's legacy is installed: (its owner, found when asked; the attribute).
 PLACES: dict[str, tuple[Callable[[], Any], str]] = {
-    "torch_load": (lambda: torch, "load"),
-    "module_to": (lambda: torch.nn.Module, "to"),
-    "module_npu": (lambda: torch.nn.Module, "npu"),
-    "foreach_devices": (_optimizer_module, "_get_foreach_kernels_supported_devices"),
-    "lstm_forward": (lambda: torch.nn.LSTM, "forward"),
+    row.name: (row.resolve_owner, row.attribute) for row in catalog.CATALOG if row.name in LIVE_NAMES
 }
 
 
@@ -90,8 +90,8 @@ def upstream(name: str) -> Callable | None:
 
 
 def available(name: str) -> bool:
-    """Whether a live target's upstream is known here."""
-    return upstream(name) is not None
+    """Whether a target's upstream is known here (a live target's may not be; every other one's is)."""
+    return name not in LIVE_NAMES or upstream(name) is not None
 
 
 # --------------------------------------------------------------------------- torch.load
@@ -318,7 +318,9 @@ def module_npu() -> Target:
 
 
 #: Where the canary A/B targets' legacy is installed (:mod:`shadow.core.calls.canary.arms`).
-ARM_PLACES: dict[str, tuple[Callable[[], Any], str]] = {"dataloader_init": (_iterator_class, "__init__")}
+ARM_PLACES: dict[str, tuple[Callable[[], Any], str]] = {
+    row.name: (row.resolve_owner, row.attribute) for row in catalog.rows(catalog.CANARY)
+}
 
 
 def _missing(name: str) -> Callable:
@@ -391,13 +393,3 @@ def lstm_forward() -> Target:
         signature_pure=True,
         risky_signatures=BUILTIN_RISKY["lstm_forward"],
     )
-
-
-#: The live targets' factories, by name (:data:`shadow.core.model.targets.BUILTINS` has them all).
-LIVE: dict[str, Callable[[], Target]] = {
-    "torch_load": torch_load,
-    "module_to": module_to,
-    "module_npu": module_npu,
-    "foreach_devices": foreach_devices,
-    "lstm_forward": lstm_forward,
-}

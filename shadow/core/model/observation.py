@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from shadow.npu import catalog
+
 
 class Outcome(str, enum.Enum):
     """Outcome of one sampled call. Observations, journals and metrics hold the values (plain strings)."""
@@ -105,38 +107,13 @@ DIFFERS_IN_FLOAT64 = "differs-in-float64"
 #: Which side a float64 truth run found nearer the truth (shadow.core.judging.truth): the values of ``nearer``.
 NEARER = ("legacy", "upstream", "tie", DIFFERS_IN_FLOAT64)
 
-#: The built-in targets' names (their Targets are in shadow.core.model.targets).
-BUILTIN_TARGETS = (
-    "parallel_apply",
-    "data_parallel",
-    "tensor_type",
-    "torch_load",
-    "module_to",
-    "module_npu",
-    "foreach_devices",
-    "lstm_forward",
-)
-
-#: The built-in targets compared as a canary A/B, never shadowed: their calls cannot run twice (the DataLoader's
-#: iterator starts its workers once; shadow.core.calls.canary.arms). The arms: legacy, upstream.
-ARM_TARGETS = ("dataloader_init",)
-
-#: Where torch_npu 2.12's legacy and upstream are known to differ (the README's "what really differs"), by built-in
-#: target: the patterns of the risky signatures a verdict must see compared (here, torch-free, for the analysis
-#: tools; each built-in Target carries its own).
-BUILTIN_RISKY = {
-    "parallel_apply": ("replicas=1/*", "*/autocast=on"),
-    "data_parallel": ("replicas=1/*", "*/autocast=on"),
-    "tensor_type": ("npu_name/noncurrent/*", "npu_class/noncurrent/*", "torch_npu_name/*"),
-    # torch_npu 2.13/2.14: a .safetensors path, the weights-only variables in mixed case; channels_last_3d; a
-    # device given as a string or torch.device
-    "torch_load": ("path/safetensors/*", "*/env=mixed-case"),
-    "module_to": ("*/format=channels_last_3d",),
-    "module_npu": ("device=str", "device=device"),
-    "foreach_devices": (),
-    # torch_npu 2.12 (removed in 2.13): a packed sequence's batch_sizes moved to the device
-    "lstm_forward": ("packed=yes/*",),
-}
+#: The built-in targets' names, those compared as a canary A/B (their calls cannot run twice: the DataLoader's
+#: iterator starts its workers once; shadow.core.calls.canary.arms; the arms: legacy, upstream), and the patterns of
+#: each one's risky signatures, where legacy and upstream are known to differ (a verdict must see them compared):
+#: one row each in shadow.npu.catalog.
+BUILTIN_TARGETS = tuple(row.name for row in catalog.rows(catalog.SHADOWED))
+ARM_TARGETS = tuple(row.name for row in catalog.rows(catalog.CANARY))
+BUILTIN_RISKY = {row.name: row.risky for row in catalog.rows(catalog.SHADOWED)}
 
 #: What a built-in target's own comparison (reason "custom") finds, in a few words (the verdict says it; the
 #: journal's and the report's detail say which way each call went).

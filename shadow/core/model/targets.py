@@ -1,5 +1,6 @@
-"""The built-in targets: the three patches npu-shadow was built for (here) and those torch_npu 2.13/2.14 still
-carry (:mod:`shadow.core.model.live_targets`); :data:`BUILTINS` names them all.
+"""The built-in targets' factories: the three patches npu-shadow was built for (here) and those torch_npu 2.13/2.14
+still carry (:mod:`shadow.core.model.live_targets`); each target is a row of :data:`shadow.npu.catalog.CATALOG`,
+and :data:`BUILTINS` and :data:`PLACES` are derived from it.
 
 A built-in target's legacy is whatever is installed when the monitor installs (torch_npu's patch on an
 NPU host, its source's with ``--legacy-from``, :mod:`shadow.npu.reference`'s in a rehearsal); its upstream is
@@ -16,9 +17,9 @@ import torch
 from torch.utils._pytree import tree_iter
 
 from shadow.core.model import live_targets, oracle
-from shadow.core.model.observation import BUILTIN_RISKY, BUILTIN_TARGETS
+from shadow.core.model.observation import BUILTIN_RISKY
 from shadow.core.model.target import Target
-from shadow.npu import reference
+from shadow.npu import catalog, reference
 from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE
 
 __all__ = [
@@ -228,15 +229,8 @@ def data_parallel(function: Callable | None = None) -> Target:
     )
 
 
-BUILTINS: dict[str, Callable[[], Target]] = {
-    "parallel_apply": parallel_apply,
-    "data_parallel": data_parallel,
-    "tensor_type": tensor_type,
-    **live_targets.LIVE,
-}
-
-
-assert tuple(BUILTINS) == BUILTIN_TARGETS, "the vocabulary's names are the built-in targets'"
+#: Each built-in target's factory, by name (its row's, :data:`shadow.npu.catalog.CATALOG`).
+BUILTINS: dict[str, Callable[[], Target]] = {row.name: row.make for row in catalog.rows(catalog.SHADOWED)}
 
 
 def patch_origin(obj: Any) -> str | None:
@@ -254,15 +248,10 @@ def patch_origin(obj: Any) -> str | None:
     return None
 
 
-#: Where each of the three original targets' legacy is installed: (its owner, found when asked; the attribute).
-ORIGINAL_PLACES: dict[str, tuple[Callable[[], Any], str]] = {
-    "parallel_apply": (lambda: torch.nn.DataParallel, "parallel_apply"),
-    "data_parallel": (lambda: importlib.import_module("torch.nn.parallel"), "data_parallel"),
-    "tensor_type": (lambda: torch.Tensor, "type"),
+#: Where every built-in target's legacy is installed: (its owner, found when asked; the attribute).
+PLACES: dict[str, tuple[Callable[[], Any], str]] = {
+    row.name: (row.resolve_owner, row.attribute) for row in catalog.rows(catalog.SHADOWED)
 }
-
-#: Where every built-in target's legacy is installed.
-PLACES = {**ORIGINAL_PLACES, **live_targets.PLACES}
 
 
 def active_builtins() -> dict[str, str]:
@@ -272,6 +261,6 @@ def active_builtins() -> dict[str, str]:
     active = {}
     for name, (owner, attribute) in PLACES.items():
         origin = patch_origin(getattr(owner(), attribute, None))
-        if origin is not None and (name not in live_targets.PLACES or live_targets.available(name)):
+        if origin is not None and live_targets.available(name):
             active[name] = origin
     return active
