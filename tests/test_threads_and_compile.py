@@ -169,3 +169,24 @@ def test_no_shadow_thread_is_left_when_the_interpreter_finalizes():
     done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, fake], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_thread_start_hook_is_installed_with_the_monitor_and_put_back_by_the_last():
+    """Threads an upstream run starts inherit its run through threading's own thread-start function, wrapped: only
+    while a monitor is installed, and threading's own is back once the last monitor is uninstalled (importing the
+    call path changes nothing)."""
+    from shadow.npu import reference
+
+    name = "_start_joinable_thread" if hasattr(threading, "_start_joinable_thread") else "_start_new_thread"
+    own = getattr(threading, name)
+    assert not hasattr(own, "__wrapped__")
+    torch.Tensor.type = reference.npu_type
+    try:
+        with shadow.install(["tensor_type"]):
+            assert getattr(threading, name).__wrapped__ is own
+            second = shadow.install(["parallel_apply"], sample_rate=0.0)
+            second.uninstall()
+            assert getattr(threading, name).__wrapped__ is own  # (one monitor is still installed)
+        assert getattr(threading, name) is own
+    finally:
+        del torch.Tensor.type

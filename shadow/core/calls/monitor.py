@@ -30,7 +30,7 @@ from shadow.core.model import tolerance as tol
 from shadow.core.model.observation import ARM_TARGETS, UPSTREAM, TargetStats
 from shadow.core.model.target import place_name
 from shadow.core.model.targets import Target
-from shadow.core.runs import hook_watch
+from shadow.core.runs import hook_watch, sides
 from shadow.core.support.rates import check_rate
 
 log = logging.getLogger("shadow")
@@ -73,8 +73,9 @@ class Monitor:
         self._timed_at = time.monotonic()  # (the process time under this monitor, reported to the exporters)
         for s in self._experiments:
             s.monitor = self
-        #: Whether this monitor watches hook registrations (a backward comparison is drawn for some target).
-        self._watches_hooks = False
+        #: Whether this monitor watches hook registrations (a backward comparison is drawn for some target), and
+        #: whether it has threads inherit the upstream run of the thread that starts them.
+        self._watches_hooks = self._inherits = False
         # A forked multiprocessing child (a DataLoader worker) ends in os._exit: atexit never runs there, but
         # multiprocessing's finalizers do. Its calls since the last sampled one reach the exporters that way.
         multiprocessing.util.register_after_fork(self, Monitor._flush_at_child_exit)
@@ -115,6 +116,8 @@ class Monitor:
         raise KeyError(f"{name!r} is not installed; installed: {list(self.targets)}")
 
     def _patch(self) -> None:
+        sides.install_inheritance()  # (threads an upstream run starts are part of it; put back at uninstall)
+        self._inherits = True
         if any(s.coins.backward is not None for s in self._experiments):
             hook_watch.install()
             self._watches_hooks = True
@@ -208,6 +211,9 @@ class Monitor:
         if self._watches_hooks:
             self._watches_hooks = False
             hook_watch.uninstall()
+        if self._inherits:
+            self._inherits = False
+            sides.uninstall_inheritance()
 
     @property
     def installed(self) -> bool:

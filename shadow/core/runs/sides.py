@@ -114,12 +114,39 @@ def _inheriting(start: Callable[..., Any]) -> Callable[..., Any]:
     return start_thread
 
 
-def _install_inheritance() -> None:
-    for name in ("_start_joinable_thread", "_start_new_thread"):  # (Python 3.13+, before)
-        start = getattr(threading, name, None)
-        if start is not None and not hasattr(start, "__wrapped__"):
-            setattr(threading, name, _inheriting(start))
+_inheritance_lock = threading.Lock()
+_inheritance_installs = 0
+_replaced: list[tuple[str, Callable[..., Any]]] = []  # (threading's name, its own function) while installed
+
+
+def install_inheritance() -> None:
+    """Threads started from now on inherit the upstream run of the thread that starts them (threading's function
+    that starts a thread, wrapped); counted: the last :func:`uninstall_inheritance` puts threading's own back."""
+    global _inheritance_installs
+    with _inheritance_lock:
+        _inheritance_installs += 1
+        if _inheritance_installs > 1:
             return
+        for name in ("_start_joinable_thread", "_start_new_thread"):  # (Python 3.13+, before)
+            start = getattr(threading, name, None)
+            if start is not None and not hasattr(start, "__wrapped__"):
+                _replaced.append((name, start))
+                setattr(threading, name, _inheriting(start))
+                return
+
+
+def uninstall_inheritance() -> None:
+    """Undo one :func:`install_inheritance`: the last one puts threading's own function back (where nothing
+    replaced ours since)."""
+    global _inheritance_installs
+    with _inheritance_lock:
+        _inheritance_installs = max(0, _inheritance_installs - 1)
+        if _inheritance_installs:
+            return
+        while _replaced:
+            name, start = _replaced.pop()
+            if getattr(getattr(threading, name, None), "__wrapped__", None) is start:
+                setattr(threading, name, start)
 
 
 class _Runs:
@@ -132,4 +159,3 @@ class _Runs:
 
 _RUNS = _Runs()
 forks.register(_RUNS)
-_install_inheritance()
