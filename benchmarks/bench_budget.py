@@ -89,7 +89,7 @@ def waited_for_a_hang(deadline: float = 0.3) -> float:
         release.set()
         # (the abandoned run ends now: let it, before the interpreter exits under a thread still in torch's C++)
         for thread in threading.enumerate():
-            if thread.name == "npu-shadow upstream side":
+            if thread.name == "npu-shadow shadow side":
                 thread.join(5.0)
 
 

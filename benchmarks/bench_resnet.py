@@ -12,7 +12,7 @@ run, the configurations interleaved in rounds (rotating their order) so drift an
    1.0 (every call compared, no budget, the launcher's oracle and A/A rates, no backward comparison) / unwrapped
    (goal <= 1.5).
 3. The budget over every 10 s window of the defaults' run, first comparisons included: the shadow side's time as
-   measured here (the upstream side's plan, its run after legacy and the classifying, each timed around the
+   measured here (the shadow side's plan, its run after legacy and the classifying, each timed around the
    engine's own methods, independently of the budget's own accounting) over each window (goal <= 0.2 + 0.05).
 4. Peak RSS of one step at rate 1.0 against one unwrapped step (goal <= 1.3).
 

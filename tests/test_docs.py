@@ -138,3 +138,32 @@ def test_every_test_the_docs_name_exists():
             pattern = name.removesuffix("...") + ("*" if name.endswith("...") else "")
             assert fnmatch.filter(defined, pattern), f"{os.path.basename(page)} names {name}, which no test is"
     assert named > 20
+
+
+def test_the_layout_is_drawn_from_the_tree_and_names_only_modules_that_exist():
+    """docs/layout.md's tree is the tree's (every module of the product named, the call path's among them, none that
+    is gone), and every dotted module path the page names resolves to a module of the repository (or a name in
+    one)."""
+    import re
+    import runpy
+
+    draw = runpy.run_path(os.path.join(ROOT, "scripts", "draw_layout.py"))
+    with open(os.path.join(ROOT, "docs", "layout.md"), encoding="utf-8") as file:
+        text = file.read()
+    assert draw["current"]() == draw["tree"](), "docs/layout.md's tree is stale: python scripts/draw_layout.py"
+    calls = [m for m in draw["modules"]() if m.startswith(os.path.join("shadow", "core", "calls"))]
+    named = [
+        os.path.basename(os.path.dirname(m)) + "/" if m.endswith("__init__.py") else os.path.basename(m) for m in calls
+    ]
+    assert len(calls) > 15 and all(f" {name} " in draw["tree"]() for name in named)
+
+    def exists(dotted: str) -> bool:
+        parts = dotted.split(".")
+        for end in (len(parts), len(parts) - 1):  # (a module, or a name in one)
+            path = os.path.join(ROOT, *parts[:end])
+            if os.path.isfile(path + ".py") or os.path.isfile(os.path.join(path, "__init__.py")):
+                return True
+        return False
+
+    dotted = set(re.findall(r"`((?:shadow|exporters)(?:\.[A-Za-z_]+)+)`", text))
+    assert dotted and not [name for name in sorted(dotted) if not exists(name)]

@@ -152,7 +152,7 @@ def test_the_verdict_takes_a_tiny_max_rate(tmp_path, max_rate):
 # --------------------------------------------------------------------------- 3. restore failures
 
 
-def test_an_upstream_that_leaks_a_mode_never_leaves_the_thread_on_the_upstream_side():
+def test_an_upstream_that_leaks_a_mode_never_leaves_the_thread_on_the_shadow_side():
     from torch.overrides import TorchFunctionMode
 
     class Leaked(TorchFunctionMode):  # its __torch_function__ raises NotImplementedError for every torch call

@@ -495,7 +495,7 @@ def _interrupt_points(code, cache={}):  # noqa: B006 (a cache by code object)
     return cache[code]
 
 
-def test_no_interrupt_at_any_point_leaves_the_caller_on_the_upstream_side():
+def test_no_interrupt_at_any_point_leaves_the_caller_on_the_shadow_side():
     """Ctrl-C raised at each point of a sampled call where CPython can raise it (every eval-breaker check in
     npu-shadow's own code, one run each); after every one, a call returns legacy's result and is counted, and no
     thread is left marked as an upstream side."""

@@ -440,7 +440,7 @@ SETTINGS = {
         "NPU_SHADOW_PURE_HOOKS",
         "--pure-hooks",
         "1/true/yes or 0/false/no: the job's forward and backward hooks have no side effects, so calls that run "
-        "them are compared (they run again on the upstream side) instead of skipped with reason hooks",
+        "them are compared (they run again on the shadow side) instead of skipped with reason hooks",
         _flag,
     ),
     "trusted_checkpoints": Setting(

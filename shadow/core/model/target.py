@@ -40,7 +40,7 @@ class Target:
     upstream share but a single device would not do. ``never_blocks`` tells the calls whose upstream run cannot
     block or wait (no device work, no lock, no Python code: a query of a tensor's metadata in torch's C code): their
     upstream runs on the caller's thread, without the deadline's thread (:mod:`shadow.core.runs.deadline`), whose
-    hand-off costs more than such a call's whole upstream side. ``signature_key`` (with ``signature``) is a cheap
+    hand-off costs more than such a call's whole shadow side. ``signature_key`` (with ``signature``) is a cheap
     key of a call, hashable, read without running user code (no tensor attribute a mode would see), that stands for
     its signature or for several that are never risky, or None where it cannot be had cheaply: once a key's
     signature has had its first comparisons, calls with that key take the unguided wrapper's unsampled path (their
@@ -62,7 +62,7 @@ class Target:
     Example: ``run_if=lambda a, k: None if a[0].seekable() else "a stream that cannot seek back"``.
 
     ``rewind(args, kwargs)``: for arguments a call consumes (a file read to its end), a function that puts them
-    back where they are now. Taken before legacy runs; the shadow run starts from there, and the arguments are left
+    back where they are now. Taken before the primary runs; the shadow run starts from there, and the arguments are left
     where legacy left them. Example: ``rewind=lambda a, k: functools.partial(a[0].seek, a[0].tell())``.
 
     ``replay(args, kwargs)``: for a call whose input must be read only once (a checkpoint: the file at a path may be

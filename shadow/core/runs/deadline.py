@@ -8,7 +8,7 @@ never keeps the process alive, and the target stops shadowing. An abandoned run 
 upstream does (consume the global RNG, write its own copies); that is why the target stops at the first one.
 
 The threads are kept between runs (:class:`_Workers`): starting one and waiting for the scheduler twice cost about
-300 us a run, more than a cheap call's whole upstream side. Each run starts in the caller's thread-local torch
+300 us a run, more than a cheap call's whole shadow side. Each run starts in the caller's thread-local torch
 context, so it is the same call as on the caller's thread: the caller's ``start`` writes the settings snapshot legacy
 started from (grad mode, autocast, function and dispatch modes, the current device, intra-op threads, NumPy's error
 settings...: thread-local ones among them), and this module adds what a snapshot cannot write (inference mode, the
@@ -83,7 +83,7 @@ class Finished:
 
 class _Workers:
     """The threads shadow-side runs take place on, kept between runs (starting a thread and waiting for it to be
-    scheduled costs more than a cheap call's whole upstream side).
+    scheduled costs more than a cheap call's whole shadow side).
 
     Each worker waits on a queue of its own (its inbox); the idle workers' inboxes are a stack, the worker idle last on
     top: a run is handed to the worker that ran the last one (its thread's caches still warm), or to a worker started
@@ -129,7 +129,7 @@ class _Workers:
             # with them the first run's result, copies and graph)
             inbox = queue.SimpleQueue()
             inbox.put(run)
-            threading.Thread(target=self._work, args=(inbox,), name="npu-shadow upstream side", daemon=True).start()
+            threading.Thread(target=self._work, args=(inbox,), name="npu-shadow shadow side", daemon=True).start()
         else:
             inbox.put(run)
 

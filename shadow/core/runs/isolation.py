@@ -424,7 +424,7 @@ class ArgumentsChanged(RuntimeError):
 
 
 class Isolation:
-    """Taken before legacy runs; :meth:`take_arguments` after it; :meth:`shadow_run` then gives the upstream
+    """Taken before the primary runs; :meth:`take_arguments` after it; :meth:`shadow_run` then gives the upstream
     side its own world.
 
     Before legacy only what legacy changes by design is copied: the module buffers (BatchNorm's running

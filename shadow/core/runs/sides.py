@@ -72,7 +72,7 @@ def current_run() -> object | None:
 
 
 def shadow_side_of_this_thread() -> Any | None:
-    """The experiment whose upstream side this thread is part of: running it, started by a thread of its
+    """The experiment whose shadow side this thread is part of: running it, started by a thread of its
     upstream run while that run is under way, or an autograd thread during its backward run."""
     side = getattr(marks, "shadow_side", None)
     if side is not None or not shadow_runs:

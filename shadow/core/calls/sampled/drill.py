@@ -17,7 +17,7 @@ from shadow.core.support.rates import check_rate
 
 
 class DrillError(RuntimeError):
-    """What a drill of kind ``exception`` raises on the upstream side."""
+    """What a drill of kind ``exception`` raises on the shadow side."""
 
 
 class Drill:
