@@ -32,8 +32,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from exporters import contract
 from exporters.signatures import JobSignatures
 from shadow.core.calls.canary.arms import ArmRun
-from shadow.core.calls.gate.coverage import MAX_SIGNATURES, OTHER_SIGNATURE
-from shadow.core.model.observation import LEGACY, Observation
+from shadow.core.model.observation import LEGACY, MAX_SIGNATURES, OTHER_SIGNATURE, Observation
 from shadow.core.support import forks
 from shadow.core.support.safe_paths import check_private_directory, replace_regular_file
 

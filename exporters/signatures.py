@@ -14,7 +14,7 @@ import hashlib
 import os
 import threading
 
-from shadow.core.calls.gate.coverage import MAX_SIGNATURES, OTHER_SIGNATURE
+from shadow.core.model.observation import MAX_SIGNATURES, OTHER_SIGNATURE
 from shadow.core.support.safe_paths import check_private_directory
 
 #: The launcher's metrics folder, shared by the job's processes on a node (the bootstrap's METRICS_DIR).

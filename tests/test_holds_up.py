@@ -128,7 +128,10 @@ HUGE = 10**400
         (lambda: shadow.install(["tensor_type"], oracle=HUGE), "oracle"),
         (lambda: shadow.install(["tensor_type"], budget=HUGE), "budget"),
         (lambda: shadow.Tolerance(HUGE, 0.0), "Tolerance.rtol"),
-        (lambda: __import__("shadow.core.calls.sampled.drill").core.calls.drill.Drill("value", HUGE), "drill rate"),
+        (
+            lambda: __import__("shadow.core.calls.sampled.drill").core.calls.sampled.drill.Drill("value", HUGE),
+            "drill rate",
+        ),
     ],
     ids=["sample_rate", "sample_rate table", "oracle", "budget", "Tolerance", "Drill"],
 )

@@ -399,7 +399,7 @@ def test_under_the_launcher_the_job_gets_legacys_results_and_the_evidence_names_
     done, journal = _launch(tmp_path, _LIVE_JOB, "--budget", "off", "--journal-all")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "caught TypeError: device(): argument 'index'" in done.stdout  # legacy's exception, as the job had it
-    said = "torch_npu 2.13.0 has no tensor_type, parallel_apply, data_parallel, lstm_forward patch"
+    said = "torch_npu 2.13.0 has no parallel_apply, data_parallel, tensor_type, lstm_forward patch"
     assert done.stderr.count(said) == 1
     assert "channels_last_3d: False" in done.stdout and "loaded: ['bias', 'weight']" in done.stdout
     lines = [json.loads(line) for line in journal.read_text().splitlines()]

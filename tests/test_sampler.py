@@ -113,7 +113,7 @@ def test_a_shadow_side_refreshes_the_gates_of_installed_targets_only():
     from shadow.core.calls.gate.sampling import UNDER_WAY
     from shadow.npu import reference
 
-    torch.Tensor.type = reference.npu_type
+    patches = reference.patch_torch()
     try:
         with shadow.install(["tensor_type"], sample_rate=1.0) as monitor:
             sampling = monitor.experiment("tensor_type").sampling
@@ -121,4 +121,4 @@ def test_a_shadow_side_refreshes_the_gates_of_installed_targets_only():
             torch.ones(2).type(torch.float16)
         assert sampling not in UNDER_WAY
     finally:
-        del torch.Tensor.type
+        patches.undo()

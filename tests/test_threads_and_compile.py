@@ -178,15 +178,15 @@ def test_the_thread_start_hook_is_installed_with_the_monitor_and_put_back_by_the
     from shadow.npu import reference
 
     name = "_start_joinable_thread" if hasattr(threading, "_start_joinable_thread") else "_start_new_thread"
-    own = getattr(threading, name)
-    assert not hasattr(own, "__wrapped__")
-    torch.Tensor.type = reference.npu_type
+    before = getattr(threading, name)  # (threading's own, or ours where a monitor is installed already: a plugin's)
+    own = getattr(before, "__wrapped__", before)
+    patches = reference.patch_torch()
     try:
         with shadow.install(["tensor_type"]):
             assert getattr(threading, name).__wrapped__ is own
             second = shadow.install(["parallel_apply"], sample_rate=0.0)
             second.uninstall()
             assert getattr(threading, name).__wrapped__ is own  # (one monitor is still installed)
-        assert getattr(threading, name) is own
+        assert getattr(threading, name) is before
     finally:
-        del torch.Tensor.type
+        patches.undo()

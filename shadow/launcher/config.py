@@ -15,8 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from shadow.core.calls.gate.budget import DEFAULT_DEADLINE
-from shadow.core.calls.gate.sampling import DEFAULT_FIRST_PER_SIGNATURE
-from shadow.core.model.observation import ARM_TARGETS, BUILTIN_TARGETS, DRILL_KINDS
+from shadow.core.model.observation import ARM_TARGETS, BUILTIN_TARGETS, DEFAULT_FIRST_PER_SIGNATURE, DRILL_KINDS
 from shadow.core.model.run_ids import RUN_ID_VARIABLE, run_id_problem
 from shadow.core.support.rates import parse_rate
 from shadow.core.support.safe_paths import directory_problem, long_component, template_problem

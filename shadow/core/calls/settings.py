@@ -7,9 +7,8 @@ import math
 from typing import Any
 
 from shadow.core.calls.gate.budget import DEFAULT_DEADLINE, Budgets
-from shadow.core.calls.gate.sampling import DEFAULT_FIRST_PER_SIGNATURE
 from shadow.core.calls.sampled.drill import Drill
-from shadow.core.model.observation import LEGACY, PRIMARY_SIDES
+from shadow.core.model.observation import DEFAULT_FIRST_PER_SIGNATURE, LEGACY, PRIMARY_SIDES
 from shadow.core.support.rates import check_rate
 
 

@@ -188,6 +188,13 @@ def within_noise_floor(found: Any, test: str) -> Any:
 #: not classify.
 UNCLASSIFIED_SIGNATURE = "unclassified"
 
+#: Distinct signatures a target may have (each is a metric series); later ones count as ``OTHER_SIGNATURE``.
+MAX_SIGNATURES = 100
+OTHER_SIGNATURE = "other"
+
+#: Coverage guidance's default: the first calls of every signature that are compared whatever the rate.
+DEFAULT_FIRST_PER_SIGNATURE = 30
+
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 

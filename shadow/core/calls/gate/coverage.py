@@ -34,13 +34,9 @@ from typing import Any
 import torch
 
 from shadow.core.calls.gate.budget import Budgets, Clock
-from shadow.core.model.observation import UNCLASSIFIED_SIGNATURE, label_text
+from shadow.core.model.observation import MAX_SIGNATURES, OTHER_SIGNATURE, UNCLASSIFIED_SIGNATURE, label_text
 from shadow.core.model.targets import Target
 from shadow.core.runs.isolation import SideEffects, call_without_side_effects
-
-#: Distinct signatures a target may have (each is a metric series); later ones count as "other".
-MAX_SIGNATURES = 100
-OTHER_SIGNATURE = "other"
 
 
 class _NotClassified(Exception):

@@ -30,9 +30,6 @@ from shadow.core.model.targets import Target
 from shadow.core.support import forks
 from shadow.core.support.rates import check_rate
 
-#: Coverage guidance's default: the first calls of every signature that are compared whatever the rate.
-DEFAULT_FIRST_PER_SIGNATURE = 30
-
 Gate = itertools.repeat
 
 #: The gate of a wrapper whose every call arrives (a guided target classifying every call).
