@@ -610,3 +610,52 @@ def test_a_token_file_that_is_not_a_token_is_refused_saying_why(tmp_path, conten
         env={**os.environ, "NPU_SHADOW_ROLLBACK_TOKEN_FILE": str(path)},
     )  # fmt: skip
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+_BLOCKER = """
+import importlib.abc, os, sys
+class _Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        in_job = os.environ.get("NPU_SHADOW_ENABLED") == "1"
+        if name.split(".")[0] == "opentelemetry" and (in_job or os.environ.get("BLOCK_EVERYWHERE") == "1"):
+            raise ModuleNotFoundError("No module named 'opentelemetry' (blocked by the test)")
+        return None
+sys.meta_path.insert(0, _Blocked())
+"""
+
+
+def _blocked_environment(tmp_path, everywhere: bool) -> dict:
+    (tmp_path / "blocker").mkdir(exist_ok=True)
+    (tmp_path / "blocker" / "sitecustomize.py").write_text(_BLOCKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_SHADOW_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "blocker"), ROOT])
+    env["BLOCK_EVERYWHERE"] = "1" if everywhere else "0"
+    return env
+
+
+def test_an_exporter_not_asked_for_is_never_imported(tmp_path):
+    """Without opentelemetry installed, a job run with a journal only is shadowed (it used to import the OTel
+    exporter anyway, print "not installed" among the job's output, and run the job unshadowed, exiting 0)."""
+    journal = tmp_path / "j.jsonl"
+    job = "import torch; torch.ones(2).type(torch.float64)"
+    done = npu_shadow(
+        "run", "--legacy-from", "reference", "--journal", str(journal), "--", sys.executable, "-c", job,
+        env=_blocked_environment(tmp_path, everywhere=True),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "not installed" not in done.stderr and journal.exists(), done.stderr[-2000:]
+
+
+def test_an_exporter_whose_package_is_missing_fails_the_launcher_before_the_job(tmp_path):
+    """--otel where opentelemetry cannot be imported: exit 2 naming the setting and the package, the job never
+    started. Where the launcher finds it but a job process cannot import it, the job runs (its output is its own)
+    and the launcher ends with 2, saying its monitor could not start: never an unshadowed job that exits 0."""
+    ran = tmp_path / "ran"
+    job = f"import pathlib, torch; pathlib.Path({str(ran)!r}).write_text('x')"
+    args = ("run", "--legacy-from", "reference", "--otel", "--", sys.executable, "-c", job)
+    refused = npu_shadow(*args, env=_blocked_environment(tmp_path, everywhere=True))
+    assert refused.returncode == 2 and "--otel" in refused.stderr and "'opentelemetry'" in refused.stderr
+    assert not ran.exists()
+    failed = npu_shadow(*args, env=_blocked_environment(tmp_path, everywhere=False))
+    assert ran.exists() and failed.returncode == 2, failed.stderr[-2000:]
+    assert "the monitor could not start in 1 process(es) of the job, which ran unshadowed" in failed.stderr

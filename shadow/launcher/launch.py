@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib.util
 import logging
 import multiprocessing
 import os
@@ -54,18 +55,44 @@ def wants_prometheus(config: Any) -> bool:
     return bool(config.port is not None or config.multiproc_dir or config.pushgateway or config.textfile)
 
 
-def _exporters(config: Any) -> list[Any]:
-    from exporters import JsonlExporter, OTelExporter, PrometheusExporter
+#: What each exporter needs beyond the standard library, by the setting that asks for it.
+EXPORTER_PACKAGES = {"otel": "opentelemetry", "prometheus": "prometheus_client"}
 
+
+def missing_packages(config: Any) -> dict[str, str]:
+    """{setting: package} for every configured exporter whose package cannot be imported here (found without
+    importing it: the launcher refuses the job before it runs)."""
+    wanted = {"otel": bool(config.otel), "prometheus": wants_prometheus(config)}
+    missing = {}
+    for setting, package in EXPORTER_PACKAGES.items():
+        if wanted[setting]:
+            try:
+                found = importlib.util.find_spec(package) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                missing[setting] = package
+    return missing
+
+
+def _exporters(config: Any) -> list[Any]:
+    """The exporters ``config`` asks for, each imported only when asked for (an optional package that is not
+    installed costs nothing to a job that does not use it)."""
     made: list[Any] = []
     if wants_prometheus(config):
+        from exporters.prometheus import PrometheusExporter
+
         port = None
         if config.port is not None and not config.multiproc_dir and _is_job_process():
             port = config.port + _local_rank() if config.port else 0
         made.append(PrometheusExporter(port=port, addr=config.addr))
     if config.otel:
+        from exporters.otel import OTelExporter
+
         made.append(OTelExporter())
     if config.journal:
+        from exporters.journal import JsonlExporter
+
         made.append(JsonlExporter(config.journal, all_outcomes=config.journal_all, capture_dir=config.capture_dir))
     return made
 

@@ -242,6 +242,24 @@ def _canary_switch_problem(config: cfg.Config, environ: Mapping[str, str]) -> st
     return None
 
 
+def _unshadowed(path: str, code: int) -> int:
+    """The job's exit status, or 2 where a process of it ran without its monitor (its install failed: said then on
+    stderr, and again here): a job that ran unshadowed never ends as if it had been shadowed."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            reasons = [line.strip() for line in file if line.strip()]
+    except OSError:
+        return code
+    if not reasons:
+        return code
+    print(
+        f"npu-shadow run: the monitor could not start in {len(reasons)} process(es) of the job, which ran "
+        f"unshadowed: {reasons[0]}",
+        file=sys.stderr,
+    )
+    return code or 2
+
+
 def _run(
     command: Sequence[str], options: Mapping[str, str | None], environ: Mapping[str, str], mask: set[signal.Signals]
 ) -> int:
@@ -269,6 +287,16 @@ def _run(
         except (torch_npu_source.LegacySourceError, OSError) as exc:
             print(f"npu-shadow run: --legacy-from: {exc}", file=sys.stderr)
             return 2
+    from shadow.launcher import launch
+
+    for setting, package in launch.missing_packages(config).items():
+        flag = "--otel" if setting == "otel" else "--port/--textfile/--pushgateway/--multiproc-dir"
+        print(
+            f"npu-shadow run: {flag}: the {setting} exporter needs the Python package {package!r}, which is not "
+            "installed here; install it, or leave that exporter out",
+            file=sys.stderr,
+        )
+        return 2
     refusal = _canary_switch_problem(config, environ)
     if refusal:
         print(f"npu-shadow run: {refusal}", file=sys.stderr)
@@ -305,16 +333,21 @@ def _run(
         if config.multiproc_dir and config.port is not None:
             node = _serve_node(base, config.port, config.addr)
             server = node[0]
+    descriptor, failed = tempfile.mkstemp(prefix="npu-shadow-failed-")  # (0600, this user's)
+    os.close(descriptor)
+    env[boot.FAILED] = failed
     try:
         forwarded: list[int] = []
         code = _run_forwarding_signals(list(command), env, mask, forwarded)
         if base is not None:
             _serve_final_counts(config, base, node, stopped=any(s in _STOPPING for s in forwarded))
-        return code
+        return _unshadowed(failed, code)
     except CannotStart as exc:
         print(f"npu-shadow run: cannot start {command[0]!r}: {exc}", file=sys.stderr)
         return exc.exit_code
     finally:
+        with contextlib.suppress(OSError):
+            os.remove(failed)
         if server is not None:
             server.shutdown()
             server.server_close()

@@ -16,6 +16,7 @@ from typing import Any
 ENABLED = "NPU_SHADOW_ENABLED"
 METRICS_DIR = "NPU_SHADOW_METRICS_DIR"  # set by the launcher when metrics are served
 METRICS_LAYOUT = "NPU_SHADOW_METRICS_LAYOUT"  # "rank": a directory per local rank; "node": one for all
+FAILED = "NPU_SHADOW_FAILED_FILE"  # where a process whose monitor could not start says why (the launcher reads it)
 
 
 class AfterImport(importlib.abc.MetaPathFinder):
@@ -58,11 +59,23 @@ def _after_torch() -> None:
 
     try:
         launch.install_from_env()
-    except Exception as exc:  # never break the job's `import torch`
+    except Exception as exc:  # never break the job's `import torch`; the launcher ends with 2 (FAILED)
         print(f"npu-shadow: not installed: {exc}", file=sys.stderr)
+        _say_failed(f"{type(exc).__name__}: {exc}")
         return
     if "torch_npu" not in sys.modules:
         sys.meta_path.insert(0, AfterImport("torch_npu", launch.refresh))
+
+
+def _say_failed(reason: str) -> None:
+    path = os.environ.get(FAILED)
+    if not path:
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as file:  # (one short line: appended whole)
+            file.write(reason.replace("\n", " ")[:500] + "\n")
+    except OSError:
+        pass
 
 
 def arm() -> None:
