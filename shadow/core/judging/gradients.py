@@ -74,13 +74,17 @@ def vjp(output: Any, wrt: dict[int, torch.Tensor], seed: int) -> dict[int, torch
 @dataclasses.dataclass(frozen=True)
 class GradientComparison:
     """What the two sides' products showed: ``outcome`` (match, close or mismatch), the names that differ (by
-    ``detail``), and the greatest differences."""
+    ``detail``), the greatest differences, and each product's greatest absolute difference (``leaf_errors``, named
+    ``grad:<tensor>``: what a gradient noise floor holds and judges). ``value_only``: every difference is one of
+    value (no product on one side only, none of another shape or dtype), the only kind a floor can excuse."""
 
     outcome: str
     detail: str = ""
     max_abs_error: float = 0.0
     max_rel_error: float = 0.0
     compared: int = 0
+    leaf_errors: tuple[tuple[str, float], ...] = ()
+    value_only: bool = True
 
 
 def compare_gradients(
@@ -92,6 +96,7 @@ def compare_gradients(
     """Each tensor's two products compared like outputs (the target's tolerance); a product on one side only is
     a difference too."""
     outcome, differing, abs_error, rel_error, compared = Outcome.MATCH.value, [], 0.0, 0.0, 0
+    leaf_errors, value_only = [], True
     for key in sorted(set(legacy) | set(upstream), key=lambda k: names.get(k, "")):
         ours, theirs = legacy.get(key), upstream.get(key)
         name = names.get(key, "a tensor of the call")
@@ -100,14 +105,15 @@ def compare_gradients(
         compared += 1
         if ours is None or theirs is None:
             differing.append(f"{name}: a gradient on the {'upstream' if ours is None else 'legacy'} side only")
-            outcome = Outcome.MISMATCH.value
+            outcome, value_only = Outcome.MISMATCH.value, False
             continue
         found = compare(ours, theirs, tolerance=tolerance)
+        leaf_errors.append((f"grad:{name}", found.max_abs_error))
         abs_error, rel_error = max(abs_error, found.max_abs_error), max(rel_error, found.max_rel_error)
         if found.outcome == Outcome.MISMATCH:
             differing.append(f"{name}: {found.detail or ', '.join(found.reasons)}")
-            outcome = Outcome.MISMATCH.value
+            outcome, value_only = Outcome.MISMATCH.value, value_only and set(found.reasons) == {"value"}
         elif found.outcome == Outcome.CLOSE and outcome == Outcome.MATCH.value:
             outcome = Outcome.CLOSE.value
     detail = bounded("gradient of " + "; ".join(differing)) if differing else ""
-    return GradientComparison(outcome, detail, abs_error, rel_error, compared)
+    return GradientComparison(outcome, detail, abs_error, rel_error, compared, tuple(leaf_errors), value_only)

@@ -12,6 +12,9 @@ differs, per call signature:
   the floor call by call shows up there, and from then on such calls are mismatches. Until each side holds
   ``MIN_TEST_SAMPLES`` errors the test cannot run, and a difference within the floor waits to be judged.
 
+A backward comparison with A/A runs on keeps its gradients' floor here too: each product is a leaf named
+``grad:<tensor>`` of the call's signature (:mod:`shadow.core.calls.sampled.extra_runs`).
+
 Each judgement says its test (runs on each side, p-value) so that a reviewer can redo it from the journal, whose
 lines keep both error samples (``max_abs_error``, ``aa_abs_error``).
 """
@@ -49,12 +52,22 @@ class NoiseFloor:
         #: signature -> [greatest A/A abs error, greatest rel error, A/A runs, runs that differed]
         self.summary: dict[str, list[float]] = {}
 
-    def add_aa(self, signature: str, leaves: Iterable[tuple[str, float]], rel_error: float, differs: bool) -> None:
-        """One A/A run's errors by leaf (all 0.0 when legacy repeated itself bitwise)."""
+    def add_aa(
+        self,
+        signature: str,
+        leaves: Iterable[tuple[str, float]],
+        rel_error: float,
+        differs: bool,
+        summarize: bool = True,
+    ) -> None:
+        """One A/A run's errors by leaf (all 0.0 when legacy repeated itself bitwise); ``summarize``: counted in
+        :attr:`summary` (the forward's A/A runs; a backward's A/A products, leaves named ``grad:...``, are not)."""
         leaves = list(leaves)
         with self._lock:
             for leaf, error in leaves:
                 self._window(self._aa, signature, leaf).append(error if differs else 0.0)
+            if not summarize:
+                return
             summary = self.summary.setdefault(signature, [0.0, 0.0, 0, 0])
             if differs:
                 summary[0] = max(summary[0], max((e for _, e in leaves), default=0.0))

@@ -221,7 +221,7 @@ class Record:
         failed = self.publisher.export(self.target, observation)
         if failed:
             self.add("export_errors", failed)
-        if observation.aa and not judged and len(self.held):
+        if (observation.aa or observation.backward) and not judged and len(self.held):  # (a floor grew)
             for held, is_noise, test in self.held.judged(observation.signature, noise):
                 found = within_noise_floor(held, test) if is_noise else held
                 found = dataclasses.replace(found, noise_pending=False, noise_test=test, leaf_errors=())

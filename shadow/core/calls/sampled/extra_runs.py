@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from shadow.core.calls.sampled import guards
-from shadow.core.calls.sampled.plan import AA, BACKWARD, ORACLE, SHADOW, CallContext, Plan, Run
+from shadow.core.calls.sampled.plan import AA, BACKWARD, BACKWARD_AA, ORACLE, SHADOW, CallContext, Plan, Run
 from shadow.core.judging.compare import Comparison, compare, compare_exceptions
 from shadow.core.judging.gradients import GradientComparison, compare_gradients, names_of, vjp
 from shadow.core.judging.truth import in_float64, judge, judge_both, run_upcast
-from shadow.core.model.observation import SHARED_DIVERGENCE_REASONS, Outcome, bounded
+from shadow.core.model.observation import SHARED_DIVERGENCE_REASONS, Outcome, bounded, within_noise_floor
 from shadow.core.model.tolerance import ToleranceSpec
 from shadow.core.runs import hook_watch
 from shadow.core.runs.deadline import Finished
@@ -111,40 +111,71 @@ class ExtraRuns:
         self, args: tuple, kwargs: dict, upstream: Run, found: Comparison
     ) -> tuple[Comparison, dict[str, Any]]:
         """The backward comparison (:mod:`shadow.core.judging.gradients`): legacy again, isolated, for a graph of
-        its own, and the same seeded products through both graphs; the comparison turned into a ``grad`` mismatch
-        where they differ, and the Observation fields of the backward run."""
+        its own, and the same seeded products through both graphs; with A/A runs on, legacy's products once more
+        through a second graph of its own (the gradients' A/A: their noise floor, :mod:`shadow.core.judging.noise`).
+        A difference of value within that floor is noise; one the floor cannot judge yet is held until it can; any
+        other is a ``grad`` mismatch. Returns the comparison and the Observation fields of the backward run."""
         context, plan = self.context, self.plan
         seed = context.coins.backward.bits(40)  # type: ignore[union-attr]  # (drawn: it flipped)
 
-        def legacy_products(on: tuple[tuple, dict]) -> Any:
-            outputs = context.legacy(*on[0], **on[1])
-            if hook_watch.registered() != plan.hooks_seen:
-                raise _HooksRegistered  # (its backward would run the job's hooks again)
-            return vjp(outputs, plan.stand_ins(BACKWARD), seed)
+        def legacy_products(slot: str) -> Callable[[tuple[tuple, dict]], Any]:
+            def products(on: tuple[tuple, dict]) -> Any:
+                outputs = context.legacy(*on[0], **on[1])
+                if hook_watch.registered() != plan.hooks_seen:
+                    raise _HooksRegistered  # (its backward would run the job's hooks again)
+                return vjp(outputs, plan.stand_ins(slot), seed)
+
+            return products
 
         def gradients() -> dict[str, Any]:
             if hook_watch.registered() != plan.hooks_seen:  # (the shadow run registered hooks on its graph)
                 return {"compared": (None, "hooks")}
-            ran = self._run(LEGACY_AGAIN, lambda: plan.in_slot(BACKWARD), legacy_products, backward=True)
+            ran = self._run(LEGACY_AGAIN, lambda: plan.in_slot(BACKWARD), legacy_products(BACKWARD), backward=True)
             if ran is not None and isinstance(ran.error, _HooksRegistered):
                 return {"compared": (None, "hooks")}
-            theirs = Finished(False)
+            theirs = again = Finished(False)
             if ran is not None and ran.finished:
                 theirs = self._run(context.side, lambda: contextlib.nullcontext(True),
                     lambda _: vjp(upstream.value, plan.stand_ins(SHADOW), seed), backward=True,
                 )  # fmt: skip
-            return {"compared": _gradients_compared(ran, theirs, names_of(args, kwargs), context.tolerance)}
+            if ran is not None and ran.finished and BACKWARD_AA in plan.slots:
+                again = self._run(
+                    LEGACY_AGAIN, lambda: plan.in_slot(BACKWARD_AA), legacy_products(BACKWARD_AA), backward=True
+                )
+            names = names_of(args, kwargs)
+            return {
+                "compared": _gradients_compared(ran, theirs, names, context.tolerance),
+                "floor": _gradients_compared(ran, again, names, context.tolerance)[0]
+                if again and again.finished
+                else None,
+            }
 
         fields = self._guarded(BACKWARD, gradients, compared=lambda exc: (None, _backward_skip(exc, ours=True)))
-        compared, skip = fields.pop("compared")
+        (compared, skip), floor = fields.pop("compared"), fields.pop("floor", None)
         fields.update({"backward": compared is not None, "backward_skip": skip if compared is None else ""})
-        if compared is not None and compared.outcome == Outcome.MISMATCH.value:
-            detail = "; ".join(part for part in (compared.detail, found.detail) if part)
-            found = dataclasses.replace(
-                found, outcome=Outcome.MISMATCH.value, reasons=("grad",), detail=bounded(detail),
-                max_abs_error=max(found.max_abs_error, compared.max_abs_error),
-                max_rel_error=max(found.max_rel_error, compared.max_rel_error),
-            )  # fmt: skip
+        if compared is None:
+            return found, fields
+        noise = context.noise
+        if floor is not None and floor.value_only:
+            differs = floor.outcome != Outcome.MATCH.value
+            noise.add_aa(plan.signature, floor.leaf_errors, floor.max_rel_error, differs, summarize=False)
+        if compared.value_only:
+            noise.add_ab(plan.signature, compared.leaf_errors)
+        if compared.outcome != Outcome.MISMATCH.value:
+            return found, fields
+        judged, test = False, ""
+        if compared.value_only and BACKWARD_AA in plan.slots:  # (no A/A runs: no floor, nothing is noise)
+            judged, test = noise.judge(plan.signature, compared.leaf_errors)
+        if judged:
+            return within_noise_floor(found, test), {**fields, "noise_test": test}
+        detail = "; ".join(part for part in (compared.detail, found.detail) if part)
+        found = dataclasses.replace(
+            found, outcome=Outcome.MISMATCH.value, reasons=("grad",), detail=bounded(detail),
+            max_abs_error=max(found.max_abs_error, compared.max_abs_error),
+            max_rel_error=max(found.max_rel_error, compared.max_rel_error),
+        )  # fmt: skip
+        if judged is None:  # (held until the gradients' floor can judge it: neither noise nor a mismatch meanwhile)
+            fields.update(noise_test=test, noise_pending=True, leaf_errors=compared.leaf_errors)
         return found, fields
 
     def truth(self, args: tuple, kwargs: dict, legacy: Any, upstream: Any) -> dict[str, Any]:

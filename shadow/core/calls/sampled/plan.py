@@ -144,8 +144,10 @@ class CallContext:
         return found
 
 
-#: The isolated runs of a sampled call, by name (:attr:`Plan.slots`).
-SHADOW, ORACLE, BACKWARD, AA = "shadow", "oracle", "backward", "aa"
+#: The isolated runs of a sampled call, by name (:attr:`Plan.slots`): the shadow run's, the single-device oracle's,
+#: the backward comparison's two runs of legacy (a graph of its own, and a second one: the gradients' own noise),
+#: the A/A run's.
+SHADOW, ORACLE, BACKWARD, BACKWARD_AA, AA = "shadow", "oracle", "backward", "backward_aa", "aa"
 
 
 def autocast_state() -> str:
@@ -187,8 +189,9 @@ class Plan:
     autocast: str
     before: TorchGlobals
     #: The isolated runs, in the isolation's order: the shadow run's, then the extra runs' that join it, each in a
-    #: slot of its own (where the target is isolated): the single-device oracle's, the backward comparison's legacy
-    #: run (for a graph of its own), the A/A run's (legacy a second time: the noise floor).
+    #: slot of its own (where the target is isolated): the single-device oracle's, the backward comparison's two
+    #: legacy runs (a graph of its own, and another for the gradients' noise floor), the A/A run's (legacy a second
+    #: time: the noise floor).
     slots: tuple[str, ...] = (SHADOW,)
     oracle: bool = False
     backward: bool = False
@@ -240,7 +243,9 @@ def plan(context: CallContext, args: tuple, kwargs: dict, modules: list[torch.nn
         and coins.backward.flip()
     )
     backward = drawn and torch.is_grad_enabled()
-    extra = (ORACLE,) * oracle + (BACKWARD,) * backward + (AA,) * aa  # (in the isolation's order)
+    # (with A/A runs on, the backward comparison runs legacy's backward twice: the gradients' own floor)
+    backward_aa = backward and coins.aa is not None
+    extra = (ORACLE,) * oracle + (BACKWARD,) * backward + (BACKWARD_AA,) * backward_aa + (AA,) * aa
     if target.isolate:
         isolation = Isolation(args, kwargs, modules, runs=1 + len(extra))
         shadow_args, shadow_kwargs = None, None

@@ -137,8 +137,12 @@ class ShadowSide:
         found, noise_test, pending = findings.judge(context, plan, ((args, kwargs), self.shadow_arguments), runs, left)
         compare_seconds = time.perf_counter() - start
         fields: dict[str, Any] = {}
+        leaf_errors = tuple(found.leaf_errors) if pending else ()
         if extra is not None:  # (the extra runs the plan drew, and a truth run a difference may draw)
             found, fields = extra.after_comparing(args, kwargs, runs, primary, found, returned)
+            # (a gradient difference its floor cannot judge yet is held like a value difference: its own errors)
+            pending, leaf_errors = pending or fields.pop("noise_pending", False), fields.pop("leaf_errors", leaf_errors)
+            noise_test = fields.pop("noise_test", noise_test)
         evidence = None
         # (a replay is of the forward; a pending difference is held, and holds no tensors while it waits)
         if found.outcome in DIVERGENT_OUTCOMES and "grad" not in found.reasons and not pending:
@@ -156,7 +160,7 @@ class ShadowSide:
             noise_test=noise_test,
             evidence=evidence,
             noise_pending=pending,
-            leaf_errors=tuple(found.leaf_errors) if pending else (),
+            leaf_errors=leaf_errors,
             signature=plan.signature,
             timestamp=time.time(),
             primary=context.primary,
