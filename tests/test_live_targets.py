@@ -554,3 +554,23 @@ def test_a_snapshot_that_fails_is_a_counted_skip_never_a_divergence() -> None:
         Holder.same(torch.nn.Linear(2, 2))
         stats = monitor.stats()["same"]
     assert (stats.error, stats.skipped, dict(stats.by_reason)) == (0, 1, {"comparator": 1})
+
+
+def test_an_npu_type_name_on_another_accelerator_is_a_risky_signature_of_its_own(monkeypatch):
+    """On a GPU host, ``.type('torch.npu.FloatTensor')`` moves the tensor under legacy and raises under upstream:
+    a known path of its own (risky, the verdict names it), never an unexplained divergence on an unmarked signature.
+    On the npu (and with no accelerator), the signature is as before."""
+    import fnmatch
+
+    from shadow.core.model import targets
+
+    monkeypatch.setattr(targets, "_KINDS", {})
+    x = torch.ones(2)
+    on_npu = targets.tensor_type_signature((x, "torch.npu.FloatTensor"), {})
+    monkeypatch.setattr(targets, "_ACCELERATOR", ["cuda"])
+    monkeypatch.setattr(targets, "_KINDS", {})
+    for destination, kind in (("torch.npu.FloatTensor", "npu_name"), (torch.npu.FloatTensor, "npu_class")):
+        signature = targets.tensor_type_signature((x, destination), {})
+        assert signature.startswith(f"{kind}_elsewhere/"), signature
+        assert any(fnmatch.fnmatchcase(signature, p) for p in targets.TENSOR_TYPE_RISKY), signature
+    assert on_npu.startswith("npu_name/") and not on_npu.startswith("npu_name_elsewhere")

@@ -108,7 +108,10 @@ CATALOG: tuple[Row, ...] = (
     Row(
         "tensor_type", "torch.Tensor", "type", "torch_npu/utils/tensor_methods.py", "_npu_type",
         "shadow.core.model.targets:tensor_type",
-        risky=("npu_name/noncurrent/*", "npu_class/noncurrent/*", "torch_npu_name/*"),
+        risky=(
+            "npu_name/noncurrent/*", "npu_class/noncurrent/*", "torch_npu_name/*", "npu_name_elsewhere/*",
+            "npu_class_elsewhere/*",
+        ),
         wrapped="`torch.Tensor.type`", upstream="`torch._C.TensorBase.type`",
     ),
     # torch_npu 2.13/2.14: a .safetensors path, the weights-only variables in mixed case

@@ -62,6 +62,17 @@ def _placement(tensor: Any) -> str:
     return kind
 
 
+def _off_npu() -> str:
+    """``_elsewhere`` where this process's accelerator is another than an npu (a GPU): an npu type name or class
+    there is a path of its own (legacy moves to the accelerator, upstream knows no npu), a risky signature, never an
+    unexplained divergence; "" on an npu, and on a host without an accelerator."""
+    accelerator = _ACCELERATOR[0]
+    if accelerator is None:
+        found = torch.accelerator.current_accelerator()
+        accelerator = _ACCELERATOR[0] = found.type if found is not None else None
+    return "_elsewhere" if accelerator not in (None, "npu") else ""
+
+
 #: The destination kind of each ``.type()`` argument seen (bounded): the classification runs on every call.
 _KINDS: dict[Any, str] = {}
 
@@ -79,9 +90,9 @@ def _destination(dtype: Any) -> str:
         if reference.npu_type_dtype(dtype) is None:
             kind = "name"
         else:
-            kind = "torch_npu_name" if dtype.startswith("torch_npu.") else "npu_name"
+            kind = "torch_npu_name" if dtype.startswith("torch_npu.") else "npu_name" + _off_npu()
     elif isinstance(dtype, type):
-        kind = "npu_class" if reference.npu_type_dtype(dtype) is not None else "class"
+        kind = "npu_class" + _off_npu() if reference.npu_type_dtype(dtype) is not None else "class"
     else:
         return "other"
     if len(_KINDS) < 1024:
@@ -94,7 +105,8 @@ def tensor_type_signature(args: tuple, kwargs: dict) -> str:
 
     Destination: ``none``, ``dtype``, ``npu_name`` (``'torch.npu.HalfTensor'``), ``torch_npu_name`` (torch_npu's
     own spelling ``'torch_npu.npu.HalfTensor'``, which upstream rejects), ``name`` (any other name),
-    ``npu_class``, ``class`` or ``other``. Source: see :func:`_placement`.
+    ``npu_class``, ``class`` or ``other``; ``npu_name_elsewhere`` and ``npu_class_elsewhere`` on an accelerator
+    that is not an npu (:func:`_off_npu`). Source: see :func:`_placement`.
     """
     dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
     nonblocking = (
