@@ -383,3 +383,65 @@ def test_lstm_and_gru_run_on_the_npu_as_on_the_cpu_gradients_too(cls) -> None:
     cpu_packed = model.cpu()(packed)[0].data
     assert torch.allclose(model.to("npu:1")(torch.nn.utils.rnn.pack_padded_sequence(x_npu, [5, 3]))[0].data.cpu(),
                           cpu_packed)  # fmt: skip
+
+
+@pytest.fixture
+def capacity():
+    """The emulated npu with a device's memory capacity, put back to the host's afterwards."""
+    from shadow.npu import emulated
+
+    def set_to(bytes_per_device: int) -> None:
+        emulated.set_memory_capacity(bytes_per_device)
+
+    try:
+        yield set_to
+    finally:
+        emulated.set_memory_capacity(0)
+
+
+def test_a_capacity_makes_the_emulated_npu_answer_and_fail_as_a_device(capacity):
+    """mem_get_info, memory_allocated, max_memory_allocated and reset_peak_memory_stats answer from the device's
+    own counts, and an allocation past the capacity raises torch.OutOfMemoryError."""
+    capacity(64 << 20)
+    before = torch.npu.memory_allocated(0)
+    x = torch.ones(4 << 20, device="npu:0")  # (16 MiB)
+    assert torch.npu.memory_allocated(0) - before == 16 << 20
+    assert torch.npu.mem_get_info(0) == ((64 << 20) - torch.npu.memory_allocated(0), 64 << 20)
+    with pytest.raises(torch.OutOfMemoryError, match="NPU out of memory"):
+        torch.empty(64 << 20, dtype=torch.uint8, device="npu:0")
+    peak = torch.npu.max_memory_allocated(0)
+    del x
+    assert torch.npu.memory_allocated(0) == before and torch.npu.max_memory_allocated(0) == peak
+    torch.npu.reset_peak_memory_stats(0)
+    assert torch.npu.max_memory_allocated(0) == before
+
+
+def test_a_shadow_side_that_would_not_fit_the_device_is_a_skip_never_the_jobs_out_of_memory(capacity):
+    """On a device with a capacity, the job's call fits and its shadow side would not (the argument copies, or
+    upstream's own working memory): each call is skipped with reason oom, the job gets exactly its result, and the
+    device holds afterwards what the unwrapped call leaves."""
+    import types
+
+    import shadow
+
+    def legacy(x):
+        return x * 2
+
+    def greedy(x):  # (upstream needs 48 MiB of working memory the device does not have)
+        scratch = torch.empty(48 << 20, dtype=torch.uint8, device=x.device)
+        return x * 2 + scratch[:1].float() * 0
+
+    for upstream, isolate, size in ((legacy, True, 10 << 20), (greedy, False, 2 << 20)):
+        ops = types.SimpleNamespace(op=legacy)
+        x = torch.randn(size // 4, device="npu:0")
+        expected = legacy(x)
+        capacity(torch.npu.memory_allocated(0) + (30 << 20))
+        held = torch.npu.memory_allocated(0)
+        target = shadow.Target("op", ops, "op", upstream, isolate=isolate)
+        with shadow.install([target], sample_rate=1.0, budget=None) as monitor:
+            got = ops.op(x)
+            stats = monitor.stats()["op"]
+        assert torch.equal(got, expected) and stats.skipped == 1 and stats.by_reason == {"oom": 1}, stats
+        assert torch.npu.memory_allocated(0) == held + got.numel() * got.element_size()
+        del got
+        capacity(0)

@@ -267,6 +267,17 @@ def build() -> Path:
     return build
 
 
+def set_memory_capacity(bytes_per_device: int) -> None:
+    """Give each emulated device a memory capacity, as a real device has (0: the host's memory, unbounded): an
+    allocation beyond it raises ``torch.OutOfMemoryError``, and ``torch.npu.mem_get_info`` answers from it. The
+    emulated npu must be installed."""
+    if isinstance(bytes_per_device, bool) or not isinstance(bytes_per_device, int) or bytes_per_device < 0:
+        raise ValueError(f"a memory capacity is a whole number of bytes >= 0, got {bytes_per_device!r}")
+    if not _devices:
+        raise EmulatorUnavailable("the emulated npu is not installed: install() first")
+    device._backend.set_memory_capacity(bytes_per_device)
+
+
 def install(devices: int = 2, seed: int = 67280421310721) -> int:
     """Give this process ``devices`` emulated npu devices; returns the count. Idempotent.
 

@@ -103,14 +103,33 @@ def synchronize(device: Any = None) -> None:
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:
-    """(free, total) bytes, as torch_npu's ``torch.npu.mem_get_info``: the emulated npu's memory is the host's."""
-    _index(device)  # (a bad device raises as it would)
+    """(free, total) bytes, as torch_npu's ``torch.npu.mem_get_info``: a device's where the emulated npu has a
+    capacity (:func:`shadow.npu.emulated.set_memory_capacity`), else the host's (its memory is the host's)."""
+    index = _index(device)  # (a bad device raises as it would)
+    capacity = _backend.memory_capacity() if _backend is not None else 0
+    if capacity:
+        return max(0, capacity - memory_allocated(index)), capacity
     fields = {}
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
             name, _, rest = line.partition(":")
             fields[name] = int(rest.split()[0]) * 1024 if rest.split() and rest.split()[0].isdigit() else 0
     return fields.get("MemAvailable", 0), fields.get("MemTotal", 0)
+
+
+def memory_allocated(device: Any = None) -> int:
+    """Bytes of the device's tensors now (as ``torch.npu.memory_allocated``)."""
+    return int(_backend.memory_stats(_index(device))[0])
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    """The most bytes the device's tensors took since the last :func:`reset_peak_memory_stats`."""
+    return int(_backend.memory_stats(_index(device))[1])
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Start the device's peak again from what it holds now."""
+    _backend.reset_peak_memory_stats(_index(device))
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:

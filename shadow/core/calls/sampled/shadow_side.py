@@ -79,7 +79,11 @@ class ShadowSide:
             raise
         except BaseException as exc:  # SystemExit too
             step = "isolation" if isinstance(exc, IsolationFailed) else "shadow_side"
-            reason = guards.failed(self.context.record, step, exc)
+            if is_oom(exc):  # (the device filled up under the shadow side: its memory, never a fault of ours)
+                free_after_oom()
+                reason = "oom"
+            else:
+                reason = guards.failed(self.context.record, step, exc)
             return Observation(
                 self.context.target.name, Outcome.SKIPPED, (reason,), signature="", detail=bounded(repr(exc)),
                 timestamp=time.time(), primary=self.context.primary,

@@ -22,6 +22,8 @@
 #include <ATen/ops/view_native.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <utility>
+#include <algorithm>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
@@ -80,13 +82,28 @@ c10::DeviceIndex index_or_current(std::optional<c10::Device> device) {
 
 // ---------------------------------------------------------------------------------- memory
 
+// Each device's memory as a device counts it: bytes allocated, their peak, and an optional capacity past which an
+// allocation raises the out-of-memory error a device raises (0: host memory, unbounded).
+struct MemoryStats {
+  int64_t allocated = 0;
+  int64_t peak = 0;
+};
+
 struct HostAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     const c10::DeviceIndex device = current_device();
-    void* data = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
-    if (data != nullptr) {
+    void* data = nullptr;
+    if (nbytes) {
       std::lock_guard<std::mutex> lock(mutex());
-      owners()[data] = device;
+      MemoryStats& stats = memory()[device];
+      const int64_t limit = capacity().load();
+      TORCH_CHECK_WITH(OutOfMemoryError, limit == 0 || stats.allocated + static_cast<int64_t>(nbytes) <= limit,
+                       "NPU out of memory. Tried to allocate ", nbytes, " bytes on npu:", static_cast<int>(device),
+                       " (", stats.allocated, " of ", limit, " bytes allocated; the emulated npu's capacity)");
+      data = c10::alloc_cpu(nbytes);
+      owners()[data] = {device, static_cast<int64_t>(nbytes)};
+      stats.allocated += static_cast<int64_t>(nbytes);
+      stats.peak = std::max(stats.peak, stats.allocated);
     }
     return {data, data, &release, c10::Device(kNpu, device)};
   }
@@ -97,7 +114,11 @@ struct HostAllocator final : c10::Allocator {
     }
     {
       std::lock_guard<std::mutex> lock(mutex());
-      owners().erase(data);
+      auto found = owners().find(data);
+      if (found != owners().end()) {
+        memory()[found->second.first].allocated -= found->second.second;
+        owners().erase(found);
+      }
     }
     c10::free_cpu(data);
   }
@@ -111,7 +132,25 @@ struct HostAllocator final : c10::Allocator {
   static c10::DeviceIndex owner_of(void* data) {
     std::lock_guard<std::mutex> lock(mutex());
     auto found = owners().find(data);
-    return found == owners().end() ? current_device() : found->second;
+    return found == owners().end() ? current_device() : found->second.first;
+  }
+
+  // (allocated, peak) bytes of one device.
+  static std::pair<int64_t, int64_t> stats(c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> lock(mutex());
+    const MemoryStats& found = memory()[device];
+    return {found.allocated, found.peak};
+  }
+
+  static void reset_peak(c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> lock(mutex());
+    MemoryStats& found = memory()[device];
+    found.peak = found.allocated;
+  }
+
+  static std::atomic<int64_t>& capacity() {
+    static std::atomic<int64_t> bytes{0};
+    return bytes;
   }
 
  private:
@@ -119,8 +158,12 @@ struct HostAllocator final : c10::Allocator {
     static std::mutex m;
     return m;
   }
-  static std::unordered_map<void*, c10::DeviceIndex>& owners() {
-    static std::unordered_map<void*, c10::DeviceIndex> map;
+  static std::unordered_map<void*, std::pair<c10::DeviceIndex, int64_t>>& owners() {
+    static std::unordered_map<void*, std::pair<c10::DeviceIndex, int64_t>> map;
+    return map;
+  }
+  static std::unordered_map<c10::DeviceIndex, MemoryStats>& memory() {
+    static std::unordered_map<c10::DeviceIndex, MemoryStats> map;
     return map;
   }
 };
@@ -583,6 +626,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_device", [](int64_t device) { set_current_device(static_cast<c10::DeviceIndex>(device)); });
   m.def("maybe_exchange_device", &maybe_exchange_device, "Make a device current; return the thread's previous.");
   m.def("set_rng_state", &set_rng_state);
+  m.def("set_memory_capacity", [](int64_t bytes) { HostAllocator::capacity().store(bytes); },
+        "Each device's capacity in bytes (0: host memory, unbounded).");
+  m.def("memory_capacity", [] { return HostAllocator::capacity().load(); });
+  m.def("memory_stats", [](int64_t device) { return HostAllocator::stats(static_cast<c10::DeviceIndex>(device)); },
+        "(allocated, peak) bytes of one device.");
+  m.def("reset_peak_memory_stats",
+        [](int64_t device) { HostAllocator::reset_peak(static_cast<c10::DeviceIndex>(device)); });
   m.def("manual_seed", &manual_seed);
   m.def("initial_seed", &initial_seed);
 }
