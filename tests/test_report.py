@@ -108,6 +108,8 @@ upper bound.
 | tensor_type | npu_name/noncurrent/* | 47 |
 | tensor_type | npu_class/noncurrent/* | 0 |
 | tensor_type | torch_npu_name/* | 0 |
+| tensor_type | npu_name_elsewhere/* | 0 |
+| tensor_type | npu_class_elsewhere/* | 0 |
 
 ## Shared divergences
 

@@ -155,7 +155,14 @@ class ExtraRuns:
         fields.update({"backward": compared is not None, "backward_skip": skip if compared is None else ""})
         if compared is None:
             return found, fields
-        noise = context.noise
+        return self._judged_by_floor(found, compared, floor, fields)
+
+    def _judged_by_floor(
+        self, found: Comparison, compared: Comparison, floor: Comparison | None, fields: dict[str, Any]
+    ) -> tuple[Comparison, dict[str, Any]]:
+        """The gradients' comparison against their floor: noise, held, or a ``grad`` mismatch."""
+        plan = self.plan
+        noise = self.context.noise
         if floor is not None and floor.value_only:
             differs = floor.outcome != Outcome.MATCH.value
             noise.add_aa(plan.signature, floor.leaf_errors, floor.max_rel_error, differs, summarize=False)
