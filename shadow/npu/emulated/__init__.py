@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import importlib.resources
 import importlib.util
+import math
 import os
 import shutil
 import subprocess
@@ -34,7 +36,10 @@ import torch
 
 from shadow.npu.emulated import collectives, device, rnn
 
-__all__ = ["EmulatorUnavailable", "build", "build_directory", "install", "installed_devices"]
+__all__ = [
+    "DeviceProperties", "EmulatorUnavailable", "build", "build_directory", "host_syncs", "install", "installed_devices",
+    "set_kernel_time", "set_memory_capacity", "set_nondeterministic",
+]  # fmt: skip
 
 EXTENSION_NAME = "npu_shadow_emulated_npu"
 #: The C++ sources, one translation unit each: ninja compiles them side by side.
@@ -273,9 +278,99 @@ def set_memory_capacity(bytes_per_device: int) -> None:
     emulated npu must be installed."""
     if isinstance(bytes_per_device, bool) or not isinstance(bytes_per_device, int) or bytes_per_device < 0:
         raise ValueError(f"a memory capacity is a whole number of bytes >= 0, got {bytes_per_device!r}")
+    _installed_backend().set_memory_capacity(bytes_per_device)
+
+
+def set_kernel_time(seconds: float) -> None:
+    """Make the emulated npu's work asynchronous, as a device's is (0: work is done when the call returns): each
+    kernel is queued on its stream and takes ``seconds`` of device time there, and a host read of the device (a
+    copy to the host, ``.item()``, a synchronize, an event's synchronize) waits until the work queued before it is
+    done. The values are computed at once; what is emulated is which host reads wait, and how long
+    (:func:`host_syncs` counts them per thread, with the queue off too)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < 1:
+        raise ValueError(f"a kernel time is a number of seconds in [0, 1), got {seconds!r}")
+    _installed_backend().set_kernel_time(float(seconds))
+
+
+def set_nondeterministic(relative: float) -> None:
+    """Make the emulated npu's reductions nondeterministic, as a device's atomics and run-time algorithm choices
+    are (0: off): convolutions and backward's reductions vary each element of their result by up to ``relative``
+    of it, from a generator of the emulator's own (never the job's), unless
+    ``torch.use_deterministic_algorithms(True)`` is on."""
+    if isinstance(relative, bool) or not isinstance(relative, (int, float)) or not 0 <= relative < 1:
+        raise ValueError(f"a nondeterministic variation is a relative size in [0, 1), got {relative!r}")
+    _installed_backend().set_nondeterministic(float(relative))
+
+
+def host_syncs() -> tuple[int, int]:
+    """(host synchronizations, device-to-host copies) the calling thread has made on the emulated npu since it
+    started: every wait for the device (a blocking copy either way, a scalar read, an op whose result the host
+    must see, a synchronize) and every copy to the host. The counterpart of ``torch.cuda.set_sync_debug_mode``."""
+    syncs, copies = _installed_backend().host_syncs()
+    return int(syncs), int(copies)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProperties:
+    """The properties of a device the emulated npu can be given (each off by default): a memory capacity per device
+    in bytes, the device time of each queued kernel in seconds, and the relative size of nondeterministic
+    reductions."""
+
+    capacity: int = 0
+    kernel_time: float = 0.0
+    nondeterministic: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> DeviceProperties:
+        """From ``capacity=8GiB,kernel_time=20us,nondeterministic=1e-6`` (any of the three, in any order; sizes in
+        B/KiB/MiB/GiB, times in s/ms/us); ``ValueError`` naming what is wrong."""
+        fields: dict[str, Any] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, sep, value = item.partition("=")
+            name, value = name.strip(), value.strip()
+            if not sep or name not in ("capacity", "kernel_time", "nondeterministic") or name in fields:
+                raise ValueError(f"{item!r} is not capacity=SIZE, kernel_time=TIME or nondeterministic=RELATIVE (each once)")
+            fields[name] = _parse_quantity(name, value)
+        properties = cls(**fields)
+        if not 0 <= properties.kernel_time < 1 or not 0 <= properties.nondeterministic < 1:
+            raise ValueError(f"kernel_time must be in [0, 1) s and nondeterministic in [0, 1), got {text!r}")
+        return properties
+
+    def apply(self) -> None:
+        """Give the installed emulated npu these properties."""
+        set_memory_capacity(self.capacity)
+        set_kernel_time(self.kernel_time)
+        set_nondeterministic(self.nondeterministic)
+
+
+_UNITS = {
+    "capacity": {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30},
+    "kernel_time": {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6},
+    "nondeterministic": {"": 1.0},
+}
+
+
+def _parse_quantity(name: str, value: str) -> int | float:
+    units = _UNITS[name]
+    for unit in sorted(units, key=len, reverse=True):
+        if unit and value.endswith(unit):
+            number, scale = value[: -len(unit)], units[unit]
+            break
+    else:
+        number, scale = value, units[""]
+    try:
+        quantity = float(number) * scale
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number with a unit ({', '.join(u for u in units if u) or 'none'})") from None
+    if not math.isfinite(quantity) or quantity < 0:
+        raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+    return int(quantity) if name == "capacity" else quantity
+
+
+def _installed_backend() -> Any:
     if not _devices:
         raise EmulatorUnavailable("the emulated npu is not installed: install() first")
-    device._backend.set_memory_capacity(bytes_per_device)
+    return device._backend
 
 
 def install(devices: int = 2, seed: int = 67280421310721) -> int:

@@ -4,7 +4,9 @@
 // parallel_apply, replicate/scatter/gather, autocast) to run unchanged on a machine without one:
 // N devices with a thread-local current device and current stream, an allocator, per-device random
 // generators, a handful of native kernels, and torch's CPU kernels (through the boxed CPU fallback)
-// for everything else. Streams and events are synchronous: work is done when the call returns.
+// for everything else. Optionally, as a device has them: a memory capacity, an asynchronous queue (a clock per
+// stream that host reads wait for, and counters of the host synchronizations each thread makes) and
+// nondeterministic reductions (last bits that vary from run to run unless deterministic algorithms are asked for).
 //
 // Beside the backend: the device functions torch_npu's own Python runtime calls in torch_npu._C (its
 // torch.npu.set_device, device, current_stream and stream run over them), and torch.npu's tensor type
@@ -35,7 +37,11 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <random>
+#include <thread>
+#include <unordered_set>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -78,6 +84,141 @@ c10::DeviceIndex index_or_current(std::optional<c10::Device> device) {
     return device->index();
   }
   return current_device();
+}
+
+// ---------------------------------------------------------------------------------- the queue
+
+// A device runs its work asynchronously: a kernel is queued on a stream and the host goes on, until it reads what
+// the device made. The emulator keeps that as a clock per stream (off while the kernel time is 0: work is done when
+// the call returns): each kernel queued on a stream (an op on npu tensors, a copy onto the device) moves the
+// stream's ready time to max(now, ready) + the kernel time, and what makes the host wait for the device (a copy to
+// the host, a scalar read, an op whose result the host must see, a synchronize, an event's synchronize) waits until
+// the ready time of what it waits for, and is counted on the calling thread (counted with the queue off too).
+// Values are computed when the op is called (host memory: they are there at once); what is emulated is which host
+// reads wait, and how long.
+std::atomic<int64_t> g_kernel_ns{0};
+std::mutex g_queue_mutex;
+std::unordered_map<int64_t, int64_t> g_ready_ns;  // (device, stream) -> the steady clock's ns when its work is done
+
+thread_local int64_t t_host_syncs = 0;   // waits for the device this thread made
+thread_local int64_t t_host_copies = 0;  // device-to-host copies (and scalar reads) this thread made
+thread_local int t_kernel_depth = 0;     // inside a kernel of ours: its own copies are not the caller's reads
+
+struct InKernel {
+  InKernel() { ++t_kernel_depth; }
+  ~InKernel() { --t_kernel_depth; }
+};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+int64_t stream_key(c10::DeviceIndex device, c10::StreamId stream) {
+  return (static_cast<int64_t>(device) << 56) ^ static_cast<int64_t>(stream);
+}
+
+// Queue one kernel on the thread's current stream of `device`.
+void enqueue(c10::DeviceIndex device) {
+  const int64_t kernel = g_kernel_ns.load(std::memory_order_relaxed);
+  if (kernel <= 0 || device < 0) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g_queue_mutex);
+  int64_t& ready = g_ready_ns[stream_key(device, t_current_stream.at(device))];
+  ready = std::max(ready, now_ns()) + kernel;
+}
+
+int64_t stream_ready(c10::DeviceIndex device, c10::StreamId stream) {
+  std::lock_guard<std::mutex> lock(g_queue_mutex);
+  auto found = g_ready_ns.find(stream_key(device, stream));
+  return found == g_ready_ns.end() ? 0 : found->second;
+}
+
+int64_t device_ready(c10::DeviceIndex device) {
+  std::lock_guard<std::mutex> lock(g_queue_mutex);
+  int64_t latest = 0;
+  for (const auto& [key, ready] : g_ready_ns) {
+    if ((key >> 56) == device) {
+      latest = std::max(latest, ready);
+    }
+  }
+  return latest;
+}
+
+// The host waits for the device until `ready` (the GIL let go meanwhile, as torch's own waits do), counted.
+void host_waits(int64_t ready) {
+  if (t_kernel_depth > 0) {
+    return;
+  }
+  ++t_host_syncs;
+  const int64_t wait = ready - now_ns();
+  if (wait <= 0) {
+    return;
+  }
+  if (PyGILState_Check()) {
+    pybind11::gil_scoped_release no_gil;
+    std::this_thread::sleep_for(std::chrono::nanoseconds(wait));
+  } else {
+    std::this_thread::sleep_for(std::chrono::nanoseconds(wait));
+  }
+}
+
+// A read of `device`'s memory by the host: a copy or a scalar, after the thread's current stream's work.
+void host_reads(c10::DeviceIndex device) {
+  if (t_kernel_depth > 0) {
+    return;
+  }
+  ++t_host_copies;
+  host_waits(stream_ready(device, t_current_stream.at(device)));
+}
+
+// An event: the ready time of the stream it was recorded on (0: never recorded, complete).
+struct Event {
+  int64_t ready = 0;
+};
+
+// ---------------------------------------------------------------------------------- nondeterministic reductions
+
+// On a device, reductions that accumulate with atomics or pick their algorithm at run time (convolutions under
+// cudnn.benchmark, backward's reductions) are not bitwise repeatable: their last bits vary from run to run. With a
+// relative size set (0: off), the emulator perturbs the floating results of such kernels by up to that much of
+// each element, from a generator of its own (never the job's), unless deterministic algorithms are asked for.
+std::atomic<double> g_nondeterministic{0.0};
+
+const std::unordered_set<std::string>& nondeterministic_ops() {
+  // (by name, every overload: structured ops reach a backend as their out= variants, sum.IntList_out say)
+  static const std::unordered_set<std::string> ops = {
+      "aten::convolution", "aten::convolution_backward", "aten::sum", "aten::mean", "aten::index_add",
+      "aten::index_add_", "aten::scatter_add", "aten::scatter_add_", "aten::index_put_", "aten::_index_put_impl_",
+      "aten::embedding_dense_backward", "aten::_embedding_bag_backward",
+  };
+  return ops;
+}
+
+at::Tensor host_alias(const at::Tensor& tensor);
+
+at::Generator& jitter_generator() {
+  thread_local at::Generator generator = at::detail::createCPUGenerator(std::random_device{}());
+  return generator;
+}
+
+void jitter(const at::Tensor& tensor, double relative) {
+  if (!tensor.defined() || tensor.device().type() != kNpu || !tensor.is_floating_point() || tensor.numel() == 0) {
+    return;
+  }
+  auto host = host_alias(tensor);
+  auto noise = at::empty(host.sizes(), host.options().dtype(at::kFloat)).uniform_(-relative, relative, jitter_generator());
+  host.add_(host.mul(noise.to(host.scalar_type())));
+}
+
+// Data-dependent shapes: the host must see the values before it knows the result's size.
+const std::unordered_set<std::string>& host_visible_ops() {
+  static const std::unordered_set<std::string> ops = {
+      "aten::nonzero", "aten::masked_select", "aten::unique_consecutive", "aten::_unique2", "aten::_unique",
+      "aten::unique_dim", "aten::repeat_interleave.Tensor",
+  };
+  return ops;
 }
 
 // ---------------------------------------------------------------------------------- memory
@@ -217,18 +358,44 @@ struct NpuGuardImpl final : c10::impl::DeviceGuardImplInterface {
   }
   c10::DeviceIndex deviceCount() const noexcept override { return g_device_count.load(); }
 
-  // Work is synchronous: events are always complete, waiting is a no-op.
-  void record(void** /*event*/, const c10::Stream& /*stream*/, const c10::DeviceIndex /*device*/,
-              const c10::EventFlag /*flag*/) const override {}
-  void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
-  bool queryEvent(void* /*event*/) const override { return true; }
-  bool queryStream(const c10::Stream& /*stream*/) const override { return true; }
-  void synchronizeStream(const c10::Stream& /*stream*/) const override {}
-  void synchronizeEvent(void* /*event*/) const override {}
-  void synchronizeDevice(const c10::DeviceIndex /*device*/) const override {}
+  // Events and waits over the queue's clock (see "the queue"): an event is complete once its stream's work
+  // recorded before it is; synchronizing waits for it, counted as the calling thread's host synchronization.
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex /*device*/,
+              const c10::EventFlag /*flag*/) const override {
+    if (*event == nullptr) {
+      *event = new Event();
+    }
+    static_cast<Event*>(*event)->ready = stream_ready(stream.device_index(), stream.id());
+  }
+  void destroyEvent(void* event, const c10::DeviceIndex /*device*/) const noexcept override {
+    delete static_cast<Event*>(event);
+  }
+  void block(void* event, const c10::Stream& stream) const override {
+    if (event == nullptr) {
+      return;
+    }
+    std::lock_guard<std::mutex> lock(g_queue_mutex);
+    int64_t& ready = g_ready_ns[stream_key(stream.device_index(), stream.id())];
+    ready = std::max(ready, static_cast<Event*>(event)->ready);
+  }
+  bool queryEvent(void* event) const override {
+    return event == nullptr || static_cast<Event*>(event)->ready <= now_ns();
+  }
+  bool queryStream(const c10::Stream& stream) const override {
+    return stream_ready(stream.device_index(), stream.id()) <= now_ns();
+  }
+  void synchronizeStream(const c10::Stream& stream) const override {
+    host_waits(stream_ready(stream.device_index(), stream.id()));
+  }
+  void synchronizeEvent(void* event) const override {
+    host_waits(event == nullptr ? 0 : static_cast<Event*>(event)->ready);
+  }
+  void synchronizeDevice(const c10::DeviceIndex device) const override { host_waits(device_ready(device)); }
   void recordDataPtrOnStream(const c10::DataPtr& /*data_ptr*/, const c10::Stream& /*stream*/) const override {}
-  double elapsedTime(void* /*start*/, void* /*end*/, const c10::DeviceIndex /*device*/) const override {
-    return 0.0;
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex /*device*/) const override {
+    const int64_t from = start == nullptr ? 0 : static_cast<Event*>(start)->ready;
+    const int64_t to = end == nullptr ? 0 : static_cast<Event*>(end)->ready;
+    return static_cast<double>(to - from) / 1e6;
   }
 };
 
@@ -294,7 +461,24 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::op
   return at::detail::empty_strided_generic(size, stride, &g_allocator, kNpuKeys, c10::dtype_or_default(dtype));
 }
 
-at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_blocking*/) {
+// A copy onto a device is queued on its stream; a copy to the host reads the device (a non-blocking one counted,
+// waiting for nothing: the host is not told when it lands), and a blocking one waits for the queue, as torch's
+// copies do on a device.
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  const bool from_device = self.device().type() == kNpu;
+  if (dst.device().type() == kNpu) {
+    enqueue(dst.device().index());
+    if (!from_device && !non_blocking && t_kernel_depth == 0) {
+      host_waits(stream_ready(dst.device().index(), t_current_stream.at(dst.device().index())));
+    }
+  } else if (from_device) {
+    if (non_blocking) {
+      t_host_copies += t_kernel_depth == 0 ? 1 : 0;
+    } else {
+      host_reads(self.device().index());
+    }
+  }
+  InKernel in_kernel;
   host_alias(dst).copy_(host_alias(self));
   return dst;
 }
@@ -318,7 +502,10 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
   return self;
 }
 
-at::Scalar local_scalar_dense(const at::Tensor& self) { return at::_local_scalar_dense(host_alias(self)); }
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  host_reads(self.device().index());
+  return at::_local_scalar_dense(host_alias(self));
+}
 
 at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t offset, c10::IntArrayRef size,
                         c10::IntArrayRef stride) {
@@ -350,7 +537,58 @@ at::Tensor& set_empty(at::Tensor& self) {
 
 void record_stream(at::Tensor& /*self*/, c10::Stream /*stream*/) {}
 
-void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) { at::native::cpu_fallback(op, stack); }
+// The device an op runs on: its first npu tensor argument's (the current device where it has none).
+c10::DeviceIndex op_device(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const auto count = op.schema().arguments().size();
+  for (size_t i = stack.size() - count; i < stack.size(); ++i) {
+    const auto& value = stack[i];
+    if (value.isTensor() && value.toTensor().defined() && value.toTensor().device().type() == kNpu) {
+      return value.toTensor().device().index();
+    }
+    if (value.isTensorList()) {
+      for (const auto& tensor : value.toTensorList()) {
+        const at::Tensor& t = tensor;
+        if (t.defined() && t.device().type() == kNpu) {
+          return t.device().index();
+        }
+      }
+    }
+  }
+  return current_device();
+}
+
+// torch's CPU kernel for an op on npu tensors, as a kernel of the device's: queued on its stream, jittered where it
+// is a nondeterministic reduction, and a host read where its result is one the host must see (a plain value, or a
+// shape that depends on the values).
+void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const c10::DeviceIndex device = op_device(op, *stack);
+  {
+    InKernel in_kernel;
+    at::native::cpu_fallback(op, stack);
+  }
+  enqueue(device);
+  const std::string name = op.schema().name() + (op.schema().overload_name().empty() ? "" : "." + op.schema().overload_name());
+  const auto returns = op.schema().returns().size();
+  bool plain = false;
+  for (size_t i = stack->size() - returns; i < stack->size(); ++i) {
+    plain |= !(*stack)[i].isTensor() && !(*stack)[i].isTensorList() && !(*stack)[i].isNone();
+  }
+  if (plain || host_visible_ops().count(name)) {
+    host_reads(device);
+  }
+  const double relative = g_nondeterministic.load(std::memory_order_relaxed);
+  if (relative > 0 && !at::globalContext().deterministicAlgorithms() &&
+      nondeterministic_ops().count(op.schema().name())) {
+    InKernel in_kernel;
+    for (size_t i = stack->size() - returns; i < stack->size(); ++i) {
+      if ((*stack)[i].isTensor()) {
+        jitter((*stack)[i].toTensor(), relative);
+      }
+    }
+  }
+}
+
+void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) { run_on_host(op, stack); }
 
 // Random ops draw from the generator of their tensor's own device, as on a real accelerator: the
 // CPU kernel runs with that device's generator passed explicitly where the call passed none.
@@ -374,7 +612,7 @@ void random_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       }
     }
   }
-  at::native::cpu_fallback(op, stack);
+  run_on_host(op, stack);
 }
 
 // torch's CPU native_dropout, written over npu tensors so that its bernoulli_ draws from the device.
@@ -633,6 +871,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(allocated, peak) bytes of one device.");
   m.def("reset_peak_memory_stats",
         [](int64_t device) { HostAllocator::reset_peak(static_cast<c10::DeviceIndex>(device)); });
+  m.def("set_kernel_time", [](double seconds) { g_kernel_ns.store(static_cast<int64_t>(seconds * 1e9)); },
+        "The device time each queued kernel takes (0: work is done when the call returns).");
+  m.def("kernel_time", [] { return static_cast<double>(g_kernel_ns.load()) / 1e9; });
+  m.def("host_syncs", [] { return std::make_pair(t_host_syncs, t_host_copies); },
+        "(host synchronizations, device-to-host copies) this thread made.");
+  m.def("set_nondeterministic", [](double relative) { g_nondeterministic.store(relative); },
+        "The relative size of nondeterministic reductions' variation (0: off).");
+  m.def("nondeterministic", [] { return g_nondeterministic.load(); });
   m.def("manual_seed", &manual_seed);
   m.def("initial_seed", &initial_seed);
 }
