@@ -29,8 +29,6 @@ import collections
 import threading
 from collections.abc import Iterable
 
-import numpy as np
-
 #: A value difference within this many times the robust floor can be noise.
 MARGIN = 2.0
 #: A/A runs of a signature and leaf before any difference there is called noise.

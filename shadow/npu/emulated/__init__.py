@@ -329,7 +329,9 @@ class DeviceProperties:
             name, sep, value = item.partition("=")
             name, value = name.strip(), value.strip()
             if not sep or name not in ("capacity", "kernel_time", "nondeterministic") or name in fields:
-                raise ValueError(f"{item!r} is not capacity=SIZE, kernel_time=TIME or nondeterministic=RELATIVE (each once)")
+                raise ValueError(
+                    f"{item!r} is not capacity=SIZE, kernel_time=TIME or nondeterministic=RELATIVE (each once)"
+                )
             fields[name] = _parse_quantity(name, value)
         properties = cls(**fields)
         if not 0 <= properties.kernel_time < 1 or not 0 <= properties.nondeterministic < 1:
@@ -361,7 +363,8 @@ def _parse_quantity(name: str, value: str) -> int | float:
     try:
         quantity = float(number) * scale
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not a number with a unit ({', '.join(u for u in units if u) or 'none'})") from None
+        named = ", ".join(u for u in units if u) or "none"
+        raise ValueError(f"{name}={value!r} is not a number with a unit ({named})") from None
     if not math.isfinite(quantity) or quantity < 0:
         raise ValueError(f"{name}={value!r} must be a finite number >= 0")
     return int(quantity) if name == "capacity" else quantity
