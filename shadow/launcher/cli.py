@@ -563,6 +563,41 @@ def _add_run_command(commands: Any) -> None:
     run.set_defaults(handler=_run)
 
 
+def _validate(args: argparse.Namespace) -> int:
+    from shadow.launcher import config as cfg
+
+    if args.emulated_device is not None:
+        try:
+            cfg.SETTINGS["emulated_device"].parse(args.emulated_device)
+        except cfg.Invalid as exc:
+            print(
+                f"npu-shadow validate: --emulated-device={args.emulated_device!r} is not valid: {exc}", file=sys.stderr
+            )
+            return 2
+    from shadow.launcher import validate
+
+    return validate.main(args.out, args.small, args.emulated_device)
+
+
+def _add_validate_command(commands: Any) -> None:
+    """``npu-shadow validate``."""
+    validate = commands.add_parser(
+        "validate",
+        help="check npu-shadow on this host's NPU or GPU (the emulated npu where there is none) and write the bundle",
+        description="Run the device check (scripts/device_check.sh): training bitwise unchanged in shadow and canary "
+        "modes, mismatches under nondeterministic kernels, step time and peak device memory at the defaults, 1% "
+        "and 100%, host synchronizations per sampled call, the comparator against assert_close; writes "
+        "device-check.json and device-check.md. Exit code: 0 training stayed bitwise unchanged, 1 it did not.",
+        formatter_class=_Defaults,
+    )
+    validate.add_argument("--out", default="npu-shadow-device-check", help="the folder the bundle is written to")
+    validate.add_argument("--small", action="store_true", help="a quick run (CI's, on the emulated npu)")
+    validate.add_argument(
+        "--emulated-device", metavar="SPEC", help="the emulated npu's properties where no device is present"
+    )
+    validate.set_defaults(handler=_validate)
+
+
 def _add_doctor_command(commands: Any) -> None:
     """``npu-shadow doctor``."""
     from shadow.launcher.config import SETTINGS
@@ -692,6 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay_command(commands)
     _add_run_command(commands)
     _add_doctor_command(commands)
+    _add_validate_command(commands)
     _add_verdict_command(commands)
     _add_ab_command(commands)
     _add_receiver_command(commands)

@@ -230,6 +230,16 @@ def _soc(text: str) -> str:
     return text
 
 
+def _device_properties(text: str) -> str:
+    from shadow.npu.device_properties import DeviceProperties
+
+    try:
+        DeviceProperties.parse(text)
+    except ValueError as exc:
+        raise Invalid(str(exc)) from None
+    return text
+
+
 def _legacy_source(text: str) -> str:
     if text not in ("installed", REFERENCE) and not os.path.exists(text):
         raise Invalid("no such file or directory")
@@ -415,6 +425,14 @@ SETTINGS = {
         "Ascend910B1)",
         _soc,
     ),
+    "emulated_device": Setting(
+        "NPU_SHADOW_EMULATED_DEVICE",
+        "--emulated-device",
+        "the properties of a real device the emulated npu takes, comma-separated: capacity=SIZE (per device, "
+        "B/KiB/MiB/GiB), kernel_time=TIME (each kernel's device time on an asynchronous queue, s/ms/us), "
+        "nondeterministic=RELATIVE (convolutions' and backward reductions' run-to-run variation); default none",
+        _device_properties,
+    ),
     "legacy_from": Setting(
         "NPU_SHADOW_LEGACY_FROM",
         "--legacy-from",
@@ -561,6 +579,7 @@ class Config:
     linger: float | None = None  # (None: DEFAULT_LINGER_SECONDS where only the endpoint carries the final counts)
     emulate_npu: int = 0
     emulated_soc: str | None = None
+    emulated_device: str | None = None
     legacy_from: str | None = None
     oracle: float | None = 0.1
     budget: float | None = 0.2

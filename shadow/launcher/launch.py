@@ -141,7 +141,7 @@ class Launcher:
                 self._close_exporters()
             self.config = config
             if config.emulate_npu:
-                self._emulate_npu(config.emulate_npu)
+                self._emulate_npu(config.emulate_npu, config.emulated_device)
             if config.legacy_from:
                 self._legacy_from(config.legacy_from)
             if not self.exporters:
@@ -308,13 +308,17 @@ class Launcher:
             call_hook(exporter, "close")
         self.exporters = []
 
-    def _emulate_npu(self, devices: int) -> None:
-        """Install the emulated npu; where it cannot be (torch_npu imported with torch, say), say so once and
-        shadow what the host has: a rehearsal option must never leave a real job unshadowed."""
+    def _emulate_npu(self, devices: int, properties: str | None) -> None:
+        """Install the emulated npu, with a real device's ``properties`` where given; where it cannot be (torch_npu
+        imported with torch, say), say so once and shadow what the host has: a rehearsal option must never leave a
+        real job unshadowed."""
         from shadow.npu import emulated
+        from shadow.npu.device_properties import DeviceProperties
 
         try:
             emulated.install(devices)
+            if properties:
+                emulated.set_properties(DeviceProperties.parse(properties))
         except emulated.EmulatorUnavailable as exc:
             if not self._emulation_refused:
                 self._emulation_refused = True

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import fcntl
 import hashlib
 import importlib.resources
 import importlib.util
-import math
 import os
 import shutil
 import subprocess
@@ -34,11 +32,12 @@ from typing import Any
 
 import torch
 
+from shadow.npu.device_properties import DeviceProperties
 from shadow.npu.emulated import collectives, device, rnn
 
 __all__ = [
     "DeviceProperties", "EmulatorUnavailable", "build", "build_directory", "host_syncs", "install", "installed_devices",
-    "set_kernel_time", "set_memory_capacity", "set_nondeterministic",
+    "set_kernel_time", "set_memory_capacity", "set_nondeterministic", "set_properties",
 ]  # fmt: skip
 
 EXTENSION_NAME = "npu_shadow_emulated_npu"
@@ -310,70 +309,17 @@ def host_syncs() -> tuple[int, int]:
     return int(syncs), int(copies)
 
 
-@dataclasses.dataclass(frozen=True)
-class DeviceProperties:
-    """The properties of a device the emulated npu can be given (each off by default): a memory capacity per device
-    in bytes, the device time of each queued kernel in seconds, and the relative size of nondeterministic
-    reductions."""
-
-    capacity: int = 0
-    kernel_time: float = 0.0
-    nondeterministic: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str) -> DeviceProperties:
-        """From ``capacity=8GiB,kernel_time=20us,nondeterministic=1e-6`` (any of the three, in any order; sizes in
-        B/KiB/MiB/GiB, times in s/ms/us); ``ValueError`` naming what is wrong."""
-        fields: dict[str, Any] = {}
-        for item in filter(None, (part.strip() for part in text.split(","))):
-            name, sep, value = item.partition("=")
-            name, value = name.strip(), value.strip()
-            if not sep or name not in ("capacity", "kernel_time", "nondeterministic") or name in fields:
-                raise ValueError(
-                    f"{item!r} is not capacity=SIZE, kernel_time=TIME or nondeterministic=RELATIVE (each once)"
-                )
-            fields[name] = _parse_quantity(name, value)
-        properties = cls(**fields)
-        if not 0 <= properties.kernel_time < 1 or not 0 <= properties.nondeterministic < 1:
-            raise ValueError(f"kernel_time must be in [0, 1) s and nondeterministic in [0, 1), got {text!r}")
-        return properties
-
-    def apply(self) -> None:
-        """Give the installed emulated npu these properties."""
-        set_memory_capacity(self.capacity)
-        set_kernel_time(self.kernel_time)
-        set_nondeterministic(self.nondeterministic)
-
-
-_UNITS = {
-    "capacity": {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30},
-    "kernel_time": {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6},
-    "nondeterministic": {"": 1.0},
-}
-
-
-def _parse_quantity(name: str, value: str) -> int | float:
-    units = _UNITS[name]
-    for unit in sorted(units, key=len, reverse=True):
-        if unit and value.endswith(unit):
-            number, scale = value[: -len(unit)], units[unit]
-            break
-    else:
-        number, scale = value, units[""]
-    try:
-        quantity = float(number) * scale
-    except ValueError:
-        named = ", ".join(u for u in units if u) or "none"
-        raise ValueError(f"{name}={value!r} is not a number with a unit ({named})") from None
-    if not math.isfinite(quantity) or quantity < 0:
-        raise ValueError(f"{name}={value!r} must be a finite number >= 0")
-    return int(quantity) if name == "capacity" else quantity
-
-
 def _installed_backend() -> Any:
     if not _devices:
         raise EmulatorUnavailable("the emulated npu is not installed: install() first")
     return device._backend
+
+
+def set_properties(properties: DeviceProperties) -> None:
+    """Give the installed emulated npu a device's ``properties`` (those left at 0 are off)."""
+    set_memory_capacity(properties.capacity)
+    set_kernel_time(properties.kernel_time)
+    set_nondeterministic(properties.nondeterministic)
 
 
 def install(devices: int = 2, seed: int = 67280421310721) -> int:
