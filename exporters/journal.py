@@ -97,6 +97,7 @@ class JsonlExporter:
         self.backups = backups
         self.all_outcomes = all_outcomes
         self.capture_dir = capture_dir
+        self.captures = capture_dir is not None  # (the core keeps a divergence's evidence for them)
         self.max_captures = max_captures
         self.max_capture_bytes = max_capture_bytes
         self.host = socket.gethostname()

@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from shadow import Tolerance
-from shadow.core.judging.compare import compare
+from shadow.core.judging.compare import SMALL_ON_HOST, compare
 
 Pair = collections.namedtuple("Pair", "first second")
 
@@ -191,22 +192,29 @@ def test_large_tensors_are_chunked_and_still_find_the_first_difference():
     assert f"upstream {upstream[(1 << 18) + 1].item():.9g}" in result.detail
 
 
-def test_one_host_synchronisation_for_many_leaves(monkeypatch):
-    syncs = []
-    for name in ("tolist", "item", "__bool__"):
-        original = getattr(torch.Tensor, name)
+def test_many_leaves_on_a_device_cost_one_host_synchronisation_and_none_before_they_are_read():
+    """On the emulated npu with an asynchronous queue: launching a comparison of small and large leaves makes the
+    host wait for nothing; reading it waits once (one device), however many leaves; and the result is the host's."""
+    from shadow.core.judging.compare import start
+    from shadow.npu import emulated
 
-        def counting(self, *args, _original=original, _name=name, **kwargs):
-            syncs.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
-    legacy = {"a": torch.randn(5), "b": [torch.randn(3, 3), torch.arange(4)], "c": torch.randn(2).half()}
-    upstream = {"a": legacy["a"] + 1, "b": [legacy["b"][0].clone(), torch.arange(4)], "c": legacy["c"].clone()}
-    result = compare(legacy, upstream)
-    monkeypatch.undo()
-    assert result.reasons == ("value",)
-    assert syncs == ["tolist"]
+    big = torch.randn(SMALL_ON_HOST + 5)
+    legacy = {"a": torch.randn(5), "b": [big, torch.arange(4)], "c": torch.randn(2).half()}
+    upstream = {"a": legacy["a"] + 1, "b": [big.clone(), torch.arange(4)], "c": legacy["c"].clone()}
+    on_host = compare(legacy, upstream)
+    on_npu = [tree_map(lambda t: t.to("npu:0"), side) for side in (legacy, upstream)]
+    emulated.set_kernel_time(0.05)
+    try:
+        before = emulated.host_syncs()
+        pending = start(*on_npu)
+        launched = emulated.host_syncs()
+        found = pending.finish()
+        read = emulated.host_syncs()
+    finally:
+        emulated.set_kernel_time(0.0)
+    assert launched[0] == before[0]  # (started: nothing waited for)
+    assert read[0] - launched[0] == 1  # (read: one wait, for every leaf)
+    assert found == on_host and found.reasons == ("value",)
 
 
 def test_large_integers_compare_exactly_not_through_float32():

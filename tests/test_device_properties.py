@@ -229,3 +229,81 @@ def test_the_floor_turns_exchangeable_noise_into_a_mismatch_at_most_once_in_n_pl
         ]
     )
     assert quantile_rule > 1 / (n + 1)  # (the rule this replaced did not hold the bound)
+
+
+# --------------------------------------------------------------------------- no wait on a sampled call
+
+
+class _Cast(nn.Module):
+    def forward(self, x):
+        return torch.relu(x).type(torch.float32) * 2
+
+
+def _dataparallel_and_input():
+    torch.manual_seed(0)
+    return nn.DataParallel(_Cast().to("npu:0"), device_ids=[0, 1]), torch.randn(8, 16).to("npu:0")
+
+
+def test_a_sampled_call_makes_no_host_synchronization_on_the_callers_thread(properties):
+    """With the device's queue asynchronous, a sampled parallel_apply and a sampled .type() return without waiting
+    for the device (their comparisons are read later); the counts are exact once read (before: 4 and 2 host
+    synchronizations, the comparator's reads)."""
+    parallel, x = _dataparallel_and_input()
+    properties("kernel_time=2ms")
+    recorder = Recorder()
+    patches = reference.patch_torch()
+    try:
+        unwrapped = syncs_of(lambda: (parallel(x), x.type(torch.float16)))
+        with shadow.install(sample_rate=1.0, seed=1, oracle=0.0, aa_rate=0.0, exporters=[recorder]) as monitor:
+            parallel(x), x.type(torch.float16)  # (warm)
+            sampled = [syncs_of(lambda: parallel(x))[0], syncs_of(lambda: x.type(torch.float16))[0]]
+            stats = monitor.stats()
+    finally:
+        patches.undo()
+    assert unwrapped[0] == 0 and sampled == [0, 0]
+    for name in ("parallel_apply", "tensor_type"):
+        assert stats[name].sampled == stats[name].match == len(recorder.of(name)) >= 2
+
+
+def test_a_deferred_comparison_is_published_once_read_and_every_one_by_the_flush(properties, tmp_path):
+    from exporters.journal import JsonlExporter
+
+    parallel, x = _dataparallel_and_input()
+    properties("kernel_time=0.3s")
+    journal = tmp_path / "journal.jsonl"
+    recorder = Recorder()
+    patches = reference.patch_torch()
+    try:
+        with shadow.install(
+            ["parallel_apply"],
+            sample_rate=1.0,
+            seed=1,
+            oracle=0.0,
+            exporters=[recorder, JsonlExporter(str(journal), all_outcomes=True)],
+        ) as monitor:
+            for _ in range(3):
+                parallel(x)
+            held = len(monitor._experiments[0].record.deferred)
+            published = len(recorder.observations)
+    finally:
+        patches.undo()
+    assert held >= 1 and published == 3 - held  # (compared, not yet read: neither agreement nor divergence)
+    assert [o.outcome for o in recorder.observations] == ["match"] * 3  # (the flush read every one)
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert sum(line.get("outcome") == "match" for line in lines) == 3
+
+
+def test_an_exporter_that_keeps_evidence_gets_the_comparison_at_once(properties):
+    class Capturing(Recorder):
+        captures = True
+
+    parallel, x = _dataparallel_and_input()
+    properties("kernel_time=50ms")
+    recorder = Capturing()
+    patches = reference.patch_torch()
+    try:
+        with shadow.install(["parallel_apply"], sample_rate=1.0, seed=1, oracle=0.0, exporters=[recorder]) as monitor:
+            parallel(x)
+            assert len(recorder.observations) == 1 and not monitor._experiments[0].record.deferred
+    finally:
+        patches.undo()

@@ -247,7 +247,8 @@ class Experiment:
 
     def release_pending(self) -> None:
         """Publish the value differences still held as skips (reason noise_pending): the floor never had the
-        A/A runs to judge them (at a flush, a rollback, a reset)."""
+        A/A runs to judge them (at a flush, a rollback, a reset); the deferred comparisons are read first."""
+        self.record.finish_deferred(wait=True)
         self.record.release_held(self.noise)
 
     def report_calls(self, flush: bool = False) -> None:
@@ -263,7 +264,9 @@ class Experiment:
             return {s: (f[0], f[1], int(f[2]), int(f[3])) for s, f in self.noise.summary.items()}
 
     def stats(self) -> TargetStats:
-        """A consistent snapshot of this target's counts."""
+        """A consistent snapshot of this target's counts (the deferred comparisons read first: waiting for the
+        device, where it has not finished them)."""
+        self.record.finish_deferred(wait=True)
         return self.record.stats(self.sampling, self.primary, self.rolled_back_by)
 
     def _after_fork_in_child(self) -> None:

@@ -177,6 +177,7 @@ class Monitor:
         (:mod:`shadow.core.calls.record.reporter` does, each second)."""
         if self._restore:
             for s in self._experiments:
+                s.record.finish_deferred()  # (the comparisons the device finished since: published now)
                 s.report_calls(flush=True)  # (a guided target's open gate too: the total is the job's calls)
             self._report_time()
 

@@ -3,14 +3,16 @@
 Both outputs are flattened with torch's pytree (dataclasses are opened too) into pairs of leaves
 named by their path. Structure, Python types, tensor metadata and aliasing are checked on the host;
 tensor values are reduced on the tensors' own device to a few statistics per leaf, and all leaves'
-statistics travel to the host together in one ``.tolist()``: one host synchronisation per comparison (and one
-per small leaf, copied to the host: see below).
+statistics travel to the host together, in one non-blocking copy: :func:`start` launches the work and returns a
+:class:`PendingComparison` that says when it is done (an event per device, queried without waiting) and reads it
+then; :func:`compare` is the two at once (it waits, where the device has not finished).
 
 Tensors in host memory (device "cpu") are reduced by numpy ufuncs on one thread, in cache-sized chunks
 written into reused scratch arrays: each element streams through memory once, no parallel region waits
 for a core the job is using, and the statistics are on the host without any synchronisation. Tensors on
 an accelerator are reduced by torch on their device, whole, except small ones (``SMALL_ON_HOST`` elements at
-most), copied to the host first: a logit or a loss costs two copies there instead of twenty-odd kernel launches.
+most), copied to the host (non-blocking, into pinned memory) and reduced there once the copies landed: a logit or
+a loss costs two copies instead of twenty-odd kernel launches.
 Both compute the same statistics (``tests/test_compare.py`` checks them against each other).
 """
 
@@ -132,9 +134,31 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
 SMALL_ON_HOST = 1 << 16
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of accelerator tensor ``t`` on its way to the host: non-blocking, into pinned memory (a copy into
+    pageable memory would make the host wait); readable once an event recorded after it completed."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostPair:
+    """A small accelerator leaf's two sides on their way to the host (:func:`_to_host`): reduced there, once the
+    copies landed."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    source: torch.device
+    tolerance: tol.Tolerance
+    compute: torch.dtype
+    same_dtype: bool
+
+    def stats(self) -> torch.Tensor:
+        return _host_stats(self.a, self.b, self.tolerance, self.compute, self.same_dtype)
+
+
 def _value_stats(
     legacy: torch.Tensor, upstream: torch.Tensor, tolerance: tol.Tolerance
-) -> tuple[torch.Tensor, torch.dtype]:
+) -> tuple[torch.Tensor | _HostPair, torch.dtype]:
     """int64[8] on the tensors' device: bitwise differing, out of tolerance, out of tolerance with a NaN or inf
     involved, flat index of the first element out of tolerance (-1 if none), then as float bits: max abs error
     and max rel error over finite elements, legacy and upstream value at that index.
@@ -144,8 +168,8 @@ def _value_stats(
     compute = _compute_dtype(legacy.dtype, upstream.dtype)
     a, b = _as_real(legacy), _as_real(upstream)
     same_dtype = legacy.dtype == upstream.dtype
-    if a.device.type != "cpu" and a.numel() <= SMALL_ON_HOST:
-        a, b = a.cpu(), b.cpu()  # (exact copies)
+    if a.device.type != "cpu" and a.numel() <= SMALL_ON_HOST:  # (exact copies)
+        return _HostPair(_to_host(a), _to_host(b), a.device, tolerance, compute, same_dtype), compute
     if a.device.type == "cpu":
         return _host_stats(a, b, tolerance, compute, same_dtype), compute
     return _device_stats(a, b, tolerance, compute, same_dtype), compute
@@ -176,7 +200,8 @@ def _device_stats(
     return torch.cat(
         [
             torch.stack([bitdiff, n - good, nonfinite_bad, first]),
-            torch.stack([_bits(diff.max()), _bits(rel.max()), _bits(a[at]), _bits(b[at])]),
+            # (take, not a[at]: indexing by a 0-d tensor reads it on the host, a synchronization)
+            torch.stack([_bits(diff.max()), _bits(rel.max()), _bits(torch.take(a, at)), _bits(torch.take(b, at))]),
         ]
     )
 
@@ -250,7 +275,7 @@ class _LeafReport:
     notes: list[str]
     shape: tuple[int, ...] = ()
     numel: int = 0
-    stats: torch.Tensor | None = None
+    stats: torch.Tensor | _HostPair | None = None
     compute: torch.dtype = torch.float32
     tolerance: tol.Tolerance = tol.EXACT
     bitwise_equal: bool = True
@@ -358,10 +383,27 @@ def compare(
     ``tolerance`` applies to floating leaves (per dtype defaults of assert_close when None); whether a tensor
     requires grad is compared too (reason ``requires_grad``);
     ``exact`` demands bitwise equality everywhere. Inputs, when given, let the comparison check that
-    each output aliases the same input on both sides (or none).
+    each output aliases the same input on both sides (or none). Waits for the device where its statistics are not
+    on the host yet (:func:`start` does not).
     """
+    return start(
+        legacy, upstream, tolerance=tolerance, exact=exact, legacy_inputs=legacy_inputs, upstream_inputs=upstream_inputs
+    ).finish()
+
+
+def start(
+    legacy: Any,
+    upstream: Any,
+    *,
+    tolerance: tol.ToleranceSpec = None,
+    exact: bool = False,
+    legacy_inputs: Any = (),
+    upstream_inputs: Any = (),
+) -> PendingComparison:
+    """:func:`compare`, launched: structure, metadata and aliasing checked on the host, the values' statistics
+    started on their devices and on their way to the host; nothing waits for a device."""
     if type(legacy) is type(upstream) and type(legacy) in _ATOMS and legacy == upstream:
-        return _EQUAL_ATOMS  # (a type name, a size: what the full path would find, without flattening)
+        return PendingComparison.of(_EQUAL_ATOMS)  # (a type name, a size: found without flattening)
     # The comparison is this tool's own work: no tensor subclass or TorchFunctionMode may see it.
     with torch._C.DisableTorchFunction():
         flattened = trees.flatten_with_paths(legacy, True), trees.flatten_with_paths(upstream, True)
@@ -370,8 +412,49 @@ def compare(
         upstream_leaves, upstream_specs = _flatten(flattened[1])
         structure = _structure_note(legacy_leaves, legacy_specs, upstream_leaves, upstream_specs)
         reports = _check_leaves(legacy_leaves, upstream_leaves, tolerance, exact, *inputs)
-        errors = _apply_statistics(reports)
-    return _verdict(reports, structure, errors)
+        return PendingComparison(reports, structure)
+
+
+class PendingComparison:
+    """A comparison whose statistics are on their way to the host: :meth:`ready` says (without waiting) whether the
+    devices finished them, :meth:`finish` reads them (waiting only where they did not) into the
+    :class:`Comparison`. Holds the statistics and the small leaves' host copies, never the compared tensors."""
+
+    def __init__(self, reports: list[_LeafReport], structure: str | None) -> None:
+        self._reports, self._structure, self._found = reports, structure, None
+        on_device = [r.stats for r in reports if isinstance(r.stats, torch.Tensor) and r.stats.device.type != "cpu"]
+        sources = {r.stats.source for r in reports if isinstance(r.stats, _HostPair)}
+        self._on_device: torch.Tensor | None = None
+        if on_device:
+            home = on_device[0].device
+            self._on_device = _to_host(torch.cat([stats.to(home) for stats in on_device]))
+            sources.add(home)
+        self._events = []
+        for device in sources:  # (each device's copies were queued on its current stream)
+            event = torch.Event(device=device)
+            event.record(torch.accelerator.current_stream(device.index))
+            self._events.append(event)
+
+    @classmethod
+    def of(cls, found: Comparison) -> PendingComparison:
+        """A comparison already made."""
+        pending = cls([], None)
+        pending._found = found
+        return pending
+
+    def ready(self) -> bool:
+        """Whether every statistic is on the host (an event query: never a wait)."""
+        return all(event.query() for event in self._events)
+
+    def finish(self) -> Comparison:
+        """The comparison, once its statistics are on the host (waiting for the devices where they are not)."""
+        if self._found is None:
+            for event in self._events:
+                if not event.query():
+                    event.synchronize()
+            self._found = _verdict(self._reports, self._structure, _apply_statistics(self._reports, self._on_device))
+            self._reports, self._on_device, self._events = [], None, []
+        return self._found
 
 
 def _structure_note(
@@ -421,20 +504,28 @@ def _check_leaves(
     return reports
 
 
-def _apply_statistics(reports: list[_LeafReport]) -> tuple[float, float, int, tuple[tuple[str, float], ...]]:
-    """Bring every leaf's statistics to the host at once (the one synchronisation), turn them into reasons and
-    notes on the reports, and return (greatest abs error, greatest rel error, elements out of tolerance, each
-    leaf's greatest abs error)."""
+def _apply_statistics(
+    reports: list[_LeafReport], on_device: torch.Tensor | None
+) -> tuple[float, float, int, tuple[tuple[str, float], ...]]:
+    """Read every leaf's statistics on the host (``on_device``: those reduced on a device, landed there, in the
+    order of the reports), turn them into reasons and notes on the reports, and return (greatest abs error,
+    greatest rel error, elements out of tolerance, each leaf's greatest abs error)."""
     with_stats = [r for r in reports if r.stats is not None]
     if not with_stats:
         return 0.0, 0.0, 0, ()
+    landed = iter(on_device.view(-1, 8).tolist()) if on_device is not None else iter(())
     leaves = []
-    home = with_stats[0].stats.device
-    values = torch.cat([r.stats.to(home) for r in with_stats]).tolist()  # the one host sync
     max_abs = max_rel = 0.0
     mismatched = 0
-    for i, report in enumerate(with_stats):
-        bitdiff, bad, nonfinite, first, abs_bits, rel_bits, at_legacy, at_upstream = values[8 * i : 8 * i + 8]
+    for report in with_stats:
+        stats = report.stats
+        if isinstance(stats, _HostPair):
+            values = stats.stats().tolist()
+        elif stats.device.type == "cpu":
+            values = stats.tolist()
+        else:
+            values = next(landed)
+        bitdiff, bad, nonfinite, first, abs_bits, rel_bits, at_legacy, at_upstream = values
         leaf_abs, leaf_rel = _unbits(abs_bits, report.compute), _unbits(rel_bits, report.compute)
         max_abs, max_rel = max(max_abs, leaf_abs), max(max_rel, leaf_rel)
         leaves.append((report.path, leaf_abs))

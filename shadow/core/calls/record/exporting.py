@@ -18,6 +18,10 @@ class Exporter(Protocol):
     def export(self, observation: Observation) -> None:
         """One sampled call's observation."""
 
+    #: Optional: True where the exporter keeps a divergence's evidence (repro captures): a sampled call then reads
+    #: its comparison at once, never deferred (the evidence is the call's tensors).
+    captures: bool
+
     # ------------------------------------------------------------------ optional hooks
 
     def register(self, target: str, sample_rate: float) -> None:

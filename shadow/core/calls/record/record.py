@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from shadow.core.calls.gate.sampling import Sampling
 from shadow.core.calls.record import clusters as clustering
@@ -45,6 +45,8 @@ class Publisher:
     def __init__(self, exporters: Sequence[Any] = ()) -> None:
         self.exporters = tuple(exporters)
         self._last_logged: dict[tuple[str, int], float] = {}
+        #: Whether an exporter keeps a divergence's evidence (its ``captures``: the journal's repro captures).
+        self.wants_evidence = any(getattr(exporter, "captures", False) for exporter in self.exporters)
 
     def each(self, hook: str, *args: Any) -> int:
         """Call ``hook`` on every exporter that has it. Returns how many failed."""
@@ -154,6 +156,25 @@ class Tally:
         return skipped
 
 
+#: Observations a target keeps deferred at most (each holds a comparison's few statistics): past it, the oldest is
+#: read, waiting for the device.
+MAX_DEFERRED = 64
+
+
+class Deferred(Protocol):
+    """An observation the device has not finished comparing
+    (:class:`~shadow.core.calls.sampled.shadow_side.DeferredObservation`)."""
+
+    def ready(self) -> bool:
+        """Whether the device finished the comparison (never waits)."""
+
+    def observation(self) -> Observation:
+        """The observation, once read (waiting for the device where it has not finished)."""
+
+    def failed(self, failure: BaseException) -> Observation:
+        """The observation of a comparison whose reading failed."""
+
+
 class Record:
     """One target's record.
 
@@ -171,6 +192,8 @@ class Record:
         self.target, self.publisher, self._lock, self._counted = target, publisher, lock, counted
         self.tally = Tally(clustering.cluster_share())
         self.held = HeldDifferences()
+        #: Observations whose comparison the device had not finished when their call returned, oldest first.
+        self.deferred: collections.deque[tuple[Deferred, NoiseFloor]] = collections.deque()
         self._last_logged: dict[str, float] = {}
 
     def log_limited(self, kind: str, message: str, *args: Any) -> None:
@@ -227,6 +250,33 @@ class Record:
                 found = dataclasses.replace(found, noise_pending=False, noise_test=test, leaf_errors=())
                 self.publish(found, noise, True)
 
+    def defer(self, deferred: Deferred, noise: NoiseFloor) -> None:
+        """Publish ``deferred``'s observation once its comparison is read: at a later sampled call, the reporter's
+        tick or a flush (:meth:`finish_deferred`). At most ``MAX_DEFERRED`` wait; the oldest is read (waiting for
+        the device) to make room."""
+        with self._lock:
+            self.deferred.append((deferred, noise))
+            full = len(self.deferred) > MAX_DEFERRED
+        if full:
+            self.finish_deferred(wait=True, at_most=1)
+
+    def finish_deferred(self, wait: bool = False, at_most: int | None = None) -> None:
+        """Publish the deferred observations whose comparisons the devices finished, oldest first (``wait``: every
+        one, waiting for the devices; ``at_most``: no more than that many). Reading one that fails is a
+        ``comparator`` skip, never the caller's problem."""
+        done = 0
+        while at_most is None or done < at_most:
+            with self._lock:
+                if not self.deferred or not (wait or self.deferred[0][0].ready()):
+                    return
+                deferred, noise = self.deferred.popleft()
+            try:
+                observation = deferred.observation()
+            except Exception as exc:  # (ours to count: the call returned long ago)
+                observation = deferred.failed(exc)
+            self.publish(observation, noise)
+            done += 1
+
     def release_held(self, noise: NoiseFloor) -> None:
         """Publish the value differences still held as skips (reason noise_pending): the floor never had the A/A
         runs to judge them."""
@@ -279,6 +329,7 @@ class Record:
         self._lock = lock
         self.tally = self.tally.fresh()
         self.held = HeldDifferences()
+        self.deferred = collections.deque()
 
 
 def unjudged(observation: Observation) -> Observation:

@@ -16,7 +16,7 @@ from torch.utils._device import DeviceContext
 from shadow.core.calls.gate.sampling import UNDER_WAY
 from shadow.core.calls.sampled import guards
 from shadow.core.calls.sampled.plan import CallContext, Run, plan
-from shadow.core.calls.sampled.shadow_side import ShadowSide, free_after_oom, is_oom
+from shadow.core.calls.sampled.shadow_side import DeferredObservation, ShadowSide, free_after_oom, is_oom
 from shadow.core.model.observation import Observation, Outcome, bounded
 from shadow.core.model.targets import Target
 from shadow.core.runs.global_state import TorchGlobals
@@ -90,6 +90,8 @@ class SampledCall:
         against the shadow run. Returns what the primary returned (or raises what it raised)."""
         context, args, kwargs, cost = self.context, self.args, self.kwargs, self.context.cost
         start = cost.clock()
+        if context.record.deferred:  # (earlier calls' comparisons the device has finished since)
+            context.record.finish_deferred()
         modules, skip = skip_reason(context.target, context.pure_hooks, args, kwargs)
         if skip is not None:
             context.record.publish(self._skipped(skip[0], skip[1], self.signature or ""), context.noise)
@@ -132,7 +134,10 @@ class SampledCall:
                     observation = side.observe(self.args, self.kwargs, primary, left_by_primary, changed)
                 else:
                     observation = self._plan_failed(side)
-                context.record.publish(observation, context.noise)
+                if isinstance(observation, DeferredObservation):  # (the device has not finished comparing)
+                    context.record.defer(observation, context.noise)
+                else:
+                    context.record.publish(observation, context.noise)
             finally:
                 context.record.put_back(left_by_primary)
         except KeyboardInterrupt:

@@ -12,7 +12,14 @@ import torch
 
 from shadow.core.calls.sampled.guards import failed
 from shadow.core.calls.sampled.plan import CallContext, Plan, Run
-from shadow.core.judging.compare import Comparison, compare, compare_custom, compare_exceptions, with_state
+from shadow.core.judging.compare import (
+    Comparison,
+    PendingComparison,
+    compare_custom,
+    compare_exceptions,
+    with_state,
+)
+from shadow.core.judging.compare import start as start_comparing
 from shadow.core.model.observation import UPSTREAM, Evidence, Outcome, bounded, within_noise_floor
 from shadow.core.runs.global_state import IMPORT_TIME_SETTINGS, TorchGlobals
 from shadow.core.runs.isolation import find_modules
@@ -29,39 +36,66 @@ def _current_device() -> str | None:
     return None if accelerator is None else f"{accelerator.type}:{torch.accelerator.current_device_index()}"
 
 
+@dataclasses.dataclass
+class PendingFinding:
+    """Two runs of one call being compared (:func:`start`): :meth:`ready` says, without waiting, whether the
+    comparison's statistics reached the host; :meth:`finish` turns them into the finding. Holds no tensor of
+    either run."""
+
+    context: CallContext
+    signature: str
+    comparison: PendingComparison
+    autocast: str
+    differences: dict[str, tuple[Any, Any]]
+
+    def ready(self) -> bool:
+        return self.comparison.ready()
+
+    def finish(self) -> tuple[Comparison, str, bool]:
+        """(the finding, the noise test as text, whether it is pending): the comparison (with both runs' autocast
+        state where they mismatch), the settings and module attributes each run left, and a value difference
+        held against the noise floor (:func:`within_noise`)."""
+        found = self.comparison.finish()
+        if found.outcome == Outcome.MISMATCH and self.autocast:
+            found = dataclasses.replace(found, detail=bounded(f"{found.detail} | {self.autocast}"))
+        if self.differences:
+            found = with_state(found, self.differences)
+        return within_noise(self.context, self.signature, found)
+
+
+def start(
+    context: CallContext, plan: Plan, arguments: tuple, runs: tuple[Run, Run], left: tuple | None
+) -> PendingFinding:
+    """Two runs of one call (``arguments``: what legacy and upstream received; ``runs`` and ``left``: their results
+    and the settings each left, legacy's and upstream's, ``left`` None where neither left one changed) being
+    compared: nothing waits for a device (:meth:`PendingFinding.finish` reads the finding)."""
+    legacy, upstream = runs
+    autocast = ""
+    if legacy.error is not None or upstream.error is not None:
+        comparison = PendingComparison.of(compare_exceptions(legacy.error, upstream.error))
+    elif context.target.compare is not None:
+        comparison = PendingComparison.of(compare_custom(context.target.compare, legacy.value, upstream.value))
+    else:
+        comparison = start_comparing(
+            legacy.value,
+            upstream.value,
+            tolerance=context.tolerance,
+            exact=context.target.exact,
+            legacy_inputs=arguments[0],
+            upstream_inputs=arguments[1],
+        )
+        autocast = f"autocast legacy: {plan.autocast}; upstream: {upstream.autocast}"
+    states = state_differences(plan, *left) if left is not None else {}
+    differences = {**states, **module_differences(context, plan)}
+    return PendingFinding(context, plan.signature, comparison, autocast, differences)
+
+
 def judge(
     context: CallContext, plan: Plan, arguments: tuple, runs: tuple[Run, Run], left: tuple | None
 ) -> tuple[Comparison, str, bool]:
-    """(the finding, the noise test as text, whether it is pending) of two runs of one call (``arguments``: what
-    legacy and upstream received; ``runs`` and ``left``: their results and the settings each left, legacy's and
-    upstream's, ``left`` None where neither left one changed): compared, with the settings and module attributes
-    each left, and a value difference held against the noise floor (:func:`within_noise`)."""
-    found = compare_runs(context, plan, arguments, *runs)
-    states = state_differences(plan, *left) if left is not None else {}
-    differences = {**states, **module_differences(context, plan)}
-    return within_noise(context, plan.signature, with_state(found, differences) if differences else found)
-
-
-def compare_runs(context: CallContext, plan: Plan, arguments: tuple, legacy: Run, upstream: Run) -> Comparison:
-    """Legacy's result against upstream's (with both runs' autocast state where they mismatch), or the one rule
-    for exceptions where either raised."""
-    if legacy.error is not None or upstream.error is not None:
-        return compare_exceptions(legacy.error, upstream.error)
-    target = context.target
-    if target.compare is not None:
-        return compare_custom(target.compare, legacy.value, upstream.value)
-    found = compare(
-        legacy.value,
-        upstream.value,
-        tolerance=context.tolerance,
-        exact=target.exact,
-        legacy_inputs=arguments[0],
-        upstream_inputs=arguments[1],
-    )
-    if found.outcome == Outcome.MISMATCH:
-        autocast = f"autocast legacy: {plan.autocast}; upstream: {upstream.autocast}"
-        found = dataclasses.replace(found, detail=bounded(f"{found.detail} | {autocast}"))
-    return found
+    """:func:`start` and :meth:`PendingFinding.finish` at once (waiting for the device where it has not
+    finished)."""
+    return start(context, plan, arguments, runs, left).finish()
 
 
 def state_differences(plan: Plan, first: TorchGlobals, second: TorchGlobals) -> dict[str, tuple[Any, Any]]:

@@ -22,6 +22,7 @@ from shadow.core.calls.sampled import findings, guards
 from shadow.core.calls.sampled.extra_runs import ExtraRuns
 from shadow.core.calls.sampled.guards import IsolationFailed
 from shadow.core.calls.sampled.plan import CallContext, Plan, Run, autocast_state
+from shadow.core.judging.compare import Comparison
 from shadow.core.model.observation import DIVERGENT_OUTCOMES, UPSTREAM, Observation, Outcome, bounded
 from shadow.core.model.target import CannotReplay
 from shadow.core.runs.deadline import Finished, leave_worker, run_here
@@ -68,7 +69,7 @@ class ShadowSide:
 
     def observe(
         self, args: tuple, kwargs: dict, primary: Run, left_by_primary: TorchGlobals, primary_changed: bool
-    ) -> Observation:
+    ) -> Observation | DeferredObservation:
         """Run the shadow the way the primary ran and compare the two runs: their results (or exceptions) and the
         torch settings each left behind (``primary`` and ``left_by_primary``: the primary's run; ``primary_changed``:
         those are not the settings it started from). Never raises: a failure here is the skip its guard says
@@ -91,7 +92,7 @@ class ShadowSide:
 
     def _observe(
         self, args: tuple, kwargs: dict, primary: Run, left_by_primary: TorchGlobals, primary_changed: bool
-    ) -> Observation:
+    ) -> Observation | DeferredObservation:
         context = self.context
         snapshot = context.target.snapshot
         if snapshot is not None and primary.error is None:  # (what the primary's run left on the caller's object)
@@ -123,10 +124,12 @@ class ShadowSide:
         left_by_primary: TorchGlobals,
         left: tuple[TorchGlobals, TorchGlobals] | None,
         common: dict,
-    ) -> Observation:
+    ) -> Observation | DeferredObservation:
         """The observation of two runs that both ended (``ran``: the primary's, the shadow's; ``left``: the settings
         each left, None where neither changed one): compared, held against the noise floor, and the extra runs the
-        plan drew made."""
+        plan drew made. Where no extra run was drawn, no exporter wants a divergence's evidence and the device has
+        not finished the comparison, its observation is deferred: read, judged and published once it has
+        (:meth:`~shadow.core.calls.record.record.Record.defer`), so the caller never waits for the device."""
         context, plan = self.context, self.plan
         (primary, shadow) = ran
         returned = primary.error is None and shadow.error is None
@@ -138,40 +141,25 @@ class ShadowSide:
         extra = ExtraRuns(context, plan, left_by_primary) if drawn else None
         aa = extra.aa(runs[0]) if extra is not None and plan.aa and returned else {}
         start = time.perf_counter()
-        found, noise_test, pending = findings.judge(context, plan, ((args, kwargs), self.shadow_arguments), runs, left)
-        compare_seconds = time.perf_counter() - start
-        fields: dict[str, Any] = {}
+        finding = findings.start(context, plan, ((args, kwargs), self.shadow_arguments), runs, left)
+        if extra is None and not context.record.publisher.wants_evidence and not finding.ready():
+            return DeferredObservation(
+                finding, plan.signature, {**common, "compare_seconds": time.perf_counter() - start}
+            )
+        found, noise_test, pending = finding.finish()
+        fields: dict[str, Any] = {**common, **aa, "compare_seconds": time.perf_counter() - start}
         leaf_errors = tuple(found.leaf_errors) if pending else ()
         if extra is not None:  # (the extra runs the plan drew, and a truth run a difference may draw)
-            found, fields = extra.after_comparing(args, kwargs, runs, primary, found, returned)
+            found, extra_fields = extra.after_comparing(args, kwargs, runs, primary, found, returned)
             # (a gradient difference its floor cannot judge yet is held like a value difference: its own errors)
-            pending, leaf_errors = pending or fields.pop("noise_pending", False), fields.pop("leaf_errors", leaf_errors)
-            noise_test = fields.pop("noise_test", noise_test)
-        evidence = None
+            pending = pending or extra_fields.pop("noise_pending", False)
+            leaf_errors = extra_fields.pop("leaf_errors", leaf_errors)
+            noise_test = extra_fields.pop("noise_test", noise_test)
+            fields.update(extra_fields)
         # (a replay is of the forward; a pending difference is held, and holds no tensors while it waits)
         if found.outcome in DIVERGENT_OUTCOMES and "grad" not in found.reasons and not pending:
-            evidence = findings.evidence(context, self.shadow_arguments, *runs)
-        return Observation(
-            context.target.name,
-            found.outcome,
-            found.reasons,
-            max_abs_error=found.max_abs_error,
-            max_rel_error=found.max_rel_error,
-            mismatched=found.mismatched,
-            numel=found.numel,
-            compare_seconds=compare_seconds,
-            detail=found.detail,
-            noise_test=noise_test,
-            evidence=evidence,
-            noise_pending=pending,
-            leaf_errors=leaf_errors,
-            signature=plan.signature,
-            timestamp=time.time(),
-            primary=context.primary,
-            **aa,
-            **fields,
-            **common,
-        )
+            fields["evidence"] = findings.evidence(context, self.shadow_arguments, *runs)
+        return observation_of(context, plan.signature, (found, noise_test, pending), leaf_errors, fields)
 
     def _cannot_run_shadow(self, primary: Run) -> Observation | None:
         """The skip observation of a call whose shadow run would not be faithful, seen once the primary ran: the
@@ -290,3 +278,66 @@ class _ShadowRun:
             self.left = TorchGlobals()
             if not (plan.here or self.left.same_as(plan.before)):
                 leave_worker()
+
+
+def observation_of(
+    context: CallContext,
+    signature: str,
+    finding: tuple[Comparison, str, bool],
+    leaf_errors: tuple[tuple[str, float], ...],
+    fields: dict[str, Any],
+) -> Observation:
+    """The observation of one compared call: its ``finding`` (the comparison, the noise test, whether the floor
+    holds it pending), the leaf errors a held difference keeps, and the other fields (timings, extra runs,
+    evidence)."""
+    found, noise_test, pending = finding
+    return Observation(
+        context.target.name,
+        found.outcome,
+        found.reasons,
+        max_abs_error=found.max_abs_error,
+        max_rel_error=found.max_rel_error,
+        mismatched=found.mismatched,
+        numel=found.numel,
+        detail=found.detail,
+        noise_test=noise_test,
+        noise_pending=pending,
+        leaf_errors=leaf_errors,
+        signature=signature,
+        timestamp=time.time(),
+        primary=context.primary,
+        **fields,
+    )
+
+
+@dataclasses.dataclass
+class DeferredObservation:
+    """A sampled call's observation whose comparison the device has not finished when the call returns: read,
+    judged and made once it has (the record publishes it then: :meth:`Record.defer`). Holds the comparison's
+    statistics and the call's plain fields, never either run's tensors."""
+
+    finding: findings.PendingFinding
+    signature: str
+    fields: dict[str, Any]
+
+    def ready(self) -> bool:
+        """Whether the device finished the comparison (never waits)."""
+        return self.finding.ready()
+
+    def observation(self) -> Observation:
+        """The observation, once the comparison is read (waiting for the device where it has not finished)."""
+        found, noise_test, pending = self.finding.finish()
+        leaf_errors = tuple(found.leaf_errors) if pending else ()
+        return observation_of(
+            self.finding.context, self.signature, (found, noise_test, pending), leaf_errors, self.fields
+        )
+
+    def failed(self, failure: BaseException) -> Observation:
+        """The observation of a deferred comparison whose reading failed: this tool's fault, counted as a
+        ``comparator`` skip (:mod:`~shadow.core.calls.sampled.guards`)."""
+        context = self.finding.context
+        reason = guards.failed(context.record, "shadow_side", failure)
+        return Observation(
+            context.target.name, Outcome.SKIPPED, (reason,), signature=self.signature, detail=bounded(repr(failure)),
+            timestamp=time.time(), primary=context.primary,
+        )  # fmt: skip
