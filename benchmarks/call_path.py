@@ -48,8 +48,15 @@ class Path:
         )
 
 
+#: The emulated npu stands in for a device's own runtime (torch_npu's C++ on an NPU, CUDA's on a GPU): a call into it
+#: (``torch.npu.max_memory_allocated``, say) is the device's, not a step of the tool's call path.
+_DEVICE = os.path.join(ROOT, "shadow", "npu", "emulated") + os.sep
+
+
 def _project_file(filename: str) -> str | None:
-    return os.path.relpath(filename, ROOT) if filename.startswith(_PROJECT) else None
+    if not filename.startswith(_PROJECT) or filename.startswith(_DEVICE):
+        return None
+    return os.path.relpath(filename, ROOT)
 
 
 def follow(call: Callable[[], object]) -> Path:

@@ -78,7 +78,7 @@ class Metric:
     def prometheus_name(self) -> str:
         """The name as exposed (without the ``_total`` a counter gets on exposition)."""
         name = self.otel_name.replace(".", "_")
-        return f"{name}_seconds" if self.unit == "s" else name
+        return name + {"s": "_seconds", "By": "_bytes"}.get(self.unit, "")
 
     @property
     def series(self) -> str:
@@ -190,8 +190,17 @@ NOISE_FLOOR = Metric(
     "gauge",
     ("target", "signature", "measure"),
     "The noise floor: the greatest difference between two legacy runs of the same call (A/A), by signature and "
-    "measure (abs, rel). A legacy-vs-upstream value difference is outcome noise only within twice a robust floor "
-    "of the A/A errors and while a rank test finds the A/B errors no larger than the A/A ones.",
+    "measure (abs, rel). A legacy-vs-upstream value difference is outcome noise only within twice the greatest A/A "
+    "error and while a rank test finds the A/B errors no larger than the A/A ones.",
+    greatest=True,
+)
+SHADOW_PEAK = Metric(
+    "npu_shadow.shadow_peak_added",
+    "By",
+    "gauge",
+    ("target",),
+    "The most a sampled call's shadow side raised the accelerator's peak allocated memory, in bytes (the device "
+    "memory the job's peak holds beyond its own; 0 on the host).",
     greatest=True,
 )
 BACKWARD_RUNS = Metric(
@@ -285,6 +294,7 @@ ALL = (
     SHADOW_DURATION,
     AA_RUNS,
     NOISE_FLOOR,
+    SHADOW_PEAK,
     BACKWARD_RUNS,
     BACKWARD_SKIPS,
     TRUTH_RUNS,
@@ -379,6 +389,10 @@ def _extra_runs(o: Observation) -> Iterable[Sample]:
     return found
 
 
+def _memory(o: Observation) -> Iterable[Sample]:
+    return ((SHADOW_PEAK, (o.target,), o.shadow_peak_bytes),) if o.shadow_peak_bytes else ()
+
+
 def _time(o: Observation) -> Iterable[Sample]:
     if o.outcome == Outcome.SKIPPED:
         return ()
@@ -391,7 +405,9 @@ def _time(o: Observation) -> Iterable[Sample]:
 
 
 #: What an observation says, by metric: each rule gives its samples (none where it says nothing of them).
-OBSERVATION_RULES: list[Callable[[Observation], Iterable[Sample]]] = [_outcome, _errors, _aa, _extra_runs, _time]
+OBSERVATION_RULES: list[Callable[[Observation], Iterable[Sample]]] = [
+    _outcome, _errors, _aa, _extra_runs, _memory, _time,
+]  # fmt: skip
 
 
 def observation_samples(observation: Observation) -> list[Sample]:

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -60,16 +59,17 @@ def test_host_reads_are_counted_per_thread_and_the_kernels_own_copies_are_not():
 
 def test_a_queue_makes_host_reads_wait_for_queued_work_and_events_tell_when_it_is_done(properties):
     x = torch.ones(16, device="npu")
-    properties("kernel_time=0.8s")
-    start = time.monotonic()
+    properties("kernel_time=0.5s")
     y = x + 1  # queued: the host goes on
     event = torch.Event(device="npu")
     event.record()
-    assert time.monotonic() - start < 0.8 and not event.query()
+    stream = torch.accelerator.current_stream()
+    assert not event.query() and not stream.query()  # (the kernel's half second is not over)
     assert syncs_of(event.synchronize) == (1, 0)
-    assert event.query() and time.monotonic() - start >= 0.8
+    assert event.query()  # (the synchronize waited for it)
     z = y * 2
-    assert syncs_of(lambda: z.cpu()) == (1, 1) and time.monotonic() - start >= 1.6  # (it waited for z's kernel)
+    assert not stream.query()
+    assert syncs_of(lambda: z.cpu()) == (1, 1) and stream.query()  # (the read waited for z's kernel)
     assert torch.equal(z.cpu(), torch.full((16,), 4.0))
 
 
@@ -217,23 +217,24 @@ def _floor_sequence(scale: float, calls: int, seed: int) -> dict:
     return judged
 
 
-def test_noise_beyond_the_floor_is_held_unless_upstream_exceeds_it_more_often_than_legacy_does():
-    """Exchangeable A/B and A/A errors: a call's error exceeds the greatest of n A/A errors with probability
-    1 / (n + 1) (checked here by an independent simulation; a 0.9 quantile as the floor, the rule before, exceeds
-    that); such a call is held, never a mismatch, over 1,000 honest calls, while errors 20 times legacy's own are
-    mismatches within a few calls."""
+def test_noise_beyond_the_floor_is_a_mismatch_only_where_upstream_exceeds_it_more_often_than_legacy_does():
+    """Heavy-tailed noise (a nondeterministic backward's): an A/B error exceeds twice the A/A errors' 0.9 quantile
+    about as often as an A/A error exceeds twice the others' (exchangeable: checked here by an independent
+    simulation), a few percent of calls, which were mismatches before; judged by how often, 1,000 honest calls
+    make no mismatch, while errors 20 times legacy's own are mismatches within a few calls."""
     import numpy as np
 
-    from shadow.core.judging.noise import MARGIN
+    from shadow.core.judging.noise import FLOOR_QUANTILE, MARGIN
 
     rng, n, trials = np.random.default_rng(7), 50, 20000
-    aa, ab = rng.lognormal(0.0, 1.5, (trials, n)), rng.lognormal(0.0, 1.5, trials)
-    assert np.mean(ab > aa.max(axis=1)) == pytest.approx(1 / (n + 1), abs=0.004)
-    assert np.mean(ab > MARGIN * np.quantile(aa, 0.9, axis=1, method="lower")) > 1 / (n + 1)
+    aa, ab = rng.lognormal(0.0, 1.5, (trials, n + 1)), rng.lognormal(0.0, 1.5, trials)
+    floors = np.quantile(aa[:, :n], FLOOR_QUANTILE, axis=1, method="lower")
+    ab_rate, aa_rate = np.mean(ab > MARGIN * floors), np.mean(aa[:, n] > MARGIN * floors)
+    assert ab_rate == pytest.approx(aa_rate, abs=0.005) and ab_rate > 0.02
     honest = _floor_sequence(1.0, 1000, seed=1)
-    assert honest[False] == 0 and honest[None] <= 30 and honest[True] >= 970, honest
+    assert honest[False] == 0 and honest[None] <= 20 and honest[True] >= 980, honest
     shifted = _floor_sequence(20.0, 60, seed=1)
-    assert shifted[False] >= 30 and shifted[True] <= 5, shifted
+    assert shifted[False] >= 40 and shifted[True] <= 5, shifted
 
 
 # --------------------------------------------------------------------------- no wait on a sampled call

@@ -82,6 +82,7 @@ INVALID = {
     "targets": "tensor_typo",
     "journal_all": "maybe",
     "emulated_soc": "Ascend 910",
+    "emulated_device": "kernel_time=fast",
     "sample_rate": "1.5",
     "seed": "one",
     "rtol": "-1",

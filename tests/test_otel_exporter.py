@@ -31,6 +31,8 @@ def run_workload(exporters):
         for i in range(12):
             ops.op(torch.tensor([float(i % 4)], requires_grad=True))
         ops.op(torch.tensor([1.0]))  # (no output requires grad: a backward comparison skipped, reason no_grad)
+        torch.npu.reset_peak_memory_stats(0)  # (on a device, from a peak of its own: the shadow side raises it)
+        ops.op(torch.ones(1 << 16, device="npu:0"))
     return m.stats()["op"]
 
 
@@ -59,7 +61,7 @@ def test_every_instrument_with_its_unit_and_attributes():
             if attributes.items() <= dict(p.attributes).items()
         )
 
-    assert value("npu_shadow.calls", target="op") == stats.calls == 13
+    assert value("npu_shadow.calls", target="op") == stats.calls == 14
     assert value("npu_shadow.arm_iterators", arm="legacy", workers="bound") == 1
     assert value("npu_shadow.arm_first_batch", arm="legacy") == 0.2
     assert value("npu_shadow.backward_skips", reason="no_grad") == stats.backward_skips["no_grad"] >= 1
@@ -67,9 +69,10 @@ def test_every_instrument_with_its_unit_and_attributes():
     assert value("npu_shadow.comparisons", outcome="mismatch") == stats.mismatch
     assert value("npu_shadow.mismatches", reason="value") == stats.mismatch
     assert value("npu_shadow.skipped", reason="oom") == 0  # pre-created at zero
-    assert value("npu_shadow.abs_error", target="op") == stats.compared == 13
+    assert value("npu_shadow.abs_error", target="op") == stats.compared == 14
+    assert value("npu_shadow.shadow_peak_added", target="op") == stats.shadow_peak_bytes >= 1 << 18
     assert value("npu_shadow.sample_rate", target="op") == 1.0
-    assert value("npu_shadow.backward_runs", target="op") == stats.backward_runs == stats.match - 1  # (no_grad: one)
+    assert value("npu_shadow.backward_runs", target="op") == stats.backward_runs == stats.match - 2  # (no_grad: two)
     assert value("npu_shadow.truth_runs", target="op") == sum(stats.truth_runs.values()) == stats.mismatch
     boundaries = by_name["npu_shadow.abs_error"].data.data_points[0].explicit_bounds
     assert tuple(boundaries) == contract.ERROR_BUCKETS

@@ -446,6 +446,10 @@ def _run_or_problem() -> str:
         return f"unnamed ({exc})"
 
 
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB"
+
+
 def _target_lines(s: Any) -> list[str]:
     """What the summary says under a target's line: its skips by reason, its phase, and its extra runs."""
     lines: list[str] = []
@@ -467,6 +471,10 @@ def _target_lines(s: Any) -> list[str]:
         lines.append(
             f"backward compared on {s.backward_runs} calls (gradients through both graphs): "
             f"{differ} differ, rated over these calls alone"
+        )
+    if s.shadow_peak_bytes:
+        lines.append(
+            f"device memory: a shadow side raised the device's peak allocation by at most {_mib(s.shadow_peak_bytes)}"
         )
     if s.drilled:
         lines.append(

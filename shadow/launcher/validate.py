@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import shadow
+from shadow.core.calls.monitor import install
 from shadow.launcher.config import Config
 
 
@@ -212,7 +212,7 @@ def _defaults() -> dict[str, Any]:
 
 
 def _install(**options: Any) -> Callable[[], Any]:
-    return lambda: shadow.install(**options)
+    return lambda: install(**options)
 
 
 EVERY_RUN = {"sample_rate": 1.0, "seed": 1, "oracle": 1.0, "aa_rate": 1.0, "backward_rate": 1.0, "truth_rate": 1.0}
@@ -320,10 +320,10 @@ def check_sampled_call(device: Device, sizes: Sizes) -> dict[str, Any]:
     with _kernels(device, deterministic=True), _legacy():
         model(x)  # (warm)
         unsampled = timed(5)
-        with shadow.install(sample_rate=1.0, seed=1, aa_rate=0.0, backward_rate=0.0, oracle=0.0, truth_rate=0.0):
+        with install(sample_rate=1.0, seed=1, aa_rate=0.0, backward_rate=0.0, oracle=0.0, truth_rate=0.0):
             model(x)
             sampled = timed(5)
-        with shadow.install(sample_rate=1e-9, seed=1, first_per_signature=0):
+        with install(sample_rate=1e-9, seed=1, first_per_signature=0):
             gated = timed(5)
     return {
         "unsampled_seconds": unsampled[0],

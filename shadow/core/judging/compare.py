@@ -386,9 +386,10 @@ def compare(
     each output aliases the same input on both sides (or none). Waits for the device where its statistics are not
     on the host yet (:func:`start` does not).
     """
-    return start(
+    found = start(
         legacy, upstream, tolerance=tolerance, exact=exact, legacy_inputs=legacy_inputs, upstream_inputs=upstream_inputs
-    ).finish()
+    )
+    return found if isinstance(found, Comparison) else found.finish()
 
 
 def start(
@@ -399,11 +400,14 @@ def start(
     exact: bool = False,
     legacy_inputs: Any = (),
     upstream_inputs: Any = (),
-) -> PendingComparison:
+    may_defer: bool = True,
+) -> Comparison | PendingComparison:
     """:func:`compare`, launched: structure, metadata and aliasing checked on the host, the values' statistics
-    started on their devices and on their way to the host; nothing waits for a device."""
+    started on their devices and on their way to the host; nothing waits for a device. The comparison where its
+    statistics are on the host already (or ``may_defer`` is false: read then, waiting for the device), else the
+    :class:`PendingComparison`."""
     if type(legacy) is type(upstream) and type(legacy) in _ATOMS and legacy == upstream:
-        return PendingComparison.of(_EQUAL_ATOMS)  # (a type name, a size: found without flattening)
+        return _EQUAL_ATOMS  # (a type name, a size: found without flattening)
     # The comparison is this tool's own work: no tensor subclass or TorchFunctionMode may see it.
     with torch._C.DisableTorchFunction():
         flattened = trees.flatten_with_paths(legacy, True), trees.flatten_with_paths(upstream, True)
@@ -412,7 +416,8 @@ def start(
         upstream_leaves, upstream_specs = _flatten(flattened[1])
         structure = _structure_note(legacy_leaves, legacy_specs, upstream_leaves, upstream_specs)
         reports = _check_leaves(legacy_leaves, upstream_leaves, tolerance, exact, *inputs)
-        return PendingComparison(reports, structure)
+        pending = PendingComparison(reports, structure)
+    return pending if may_defer and not pending.ready() else pending.finish()
 
 
 class PendingComparison:
@@ -434,13 +439,6 @@ class PendingComparison:
             event = torch.Event(device=device)
             event.record(torch.accelerator.current_stream(device.index))
             self._events.append(event)
-
-    @classmethod
-    def of(cls, found: Comparison) -> PendingComparison:
-        """A comparison already made."""
-        pending = cls([], None)
-        pending._found = found
-        return pending
 
     def ready(self) -> bool:
         """Whether every statistic is on the host (an event query: never a wait)."""

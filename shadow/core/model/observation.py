@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import math
 import re
+import time
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -283,12 +284,25 @@ class Observation:
     legacy_truth_error: float = 0.0
     upstream_truth_error: float = 0.0
     truth_seconds: float = 0.0
+    #: The bytes by which the shadow side raised the accelerator's peak allocation (summed over devices: what the
+    #: job's ``max_memory_allocated`` shows beyond its own; 0 on the host or where it stayed below the peak).
+    shadow_peak_bytes: int = 0
     #: Where the legacy side came from: 'torch_npu', 'torch_npu X source', 'reference', or '' (a custom target).
     legacy: str = ""
     #: The side whose result the caller got (the other ran as the shadow): 'legacy', or 'upstream' in a canary.
     primary: str = LEGACY
     #: For mismatches and errors: what a repro capture needs (never compared, never printed).
     evidence: Evidence | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def compared(cls, target: str, found: Any, signature: str, primary: str, **fields: Any) -> Observation:
+        """The observation of a compared call from its comparison ``found`` (outcome, reasons, errors, elements,
+        detail: :class:`shadow.core.judging.compare.Comparison`) and the other ``fields``."""
+        return cls(
+            target, found.outcome, found.reasons, max_abs_error=found.max_abs_error, max_rel_error=found.max_rel_error,
+            mismatched=found.mismatched, numel=found.numel, detail=found.detail, signature=signature,
+            timestamp=time.time(), primary=primary, **fields,
+        )  # fmt: skip
 
     def __post_init__(self) -> None:
         try:
@@ -371,6 +385,8 @@ class TargetStats:
     rolled_back_by: str = ""
     #: Calls by signature, for a coverage-guided target (every call classified); empty otherwise.
     signature_calls: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    #: The most a sampled call's shadow side raised the accelerator's peak allocation, in bytes (0 on the host).
+    shadow_peak_bytes: int = 0
 
     @property
     def compared(self) -> int:

@@ -30,6 +30,52 @@ marks = threading.local()
 shadow_runs: dict[object, tuple[Any, bool]] = {}
 
 
+class Lean:
+    """What a run that keeps no activations saw: whether anything asked for a tensor it did not keep (the call's
+    own code reading its graph during the forward, ``torch.autograd.grad`` in a forward)."""
+
+    read = False
+
+    def pack(self, tensor: Any) -> None:
+        return None
+
+    def unpack(self, packed: Any) -> Any:
+        self.read = True
+        raise RuntimeError("npu-shadow: this shadow run keeps no activations; its graph cannot be read")
+
+
+def _top_hooks() -> Any:
+    import torch
+
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def lean_of_this_thread() -> Lean | None:
+    """The :class:`Lean` whose hooks are on top of this thread's saved tensors hooks, or None."""
+    top = _top_hooks()
+    owner = getattr(top[0], "__self__", None) if top else None
+    return owner if isinstance(owner, Lean) else None
+
+
+@contextlib.contextmanager
+def keeping_no_activations(lean: Lean | None) -> Iterator[None]:
+    """While the body runs on this thread, autograd keeps none of the tensors a backward would read (torch's saved
+    tensors hooks): the forward computes what it computes, its outputs require grad as they would, and a shadow
+    run that is compared only forward holds no second copy of the call's activations. A thread the body starts
+    keeps none either (:func:`install_inheritance`). None: no change."""
+    if lean is None:
+        yield
+        return
+    import torch
+
+    torch._C._autograd._push_saved_tensors_default_hooks(lean.pack, lean.unpack)
+    try:
+        yield
+    finally:
+        if lean_of_this_thread() is lean:  # (a settings put-back on this thread may have taken them off already)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
 class Role(enum.Enum):
     """Whose run a thread runs, besides an experiment's own shadow run."""
 
@@ -103,10 +149,12 @@ def _inheriting(start: Callable[..., Any]) -> Callable[..., Any]:
         inherited = _inheritance()
         if inherited is None:
             return start(function, *args, **kwargs)
+        lean = lean_of_this_thread()  # (a run that keeps no activations: neither do the threads it starts)
 
         def bootstrap(*a: Any, **k: Any) -> Any:
             marks.inherited = inherited
-            return function(*a, **k)
+            with keeping_no_activations(lean):
+                return function(*a, **k)
 
         return start(bootstrap, *args, **kwargs)
 

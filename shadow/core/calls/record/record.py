@@ -98,6 +98,7 @@ class Tally:
         signatures_over_cap: calls whose signature counted as "other" (past the cap).
         export_errors: exporters that failed to export an observation.
         settings_failures: torch's global settings that could not be taken or put back.
+        shadow_peak_bytes: the most a sampled call's shadow side raised the accelerator's peak allocation.
         skips_unreported: sampled calls skipped in bulk (budget, deadline) since the last report.
         calls_reported: the calls reported to the exporters so far, by signature (under "" where not guided).
     """
@@ -115,6 +116,7 @@ class Tally:
     signatures_over_cap: int = 0
     export_errors: int = 0
     settings_failures: int = 0
+    shadow_peak_bytes: int = 0
     skips_unreported: collections.Counter[str] = dataclasses.field(default_factory=_counter)
     calls_reported: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -138,6 +140,7 @@ class Tally:
         if observation.shared_divergence:
             self.shared[observation.shared_divergence] += 1
         self.backward_runs += observation.backward
+        self.shadow_peak_bytes = max(self.shadow_peak_bytes, observation.shadow_peak_bytes)
         if observation.backward_skip:
             self.backward_skips[observation.backward_skip] += 1
         if observation.nearer:
@@ -194,6 +197,8 @@ class Record:
         self.held = HeldDifferences()
         #: Observations whose comparison the device had not finished when their call returned, oldest first.
         self.deferred: collections.deque[tuple[Deferred, NoiseFloor]] = collections.deque()
+        #: Signatures whose forward reads its own graph: their shadow runs keep their activations.
+        self.keeps_activations: set[str] = set()
         self._last_logged: dict[str, float] = {}
 
     def log_limited(self, kind: str, message: str, *args: Any) -> None:
@@ -322,6 +327,7 @@ class Record:
                 signatures_over_cap=tally.signatures_over_cap,
                 export_errors=tally.export_errors,
                 settings_failures=tally.settings_failures,
+                shadow_peak_bytes=tally.shadow_peak_bytes,
             )
 
     def after_fork(self, lock: threading.Lock) -> None:

@@ -26,7 +26,7 @@ from shadow.core.model.tolerance import ToleranceSpec
 from shadow.core.runs import hook_watch
 from shadow.core.runs.deadline import Finished
 from shadow.core.runs.global_state import TorchGlobals
-from shadow.core.runs.sides import LEGACY_AGAIN, shadow_run
+from shadow.core.runs.sides import LEGACY_AGAIN, Lean, keeping_no_activations, shadow_run
 
 
 class ExtraRuns:
@@ -231,9 +231,9 @@ class ExtraRuns:
 
         def aa() -> dict[str, Any]:
             # (a run of its own: the calls legacy makes of wrapped functions are nested calls, never upstream's)
-            on, again = (lambda: plan.in_slot(AA)), (lambda on: context.legacy(*on[0], **on[1]))
+            on, again = (lambda: plan.in_slot(AA)), (lambda on: forward_only(context.legacy, *on[0], **on[1]))
             ran = self._run(LEGACY_AGAIN, on, again)
-            if ran is None or not ran.finished:
+            if ran is None or not ran.finished or (ran.error is None and ran.value is _READ_ITS_GRAPH):
                 return {}
             if ran.error is not None:
                 raise ran.error
@@ -258,10 +258,10 @@ class ExtraRuns:
                 yield context.target.oracle(args, kwargs)  # (None: the call has no single-device equivalent)
 
         def oracle() -> dict[str, Any]:
-            ran = self._run(context.side, single_device, lambda call: (call, call.run()))
+            ran = self._run(context.side, single_device, lambda call: (call, forward_only(call.run)))
             if ran is None:
                 return None  # (no single-device equivalent: no oracle run)
-            if not ran.finished:
+            if not ran.finished or (ran.error is None and ran.value[1] is _READ_ITS_GRAPH):
                 return {}
             if ran.error is not None:
                 raise ran.error
@@ -277,6 +277,24 @@ class ExtraRuns:
             }
 
         return self._guarded(ORACLE, oracle)
+
+
+#: What :func:`forward_only` returns for a run whose code read its own graph (its finding is then lost).
+_READ_ITS_GRAPH = object()
+
+
+def forward_only(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` keeping no activations where grad mode is on (an extra run compared forward
+    only: :func:`~shadow.core.runs.sides.keeping_no_activations`), or ``_READ_ITS_GRAPH`` where its code read them."""
+    lean = Lean() if torch.is_grad_enabled() else None
+    try:
+        with keeping_no_activations(lean):
+            value = function(*args, **kwargs)
+    except Exception:
+        if lean is not None and lean.read:  # (what it raised is what keeping no activations made it raise)
+            return _READ_ITS_GRAPH
+        raise
+    return _READ_ITS_GRAPH if lean is not None and lean.read else value
 
 
 class _HooksRegistered(Exception):

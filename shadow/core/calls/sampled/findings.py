@@ -38,24 +38,24 @@ def _current_device() -> str | None:
 
 @dataclasses.dataclass
 class PendingFinding:
-    """Two runs of one call being compared (:func:`start`): :meth:`ready` says, without waiting, whether the
-    comparison's statistics reached the host; :meth:`finish` turns them into the finding. Holds no tensor of
+    """Two runs of one call whose comparison the device has not finished (:func:`judge`, where it may be
+    deferred): :meth:`ready` says so without waiting, :meth:`finish` turns it into the finding. Holds no tensor of
     either run."""
 
     context: CallContext
     signature: str
-    comparison: PendingComparison
+    comparison: Comparison | PendingComparison
     autocast: str
     differences: dict[str, tuple[Any, Any]]
 
     def ready(self) -> bool:
-        return self.comparison.ready()
+        return not isinstance(self.comparison, PendingComparison) or self.comparison.ready()
 
     def finish(self) -> tuple[Comparison, str, bool]:
         """(the finding, the noise test as text, whether it is pending): the comparison (with both runs' autocast
         state where they mismatch), the settings and module attributes each run left, and a value difference
         held against the noise floor (:func:`within_noise`)."""
-        found = self.comparison.finish()
+        found = self.comparison if isinstance(self.comparison, Comparison) else self.comparison.finish()
         if found.outcome == Outcome.MISMATCH and self.autocast:
             found = dataclasses.replace(found, detail=bounded(f"{found.detail} | {self.autocast}"))
         if self.differences:
@@ -63,39 +63,40 @@ class PendingFinding:
         return within_noise(self.context, self.signature, found)
 
 
-def start(
-    context: CallContext, plan: Plan, arguments: tuple, runs: tuple[Run, Run], left: tuple | None
-) -> PendingFinding:
-    """Two runs of one call (``arguments``: what legacy and upstream received; ``runs`` and ``left``: their results
-    and the settings each left, legacy's and upstream's, ``left`` None where neither left one changed) being
-    compared: nothing waits for a device (:meth:`PendingFinding.finish` reads the finding)."""
+def judge(
+    context: CallContext,
+    plan: Plan,
+    arguments: tuple,
+    runs: tuple[Run, Run],
+    left: tuple | None,
+    may_defer: bool = False,
+) -> tuple[Comparison, str, bool] | PendingFinding:
+    """(the finding, the noise test as text, whether it is pending) of two runs of one call (``arguments``: what
+    legacy and upstream received; ``runs`` and ``left``: their results and the settings each left, legacy's and
+    upstream's, ``left`` None where neither left one changed): compared, with the settings and module attributes
+    each left, and a value difference held against the noise floor (:func:`within_noise`). Where it ``may_defer``
+    and the device has not finished the comparison, the :class:`PendingFinding` instead (nothing waited for)."""
+    states = state_differences(plan, *left) if left is not None else {}
+    differences = {**states, **module_differences(context, plan)}
     legacy, upstream = runs
     autocast = ""
     if legacy.error is not None or upstream.error is not None:
-        comparison = PendingComparison.of(compare_exceptions(legacy.error, upstream.error))
+        found: Comparison | PendingComparison = compare_exceptions(legacy.error, upstream.error)
     elif context.target.compare is not None:
-        comparison = PendingComparison.of(compare_custom(context.target.compare, legacy.value, upstream.value))
+        found = compare_custom(context.target.compare, legacy.value, upstream.value)
     else:
-        comparison = start_comparing(
+        found = start_comparing(
             legacy.value,
             upstream.value,
             tolerance=context.tolerance,
             exact=context.target.exact,
             legacy_inputs=arguments[0],
             upstream_inputs=arguments[1],
+            may_defer=may_defer,
         )
         autocast = f"autocast legacy: {plan.autocast}; upstream: {upstream.autocast}"
-    states = state_differences(plan, *left) if left is not None else {}
-    differences = {**states, **module_differences(context, plan)}
-    return PendingFinding(context, plan.signature, comparison, autocast, differences)
-
-
-def judge(
-    context: CallContext, plan: Plan, arguments: tuple, runs: tuple[Run, Run], left: tuple | None
-) -> tuple[Comparison, str, bool]:
-    """:func:`start` and :meth:`PendingFinding.finish` at once (waiting for the device where it has not
-    finished)."""
-    return start(context, plan, arguments, runs, left).finish()
+    finding = PendingFinding(context, plan.signature, found, autocast, differences)
+    return finding if isinstance(found, PendingComparison) else finding.finish()
 
 
 def state_differences(plan: Plan, first: TorchGlobals, second: TorchGlobals) -> dict[str, tuple[Any, Any]]:

@@ -22,13 +22,12 @@ from shadow.core.calls.sampled import findings, guards
 from shadow.core.calls.sampled.extra_runs import ExtraRuns
 from shadow.core.calls.sampled.guards import IsolationFailed
 from shadow.core.calls.sampled.plan import CallContext, Plan, Run, autocast_state
-from shadow.core.judging.compare import Comparison
 from shadow.core.model.observation import DIVERGENT_OUTCOMES, UPSTREAM, Observation, Outcome, bounded
 from shadow.core.model.target import CannotReplay
 from shadow.core.runs.deadline import Finished, leave_worker, run_here
 from shadow.core.runs.global_state import TorchGlobals
 from shadow.core.runs.isolation import ArgumentsChanged, holds_hooked_subclass
-from shadow.core.runs.sides import shadow_run
+from shadow.core.runs.sides import Lean, keeping_no_activations, shadow_run
 
 #: What an allocator's failure says: a device's "out of memory", the host allocator's "can't allocate memory".
 _OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory")
@@ -58,6 +57,8 @@ class ShadowSide:
     #: it, Target.replay; else the same).
     shadow_arguments: tuple = ()
     run_arguments: tuple = ()
+    #: What the shadow run saw where it kept no activations (:func:`~shadow.core.runs.sides.keeping_no_activations`).
+    lean: Lean | None = None
 
     def skipped(self, reason: str, detail: str = "", **fields: Any) -> Observation:
         """The observation of this call skipped for ``reason``."""
@@ -72,10 +73,11 @@ class ShadowSide:
     ) -> Observation | DeferredObservation:
         """Run the shadow the way the primary ran and compare the two runs: their results (or exceptions) and the
         torch settings each left behind (``primary`` and ``left_by_primary``: the primary's run; ``primary_changed``:
-        those are not the settings it started from). Never raises: a failure here is the skip its guard says
-        (:mod:`~shadow.core.calls.sampled.guards`)."""
+        those are not the settings it started from), with the bytes by which it raised the devices' peak allocation.
+        Never raises: a failure here is the skip its guard says (:mod:`~shadow.core.calls.sampled.guards`)."""
+        peaks = _device_peaks()
         try:
-            return self._observe(args, kwargs, primary, left_by_primary, primary_changed)
+            return _with_peak(self._observe(args, kwargs, primary, left_by_primary, primary_changed), peaks)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # SystemExit too
@@ -101,6 +103,10 @@ class ShadowSide:
         if cannot is not None:
             return cannot
         shadow, drilled, left_by_shadow, changed = self._shadow_run(left_by_primary, primary_changed)
+        if self.lean is not None and self.lean.read:  # (the call reads its graph in the forward: not the same call)
+            context.record.keeps_activations.add(self.plan.signature)
+            return self.skipped("ineligible", "the call reads its own graph in its forward: its signature's shadow "
+                                "runs keep their activations from now on")  # fmt: skip
         if shadow is None:
             return self.skipped("deadline", f"the shadow side took longer than its deadline ({context.deadline:g} s)")
         common = {
@@ -141,12 +147,13 @@ class ShadowSide:
         extra = ExtraRuns(context, plan, left_by_primary) if drawn else None
         aa = extra.aa(runs[0]) if extra is not None and plan.aa and returned else {}
         start = time.perf_counter()
-        finding = findings.start(context, plan, ((args, kwargs), self.shadow_arguments), runs, left)
-        if extra is None and not context.record.publisher.wants_evidence and not finding.ready():
+        may_defer = extra is None and not context.record.publisher.wants_evidence
+        finding = findings.judge(context, plan, ((args, kwargs), self.shadow_arguments), runs, left, may_defer)
+        if isinstance(finding, findings.PendingFinding):
             return DeferredObservation(
                 finding, plan.signature, {**common, "compare_seconds": time.perf_counter() - start}
             )
-        found, noise_test, pending = finding.finish()
+        found, noise_test, pending = finding
         fields: dict[str, Any] = {**common, **aa, "compare_seconds": time.perf_counter() - start}
         leaf_errors = tuple(found.leaf_errors) if pending else ()
         if extra is not None:  # (the extra runs the plan drew, and a truth run a difference may draw)
@@ -159,7 +166,10 @@ class ShadowSide:
         # (a replay is of the forward; a pending difference is held, and holds no tensors while it waits)
         if found.outcome in DIVERGENT_OUTCOMES and "grad" not in found.reasons and not pending:
             fields["evidence"] = findings.evidence(context, self.shadow_arguments, *runs)
-        return observation_of(context, plan.signature, (found, noise_test, pending), leaf_errors, fields)
+        return Observation.compared(
+            context.target.name, found, plan.signature, context.primary, noise_test=noise_test, noise_pending=pending,
+            leaf_errors=leaf_errors, **fields,
+        )  # fmt: skip
 
     def _cannot_run_shadow(self, primary: Run) -> Observation | None:
         """The skip observation of a call whose shadow run would not be faithful, seen once the primary ran: the
@@ -206,7 +216,10 @@ class ShadowSide:
         drill = context.drill if context.drill is not None and context.drill.fires() else None
         if primary_changed:  # (the primary changed a setting: the shadow starts where it did)
             record.put_back(plan.before)
-        shadow = _ShadowRun(plan, context.shadow_fn, context.target.snapshot, drill, self.run_arguments)
+        # (compared forward only: its activations are not kept, and the job's memory holds one forward's, not two)
+        if not plan.backward and torch.is_grad_enabled() and plan.signature not in record.keeps_activations:
+            self.lean = Lean()
+        shadow = _ShadowRun(plan, context.shadow_fn, context.target.snapshot, drill, self.run_arguments, self.lean)
         start = time.perf_counter()
         finished = Finished(False)
         # (a consumed argument, a stream: where the primary left it, put back once the shadow read it from the start)
@@ -251,6 +264,7 @@ class _ShadowRun:
     snapshot: Callable | None
     drill: Any
     arguments: tuple[tuple, dict]
+    lean: Lean | None = None
     autocast: str = ""
     drilled: bool = False
     left: TorchGlobals | None = None
@@ -265,7 +279,8 @@ class _ShadowRun:
                 self.drilled = True
                 drill.before_upstream()
             args, kwargs = self.arguments
-            value = self.shadow_fn(*args, **kwargs)
+            with keeping_no_activations(self.lean):
+                value = self.shadow_fn(*args, **kwargs)
             if self.snapshot is not None:  # (taken on the isolation's stand-ins, before they are put back)
                 try:
                     value = self.snapshot(value, args, kwargs)
@@ -278,36 +293,6 @@ class _ShadowRun:
             self.left = TorchGlobals()
             if not (plan.here or self.left.same_as(plan.before)):
                 leave_worker()
-
-
-def observation_of(
-    context: CallContext,
-    signature: str,
-    finding: tuple[Comparison, str, bool],
-    leaf_errors: tuple[tuple[str, float], ...],
-    fields: dict[str, Any],
-) -> Observation:
-    """The observation of one compared call: its ``finding`` (the comparison, the noise test, whether the floor
-    holds it pending), the leaf errors a held difference keeps, and the other fields (timings, extra runs,
-    evidence)."""
-    found, noise_test, pending = finding
-    return Observation(
-        context.target.name,
-        found.outcome,
-        found.reasons,
-        max_abs_error=found.max_abs_error,
-        max_rel_error=found.max_rel_error,
-        mismatched=found.mismatched,
-        numel=found.numel,
-        detail=found.detail,
-        noise_test=noise_test,
-        noise_pending=pending,
-        leaf_errors=leaf_errors,
-        signature=signature,
-        timestamp=time.time(),
-        primary=context.primary,
-        **fields,
-    )
 
 
 @dataclasses.dataclass
@@ -328,9 +313,11 @@ class DeferredObservation:
         """The observation, once the comparison is read (waiting for the device where it has not finished)."""
         found, noise_test, pending = self.finding.finish()
         leaf_errors = tuple(found.leaf_errors) if pending else ()
-        return observation_of(
-            self.finding.context, self.signature, (found, noise_test, pending), leaf_errors, self.fields
-        )
+        context = self.finding.context
+        return Observation.compared(
+            context.target.name, found, self.signature, context.primary, noise_test=noise_test, noise_pending=pending,
+            leaf_errors=leaf_errors, **self.fields,
+        )  # fmt: skip
 
     def failed(self, failure: BaseException) -> Observation:
         """The observation of a deferred comparison whose reading failed: this tool's fault, counted as a
@@ -341,3 +328,30 @@ class DeferredObservation:
             context.target.name, Outcome.SKIPPED, (reason,), signature=self.signature, detail=bounded(repr(failure)),
             timestamp=time.time(), primary=context.primary,
         )  # fmt: skip
+
+
+def _device_peaks() -> tuple[int, ...]:
+    """Each accelerator device's peak allocated bytes (``max_memory_allocated``: an allocator's count, read without
+    waiting for the device); () without an accelerator or where its module does not say."""
+    accelerator = torch.accelerator.current_accelerator()
+    read = getattr(getattr(torch, accelerator.type, None), "max_memory_allocated", None) if accelerator else None
+    if read is None:
+        return ()
+    try:
+        return tuple(int(read(index)) for index in range(torch.accelerator.device_count()))
+    except Exception:  # (a device module that cannot say: nothing measured)
+        return ()
+
+
+def _with_peak(
+    observation: Observation | DeferredObservation, before: tuple[int, ...]
+) -> Observation | DeferredObservation:
+    """``observation`` with the bytes by which its shadow side raised the devices' peak allocation (from
+    ``before`` it to now: :func:`_device_peaks`)."""
+    raised = sum(max(0, end - start) for start, end in zip(before, _device_peaks(), strict=False))
+    if not raised:
+        return observation
+    if isinstance(observation, DeferredObservation):
+        observation.fields["shadow_peak_bytes"] = raised
+        return observation
+    return dataclasses.replace(observation, shadow_peak_bytes=raised)
