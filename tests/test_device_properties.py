@@ -313,3 +313,93 @@ def test_an_exporter_that_keeps_evidence_gets_the_comparison_at_once(properties)
             assert len(recorder.observations) == 1 and not monitor._experiments[0].record.deferred
     finally:
         patches.undo()
+
+
+# --------------------------------------------------------------------------- device memory
+
+
+def _deep_net():
+    return nn.Sequential(
+        *[m for _ in range(12) for m in (nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())]
+    )
+
+
+def _peak_of_a_step(monitor=None):
+    """Device 0's peak allocation over one DataParallel training step of a deep CNN (its activations dominate)."""
+    torch.manual_seed(0)
+    parallel = nn.DataParallel(_deep_net().to("npu:0"), device_ids=[0, 1])
+    x = torch.randn(32, 16, 16, 16).to("npu:0")
+    patches = reference.patch_torch()
+    try:
+        installed = monitor() if monitor else None
+        try:
+            parallel(x).sum().backward()  # (warm)
+            torch.npu.reset_peak_memory_stats(0)
+            before = torch.npu.memory_allocated(0)
+            parallel(x).sum().backward()
+            peak = torch.npu.max_memory_allocated(0) - before
+            stats = installed.stats() if installed else None
+        finally:
+            if installed:
+                installed.uninstall()
+    finally:
+        patches.undo()
+    return peak, stats
+
+
+def test_a_shadow_run_compared_forward_only_adds_no_second_copy_of_the_activations():
+    """Rate 1, no backward comparison: the shadow run keeps no activations, so the device's peak stays within 30%
+    of the unwrapped step's (it was 1.94x: the shadow forward's activations held beside the job's), and the
+    summary and the metrics say what it added."""
+    from shadow.launcher.launch import summary
+
+    plain, _ = _peak_of_a_step()
+    lean, stats = _peak_of_a_step(lambda: shadow.install(["parallel_apply"], sample_rate=1.0, seed=1, oracle=0.0))
+    assert stats["parallel_apply"].match == 2 and lean <= 1.3 * plain, (lean, plain)
+    assert 0 < stats["parallel_apply"].shadow_peak_bytes <= 0.3 * plain
+    assert "device memory: a shadow side raised the device's peak allocation by at most" in summary(stats)
+
+
+def test_at_the_launchers_defaults_the_shadow_side_adds_at_most_30_percent_of_the_peak():
+    from shadow.launcher.config import Config
+
+    config = Config()
+    plain, _ = _peak_of_a_step()
+    peak, stats = _peak_of_a_step(
+        lambda: shadow.install(sample_rate=config.sample_rate, settings=config.monitor_settings(False))
+    )
+    assert stats["parallel_apply"].sampled >= 1 and peak <= 1.3 * plain, (peak, plain)
+
+
+class _ForceField(nn.Module):
+    """A forward that reads its own graph: the force is the gradient of an energy (``torch.autograd.grad`` inside
+    the forward, as force-field models do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.energy = nn.Linear(3, 1)
+
+    def forward(self, positions):
+        positions = positions.detach().requires_grad_(True)
+        energy = torch.tanh(self.energy(positions)).sum()
+        (force,) = torch.autograd.grad(energy, positions, create_graph=True)
+        return -force
+
+
+def test_a_forward_that_reads_its_own_graph_is_compared_with_its_activations_kept():
+    torch.manual_seed(0)
+    model = _ForceField().to("npu:0")
+    parallel = nn.DataParallel(model, device_ids=[0, 1])
+    x = torch.randn(8, 3).to("npu:0")
+    recorder = Recorder()
+    patches = reference.patch_torch()
+    try:
+        plain = [parallel(x) for _ in range(3)]
+        with shadow.install(["parallel_apply"], sample_rate=1.0, seed=1, oracle=0.0, exporters=[recorder]):
+            shadowed = [parallel(x) for _ in range(3)]
+    finally:
+        patches.undo()
+    assert all(torch.equal(a, b) for a, b in zip(plain, shadowed, strict=True))
+    first, *rest = recorder.observations
+    assert first.outcome == "skipped" and first.reasons == ("ineligible",) and "reads its own graph" in first.detail
+    assert [o.outcome for o in rest] == ["match", "match"]  # (its activations kept from then on)
