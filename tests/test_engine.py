@@ -128,7 +128,7 @@ def test_comparator_and_exporter_failures_are_counted_and_swallowed(monkeypatch,
     def broken_compare(*args, **kwargs):
         raise RuntimeError("comparator bug")
 
-    monkeypatch.setattr(shadow.core.calls.sampled.findings, "compare", broken_compare)
+    monkeypatch.setattr(shadow.core.calls.sampled.findings, "start_comparing", broken_compare)
     ops = make_ops()
     with shadow.install([Target("op", ops, "op", scale)], sample_rate=1.0, exporters=[FailingExporter()]) as monitor:
         out = [ops.op(torch.ones(2)) for _ in range(5)]

@@ -68,6 +68,8 @@ _UNCOVERED_WHY = {
     "mode": "a user's TorchFunctionMode/TorchDispatchMode or tensor subclass was in the call",
     "compiling": "called inside torch.compile; compare compiled code with a suite A/B run (npu-shadow ab)",
     "inplace": "legacy wrote a tensor argument in place; such calls cannot be re-run from their start",
+    "ineligible": "the call cannot be run twice as the same call (a stream that cannot seek back; a forward that reads "
+    "its own graph, the first time its signature is met)",
 }
 DEFAULT_MAX_RATE = 0.001  # the divergence rate a rollout tolerates; the alert rules' budget too
 #: How clusters counted by the processes are formed, for the output.

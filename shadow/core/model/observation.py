@@ -137,7 +137,8 @@ SKIP_REASON_MEANING = {
     "deadline": "the shadow side of a call took longer than --deadline: that call, and every later one",
     "comparator": "a fault of npu-shadow's own on the shadow side (logged)",
     "noise_pending": "a value difference held until the noise floor had its A/A runs, which it never had",
-    "ineligible": "the call cannot be run twice (a stream that cannot seek back, ...)",
+    "ineligible": "the call cannot be run twice (a stream that cannot seek back, a forward that reads its own graph "
+    "the first time its signature is met, ...)",
 }
 
 #: Skip reasons that say the evidence does not reach a kind of call at all (not a passing condition such as the
