@@ -4,14 +4,17 @@
 # ${NPU_SHADOW_DEVICE_CHECK_OUT:-npu-shadow-device-check}. Under 5 minutes on one device; --small for a quick run
 # (CI runs it so on the emulated npu). Exit 0: training stayed bitwise unchanged; 1: it did not.
 #
-# Python: .venv's where set up; else a python3 that already has torch (a device host with its own torch, no
-# network), run from this checkout; else .venv is set up first (scripts/setup.sh).
+# Python: $PYTHON where set (the job's, on a device host with its own torch and no network); else .venv's where set
+# up; else a python3 that already has torch; else .venv is set up first (scripts/setup.sh). It runs from this
+# checkout and installs nothing into an environment of the job's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -x .venv/bin/python ]; then
+if [ -n "${PYTHON:-}" ]; then
+  :
+elif [ -x .venv/bin/python ]; then
   PYTHON=.venv/bin/python
-elif "${PYTHON:-python3}" -c "import torch" >/dev/null 2>&1; then
-  PYTHON=${PYTHON:-python3}
+elif python3 -c "import torch" >/dev/null 2>&1; then
+  PYTHON=python3
 else
   bash scripts/setup.sh
   PYTHON=.venv/bin/python
