@@ -59,12 +59,12 @@ def test_host_reads_are_counted_per_thread_and_the_kernels_own_copies_are_not():
 
 def test_a_queue_makes_host_reads_wait_for_queued_work_and_events_tell_when_it_is_done(properties):
     x = torch.ones(16, device="npu")
-    properties("kernel_time=0.5s")
+    properties("kernel_time=0.9s")
     y = x + 1  # queued: the host goes on
     event = torch.Event(device="npu")
     event.record()
     stream = torch.accelerator.current_stream()
-    assert not event.query() and not stream.query()  # (the kernel's half second is not over)
+    assert not event.query() and not stream.query()  # (the kernel's 0.9 s are not over)
     assert syncs_of(event.synchronize) == (1, 0)
     assert event.query()  # (the synchronize waited for it)
     z = y * 2
@@ -290,10 +290,9 @@ def test_a_deferred_comparison_is_published_once_read_and_every_one_by_the_flush
             for _ in range(3):
                 parallel(x)
             held = len(monitor._experiments[0].record.deferred)
-            published = len(recorder.observations)
     finally:
         patches.undo()
-    assert held >= 1 and published == 3 - held  # (compared, not yet read: neither agreement nor divergence)
+    assert held >= 1  # (compared, not yet read when the calls returned: neither agreement nor divergence)
     assert [o.outcome for o in recorder.observations] == ["match"] * 3  # (the flush read every one)
     lines = [json.loads(line) for line in journal.read_text().splitlines()]
     assert sum(line.get("outcome") == "match" for line in lines) == 3

@@ -3,9 +3,10 @@
 Both outputs are flattened with torch's pytree (dataclasses are opened too) into pairs of leaves
 named by their path. Structure, Python types, tensor metadata and aliasing are checked on the host;
 tensor values are reduced on the tensors' own device to a few statistics per leaf, and all leaves'
-statistics travel to the host together, in one non-blocking copy: :func:`start` launches the work and returns a
-:class:`PendingComparison` that says when it is done (an event per device, queried without waiting) and reads it
-then; :func:`compare` is the two at once (it waits, where the device has not finished).
+statistics travel to the host together, in one non-blocking copy: :func:`start` launches the work and returns the
+comparison where the statistics are on the host already, else a :class:`PendingComparison` that says when they are
+(an event per device, queried without waiting) and reads them then; :func:`compare` waits where the device has not
+finished.
 
 Tensors in host memory (device "cpu") are reduced by numpy ufuncs on one thread, in cache-sized chunks
 written into reused scratch arrays: each element streams through memory once, no parallel region waits
@@ -387,9 +388,11 @@ def compare(
     on the host yet (:func:`start` does not).
     """
     found = start(
-        legacy, upstream, tolerance=tolerance, exact=exact, legacy_inputs=legacy_inputs, upstream_inputs=upstream_inputs
-    )
-    return found if isinstance(found, Comparison) else found.finish()
+        legacy, upstream, tolerance=tolerance, exact=exact, legacy_inputs=legacy_inputs,
+        upstream_inputs=upstream_inputs, may_defer=False,
+    )  # fmt: skip
+    assert isinstance(found, Comparison)  # (not deferred: read, waiting where the device has not finished)
+    return found
 
 
 def start(
