@@ -19,4 +19,4 @@ else
   bash scripts/setup.sh
   PYTHON=.venv/bin/python
 fi
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore exec "$PYTHON" -m shadow.launcher.validate "$@"
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore exec "$PYTHON" -m shadow validate "$@"

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
@@ -457,14 +456,3 @@ def main(out: str, small: bool, emulated_device: str | None) -> int:
     sys.stdout.write(markdown(bundle))
     print(f"npu-shadow validate: wrote {json_path} and {md_path}", file=sys.stderr)
     return 0 if bundle["bitwise_holds"] else 1
-
-
-if __name__ == "__main__":  # (scripts/device_check.sh, where the package is not installed)
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="npu-shadow validate")
-    parser.add_argument("--out", default=os.environ.get("NPU_SHADOW_DEVICE_CHECK_OUT", "npu-shadow-device-check"))
-    parser.add_argument("--small", action="store_true")
-    parser.add_argument("--emulated-device", default=None)
-    options = parser.parse_args()
-    sys.exit(main(options.out, options.small, options.emulated_device))
