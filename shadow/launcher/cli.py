@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -98,6 +99,9 @@ def _verdict(args: argparse.Namespace) -> int:
     arm_records: list[dict] = []
     arm_series: list[tuple[str, dict[str, str], float]] = []
     slices: dict[str, dict] = {}
+    if problem := _range_problem(args):
+        print(f"npu-shadow verdict: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         if args.prometheus:
             counts = from_prometheus(
@@ -267,6 +271,9 @@ def _report(args: argparse.Namespace) -> int:
     if not (args.journal or args.metrics_file or args.prometheus):
         print("npu-shadow report: give --journal, --metrics-file or --prometheus", file=sys.stderr)
         return EXIT_USAGE
+    if problem := _range_problem(args):
+        print(f"npu-shadow report: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     sources = [f"Prometheus {args.prometheus}"] if args.prometheus else []
     sources += [f"metrics file {args.metrics_file}"] if args.metrics_file else []
     sources += [f"journals {', '.join(args.journal)}"] if args.journal else []
@@ -314,6 +321,21 @@ def _prometheus_range(args: argparse.Namespace) -> dict[str, Any]:
     return {"run": args.run, "all_runs": args.all_runs, "start": args.start, "end": args.end}
 
 
+def _range_problem(args: argparse.Namespace) -> str:
+    """Why ``--start``/``--end`` cannot be read as given, or "": they select a span of a Prometheus server's
+    history, which a journal (read whole, its own times deciding its slices) and a saved scrape (one moment) do
+    not have; and a span ends after it starts."""
+    if args.start is None and args.end is None:
+        return ""
+    if not args.prometheus:
+        given = [option for option, value in (("--start", args.start), ("--end", args.end)) if value is not None]
+        source = "--journal" if args.journal else "--metrics-file"
+        return f"{' and '.join(given)} {'select' if len(given) > 1 else 'selects'} a span of --prometheus history; {source} is read whole (give --recent for its last part)"
+    if args.start is not None and args.end is not None and args.start > args.end:
+        return f"--start ({args.start:.0f}) is after --end ({args.end:.0f})"
+    return ""
+
+
 def _duration(text: str) -> str:
     """A Prometheus duration (``30m``, ``6h``, ``1h30m``, ``7d``), checked here: Prometheus would answer HTTP 400."""
     import re
@@ -328,9 +350,13 @@ def _timestamp(text: str) -> float:
     import datetime
 
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a time (unix seconds are a finite number)")
+        return seconds
     try:
         moment = datetime.datetime.fromisoformat(text)
     except ValueError:

@@ -19,6 +19,7 @@ from shadow.analysis.sources.common import (
     MAX_LINE_BYTES,
     SourceError,
     _count,
+    _shown,
     select_run,
 )
 from shadow.analysis.verdict import TargetCounts
@@ -149,8 +150,8 @@ class _Tail:
                 if decade is not None:
                     key = (signature, str(decade))
                     self.truth_decades[key] = self.truth_decades.get(key, 0) + 1
-        timestamp = record.get("timestamp")
-        second = int(timestamp) if isinstance(timestamp, (int, float)) and math.isfinite(timestamp) else 0
+        timestamp = _seconds(record.get("timestamp"))
+        second = int(timestamp) if timestamp is not None else 0
         counts = self.seconds.setdefault(second, [0.0, 0.0])
         counts[0] += 1
         counts[1] += divergent
@@ -183,8 +184,9 @@ class _Stream:
     clock: tuple[float, float] | None = None  # (wall, mono) of the last count record
     jumps: list[str] = dataclasses.field(default_factory=list)  # the wall clock's jumps, said
 
-    def see(self, timestamp: object) -> None:
-        if isinstance(timestamp, (int, float)) and math.isfinite(timestamp):
+    def see(self, value: object) -> None:
+        timestamp = _seconds(value)
+        if timestamp is not None:
             self.start = timestamp if self.start is None else min(self.start, timestamp)
             self.last = timestamp if self.last is None else max(self.last, timestamp)
 
@@ -194,8 +196,8 @@ class _Stream:
         wall, mono = record["timestamp"], record.get("mono")
         if mono is None:
             return wall
-        if isinstance(mono, bool) or not isinstance(mono, (int, float)) or not math.isfinite(mono):
-            raise SourceError(f"{where}: a count record whose mono is {json.dumps(mono)}, not a finite number")
+        if _seconds(mono) is None:
+            raise SourceError(f"{where}: a count record whose mono is {_said(mono)}, not a finite number")
         if self.clock is not None:
             jump = (wall - self.clock[0]) - (mono - self.clock[1])
             if abs(jump) > CLOCK_JUMP_SECONDS:
@@ -221,6 +223,23 @@ class _Stream:
         return self.last - self.start if self.start is not None and self.last is not None else 0.0
 
 
+def _seconds(value: object) -> float | None:
+    """A record's time as a float, or None where it is no finite number (text, a bool, nan, an integer too large
+    for a float: 10**400)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return None
+    return seconds if math.isfinite(seconds) else None
+
+
+def _said(value: object) -> str:
+    """A record's value as a message quotes it: JSON, a huge integer by its size."""
+    return _shown(value) if isinstance(value, int) and not isinstance(value, bool) else json.dumps(value)
+
+
 def _compared(counts: dict) -> tuple[float, float]:
     compared = divergent = 0.0
     for by_outcome in counts.get("outcomes", {}).values():
@@ -235,9 +254,9 @@ def _check_counts(record: dict, where: str) -> dict:
     if not isinstance(record.get("target"), str) or record.get("primary") not in PRIMARY_SIDES:
         raise SourceError(f"{where}: a count record without a target or a known primary")
     timestamp = record.get("timestamp")
-    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not math.isfinite(timestamp):
+    if _seconds(timestamp) is None:
         raise SourceError(
-            f"{where}: a count record whose timestamp is {json.dumps(timestamp)}, not a finite number of seconds "
+            f"{where}: a count record whose timestamp is {_said(timestamp)}, not a finite number of seconds "
             "(when its comparisons were counted, which the clusters are cut by)"
         )
 
