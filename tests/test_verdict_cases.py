@@ -5,7 +5,6 @@ minutes of a jittering job, and count records that cannot be."""
 from __future__ import annotations
 
 import json
-import pathlib
 
 import journals
 import pytest

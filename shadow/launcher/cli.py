@@ -330,7 +330,11 @@ def _range_problem(args: argparse.Namespace) -> str:
     if not args.prometheus:
         given = [option for option, value in (("--start", args.start), ("--end", args.end)) if value is not None]
         source = "--journal" if args.journal else "--metrics-file"
-        return f"{' and '.join(given)} {'select' if len(given) > 1 else 'selects'} a span of --prometheus history; {source} is read whole (give --recent for its last part)"
+        verb = "select" if len(given) > 1 else "selects"
+        return (
+            f"{' and '.join(given)} {verb} a span of --prometheus history; {source} is read whole (give --recent for "
+            "its last part)"
+        )
     if args.start is not None and args.end is not None and args.start > args.end:
         return f"--start ({args.start:.0f}) is after --end ({args.end:.0f})"
     return ""
