@@ -181,8 +181,11 @@ def _prometheus_slices(
     """The recent window's counts (where the range read is longer) and each run's where several are pooled, read
     within what is left of the one timeout."""
     found = {}
-    finish = time.time() if end is None else end
-    if recent > 0 and (start is None or start < finish - recent):
+    finish = None
+    if recent > 0:  # (the run's own last part: up to its last sample, never up to the reader's now)
+        within = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}" if chosen is not None else ""]))
+        finish = _last_sample(url, within, end, deadline)
+    if finish is not None and (start is None or start < finish - recent):
         found[verdict.recent_slice(recent)] = from_prometheus(
             url, None, selector, deadline.left(), chosen, True, finish - recent, finish
         )
@@ -192,6 +195,28 @@ def _prometheus_slices(
                 url, None, selector, deadline.left(), each, False, start, end
             )
     return found
+
+
+#: The resolution of the first look for a run's last sample (:func:`_last_sample`).
+_END_STEP_SECONDS = 300
+
+
+def _last_sample(url: str, selector: str, end: float | None, deadline: _Deadline) -> float | None:
+    """When the run (the series ``selector`` names) was last scraped, at or before ``end`` (now where None): the end
+    of its own last hour, which a run that ended hours before the read must not take from the reader's clock. None
+    where it has no sample in :data:`LOOKBACK`. A subquery finds the last sample's time within a step (each step
+    sees the samples of the lookback before it; one that went stale at the run's end is seen by an earlier step, so
+    the sample found is less than two steps before the last), then the raw samples from there give it exactly."""
+    step = _END_STEP_SECONDS
+    coarse = deadline.query(f"max(max_over_time(timestamp({CALLS}{{{selector}}})[{LOOKBACK}:{step}s]))", end)
+    if not coarse:
+        return None
+    found = _number(coarse[0]["value"][1], f"{url}: the last sample's time")
+    span = 2 * step + 60
+    at = found + span if end is None else min(found + span, end)
+    raw = deadline.query(f"{CALLS}{{{selector}}}[{span}s]", at, matrix=True)
+    moments = [_number(moment, f"{url}: a sample's time") for series in raw for moment, _ in series["values"]]
+    return max([found, *moments])
 
 
 def _exact_between(
