@@ -125,6 +125,7 @@ class JsonlExporter:
         self._dirty: set[tuple[str, str]] = set()
         self._counts_written_at = time.monotonic()
         self._header_written = False
+        self._process_seconds = 0.0
 
     @property
     def lines_lost(self) -> int:
@@ -154,6 +155,11 @@ class JsonlExporter:
         with self._lock:
             phase = self._phase(target, self._primary.get(target, LEGACY))
             phase.calls[signature] = phase.calls.get(signature, 0) + calls
+
+    def record_time(self, seconds: float) -> None:
+        """Process time under the monitor: count records carry its total (the metrics' process time)."""
+        with self._lock:
+            self._process_seconds += seconds
 
     def record_skips(self, target: str, reason: str, count: int) -> None:
         with self._lock:
@@ -238,7 +244,11 @@ class JsonlExporter:
         self._counts_written_at = time.monotonic()
         for key in sorted(self._dirty):
             target, primary = key
-            self._write_record({"event": "counts", "target": target, "primary": primary, **self._counts[key].fields()})
+            fields = self._counts[key].fields()
+            self._write_record(
+                {"event": "counts", "target": target, "primary": primary, **fields,
+                 "process_seconds": round(self._process_seconds, 3)}
+            )  # fmt: skip
             self._dirty.discard(key)
 
     def _process(self) -> str:

@@ -112,7 +112,113 @@ def test_a_run_that_ended_hours_ago_is_judged_on_its_own_last_hour(tmp_path):
     for each in (decided, at_its_end):
         (target,) = each["targets"]
         assert (target["compared"], target["divergent"]) == (660_000, 3_000)
-        (recent,) = target["slices"]
-        assert recent["name"] == "the last 1h" and recent["decision"] == "rollback"
+        recent = {s["name"]: s for s in target["slices"]}["the last 1h"]
+        assert recent["decision"] == "rollback"
         assert (recent["compared"], recent["divergent"]) == (60_000, 3_000)
         assert each["decision"] == "rollback"
+
+
+# --------------------------------------------------------------------------- 3: a burst younger than an hour
+
+
+def test_a_ten_minute_burst_after_ten_clean_hours_is_not_promoted(tmp_path):
+    """64 processes x 10 clean hours, their last 10 minutes at 5x the max rate: the last hour diluted the burst to
+    0.87x the max rate, and the run promoted. The last 15 and 5 minutes are decided too."""
+    from test_thin_evidence import _minutes
+
+    path = _minutes(tmp_path / "j.jsonl", 610, 600, 0.05, pids=range(64))
+    decided = _json("--journal", str(path), "--max-rate", "0.01")
+    (target,) = decided["targets"]
+    assert target["upper"] < 0.01  # (the whole history alone would promote)
+    slices = {s["name"]: s for s in target["slices"]}
+    assert slices["the last 1h"]["decision"] == "promote" and slices["the last 1h"]["rate"] < 0.01  # (diluted)
+    assert slices["the last 5m"]["rate"] == pytest.approx(0.05)
+    assert slices["the last 5m"]["decision"] in ("inconclusive", "rollback")
+    assert decided["decision"] != "promote"
+
+
+# --------------------------------------------------------------------------- 6: an ETA that holds
+
+
+def _one_stratum(k: float, n: float, clusters: float, seconds: float = 0.0):
+    from shadow.analysis.verdict import TargetCounts
+
+    evidence = TargetCounts()
+    evidence.add_outcome("", "match", n - k)
+    evidence.add_outcome("", "mismatch", k)
+    evidence.add_clusters(clusters)
+    evidence.process_seconds = seconds
+    return evidence
+
+
+def test_the_eta_at_half_the_max_rate_counts_the_divergences_running_on_brings():
+    """At a rate seen of half the max, "about N more" kept today's divergences fixed: running on for N at that rate,
+    and for 3N, was still inconclusive. Now N includes the divergences at the rate seen, and running on for it at
+    that rate promotes."""
+    import re
+
+    from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, decide
+
+    max_rate = 0.01
+    decided = decide("op", _one_stratum(5, 1_000, 1_000, seconds=72_000), max_rate)  # (rate 0.005, half the max)
+    assert decided.decision == INCONCLUSIVE
+    assert "at the rate seen (0.005, its divergences included)" in decided.why, decided.why
+    more = int(re.search(r"about ([0-9,]+) more clusters", decided.why).group(1).replace(",", ""))
+    n = 1_000 + more
+    assert decide("op", _one_stratum(0.005 * n, n, n), max_rate).decision == PROMOTE
+    # (and not much earlier: the ETA is the least that does)
+    early = 1_000 + int(more * 0.9)
+    assert decide("op", _one_stratum(0.005 * early, early, early), max_rate).decision == INCONCLUSIVE
+    hours = more / 50  # (1,000 clusters in 20 process-hours: 50 an hour)
+    assert f"50 clusters per process-hour: about {hours:,.3g} more process-hours" in decided.why
+
+
+def test_at_twice_the_max_rate_the_eta_says_it_cannot_promote():
+    from shadow.analysis.verdict import decide
+
+    decided = decide("op", _one_stratum(2, 100, 100, seconds=3_600), 0.01)  # (rate 0.02, bound not above 0.01 yet)
+    assert decided.decision == "inconclusive"
+    assert "running on at the rate seen cannot promote" in decided.why and "more process-hours" not in decided.why
+
+
+def test_clusters_come_at_most_sixty_per_process_hour_however_short_the_process():
+    """A process of 24 seconds with one cluster was a rate of 150 clusters per process-hour (at most 60 are)."""
+    from shadow.analysis.verdict import decide
+
+    decided = decide("op", _one_stratum(0, 100, 1, seconds=24), 0.01)
+    assert "at this evidence's rate, 60 clusters per process-hour" in decided.why, decided.why
+
+
+def test_one_run_gives_one_evidence_rate_from_its_journal_and_its_metrics(tmp_path):
+    """The journal's process time was its first count record to its last, the metrics' the time under the monitor:
+    one short run said 152 clusters per process-hour from one source and 249 from the other. Count records now carry
+    the time under the monitor."""
+    import re
+    import time
+    import types
+
+    import torch
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    import shadow
+    from exporters import JsonlExporter, PrometheusExporter
+
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    registry, journal = CollectorRegistry(), tmp_path / "j.jsonl"
+    exporters = [JsonlExporter(str(journal)), PrometheusExporter(registry=registry)]
+    with shadow.install([shadow.Target("op", ops, "op", lambda x: x * 2)], sample_rate=1.0, budget=None,
+                        exporters=exporters) as monitor:  # fmt: skip
+        for _ in range(50):
+            ops.op(torch.ones(3))
+        time.sleep(1.5)  # (the reporter's ticks: process time reported while the job runs)
+        monitor.stats()
+    textfile = tmp_path / "m.prom"
+    textfile.write_text(generate_latest(registry).decode())
+    rates = []
+    for source in (("--journal", str(journal)), ("--metrics-file", str(textfile))):
+        (target,) = _json(*source, "--recent", "0")["targets"]
+        rates.append(
+            re.search(r"at this evidence's rate, ([0-9.,]+) clusters per process-hour", target["why"]).group(1)
+        )
+    assert rates[0] == rates[1], rates
+    assert float(rates[0].replace(",", "")) <= 60

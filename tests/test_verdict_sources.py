@@ -75,7 +75,8 @@ def test_bad_journals_exit_2_naming_the_line(tmp_path, line, words):
 
 
 class FakePrometheus:
-    """An HTTP server on 127.0.0.1 answering every query with one canned body (rollbacks and counter resets: none)."""
+    """An HTTP server on 127.0.0.1 answering every query with one canned body (rollbacks, counter resets and the
+    time of the run's last sample: none)."""
 
     def __init__(self, body: bytes):
         class Handler(BaseHTTPRequestHandler):
@@ -87,6 +88,8 @@ class FakePrometheus:
                 no_drill = b'{"status": "success", "data": {"resultType": "matrix", "result": []}}'
                 if "drill_active" in self.path:
                     self.wfile.write(no_drill)
+                elif "timestamp" in self.path:  # (the run's last sample: none, so no recent window)
+                    self.wfile.write(none)
                 else:
                     self.wfile.write(none if "rollbacks" in self.path or "resets" in self.path else body)
 

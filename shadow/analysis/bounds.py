@@ -264,3 +264,26 @@ def effective_needed(max_rate: float, k: float, prior: Prior, alpha: float = ALP
         else:
             low = middle
     return high
+
+
+def needed_at_rate(max_rate: float, rate: float, prior: Prior, alpha: float = ALPHA) -> float:
+    """The least whole n whose one-stratum upper bound is below ``max_rate`` where the divergences grow with the
+    comparisons at ``rate`` (k = rate x n): what running on at the rate seen takes, the divergences it brings
+    included. inf where the rate is not below ``max_rate`` (the bound tends to the rate, never below it) or no job
+    makes that many."""
+    if not (0 <= rate < max_rate) or not max_rate > 1 / 2**62:
+        return math.inf
+    if rate == 0:
+        return effective_needed(max_rate, 0, prior, alpha)
+    low, high = 0, max(2, math.ceil(1.0 / max_rate))
+    while upper_bound(rate * high, high, prior, alpha) >= max_rate:
+        low, high = high, high * 2
+        if high > 2**62:
+            return math.inf
+    while high - low > 1:
+        middle = (low + high) // 2
+        if upper_bound(rate * middle, middle, prior, alpha) < max_rate:
+            high = middle
+        else:
+            low = middle
+    return high

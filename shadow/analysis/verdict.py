@@ -45,6 +45,7 @@ from typing import Any
 
 from shadow.analysis import bounds
 from shadow.analysis.bounds import Prior, Stratum
+from shadow.core.calls.record import clusters
 from shadow.core.model.observation import (
     COMPARED_OUTCOMES,
     CUSTOM_MEANING,
@@ -77,6 +78,17 @@ COUNTED_CLUSTERS = "process x 60 s blocks, counted as compared"
 DEFAULT_MIN_PER_SIGNATURE = 30  # comparisons each risky signature needs (--min-per-signature)
 #: The recent window every verdict also decides on (``--recent``; the sustained-burn alert's long window too).
 RECENT_SECONDS = 3600.0
+#: The recent windows decided, as fractions of ``--recent`` (an hour: its last hour, 15 and 5 minutes). A burst of
+#: a few minutes is diluted in an hour (ten minutes at 5x the max rate are 0.83x of it over the hour); each window
+#: sees the bursts of about its own length.
+RECENT_FRACTIONS = (1.0, 1 / 4, 1 / 12)
+#: Hourly looks in a week: the slices' rollback bound holds over a week of looks (:data:`SLICE_ALPHA`).
+LOOKS_A_WEEK = 7 * 24
+#: The level of a recent window's rollback: ALPHA over the distinct windows a week holds (168 hours, 672 quarter
+#: hours, 2,016 five-minute windows: 2,856), a union bound (Bonferroni) over every window a reader could look at
+#: in a week however often, so that an honest job at the max rate is rolled back by a window at most ALPHA of the
+#: weeks. A window holds promote back on its rate alone, which needs no level.
+SLICE_ALPHA = bounds.ALPHA / (LOOKS_A_WEEK * sum(1 / f for f in RECENT_FRACTIONS))
 #: The burn-rate alerts fire at these multiples of the max rate (the rules and the report's chart share them).
 BURN_RATE_FACTORS = {"fast burn": 14.4, "slow burn": 6.0, "sustained burn": 3.0}
 
@@ -530,9 +542,13 @@ def _merged(maps: Iterable[Mapping[str, float]]) -> dict[str, float]:
 
 def _when(more: float, seen: float, process_seconds: float, units: str) -> str:
     """How much more running ``more`` units take at the evidence rate seen (``seen`` units in ``process_seconds``
-    of process time): "" where the source does not say how long its evidence took."""
+    of process time): "" where the source does not say how long its evidence took. A cluster is at least a minute
+    of one process's time (:data:`~shadow.core.calls.record.clusters.WINDOW_SECONDS`), so clusters come at most 60
+    per process-hour, however short the processes: a process of 24 seconds with one cluster is no rate of 150."""
     if not (math.isfinite(more) and more > 0 and seen > 0 and process_seconds > 0):
         return ""
+    if units == "clusters":
+        process_seconds = max(process_seconds, seen * clusters.WINDOW_SECONDS)
     per_hour = seen / (process_seconds / 3600)
     hours = more / per_hour
     jobs = more / seen
@@ -546,7 +562,7 @@ def _when(more: float, seen: float, process_seconds: float, units: str) -> str:
 SYSTEMATIC_RATE = 0.5
 
 
-def _diverging_stratum(own: Mapping[str, tuple[float, float]], max_rate: float) -> str:
+def _diverging_stratum(own: Mapping[str, tuple[float, float]], max_rate: float, level: float = bounds.ALPHA) -> str:
     """Why one signature's own evidence rolls the phase back, or "": its own anytime-valid lower bound, at
     ``ALPHA / m`` for m signatures compared (a union bound: every signature is looked at), above
     :data:`SYSTEMATIC_RATE` (and the max rate). A path where upstream diverges on most calls is a rollback of its
@@ -556,7 +572,7 @@ def _diverging_stratum(own: Mapping[str, tuple[float, float]], max_rate: float) 
     compared = {s: kn for s, kn in own.items() if s and kn[1] > 0}
     if len(compared) < 2:
         return ""  # (one stratum: the phase's own lower bound is this one's)
-    alpha = bounds.ALPHA / len(compared)
+    alpha = level / len(compared)
     found = [(bounds.lower_bound(k, n, alpha), s, k, n) for s, (k, n) in compared.items()]
     low, signature, k, n = max(found)
     if low <= max(max_rate, SYSTEMATIC_RATE):
@@ -567,8 +583,11 @@ def _diverging_stratum(own: Mapping[str, tuple[float, float]], max_rate: float) 
     )
 
 
-def decide_phase(primary: str, phase: PhaseCounts, max_rate: float, process_seconds: float = 0.0) -> PhaseDecision:
-    """The decision on one phase's evidence (hard mismatches and coverage are the target's: see :func:`decide`)."""
+def decide_phase(
+    primary: str, phase: PhaseCounts, max_rate: float, process_seconds: float = 0.0, alpha: float = bounds.ALPHA
+) -> PhaseDecision:
+    """The decision on one phase's evidence (hard mismatches and coverage are the target's: see :func:`decide`);
+    ``alpha``: the level of its lower bound (a rollback's)."""
     n, k = phase.compared, phase.divergent
     counted = n + sum(phase.unmatched.values())
     if phase.cluster_count > 0 and not phase.clusters_missing:  # (counted where they happened: every source)
@@ -581,7 +600,7 @@ def decide_phase(primary: str, phase: PhaseCounts, max_rate: float, process_seco
         cluster_count = len(clusters)
     lower_strata, upper_strata, uncovered, weighted, own = _strata(phase, cluster_count if clustered else None)
     prior = Prior.for_max_rate(max_rate)
-    lower, upper = bounds.lower(lower_strata), bounds.upper(upper_strata, prior)
+    lower, upper = bounds.lower(lower_strata, alpha), bounds.upper(upper_strata, prior)
     covered = sum(s.weight for s in lower_strata if s.n > 0)
     rate = sum(s.weight * s.k / s.n for s in lower_strata if s.n > 0) / covered if covered else 0.0
     effective = sum(s.n for s in lower_strata)
@@ -601,7 +620,7 @@ def decide_phase(primary: str, phase: PhaseCounts, max_rate: float, process_seco
     }
     if n == 0:
         return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: no call compared", **common)
-    diverging = _diverging_stratum(own, max_rate)
+    diverging = _diverging_stratum(own, max_rate, alpha)
     if diverging and lower <= max_rate:
         return PhaseDecision(decision=ROLLBACK, why=diverging, **common)
     if lower > max_rate:
@@ -617,11 +636,19 @@ def decide_phase(primary: str, phase: PhaseCounts, max_rate: float, process_seco
             f"{share:.3g} of the calls are of a kind never compared ({kinds}): no number of comparisons of the "
             "others can bound the rate below max rate"
         )
+    elif rate >= max_rate - share:
+        missing.append(
+            f"upper bound {upper:.3g} >= max rate {max_rate:g}, and the rate seen ({rate:.3g}) is not below it"
+            f"{f' less the uncovered share {share:.3g}' if share else ''}: running on at the rate seen cannot "
+            "promote (the bound falls toward the rate, never below it)"
+        )
     else:
         units = "clusters" if clustered else "effective comparisons"
-        needed = bounds.effective_needed(max_rate - share, rate * effective, prior)
+        # (running on brings divergences at the rate seen: the bound is reached where it falls below max rate with
+        # them, not with today's divergences alone)
+        needed = bounds.needed_at_rate(max_rate - share, rate, prior)
         more = "more than any job makes:" if math.isinf(needed) else f"about {max(1, math.ceil(needed - effective)):,}"
-        seen = f"at the rate seen ({rate:.3g})" if rate else "without divergence"
+        seen = f"at the rate seen ({rate:.3g}, its divergences included)" if rate else "without divergence"
         when = _when(needed - effective, effective, process_seconds, units)
         missing.append(f"upper bound {upper:.3g} >= max rate {max_rate:g}: {more} more {units} {seen}{when}")
     return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: " + "; ".join(missing), **common)
@@ -663,17 +690,23 @@ def gradient_evidence(phase: PhaseCounts) -> PhaseCounts:
     )
 
 
-def _decide_phases(counts: TargetCounts, max_rate: float) -> list[PhaseDecision]:
+def _decide_phases(counts: TargetCounts, max_rate: float, alpha: float = bounds.ALPHA) -> list[PhaseDecision]:
     """Each phase's forward evidence and gradient evidence, decided (legacy's first)."""
     order = {side: i for i, side in enumerate(PRIMARY_SIDES)}
     phases: list[PhaseDecision] = []
     for primary, phase in sorted(counts.phases.items(), key=lambda kv: order.get(kv[0], len(order))):
         if not phase.empty():
-            phases.append(decide_phase(primary, forward_evidence(phase), max_rate, counts.process_seconds))
+            phases.append(decide_phase(primary, forward_evidence(phase), max_rate, counts.process_seconds, alpha))
         gradients = gradient_evidence(phase)
         if not gradients.empty():
-            phases.append(decide_phase(f"{primary} {GRADIENTS}", gradients, max_rate, counts.process_seconds))
+            name = f"{primary} {GRADIENTS}"
+            phases.append(decide_phase(name, gradients, max_rate, counts.process_seconds, alpha))
     return phases
+
+
+def recent_windows(seconds: float) -> list[float]:
+    """The recent windows decided for ``--recent`` seconds (:data:`RECENT_FRACTIONS`); none for 0."""
+    return [seconds * fraction for fraction in RECENT_FRACTIONS] if seconds > 0 else []
 
 
 def recent_slice(seconds: float) -> str:
@@ -681,7 +714,15 @@ def recent_slice(seconds: float) -> str:
     hours, rest = divmod(round(seconds), 3600)
     minutes, secs = divmod(rest, 60)
     text = "".join(f"{v}{u}" for v, u in ((hours, "h"), (minutes, "m"), (secs, "s")) if v) or "0s"
-    return f"the last {text}"
+    return f"{_RECENT_PREFIX}{text}"
+
+
+_RECENT_PREFIX = "the last "
+
+
+def _slice_alpha(name: str) -> float:
+    """The level a slice rolls back at: a recent window's :data:`SLICE_ALPHA`, a run's ``ALPHA`` (runs are few)."""
+    return SLICE_ALPHA if name.startswith(_RECENT_PREFIX) else bounds.ALPHA
 
 
 def run_slice(run: str) -> str:
@@ -691,8 +732,9 @@ def run_slice(run: str) -> str:
 
 def decide_slice(name: str, counts: TargetCounts, max_rate: float) -> SliceDecision:
     """One slice of a target's evidence decided on its own: rollback where a phase's lower bound is above the max
-    rate, inconclusive where a phase's rate is (promote is held back), promote (allows it) otherwise."""
-    phases = _decide_phases(counts, max_rate)
+    rate (at the slice's level: :func:`_slice_alpha`), inconclusive where a phase's rate is (promote is held back),
+    promote (allows it) otherwise."""
+    phases = _decide_phases(counts, max_rate, _slice_alpha(name))
     worst = max(phases, key=lambda p: (_SEVERITY[p.decision], p.rate), default=None)
     if worst is None:
         return SliceDecision(name, PROMOTE, 0, 0, 0.0, 0.0, 1.0, f"{name}: no comparison (allows promote)")

@@ -183,6 +183,7 @@ class _Stream:
     mono_start: float | None = None
     clock: tuple[float, float] | None = None  # (wall, mono) of the last count record
     jumps: list[str] = dataclasses.field(default_factory=list)  # the wall clock's jumps, said
+    process_seconds: float | None = None  # its time under the monitor, from its count records (the latest)
 
     def see(self, value: object) -> None:
         timestamp = _seconds(value)
@@ -217,7 +218,11 @@ class _Stream:
 
     @property
     def seconds(self) -> float:
-        """How long the process ran, on its own time."""
+        """How long the process ran: its time under the monitor where its count records say it (the metrics'
+        process time, so that both sources of one run give one evidence rate), else on its own clock from its first
+        record to its last."""
+        if self.process_seconds is not None:
+            return self.process_seconds
         if self.mono_start is not None and self.clock is not None:
             return self.clock[1] - self.mono_start
         return self.last - self.start if self.start is not None and self.last is not None else 0.0
@@ -447,6 +452,9 @@ class JournalReader:
             phase = stream.phases.setdefault((record["target"], record["primary"]), _Phase())
             self._mark_drill(phase, record, counts)
             phase.counts, phase.at = counts, record["timestamp"]
+            if "process_seconds" in record:  # (the process's time under the monitor, as its metrics count it)
+                seconds = _count(record["process_seconds"], f"{where}: process_seconds", whole=False)
+                stream.process_seconds = max(stream.process_seconds or 0.0, seconds)
             compared, divergent = _compared(_minus(counts, phase.baseline))
             before = phase.previous
             if compared < before[0] or divergent < before[1]:
@@ -497,8 +505,9 @@ class JournalReader:
         """The slices of the evidence read, by name (:func:`shadow.analysis.verdict.decide`): the recent window
         where the count records span more than it, and each run where several are pooled."""
         found = {}
-        if self.recent > 0 and self.latest is not None and self.earliest < self.latest - self.recent:
-            found[verdict.recent_slice(self.recent)] = self.counts(recent=True)
+        for seconds in verdict.recent_windows(self.recent):
+            if self.latest is not None and self.earliest < self.latest - seconds:
+                found[verdict.recent_slice(seconds)] = self.counts(recent=seconds)
         runs = self.runs()
         if self.run is None and len(runs) > 1:
             for each in sorted(runs):
@@ -523,15 +532,16 @@ class JournalReader:
         for path, start in marks.items():
             self._read_file(path, only=stream, start=start)
 
-    def counts(self, recent: bool = False, run: str | None = None) -> dict[str, TargetCounts]:
+    def counts(self, recent: float = 0.0, run: str | None = None) -> dict[str, TargetCounts]:
         """The counts of every target, by phase, with clusters; refuses (SourceError) what cannot be counted.
-        ``recent``: only those of the last :attr:`recent` seconds before the latest count record (each process's
+        ``recent``: only those of the last ``recent`` seconds (at most :attr:`recent`) before the latest count
+        record (each process's
         counts less those of its last count record at or before the window's start; the lines after its last
         count record all count). ``run``: only that run's processes (else the reader's :attr:`run`, or all)."""
         counts: dict[str, TargetCounts] = {}
         seconds = 0.0  # (the processes' time, first record to last: the evidence rate's denominator)
         run = self.run if run is None else run
-        since = self.latest - self.recent if recent and self.latest is not None else None
+        since = self.latest - min(recent, self.recent) if recent > 0 and self.latest is not None else None
         for stream in self.streams.values():
             self._fold(stream)
             for (target, _), tail in stream.folded.items():

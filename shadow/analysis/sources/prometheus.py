@@ -185,10 +185,11 @@ def _prometheus_slices(
     if recent > 0:  # (the run's own last part: up to its last sample, never up to the reader's now)
         within = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}" if chosen is not None else ""]))
         finish = _last_sample(url, within, end, deadline)
-    if finish is not None and (start is None or start < finish - recent):
-        found[verdict.recent_slice(recent)] = from_prometheus(
-            url, None, selector, deadline.left(), chosen, True, finish - recent, finish
-        )
+    for seconds in verdict.recent_windows(recent) if finish is not None else ():
+        if start is None or start < finish - seconds:
+            found[verdict.recent_slice(seconds)] = from_prometheus(
+                url, None, selector, deadline.left(), chosen, True, finish - seconds, finish
+            )
     if chosen is None and len(runs) > 1:
         for each in sorted(runs):
             found[verdict.run_slice(each)] = from_prometheus(
