@@ -118,6 +118,21 @@ SKIPPED = Metric(
     "Sampled calls not compared, by reason and call signature (empty where it is not known: the budget's skips, a "
     "call whose signature could not be taken).",
 )
+DRILLED = Metric(
+    "npu_shadow.drilled",
+    "{comparison}",
+    "counter",
+    ("target", "outcome", "signature", "primary"),
+    "Comparisons a fire drill injected its divergence into, by outcome (counted in npu_shadow_comparisons_total "
+    "too): the verdict sets exactly these aside once the drill is over.",
+)
+DRILLED_REASONS = Metric(
+    "npu_shadow.drilled_reasons",
+    "{mismatch}",
+    "counter",
+    ("target", "reason", "primary"),
+    "The reasons of the drilled comparisons (counted in npu_shadow_mismatches_total too).",
+)
 EXPORT_ERRORS = Metric(
     "npu_shadow.export_errors",
     "{observation}",
@@ -284,6 +299,8 @@ ALL = (
     CLUSTERS,
     PROCESS_TIME,
     MISMATCHES,
+    DRILLED,
+    DRILLED_REASONS,
     SKIPPED,
     EXPORT_ERRORS,
     SHARED_DIVERGENCES,
@@ -351,6 +368,9 @@ def _outcome(o: Observation) -> Iterable[Sample]:
     if o.cluster_share:
         found.append((CLUSTERS, (o.target, o.primary), o.cluster_share))
     found += [(MISMATCHES, (o.target, reason, o.primary), 1) for reason in o.reasons]
+    if o.drill:
+        found.append((DRILLED, (o.target, o.outcome, o.signature, o.primary), 1))
+        found += [(DRILLED_REASONS, (o.target, reason, o.primary), 1) for reason in o.reasons]
     if o.shared_divergence:
         found.append((SHARED_DIVERGENCES, (o.target, o.shared_divergence, o.primary), 1))
     return found

@@ -45,6 +45,8 @@ COUNT_TABLES = {
     "truth": 2,
     "truth_decades": 2,
     "backward": 2,
+    "drilled_outcomes": 2,
+    "drilled_reasons": 1,
 }
 COUNT_SCALARS = ("clusters", "drilled")
 
@@ -148,7 +150,11 @@ class Counts:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
         if o.shared_divergence:
             self.shared[o.shared_divergence] = self.shared.get(o.shared_divergence, 0) + 1
-        self.drilled += o.drill
+        if o.drill:  # (the drill's own marks: exactly these are set aside once it is over)
+            self.drilled += 1
+            _bump(self.drilled_outcomes, o.signature, o.outcome)
+            for reason in o.reasons:
+                self.drilled_reasons[reason] = self.drilled_reasons.get(reason, 0) + 1
         if o.backward:
             _bump(self.backward, o.signature, o.backward_outcome)
         if o.nearer:

@@ -547,7 +547,8 @@ def _drill_then_clean(path, drill_minutes: int, clean_minutes: int) -> pathlib.P
     records = []
     for minute in range(1, drill_minutes + 1):
         record = journals.counts({"s": {"mismatch": 100 * minute}}, timestamp=1_700_000_000.0 + 60 * minute, pid=1)
-        records.append({**record, "drilled": 100 * minute, "clusters": minute, "mono": 60.0 * minute})
+        marks = {"drilled_outcomes": {"s": {"mismatch": 100 * minute}}, "drilled_reasons": {"value": 100 * minute}}
+        records.append({**record, "drilled": 100 * minute, **marks, "clusters": minute, "mono": 60.0 * minute})
     start = 1_700_000_000.0 + 60 * (drill_minutes + 1)
     for pid in range(2, 22):
         for minute in range(1, clean_minutes + 1):
@@ -579,14 +580,26 @@ def _drill_history(minutes: int, drill: range) -> tuple[dict, float]:
     a mismatch while a fire drill's gauge is 1 (the minutes in ``drill``), none otherwise. (series, its end)."""
     start = (time.time() // 60 - minutes - 120) * 60  # (two hours back: within the head block's range, never ahead)
     common = {"job": "train", "instance": "rank0", "run": "job-1", "target": "op", "primary": "legacy"}
-    match = mismatch = 0
-    points: dict[str, list[tuple[float, float]]] = {"calls": [], "match": [], "mismatch": [], "drill": []}
+    match = mismatch = drilled = 0
+    points: dict[str, list[tuple[float, float]]] = {
+        "calls": [],
+        "match": [],
+        "mismatch": [],
+        "drill": [],
+        "drilled": [],
+    }
     for minute in range(minutes + 1):
         at = start + 60 * minute
         if minute:
             mismatch += 100 if minute in drill else 0
+            drilled += 100 if minute in drill else 0
             match += 0 if minute in drill else 100
-        for name, value in (("calls", match + mismatch), ("match", match), ("mismatch", mismatch)):
+        for name, value in (
+            ("calls", match + mismatch),
+            ("match", match),
+            ("mismatch", mismatch),
+            ("drilled", drilled),
+        ):
             points[name].append((at, float(value)))
         points["drill"].append((at, 1.0 if minute in drill else 0.0))
     series = {
@@ -596,6 +609,8 @@ def _drill_history(minutes: int, drill: range) -> tuple[dict, float]:
             ({**common, "signature": "s", "outcome": "mismatch"}, points["mismatch"]),
         ],
         "npu_shadow_mismatches_total": [({**common, "reason": "value"}, points["mismatch"])],
+        "npu_shadow_drilled_total": [({**common, "signature": "s", "outcome": "mismatch"}, points["drilled"])],
+        "npu_shadow_drilled_reasons_total": [({**common, "reason": "value"}, points["drilled"])],
         "npu_shadow_drill_active": [({"job": "train", "instance": "rank0", "run": "job-1"}, points["drill"])],
     }
     return series, start + 60 * minutes
@@ -603,9 +618,9 @@ def _drill_history(minutes: int, drill: range) -> tuple[dict, float]:
 
 @pytest.mark.e2e
 def test_a_fire_drill_that_is_over_is_set_aside_from_prometheus_by_its_gauges_history(tmp_path):
-    """A ten-minute fire drill, then clean evidence, read from a real Prometheus: the drill's span (from the
-    last scrape without it to the first after it) is set aside by the drill gauge's history, the clean evidence
-    decides; a drill still on at the end is rehearsed (rollback, FIRE DRILL)."""
+    """A ten-minute fire drill, then clean evidence, read from a real Prometheus: the comparisons it marked
+    (npu_shadow_drilled_total) are set aside once its gauge says it is over, the clean evidence decides; a drill
+    still on at the end is rehearsed (rollback, FIRE DRILL)."""
     from prometheus_server import backfill, prometheus
 
     over, over_end = _drill_history(130, range(31, 41))
@@ -619,10 +634,10 @@ def test_a_fire_drill_that_is_over_is_set_aside_from_prometheus_by_its_gauges_hi
             done = verdict_cli(*args)
             if name == "over":
                 assert done.returncode == 0, done.stdout + done.stderr
-                assert "a fire drill is over: its 1,100 comparisons (op) were set aside" in done.stdout
+                assert "a fire drill is over: its 1,000 comparisons (op) were set aside" in done.stdout
                 (target,) = _verdict_json(*args)["targets"]
-                # 13,000 compared, 1,000 in the drill; minute 41's 100 clean ones lie in its span too
-                assert (target["compared"], target["divergent"], target["drill_set_aside"]) == (11_900, 0, 1_100)
+                # 13,000 compared, 1,000 of them drilled: exactly those are set aside
+                assert (target["compared"], target["divergent"], target["drill_set_aside"]) == (12_000, 0, 1_000)
             else:
                 assert done.returncode == 1, done.stdout + done.stderr
                 assert "FIRE DRILL" in done.stdout and done.stdout.rstrip().endswith("- a FIRE DRILL")

@@ -222,3 +222,87 @@ def test_one_run_gives_one_evidence_rate_from_its_journal_and_its_metrics(tmp_pa
         )
     assert rates[0] == rates[1], rates
     assert float(rates[0].replace(",", "")) <= 60
+
+
+# --------------------------------------------------------------------------- 5: a drill never hides a real incident
+
+
+def test_a_drill_over_in_journals_sets_aside_its_marked_comparisons_never_the_real_divergences_beside_them(tmp_path):
+    """A drill at 1 in 10 in a process that really diverged on every call set aside its whole span: the 90 real
+    divergences went with the 10 drilled, and the clean evidence after it decided."""
+    import types
+
+    import torch
+
+    import shadow
+    from exporters import JsonlExporter
+    from shadow.core.calls.sampled.drill import Drill
+
+    journal = tmp_path / "j.jsonl"
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    diverging = shadow.Target("op", ops, "op", lambda x: x * 2 + 1)
+    with shadow.install([diverging], sample_rate=1.0, budget=None, exporters=[JsonlExporter(str(journal))],
+                        drill=Drill("value", 0.1, seed=3)) as monitor:  # fmt: skip
+        for _ in range(100):
+            ops.op(torch.ones(3))
+        drilled = monitor.stats()["op"].drilled
+    assert 3 <= drilled <= 25
+    clean = shadow.Target("op", ops, "op", lambda x: x * 2)
+    with shadow.install([clean], sample_rate=1.0, budget=None, exporters=[JsonlExporter(str(journal))]):
+        for _ in range(3_000):
+            ops.op(torch.ones(3))
+    decided = _json("--journal", str(journal), "--max-rate", "0.01", "--recent", "0")
+    (target,) = decided["targets"]
+    assert target["drill_set_aside"] == drilled
+    assert (target["compared"], target["divergent"]) == (3_100 - drilled, 100 - drilled)  # (the real ones stay)
+    assert decided["decision"] != "promote"
+
+
+def _drill_beside_an_incident(minutes: int, drill: range) -> tuple[dict, float]:
+    """A run of two processes scraped a minute apart, 100 comparisons a minute each: rank0 drilled every comparison
+    in ``drill`` (marked by npu_shadow_drilled_total), rank1 diverged for real in every one of those minutes."""
+    import time
+
+    start = (time.time() // 60 - minutes - 120) * 60
+    series: dict[str, list] = {}
+    for rank in (0, 1):
+        common = {"job": "train", "instance": f"rank{rank}", "run": "job-1", "target": "op", "primary": "legacy"}
+        match = mismatch = drilled = 0
+        points: dict[str, list] = {"match": [], "mismatch": [], "drilled": [], "drill": [], "calls": []}
+        for minute in range(minutes + 1):
+            at = start + 60 * minute
+            if minute:
+                diverging = minute in drill
+                match, mismatch = match + (0 if diverging else 100), mismatch + (100 if diverging else 0)
+                drilled += 100 if diverging and rank == 0 else 0
+            for name, value in (("match", match), ("mismatch", mismatch), ("drilled", drilled),
+                                ("calls", match + mismatch)):  # fmt: skip
+                points[name].append((at, float(value)))
+            points["drill"].append((at, 1.0 if rank == 0 and minute in drill else 0.0))
+        for name, labels, values in (
+            ("npu_shadow_calls_total", {**common, "signature": "s"}, points["calls"]),
+            ("npu_shadow_comparisons_total", {**common, "signature": "s", "outcome": "match"}, points["match"]),
+            ("npu_shadow_comparisons_total", {**common, "signature": "s", "outcome": "mismatch"}, points["mismatch"]),
+            ("npu_shadow_mismatches_total", {**common, "reason": "value"}, points["mismatch"]),
+            ("npu_shadow_drilled_total", {**common, "signature": "s", "outcome": "mismatch"}, points["drilled"]),
+            ("npu_shadow_drilled_reasons_total", {**common, "reason": "value"}, points["drilled"]),
+            ("npu_shadow_drill_active", {k: common[k] for k in ("job", "instance", "run")}, points["drill"]),
+        ):
+            series.setdefault(name, []).append((labels, values))
+    return series, start + 60 * minutes
+
+
+@pytest.mark.e2e
+def test_a_drill_on_one_process_never_sets_aside_a_real_incident_on_another(tmp_path):
+    """Over Prometheus a drill set aside every process's counts while it ran: a real 100/100 incident on another
+    process in those minutes went with it, and 30 minutes later the run promoted."""
+    from prometheus_server import backfill, prometheus
+
+    history, end = _drill_beside_an_incident(70, range(31, 41))
+    backfill(tmp_path / "data", history)
+    with prometheus(tmp_path, {}, []) as server:
+        decided = _json("--prometheus", server.url, "--end", str(end), "--max-rate", "0.01", "--recent", "0")
+    (target,) = decided["targets"]
+    assert target["drill_set_aside"] == 1_000
+    assert (target["compared"], target["divergent"]) == (13_000, 1_000)  # (rank1's incident stays evidence)
+    assert decided["decision"] == "rollback"

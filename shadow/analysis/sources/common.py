@@ -10,6 +10,7 @@ from exporters import contract
 from shadow.analysis.verdict import TargetCounts
 from shadow.core.model.observation import (
     BACKWARD_OUTCOMES,
+    COMPARED_OUTCOMES,
     LEGACY,
     NEARER,
     bounded,
@@ -27,6 +28,8 @@ BACKWARD_RUNS = contract.BACKWARD_RUNS.series
 ROLLBACKS = contract.ROLLBACKS.series
 RESETS = contract.RESETS.series
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
+DRILLED = contract.DRILLED.series
+DRILLED_REASONS = contract.DRILLED_REASONS.series
 #: The canary A/B's series (shadow.analysis.arms reads them: not comparisons).
 ARM_SERIES = (
     contract.ARM_ITERATORS.series,
@@ -125,6 +128,29 @@ def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], val
             target.add_backward(labels.get("signature", ""), labels["outcome"], value, primary)
     else:
         target.add_shared(labels.get("reason", ""), value, primary)
+
+
+def _set_aside_drilled(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], value: float) -> None:
+    """Comparisons a fire drill that is over marked (``DRILLED``), or their reasons (``DRILLED_REASONS``), taken out
+    of the evidence they were counted in: exactly those, never whatever else was counted beside them (a real
+    incident during a drill stays evidence). Raises SourceError where a series marks more than was counted."""
+    if value <= 0:
+        return
+    target = counts.setdefault(labels.get("target", ""), TargetCounts())
+    phase = target.phase(labels.get("primary") or LEGACY)
+    if name == DRILLED:
+        signature, outcome = labels.get("signature", ""), labels.get("outcome", "")
+        counted = phase.outcomes.get((signature, outcome), 0)
+        if value > counted:
+            raise SourceError(f"{name}{labels}: {value:g} drilled comparisons, more than the {counted:g} counted")
+        phase.outcomes[(signature, outcome)] = counted - value
+        target.drill_set_aside += value if outcome in COMPARED_OUTCOMES else 0
+    else:
+        reason = labels.get("reason", "")
+        counted = phase.reasons.get(reason, 0)
+        if value > counted:
+            raise SourceError(f"{name}{labels}: {value:g} drilled reasons, more than the {counted:g} counted")
+        phase.reasons[reason] = counted - value
 
 
 def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:

@@ -12,11 +12,14 @@ from shadow.analysis.sources.common import (
     BUILD_INFO,
     CLUSTERS,
     DRILL_ACTIVE,
+    DRILLED,
+    DRILLED_REASONS,
     PROCESS_TIME,
     SourceError,
     _add,
     _count,
     _honour_resets,
+    _set_aside_drilled,
     select_run,
 )
 from shadow.analysis.verdict import TargetCounts
@@ -48,6 +51,7 @@ def from_exposition(
             slices[verdict.run_slice(each)] = from_exposition(text, source, each)
     drill = False
     seconds = 0.0
+    drilled: list[tuple[str, dict[str, str], float]] = []
     for family in families:
         for sample in family.samples:
             if chosen is not None and sample.labels.get(_RUN_LABEL, "") != chosen:
@@ -59,12 +63,18 @@ def from_exposition(
                 _add(counts, sample.name, sample.labels, _count(sample.value, where, whole=sample.name != CLUSTERS))
             elif sample.name == DRILL_ACTIVE and sample.value > 0:
                 drill = True
+            elif sample.name in (DRILLED, DRILLED_REASONS):
+                where = f"{source}: {sample.name}{dict(sample.labels)}"
+                drilled.append((sample.name, dict(sample.labels), _count(sample.value, where)))
             elif sample.name in ARM_SERIES and arms is not None:
                 where = f"{source}: {sample.name}{dict(sample.labels)}"
                 arms.append((sample.name, dict(sample.labels), _count(sample.value, where, whole=False)))
     if drill:
         for entry in counts.values():
             entry.drilled = -1
+    else:  # (a drill that is over: exactly the comparisons it marked are set aside)
+        for name, labels, value in drilled:
+            _set_aside_drilled(counts, name, labels, value)
     for entry in counts.values():
         entry.process_seconds = seconds
     return _honour_resets(counts)

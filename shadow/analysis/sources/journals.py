@@ -99,10 +99,6 @@ class _Phase:
     #: Its count records since its target's last reset as (wall time, counts), oldest first, those before the
     #: reader's recent window dropped as reading goes (all but the last of them: the window's baseline).
     history: collections.deque = dataclasses.field(default_factory=collections.deque)
-    #: A fire drill's span in it: the count record before its drilled count first grew (None: from the start) and
-    #: the last one where it grew, with their times.
-    drill_before: tuple[float, dict] | None = None
-    drill_last: tuple[float, dict] | None = None
     at: float = -math.inf  # (the last count record's time)
 
 
@@ -292,6 +288,7 @@ def _check_counts(record: dict, where: str) -> dict:
         raise SourceError(f"{where}: a count record with an unknown error decade")
     drilled = _count(record.get("drilled", 0), f"{where}: drilled")
     _check_totals(tables["outcomes"], drilled, where)
+    _check_drilled(tables, drilled, where)
     return {
         **tables,
         "drilled": drilled,
@@ -308,6 +305,24 @@ def _check_totals(outcomes: dict, drilled: float, where: str) -> None:
             f"{where}: drilled: a count record with {drilled:g} drilled comparisons of {compared:g}: not a record "
             "npu-shadow writes"
         )
+
+
+def _check_drilled(tables: dict, drilled: float, where: str) -> None:
+    """A count record's drilled comparisons are among its comparisons, outcome by outcome and reason by reason, and
+    add up to its drilled count."""
+    for signature, by_outcome in tables["drilled_outcomes"].items():
+        for outcome, value in by_outcome.items():
+            if value > tables["outcomes"].get(signature, {}).get(outcome, 0):
+                raise SourceError(
+                    f"{where}: drilled_outcomes.{signature}.{outcome}: {value:g} drilled comparisons, more than the "
+                    "record's comparisons of that outcome: not a record npu-shadow writes"
+                )
+    for reason, value in tables["drilled_reasons"].items():
+        if value > tables["reasons"].get(reason, 0):
+            raise SourceError(f"{where}: drilled_reasons.{reason}: {value:g}, more than the record's reasons {reason}")
+    marked = sum(n for by_outcome in tables["drilled_outcomes"].values() for n in by_outcome.values())
+    if marked > drilled:
+        raise SourceError(f"{where}: drilled_outcomes: {marked:g} marked, more than its drilled {drilled:g}")
 
 
 def _minus(now: dict, base: dict | None) -> dict:
@@ -476,23 +491,19 @@ class JournalReader:
                         phase.previous = (0.0, 0.0)
                         phase.intervals.clear()
                         phase.history.clear()
-                        phase.drill_before = phase.drill_last = None
         else:  # an outcome line not framed as the exporter frames it: counted now, forgotten at a count record
             stream.see(record.get("timestamp"))
             primary = record.get("primary") if record.get("primary") in PRIMARY_SIDES else LEGACY
             stream.folded.setdefault((record["target"], primary), _Tail()).add(record)
 
     def _mark_drill(self, phase: _Phase, record: dict, counts: dict) -> None:
-        """Follow a fire drill by its own marks (the drilled count of count records): the span it drilled in,
-        and per target the last time a drill grew and the last time comparisons grew without one."""
+        """Follow a fire drill by its own marks (the drilled count of count records): per target the last time a
+        drill grew and the last time comparisons grew without one."""
         target, timestamp = record["target"], record["timestamp"]
         previous = phase.counts or {}
         drilled = counts["drilled"] - previous.get("drilled", 0)
         compared = _compared(counts)[0] - _compared(previous)[0] if previous else _compared(counts)[0]
         if drilled > 0:
-            if phase.drill_last is None:
-                phase.drill_before = (phase.at, phase.counts) if phase.counts is not None else None
-            phase.drill_last = (timestamp, counts)
             self.drilled_until[target] = max(self.drilled_until.get(target, -math.inf), timestamp)
         elif compared > 0:
             self.clean_until[target] = max(self.clean_until.get(target, -math.inf), timestamp)
@@ -592,24 +603,41 @@ def _add_events(counts: dict[str, TargetCounts], stream: _Stream) -> None:
 
 def _add_records(reader: JournalReader, counts: dict[str, TargetCounts], stream: _Stream, since: float | None) -> None:
     """The process's count records: each phase's last, less its baseline (a reset's, or the recent window's start)
-    and a fire drill's span where the drill is over."""
+    and the comparisons a fire drill that is over marked."""
     for (target, primary), phase in stream.phases.items():
         entry = counts.setdefault(target, TargetCounts())
         if phase.counts is None:
             continue
-        baseline, baseline_at = phase.baseline, -math.inf
+        baseline = phase.baseline
         before = [(t, c) for t, c in phase.history if t <= since] if since is not None else []
         if before:
-            baseline_at, baseline = before[-1]  # (the window's start: what came before is not recent)
+            baseline = before[-1][1]  # (the window's start: what came before is not recent)
         elif phase.baseline is not None:
             entry.set_aside += _compared(phase.baseline)[0]
         evidence = _minus(phase.counts, baseline)
-        if phase.drill_last is not None and reader.drill_over(target) and phase.drill_last[0] > baseline_at:
-            start = phase.drill_before if phase.drill_before and phase.drill_before[0] > baseline_at else None
-            drilled = _minus(phase.drill_last[1], start[1] if start else baseline)
-            evidence = _minus(evidence, drilled)
-            entry.drill_set_aside += _compared(drilled)[0]
+        if evidence["drilled"] > 0 and reader.drill_over(target):
+            evidence = _without_drilled(evidence, entry, stream.where)
         _add_counts(entry, primary, evidence)
+
+
+def _without_drilled(evidence: dict, entry: TargetCounts, where: str) -> dict:
+    """The evidence of a count record (less its baseline) without the comparisons a fire drill that is over marked
+    (its ``drilled_outcomes`` and ``drilled_reasons``), which are added to ``entry.drill_set_aside``: exactly those,
+    never whatever else was counted beside them (a real divergence during a drill stays evidence). A record from
+    before drills marked their outcomes keeps them as evidence, said."""
+    marked = sum(n for by_outcome in evidence["drilled_outcomes"].values() for n in by_outcome.values())
+    if marked < evidence["drilled"]:
+        entry.notes.append(
+            f"{where}: {evidence['drilled'] - marked:g} drilled comparisons without their outcomes (a journal from "
+            "before drills marked them) are kept as evidence"
+        )
+    outcomes = {
+        signature: {o: n - evidence["drilled_outcomes"].get(signature, {}).get(o, 0) for o, n in by_outcome.items()}
+        for signature, by_outcome in evidence["outcomes"].items()
+    }
+    reasons = {r: n - evidence["drilled_reasons"].get(r, 0) for r, n in evidence["reasons"].items()}
+    entry.drill_set_aside += marked
+    return {**evidence, "outcomes": outcomes, "reasons": reasons, "drilled": 0}
 
 
 def _add_tails(counts: dict[str, TargetCounts], key: tuple, stream: _Stream) -> None:

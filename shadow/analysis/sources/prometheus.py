@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import threading
 import time
 import urllib.error
@@ -22,6 +21,8 @@ from shadow.analysis.sources.common import (
     CLUSTERS,
     COMPARISONS,
     DRILL_ACTIVE,
+    DRILLED,
+    DRILLED_REASONS,
     LOOKBACK,
     MAX_FILE_BYTES,
     MISMATCHES,
@@ -35,12 +36,10 @@ from shadow.analysis.sources.common import (
     _add,
     _count,
     _honour_resets,
+    _set_aside_drilled,
     select_run,
 )
 from shadow.analysis.verdict import TargetCounts
-from shadow.core.model.observation import (
-    COMPARED_OUTCOMES,
-)
 
 
 def _fetch(address: str, timeout: float, said: float | None = None) -> bytes:
@@ -227,70 +226,23 @@ def _exact_between(
     start: float | None,
     end: float | None,
     deadline: _Deadline,
-    spans: list[tuple[float | None, float]],
-    set_aside: dict[str, float],
     whole: bool | None = None,
 ) -> dict[tuple, float]:
     """Each series' exact count from ``start`` to ``end`` (:func:`_exact`; ``whole``: counts, not seconds or a
-    rank's share of a cluster), less what it counted in each fire drill's span (the comparisons set aside added to
-    ``set_aside`` by target)."""
+    rank's share of a cluster)."""
     if whole is None:
         whole = metric not in (CLUSTERS, PROCESS_TIME)
     series = _exact(url, metric, selector, end, deadline, whole)
     if start is not None:
         before = _exact(url, metric, selector, start, deadline, whole)
         series = {key: value - before.get(key, 0.0) for key, value in series.items()}
-    for on, off in spans if metric not in (ROLLBACKS, RESETS) else ():
-        drilled = _counted_between(url, metric, selector, on, off, deadline, whole)
-        series = {key: max(value - drilled.get(key, 0.0), 0.0) for key, value in series.items()}
-        for key, value in drilled.items() if metric == COMPARISONS else ():
-            labels = dict(key)
-            if labels.get("outcome") in COMPARED_OUTCOMES:
-                set_aside[labels.get("target", "")] = set_aside.get(labels.get("target", ""), 0.0) + value
     return series
 
 
-def _drill_spans(
-    url: str, selector: str, start: float | None, end: float | None, deadline: _Deadline
-) -> tuple[list[tuple[float | None, float]], bool]:
-    """The fire drills in the read's span, from the history of their gauge (any process of the run): (spans
-    that are over, each from the last sample without a drill before it (None: from the start) to the first
-    sample without one after it; whether a drill is still active at the end). A span's counts are the drill's
-    and whatever else was counted meanwhile: set aside whole, the evidence outside it decides."""
-    raw = deadline.query(f"{DRILL_ACTIVE}{{{selector}}}[{LOOKBACK}]", end, matrix=True)
-    spans: list[tuple[float | None, float]] = []
-    drilling = False
-    for series in raw:
-        on = start
-        active = False
-        for moment, value in series["values"]:
-            when = _number(moment, f"{url}: {DRILL_ACTIVE}")
-            if start is not None and when < start:
-                continue
-            if _number(value, f"{url}: {DRILL_ACTIVE}") > 0:
-                active = True
-            elif active:
-                spans.append((on, when))
-                active, on = False, when
-            else:
-                on = when
-        drilling = drilling or active
-    merged: list[tuple[float | None, float]] = []
-    for on, off in sorted(spans, key=lambda span: -math.inf if span[0] is None else span[0]):
-        if merged and (on is None or on < merged[-1][1]):
-            merged[-1] = (merged[-1][0], max(merged[-1][1], off))
-        else:
-            merged.append((on, off))
-    return merged, drilling
-
-
-def _counted_between(
-    url: str, metric: str, selector: str, on: float | None, off: float, deadline: _Deadline, whole: bool
-) -> dict[tuple, float]:
-    """Each series' count from ``on`` (None: from its start) to ``off``, exactly (:func:`_exact`)."""
-    after = _exact(url, metric, selector, off, deadline, whole)
-    before = _exact(url, metric, selector, on, deadline, whole) if on is not None else {}
-    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+def _drilling(url: str, selector: str, end: float | None, deadline: _Deadline) -> bool:
+    """Whether a fire drill is still on at ``end`` in some process of the run: its drill gauge's last sample."""
+    found = deadline.query(f"last_over_time({DRILL_ACTIVE}{{{selector}}}[{LOOKBACK}]) > 0", end)
+    return bool(found)
 
 
 def _runs(url: str, selector: str, at: float | None, deadline: _Deadline, lookback: str = LOOKBACK) -> set[str]:
@@ -327,8 +279,7 @@ def from_prometheus(
     if chosen is not None:
         selector = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}"]))
     counts: dict[str, TargetCounts] = {}
-    spans, drilling = ([], False) if window else _drill_spans(url, selector, start, end, deadline)
-    set_aside: dict[str, float] = {}
+    drilling = False if window else _drilling(url, selector, end, deadline)
     for metric, by in _QUERIES:
         if window:
             promql = f"sum by ({by}) (increase({metric}{{{selector}}}[{window}]))"
@@ -337,7 +288,7 @@ def from_prometheus(
                 for item in deadline.query(promql)
             }
         else:
-            series = _exact_between(url, metric, selector, start, end, deadline, spans, set_aside)
+            series = _exact_between(url, metric, selector, start, end, deadline)
         for key, value in series.items():
             labels = dict(key)
             # increase() extrapolates to the window's edges: fractional there, never negative
@@ -346,13 +297,16 @@ def from_prometheus(
     if not counts:
         raise SourceError(f"{url} has no {COMPARISONS} series{f' matching {selector}' if selector else ''}")
     for metric in ARM_SERIES if arms is not None and not window else ():
-        series = _exact_between(url, metric, selector, start, end, deadline, [], {}, whole=False)
+        series = _exact_between(url, metric, selector, start, end, deadline, whole=False)
         arms.extend((metric, dict(key), value) for key, value in series.items())  # type: ignore[union-attr]
-    for target, entry in counts.items():
+    for metric in (DRILLED, DRILLED_REASONS) if not (window or drilling) else ():
+        for key, value in _exact_between(url, metric, selector, start, end, deadline).items():
+            labels = dict(key)
+            _set_aside_drilled(counts, metric, labels, _count(value, f"{url}: {metric}{labels}"))
+    for entry in counts.values():
         entry.drilled = -1 if drilling else 0
-        entry.drill_set_aside = 0.0 if drilling else set_aside.get(target, 0.0)
     if not window:
-        seconds = sum(_exact_between(url, PROCESS_TIME, selector, start, end, deadline, [], {}).values())
+        seconds = sum(_exact_between(url, PROCESS_TIME, selector, start, end, deadline).values())
         for entry in counts.values():
             entry.process_seconds = max(seconds, 0.0)
     return _honour_resets(counts)
