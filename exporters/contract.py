@@ -31,6 +31,8 @@ from shadow.core.model.observation import (
     Outcome,
 )
 from shadow.core.model.observation import LEGACY as LEGACY_SIDE
+from shadow.core.model.run_ids import command_id as command_id
+from shadow.core.model.run_ids import restarts as restarts
 from shadow.core.model.run_ids import run_id as run_id
 from shadow.core.support.environment import device as device  # the environment labels come from the core
 from shadow.core.support.environment import versions as versions
@@ -287,7 +289,12 @@ DRILL_ACTIVE = Metric(
     "npu_shadow.drill_active", "1", "gauge", (), "1 while a fire drill injects synthetic divergence upstream, else 0."
 )
 BUILD_INFO = Metric(
-    "npu_shadow.build_info", "1", "gauge", ("version", "torch", "torch_npu"), "Versions, as labels; always 1."
+    "npu_shadow.build_info",
+    "1",
+    "gauge",
+    ("version", "torch", "torch_npu", "command", "restart"),
+    "Versions, the job's command (a hash of its command line: one run is one job) and the launcher's restart count "
+    "(a restarted process's counters start at 0, after whatever it counted before), as labels; always 1.",
 )
 
 ALL = (
@@ -477,6 +484,11 @@ def registered_samples(target: str, sample_rate: float) -> list[Sample]:
     ]
     found.append((SAMPLE_RATE, (target,), sample_rate))
     return found
+
+
+def build_info() -> tuple[str, ...]:
+    """The labels of ``npu_shadow_build_info`` for this process, in the metric's order."""
+    return (*versions().values(), command_id(), str(restarts()))
 
 
 def drill_samples(active: bool) -> list[Sample]:

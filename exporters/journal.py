@@ -126,6 +126,7 @@ class JsonlExporter:
         self._counts_written_at = time.monotonic()
         self._header_written = False
         self._process_seconds = 0.0
+        self._command = contract.command_id()
 
     @property
     def lines_lost(self) -> int:
@@ -247,7 +248,7 @@ class JsonlExporter:
             fields = self._counts[key].fields()
             self._write_record(
                 {"event": "counts", "target": target, "primary": primary, **fields,
-                 "process_seconds": round(self._process_seconds, 3)}
+                 "process_seconds": round(self._process_seconds, 3), "command": self._command}
             )  # fmt: skip
             self._dirty.discard(key)
 

@@ -244,7 +244,7 @@ class PrometheusExporter:
         self._primary: dict[str, str] = {}  # target -> the side the caller gets now (for calls and bulk skips)
         #: The signature values the job's processes share under the launcher (None: this process's own cap alone).
         self._job_signatures = JobSignatures.from_environment()
-        self._metrics[contract.BUILD_INFO].labels(self.run, *contract.versions().values()).set(1)
+        self._metrics[contract.BUILD_INFO].labels(self.run, *contract.build_info()).set(1)
         self._apply(contract.drill_samples(False))
         self.server: Any = None
         self.port: int | None = None

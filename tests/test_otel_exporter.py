@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 import shadow
 from exporters import OTelExporter, PrometheusExporter, contract
 from shadow.core.calls.canary.arms import ArmRun
+from shadow.core.model.observation import Observation
 
 
 def run_workload(exporters):
@@ -42,6 +43,8 @@ def test_every_instrument_with_its_unit_and_attributes():
     exporter = OTelExporter(meter_provider=provider)
     stats = run_workload([exporter])
     exporter.export_arm(ArmRun("dataloader_init", "legacy", 0.0, ((0,),), (0, 1), (0,), (0, 1), 0.1, 0.2, 3, 10.0))
+    # (a fire drill's comparison, of another target: the drill's own counters)
+    exporter.export(Observation("drilled", "error", reasons=("exception",), drill=True))
     data = reader.get_metrics_data()
     (scope_metrics,) = data.resource_metrics[0].scope_metrics
     assert scope_metrics.scope.name == "npu_shadow"
@@ -72,6 +75,8 @@ def test_every_instrument_with_its_unit_and_attributes():
     assert value("npu_shadow.abs_error", target="op") == stats.compared == 14
     assert value("npu_shadow.shadow_peak_added", target="op") == stats.shadow_peak_bytes >= 1 << 18
     assert value("npu_shadow.sample_rate", target="op") == 1.0
+    assert value("npu_shadow.drilled", target="drilled", outcome="error") == 1
+    assert value("npu_shadow.drilled_reasons", target="drilled", reason="exception") == 1
     assert value("npu_shadow.backward_runs", target="op") == stats.backward_runs == stats.match - 2  # (no_grad: two)
     assert value("npu_shadow.truth_runs", target="op") == sum(stats.truth_runs.values()) == stats.mismatch
     boundaries = by_name["npu_shadow.abs_error"].data.data_points[0].explicit_bounds
@@ -108,7 +113,6 @@ def test_prometheus_translation_yields_the_direct_names():
 def test_histogram_values_that_find_the_queue_full_are_counted_not_lost_silently(monkeypatch):
     """Under slow collection the queue is bounded; every observation it cannot hold is counted."""
     from exporters import otel
-    from shadow.core.model.observation import Observation
 
     monkeypatch.setattr(otel, "MAX_PENDING", 300)
     reader = InMemoryMetricReader()
@@ -131,7 +135,6 @@ def test_a_metric_added_in_the_vocabulary_reaches_prometheus_opentelemetry_and_t
     is the Observation's fields), read back by the journal reader."""
     from exporters import JsonlExporter, contract
     from shadow.analysis.sources import journal_records
-    from shadow.core.model.observation import Observation
 
     compare = contract.Metric("npu_shadow.compare", "s", "counter", ("target",), "The comparator's time.")
     rule = lambda o: [(compare, (o.target,), o.compare_seconds)] if o.outcome != "skipped" else []  # noqa: E731

@@ -306,3 +306,91 @@ def test_a_drill_on_one_process_never_sets_aside_a_real_incident_on_another(tmp_
     assert target["drill_set_aside"] == 1_000
     assert (target["compared"], target["divergent"]) == (13_000, 1_000)  # (rank1's incident stays evidence)
     assert decided["decision"] == "rollback"
+
+
+# --------------------------------------------------------------------------- 4: a rollback and a restart
+
+
+def _exposition(run_lines: dict[str, tuple[int, int, int]], build: list[dict[str, str]], rollbacks: int = 0) -> str:
+    """A saved scrape: per run (matches, mismatches, clusters) of target op, and the build_info series given."""
+    lines = ["# TYPE npu_shadow_comparisons_total counter", "# TYPE npu_shadow_clusters_total counter"]
+    for run, (matched, diverged, clusters) in run_lines.items():
+        for outcome, value in (("match", matched), ("mismatch", diverged)):
+            lines.append(
+                f'npu_shadow_comparisons_total{{run="{run}",target="op",outcome="{outcome}",signature="",'
+                f'primary="legacy"}} {value}'
+            )
+        lines.append(f'npu_shadow_clusters_total{{run="{run}",target="op",primary="legacy"}} {clusters}')
+    lines.append("# TYPE npu_shadow_rollbacks_total counter")
+    lines.append(f'npu_shadow_rollbacks_total{{run="job-1",target="op",source="http"}} {rollbacks}')
+    lines.append("# TYPE npu_shadow_build_info gauge")
+    for labels in build:
+        rendered = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        lines.append(f"npu_shadow_build_info{{{rendered}}} 1")
+    return "\n".join(lines) + "\n"
+
+
+def _build(command: str = "0123456789ab", restart: str = "0", run: str = "job-1") -> dict[str, str]:
+    return {"run": run, "version": "0.1.0", "torch": "2.13.0", "torch_npu": "none", "command": command,
+            "restart": restart}  # fmt: skip
+
+
+def test_a_metrics_file_scraped_after_a_restart_never_promotes(tmp_path):
+    """A canary rolled back, its process restarted (counters back at 0), then 10,000 clean clusters: the scrape
+    after the restart promoted. A moment of a restarted job cannot see the rollback before it."""
+    clean = {"job-1": (10_000, 0, 10_000)}
+    restarted = tmp_path / "restarted.prom"
+    restarted.write_text(_exposition(clean, [_build(restart="1")]))
+    decided = _json("--metrics-file", str(restarted), "--max-rate", "0.001")
+    assert decided["decision"] == "inconclusive"
+    assert "the job was restarted (1 restarts)" in decided["targets"][0]["why"]
+    first = tmp_path / "first.prom"  # (the same evidence from a process never restarted promotes: the restart holds it)
+    first.write_text(_exposition(clean, [_build(restart="0")]))
+    assert _json("--metrics-file", str(first), "--max-rate", "0.001")["decision"] == "promote"
+
+
+def test_the_exporter_says_the_launchers_restart_count_and_the_jobs_command(monkeypatch):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from exporters import PrometheusExporter
+    from shadow.core.model import run_ids
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    registry = CollectorRegistry()
+    PrometheusExporter(registry=registry)
+    text = generate_latest(registry).decode()
+    assert f'command="{run_ids.command_id()}"' in text and 'restart="2"' in text
+
+
+def test_a_command_id_is_the_same_for_every_rank_and_differs_between_jobs():
+    from shadow.core.model.run_ids import command_id, restarts
+
+    rank0 = command_id(["train.py", "--local_rank=0", "--lr", "0.1"])
+    assert (
+        rank0 == command_id(["train.py", "--local-rank", "3", "--lr", "0.1"]) == command_id(["train.py", "--lr", "0.1"])
+    )
+    assert command_id(["train.py", "--lr", "0.2"]) != rank0 and command_id(["eval.py", "--lr", "0.1"]) != rank0
+    assert restarts({"SLURM_RESTART_COUNT": "3"}) == 3 and restarts({"TORCHELASTIC_RESTART_COUNT": "x"}) == 0
+
+
+# --------------------------------------------------------------------------- 7: two jobs under one run id
+
+
+def test_two_jobs_under_one_run_id_are_refused_from_a_metrics_file_never_pooled(tmp_path):
+    """Two jobs sharing a run id were pooled: a job diverging at 5% beside a clean one was promoted with it."""
+    path = tmp_path / "m.prom"
+    path.write_text(_exposition({"job-1": (600_000, 1_500, 6_000)}, [_build("aaaaaaaaaaaa"), _build("bbbbbbbbbbbb")]))
+    _source_error(
+        verdict_cli("--metrics-file", str(path)), "run job-1 holds evidence of 2 jobs", "give each job its own"
+    )
+
+
+def test_two_jobs_under_one_run_id_are_refused_from_journals(tmp_path):
+    records = []
+    for pid, command in ((1, "aaaaaaaaaaaa"), (2, "bbbbbbbbbbbb")):
+        record = journals.counts({"s": {"match": 100}}, calls={"s": 100}, timestamp=10.0, pid=pid)
+        records.append({**record, "run": "job-1", "command": command})
+    path = journals.write(tmp_path / "j.jsonl", records)
+    _source_error(verdict_cli("--journal", str(path)), "run job-1 holds evidence of 2 jobs")
+    one = journals.write(tmp_path / "k.jsonl", [{**r, "command": "aaaaaaaaaaaa"} for r in records])
+    assert verdict_cli("--journal", str(one)).returncode != 2  # (one job in two processes: decided)

@@ -88,7 +88,7 @@ class FakePrometheus:
                 no_drill = b'{"status": "success", "data": {"resultType": "matrix", "result": []}}'
                 if "drill_active" in self.path:
                     self.wfile.write(no_drill)
-                elif "timestamp" in self.path:  # (the run's last sample: none, so no recent window)
+                elif "timestamp" in self.path or "drilled" in self.path:  # (no last sample, no drill marks)
                     self.wfile.write(none)
                 else:
                     self.wfile.write(none if "rollbacks" in self.path or "resets" in self.path else body)

@@ -191,6 +191,10 @@ class TargetCounts:
     set_aside: float = 0
     #: What the source says about its own completeness (unread siblings, processes without a final count).
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: The launcher's restart count where the source holds one moment of the run (a metrics file): its processes'
+    #: counters began again at 0 after whatever they counted before, a rollback included (0: not restarted, or a
+    #: source that holds the run's history).
+    restarted: int = 0
 
     def phase(self, primary: str = LEGACY) -> PhaseCounts:
         return self.phases.setdefault(primary, PhaseCounts())
@@ -863,6 +867,12 @@ def _decide_whole(
             missing.append(f"risky signature {pattern} compared {seen} times, needs {min_per_signature}")
     for reason, count in sorted(uncovered.items()):
         missing.append(f"{count} sampled calls not compared ({reason}: {_UNCOVERED_WHY[reason]})")
+    if counts.restarted:
+        missing.append(
+            f"the job was restarted ({counts.restarted} restarts): one moment of its metrics holds only what its "
+            "processes counted since, and a rollback before the restart is not in it; decide over Prometheus (which "
+            "keeps the run's history) or the journals"
+        )
     if missing:
         return Decision(decision=INCONCLUSIVE, why="; ".join(missing), **made)
     return Decision(decision=PROMOTE, why="; ".join(f"{p.primary} phase: {p.why}" for p in phases), **made)

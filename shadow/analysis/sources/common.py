@@ -81,6 +81,19 @@ def select_run(runs: Iterable[str], run: str | None, all_runs: bool, source: str
     )
 
 
+def one_job_per_run(commands: dict[str, set[str]], source: str) -> None:
+    """Refuse (SourceError) a run whose evidence comes from more than one job: ``commands`` maps each run to the
+    command ids its processes reported (:func:`shadow.core.model.run_ids.command_id`). Two jobs given one run id
+    by mistake are never pooled as one: a job diverging at 5% beside a clean one would be promoted with it."""
+    for run, found in sorted(commands.items()):
+        if len(found) > 1:
+            raise SourceError(
+                f"{source}: run {run or '(unnamed)'} holds evidence of {len(found)} jobs (command ids "
+                f"{', '.join(sorted(found)[:4])}: their command lines differ); one run id names one job: give each job "
+                "its own (--run-id, NPU_SHADOW_RUN_ID) and decide each with --run"
+            )
+
+
 def _shown(value: object) -> str:
     """A value from a source, for a message: a huge integer by its size (its digits could be thousands)."""
     if isinstance(value, int) and value.bit_length() > 128:

@@ -20,6 +20,7 @@ from shadow.analysis.sources.common import (
     _count,
     _honour_resets,
     _set_aside_drilled,
+    one_job_per_run,
     select_run,
 )
 from shadow.analysis.verdict import TargetCounts
@@ -51,6 +52,8 @@ def from_exposition(
             slices[verdict.run_slice(each)] = from_exposition(text, source, each)
     drill = False
     seconds = 0.0
+    commands: dict[str, set[str]] = {}
+    restarted = 0
     drilled: list[tuple[str, dict[str, str], float]] = []
     for family in families:
         for sample in family.samples:
@@ -61,6 +64,12 @@ def from_exposition(
             elif sample.name in _COUNTED:
                 where = f"{source}: {sample.name}{dict(sample.labels)}"
                 _add(counts, sample.name, sample.labels, _count(sample.value, where, whole=sample.name != CLUSTERS))
+            elif sample.name == BUILD_INFO and sample.value > 0:
+                run_of = sample.labels.get(_RUN_LABEL, "")
+                if sample.labels.get("command"):
+                    commands.setdefault(run_of, set()).add(label_text(sample.labels["command"], 64))
+                restart = sample.labels.get("restart", "")
+                restarted = max(restarted, int(restart) if restart.isascii() and restart.isdigit() else 0)
             elif sample.name == DRILL_ACTIVE and sample.value > 0:
                 drill = True
             elif sample.name in (DRILLED, DRILLED_REASONS):
@@ -75,8 +84,10 @@ def from_exposition(
     else:  # (a drill that is over: exactly the comparisons it marked are set aside)
         for name, labels, value in drilled:
             _set_aside_drilled(counts, name, labels, value)
+    one_job_per_run(commands, source)
     for entry in counts.values():
         entry.process_seconds = seconds
+        entry.restarted = restarted
     return _honour_resets(counts)
 
 

@@ -20,6 +20,7 @@ from shadow.analysis.sources.common import (
     SourceError,
     _count,
     _shown,
+    one_job_per_run,
     select_run,
 )
 from shadow.analysis.verdict import TargetCounts
@@ -180,6 +181,7 @@ class _Stream:
     clock: tuple[float, float] | None = None  # (wall, mono) of the last count record
     jumps: list[str] = dataclasses.field(default_factory=list)  # the wall clock's jumps, said
     process_seconds: float | None = None  # its time under the monitor, from its count records (the latest)
+    commands: set[str] = dataclasses.field(default_factory=set)  # the job it ran, from its count records
 
     def see(self, value: object) -> None:
         timestamp = _seconds(value)
@@ -467,6 +469,9 @@ class JournalReader:
             phase = stream.phases.setdefault((record["target"], record["primary"]), _Phase())
             self._mark_drill(phase, record, counts)
             phase.counts, phase.at = counts, record["timestamp"]
+            command = record.get("command")
+            if isinstance(command, str) and len(command) <= 64:
+                stream.commands.add(command)
             if "process_seconds" in record:  # (the process's time under the monitor, as its metrics count it)
                 seconds = _count(record["process_seconds"], f"{where}: process_seconds", whole=False)
                 stream.process_seconds = max(stream.process_seconds or 0.0, seconds)
@@ -772,6 +777,11 @@ def from_journal(
     read, added = with_rotated(paths)
     reader.read(read)
     reader.run = select_run(reader.runs(), run, all_runs, "the journals")
+    commands: dict[str, set[str]] = {}
+    for stream in reader.streams.values():
+        if reader.run is None or stream.run == reader.run:
+            commands.setdefault(stream.run, set()).update(stream.commands)
+    one_job_per_run(commands, "the journals")
     if torn is not None:
         torn.extend(reader.torn)
     if arms is not None:

@@ -17,6 +17,7 @@ from shadow.analysis.sources.common import (
     _RUN_LABEL,
     ARM_SERIES,
     BACKWARD_RUNS,
+    BUILD_INFO,
     CALLS,
     CLUSTERS,
     COMPARISONS,
@@ -37,6 +38,7 @@ from shadow.analysis.sources.common import (
     _count,
     _honour_resets,
     _set_aside_drilled,
+    one_job_per_run,
     select_run,
 )
 from shadow.analysis.verdict import TargetCounts
@@ -245,6 +247,17 @@ def _drilling(url: str, selector: str, end: float | None, deadline: _Deadline) -
     return bool(found)
 
 
+def _commands(selector: str, end: float | None, deadline: _Deadline) -> dict[str, set[str]]:
+    """The command ids the run's processes reported (``npu_shadow_build_info``), by run."""
+    promql = f"count by ({_RUN_LABEL}, command) (last_over_time({BUILD_INFO}{{{selector}}}[{LOOKBACK}]))"
+    found: dict[str, set[str]] = {}
+    for item in deadline.query(promql, end):
+        command = str(item["metric"].get("command", ""))
+        if command:
+            found.setdefault(str(item["metric"].get(_RUN_LABEL, "")), set()).add(command[:64])
+    return found
+
+
 def _runs(url: str, selector: str, at: float | None, deadline: _Deadline, lookback: str = LOOKBACK) -> set[str]:
     promql = f"count by ({_RUN_LABEL}) (last_over_time({CALLS}{{{selector}}}[{lookback}]))"
     return {str(item["metric"].get(_RUN_LABEL, "")) for item in deadline.query(promql, at)}
@@ -278,6 +291,8 @@ def from_prometheus(
         slices.update(_prometheus_slices(url, selector, deadline, runs, chosen, start, end, recent))
     if chosen is not None:
         selector = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}"]))
+    if not window:
+        one_job_per_run(_commands(selector, end, deadline), url)
     counts: dict[str, TargetCounts] = {}
     drilling = False if window else _drilling(url, selector, end, deadline)
     for metric, by in _QUERIES:

@@ -58,3 +58,40 @@ def run_id(environ: MutableMapping[str, str] = os.environ) -> str:
     if run_id_problem(made):
         made = environ[MADE_RUN_ID_VARIABLE] = new_run_id()
     return made
+
+
+#: The variables that carry a job's restart count: torchrun's (elastic restarts), Slurm's (a requeued job).
+RESTART_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+#: A command line's arguments that differ between the ranks of one job (torch.distributed.launch's, DeepSpeed's).
+_PER_RANK_ARGUMENT = re.compile(r"--local[-_]rank(=\S*)?")
+
+
+def command_id(argv: list[str] | None = None) -> str:
+    """Which job this process runs: twelve hex digits of a hash of its command line (``sys.argv``, less the
+    arguments that differ between ranks). Every rank and spawned worker of one job has the same; two jobs given one
+    run id by mistake have two, and the verdict refuses to pool them."""
+    import sys
+
+    words = list(sys.argv if argv is None else argv)
+    kept: list[str] = []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+            continue
+        match = _PER_RANK_ARGUMENT.fullmatch(word)
+        if match:
+            skip = match.group(1) is None  # (``--local_rank 3``: its value is the next word)
+            continue
+        kept.append(word)
+    return hashlib.sha256("\0".join(kept).encode("utf-8", "surrogatepass")).hexdigest()[:12]
+
+
+def restarts(environ: MutableMapping[str, str] = os.environ) -> int:
+    """How many times the launcher restarted this job (:data:`RESTART_VARIABLES`; 0 where none says, or where the
+    value is not a count)."""
+    for variable in RESTART_VARIABLES:
+        text = environ.get(variable, "").strip()
+        if text.isascii() and text.isdigit():
+            return int(text)
+    return 0
