@@ -342,10 +342,10 @@ def test_a_rollback_in_metrics_stands_until_a_person_resets_it(tmp_path):
 # --------------------------------------------------------------------------- correlation that cannot be gamed
 
 
-def _ranks_in_lockstep(tmp_path, monkeypatch, world_size: int):
-    """``world_size`` ranks of one torchrun job (WORLD_SIZE set, one run), each with the real engine comparing the
-    same 200 inputs over 40 minutes of its monotonic clock: journals one per rank, metrics summed in one registry
-    as a multiprocess endpoint sums them. Returns the verdict's JSON target from each source."""
+def _ranks_in_lockstep(tmp_path, monkeypatch, world_size: int, variable: str = "WORLD_SIZE"):
+    """``world_size`` ranks of one job (``variable`` set as its launcher sets it, one run), each with the real engine
+    comparing the same 200 inputs over 40 minutes of its monotonic clock: journals one per rank, metrics summed in
+    one registry as a multiprocess endpoint sums them. Returns the verdict's JSON target from each source."""
     import types
 
     import torch
@@ -355,7 +355,9 @@ def _ranks_in_lockstep(tmp_path, monkeypatch, world_size: int):
     from exporters import JsonlExporter, PrometheusExporter
     from shadow.core.calls.record import clusters
 
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    for each in clusters.WORLD_SIZE_VARIABLES:
+        monkeypatch.delenv(each, raising=False)
+    monkeypatch.setenv(variable, str(world_size))
     monkeypatch.setenv("NPU_SHADOW_RUN_ID", "job-1")
     clock = [0.0]
     monkeypatch.setattr(clusters, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
@@ -366,7 +368,7 @@ def _ranks_in_lockstep(tmp_path, monkeypatch, world_size: int):
         clock[0] = 1_000.0
         ops = types.SimpleNamespace(op=lambda x: x * 2)
         target = shadow.Target("op", ops, "op", lambda x: x * 2)
-        path = tmp_path / f"w{world_size}-rank{rank}.jsonl"
+        path = tmp_path / f"w{world_size}-{variable}-rank{rank}.jsonl"
         with shadow.install(
             [target], sample_rate=1.0, budget=None, seed=rank, exporters=[JsonlExporter(str(path)), metrics]
         ):
@@ -376,7 +378,7 @@ def _ranks_in_lockstep(tmp_path, monkeypatch, world_size: int):
                     ops.op(torch.randn(4))
                 clock[0] += 60.0
         paths.append(str(path))
-    textfile = tmp_path / f"w{world_size}.prom"
+    textfile = tmp_path / f"w{world_size}-{variable}.prom"
     textfile.write_text(generate_latest(registry).decode())
     (from_journals,) = _verdict_json("--max-rate", "0.05", "--journal", *paths)["targets"]
     (from_metrics,) = _verdict_json("--max-rate", "0.05", "--metrics-file", str(textfile))["targets"]

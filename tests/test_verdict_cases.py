@@ -5,6 +5,7 @@ minutes of a jittering job, and count records that cannot be."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import journals
 import pytest
@@ -394,3 +395,55 @@ def test_two_jobs_under_one_run_id_are_refused_from_journals(tmp_path):
     _source_error(verdict_cli("--journal", str(path)), "run job-1 holds evidence of 2 jobs")
     one = journals.write(tmp_path / "k.jsonl", [{**r, "command": "aaaaaaaaaaaa"} for r in records])
     assert verdict_cli("--journal", str(one)).returncode != 2  # (one job in two processes: decided)
+
+
+# --------------------------------------------------------------------------- 2: ranks from every launcher
+
+
+@pytest.mark.parametrize("variable", ["SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
+def test_ranks_started_by_srun_or_mpirun_are_the_evidence_of_one_rank(tmp_path, monkeypatch, variable):
+    """The rank share read only WORLD_SIZE, which srun and mpirun do not set: 8 ranks that saw the same inputs
+    counted as 8 independent streams and promoted where torchrun's were inconclusive."""
+    from test_thin_evidence import _ranks_in_lockstep
+
+    for source in _ranks_in_lockstep(tmp_path, monkeypatch, 8, variable):
+        assert source["compared"] == 1_600 and source["clusters"] == 40  # (eight ranks in lockstep: one rank's)
+
+
+def _spawned_rank(rank: int, world_size: int, directory: str) -> None:
+    """One rank of a job started by torch.multiprocessing.spawn (no launcher variable): the same 200 inputs as
+    every other rank, compared with its process group initialized."""
+    import os
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    import shadow
+    from exporters import JsonlExporter
+
+    for variable in ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
+        os.environ.pop(variable, None)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=world_size)
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    target = shadow.Target("op", ops, "op", lambda x: x * 2)
+    journal = JsonlExporter(os.path.join(directory, f"rank{rank}.jsonl"))
+    with shadow.install([target], sample_rate=1.0, budget=None, seed=rank, exporters=[journal]):
+        torch.manual_seed(0)
+        for _ in range(200):
+            ops.op(torch.randn(4))
+    dist.destroy_process_group()
+
+
+def test_ranks_started_by_mp_spawn_count_their_process_groups_share(tmp_path, monkeypatch):
+    """torch.multiprocessing.spawn sets no variable: each rank's cluster counts 1 / the process group's size."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("NPU_SHADOW_RUN_ID", "spawned")  # (as `npu-shadow run` gives every process of the job one)
+    mp.spawn(_spawned_rank, args=(2, str(tmp_path)), nprocs=2, join=True)
+    paths = [str(tmp_path / f"rank{rank}.jsonl") for rank in range(2)]
+    lines = [line for path in paths for line in pathlib.Path(path).read_text().splitlines()]
+    records = [json.loads(line) for line in lines if '"event":"counts"' in line]
+    assert records and all(record["clusters"] == 0.5 for record in records)  # (one block each, half a cluster)
+    (target,) = _json("--journal", *paths)["targets"]
+    assert target["compared"] == 400 and target["clusters"] == 1

@@ -103,7 +103,7 @@ class Tally:
         calls_reported: the calls reported to the exporters so far, by signature (under "" where not guided).
     """
 
-    cluster_share: float = 1.0
+    cluster_share: float | None = 1.0  # (None: the share is asked of torch.distributed as clusters open)
     outcomes: collections.Counter[str] = dataclasses.field(default_factory=_counter)
     reasons: collections.Counter[str] = dataclasses.field(default_factory=_counter)
     shared: collections.Counter[str] = dataclasses.field(default_factory=_counter)
@@ -134,7 +134,7 @@ class Tally:
         if observation.outcome != Outcome.SKIPPED.value and not observation.drill and self.clusters.opens(
             observation.primary, observation.outcome in DIVERGENT_OUTCOMES
         ):
-            observation = dataclasses.replace(observation, cluster_share=self.clusters.share)
+            observation = dataclasses.replace(observation, cluster_share=self.clusters.opened_share)
         self.drilled += observation.drill
         self.outcomes[observation.outcome] += 1
         self.reasons.update(observation.reasons)
