@@ -447,3 +447,58 @@ def test_ranks_started_by_mp_spawn_count_their_process_groups_share(tmp_path, mo
     assert records and all(record["clusters"] == 0.5 for record in records)  # (one block each, half a cluster)
     (target,) = _json("--journal", *paths)["targets"]
     assert target["compared"] == 400 and target["clusters"] == 1
+
+
+# --------------------------------------------------------------------------- 7: the first minutes of a jittering job
+
+
+def test_an_honest_job_whose_sides_jitter_alike_with_a_varying_spread_counts_no_mismatch():
+    """Legacy and upstream jitter alike, the spread varying from call to call (nondeterministic reductions): each
+    value beyond twice a floor taken from a dozen A/A runs was a mismatch at once, about 5% of the calls at
+    --aa-rate 0.05, so such a job could never promote. Beyond the floor it is now judged by how often."""
+    import types
+
+    import numpy as np
+    import torch
+
+    import shadow
+
+    rng = np.random.default_rng(11)
+
+    def jitter(x):
+        spread = float(np.exp(rng.normal(0.0, 1.0)))
+        return x + 1e-4 * spread * torch.as_tensor(rng.standard_normal(tuple(x.shape)), dtype=x.dtype)
+
+    ops = types.SimpleNamespace(op=jitter)
+    target = shadow.Target("op", ops, "op", jitter, signature=lambda a, k: "call")
+    with shadow.install([target], sample_rate=1.0, aa_rate=0.05, budget=None, seed=4) as monitor:
+        for _ in range(1_500):
+            ops.op(torch.zeros(64))
+    stats = monitor.stats()["op"]
+    assert stats.mismatch == 0 and stats.noise > 1_400, stats
+
+
+def test_a_real_difference_beyond_the_floor_is_still_a_mismatch_within_a_few_calls():
+    """The other side of the same rule: upstream 10x legacy's spread is a mismatch on (nearly) every call."""
+    import types
+
+    import numpy as np
+    import torch
+
+    import shadow
+
+    rng = np.random.default_rng(12)
+
+    def legacy(x):
+        return x + 1e-4 * torch.as_tensor(rng.standard_normal(tuple(x.shape)), dtype=x.dtype)
+
+    def upstream(x):
+        return x + 1e-3 * torch.as_tensor(rng.standard_normal(tuple(x.shape)), dtype=x.dtype)
+
+    ops = types.SimpleNamespace(op=legacy)
+    target = shadow.Target("op", ops, "op", upstream, signature=lambda a, k: "call")
+    with shadow.install([target], sample_rate=1.0, aa_rate=0.05, budget=None, seed=4) as monitor:
+        for _ in range(1_500):
+            ops.op(torch.zeros(64))
+    stats = monitor.stats()["op"]
+    assert stats.noise == 0 and stats.mismatch >= 1_400, stats

@@ -295,7 +295,9 @@ def test_a_shift_inside_the_floor_is_never_noise_before_the_rank_test_can_see_it
     tested = [re.search(r"Mann-Whitney A/B (\d+) vs A/A (\d+)", o.noise_test) for o in seen.observations
               if o.outcome == "noise"]  # fmt: skip
     assert all(t and min(int(t[1]), int(t[2])) >= MIN_TEST_SAMPLES for t in tested), tested
-    assert stats.mismatch >= 200 and stats.noise < 100, stats  # (the test finds the shift within tens of calls)
+    # (the shift is found within tens of calls; a difference beyond the floor is judged by how often legacy's own
+    # go beyond it, which a few A/A runs tell slowly, so some calls are noise or held before it is)
+    assert stats.mismatch >= 100 and stats.mismatch > stats.noise, stats
 
 
 def test_honest_noise_is_still_noise():

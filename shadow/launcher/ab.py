@@ -23,6 +23,7 @@ from typing import Any
 
 from exporters.journal import JsonlExporter
 from shadow.core.model.observation import Observation, Outcome, bounded
+from shadow.core.model.run_ids import COMMAND_ID_VARIABLE, command_id, run_id
 from shadow_pytest.outcomes import STARTED, recorded_outcomes, session_exit_status
 
 TARGET = "suite_ab"
@@ -235,6 +236,10 @@ def main(pytest_args: Sequence[str], journal: str) -> int:
         why = refused if refused is not None else f"--journal {journal}: {problem}"
         print(f"npu-shadow ab: {why}", file=sys.stderr)
         return 2
+    # (both worlds and the A/B's own comparisons are one run of one job: they share its run id, made here where
+    # none is named, and report the A/B's command)
+    run_id()
+    os.environ.setdefault(COMMAND_ID_VARIABLE, command_id(["npu-shadow", "ab", *pytest_args]))
     with tempfile.TemporaryDirectory(prefix="npu-shadow-ab-") as scratch:
         outcomes = {}
         for world in WORLDS:

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 
-from shadow.core.model.run_ids import MADE_RUN_ID_VARIABLE, new_run_id
+from shadow.core.model.run_ids import COMMAND_ID_VARIABLE, MADE_RUN_ID_VARIABLE, command_id, new_run_id
 from shadow.core.support.safe_paths import make_private_directory
 from shadow.launcher import config as cfg
 from shadow.launcher import linger
@@ -318,6 +318,8 @@ def _run(
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *filter(None, [env.get("PYTHONPATH")])])
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.pop(ROLLED_BACK_BY, None)  # (a new job starts with its configured primary)
+    if COMMAND_ID_VARIABLE not in env:  # (every process of the job reports the command it wraps)
+        env[COMMAND_ID_VARIABLE] = command_id(list(command))
     if config.run_id is None:  # (a new launch is a new run, unless torchrun names it)
         env[MADE_RUN_ID_VARIABLE] = new_run_id()
         torchrun = " (torchrun's TORCHELASTIC_RUN_ID instead where it sets one)" if _is_torchrun(command) else ""

@@ -6,10 +6,12 @@ differs, per call signature:
 
 - the call's error is within ``MARGIN`` times a robust floor of the A/A errors (their ``FLOOR_QUANTILE`` quantile,
   a high order statistic one outlier cannot move; absolute errors only, so an element near zero cannot make a
-  relative floor infinite), after at least ``MIN_AA_RUNS`` A/A runs; for a gradient, within the floor or beyond
-  it no more often than legacy's own. Gradients are heavy-tailed where kernels are nondeterministic: noise that
-  moves an activation across a ReLU's zero gates a whole gradient element (10-20% of it; on a device under
-  cudnn.benchmark, about one backward comparison in twenty of an honest job went beyond twice the floor). Where
+  relative floor infinite), after at least ``MIN_AA_RUNS`` A/A runs, or beyond it no more often than legacy's own.
+  A floor from a dozen A/A runs is itself noisy (at a process's start, at ``--aa-rate 0.05``), and errors are
+  heavy-tailed where kernels are nondeterministic (reductions whose spread varies from call to call; noise that
+  moves an activation across a ReLU's zero gates a whole gradient element, 10-20% of it: on a device under
+  cudnn.benchmark about one backward comparison in twenty of an honest job went beyond twice the floor), so an
+  error beyond the floor is judged by how often such errors happen, never one by one. Where
   upstream differs from legacy as legacy differs from itself, A/B and A/A errors are exchangeable and exceed the
   floor equally often, so a gradient beyond it is a mismatch once the A/B errors exceed it more often than each
   A/A error exceeds the floor of the others (a one-sided Fisher exact test at ``TEST_LEVEL`` over the window),
@@ -126,9 +128,7 @@ class NoiseFloor:
                 return False, f"{name}: abs error {error:.3g}; legacy repeated itself bitwise in {len(aa)} A/A runs"
             floor = float(np.quantile(aa, FLOOR_QUANTILE, method="lower"))
             where = f"abs error {error:.3g} within {MARGIN:g} x A/A floor {floor:.3g}"
-            if error > MARGIN * floor and not gradient:
-                return False, f"{name}: abs error {error:.3g} > {MARGIN:g} x A/A floor {floor:.3g} ({len(aa)} runs)"
-            if error > MARGIN * floor:  # (a gradient beyond it: as often as legacy's own are beyond theirs?)
+            if error > MARGIN * floor:  # (beyond it: as often as legacy's own are beyond theirs?)
                 beyond_aa, p_value, beyond = _exceedances(ab, aa, floor)
                 where = f"abs error {error:.3g} > {MARGIN:g} x A/A floor {floor:.3g}; {beyond}"
                 if p_value < TEST_LEVEL:

@@ -8,7 +8,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 #: The run a person names (``npu-shadow run --run-id``): every series, journal line and capture carries it.
 RUN_ID_VARIABLE = "NPU_SHADOW_RUN_ID"
@@ -66,12 +66,21 @@ RESTART_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 _PER_RANK_ARGUMENT = re.compile(r"--local[-_]rank(=\S*)?")
 
 
-def command_id(argv: list[str] | None = None) -> str:
-    """Which job this process runs: twelve hex digits of a hash of its command line (``sys.argv``, less the
-    arguments that differ between ranks). Every rank and spawned worker of one job has the same; two jobs given one
-    run id by mistake have two, and the verdict refuses to pool them."""
+#: The job's command id a launcher gives every process it starts (``npu-shadow run``: of the command it wraps;
+#: ``npu-shadow ab``: of the A/B, whose two worlds are one job).
+COMMAND_ID_VARIABLE = "NPU_SHADOW_COMMAND_ID"
+
+
+def command_id(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ) -> str:
+    """Which job this process runs: the id a launcher gave it (:data:`COMMAND_ID_VARIABLE`), else twelve hex digits
+    of a hash of its command line (``sys.argv``, less the arguments that differ between ranks). Every rank and
+    spawned worker of one job has the same; two jobs given one run id by mistake have two, and the verdict refuses
+    to pool them."""
     import sys
 
+    given = environ.get(COMMAND_ID_VARIABLE, "") if argv is None else ""
+    if given and not run_id_problem(given):
+        return given
     words = list(sys.argv if argv is None else argv)
     kept: list[str] = []
     skip = False
