@@ -363,6 +363,11 @@ PROMOTION_CASES = [
         "backward_mismatch": {("legacy", "a"): 0.03},
     },
     {
+        "name": "ample clean evidence, then ten minutes at 5x the max rate (0.83x of it over the last hour)",
+        "phases": {"legacy": {"a": (90_000, 9_000, 0), "b": (10_000, 1_000, 0)}},
+        "burst": {("legacy", "a"): (10, 50)},
+    },
+    {
         "name": "tensor_type whose job took a risky signature, compared too rarely",
         "target": "tensor_type",
         "phases": {"legacy": {"dtype/cpu/blocking": (1000, 100, 0), "npu_name/noncurrent/blocking": (1, 0.1, 0)}},
@@ -403,6 +408,13 @@ def promotion_case(spec: dict) -> dict:
         grow("npu_shadow_mismatches_total", per_minute, primary=primary, reason=reason)
     if spec.get("rollbacks"):
         grow("npu_shadow_rollbacks_total", spec["rollbacks"], source="http")
+    for (primary, signature), (burst, per_minute) in spec.get("burst", {}).items():  # (the last minutes to EVAL)
+        quiet = PROMOTION_EVAL_MINUTES - burst
+        values = f"0x{quiet} {per_minute!r}+{per_minute!r}x{minutes - quiet - 1}"
+        inputs.append(series("npu_shadow_comparisons_total", values, job="promo", target=target, primary=primary,
+                             signature=signature, outcome="mismatch"))  # fmt: skip
+        inputs.append(series("npu_shadow_mismatches_total", values, job="promo", target=target, primary=primary,
+                             reason="value"))  # fmt: skip
     for metric, values, labels in spec.get("raw", ()):
         inputs.append(series(metric, values, job="promo", target=target, **labels))
     fired = []

@@ -75,6 +75,9 @@ PARAMS: dict[str, Any] = {
 }
 
 WINDOWS = ("5m", "15m", "30m", "1h", "2h", "6h")
+#: The verdict's recent windows (``verdict.recent_windows`` of its default ``--recent``), as rule windows.
+RECENT_WINDOWS = tuple(f"{round(seconds / 60)}m" if seconds < 3600 else f"{round(seconds / 3600)}h"
+                       for seconds in verdict.recent_windows(verdict.RECENT_SECONDS))  # fmt: skip
 Z95 = 1.6448536269514722  # one-sided 95%
 
 PHASE = "job, run, target, primary"
@@ -365,6 +368,19 @@ def _burn(params: dict, name: str, severity: str, action: str, runbook: str) -> 
     return _alert(name, expr, severity, action, summary, runbook, params["for"])
 
 
+def _recent_windows_within(max_rate: float, divergent: str) -> str:
+    """The promotion alert's clauses that hold it back where a recent window's rate, forward or gradients, is above
+    the max rate (a burst of minutes is diluted in an hour: each window sees those of about its length)."""
+    clauses = []
+    for window in RECENT_WINDOWS:
+        clauses.append(f" unless on (job, run, target) (npu_shadow:divergence:ratio_rate{window} > {max_rate!r})")
+        clauses.append(
+            f' unless on (job, run, target) ({BY} (increase({BACKWARD_RUNS}{{outcome=~"{divergent}"}}[{window}]))'
+            f" / {BY} (increase({BACKWARD_RUNS}[{window}])) > {max_rate!r})"
+        )
+    return "".join(clauses)
+
+
 def _alerting_rules() -> list[dict]:
     hard = "|".join(HARD_REASONS)
     blind, errors, overhead = PARAMS["blind"], PARAMS["upstream_errors"], PARAMS["overhead"]
@@ -461,10 +477,8 @@ def _alerting_rules() -> list[dict]:
             f' unless on (job, run, target) sum by (job, run, target) ({MISMATCHES}{{reason=~"{hard}"}}) > 0'
             # no signature diverging on most of its calls (the verdict may roll it back on its own)
             f" unless on (job, run, target) ({STRATUM_DIVERGENT} / {STRATUM_COMPARED} > {verdict.SYSTEMATIC_RATE!r})"
-            # the last hour's rate within the max rate, forward and gradients (the verdict's recent window)
-            f" unless on (job, run, target) (npu_shadow:divergence:ratio_rate1h > {max_rate!r})"
-            f' unless on (job, run, target) ({BY} (increase({BACKWARD_RUNS}{{outcome=~"{divergent}"}}[1h]))'
-            f" / {BY} (increase({BACKWARD_RUNS}[1h])) > {max_rate!r})"
+            # the rates of the last hour, 15 and 5 minutes within the max rate (the verdict's recent windows)
+            f"{_recent_windows_within(max_rate, divergent)}"
             # no call skipped for a reason tied to the call (non-response)
             f' unless on (job, run, target) sum by (job, run, target) ({SKIPPED}{{reason=~"{nonresponse}"}}) > 0'
             # every signature with calls compared

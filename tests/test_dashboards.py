@@ -149,18 +149,21 @@ def test_dashboard_and_rules_name_only_real_metrics():
     assert "npu_shadow_drill_active" in used and "npu_shadow_abs_error_bucket" in used
 
 
-def _counts_at_eval(spec: dict):
-    """A promotion case's series as the verdict would read them at the case's evaluation time."""
+def _counts_at_eval(spec: dict, minutes: int = rule_cases.PROMOTION_EVAL_MINUTES):
+    """A promotion case's series as the verdict would read them at the case's evaluation time (over its last
+    ``minutes``, for a recent window: the series grow by the minute, a burst in the minutes just before it)."""
     from shadow.analysis.verdict import TargetCounts
 
     counts = TargetCounts()
-    minutes = rule_cases.PROMOTION_EVAL_MINUTES
     for primary, signatures in spec["phases"].items():
         for signature, (calls, compared, divergent) in signatures.items():
             counts.add_calls(signature, calls * minutes, primary)
             counts.add_outcome(signature, "match", (compared - divergent) * minutes, primary)
             counts.add_outcome(signature, "mismatch", divergent * minutes, primary)
             counts.add_reason("value", divergent * minutes, primary)
+    for (primary, signature), (burst, per_minute) in spec.get("burst", {}).items():
+        counts.add_outcome(signature, "mismatch", per_minute * min(burst, minutes), primary)
+        counts.add_reason("value", per_minute * min(burst, minutes), primary)
     for (primary, signature, reason), per_minute in spec.get("skipped", {}).items():
         counts.add_skip(reason, per_minute * minutes, primary, signature)
     for primary, per_minute in spec.get("clusters", {}).items():
@@ -188,8 +191,15 @@ def test_the_promotion_alert_decides_as_the_verdict_does_on_the_same_counts():
     for spec in rule_cases.PROMOTION_CASES:
         target = spec.get("target", "op")
         risky = BUILTINS[target]().risky_signatures if target in BUILTINS else ()
-        decision = verdict.decide(target, _counts_at_eval(spec), verdict.DEFAULT_MAX_RATE, risky)
+        windows = {
+            verdict.recent_slice(seconds): _counts_at_eval(spec, round(seconds / 60))
+            for seconds in verdict.recent_windows(verdict.RECENT_SECONDS)
+        }
+        decision = verdict.decide(target, _counts_at_eval(spec), verdict.DEFAULT_MAX_RATE, risky, slices=windows)
         assert (decision.decision == verdict.PROMOTE) == bool(spec.get("fires")), (spec["name"], decision.why)
+        if spec.get("burst"):  # (the case is the recent windows': the whole history alone would promote)
+            alone = verdict.decide(target, _counts_at_eval(spec), verdict.DEFAULT_MAX_RATE, risky)
+            assert alone.decision == verdict.PROMOTE and decision.slices[0].decision == verdict.PROMOTE, alone.why
 
 
 def test_the_promotion_rules_bound_is_never_below_the_verdicts():

@@ -131,8 +131,10 @@ class Tally:
     def count(self, observation: Observation) -> Observation:
         """Count a published observation; returned with its cluster share where it opens a cluster."""
         # (a drilled comparison is no evidence: it opens no cluster, so setting it aside leaves the clusters exact)
-        if observation.outcome != Outcome.SKIPPED.value and not observation.drill and self.clusters.opens(
-            observation.primary, observation.outcome in DIVERGENT_OUTCOMES
+        if (
+            observation.outcome != Outcome.SKIPPED.value
+            and not observation.drill
+            and self.clusters.opens(observation.primary, observation.outcome in DIVERGENT_OUTCOMES)
         ):
             observation = dataclasses.replace(observation, cluster_share=self.clusters.opened_share)
         self.drilled += observation.drill
