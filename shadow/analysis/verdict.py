@@ -633,29 +633,43 @@ def decide_phase(
     if upper < max_rate:
         why = f"divergence rate below {upper:.3g} (95% upper bound, {k:.0f}/{n:.0f}) < max rate {max_rate:g}"
         return PhaseDecision(decision=PROMOTE, why=why, **common)
-    missing = []
+    units = "clusters" if clustered else "effective comparisons"
+    missing = _promote_needs(upper, max_rate, share, uncovered, rate, effective, units, prior, process_seconds)
+    return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: {missing}", **common)
+
+
+def _promote_needs(
+    upper: float,
+    max_rate: float,
+    share: float,
+    uncovered: Mapping[str, float],
+    rate: float,
+    effective: float,
+    units: str,
+    prior: Prior,
+    process_seconds: float,
+) -> str:
+    """What an inconclusive phase needs to promote: the calls never compared that no comparison can make up for,
+    a rate seen that running on cannot bring below max rate, or how much more running at the rate seen takes."""
     if share >= max_rate:
         kinds = ", ".join(f"{reason} {value:.3g}" for reason, value in sorted(uncovered.items()))
-        missing.append(
+        return (
             f"{share:.3g} of the calls are of a kind never compared ({kinds}): no number of comparisons of the "
             "others can bound the rate below max rate"
         )
-    elif rate >= max_rate - share:
-        missing.append(
+    if rate >= max_rate - share:
+        return (
             f"upper bound {upper:.3g} >= max rate {max_rate:g}, and the rate seen ({rate:.3g}) is not below it"
             f"{f' less the uncovered share {share:.3g}' if share else ''}: running on at the rate seen cannot "
             "promote (the bound falls toward the rate, never below it)"
         )
-    else:
-        units = "clusters" if clustered else "effective comparisons"
-        # (running on brings divergences at the rate seen: the bound is reached where it falls below max rate with
-        # them, not with today's divergences alone)
-        needed = bounds.needed_at_rate(max_rate - share, rate, prior)
-        more = "more than any job makes:" if math.isinf(needed) else f"about {max(1, math.ceil(needed - effective)):,}"
-        seen = f"at the rate seen ({rate:.3g}, its divergences included)" if rate else "without divergence"
-        when = _when(needed - effective, effective, process_seconds, units)
-        missing.append(f"upper bound {upper:.3g} >= max rate {max_rate:g}: {more} more {units} {seen}{when}")
-    return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: " + "; ".join(missing), **common)
+    # (running on brings divergences at the rate seen: the bound is reached where it falls below max rate with
+    # them, not with today's divergences alone)
+    needed = bounds.needed_at_rate(max_rate - share, rate, prior)
+    more = "more than any job makes:" if math.isinf(needed) else f"about {max(1, math.ceil(needed - effective)):,}"
+    seen = f"at the rate seen ({rate:.3g}, its divergences included)" if rate else "without divergence"
+    when = _when(needed - effective, effective, process_seconds, units)
+    return f"upper bound {upper:.3g} >= max rate {max_rate:g}: {more} more {units} {seen}{when}"
 
 
 #: The suffix of a phase's gradient evidence in the phases decided (``legacy gradients``).

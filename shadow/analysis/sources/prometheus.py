@@ -247,6 +247,25 @@ def _drilling(url: str, selector: str, end: float | None, deadline: _Deadline) -
     return bool(found)
 
 
+def _drills(
+    url: str,
+    selector: str,
+    start: float | None,
+    end: float | None,
+    deadline: _Deadline,
+    counts: dict[str, TargetCounts],
+    drilling: bool,
+) -> None:
+    """A fire drill still on is rehearsed (``drilled`` -1: its comparisons count); one that is over has exactly the
+    comparisons it marked set aside (:func:`_set_aside_drilled`)."""
+    for metric in (DRILLED, DRILLED_REASONS) if not drilling else ():
+        for key, value in _exact_between(url, metric, selector, start, end, deadline).items():
+            labels = dict(key)
+            _set_aside_drilled(counts, metric, labels, _count(value, f"{url}: {metric}{labels}"))
+    for entry in counts.values():
+        entry.drilled = -1 if drilling else 0
+
+
 def _commands(selector: str, end: float | None, deadline: _Deadline) -> dict[str, set[str]]:
     """The command ids the run's processes reported (``npu_shadow_build_info``), by run."""
     promql = f"count by ({_RUN_LABEL}, command) (last_over_time({BUILD_INFO}{{{selector}}}[{LOOKBACK}]))"
@@ -314,12 +333,8 @@ def from_prometheus(
     for metric in ARM_SERIES if arms is not None and not window else ():
         series = _exact_between(url, metric, selector, start, end, deadline, whole=False)
         arms.extend((metric, dict(key), value) for key, value in series.items())  # type: ignore[union-attr]
-    for metric in (DRILLED, DRILLED_REASONS) if not (window or drilling) else ():
-        for key, value in _exact_between(url, metric, selector, start, end, deadline).items():
-            labels = dict(key)
-            _set_aside_drilled(counts, metric, labels, _count(value, f"{url}: {metric}{labels}"))
-    for entry in counts.values():
-        entry.drilled = -1 if drilling else 0
+    if not window:
+        _drills(url, selector, start, end, deadline, counts, drilling)
     if not window:
         seconds = sum(_exact_between(url, PROCESS_TIME, selector, start, end, deadline).values())
         for entry in counts.values():
