@@ -355,7 +355,7 @@ def _ranks_in_lockstep(tmp_path, monkeypatch, world_size: int, variable: str = "
     from exporters import JsonlExporter, PrometheusExporter
     from shadow.core.calls.record import clusters
 
-    for each in clusters.WORLD_SIZE_VARIABLES:
+    for each in ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
         monkeypatch.delenv(each, raising=False)
     monkeypatch.setenv(variable, str(world_size))
     monkeypatch.setenv("NPU_SHADOW_RUN_ID", "job-1")
