@@ -452,53 +452,50 @@ def test_ranks_started_by_mp_spawn_count_their_process_groups_share(tmp_path, mo
 # --------------------------------------------------------------------------- 7: the first minutes of a jittering job
 
 
-def test_an_honest_job_whose_sides_jitter_alike_with_a_varying_spread_counts_no_mismatch():
-    """Legacy and upstream jitter alike, the spread varying from call to call (nondeterministic reductions): each
-    value beyond twice a floor taken from a dozen A/A runs was a mismatch at once, about 5% of the calls at
-    --aa-rate 0.05, so such a job could never promote. Beyond the floor it is now judged by how often."""
+def _shadowed_1500_calls(legacy, upstream):
+    """The stats of 1,500 calls of ``legacy`` shadowed by ``upstream``, every one sampled, A/A on a twentieth (the
+    launcher's default)."""
     import types
 
-    import numpy as np
     import torch
 
     import shadow
-
-    rng = np.random.default_rng(11)
-
-    def jitter(x):
-        spread = float(np.exp(rng.normal(0.0, 1.0)))
-        return x + 1e-4 * spread * torch.as_tensor(rng.standard_normal(tuple(x.shape)), dtype=x.dtype)
-
-    ops = types.SimpleNamespace(op=jitter)
-    target = shadow.Target("op", ops, "op", jitter, signature=lambda a, k: "call")
-    with shadow.install([target], sample_rate=1.0, aa_rate=0.05, budget=None, seed=4) as monitor:
-        for _ in range(1_500):
-            ops.op(torch.zeros(64))
-    stats = monitor.stats()["op"]
-    assert stats.mismatch == 0 and stats.noise > 1_400, stats
-
-
-def test_a_real_difference_beyond_the_floor_is_still_a_mismatch_within_a_few_calls():
-    """The other side of the same rule: upstream 10x legacy's spread is a mismatch on (nearly) every call."""
-    import types
-
-    import numpy as np
-    import torch
-
-    import shadow
-
-    rng = np.random.default_rng(12)
-
-    def legacy(x):
-        return x + 1e-4 * torch.as_tensor(rng.standard_normal(tuple(x.shape)), dtype=x.dtype)
-
-    def upstream(x):
-        return x + 1e-3 * torch.as_tensor(rng.standard_normal(tuple(x.shape)), dtype=x.dtype)
 
     ops = types.SimpleNamespace(op=legacy)
     target = shadow.Target("op", ops, "op", upstream, signature=lambda a, k: "call")
     with shadow.install([target], sample_rate=1.0, aa_rate=0.05, budget=None, seed=4) as monitor:
         for _ in range(1_500):
             ops.op(torch.zeros(64))
-    stats = monitor.stats()["op"]
+    return monitor.stats()["op"]
+
+
+def _noise(rng, scale: float, varying: bool = False):
+    """A function adding normal noise of ``scale`` (times a spread drawn per call where ``varying``)."""
+    import numpy as np
+    import torch
+
+    def jitter(x):
+        spread = float(np.exp(rng.normal(0.0, 1.0))) if varying else 1.0
+        return x + scale * spread * torch.as_tensor(rng.standard_normal(tuple(x.shape)), dtype=x.dtype)
+
+    return jitter
+
+
+def test_an_honest_job_whose_sides_jitter_alike_with_a_varying_spread_counts_no_mismatch():
+    """Legacy and upstream jitter alike, the spread varying from call to call (nondeterministic reductions): each
+    value beyond twice a floor taken from a dozen A/A runs was a mismatch at once, about 5% of the calls at
+    --aa-rate 0.05, so such a job could never promote. Beyond the floor it is now judged by how often."""
+    import numpy as np
+
+    jitter = _noise(np.random.default_rng(11), 1e-4, varying=True)
+    stats = _shadowed_1500_calls(jitter, jitter)
+    assert stats.mismatch == 0 and stats.noise > 1_400, stats
+
+
+def test_a_real_difference_beyond_the_floor_is_still_a_mismatch_within_a_few_calls():
+    """The other side of the same rule: upstream 10x legacy's spread is a mismatch on (nearly) every call."""
+    import numpy as np
+
+    rng = np.random.default_rng(12)
+    stats = _shadowed_1500_calls(_noise(rng, 1e-4), _noise(rng, 1e-3))
     assert stats.noise == 0 and stats.mismatch >= 1_400, stats
