@@ -120,6 +120,14 @@ SKIPPED = Metric(
     "Sampled calls not compared, by reason and call signature (empty where it is not known: the budget's skips, a "
     "call whose signature could not be taken).",
 )
+PATCH_CALLS = Metric(
+    "npu_shadow.patch_calls",
+    "{call}",
+    "counter",
+    ("patch",),
+    "The job's calls of each function patch of the release's census (counted at its place in torch, by its dotted "
+    "name): which of the release's patches the job calls.",
+)
 DRILLED = Metric(
     "npu_shadow.drilled",
     "{comparison}",
@@ -308,6 +316,7 @@ ALL = (
     MISMATCHES,
     DRILLED,
     DRILLED_REASONS,
+    PATCH_CALLS,
     SKIPPED,
     EXPORT_ERRORS,
     SHARED_DIVERGENCES,
@@ -470,6 +479,11 @@ def reset_samples(target: str) -> list[Sample]:
 def time_samples(seconds: float) -> list[Sample]:
     """Process time under the monitor (``record_time``)."""
     return [(PROCESS_TIME, (), seconds)] if seconds > 0 else []
+
+
+def patch_call_samples(patch: str, calls: int) -> list[Sample]:
+    """The job's calls of one function patch since the last report (``record_patch_calls``)."""
+    return [(PATCH_CALLS, (patch,), calls)] if calls > 0 else []
 
 
 def export_error_samples(target: str) -> list[Sample]:

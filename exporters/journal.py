@@ -45,6 +45,24 @@ _encode = json.JSONEncoder(separators=(",", ":")).encode
 COUNT_INTERVAL_SECONDS = 10.0
 
 
+def _check_arguments(path: object, numbers: dict[str, object], count_interval: object, capture_dir: object) -> None:
+    """A JsonlExporter's arguments, checked before anything is opened: ValueError naming the one that is wrong."""
+    for name, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"JsonlExporter: {name} must be an int >= 0, got {value!r}")
+    problem = template_problem(path) if isinstance(path, str) else "not a string"
+    if problem is not None:
+        raise ValueError(f"JsonlExporter: path={path!r} is not valid: {problem}")
+    if (
+        isinstance(count_interval, bool)
+        or not isinstance(count_interval, (int, float))
+        or not (0 <= count_interval < math.inf)
+    ):
+        raise ValueError(f"JsonlExporter: count_interval must be seconds >= 0, got {count_interval!r}")
+    if capture_dir is not None:
+        check_private_directory(capture_dir, "capture_dir")  # type: ignore[arg-type]
+
+
 class JsonlExporter:
     """One JSON line per observation that is not a bitwise match, found a shared divergence or ran an A/A run
     (every one with ``all_outcomes``), and count records: every ``count_interval`` seconds while observations
@@ -75,21 +93,7 @@ class JsonlExporter:
         count_interval: float = COUNT_INTERVAL_SECONDS,
     ) -> None:
         numbers = {"max_bytes": max_bytes, "backups": backups, "max_captures": max_captures}
-        numbers["max_capture_bytes"] = max_capture_bytes
-        for name, value in numbers.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"JsonlExporter: {name} must be an int >= 0, got {value!r}")
-        problem = template_problem(path) if isinstance(path, str) else "not a string"
-        if problem is not None:
-            raise ValueError(f"JsonlExporter: path={path!r} is not valid: {problem}")
-        if (
-            isinstance(count_interval, bool)
-            or not isinstance(count_interval, (int, float))
-            or not (0 <= count_interval < math.inf)
-        ):
-            raise ValueError(f"JsonlExporter: count_interval must be seconds >= 0, got {count_interval!r}")
-        if capture_dir is not None:
-            check_private_directory(capture_dir, "capture_dir")
+        _check_arguments(path, {**numbers, "max_capture_bytes": max_capture_bytes}, count_interval, capture_dir)
         self.count_interval = float(count_interval)
         self.annotate = annotate
         self.path_template = path
@@ -126,6 +130,8 @@ class JsonlExporter:
         self._counts_written_at = time.monotonic()
         self._header_written = False
         self._process_seconds = 0.0
+        self._patch_calls: dict[str, int] = {}
+        self._patch_calls_dirty = False
         self._command = contract.command_id()
 
     @property
@@ -156,6 +162,13 @@ class JsonlExporter:
         with self._lock:
             phase = self._phase(target, self._primary.get(target, LEGACY))
             phase.calls[signature] = phase.calls.get(signature, 0) + calls
+
+    def record_patch_calls(self, patch: str, calls: int) -> None:
+        """The job's calls of a release's function patch: carried, cumulative, by the ``patch_calls`` record
+        written beside the count records."""
+        with self._lock:
+            self._patch_calls[patch] = self._patch_calls.get(patch, 0) + calls
+            self._patch_calls_dirty = True
 
     def record_time(self, seconds: float) -> None:
         """Process time under the monitor: count records carry its total (the metrics' process time)."""
@@ -243,6 +256,9 @@ class JsonlExporter:
         """The count records of the phases that changed (under the lock). A failed write keeps them due: the next
         record carries the same cumulative counts and more."""
         self._counts_written_at = time.monotonic()
+        if self._patch_calls_dirty:
+            self._write_record({"event": "patch_calls", "calls": dict(sorted(self._patch_calls.items()))})
+            self._patch_calls_dirty = False
         for key in sorted(self._dirty):
             target, primary = key
             fields = self._counts[key].fields()

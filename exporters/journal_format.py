@@ -33,7 +33,7 @@ PROCESS_FIELDS = ("run", "host", "pid", "stream", "rank", "torch", "torch_npu", 
 PROCESS_KEY = re.compile(rb',"host":("(?:[^"\\]|\\.)*"|null),"pid":(\d+),"stream":"([0-9a-f]*)"')
 
 #: The records that are not observations, by their ``event``.
-EVENTS = ("journal", "counts", "rollback", "reset", "arm")
+EVENTS = ("journal", "counts", "rollback", "reset", "arm", "patch_calls")
 
 #: A count record's tables: name -> depth (2: {signature: {key: count}}, 1: {key: count}); and its plain counts.
 COUNT_TABLES = {

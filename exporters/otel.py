@@ -184,6 +184,9 @@ class OTelExporter:
     def record_time(self, seconds: float) -> None:
         self._apply(contract.time_samples(seconds))
 
+    def record_patch_calls(self, patch: str, calls: int) -> None:
+        self._apply(contract.patch_call_samples(patch, calls))
+
     def record_export_error(self, target: str) -> None:
         self._apply(contract.export_error_samples(target))
 

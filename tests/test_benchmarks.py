@@ -69,3 +69,9 @@ def test_the_attack_round_holds_every_attack_it_tries():
         "verdict",
     ], out  # fmt: skip
     assert total[0] == "all" and int(total[2]) > 100 and total[2] == total[4], out
+
+
+def test_patch_call_benchmark_runs_and_reports_each_place():
+    out = run_quick("bench_patch_calls.py")
+    for place in ("torch.nn.Module.__call__", "torch.Tensor.__repr__", "torch.serialization._save"):
+        assert f"counted / bare call of {place}: " in out

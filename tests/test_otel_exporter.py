@@ -45,6 +45,7 @@ def test_every_instrument_with_its_unit_and_attributes():
     exporter.export_arm(ArmRun("dataloader_init", "legacy", 0.0, ((0,),), (0, 1), (0,), (0, 1), 0.1, 0.2, 3, 10.0))
     # (a fire drill's comparison, of another target: the drill's own counters)
     exporter.export(Observation("drilled", "error", reasons=("exception",), drill=True))
+    exporter.record_patch_calls("torch.serialization._save", 3)  # (a release's function patch the job called)
     data = reader.get_metrics_data()
     (scope_metrics,) = data.resource_metrics[0].scope_metrics
     assert scope_metrics.scope.name == "npu_shadow"
@@ -75,6 +76,7 @@ def test_every_instrument_with_its_unit_and_attributes():
     assert value("npu_shadow.abs_error", target="op") == stats.compared == 14
     assert value("npu_shadow.shadow_peak_added", target="op") == stats.shadow_peak_bytes >= 1 << 18
     assert value("npu_shadow.sample_rate", target="op") == 1.0
+    assert value("npu_shadow.patch_calls", patch="torch.serialization._save") == 3
     assert value("npu_shadow.drilled", target="drilled", outcome="error") == 1
     assert value("npu_shadow.drilled_reasons", target="drilled", reason="exception") == 1
     assert value("npu_shadow.backward_runs", target="op") == stats.backward_runs == stats.match - 2  # (no_grad: two)

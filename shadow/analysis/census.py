@@ -540,3 +540,40 @@ def _locate(source_path: str) -> str:
 def difference(newer: Census, older: Census) -> dict[str, list[str]]:
     """What ``newer`` patches that ``older`` did not (added), and what it no longer patches (removed)."""
     return {"added": sorted(newer.names() - older.names()), "removed": sorted(older.names() - newer.names())}
+
+
+#: Where the function patches of each release are kept once a census found them (beside the wheel cache).
+PATCH_LISTS = "census"
+
+
+def function_patches(census: Census) -> list[str]:
+    """The names of the release's function patches (kinds ``function`` and ``in place``): the places a call counter
+    can go (:mod:`shadow.core.calls.patch_calls`)."""
+    return [p.name for p in census.patches if p.kind in (FUNCTION, IN_PLACE_KIND)]
+
+
+def patch_list(source_path: str) -> Path:
+    """A JSON file naming the function patches of the release at ``source_path`` (``{"version", "patches",
+    "total"}``), taken once per wheel and kept in the cache (a census reads the whole release: seconds). Raises
+    LegacySourceError where ``source_path`` is no release."""
+    import json
+    import os
+
+    from shadow.npu.torch_npu_source import wheel_cache
+
+    path = Path(_locate(source_path))
+    try:
+        stat = path.stat()
+        key = f"{path.name}.{stat.st_size}.{int(stat.st_mtime)}"
+    except OSError as exc:
+        raise LegacySourceError(f"{path}: {exc.strerror or exc}") from exc
+    kept = wheel_cache().parent / PATCH_LISTS / f"{key}.json"
+    if kept.is_file():
+        return kept
+    census = take(str(path))
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_suffix(f".{os.getpid()}.tmp")
+    content = {"version": census.version, "patches": function_patches(census), "total": len(census.patches)}
+    partial.write_text(json.dumps(content))
+    partial.replace(kept)  # (whole or absent: ranks that start together read one file)
+    return kept

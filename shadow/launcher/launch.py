@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import importlib.util
+import json
 import logging
 import multiprocessing
 import os
@@ -119,6 +120,9 @@ class Launcher:
         self.rolled_back_by: str | None = None
         #: The counts of the monitors installed before this one (each time new legacy patches came), by target.
         self._earlier: dict[str, Any] = {}
+        #: The calls of the release's function patches those monitors counted; the release and its patch count.
+        self._earlier_patches: dict[str, int] = {}
+        self.release, self.release_patches = "", 0
 
     def install(self, environ: Mapping[str, str] | None = None) -> Any:
         """Install (or re-install) the monitor described by the NPU_SHADOW_* variables of ``environ`` (when given)
@@ -137,6 +141,8 @@ class Launcher:
             if self.monitor is not None:
                 self.monitor.uninstall()  # its last counts go to the exporters it had
                 self._earlier = _then(self._earlier, self.monitor.stats())  # (the summary counts every install)
+                for patch, calls in self.monitor.patch_counts().items():
+                    self._earlier_patches[patch] = self._earlier_patches.get(patch, 0) + calls
             if self.config is not None and config != self.config:
                 self._close_exporters()
             self.config = config
@@ -149,6 +155,8 @@ class Launcher:
             self._find_rollback(config)
             tolerance = Tolerance(config.rtol, config.atol) if config.rtol is not None else None
             settings = config.monitor_settings(rolled_back=bool(self.rolled_back_by))
+            patches, self.release, self.release_patches = _patch_list(os.environ)
+            settings = dataclasses.replace(settings, count_patches=patches)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "npu-shadow: torch_npu is installed but not imported")  # (bootstrap)
                 # (the exit summary says it: "no target installed")
@@ -273,6 +281,11 @@ class Launcher:
                 _then(self._earlier, self.monitor.stats()), self.monitor.legacy_origins(), job=job, processes=processes,
                 forked=forks.forked_children(),
             )  # fmt: skip
+            if self.release_patches:
+                counts = dict(self._earlier_patches)
+                for patch, calls in self.monitor.patch_counts().items():
+                    counts[patch] = counts.get(patch, 0) + calls
+                text += "\n" + patch_summary(counts, self.release, self.release_patches)
             print(text, file=sys.stderr)
 
     def _at_exit_output(
@@ -334,6 +347,26 @@ _NOT_LOADED = object()
 
 #: Set in the job's environment when its switch is thrown: processes it starts later begin rolled back.
 ROLLED_BACK_BY = "NPU_SHADOW_ROLLED_BACK_BY"
+#: Set by ``npu-shadow run --legacy-from RELEASE``: a file naming the release's function patches, whose calls every
+#: process counts (:func:`shadow.analysis.census.patch_list`).
+PATCH_LIST = "NPU_SHADOW_PATCH_LIST"
+
+
+def _patch_list(environ: Mapping[str, str]) -> tuple[tuple[str, ...], str, int]:
+    """(the function patches to count, the release, how many patches it applies) from :data:`PATCH_LIST`'s file;
+    none where it is not set or cannot be read (said once)."""
+    path = environ.get(PATCH_LIST)
+    if not path:
+        return (), "", 0
+    try:
+        with open(path, encoding="utf-8") as handle:
+            content = json.load(handle)
+        names = tuple(name for name in content["patches"] if isinstance(name, str))
+        return names, str(content.get("version", "")), int(content.get("total", len(names)))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"npu-shadow: no patch calls counted: {PATCH_LIST}={path}: {exc}", file=sys.stderr)
+        return (), "", 0
+
 
 #: The process's launcher: what ``npu-shadow run`` and :func:`install_from_env` install.
 LAUNCHER = Launcher()
@@ -530,6 +563,17 @@ def summary(
             "counted in their own metrics and journals, not here: npu-shadow verdict reads them all)"
         )
     return "\n".join(lines)
+
+
+def patch_summary(counts: Mapping[str, int], release: str, total: int, most: int = 8) -> str:
+    """The exit summary's line on the release's patches: how many this process called, the most called first."""
+    called = sorted(((calls, name) for name, calls in counts.items() if calls), reverse=True)
+    top = ", ".join(f"{name} {calls:,}" for calls, name in called[:most])
+    more = f" and {len(called) - most} more" if len(called) > most else ""
+    return (
+        f"npu-shadow patches: this process called {len(called)} of torch_npu {release}'s {total} patches "
+        f"({len(counts)} function patches counted here){': ' + top + more if called else ''}"
+    )
 
 
 def _flush_on_sigterm(at_exit: Callable[[], None]) -> None:

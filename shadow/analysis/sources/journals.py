@@ -182,6 +182,7 @@ class _Stream:
     jumps: list[str] = dataclasses.field(default_factory=list)  # the wall clock's jumps, said
     process_seconds: float | None = None  # its time under the monitor, from its count records (the latest)
     commands: set[str] = dataclasses.field(default_factory=set)  # the job it ran, from its count records
+    patch_calls: dict[str, float] = dataclasses.field(default_factory=dict)  # its calls of a release's patches
 
     def see(self, value: object) -> None:
         timestamp = _seconds(value)
@@ -487,6 +488,8 @@ class JournalReader:
                 self._keep(phase, record["timestamp"], counts)
         elif event == "arm":
             stream.arms.append(record)
+        elif event == "patch_calls":  # (cumulative: the process's last record says all)
+            stream.patch_calls = record["calls"]
         elif event in ("rollback", "reset"):
             stream.events.append(record)
             if event == "reset":
@@ -795,6 +798,26 @@ def from_journal(
     return counts
 
 
+def patch_calls(reader: JournalReader) -> dict[str, float]:
+    """The calls of each function patch of a release in the journals ``reader`` read, every process of its run
+    together (each process's last ``patch_calls`` record: they are cumulative)."""
+    found: dict[str, float] = {}
+    for stream in reader.streams.values():
+        if reader.run is None or stream.run == reader.run:
+            for patch, calls in stream.patch_calls.items():
+                found[patch] = found.get(patch, 0) + calls
+    return found
+
+
+def _check_patch_calls(record: dict, where: str) -> dict:
+    """A process's calls of a release's function patches (``"event": "patch_calls"``, cumulative), checked as
+    data: {dotted name: whole count}."""
+    calls = record.get("calls")
+    if not isinstance(calls, dict) or not all(isinstance(k, str) and len(k) <= 256 for k in calls):
+        raise SourceError(f"{where}: a patch_calls record whose calls are not a map of patch names")
+    return {**record, "calls": {k: _count(v, f"{where}: calls.{k}") for k, v in calls.items()}}
+
+
 def _check_arm(record: dict, where: str) -> dict:
     """A canary A/B iterator record (``"event": "arm"``, :mod:`shadow.core.calls.canary.arms`), checked as data."""
 
@@ -875,6 +898,8 @@ def _journal_record(raw: bytes, where: str) -> dict | None:
             return record
         if event == "arm":
             return _check_arm(record, where)
+        if event == "patch_calls":
+            return _check_patch_calls(record, where)
         if event not in ("rollback", "reset") or not isinstance(record.get("target"), str):
             raise SourceError(f"{where}: not a journal line (an unknown event, or one without its target)")
         if not isinstance(record.get("by"), str):

@@ -20,6 +20,7 @@ import torch
 
 from shadow.core.calls.canary.arms import IteratorArms
 from shadow.core.calls.engine import Experiment, experiment_of
+from shadow.core.calls.patch_calls import PatchCalls
 from shadow.core.calls.record import exporting
 from shadow.core.calls.record.record import Publisher
 from shadow.core.calls.record.reporter import REPORTER
@@ -66,6 +67,8 @@ class Monitor:
         self._restore: list[tuple[Any, str, bool, Any]] = []
         #: The canary A/B of the DataLoader's iterator (:mod:`shadow.core.calls.canary.arms`), where one runs.
         self.arms: IteratorArms | None = None
+        #: Call counters at the places of a release's function patches (:mod:`shadow.core.calls.patch_calls`).
+        self.patch_calls: PatchCalls | None = None
         #: A yielding monitor steps aside for a monitor installed later on the same target, and comes back
         #: when that one is uninstalled (the pytest plugin's session monitor yields to a test's own).
         self.yields = yields
@@ -91,6 +94,10 @@ class Monitor:
     def stats(self) -> dict[str, TargetStats]:
         """{target name: counts so far}."""
         return {s.target.name: s.stats() for s in self._experiments}
+
+    def patch_counts(self) -> dict[str, int]:
+        """{patch: the job's calls so far} of every counted function patch (``count_patches``)."""
+        return self.patch_calls.counts() if self.patch_calls is not None else {}
 
     def roll_back(self, by: str) -> list[str]:
         """The rollback switch: every target whose primary is upstream (a canary) returns legacy's result from the
@@ -170,16 +177,22 @@ class Monitor:
             s.release_pending()  # (value differences the noise floor never could judge: skips now)
             s.report_calls(flush=True)
         self._report_time()
+        self._report_patch_calls()
         self.publisher.each("flush")
 
     def report(self) -> None:
         """Report the calls counted since the last report, and the time passed, to the exporters
         (:mod:`shadow.core.calls.record.reporter` does, each second)."""
-        if self._restore:
+        if self._restore or self.patch_calls is not None:
             for s in self._experiments:
                 s.record.finish_deferred()  # (the comparisons the device finished since: published now)
                 s.report_calls(flush=True)  # (a guided target's open gate too: the total is the job's calls)
             self._report_time()
+            self._report_patch_calls()
+
+    def _report_patch_calls(self) -> None:
+        for patch, calls in (self.patch_calls.since_reported() if self.patch_calls is not None else {}).items():
+            self.publisher.each("record_patch_calls", patch, calls)
 
     def _report_time(self) -> None:
         now = time.monotonic()
@@ -192,8 +205,11 @@ class Monitor:
         if self.arms is not None:
             self.arms.uninstall()
             self.arms = None
-        if self._restore:
+        if self._restore or self.patch_calls is not None:
             self.flush()
+        if self.patch_calls is not None:  # (outside the targets' wrappers: taken off first)
+            self.patch_calls.uninstall()
+            self.patch_calls = None
         while self._restore:
             s, had_own, raw = self._restore.pop()
             s.sampling.detach()
@@ -330,6 +346,7 @@ def install(
     try:
         monitor._patch()
         monitor.arms = _arms(targets, settings.primary, exporters, settings.seed)
+        monitor.patch_calls = _patch_counters(settings.count_patches)
     except Exception:
         monitor.uninstall()
         raise
@@ -339,6 +356,16 @@ def install(
         REPORTER.add(monitor)  # (the calls between sampled ones reach the exporters within a second)
     log.debug("npu-shadow installed %s with torch %s", monitor.targets, torch.__version__)
     return monitor
+
+
+def _patch_counters(names: tuple[str, ...]) -> PatchCalls | None:
+    """Call counters at the places of ``names``, installed (after the targets' wrappers: a shadowed place's call
+    counts once), or None where none is asked for."""
+    if not names:
+        return None
+    counters = PatchCalls(names)
+    counters.install()
+    return counters
 
 
 def _settings(settings: Settings | None, options: dict[str, Any]) -> Settings:

@@ -33,6 +33,8 @@ class Settings:
         primary: the side whose result the caller gets: ``"legacy"`` (shadowing) or ``"upstream"`` (a canary).
         backward_rate: the fraction of sampled calls of an isolated target whose gradients are compared too.
         truth_rate: the fraction of calls with a value difference that run again in float64 (which side is nearer).
+        count_patches: the dotted names of a release's function patches (its census) whose places get a call
+            counter (:mod:`shadow.core.calls.patch_calls`): which of them the job calls.
         trusted_checkpoints: the job's checkpoints are safe to unpickle twice: ``torch_load`` compares loads whose
             pickle names the job's own classes or functions, or with a callable ``map_location`` (else skipped).
 
@@ -52,6 +54,7 @@ class Settings:
     backward_rate: float = 0.0
     truth_rate: float = 0.0
     trusted_checkpoints: bool = False
+    count_patches: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         def fix(name: str, value: Any) -> None:
@@ -70,6 +73,9 @@ class Settings:
             isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < math.inf
         ):
             raise ValueError(f"deadline: expected seconds > 0 or None, got {deadline!r}")
+        if isinstance(self.count_patches, str) or not all(isinstance(n, str) for n in self.count_patches):
+            raise ValueError(f"count_patches: expected dotted names, got {self.count_patches!r}")
+        fix("count_patches", tuple(self.count_patches))
         for flag in ("pure_hooks", "trusted_checkpoints"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag}: expected True or False, got {getattr(self, flag)!r}")

@@ -24,7 +24,19 @@ from typing import Any
 
 from shadow.core.support import forks
 
-marks = threading.local()
+
+class _Marks(threading.local):
+    """A thread's marks; one never set reads None from the class (a thread-local attribute that is missing costs
+    an exception, a microsecond, on every read: the call path reads these on every call)."""
+
+    shadow_side: Any = None
+    run: object | None = None
+    inherited: tuple[object, Any] | None = None
+    in_legacy: Any = None
+    publishing: Any = None
+
+
+marks = _Marks()
 
 #: The shadow runs under way, by a key of their own: its experiment, and whether it is a backward comparison's.
 shadow_runs: dict[object, tuple[Any, bool]] = {}
@@ -74,6 +86,21 @@ def keeping_no_activations(lean: Lean | None) -> Iterator[None]:
     finally:
         if lean_of_this_thread() is lean:  # (a settings put-back on this thread may have taken them off already)
             torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
+class SampledCallsUnderWay:
+    """How many sampled calls are under way in this process. While none is, no shadow side runs and the monitor does
+    no work of its own on any thread, so a call of a counted place is the job's without a look at which thread
+    makes it (:mod:`shadow.core.calls.patch_calls`: its one check on the common path)."""
+
+    def __init__(self) -> None:
+        #: The sampled calls under way; changed under :attr:`lock` (by the sampled call itself, inline: its path
+        #: stays in its own file).
+        self.count = 0
+        self.lock = threading.Lock()
+
+
+SAMPLED_CALLS = SampledCallsUnderWay()
 
 
 class Role(enum.Enum):

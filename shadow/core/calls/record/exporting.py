@@ -49,6 +49,10 @@ class Exporter(Protocol):
         """Seconds of this process's time under the monitor since the last report (each second, and at flush):
         what the verdict turns into "how much more running it takes"."""
 
+    def record_patch_calls(self, patch: str, calls: int) -> None:
+        """The job's calls of a release's function patch (by its dotted name) since the last report
+        (:mod:`shadow.core.calls.patch_calls`)."""
+
     def flush(self) -> None:
         """Write out what is buffered (the monitor's flush: at exit, at uninstall)."""
 
@@ -75,6 +79,7 @@ HOOKS = (
     "record_rollback",
     "record_reset",
     "record_time",
+    "record_patch_calls",
     "flush",
     "record_export_error",
     "set_drill",

@@ -21,7 +21,7 @@ from shadow.core.model.observation import Observation, Outcome, bounded
 from shadow.core.model.targets import Target
 from shadow.core.runs.global_state import TorchGlobals
 from shadow.core.runs.isolation import user_code_reached
-from shadow.core.runs.sides import marks
+from shadow.core.runs.sides import SAMPLED_CALLS, marks
 from shadow.core.support.memory import InsufficientMemory
 
 #: torch's own TorchFunctionModes: they are part of the call's context, active for legacy and upstream alike.
@@ -88,6 +88,16 @@ class SampledCall:
     def run(self) -> Any:
         """Skipped with an observation where the shadow side cannot be the same call, else the primary's run
         against the shadow run. Returns what the primary returned (or raises what it raised)."""
+        under_way = SAMPLED_CALLS  # (calls of a release's counted patches meanwhile are told apart: patch_calls)
+        with under_way.lock:
+            under_way.count += 1
+        try:
+            return self._run()
+        finally:
+            with under_way.lock:
+                under_way.count -= 1
+
+    def _run(self) -> Any:
         context, args, kwargs, cost = self.context, self.args, self.kwargs, self.context.cost
         start = cost.clock()
         if context.record.deferred:  # (earlier calls' comparisons the device has finished since)
