@@ -132,6 +132,18 @@ def test_a_job_under_the_launcher_says_which_of_the_releases_patches_it_called(t
         assert f"{patch} {calls}" in line, line
     records = [json.loads(r) for r in journal.read_text().splitlines() if '"event":"patch_calls"' in r]
     assert all(records[-1]["calls"][patch] == calls for patch, calls in expected.items()), records[-1]
+    ranked = subprocess.run(
+        [sys.executable, "-m", "shadow", "census", wheel("2.14.0"), "--journal", str(journal), "--format", "json"],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )  # fmt: skip
+    assert ranked.returncode == 0, ranked.stderr
+    found = json.loads(ranked.stdout)
+    by_name = {p["name"]: p for p in found["patches"]}
+    assert found["called"] == len([p for p in found["patches"] if p["calls"]]) >= 3
+    assert [p["calls"] for p in found["patches"]] == sorted((p["calls"] for p in found["patches"]), reverse=True)
+    assert by_name["torch.Tensor.__repr__"]["calls"] == 3
+    assert by_name["torch.load"]["covered_by"] == "target torch_load"
+    assert by_name["torch.utils.dlpack.to_dlpack"]["covered_by"].startswith("nothing: a DLPack capsule")
     metrics = textfile.read_text()
     assert any('patch="torch.serialization._save"' in m and m.endswith(" 2.0") for m in metrics.splitlines()
                if m.startswith("npu_shadow_patch_calls_total"))  # fmt: skip

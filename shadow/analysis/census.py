@@ -577,3 +577,46 @@ def patch_list(source_path: str) -> Path:
     partial.write_text(json.dumps(content))
     partial.replace(kept)  # (whole or absent: ranks that start together read one file)
     return kept
+
+
+#: Why a function patch has no target, where its place says: what running it twice would do.
+NOT_TWICE = {
+    "torch.distributed.distributed_c10d.rendezvous": "it connects to the job's store (the network): a canary A/B "
+    "of a job fits, a second run in the call does not",
+    "torch.distributed.launcher.api._get_addr_and_port": "it takes an address and port from the machine: running it "
+    "twice takes two",
+    "torch.multiprocessing.reductions.reduce_tensor": "it moves a tensor to shared memory for another process: a "
+    "second run allocates it twice",
+    "torch.multiprocessing.reductions.reduce_storage": "it moves a storage to shared memory for another process",
+    "torch.multiprocessing.reductions.reduce_event": "it shares an event with another process",
+    "torch.utils.dlpack.to_dlpack": "a DLPack capsule can be consumed once",
+    "torch.utils.dlpack.from_dlpack": "a DLPack capsule can be consumed once",
+    "torch.to_dlpack": "a DLPack capsule can be consumed once",
+    "torch.from_dlpack": "a DLPack capsule can be consumed once",
+}
+
+#: Compile-time internals: they run while torch compiles a graph (judged by a suite A/B, ``npu-shadow ab``).
+COMPILE_TIME = ("torch._dynamo.", "torch._inductor.", "torch._functorch.", "torch.fx.")
+
+
+def coverage(patch: Patch) -> str:
+    """What gives evidence about deleting ``patch``: a target that shadows it, the canary A/B, or nothing and why."""
+    if patch.shadowed_by is not None:
+        kind = next((row.kind for row in catalog.CATALOG if row.name == patch.shadowed_by), catalog.SHADOWED)
+        return f"canary A/B {patch.shadowed_by}" if kind == catalog.CANARY else f"target {patch.shadowed_by}"
+    if patch.kind == ADDITION:
+        return "nothing: an addition (upstream has nothing to compare it with)"
+    if patch.kind == CONSTRUCTOR:
+        return "nothing: a constructor (what it builds cannot be built twice unseen)"
+    if patch.name.startswith(COMPILE_TIME):
+        return "nothing call by call: compile-time internals (compare the suite: npu-shadow ab)"
+    if patch.name in NOT_TWICE:
+        return f"nothing: {NOT_TWICE[patch.name]}"
+    return "nothing yet: no target shadows it"
+
+
+def by_calls(census: Census, calls: dict[str, float]) -> list[tuple[Patch, int, str]]:
+    """The release's patches with the jobs' calls of each (``calls``: :func:`shadow.analysis.sources.journals
+    .patch_calls`) and what covers it, the most called first (then by name)."""
+    rows = [(patch, round(calls.get(patch.name, 0)), coverage(patch)) for patch in census.patches]
+    return sorted(rows, key=lambda row: (-row[1], row[0].name))

@@ -223,14 +223,18 @@ def _census(args: argparse.Namespace) -> int:
     import json
 
     from shadow.analysis import census
+    from shadow.analysis.sources import SourceError
     from shadow.npu.torch_npu_source import LegacySourceError, printable
 
     try:
         taken = census.take(args.source)
         against = census.take(args.against) if args.against else None
-    except (LegacySourceError, OSError) as exc:
+        calls = _journal_patch_calls(args.journal) if args.journal else None
+    except (LegacySourceError, OSError, SourceError) as exc:
         print(f"npu-shadow census: {printable(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
+    if calls is not None:
+        return _census_by_calls(taken, calls, args.format)
     if args.format == "json":
         found = taken.as_dict()
         if against is not None:
@@ -254,6 +258,39 @@ def _census(args: argparse.Namespace) -> int:
             print(f"  removed: {printable(name)}")
         for name in changed["added"]:
             print(f"  added:   {printable(name)}")
+    return EXIT_OK
+
+
+def _journal_patch_calls(paths: list[str]) -> dict[str, float]:
+    """The jobs' calls of each function patch, from their journals (every process and run together)."""
+    from shadow.analysis.sources import JournalReader, with_rotated
+    from shadow.analysis.sources.journals import patch_calls
+
+    reader = JournalReader()
+    reader.read(with_rotated(paths)[0])
+    return patch_calls(reader)
+
+
+def _census_by_calls(taken: Any, calls: dict[str, float], form: str) -> int:
+    """``census RELEASE --journal ...``: the release's patches ranked by the jobs' calls, with what covers each."""
+    import json
+
+    from shadow.analysis import census
+    from shadow.npu.torch_npu_source import printable
+
+    rows = census.by_calls(taken, calls)
+    called = [row for row in rows if row[1]]
+    if form == "json":
+        found = [{**patch.as_dict(), "calls": n, "covered_by": covered} for patch, n, covered in rows]
+        print(json.dumps({"source": taken.source, "version": taken.version, "called": len(called),
+                          "patches": found}, indent=2))  # fmt: skip
+        return EXIT_OK
+    print(printable(f"torch_npu {taken.version}: the jobs called {len(called)} of its {len(rows)} patches"))
+    print(f"{'calls':>12}  {'patched':<56} {'kind':<10} {'applied':<22} covered by")
+    for patch, n, covered in called:
+        print(printable(f"{n:>12,}  {patch.name:<56} {patch.kind:<10} {patch.applied:<22} {covered}"))
+    if not called:
+        print("(no call counted: run the jobs under npu-shadow run --legacy-from RELEASE --journal PATH)")
     return EXIT_OK
 
 
@@ -741,6 +778,13 @@ def _add_census_command(commands: Any) -> None:
     count.add_argument("source", metavar="SOURCE", help="the release to read")
     count.add_argument("--against", metavar="SOURCE", help="also list what changed since this release")
     count.add_argument("--format", choices=("text", "json"), default="text", help="output format")
+    count.add_argument(
+        "--journal",
+        nargs="+",
+        metavar="PATH",
+        help="rank the patches by the calls these jobs' journals counted "
+        "(npu-shadow run --legacy-from RELEASE), with what covers each",
+    )
     count.set_defaults(handler=_census)
 
 
