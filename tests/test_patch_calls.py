@@ -113,13 +113,14 @@ def test_a_job_under_the_launcher_says_which_of_the_releases_patches_it_called(t
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     job = os.path.join(root, "tests", "patch_surface_job.py")
+    wheel("2.14.0")  # (in the cache: --legacy-from takes the version)
     plain_out, out = tmp_path / "plain.pt", tmp_path / "shadowed.pt"
     journal, textfile = tmp_path / "j.jsonl", tmp_path / "m.prom"
     plain = subprocess.run([sys.executable, job, str(plain_out), "--emulate-npu"], capture_output=True, text=True,
                            timeout=300, cwd=tmp_path)  # fmt: skip
     assert plain.returncode == 0, plain.stderr
     done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.14.0"),
+        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", "2.14.0",
          "--journal", str(journal), "--textfile", str(textfile), "--", sys.executable, job, str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
@@ -147,3 +148,12 @@ def test_a_job_under_the_launcher_says_which_of_the_releases_patches_it_called(t
     metrics = textfile.read_text()
     assert any('patch="torch.serialization._save"' in m and m.endswith(" 2.0") for m in metrics.splitlines()
                if m.startswith("npu_shadow_patch_calls_total"))  # fmt: skip
+
+
+def test_a_legacy_version_not_in_the_cache_is_refused_at_start_up_naming_the_setting():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "shadow", "run", "--legacy-from", "9.9.9", "--", "true"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "--legacy-from='9.9.9' is not valid" in done.stderr, done.stderr
+    assert "nor a version whose wheel is cached" in done.stderr

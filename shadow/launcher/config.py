@@ -241,9 +241,16 @@ def _device_properties(text: str) -> str:
 
 
 def _legacy_source(text: str) -> str:
-    if text not in ("installed", REFERENCE) and not os.path.exists(text):
-        raise Invalid("no such file or directory")
-    return text
+    """A release's source: as given, or a version whose wheel is in the cache (``2.14.0``: as census takes it),
+    turned into that wheel's path so that every process of the job reads the same file."""
+    if text in ("installed", REFERENCE) or os.path.exists(text):
+        return text
+    from shadow.npu.torch_npu_source import cached_wheel
+
+    cached = cached_wheel(text) if re.fullmatch(r"\d+(\.\d+){1,3}(rc\d+)?", text) else None
+    if cached is None:
+        raise Invalid("no such file or directory, nor a version whose wheel is cached (scripts/fetch_torch_npu.sh)")
+    return str(cached)
 
 
 def _flag(text: str) -> bool:
@@ -436,7 +443,8 @@ SETTINGS = {
     "legacy_from": Setting(
         "NPU_SHADOW_LEGACY_FROM",
         "--legacy-from",
-        "a torch_npu wheel file, a directory holding the torch_npu package, 'installed', or 'reference' "
+        "a torch_npu wheel file, a version whose wheel is cached (2.14.0), a directory holding the torch_npu "
+        "package, 'installed', or 'reference' "
         "(shadow.npu.reference: a rehearsal where no torch_npu is at hand)",
         _legacy_source,
     ),
