@@ -79,7 +79,7 @@ def test_a_place_a_target_shadows_counts_each_call_once(counted_ops):
 def test_the_counts_reach_the_metrics_and_the_journal(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from shadow.analysis.sources.journals import JournalReader, patch_calls
+    from shadow.analysis.sources import JournalReader, patch_calls
 
     registry, journal = CollectorRegistry(), tmp_path / "j.jsonl"
     exporters = [PrometheusExporter(registry=registry), JsonlExporter(str(journal))]
@@ -145,6 +145,11 @@ def test_a_job_under_the_launcher_says_which_of_the_releases_patches_it_called(t
     assert by_name["torch.Tensor.__repr__"]["calls"] == 3
     assert by_name["torch.load"]["covered_by"] == "target torch_load"
     assert by_name["torch.utils.dlpack.to_dlpack"]["covered_by"].startswith("nothing: a DLPack capsule")
+    report = subprocess.run([sys.executable, "-m", "shadow", "report", "--journal", str(journal), "--markdown", "-"],
+                            capture_output=True, text=True, timeout=300, cwd=root)  # fmt: skip
+    assert "Patches the jobs called" in report.stdout and "| torch.Tensor.__repr__ | 3 |" in report.stdout, (
+        report.stdout[-2000:] + report.stderr
+    )
     metrics = textfile.read_text()
     assert any('patch="torch.serialization._save"' in m and m.endswith(" 2.0") for m in metrics.splitlines()
                if m.startswith("npu_shadow_patch_calls_total"))  # fmt: skip

@@ -21,6 +21,7 @@ from shadow.analysis.sources import (
     CLUSTER_WINDOW_SECONDS,
     JournalReader,
     journal_records,
+    patch_calls,
     select_run,
     with_rotated,
 )
@@ -64,6 +65,8 @@ class Evidence:
     arms: list[dict] = dataclasses.field(default_factory=list)
     #: The slices of the evidence decided besides the whole (shadow.analysis.verdict.decide): name -> counts.
     slices: dict[str, dict[str, TargetCounts]] = dataclasses.field(default_factory=dict)
+    #: The jobs' calls of each function patch of the release (journals of ``npu-shadow run --legacy-from``).
+    patch_calls: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def collect(
@@ -95,6 +98,7 @@ def collect(
         if counts is None:
             evidence.slices = reader.slices()
         evidence.lines = reader.lines
+        evidence.patch_calls = patch_calls(reader)
         for stream in reader.streams.values():
             for phase in stream.phases.values():
                 for timestamp, compared, divergent in phase.intervals:
@@ -222,6 +226,8 @@ def build(
     sections.append(_divergences(evidence))
     if evidence.arms:
         sections.append(_arms(evidence))
+    if evidence.patch_calls:
+        sections.append(_patches(evidence))
     if evidence.rollbacks or any(d.rollbacks for d in decisions):
         sections.append(
             Section(
@@ -405,6 +411,19 @@ def _arms(evidence: Evidence) -> Section:
     ]
     rows = [[s.target, s.line()] for s in summaries]
     return Section("Canary A/B", text, ["target", "upstream's iterator"], rows, [])
+
+
+def _patches(evidence: Evidence, most: int = 40) -> Section:
+    """The release's function patches the jobs called, the most called first (npu-shadow census ranks them all,
+    with what covers each)."""
+    called = sorted(((calls, name) for name, calls in evidence.patch_calls.items() if calls), reverse=True)
+    text = [
+        f"The jobs called {len(called)} of the release's function patches (counted at each patch's place; "
+        "`npu-shadow census RELEASE --journal ...` ranks every patch with what covers it)."
+    ]
+    rows = [[name, f"{round(calls):,}"] for calls, name in called[:most]]
+    notes = [f"and {len(called) - most} more"] if len(called) > most else []
+    return Section("Patches the jobs called", text, ["patch", "calls"], rows, notes)
 
 
 def _coverage(decisions: list[Decision]) -> Section:

@@ -263,8 +263,7 @@ def _census(args: argparse.Namespace) -> int:
 
 def _journal_patch_calls(paths: list[str]) -> dict[str, float]:
     """The jobs' calls of each function patch, from their journals (every process and run together)."""
-    from shadow.analysis.sources import JournalReader, with_rotated
-    from shadow.analysis.sources.journals import patch_calls
+    from shadow.analysis.sources import JournalReader, patch_calls, with_rotated
 
     reader = JournalReader()
     reader.read(with_rotated(paths)[0])

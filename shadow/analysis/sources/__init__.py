@@ -19,6 +19,7 @@ from shadow.analysis.sources.journals import (
     JournalReader,
     from_journal,
     journal_records,
+    patch_calls,
     rotated_siblings,
     with_rotated,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "from_journal",
     "from_prometheus",
     "journal_records",
+    "patch_calls",
     "read_text",
     "rotated_siblings",
     "run_names",
