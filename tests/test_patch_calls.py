@@ -162,3 +162,18 @@ def test_a_legacy_version_not_in_the_cache_is_refused_at_start_up_naming_the_set
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "--legacy-from='9.9.9' is not valid" in done.stderr, done.stderr
     assert "nor a version whose wheel is cached" in done.stderr
+
+
+def test_counters_add_no_graph_break_to_compiled_code():
+    """A counted place dynamo traces through (a module's call) is traced as before: no graph break, no count."""
+    linear = torch.nn.Linear(4, 4)
+
+    def step(x):
+        return linear(x).relu()
+
+    torch._dynamo.reset()
+    with shadow.install([], count_patches=["torch.nn.Module.__call__"]) as monitor:
+        explained = torch._dynamo.explain(step)(torch.ones(2, 4))
+        assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+        assert monitor.patch_counts() == {"torch.nn.Module.__call__": 0}
+    torch._dynamo.reset()
