@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from shadow.core.calls.patch_calls import COMPILE_INTERNALS
 from shadow.npu import catalog
 from shadow.npu.torch_npu_source import LegacySourceError, ReleaseFiles, cached_wheel, parse, printable
 
@@ -595,9 +596,6 @@ NOT_TWICE = {
     "torch.from_dlpack": "a DLPack capsule can be consumed once",
 }
 
-#: Compile-time internals: they run while torch compiles a graph (judged by a suite A/B, ``npu-shadow ab``).
-COMPILE_TIME = ("torch._dynamo.", "torch._inductor.", "torch._functorch.", "torch.fx.")
-
 
 def coverage(patch: Patch) -> str:
     """What gives evidence about deleting ``patch``: a target that shadows it, the canary A/B, or nothing and why."""
@@ -608,7 +606,7 @@ def coverage(patch: Patch) -> str:
         return "nothing: an addition (upstream has nothing to compare it with)"
     if patch.kind == CONSTRUCTOR:
         return "nothing: a constructor (what it builds cannot be built twice unseen)"
-    if patch.name.startswith(COMPILE_TIME):
+    if patch.name.startswith(COMPILE_INTERNALS):  # (they run while torch compiles a graph)
         return "nothing call by call: compile-time internals (compare the suite: npu-shadow ab)"
     if patch.name in NOT_TWICE:
         return f"nothing: {NOT_TWICE[patch.name]}"
