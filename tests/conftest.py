@@ -42,6 +42,13 @@ def _patched_objects():
         vars(torch.nn.Module).get("cast_weight"),
         vars(dataloader._MultiProcessingDataLoaderIter).get("__init__"),
         importlib.import_module("torch.optim.optimizer")._get_foreach_kernels_supported_devices,
+        vars(torch.Tensor).get("__repr__"),
+        torch.save,
+        torch.serialization.save,
+        torch.serialization._save,
+        torch.serialization._legacy_save,
+        vars(torch.UntypedStorage).get("cpu"),
+        vars(torch.TypedStorage).get("_deepcopy"),
     )
 
 

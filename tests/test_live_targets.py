@@ -52,7 +52,10 @@ def _same_state(first: list[tuple], second: list[tuple]) -> bool:
 
 
 def test_the_213_wheel_gives_the_live_patches_and_lacks_the_removed_ones(legacy_213) -> None:
-    assert set(legacy_213.patches) == {"torch_load", "module_to", "module_npu", "foreach_devices", "dataloader_init"}
+    assert set(legacy_213.patches) == {
+        "torch_load", "torch_save", "tensor_repr", "storage_cpu", "storage_deepcopy", "module_to", "module_npu",
+        "foreach_devices", "dataloader_init",
+    }  # fmt: skip
     assert set(legacy_213.missing) == {"tensor_type", "parallel_apply", "data_parallel", "lstm_forward"}
     assert "has no 'npu_parallel_apply'" in legacy_213.missing["parallel_apply"]
 
@@ -408,6 +411,7 @@ def test_under_the_launcher_the_job_gets_legacys_results_and_the_evidence_names_
         ("module_npu", "error", ("exception",)),
         ("module_to", "mismatch", ("stride",)),
         ("torch_load", "match", ()),
+        ("torch_save", "match", ()),
     }
     verdict = _npu_shadow("verdict", "--journal", str(journal), "--format", "json")
     decided = {t["target"]: (t["decision"], t["divergent"]) for t in json.loads(verdict.stdout)["targets"]}

@@ -49,6 +49,20 @@ def test_an_exporter_or_a_signature_raising_anything_is_counted_and_swallowed(er
     assert monitor.stats()["op"].signature_calls == {"unclassified": 1} and monitor.stats()["op"].match == 1
 
 
+def test_arguments_the_monitor_cannot_read_skip_the_call_and_the_job_gets_its_result():
+    """``copy.deepcopy``'s memo holds the copies made so far, a module among them before its ``__init__`` state is
+    set: reading the call's modules raises, which must be a counted skip, never the job's exception."""
+    half_built = torch.nn.BatchNorm1d.__new__(torch.nn.BatchNorm1d)  # (as deepcopy makes it, before __setstate__)
+
+    def doubled(x, memo):
+        return x * 2
+
+    ops = types.SimpleNamespace(op=doubled)
+    with shadow.install([Target("op", ops, "op", doubled)], sample_rate=1.0) as monitor:
+        assert torch.equal(ops.op(torch.ones(2), {id(half_built): half_built}), torch.full((2,), 2.0))
+    assert monitor.stats()["op"].by_reason == {"comparator": 1}
+
+
 def test_keyboard_interrupt_still_stops_the_job():
     def upstream(x):
         raise KeyboardInterrupt

@@ -105,7 +105,9 @@ def test_count_patches_must_be_dotted_names():
 def test_a_job_under_the_launcher_says_which_of_the_releases_patches_it_called(tmp_path):
     """A job on 2 emulated npus with legacy from torch_npu 2.14.0 prints npu tensors, saves and loads a checkpoint
     and copies a storage to the host: the exit summary, the journal and the metrics count those patches' calls,
-    and what the job prints and writes is byte-identical to the unshadowed run."""
+    ``tensor_repr``, ``torch_save`` and ``storage_cpu`` compare them, and what the job prints and writes is
+    byte-identical to the unshadowed run."""
+    import collections
     import os
     import subprocess
 
@@ -133,6 +135,14 @@ def test_a_job_under_the_launcher_says_which_of_the_releases_patches_it_called(t
         assert f"{patch} {calls}" in line, line
     records = [json.loads(r) for r in journal.read_text().splitlines() if '"event":"patch_calls"' in r]
     assert all(records[-1]["calls"][patch] == calls for patch, calls in expected.items()), records[-1]
+    counted = [json.loads(r) for r in journal.read_text().splitlines() if '"event":"counts"' in r]
+    outcomes = collections.defaultdict(collections.Counter)
+    for record in counted:
+        for by_outcome in record["outcomes"].values():
+            outcomes[record["target"]].update(by_outcome)
+    assert outcomes["tensor_repr"]["match"] == 3 and outcomes["torch_save"]["match"] == 2, counted
+    assert outcomes["storage_cpu"]["match"] >= 1 and all(set(o) == {"match"} for o in outcomes.values()), counted
+    assert not any(record["skipped"] for record in counted), counted
     ranked = subprocess.run(
         [sys.executable, "-m", "shadow", "census", wheel("2.14.0"), "--journal", str(journal), "--format", "json"],
         capture_output=True, text=True, timeout=300, cwd=root,

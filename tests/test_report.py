@@ -85,7 +85,15 @@ called) |
 called) |
 | module_to | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
 called) |
+| storage_cpu | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
+called) |
+| storage_deepcopy | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
+called) |
+| tensor_repr | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
+called) |
 | torch_load | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
+called) |
+| torch_save | not exercised | 0 | 0 | - | no call of this target is in the sources (not installed or never \
 called) |
 
 ## Phases

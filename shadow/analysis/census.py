@@ -487,14 +487,17 @@ def _kind(name: str, exists: bool) -> str:
 
 
 def _shadowing() -> list[tuple[Any, str, str]]:
-    """(owner, attribute, target) of every built-in target (:data:`shadow.npu.catalog.CATALOG`)."""
-    return [(row.resolve_owner(), row.attribute, row.name) for row in catalog.CATALOG]
+    """(owner, attribute, target) of every place a built-in target's comparison covers (:data:`shadow.npu.catalog
+    .CATALOG`): its patch's, and those of the helpers installed beside it (``torch_save``'s ``_legacy_save``)."""
+    places = [(row.resolve_owner(), row.attribute, row.name) for row in catalog.CATALOG]
+    helpers = [(catalog.resolve(o), a, row.name) for row in catalog.CATALOG for _, o, a in row.helpers]
+    return places + helpers
 
 
 def take(source_path: str) -> Census:
     """The census of one release: ``source_path`` a torch_npu wheel, a version in the wheel cache (``2.13.0``), a
     directory holding the ``torch_npu`` package, or ``installed``. Raises LegacySourceError for anything else."""
-    path = _locate(source_path)
+    path = locate(source_path)
     source = ReleaseFiles(path)
     try:
         modules = _Modules(source)
@@ -526,7 +529,9 @@ def take(source_path: str) -> Census:
     return Census(str(path), version, tuple(patches))
 
 
-def _locate(source_path: str) -> str:
+def locate(source_path: str) -> str:
+    """The path of a release: ``source_path`` itself (a wheel, a directory, ``installed``), or the cached wheel of a
+    version. Raises LegacySourceError naming how to fetch one that is not cached."""
     if source_path == "installed" or Path(source_path).exists():
         return source_path
     cached = cached_wheel(source_path)
@@ -545,6 +550,8 @@ def difference(newer: Census, older: Census) -> dict[str, list[str]]:
 
 #: Where the function patches of each release are kept once a census found them (beside the wheel cache).
 PATCH_LISTS = "census"
+#: The patch lists' format (a cached list of an older one is taken again).
+PATCH_LIST_FORMAT = "v2"
 
 
 def function_patches(census: Census) -> list[str]:
@@ -555,30 +562,37 @@ def function_patches(census: Census) -> list[str]:
 
 def patch_list(source_path: str) -> Path:
     """A JSON file naming the function patches of the release at ``source_path`` (``{"version", "patches",
-    "total"}``), taken once per wheel and kept in the cache (a census reads the whole release: seconds). Raises
-    LegacySourceError where ``source_path`` is no release."""
+    "total", "places"}``, ``places``: each one's file, line and :func:`not_twice`), taken once per wheel and kept in
+    the cache (a census reads the whole release: seconds). Raises LegacySourceError where ``source_path`` is no
+    release."""
     import json
     import os
 
     from shadow.npu.torch_npu_source import wheel_cache
 
-    path = Path(_locate(source_path))
+    path = Path(locate(source_path))
     try:
         stat = path.stat()
         key = f"{path.name}.{stat.st_size}.{int(stat.st_mtime)}"
     except OSError as exc:
         raise LegacySourceError(f"{path}: {exc.strerror or exc}") from exc
-    kept = wheel_cache().parent / PATCH_LISTS / f"{key}.json"
+    kept = wheel_cache().parent / PATCH_LISTS / f"{key}.{PATCH_LIST_FORMAT}.json"
     if kept.is_file():
         return kept
     census = take(str(path))
     kept.parent.mkdir(parents=True, exist_ok=True)
     partial = kept.with_suffix(f".{os.getpid()}.tmp")
-    content = {"version": census.version, "patches": function_patches(census), "total": len(census.patches)}
+    places = {p.name: [p.file, p.line, not_twice(p)] for p in census.patches if p.kind in (FUNCTION, IN_PLACE_KIND)}
+    content = {
+        "version": census.version, "patches": function_patches(census), "total": len(census.patches), "places": places,
+    }  # fmt: skip
     partial.write_text(json.dumps(content))
     partial.replace(kept)  # (whole or absent: ranks that start together read one file)
     return kept
 
+
+#: What covers a function patch that no target shadows and that could run twice.
+NO_TARGET = "nothing yet: no target shadows it"
 
 #: Why a function patch has no target, where its place says: what running it twice would do.
 NOT_TWICE = {
@@ -594,7 +608,13 @@ NOT_TWICE = {
     "torch.utils.dlpack.from_dlpack": "a DLPack capsule can be consumed once",
     "torch.to_dlpack": "a DLPack capsule can be consumed once",
     "torch.from_dlpack": "a DLPack capsule can be consumed once",
+    "torch.utils.data.DataLoader.__iter__": "a second iterator starts the DataLoader's worker processes again (the "
+    "canary A/B dataloader_init compares the iterator's start)",
 }
+
+#: Places whose every patch talks to the job's other ranks (collectives, process groups, sharding): run twice on
+#: one rank alone, a collective waits for a partner that never comes.
+TALKS_TO_RANKS = "torch.distributed."
 
 
 def coverage(patch: Patch) -> str:
@@ -610,7 +630,21 @@ def coverage(patch: Patch) -> str:
         return "nothing call by call: compile-time internals (compare the suite: npu-shadow ab)"
     if patch.name in NOT_TWICE:
         return f"nothing: {NOT_TWICE[patch.name]}"
-    return "nothing yet: no target shadows it"
+    if patch.name.startswith(TALKS_TO_RANKS):
+        return "nothing: it talks to the job's other ranks: run twice on one rank, it waits for partners never coming"
+    return NO_TARGET
+
+
+def not_twice(patch: Patch) -> str | None:
+    """Why a generic target (``--shadow-patch``) cannot shadow ``patch``, or None where it can: a built-in target
+    shadows it already, it changes its receiver in place (a generic target compares results only), or the census
+    says what running it twice would do (:func:`coverage`)."""
+    if patch.shadowed_by is not None:
+        return f"the built-in target {patch.shadowed_by} shadows it"
+    if patch.kind == IN_PLACE_KIND:
+        return "it changes its receiver in place, and a generic target compares what calls return"
+    covered = coverage(patch)
+    return None if covered == NO_TARGET else covered.partition(": ")[2]
 
 
 def by_calls(census: Census, calls: dict[str, float]) -> list[tuple[Patch, int, str]]:

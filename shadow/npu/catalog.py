@@ -145,6 +145,31 @@ CATALOG: tuple[Row, ...] = (
         "shadow.core.model.live_targets:lstm_forward", risky=("packed=yes/*",),
         wrapped="`torch.nn.LSTM.forward` (torch_npu 2.8 to 2.12)", compared="tolerance, gradients too",
     ),
+    # torch_npu 2.13/2.14: an internal-format npu tensor printed through its host copy (no device, no grad)
+    Row(
+        "tensor_repr", "torch.Tensor", "__repr__", "torch_npu/_init/patches/npu_patches.py",
+        "apply_npu_internal_format_repr_patch._npu_internal_format_repr", "shadow.core.model.live_targets:tensor_repr",
+        risky=("*/format=internal/*",), wrapped="`torch.Tensor.__repr__`", upstream="`torch._tensor.Tensor.__repr__`",
+        compared="exact (the strings)",
+    ),
+    Row(
+        "torch_save", "torch.serialization", "_save", "torch_npu/utils/serialization.py", "_npu_save",
+        "shadow.core.model.live_targets:torch_save",
+        helpers=(("_add_serialization_methods._npu_legacy_save", "torch.serialization", "_legacy_save"),),
+        wrapped="`torch.save` (torch_npu's `_save` and `_legacy_save` under it)",
+        upstream="`torch.save` with torch's `_save` and `_legacy_save`, into a buffer of its own",
+        compared="what the two files load back to; byte layout apart (`close`)",
+    ),
+    Row(
+        "storage_cpu", "torch.storage.UntypedStorage", "cpu", "torch_npu/utils/storage.py", "_cpu",
+        "shadow.core.model.live_targets:storage_cpu", wrapped="`torch.UntypedStorage.cpu`",
+        upstream="`torch.storage.UntypedStorage.cpu`", compared="exact (device, size and bytes)",
+    ),
+    Row(
+        "storage_deepcopy", "torch.storage.TypedStorage", "_deepcopy", "torch_npu/utils/storage.py", "_deepcopy",
+        "shadow.core.model.live_targets:storage_deepcopy", wrapped="`torch.TypedStorage._deepcopy` (`copy.deepcopy`)",
+        upstream="`torch.storage.TypedStorage._deepcopy`", compared="exact (dtype, device, size and bytes)",
+    ),
     Row(
         "dataloader_init", "torch.utils.data.dataloader._MultiProcessingDataLoaderIter", "__init__", _MODULE,
         "_mpdl_iter_init", "shadow.core.calls.canary.arms:IteratorArms", kind=CANARY,

@@ -26,6 +26,7 @@ import __future__
 
 import ast
 import builtins
+import copy
 import dataclasses
 import email.parser
 import importlib
@@ -47,6 +48,7 @@ from typing import Any
 import torch
 
 from shadow.npu import catalog
+from shadow.npu.emulated import formats, torch_npu_c
 from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE, LEGACY_PATCHED, Patches, replace, upstream_of
 from shadow.npu.tensor_types import NPU_TENSOR_TYPES
 
@@ -121,6 +123,7 @@ _IMPORTABLE = frozenset(
         "contextlib",
         "io",
         "pickle",
+        "copy",
     }
 )
 
@@ -505,20 +508,21 @@ class _NpuModule(types.ModuleType):
 
 
 def _npu_format_cast(tensor: torch.Tensor, acl_format: int) -> torch.Tensor:
-    """``torch_npu.npu_format_cast`` off a real NPU: one memory format, nothing to cast (torch_npu returns the
-    tensor itself where its format is the one asked for)."""
+    """``torch_npu.npu_format_cast`` on a host whose accelerator is not an npu (CUDA): one memory format, nothing to
+    cast (torch_npu returns the tensor itself where its format is the one asked for)."""
     return tensor
+
+
+def _get_npu_format(tensor: torch.Tensor) -> int:
+    """``torch_npu.get_npu_format`` on a host whose accelerator is not an npu: every tensor is ND."""
+    return int(formats.Format.ND)
 
 
 def _emulated_torch_npu_c() -> Any:
     """The emulator's ``torch_npu._C`` where the accelerator is the emulated npu, else None."""
     from shadow.npu import emulated
 
-    if not emulated.installed_devices():
-        return None
-    from shadow.npu.emulated import torch_npu_c
-
-    return torch_npu_c
+    return torch_npu_c if emulated.installed_devices() else None
 
 
 def _device_module() -> tuple[str, Any]:
@@ -562,8 +566,13 @@ class _Loader:
                 _npu_getLocalDevice=torch.accelerator.current_device_index,
                 _npu_set_thread_affinity=lambda start, end: None,  # (torch_npu's binding is for NPU hosts)
                 _npu_reset_thread_affinity=lambda: None,
+                # (a storage's bytes as a tensor: the emulator's works on any device)
+                _tensor_construct_from_storage=torch_npu_c._tensor_construct_from_storage,
             )
-        package.npu_format_cast = _npu_format_cast
+        emulated = self.torch_npu_c is not None
+        package.npu_format_cast = formats.cast if emulated else _npu_format_cast
+        package.get_npu_format = formats.get if emulated else _get_npu_format
+        package.Format = formats.Format
         for name in TENSOR_TYPE_NAMES:
             cls = getattr(self.device_module, name, None)
             if cls is not None:
@@ -645,12 +654,7 @@ class _Loader:
             self.trees[member] = _parse(text, member)
         return self.trees[member]
 
-    def execute(self, member: str, names: tuple[str, ...]) -> dict[str, Any]:
-        """Define ``names`` from ``member`` (with the definitions of that file they use, and the names they
-        import from other torch_npu files, loaded the same way) in the file's namespace; returns it."""
-        where = f"torch_npu {self.version} ({self.source.path}): {member}"
-        tree = self._tree(member)
-        definitions = _definitions(tree)
+    def _namespace(self, member: str) -> dict[str, Any]:
         namespace = self.namespaces.get(member)
         if namespace is None:
             # A module of its own, importable by its name (torch.compile imports a traced function's module by
@@ -661,7 +665,19 @@ class _Loader:
             module.__builtins__ = self.builtins
             sys.modules[name] = module
             namespace = self.namespaces[member] = vars(module)
-        wanted = [n for n in names if n not in namespace]
+        return namespace
+
+    def execute(self, member: str, names: tuple[str, ...]) -> dict[str, Any]:
+        """Define ``names`` from ``member`` (with the definitions of that file they use, and the names they
+        import from other torch_npu files, loaded the same way) in the file's namespace; returns it. A dotted name
+        (``installer.definition``) is a definition nested in one of the file's functions (:meth:`_nested`), bound
+        under that dotted name."""
+        where = f"torch_npu {self.version} ({self.source.path}): {member}"
+        tree = self._tree(member)
+        definitions = _definitions(tree)
+        namespace = self._namespace(member)
+        nested = [n for n in names if "." in n and n not in namespace]
+        wanted = [n for n in names if "." not in n and n not in namespace]
         missing = [n for n in wanted if n not in definitions]
         if missing:
             raise LegacySourceError(f"{where} has no {missing[0]!r}")
@@ -672,9 +688,18 @@ class _Loader:
                 continue
             selected[name] = definitions[name]
             wanted.extend(n for n in _global_names([definitions[name]]) if n in definitions)
-        if not selected:
-            return namespace
-        nodes = [node for node in tree.body if getattr(node, "name", None) in selected]  # in source order
+        if selected:
+            nodes = [node for node in tree.body if getattr(node, "name", None) in selected]  # in source order
+            self._run(nodes, tree, member, namespace)
+        for name in nested:
+            namespace[name] = self._nested(member, name)
+        return namespace
+
+    def _run(self, nodes: list[ast.stmt], tree: ast.Module, member: str, namespace: dict[str, Any]) -> None:
+        """Bind the global names ``nodes`` read (imports, module-level data, the package) in ``namespace``, then
+        compile and run ``nodes`` there (definitions only: no module-level code)."""
+        where = f"torch_npu {self.version} ({self.source.path}): {member}"
+        definitions = _definitions(tree)
         imports = _imported(tree)
         constants = _constants(tree)
         for name in sorted(_global_names(nodes) - set(namespace)):
@@ -696,8 +721,49 @@ class _Loader:
             module = ast.fix_missing_locations(_DeviceRename(self.device_type).visit(module))
         # torch_npu's own compiler flags (its file's __future__ imports), never this module's
         code = compile(module, namespace["__file__"], "exec", flags=_future_flags(tree), dont_inherit=True)
-        exec(code, namespace)  # definitions only: no module-level code
-        return namespace
+        exec(code, namespace)
+
+    def _nested(self, member: str, dotted: str) -> Callable:
+        """The definition ``installer.name``: a function torch_npu defines inside the function that installs it
+        (``apply_npu_internal_format_repr_patch``'s ``_npu_internal_format_repr``).
+
+        The installer's body is run without what it does to the process: its imports, definitions and
+        ``name = <literal or attribute of torch>`` statements are kept (the attribute read as data by
+        :meth:`_constant`: upstream's function where a patch or a monitor is there now, the one torch_npu saves as
+        ``_orig_repr``), everything else (the assignment that installs the patch, calls) is left out; then it
+        returns ``name``, a closure over those values."""
+        where = f"torch_npu {self.version} ({self.source.path}): {member}"
+        installer_name, _, name = dotted.partition(".")
+        tree = self._tree(member)
+        installer = _definitions(tree).get(installer_name)
+        if not isinstance(installer, ast.FunctionDef):
+            raise LegacySourceError(f"{where} has no function {installer_name!r}")
+        arguments = installer.args
+        if arguments.posonlyargs or arguments.args or arguments.kwonlyargs or arguments.vararg or arguments.kwarg:
+            raise LegacySourceError(f"{where}: {installer_name} takes arguments: not an installer")
+        local_imports = _imported(ast.Module(body=_imports(ast.Module(body=installer.body, type_ignores=[])),
+                                             type_ignores=[]))  # fmt: skip
+        imports = {**_imported(tree), **local_imports}
+        namespace = self._namespace(member)
+        body: list[ast.stmt] = []
+        for node in installer.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)):
+                body.append(node)
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                bound = f"__npu_shadow_{installer_name}_{node.targets[0].id}"
+                namespace[bound] = self._constant(node.value, imports, member)
+                read = ast.Assign(targets=node.targets, value=ast.Name(bound, ast.Load()))
+                body.append(ast.fix_missing_locations(ast.copy_location(read, node)))
+        if not any(isinstance(node, ast.FunctionDef) and node.name == name for node in body):
+            raise LegacySourceError(f"{where}: {installer_name} defines no {name!r}")
+        body.append(ast.fix_missing_locations(ast.copy_location(ast.Return(ast.Name(name, ast.Load())), body[-1])))
+        factory = copy.copy(installer)
+        factory.name, factory.body, factory.decorator_list = "__npu_shadow_installer__", body, []
+        uses = [n for n in _global_names([factory]) if n in _definitions(tree)]
+        if uses:
+            self.execute(member, tuple(uses))
+        self._run([factory], tree, member, namespace)
+        return namespace.pop("__npu_shadow_installer__")()
 
 
 def _constants(tree: ast.Module) -> dict[str, ast.expr]:
@@ -800,6 +866,82 @@ def load(path: str | os.PathLike) -> TorchNpuLegacy:
         runtime=types.MappingProxyType(runtime),
         helpers=types.MappingProxyType(helpers),
     )
+
+
+def _statement_at(tree: ast.Module, line: int) -> tuple[ast.Assign, ast.FunctionDef | None] | None:
+    """The assignment at ``line`` of a file, and the top-level function it is in (None: at module level)."""
+    for node in tree.body:
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Assign) and inner.lineno == line:
+                return inner, node if isinstance(node, ast.FunctionDef) else None
+    return None
+
+
+def _installed_definition(tree: ast.Module, member: str, line: int, where: str) -> tuple[str, Any]:
+    """What the assignment at ``line`` installs, read from the syntax alone: ``("here", name)`` (a definition of
+    the file, ``installer.name`` for one nested in the function that installs it) or ``("imported", (module,
+    attribute))`` (one the file imports from another torch_npu file). Raises LegacySourceError for anything else."""
+    found = _statement_at(tree, line)
+    if found is None:
+        raise LegacySourceError(f"{where}: no assignment there")
+    statement, installer = found
+    value = statement.value
+    if not isinstance(value, ast.Name):
+        raise LegacySourceError(
+            f"{where} installs {printable(ast.unparse(value))[:80]}: the result of code run at import, not a "
+            "definition npu-shadow can load on its own"
+        )
+    name = value.id
+    if installer is not None and any(isinstance(n, ast.FunctionDef) and n.name == name for n in installer.body):
+        return "here", f"{installer.name}.{name}"
+    if name in _definitions(tree):
+        return "here", name
+    imports = {
+        **_imported(tree),
+        **(_imported(ast.Module(body=_imports(installer), type_ignores=[])) if installer else {}),
+    }
+    if name in imports and imports[name][0].partition(".")[0] == "torch_npu":
+        return "imported", imports[name]
+    raise LegacySourceError(f"{where} installs {name!r}, which is no definition of a torch_npu file")
+
+
+def check_installed(path: str | os.PathLike, member: str, line: int) -> None:
+    """Raise :class:`LegacySourceError` unless the assignment at ``member``:``line`` installs a definition that
+    :func:`installed_function` can load (read only: nothing runs, no accelerator needed)."""
+    source = ReleaseFiles(path)
+    try:
+        text = source.read(member)
+        if text is None:
+            raise LegacySourceError(f"torch_npu {source.version()}: {member} is missing")
+        _installed_definition(_parse(text, member), member, line, f"torch_npu {source.version()}: {member}:{line}")
+    finally:
+        source.close()
+
+
+def installed_function(path: str | os.PathLike, member: str, line: int) -> Callable:
+    """The function torch_npu installs with the assignment at ``member``:``line`` (a patch the census found there),
+    loaded from its source as the built-in targets' legacy is: a definition of that file, one nested in the function
+    that installs it, or one the file imports from another torch_npu file.
+
+    Raises :class:`LegacySourceError` where the statement installs anything else (the result of a call: a wrapper
+    made at import time, a lambda), naming it, or where this host has no accelerator."""
+    source = ReleaseFiles(path)
+    try:
+        version = source.version()
+        loader = _Loader(source, version)
+        loader.load_runtime()
+        tree = loader._tree(member)
+        kind, name = _installed_definition(tree, member, line, f"torch_npu {version}: {member}:{line}")
+        if kind == "here":
+            function = loader.execute(member, (name,))[name]
+        else:
+            function = loader._resolve(*name, name[1] or name[0], member)
+    finally:
+        source.close()
+    if not callable(function):
+        raise LegacySourceError(f"torch_npu {version}: {member}:{line} installs {name!r}, which is not a function")
+    setattr(function, ORIGIN_ATTRIBUTE, f"torch_npu {version} source")
+    return function
 
 
 def wheel_cache() -> Path:

@@ -247,9 +247,10 @@ class Monitor:
 
 
 def _builtin(name: str, settings: Settings) -> Target:
-    """A built-in target, made with the settings it reads (``torch_load``: whether checkpoints are trusted)."""
-    if name == "torch_load":
-        return live_targets.torch_load(trusted=settings.trusted_checkpoints)
+    """A built-in target, made with the settings it reads (``torch_load``, ``torch_save``: whether checkpoints are
+    trusted)."""
+    if name in ("torch_load", "torch_save"):
+        return getattr(live_targets, name)(trusted=settings.trusted_checkpoints)
     return builtin.BUILTINS[name]()
 
 

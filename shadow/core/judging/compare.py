@@ -31,6 +31,7 @@ from torch.utils._pytree import keystr
 
 from shadow.core.model import tolerance as tol
 from shadow.core.model.observation import DETAIL_LIMIT, MISMATCH_REASONS, Outcome, bounded
+from shadow.core.model.target import Alike
 from shadow.core.support import trees
 
 #: Elements per chunk on the host: the working set of one chunk (two inputs, three float and three bool
@@ -597,12 +598,15 @@ def compare_exceptions(legacy_error: BaseException | None, upstream_error: BaseE
 
 def compare_custom(equality: Any, legacy: Any, upstream: Any) -> Comparison:
     """A target's own comparison (:attr:`shadow.core.model.target.Target.compare`): a ``match`` where it returns None,
-    else a ``mismatch`` with reason ``custom`` and its text as the detail. A comparison that raises is this
-    tool's fault (the engine counts it)."""
+    a ``close`` where it returns an :class:`~shadow.core.model.target.Alike` (its note the detail), else a
+    ``mismatch`` with reason ``custom`` and its text as the detail. A comparison that raises is this tool's fault (the
+    engine counts it)."""
     with torch._C.DisableTorchFunction():  # (this tool's work: no subclass or mode sees it)
         difference = equality(legacy, upstream)
     if difference is None:
         return Comparison(Outcome.MATCH.value)
+    if isinstance(difference, Alike):
+        return Comparison(Outcome.CLOSE.value, detail=bounded(difference.note))
     return Comparison(Outcome.MISMATCH.value, ("custom",), detail=bounded(str(difference)))
 
 

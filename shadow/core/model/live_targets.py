@@ -1,6 +1,10 @@
-"""The targets of the patches torch_npu 2.13/2.14 still carry: ``torch.load``, ``Module.to``, ``Module.npu`` and the
-optimizers' foreach device list (the DataLoader iterator's ``__init__`` cannot run twice: it is compared as a
-canary A/B, :mod:`shadow.core.calls.canary.arms`).
+"""The targets of the patches torch_npu 2.13/2.14 still carry: ``torch.load``, ``torch.save``, ``Tensor.__repr__``,
+``UntypedStorage.cpu``, ``Module.to``, ``Module.npu`` and the optimizers' foreach device list (the DataLoader
+iterator's ``__init__`` cannot run twice: it is compared as a canary A/B, :mod:`shadow.core.calls.canary.arms`).
+
+``torch.save``'s legacy is torch_npu's ``_save`` and ``_legacy_save``, which torch's ``save`` calls by their module
+names: the target wraps ``torch.save`` (legacy: as installed, calling whatever is at those names), and its upstream is
+torch's ``save`` run over torch's own two (:func:`_upstream_save`).
 
 Each target's legacy is whatever is installed when the monitor installs (torch_npu's patch, or its source's with
 ``--legacy-from``); its upstream is torch's own function. torch keeps ``torch.serialization.load`` and
@@ -17,16 +21,18 @@ import functools
 import importlib
 import os
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from shadow.core.model import checkpoint, loaded
+from shadow.core.model import checkpoint, loaded, saving
 from shadow.core.model.observation import BUILTIN_RISKY
 from shadow.core.model.target import Target
 from shadow.core.support import memory
 from shadow.npu import catalog
+from shadow.npu.emulated import formats
 from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE, upstream_of
 
 _DATALOADER = "torch.utils.data.dataloader"
@@ -60,6 +66,12 @@ def _torchs_own(owner: Any, attribute: str, module: str) -> Callable | None:
 #: torch's own functions as they were when this module was imported (before torch_npu's patches, where npu-shadow
 #: is imported first, as the launcher does).
 _ON_IMPORT: dict[str, Callable | None] = {
+    "tensor_repr": _torchs_own(torch.Tensor, "__repr__", "torch._tensor"),
+    "storage_cpu": _torchs_own(torch.storage._StorageBase, "cpu", "torch.storage"),  # (UntypedStorage inherits it)
+    "storage_deepcopy": _torchs_own(torch.storage.TypedStorage, "_deepcopy", "torch.storage"),
+    "torch.serialization.save": _torchs_own(torch.serialization, "save", "torch.serialization"),
+    "torch.serialization._save": _torchs_own(torch.serialization, "_save", "torch.serialization"),
+    "torch.serialization._legacy_save": _torchs_own(torch.serialization, "_legacy_save", "torch.serialization"),
     "module_to": _torchs_own(torch.nn.Module, "to", "torch.nn.modules.module"),
     "module_npu": _torchs_own(torch.nn.Module, "npu", "torch.utils.backend_registration"),
     "dataloader_init": _torchs_own(_iterator_class(), "__init__", _DATALOADER),
@@ -82,6 +94,8 @@ def upstream(name: str) -> Callable | None:
         return importlib.import_module("torch.serialization").load
     if name == "foreach_devices":
         return importlib.import_module("torch.utils._foreach_utils")._get_foreach_kernels_supported_devices
+    if name == "torch_save":
+        return _upstream_save if all(_serialization_own(n) for n in ("save", "_save", "_legacy_save")) else None
     owner, attribute = {**PLACES, **ARM_PLACES}[name]
     found = upstream_of(owner(), attribute) or _ON_IMPORT.get(name)
     if found is None and name == "module_npu":
@@ -196,6 +210,203 @@ def torch_load(trusted: bool = False) -> Target:
     )
 
 
+# --------------------------------------------------------------------------- torch.save
+
+
+def _serialization_own(name: str) -> Callable | None:
+    """torch's own ``torch.serialization.<name>``: what the first legacy patch replaced, else what was there when
+    this module was imported."""
+    return upstream_of(torch.serialization, name) or _ON_IMPORT[f"torch.serialization.{name}"]
+
+
+def _upstream_save(*args: Any, **kwargs: Any) -> Any:
+    """``torch.save`` as torch has it: torch's ``save`` over torch's own ``_save`` and ``_legacy_save`` (its module's
+    globals copied, those two replaced: the module itself, which the job's other threads use, is left alone)."""
+    save = _serialization_own("save")
+    namespace = dict(vars(torch.serialization), _save=_serialization_own("_save"))
+    namespace["_legacy_save"] = _serialization_own("_legacy_save")
+    function = types.FunctionType(save.__code__, namespace, save.__name__, save.__defaults__, save.__closure__)
+    function.__kwdefaults__ = save.__kwdefaults__
+    return function(*args, **kwargs)
+
+
+def torch_save_signature(args: tuple, kwargs: dict) -> str:
+    """``dest=<path|stream>/format=<zip|legacy>/tensors=<none|host|device|mixed|objects>`` of a ``torch.save`` call:
+    where it writes, in which format, and where the tensors it saves are (``objects``: it saves more than
+    tensors and plain values in containers)."""
+    dest = "path" if checkpoint.is_path(saving.destination(args, kwargs)) else "stream"
+    kind = "zip" if saving.zipped(args, kwargs) else "legacy"
+    tensors = saving.tensors_of(saving.saved_object(args, kwargs))
+    if tensors is None:
+        where = "objects"
+    else:
+        devices = {t.device.type == "cpu" for t in tensors}
+        where = "none" if not devices else "mixed" if len(devices) == 2 else "host" if True in devices else "device"
+    return f"dest={dest}/format={kind}/tensors={where}"
+
+
+def torch_save(trusted: bool = False) -> Target:
+    """``torch.save`` against torch's own ``_save``/``_legacy_save`` (:func:`_upstream_save`): the shadow run saves
+    into a buffer of its own, and the two outputs are compared as data (:mod:`shadow.core.model.saving`); ``trusted``
+    lets objects that are more than tensors in containers be pickled twice."""
+    return Target(
+        name="torch_save",
+        owner=torch,
+        attribute="save",
+        upstream=upstream("torch_save") or _missing("torch_save"),
+        isolate=False,
+        reads_only=True,
+        signature=torch_save_signature,
+        signature_pure=True,
+        risky_signatures=BUILTIN_RISKY["torch_save"],
+        run_if=functools.partial(saving.refusal, trusted=trusted),
+        replay=saving.replay,
+        snapshot=saving.written,
+        compare=saving.difference,
+        clean=saving.kept,
+    )
+
+
+# --------------------------------------------------------------------------- Tensor.__repr__
+
+
+def npu_format(tensor: torch.Tensor) -> int | None:
+    """An npu tensor's internal format (torch_npu's ``get_npu_format``: the installed torch_npu's, else the emulated
+    npu's), None for a tensor elsewhere or where it cannot be read."""
+    if tensor.device.type != "npu":
+        return None
+    torch_npu = sys.modules.get("torch_npu")
+    get = getattr(torch_npu, "get_npu_format", None) or formats.get
+    try:
+        return int(get(tensor))
+    except Exception:  # (a FakeTensor has no NPU storage: torch_npu's raises)
+        return None
+
+
+def tensor_repr_signature(args: tuple, kwargs: dict) -> str:
+    """``device=<type>/format=<nd|internal>/grad=<none|leaf|graph>/contents=<given|none>`` of a ``Tensor.__repr__``
+    call: torch_npu 2.13/2.14 print an npu tensor in an internal format through its host copy."""
+    tensor = args[0]
+    found = npu_format(tensor)
+    layout = "nd" if found is None or found == formats.Format.ND else "internal"
+    grad = "graph" if tensor.grad_fn is not None else "leaf" if tensor.requires_grad else "none"
+    contents = "none" if kwargs.get("tensor_contents") is None else "given"
+    return f"device={tensor.device.type}/format={layout}/grad={grad}/contents={contents}"
+
+
+def tensor_repr() -> Target:
+    """``Tensor.__repr__`` against torch's: the two strings, compared exactly (a repr reads the tensor and changes
+    nothing: no isolation)."""
+    return Target(
+        name="tensor_repr",
+        owner=torch.Tensor,
+        attribute="__repr__",
+        upstream=upstream("tensor_repr") or _missing("tensor_repr"),
+        exact=True,
+        isolate=False,
+        reads_only=True,  # (under torch's no_grad: its grad_fn is printed, never extended)
+        signature=tensor_repr_signature,
+        signature_pure=True,
+        risky_signatures=BUILTIN_RISKY["tensor_repr"],
+    )
+
+
+# --------------------------------------------------------------------------- UntypedStorage.cpu
+
+
+def storage_cpu_signature(args: tuple, kwargs: dict) -> str:
+    """``device=<type>`` of an ``UntypedStorage.cpu`` call (a host storage is returned as it is)."""
+    return f"device={args[0].device.type}"
+
+
+def storage_cpu_run_if(args: tuple, kwargs: dict) -> None:
+    """Every copy can run twice: the shadow run's host copy must fit (raises InsufficientMemory)."""
+    storage = args[0]
+    if storage.device.type != "cpu":
+        memory.check_host_fits(storage.nbytes(), "a second host copy of the storage")
+
+
+def _storage_bytes(storage: Any) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def storage_difference(legacy: Any, upstream: Any) -> str | None:
+    """None where both copies are storages of one kind, dtype (a typed one's), device and bytes, else how they
+    differ."""
+    if type(legacy) is not type(upstream) or not isinstance(legacy, (torch.UntypedStorage, torch.TypedStorage)):
+        return f"legacy's copy is a {type(legacy).__name__}, upstream's a {type(upstream).__name__}"
+    if isinstance(legacy, torch.TypedStorage):  # (read without its own properties: they warn it is deprecated)
+        if legacy.dtype != upstream.dtype:
+            return f"legacy's copy holds {legacy.dtype}, upstream's {upstream.dtype}"
+        legacy, upstream = legacy._untyped_storage, upstream._untyped_storage
+    if (legacy.device, legacy.nbytes()) != (upstream.device, upstream.nbytes()):
+        return (
+            f"legacy's copy is {legacy.nbytes()} bytes on {legacy.device}, "
+            f"upstream's {upstream.nbytes()} on {upstream.device}"
+        )
+    if not torch.equal(_storage_bytes(legacy), _storage_bytes(upstream)):
+        return "the copies hold different bytes"
+    return None
+
+
+def storage_cpu() -> Target:
+    """``UntypedStorage.cpu`` against torch's: the host copies compared byte for byte."""
+    return Target(
+        name="storage_cpu",
+        owner=torch.storage.UntypedStorage,
+        attribute="cpu",
+        upstream=upstream("storage_cpu") or _missing("storage_cpu"),
+        isolate=False,
+        signature=storage_cpu_signature,
+        signature_pure=True,
+        run_if=storage_cpu_run_if,
+        compare=storage_difference,
+    )
+
+
+def _deepcopy_memo(args: tuple, kwargs: dict) -> dict:
+    return args[1] if len(args) > 1 else kwargs["memo"]
+
+
+def storage_deepcopy_run_if(args: tuple, kwargs: dict) -> str | None:
+    """A storage copied earlier in the same ``deepcopy`` is refused (the shadow run would find legacy's copy in the
+    memo, of another kind than upstream leaves there); any other copy must fit on its device (raises
+    InsufficientMemory)."""
+    storage = args[0]._untyped_storage  # (a TypedStorage's own properties warn that it is deprecated)
+    if storage._cdata in _deepcopy_memo(args, kwargs).get("torch", {}):
+        return "the storage was copied earlier in this deepcopy: the memo holds legacy's copy"
+    memory.check_device_fits(storage.device, storage.nbytes(), "a second copy of the storage")
+    return None
+
+
+def storage_deepcopy_replay(args: tuple, kwargs: dict) -> Callable[[], tuple[tuple, dict]]:
+    """Taken before the primary copies: the shadow run gets the memo as it is now, in a dict of its own (the
+    caller's keeps legacy's entry)."""
+    memo = dict(_deepcopy_memo(args, kwargs))
+    if "torch" in memo:
+        memo["torch"] = dict(memo["torch"])
+    return lambda: ((args[0], memo), {})
+
+
+def storage_deepcopy() -> Target:
+    """``TypedStorage._deepcopy`` (``copy.deepcopy`` of a tensor on an accelerator) against torch's: the copies
+    compared as storages (dtype, device and bytes); the memo entry each side leaves is its own (legacy keeps the
+    typed copy, torch the untyped one), which only a later call of the same deepcopy reads."""
+    return Target(
+        name="storage_deepcopy",
+        owner=torch.storage.TypedStorage,
+        attribute="_deepcopy",
+        upstream=upstream("storage_deepcopy") or _missing("storage_deepcopy"),
+        isolate=False,
+        signature=lambda args, kwargs: f"device={args[0]._untyped_storage.device.type}",
+        signature_pure=True,
+        run_if=storage_deepcopy_run_if,
+        replay=storage_deepcopy_replay,
+        compare=storage_difference,
+        reaches=lambda args, kwargs: args[:1],  # (the memo: every object copied so far, half-built ones too)
+    )
+
+
 # --------------------------------------------------------------------------- Module.to, Module.npu
 
 
@@ -306,8 +517,8 @@ def module_npu_signature(args: tuple, kwargs: dict) -> str:
     """``device=<none|int|str|device>`` of a ``Module.npu`` call: legacy builds ``torch.device("npu", device)``,
     which only an int (or None) survives."""
     device = args[1] if len(args) > 1 else kwargs.get("device")
-    for kind, types in (("none", type(None)), ("int", int), ("str", str), ("device", torch.device)):
-        if isinstance(device, types):
+    for kind, classes in (("none", type(None)), ("int", int), ("str", str), ("device", torch.device)):
+        if isinstance(device, classes):
             return f"device={kind}"
     return "device=other"
 

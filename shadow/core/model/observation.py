@@ -121,6 +121,9 @@ BUILTIN_RISKY = {row.name: row.risky for row in catalog.rows(catalog.SHADOWED)}
 CUSTOM_MEANING = {
     "foreach_devices": "deleting the patch changes whether the optimizers run their foreach (multi-tensor) kernels "
     "on this device type: the journal's detail says which way",
+    "torch_save": "the two saves load back to different content: the journal's detail names the first place",
+    "storage_cpu": "the host copies of the storage differ (size, device or bytes)",
+    "storage_deepcopy": "the deep copies of the storage differ (dtype, size, device or bytes)",
 }
 
 #: The faults a fire drill can inject into the upstream result (shadow.core.calls.sampled.drill).

@@ -18,6 +18,15 @@ class CannotReplay(Exception):
     ``ineligible``, this text its detail)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Alike:
+    """What a target's ``compare`` returns for two results that hold the same content but differ in form (two
+    checkpoints that load back to the same tensors, written in a different byte layout): a ``close``, ``note`` its
+    detail."""
+
+    note: str
+
+
 def place_name(owner: Any, attribute: str) -> str:
     """``module.Class.attribute`` (or ``module.attribute``) of an attribute of a class or module, for messages."""
     name = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
@@ -78,11 +87,21 @@ class Target:
     ``snapshot=lambda result, a, k: dict(a[0].state_dict(keep_vars=True))``.
 
     ``compare(legacy, upstream)``: a custom equality for results the comparator cannot read (storages, modules):
-    None when they agree, else a short text saying how they differ (a ``mismatch``, reason ``custom``).
+    None when they agree, else a short text saying how they differ (a ``mismatch``, reason ``custom``), or an
+    :class:`Alike` where they agree in content but not in form (a ``close``).
     Example: ``compare=lambda a, b: None if a.nbytes() == b.nbytes() else "sizes differ"``.
 
     ``clean(result)``: what of a result the evidence (journal, capture) keeps, e.g. the tensors of a loaded
     checkpoint without the rest of it.
+
+    ``reads_only``: the call only reads its arguments (builds no autograd graph, writes nothing): the shadow run
+    gets the caller's tensors as they are, where it would get new leaves over them (a repr prints ``grad_fn``; a
+    new leaf has none).
+
+    ``reaches(args, kwargs)``: the arguments a second run could reach the job's code through (modules with hooks,
+    tensor subclasses), where that is fewer than all of them: ``copy.deepcopy``'s memo holds every object copied so
+    far, half-built ones among them, and a storage's copy reads it by key only, so ``storage_deepcopy`` gives
+    ``args[:1]``.
     """
 
     name: str
@@ -103,8 +122,10 @@ class Target:
     rewind: Callable[[tuple, dict], Callable[[], Any] | None] | None = None
     replay: Callable[[tuple, dict], Callable[[], tuple[tuple, dict]] | None] | None = None
     snapshot: Callable[[Any, tuple, dict], Any] | None = None
-    compare: Callable[[Any, Any], str | None] | None = None
+    compare: Callable[[Any, Any], str | Alike | None] | None = None
     clean: Callable[[Any], Any] | None = None
+    reaches: Callable[[tuple, dict], tuple] | None = None
+    reads_only: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or label_text(self.name, 200) != self.name:
@@ -113,7 +134,17 @@ class Target:
             raise ValueError(f"Target {self.name!r}: upstream must be callable, got {self.upstream!r}")
         if not isinstance(self.signature_pure, bool):
             raise ValueError(f"Target {self.name!r}: signature_pure must be True or False, got {self.signature_pure!r}")
-        for field in ("legacy", "never_blocks", "run_if", "rewind", "replay", "snapshot", "compare", "clean"):
+        for field in (
+            "legacy",
+            "never_blocks",
+            "run_if",
+            "rewind",
+            "replay",
+            "snapshot",
+            "compare",
+            "clean",
+            "reaches",
+        ):
             value = getattr(self, field)
             if value is not None and not callable(value):
                 raise ValueError(f"Target {self.name!r}: {field} must be callable or None, got {value!r}")

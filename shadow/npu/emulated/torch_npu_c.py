@@ -10,6 +10,7 @@ have it (``NPUFunctions.cpp``, ``npu/Module.cpp``, ``npu/Stream.cpp``):
   of a thread that has none makes it device 0 (``_npu_getDevice``); the state is the backend's, the one
   ``torch.accelerator`` and device guards read and write;
 - ``_npu_setStream`` makes the stream's device current first, then the stream;
+- ``_tensor_construct_from_storage`` (torch_npu's serialization and storage copies size a storage by it);
 - CPU affinity (``_npu_set_thread_affinity``, ``_npu_reset_thread_affinity``) as ``NPUAffinityController.cpp``
   sets it (:mod:`shadow.npu.emulated.affinity`); the device's name, an Ascend SoC's;
 - ``_NPUStreamBase`` is a ``torch.Stream`` taking torch_npu's keywords (a new stream on the current device, or
@@ -150,3 +151,11 @@ def _npu_set_thread_affinity(core_start: int, core_end: int) -> None:
 def _npu_reset_thread_affinity() -> None:
     """Bind the calling thread back to the main thread's range."""
     _AFFINITY.bind("main")
+
+
+def _tensor_construct_from_storage(storage: Any) -> torch.Tensor:
+    """A tensor over the whole storage, of a typed storage's dtype (else bytes): torch_npu's is made from the
+    storage's NPU descriptor, whose size is the storage's own where, as on the emulated npu, no internal format pads
+    it."""
+    dtype = storage.dtype if isinstance(storage, torch.TypedStorage) else torch.uint8
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage.untyped())

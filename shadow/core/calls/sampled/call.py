@@ -53,7 +53,8 @@ def skip_reason(
         and not all(isinstance(mode, _TORCHS_OWN_MODES) for mode in _get_current_function_mode_stack())
     ):
         return [], ("mode", "")
-    modules, reached = user_code_reached(args, kwargs, pure_hooks)
+    scanned = (target.reaches(args, kwargs), {}) if target.reaches is not None else (args, kwargs)
+    modules, reached = user_code_reached(*scanned, pure_hooks)
     if reached:
         return modules, (reached, "")
     if target.run_if is not None:
@@ -102,7 +103,12 @@ class SampledCall:
         start = cost.clock()
         if context.record.deferred:  # (earlier calls' comparisons the device has finished since)
             context.record.finish_deferred()
-        modules, skip = skip_reason(context.target, context.pure_hooks, args, kwargs)
+        try:
+            modules, skip = skip_reason(context.target, context.pure_hooks, args, kwargs)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # (reading the call's arguments: a half-built module in a deepcopy's memo)
+            modules, skip = [], (guards.failed(context.record, "admission", exc), bounded(repr(exc)))
         if skip is not None:
             context.record.publish(self._skipped(skip[0], skip[1], self.signature or ""), context.noise)
             cost.charge(cost.clock() - start)

@@ -1,10 +1,10 @@
 """One error policy for a sampled call's shadow side: what a failure in each of its guarded steps becomes.
 
 The monitor's failures are never a side's outcome and never the job's problem. A step whose failure loses the
-whole call (its plan, the isolation of the shadow run, a target's snapshot, the shadow side as a whole) skips the
-call with the reason ``comparator`` (counted); a step whose failure loses its own finding alone (an extra run, the
-module state of a capture) says so in the log, at most once a minute per kind. Every guarded step reads its row here
-(:func:`failed`)."""
+whole call (telling whether it can run twice, its plan, the isolation of the shadow run, a target's snapshot, the
+shadow side as a whole) skips the call with the reason ``comparator`` (counted); a step whose failure loses its own
+finding alone (an extra run, the module state of a capture) says so in the log, at most once a minute per kind.
+Every guarded step reads its row here (:func:`failed`)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class Guard:
 
 #: Every guarded step of the shadow side, by name (the extra runs' names are their slots').
 GUARDS: dict[str, Guard] = {
+    "admission": Guard("telling whether the call can run twice failed: %r", skip="comparator"),
     "plan": Guard("planning the shadow side failed: %r", skip="comparator"),
     "isolation": Guard("the shadow run's isolation failed: %r", skip="comparator"),
     "shadow_side": Guard("the shadow side failed: %r", skip="comparator"),

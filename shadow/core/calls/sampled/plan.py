@@ -249,6 +249,8 @@ def plan(context: CallContext, args: tuple, kwargs: dict, modules: list[torch.nn
     if target.isolate:
         isolation = Isolation(args, kwargs, modules, runs=1 + len(extra))
         shadow_args, shadow_kwargs = None, None
+    elif target.reads_only:
+        isolation, shadow_args, shadow_kwargs = None, args, kwargs
     else:
         isolation, (shadow_args, shadow_kwargs) = None, detach_tensors((args, kwargs))
     if signature is None:

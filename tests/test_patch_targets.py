@@ -1,0 +1,284 @@
+"""The function patches of torch_npu 2.14 that can run twice, shadowed with legacy from the 2.14.0 wheel's own code
+on the emulated npu: ``Tensor.__repr__`` (``tensor_repr``), ``torch.save`` over torch_npu's ``_save`` and
+``_legacy_save`` (``torch_save``), ``UntypedStorage.cpu`` (``storage_cpu``) and ``TypedStorage._deepcopy``
+(``storage_deepcopy``). Each real difference torch_npu's source shows is caught; the calls where they agree match; the
+caller gets legacy's result and its files and streams as the unwrapped call leaves them."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+from typing import Any
+
+import pytest
+import torch
+from conftest import installed
+from torch_npu_wheels import wheel
+
+import shadow
+from shadow.core.model import live_targets, saving
+from shadow.core.model.target import Alike
+from shadow.npu import torch_npu_source
+from shadow.npu.emulated import formats
+from shadow.npu.patching import replace
+
+NEW = ("tensor_repr", "torch_save", "storage_cpu", "storage_deepcopy")
+
+#: torch_npu's ``_deepcopy`` reads ``TypedStorage.device``, which warns once a process that it is deprecated.
+_TYPED_STORAGE_WARNS = pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def legacy_214() -> torch_npu_source.TorchNpuLegacy:
+    return torch_npu_source.load(wheel("2.14.0"))
+
+
+@pytest.fixture
+def patched(legacy_214: torch_npu_source.TorchNpuLegacy):
+    yield from installed(legacy_214)
+
+
+def _monitor(targets: Any = NEW, **options: Any) -> shadow.Monitor:
+    return shadow.install(targets=list(targets), sample_rate=1.0, seed=3, budget=None, deadline=None, **options)
+
+
+def _outcomes(monitor: shadow.Monitor, target: str) -> dict[str, Any]:
+    stats = monitor.stats()[target]
+    found = {k: getattr(stats, k) for k in ("match", "close", "mismatch", "error", "skipped") if getattr(stats, k)}
+    return {**found, **({"reasons": dict(stats.by_reason)} if stats.by_reason else {})}
+
+
+# --------------------------------------------------------------------------- the release's source
+
+
+def test_the_214_wheel_gives_the_four_patches_and_loading_them_installs_nothing(legacy_214) -> None:
+    """The repr patch is a function torch_npu defines inside the function that installs it: it is taken with the
+    values it closes over (upstream's repr as ``_orig_repr``), and the installer's assignment never runs."""
+    assert set(NEW) <= set(legacy_214.patches)
+    before = vars(torch.Tensor)["__repr__"]
+    again = torch_npu_source.load(wheel("2.14.0"))
+    assert vars(torch.Tensor)["__repr__"] is before
+    assert torch.serialization._legacy_save.__module__ == "torch.serialization"
+    legacy_repr = again.patches["tensor_repr"]
+    closed_over = dict(zip(legacy_repr.__code__.co_freevars, (c.cell_contents for c in legacy_repr.__closure__)))
+    assert closed_over["_orig_repr"] is before
+    assert legacy_214.helpers[("torch.serialization", "_legacy_save")].__name__ == "_npu_legacy_save"
+
+
+def test_the_repr_patch_closes_over_upstreams_repr_even_where_a_monitor_is_installed(legacy_214) -> None:
+    patches = legacy_214.patch_torch()
+    try:
+        with _monitor(["tensor_repr"]):
+            loaded = torch_npu_source.load(wheel("2.14.0")).patches["tensor_repr"]
+    finally:
+        patches.undo()
+    cells = dict(zip(loaded.__code__.co_freevars, (c.cell_contents for c in loaded.__closure__)))
+    assert cells["_orig_repr"] is live_targets.upstream("tensor_repr")
+
+
+def test_the_213_wheel_has_them_too_and_the_212_wheel_lacks_the_repr_patch() -> None:
+    assert "tensor_repr" in torch_npu_source.load(wheel("2.13.0")).patches
+    older = torch_npu_source.load(wheel("2.12.0"))
+    assert "tensor_repr" not in older.patches and "apply_npu_internal_format_repr_patch" in older.missing["tensor_repr"]
+
+
+# --------------------------------------------------------------------------- tensor_repr
+
+
+def test_an_internal_format_tensor_prints_through_its_host_copy_and_the_difference_is_caught(patched) -> None:
+    """torch_npu 2.13/2.14 print an npu tensor in an internal format (FRACTAL_NZ, NC1HWC0) through ``.cpu()``: the
+    device and the autograd state vanish from the string. The job gets legacy's string; the call is a mismatch, in
+    a risky signature; an ND tensor's repr matches."""
+    weight = torch.ones(2, 3, device="npu", requires_grad=True)
+    nz = formats.cast(weight, formats.Format.FRACTAL_NZ)
+    expected = patched.patches["tensor_repr"](nz)
+    with _monitor(["tensor_repr"]) as monitor:
+        assert repr(nz) == expected == "tensor([[1., 1., 1.],\n        [1., 1., 1.]])"
+        assert repr(weight) == "tensor([[1., 1., 1.],\n        [1., 1., 1.]], device='npu:0', requires_grad=True)"
+    assert _outcomes(monitor, "tensor_repr") == {"match": 1, "mismatch": 1, "reasons": {"value": 1}}
+    calls = monitor.stats()["tensor_repr"].signature_calls
+    assert calls == {"device=npu/format=internal/grad=graph/contents=none": 1,
+                     "device=npu/format=nd/grad=leaf/contents=none": 1}  # fmt: skip
+    assert live_targets.tensor_repr().risky_signatures == ("*/format=internal/*",)
+
+
+def test_a_repr_of_a_tensor_with_a_graph_is_compared_with_its_grad_fn(patched) -> None:
+    """The shadow run prints the caller's tensor itself (a new leaf over it would print ``requires_grad=True``)."""
+    x = torch.ones(2, device="npu", requires_grad=True) * 3
+    with _monitor(["tensor_repr"]) as monitor:
+        assert "grad_fn=<MulBackward0>" in repr(x)
+    assert _outcomes(monitor, "tensor_repr") == {"match": 1}
+    assert x.grad_fn is not None and x.grad_fn.next_functions  # (the caller's graph, as it was)
+
+
+# --------------------------------------------------------------------------- torch_save
+
+
+def _saved(directory: Any, obj: Any, **kwargs: Any) -> bytes:
+    directory.mkdir()
+    torch.save(obj, directory / "c.pt", **kwargs)
+    return (directory / "c.pt").read_bytes()
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy-format"])
+def test_saves_to_a_path_match_and_the_file_is_the_unwrapped_calls(patched, tmp_path, zipped) -> None:
+    state = {"weight": torch.randn(3, 4, device="npu"), "step": 7, "host": torch.arange(3)}
+    unwrapped = _saved(tmp_path / "plain", state, _use_new_zipfile_serialization=zipped)
+    with _monitor(["torch_save"]) as monitor:
+        shadowed = _saved(tmp_path / "shadowed", state, _use_new_zipfile_serialization=zipped)
+    assert shadowed == unwrapped
+    assert _outcomes(monitor, "torch_save") == {"match": 1}
+    kind = "zip" if zipped else "legacy"
+    assert monitor.stats()["torch_save"].signature_calls == {f"dest=path/format={kind}/tensors=mixed": 1}
+
+
+def test_a_save_into_a_stream_leaves_it_where_legacy_left_it(patched) -> None:
+    tensor = torch.randn(5, device="npu")
+    plain = io.BytesIO(b"header")
+    plain.seek(6)
+    torch.save([tensor], plain)
+    stream = io.BytesIO(b"header")
+    stream.seek(6)
+    with _monitor(["torch_save"]) as monitor:
+        torch.save([tensor], stream)
+    assert stream.tell() == plain.tell() and stream.getvalue() == plain.getvalue()
+    assert _outcomes(monitor, "torch_save") == {"match": 1}
+
+
+def test_a_save_into_a_write_only_file_is_read_back_through_a_descriptor_of_our_own(patched, tmp_path) -> None:
+    with _monitor(["torch_save"]) as monitor, open(tmp_path / "w.pt", "wb") as handle:
+        handle.write(b"x" * 10)
+        torch.save({"a": torch.ones(2, device="npu")}, handle)
+        at = handle.tell()
+    assert at == (tmp_path / "w.pt").stat().st_size and _outcomes(monitor, "torch_save") == {"match": 1}
+
+
+def test_an_object_whose_pickling_runs_the_jobs_code_is_saved_once_unless_trusted(patched, tmp_path) -> None:
+    model = torch.nn.Linear(2, 2).to("npu")
+    with _monitor(["torch_save"]) as monitor:
+        torch.save(model, tmp_path / "model.pt")
+    assert _outcomes(monitor, "torch_save") == {"skipped": 1, "reasons": {"ineligible": 1}}
+    with _monitor(["torch_save"], trusted_checkpoints=True) as monitor:
+        torch.save(model, tmp_path / "model.pt")
+    assert _outcomes(monitor, "torch_save") == {"match": 1}
+
+
+def test_a_stream_that_cannot_be_read_back_is_refused_before_the_save() -> None:
+    class Sink:
+        def __init__(self) -> None:
+            self.data = b""
+
+        def write(self, data: bytes) -> int:
+            self.data += bytes(data)
+            return len(data)
+
+        def flush(self) -> None:
+            pass
+
+    why = saving.refusal((torch.ones(1), Sink()), {})
+    assert why is not None and "cannot be read back" in why
+
+
+def _legacy_save_that(change: str):
+    """A stand-in for torch_npu's ``_save`` that writes the same content in another layout (no byte-order record)
+    or different content (every tensor doubled)."""
+    own = live_targets.upstream("torch_save") and torch.serialization._save
+
+    def _save(obj, zip_file, pickle_module, pickle_protocol, _disable_byteorder_record):
+        if change == "layout":
+            return own(obj, zip_file, pickle_module, pickle_protocol, True)
+        doubled = {k: v * 2 for k, v in obj.items()}
+        return own(doubled, zip_file, pickle_module, pickle_protocol, _disable_byteorder_record)
+
+    _save.__npu_shadow_legacy_origin__ = "test"
+    return _save
+
+
+@pytest.mark.parametrize("change", ["layout", "content"])
+def test_a_difference_in_layout_is_close_and_one_in_content_is_a_mismatch(tmp_path, change) -> None:
+    patches = replace([(torch.serialization, "_save", _legacy_save_that(change))])
+    try:
+        with _monitor(["torch_save"]) as monitor:
+            torch.save({"w": torch.arange(4.0)}, tmp_path / "c.pt")
+        assert torch.load(tmp_path / "c.pt")["w"][1] == (1.0 if change == "layout" else 2.0)  # (legacy's file)
+    finally:
+        patches.undo()
+    stats = monitor.stats()["torch_save"]
+    if change == "layout":
+        assert (stats.close, stats.mismatch) == (1, 0)
+    else:
+        assert (stats.close, stats.mismatch, dict(stats.by_reason)) == (0, 1, {"custom": 1})
+
+
+def test_the_comparison_reads_records_and_loads_only_where_they_differ() -> None:
+    def written(obj: Any, **kwargs: Any) -> saving.Written:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer, **kwargs)
+        return saving.written(None, (obj, buffer), {})
+
+    same = written({"a": torch.ones(2)})
+    assert saving.difference(same, written({"a": torch.ones(2)})) is None
+    layout = saving.difference(same, written({"a": torch.ones(3)[1:]}))  # (a view: its whole storage is saved)
+    assert isinstance(layout, Alike) and "data.pkl" in layout.note and "same content" in layout.note
+    content = saving.difference(same, written({"a": torch.zeros(2)}))
+    assert isinstance(content, str) and "different content at ['a']" in content
+    assert "a pickle stream" in repr(saving.written(None, (1, _legacy_stream()), {}))
+
+
+def _legacy_stream() -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(1, buffer, _use_new_zipfile_serialization=False)
+    return buffer
+
+
+# --------------------------------------------------------------------------- storage_cpu, storage_deepcopy
+
+
+@_TYPED_STORAGE_WARNS
+def test_storage_copies_match_and_the_job_gets_legacys(patched) -> None:
+    x = torch.arange(6.0, device="npu")
+    with _monitor(["storage_cpu", "storage_deepcopy"]) as monitor:
+        host = x.untyped_storage().cpu()
+        copied = copy.deepcopy([x, x[2:]])
+    assert bytes(host) == bytes(x.cpu().untyped_storage())
+    assert copied[1].untyped_storage().data_ptr() == copied[0].untyped_storage().data_ptr()  # (one storage, once)
+    assert torch.equal(copied[1].cpu(), x[2:].cpu())
+    assert _outcomes(monitor, "storage_cpu") == {"match": 1}
+    # (the second tensor's storage is the memo's: refused, since the shadow run would read legacy's entry)
+    assert _outcomes(monitor, "storage_deepcopy") == {"match": 1, "skipped": 1, "reasons": {"ineligible": 1}}
+
+
+@_TYPED_STORAGE_WARNS
+def test_a_deepcopy_of_a_model_compares_its_buffers_copies(patched) -> None:
+    """The memo of ``copy.deepcopy(model)`` holds the new module half-built: the call reads only the storage."""
+    model = torch.nn.BatchNorm1d(3).to("npu")
+    with _monitor(["storage_deepcopy"]) as monitor:
+        twin = copy.deepcopy(model)
+    assert torch.equal(twin.running_var.cpu(), model.running_var.cpu())
+    assert _outcomes(monitor, "storage_deepcopy") == {"match": 3}  # running_mean, running_var, num_batches_tracked
+
+
+@_TYPED_STORAGE_WARNS
+def test_differences_in_a_storage_copy_are_named() -> None:
+    a = torch.arange(4, dtype=torch.uint8).untyped_storage()
+    b = torch.tensor([0, 1, 2, 9], dtype=torch.uint8).untyped_storage()
+    assert live_targets.storage_difference(a, a.clone()) is None
+    assert live_targets.storage_difference(a, b) == "the copies hold different bytes"
+    typed = torch.ones(2).storage()
+    assert "torch.float32" in live_targets.storage_difference(typed, torch.ones(2, dtype=torch.int32).storage())
+    assert "TypedStorage" in live_targets.storage_difference(typed, a)
+
+
+# --------------------------------------------------------------------------- the census
+
+
+def test_the_census_names_the_targets_that_shadow_each_patch() -> None:
+    from shadow.analysis import census
+
+    found = {p.name: p.shadowed_by for p in census.take(wheel("2.14.0")).patches}
+    assert found["torch.Tensor.__repr__"] == "tensor_repr"
+    assert found["torch.serialization._save"] == found["torch.serialization._legacy_save"] == "torch_save"
+    assert found["torch.storage.UntypedStorage.cpu"] == "storage_cpu"
+    assert found["torch.storage.TypedStorage._deepcopy"] == "storage_deepcopy"
+    assert os.path.basename(wheel("2.14.0")).startswith("torch_npu-2.14.0")
