@@ -34,6 +34,7 @@ _PUBLIC = {
     "Target": "shadow.core.model.targets",
     "Tolerance": "shadow.core.model.tolerance",
     "install_from_env": "shadow.launcher.launch",
+    "patch_target": "shadow.launcher.patch_targets",
 }
 
 _SUBPACKAGES = ("analysis", "core", "launcher", "npu")

@@ -282,3 +282,75 @@ def test_the_census_names_the_targets_that_shadow_each_patch() -> None:
     assert found["torch.storage.UntypedStorage.cpu"] == "storage_cpu"
     assert found["torch.storage.TypedStorage._deepcopy"] == "storage_deepcopy"
     assert os.path.basename(wheel("2.14.0")).startswith("torch_npu-2.14.0")
+
+
+# --------------------------------------------------------------------------- any function patch, by name
+
+
+def test_a_generic_target_shadows_a_function_patch_by_name_with_legacy_from_the_release() -> None:
+    target = shadow.patch_target("2.14.0", "torch._utils._get_available_device_type")
+    assert target.legacy.__name__ == "_patch_get_available_device_type" and target.upstream.__module__ == "torch._utils"
+    with _monitor([target]) as monitor:
+        assert torch._utils._get_available_device_type() == "npu"  # (legacy's answer, on the emulated npu)
+    assert _outcomes(monitor, "torch._utils._get_available_device_type") == {"match": 1}
+
+
+def test_flex_attentions_device_check_is_a_real_difference_on_an_npu() -> None:
+    """torch_npu lets npu tensors through flex attention's device check; torch 2.13's refuses every device but its
+    own few: deleting the patch breaks flex attention on an NPU, and the generic target says so."""
+    name = "torch.nn.attention.flex_attention._validate_device"
+    target = shadow.patch_target("2.14.0", name)
+    q = torch.ones(1, 1, 4, 8, device="npu")
+    with _monitor([target]) as monitor:
+        assert torch.nn.attention.flex_attention._validate_device(q, q, q) is None  # (legacy's: the job goes on)
+    stats = monitor.stats()[name]
+    assert (stats.error, dict(stats.by_reason)) == (1, {"exception": 1})
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("torch.utils.dlpack.to_dlpack", "a DLPack capsule can be consumed once"),
+        ("torch.distributed.distributed_c10d.rendezvous", "it connects to the job's store"),
+        ("torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce", "talks to the job's other ranks"),
+        ("torch.utils.data.DataLoader.__iter__", "worker processes again"),
+        ("torch.load", "the built-in target torch_load shadows it"),
+        ("torch.nn.Module.to", "the built-in target module_to shadows it"),
+        ("torch.serialization.save", "the result of code run at import"),
+        ("torch.no_such_thing", "is no function patch of torch_npu 2.14.0"),
+    ],
+)
+def test_a_patch_that_cannot_have_a_generic_target_is_refused_saying_why(name, why) -> None:
+    from shadow.launcher import patch_targets
+
+    found = patch_targets.refusal("2.14.0", name)
+    assert found is not None and why in found
+    with pytest.raises(patch_targets.PatchRefused, match=why.replace("(", r"\(")):
+        shadow.patch_target("2.14.0", name)
+
+
+def test_shadow_patch_under_the_launcher_and_its_refusals_at_start_up(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    job = "import torch; print([torch._utils._get_available_device_type() for _ in range(3)])"
+    journal = tmp_path / "j.jsonl"
+
+    def run(*options: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", *options, "--", sys.executable, "-c", job],
+            capture_output=True, text=True, timeout=300, cwd=root,
+        )  # fmt: skip
+
+    done = run("--legacy-from", "2.14.0", "--shadow-patch", "torch._utils._get_available_device_type",
+               "--sample-rate", "1", "--journal", str(journal))  # fmt: skip
+    assert done.returncode == 0 and "['npu', 'npu', 'npu']" in done.stdout, done.stderr
+    counts = [json.loads(r) for r in journal.read_text().splitlines() if '"event":"counts"' in r]
+    (record,) = [r for r in counts if r["target"] == "torch._utils._get_available_device_type"]
+    assert record["outcomes"] == {"call": {"match": 3}}, record
+    refused = run("--legacy-from", "2.14.0", "--shadow-patch", "torch.utils.dlpack.to_dlpack")
+    assert refused.returncode == 2 and "--shadow-patch: torch.utils.dlpack.to_dlpack: not shadowed" in refused.stderr
+    alone = run("--shadow-patch", "torch._utils._get_available_device_type")
+    assert alone.returncode == 2 and "--shadow-patch (NPU_SHADOW_SHADOW_PATCHES) needs --legacy-from" in alone.stderr

@@ -562,7 +562,7 @@ def function_patches(census: Census) -> list[str]:
 
 def patch_list(source_path: str) -> Path:
     """A JSON file naming the function patches of the release at ``source_path`` (``{"version", "patches",
-    "total", "places"}``, ``places``: each one's file, line and :func:`not_twice`), taken once per wheel and kept in
+    "total", "places"}``, ``places``: each one's file, line and kind), taken once per wheel and kept in
     the cache (a census reads the whole release: seconds). Raises LegacySourceError where ``source_path`` is no
     release."""
     import json
@@ -582,7 +582,7 @@ def patch_list(source_path: str) -> Path:
     census = take(str(path))
     kept.parent.mkdir(parents=True, exist_ok=True)
     partial = kept.with_suffix(f".{os.getpid()}.tmp")
-    places = {p.name: [p.file, p.line, not_twice(p)] for p in census.patches if p.kind in (FUNCTION, IN_PLACE_KIND)}
+    places = {p.name: [p.file, p.line, p.kind] for p in census.patches if p.kind in (FUNCTION, IN_PLACE_KIND)}
     content = {
         "version": census.version, "patches": function_patches(census), "total": len(census.patches), "places": places,
     }  # fmt: skip
@@ -645,6 +645,16 @@ def not_twice(patch: Patch) -> str | None:
         return "it changes its receiver in place, and a generic target compares what calls return"
     covered = coverage(patch)
     return None if covered == NO_TARGET else covered.partition(": ")[2]
+
+
+def listed_refusal(name: str, place: list[Any]) -> str | None:
+    """:func:`not_twice` of a patch of a cached list (:func:`patch_list`'s ``places``: file, line, kind), the target
+    that shadows it found now (the list is kept across versions of npu-shadow; what shadows a patch is not)."""
+    file, line, kind = place
+    _, owner, attribute = _upstream(name)
+    shadowing = _shadowing()
+    shadowed = next((t for o, a, t in shadowing if owner is not None and o is owner and a == attribute), None)
+    return not_twice(Patch(name, file, int(line), "", "", kind=kind, shadowed_by=shadowed))
 
 
 def by_calls(census: Census, calls: dict[str, float]) -> list[tuple[Patch, int, str]]:

@@ -56,6 +56,19 @@ def _targets(text: str) -> tuple[str, ...]:
     return names
 
 
+def _dotted_names(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not names:
+        raise Invalid("empty")
+    bad = [n for n in names if not re.fullmatch(r"torch(\.[A-Za-z_][A-Za-z0-9_]*)+", n)]
+    if bad:
+        raise Invalid(f"{bad[0]!r} is not a dotted name of torch (torch.serialization.save)")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise Invalid(f"{repeated[0]!r} given more than once")
+    return names
+
+
 def _rate(text: str, low: str = "[0") -> float:
     try:
         return parse_rate(text, "rate", low=low)
@@ -448,6 +461,14 @@ SETTINGS = {
         "(shadow.npu.reference: a rehearsal where no torch_npu is at hand)",
         _legacy_source,
     ),
+    "shadow_patches": Setting(
+        "NPU_SHADOW_SHADOW_PATCHES",
+        "--shadow-patch",
+        "a comma list of function patches of the --legacy-from release by dotted name (npu-shadow census RELEASE "
+        "lists them: torch.nn.functional.layer_norm), each shadowed by a generic target (legacy from the release's "
+        "source, upstream torch's); one the census says cannot run twice is refused",
+        _dotted_names,
+    ),
     "budget": Setting(
         "NPU_SHADOW_BUDGET",
         "--budget",
@@ -589,6 +610,7 @@ class Config:
     emulated_soc: str | None = None
     emulated_device: str | None = None
     legacy_from: str | None = None
+    shadow_patches: tuple[str, ...] = ()
     oracle: float | None = 0.1
     budget: float | None = 0.2
     deadline: float | None = DEFAULT_DEADLINE
@@ -682,6 +704,9 @@ def from_sources(environ: Mapping[str, str], options: Mapping[str, str | None] |
     if "rollback_port" in values and "rollback_token" not in values:
         port, token = SETTINGS["rollback_port"], SETTINGS["rollback_token"]
         raise ConfigError(f"{port.option} ({port.variable}) needs {token.variable}: no endpoint runs without one")
+    if "shadow_patches" in values and values.get("legacy_from") in (None, REFERENCE):
+        patches, legacy = SETTINGS["shadow_patches"], SETTINGS["legacy_from"]
+        raise ConfigError(f"{patches.option} ({patches.variable}) needs {legacy.option} RELEASE: the patches' source")
     if ("rtol" in values) != ("atol" in values):
         given = "rtol" if "rtol" in values else "atol"
         missing = SETTINGS["atol" if given == "rtol" else "rtol"]

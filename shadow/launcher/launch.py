@@ -108,6 +108,7 @@ class Launcher:
         self.config: Any = None
         self.legacy: Any = _NOT_LOADED
         self._emulation_refused = False
+        self._refused_patches: set[str] = set()
         self._exited = False
         self._at_exit_registered = False
         self._lock = threading.RLock()
@@ -161,7 +162,8 @@ class Launcher:
                 warnings.filterwarnings("ignore", "npu-shadow: torch_npu is installed but not imported")  # (bootstrap)
                 # (the exit summary says it: "no target installed")
                 warnings.filterwarnings("ignore", "npu-shadow: no torch_npu patch is active")
-                self.monitor = install(config.targets, config.sample_rate, tolerance, self.exporters, settings=settings)
+                targets = _targets(config, self._refused_patches)
+                self.monitor = install(targets, config.sample_rate, tolerance, self.exporters, settings=settings)
             self._start_switch(config)
             LEGACY_PATCHED.subscribe(refresh)
             if not self._at_exit_registered:
@@ -341,6 +343,25 @@ class Launcher:
         """Install torch_npu's own legacy from its source at ``path`` (:func:`_load_legacy`), once per process."""
         if self.legacy is _NOT_LOADED:
             self.legacy = _load_legacy(path)
+
+
+def _targets(config: Any, refused: set[str]) -> Any:
+    """What the monitor shadows: ``--targets`` (else every built-in whose legacy is active), and a generic target for
+    each ``--shadow-patch`` (one that cannot be made here is said once, added to ``refused``, and left out)."""
+    if not config.shadow_patches:
+        return config.targets
+    from shadow.core.model import targets as builtin
+    from shadow.launcher.patch_targets import PatchRefused, patch_target
+
+    chosen: list[Any] = list(config.targets or builtin.active_builtins())
+    for name in config.shadow_patches:
+        try:
+            chosen.append(patch_target(config.legacy_from, name))
+        except (PatchRefused, ImportError) as exc:
+            if name not in refused:
+                refused.add(name)
+                print(f"npu-shadow: --shadow-patch {name} not shadowed: {exc}", file=sys.stderr)
+    return chosen
 
 
 _NOT_LOADED = object()

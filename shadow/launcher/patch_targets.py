@@ -38,10 +38,12 @@ def _place(release: str, name: str) -> tuple[str, int, str]:
         raise PatchRefused(
             f"{name!r} is no function patch of torch_npu {version} (`npu-shadow census {release}` lists them)"
         )
-    file, line, why = place
+    from shadow.analysis import census
+
+    why = census.listed_refusal(name, place)
     if why:
         raise PatchRefused(f"{name}: not shadowed: {why}")
-    return file, int(line), version
+    return place[0], int(place[1]), version
 
 
 def refusal(release: str, name: str) -> str | None:

@@ -21,6 +21,17 @@ from shadow.launcher.launch import ROLLED_BACK_BY, wants_prometheus
 BOOTSTRAP_DIR = os.path.dirname(os.path.abspath(boot.__file__))
 
 
+def _refused_patches(config: cfg.Config) -> str:
+    """Why the first of ``--shadow-patch``'s patches cannot be shadowed (the census's word), or ""."""
+    from shadow.launcher import patch_targets
+
+    for name in config.shadow_patches:
+        why = patch_targets.refusal(config.legacy_from, name)
+        if why:
+            return why
+    return ""
+
+
 def _count_patches(legacy_from: str, env: dict[str, str]) -> None:
     """Every process of the job counts its calls of the release's function patches: their names, from the release's
     census (kept in the cache after the first), named in ``env`` (:data:`~shadow.launcher.launch.PATCH_LIST`). A
@@ -300,6 +311,10 @@ def _run(
             torch_npu_source.check(config.legacy_from)
         except (torch_npu_source.LegacySourceError, OSError) as exc:
             print(f"npu-shadow run: --legacy-from: {exc}", file=sys.stderr)
+            return 2
+        refused = _refused_patches(config)
+        if refused:
+            print(f"npu-shadow run: --shadow-patch: {refused}", file=sys.stderr)
             return 2
     from shadow.launcher import launch
 
