@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 
 class Format(enum.IntEnum):
-    """torch_npu's ``Format`` (ACL's format numbers)."""
+    """torch_npu's ``Format`` (ACL's format numbers, as ``torch_npu/npu/_format.py`` of 2.14 has them)."""
 
     UNDEFINED = -1
     NCHW = 0
@@ -34,15 +34,25 @@ class Format(enum.IntEnum):
     NCDHW = 30
     NDC1HWC0 = 32
     FRACTAL_Z_3D = 33
+    NC = 35
+    NCL = 47
+    FRACTAL_NZ_C0_16 = 50
+    FRACTAL_NZ_C0_32 = 51
+    FRACTAL_NZ_C0_2 = 52
+    FRACTAL_NZ_C0_4 = 53
+    FRACTAL_NZ_C0_8 = 54
+
+    def __str__(self) -> str:
+        return self.name
 
 
 #: The format of each tensor made by :func:`cast` into one other than ND, while it lives.
 _FORMATS = WeakIdKeyDictionary()  # (tensors by identity: a tensor's == compares values)
 
 
-def get(tensor: torch.Tensor) -> int:
+def get(tensor: torch.Tensor) -> Format:
     """``torch_npu.get_npu_format``: the tensor's format (ND unless :func:`cast` made it in another)."""
-    return _FORMATS.get(tensor, int(Format.ND))
+    return Format(_FORMATS.get(tensor, Format.ND))
 
 
 def cast(tensor: torch.Tensor, acl_format: int) -> torch.Tensor:
