@@ -47,16 +47,20 @@ def _place(release: str, name: str) -> tuple[str, int, str]:
 
 
 def refusal(release: str, name: str) -> str | None:
-    """Why ``name`` of ``release`` cannot be shadowed by a generic target, told at start-up without running anything
-    (the census's list, then the statement that installs it), or None."""
+    """Why ``name`` of ``release`` cannot be shadowed by a generic target, told at start-up (the census's list, torch's
+    function at the place, then the release's definition, loaded with none of its functions called), or None."""
     from shadow.analysis import census
     from shadow.npu import torch_npu_source
 
     try:
         file, line, _ = _place(release, name)
+        owner, attribute = _owner_and_attribute(name)
+        _torchs_own(owner, attribute, name)
         torch_npu_source.check_installed(census.locate(release), file, line)
-    except (PatchRefused, torch_npu_source.LegacySourceError) as exc:
+    except PatchRefused as exc:
         return str(exc)
+    except torch_npu_source.LegacySourceError as exc:
+        return f"{name}: {exc}"
     return None
 
 
@@ -75,6 +79,10 @@ def _torchs_own(owner: Any, attribute: str, name: str) -> Any:
     if found is not None:
         return found
     raw = inspect.getattr_static(owner, attribute, None)
+    if isinstance(raw, type):
+        raise PatchRefused(
+            f"{name}: torch has a class there (a constructor: what it builds cannot be built twice unseen)"
+        )
     if isinstance(raw, (classmethod, property)) or raw is None:
         raise PatchRefused(f"{name}: torch has no plain function there to compare with")
     function = raw.__func__ if isinstance(raw, staticmethod) else raw

@@ -536,10 +536,11 @@ def _device_module() -> tuple[str, Any]:
 
 
 class _Loader:
-    def __init__(self, source: ReleaseFiles, version: str) -> None:
+    def __init__(self, source: ReleaseFiles, version: str, device: tuple[str, Any] | None = None) -> None:
         self.source = source
         self.version = version
-        self.device_type, self.device_module = _device_module()
+        # (``device``: a check that defines the functions and calls none of them needs no accelerator)
+        self.device_type, self.device_module = device or _device_module()
         self.torch_npu_c = _emulated_torch_npu_c() if self.device_type == "npu" else None
         self.namespaces: dict[str, dict[str, Any]] = {}
         self.trees: dict[str, ast.Module] = {}
@@ -907,15 +908,9 @@ def _installed_definition(tree: ast.Module, member: str, line: int, where: str) 
 
 def check_installed(path: str | os.PathLike, member: str, line: int) -> None:
     """Raise :class:`LegacySourceError` unless the assignment at ``member``:``line`` installs a definition that
-    :func:`installed_function` can load (read only: nothing runs, no accelerator needed)."""
-    source = ReleaseFiles(path)
-    try:
-        text = source.read(member)
-        if text is None:
-            raise LegacySourceError(f"torch_npu {source.version()}: {member} is missing")
-        _installed_definition(_parse(text, member), member, line, f"torch_npu {source.version()}: {member}:{line}")
-    finally:
-        source.close()
+    :func:`installed_function` can load: it is loaded as there (its definitions made, none of them called), with no
+    accelerator (one that is not an npu's device module stands in)."""
+    _installed(path, member, line, device=("npu", types.SimpleNamespace()))
 
 
 def installed_function(path: str | os.PathLike, member: str, line: int) -> Callable:
@@ -925,10 +920,14 @@ def installed_function(path: str | os.PathLike, member: str, line: int) -> Calla
 
     Raises :class:`LegacySourceError` where the statement installs anything else (the result of a call: a wrapper
     made at import time, a lambda), naming it, or where this host has no accelerator."""
+    return _installed(path, member, line)
+
+
+def _installed(path: str | os.PathLike, member: str, line: int, device: tuple[str, Any] | None = None) -> Callable:
     source = ReleaseFiles(path)
     try:
         version = source.version()
-        loader = _Loader(source, version)
+        loader = _Loader(source, version, device)
         loader.load_runtime()
         tree = loader._tree(member)
         kind, name = _installed_definition(tree, member, line, f"torch_npu {version}: {member}:{line}")
