@@ -4,7 +4,9 @@ against the same call bare, as ratios measured in one run, the two interleaved (
 The places are function patches of torch_npu 2.14.0 a training job calls (npu-shadow census 2.14.0): a module's
 forward (``Module.__call__``), printing a tensor (``Tensor.__repr__``), a save into memory (``serialization._save``),
 a storage's copy to the host (``UntypedStorage.cpu``), and the cheapest call there is, one that returns at once (the
-counter's own cost, for scale). Run: ``python benchmarks/bench_patch_calls.py [--quick]``.
+counter's own cost, for scale). Then the same for the targets that shadow three of them (``tensor_repr``,
+``torch_save``, ``storage_cpu``): their unsampled call (``sample_rate=0``, no first comparisons) against the bare call.
+Run: ``python benchmarks/bench_patch_calls.py [--quick]``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,28 @@ def main() -> None:
         ratio = statistics.median(found)
         mark = "" if name == "bench_places.noop" else f" (goal <= {GOAL})"
         print(f"counted / bare call of {name}: {ratio:.3f}{mark}")
+    _unsampled(places, rounds)
+
+
+def _unsampled(places: dict, rounds: int) -> None:
+    """The new targets' unsampled calls against the same calls bare."""
+    from shadow.core.model import live_targets
+
+    shadowed = {
+        "tensor_repr": (live_targets.tensor_repr, places["torch.Tensor.__repr__"]),
+        "torch_save": (live_targets.torch_save, places["torch.serialization._save"]),
+        "storage_cpu": (live_targets.storage_cpu, places["torch.storage.UntypedStorage.cpu"]),
+    }
+    ratios: dict[str, list[float]] = {name: [] for name in shadowed}
+    for _ in range(rounds):
+        for name, (make, (call, repeat)) in shadowed.items():
+            bare = _timed(call, repeat)
+            with shadow.install([make()], sample_rate=0.0, first_per_signature=0) as monitor:
+                wrapped = _timed(call, repeat)
+                assert monitor.stats()[name].calls >= repeat and monitor.stats()[name].sampled == 0
+            ratios[name].append(wrapped / bare)
+    for name, found in ratios.items():
+        print(f"unsampled / bare call of target {name}: {statistics.median(found):.3f}")
 
 
 if __name__ == "__main__":

@@ -75,3 +75,5 @@ def test_patch_call_benchmark_runs_and_reports_each_place():
     out = run_quick("bench_patch_calls.py")
     for place in ("torch.nn.Module.__call__", "torch.Tensor.__repr__", "torch.serialization._save"):
         assert f"counted / bare call of {place}: " in out
+    for target in ("tensor_repr", "torch_save", "storage_cpu"):
+        assert f"unsampled / bare call of target {target}: " in out
