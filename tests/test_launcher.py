@@ -98,6 +98,7 @@ INVALID = {
     "textfile": "/etc/passwd/metrics.prom",
     "emulate_npu": "17",
     "legacy_from": "/nonexistent/torch_npu-2.12.0.whl",
+    "shadow_patches": "layer_norm",
     "oracle": "sometimes",
     "budget": "0",
     "deadline": "0",
@@ -132,6 +133,8 @@ MORE_INVALID = [
     ("deadline", "inf"),
     ("deadline", "soon"),
     ("legacy_from", ""),
+    ("shadow_patches", "torch.load,torch.load"),
+    ("shadow_patches", ","),
     ("port", "²"),  # a digit to str.isdigit, not to int()
     ("multiproc_dir", "/etc/passwd/sub"),  # below a file
     ("multiproc_dir", "/tmp"),  # writable by others

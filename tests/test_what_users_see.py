@@ -113,7 +113,7 @@ def test_a_job_that_imports_shadow_before_torch_is_shadowed(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "not installed" not in done.stderr and "circular import" not in done.stderr
+    assert "npu-shadow: not installed" not in done.stderr and "circular import" not in done.stderr
     summary = next(line for line in done.stderr.splitlines() if line.startswith("tensor_type"))
     assert summary.split()[1] == "3", summary  # three calls
 

@@ -416,9 +416,9 @@ def _load_legacy(path: str) -> Any:
         return None
     legacy.patch_torch()
     if legacy.missing and _is_job_process():  # (said once, by the job's process)
+        which = "that target is" if len(legacy.missing) == 1 else "those targets are"
         print(
-            f"npu-shadow: torch_npu {legacy.version} has no {', '.join(legacy.missing)} patch: those targets are not "
-            "installed",
+            f"npu-shadow: torch_npu {legacy.version} has no {', '.join(legacy.missing)} patch: {which} not installed",
             file=sys.stderr,
         )
     return legacy
