@@ -131,7 +131,7 @@ def test_saves_to_a_path_match_and_the_file_is_the_unwrapped_calls(patched, tmp_
     assert shadowed == unwrapped
     assert _outcomes(monitor, "torch_save") == {"match": 1}
     kind = "zip" if zipped else "legacy"
-    assert monitor.stats()["torch_save"].signature_calls == {f"dest=path/format={kind}/tensors=mixed": 1}
+    assert monitor.stats()["torch_save"].signature_calls == {f"dest=path/format={kind}/tensors=mixed/npu_formats=nd": 1}
 
 
 def test_a_save_into_a_stream_leaves_it_where_legacy_left_it(patched) -> None:
@@ -242,6 +242,26 @@ def _legacy_stream() -> io.BytesIO:
     buffer = io.BytesIO()
     torch.save(1, buffer, _use_new_zipfile_serialization=False)
     return buffer
+
+
+def test_internal_formats_make_the_risky_signatures_of_saves_and_storage_copies(monkeypatch) -> None:
+    """Where torch_npu's source parts from torch's: a storage in an internal format (sized, copied and converted
+    through its NPU descriptor). The emulated npu's storages have none; an NPU host's torch_npu says which do."""
+    import fnmatch
+    import sys
+    import types
+
+    nz = formats.cast(torch.ones(2, 2, device="npu"), formats.Format.FRACTAL_NZ)
+    signature = live_targets.torch_save_signature(({"w": nz}, io.BytesIO()), {})
+    assert fnmatch.fnmatch(signature, *live_targets.torch_save().risky_signatures), signature
+    assert live_targets.storage_cpu_signature((nz.untyped_storage(),), {}) == "device=npu/format=nd"  # (rehearsal)
+    on_an_npu = types.SimpleNamespace(
+        _C=types.SimpleNamespace(_tensor_construct_from_storage=lambda storage: nz), get_npu_format=formats.get
+    )
+    monkeypatch.setitem(sys.modules, "torch_npu", on_an_npu)
+    signature = live_targets.storage_cpu_signature((nz.untyped_storage(),), {})
+    assert signature == "device=npu/format=internal"
+    assert fnmatch.fnmatch(signature, *live_targets.storage_cpu().risky_signatures)
 
 
 # --------------------------------------------------------------------------- storage_cpu, storage_deepcopy

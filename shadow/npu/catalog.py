@@ -152,9 +152,10 @@ CATALOG: tuple[Row, ...] = (
         risky=("*/format=internal/*",), wrapped="`torch.Tensor.__repr__`", upstream="`torch._tensor.Tensor.__repr__`",
         compared="exact (the strings)",
     ),
+    # torch_npu 2.13/2.14: an internal-format storage is sized, copied and converted through its NPU descriptor
     Row(
         "torch_save", "torch.serialization", "_save", "torch_npu/utils/serialization.py", "_npu_save",
-        "shadow.core.model.live_targets:torch_save",
+        "shadow.core.model.live_targets:torch_save", risky=("*/npu_formats=internal",),
         helpers=(("_add_serialization_methods._npu_legacy_save", "torch.serialization", "_legacy_save"),),
         wrapped="`torch.save` (torch_npu's `_save` and `_legacy_save` under it)",
         upstream="`torch.save` with torch's `_save` and `_legacy_save`, into a buffer of its own",
@@ -162,12 +163,14 @@ CATALOG: tuple[Row, ...] = (
     ),
     Row(
         "storage_cpu", "torch.storage.UntypedStorage", "cpu", "torch_npu/utils/storage.py", "_cpu",
-        "shadow.core.model.live_targets:storage_cpu", wrapped="`torch.UntypedStorage.cpu`",
-        upstream="`torch.storage.UntypedStorage.cpu`", compared="exact (device, size and bytes)",
+        "shadow.core.model.live_targets:storage_cpu", risky=("*/format=internal",),
+        wrapped="`torch.UntypedStorage.cpu`", upstream="`torch.storage.UntypedStorage.cpu`",
+        compared="exact (device, size and bytes)",
     ),
     Row(
         "storage_deepcopy", "torch.storage.TypedStorage", "_deepcopy", "torch_npu/utils/storage.py", "_deepcopy",
-        "shadow.core.model.live_targets:storage_deepcopy", wrapped="`torch.TypedStorage._deepcopy` (`copy.deepcopy`)",
+        "shadow.core.model.live_targets:storage_deepcopy", risky=("*/format=internal",),
+        wrapped="`torch.TypedStorage._deepcopy` (`copy.deepcopy`)",
         upstream="`torch.storage.TypedStorage._deepcopy`", compared="exact (dtype, device, size and bytes)",
     ),
     Row(

@@ -231,9 +231,10 @@ def _upstream_save(*args: Any, **kwargs: Any) -> Any:
 
 
 def torch_save_signature(args: tuple, kwargs: dict) -> str:
-    """``dest=<path|stream>/format=<zip|legacy>/tensors=<none|host|device|mixed|objects>`` of a ``torch.save`` call:
-    where it writes, in which format, and where the tensors it saves are (``objects``: it saves more than
-    tensors and plain values in containers)."""
+    """``dest=<path|stream>/format=<zip|legacy>/tensors=<none|host|device|mixed|objects>/npu_formats=<nd|internal>``
+    of a ``torch.save`` call: where it writes, in which format, where the tensors it saves are (``objects``: it saves
+    more than tensors and plain values in containers), and whether an npu tensor among them is in an internal format
+    (where torch_npu sizes its storage otherwise than torch)."""
     dest = "path" if checkpoint.is_path(saving.destination(args, kwargs)) else "stream"
     kind = "zip" if saving.zipped(args, kwargs) else "legacy"
     tensors = saving.tensors_of(saving.saved_object(args, kwargs))
@@ -242,7 +243,8 @@ def torch_save_signature(args: tuple, kwargs: dict) -> str:
     else:
         devices = {t.device.type == "cpu" for t in tensors}
         where = "none" if not devices else "mixed" if len(devices) == 2 else "host" if True in devices else "device"
-    return f"dest={dest}/format={kind}/tensors={where}"
+    internal = any(npu_format(t) not in (None, formats.Format.ND) for t in tensors or ())
+    return f"dest={dest}/format={kind}/tensors={where}/npu_formats={'internal' if internal else 'nd'}"
 
 
 def torch_save(trusted: bool = False) -> Target:
@@ -314,9 +316,24 @@ def tensor_repr() -> Target:
 # --------------------------------------------------------------------------- UntypedStorage.cpu
 
 
+def storage_format(storage: Any) -> str:
+    """``internal`` for an npu storage in an internal format (read as torch_npu reads it, through a tensor of its
+    descriptor, where torch_npu is imported), else ``nd``."""
+    torch_npu = sys.modules.get("torch_npu")
+    construct = getattr(getattr(torch_npu, "_C", None), "_tensor_construct_from_storage", None)
+    if storage.device.type != "npu" or construct is None:
+        return "nd"
+    try:
+        found = npu_format(construct(storage))
+    except Exception:  # (a storage torch_npu cannot describe: read as torch's)
+        return "nd"
+    return "nd" if found in (None, formats.Format.ND) else "internal"
+
+
 def storage_cpu_signature(args: tuple, kwargs: dict) -> str:
-    """``device=<type>`` of an ``UntypedStorage.cpu`` call (a host storage is returned as it is)."""
-    return f"device={args[0].device.type}"
+    """``device=<type>/format=<nd|internal>`` of an ``UntypedStorage.cpu`` call (a host storage is returned as it
+    is; an internal-format one is where torch_npu's copy is converted and torch's is not)."""
+    return f"device={args[0].device.type}/format={storage_format(args[0])}"
 
 
 def storage_cpu_run_if(args: tuple, kwargs: dict) -> None:
@@ -359,6 +376,7 @@ def storage_cpu() -> Target:
         isolate=False,
         signature=storage_cpu_signature,
         signature_pure=True,
+        risky_signatures=BUILTIN_RISKY["storage_cpu"],
         run_if=storage_cpu_run_if,
         compare=storage_difference,
     )
@@ -398,7 +416,8 @@ def storage_deepcopy() -> Target:
         attribute="_deepcopy",
         upstream=upstream("storage_deepcopy") or _missing("storage_deepcopy"),
         isolate=False,
-        signature=lambda args, kwargs: f"device={args[0]._untyped_storage.device.type}",
+        signature=lambda args, kwargs: storage_cpu_signature((args[0]._untyped_storage,), {}),
+        risky_signatures=BUILTIN_RISKY["storage_deepcopy"],
         signature_pure=True,
         run_if=storage_deepcopy_run_if,
         replay=storage_deepcopy_replay,
