@@ -26,7 +26,7 @@ from shadow.npu.patching import replace
 
 NEW = ("tensor_repr", "torch_save", "storage_cpu", "storage_deepcopy")
 
-#: torch_npu's ``_deepcopy`` reads ``TypedStorage.device``, which warns once a process that it is deprecated.
+#: This test's own storages read ``TypedStorage`` properties, which warn once a process that it is deprecated.
 _TYPED_STORAGE_WARNS = pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning")
 
 
