@@ -385,6 +385,21 @@ def _duration(text: str) -> str:
     return text
 
 
+def _prometheus_url(text: str) -> str:
+    """A Prometheus server's URL; ``host:port`` alone is taken as ``http://host:port``."""
+    from urllib.parse import urlsplit
+
+    url = text if "://" in text else f"http://{text}"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError for a port that is no number)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Prometheus server's URL (e.g. http://127.0.0.1:9090)")
+    return url
+
+
 def _timestamp(text: str) -> float:
     """A time as unix seconds, from unix seconds or ISO 8601 (UTC where no zone is given)."""
     import datetime
@@ -507,7 +522,10 @@ def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._Mut
     """The metrics sources and the decision's parameters, shared by verdict and report."""
     from shadow.analysis.verdict import DEFAULT_MAX_RATE, RECENT_SECONDS
 
-    source.add_argument("--prometheus", metavar="URL", help="a Prometheus server, e.g. http://127.0.0.1:9090")
+    source.add_argument(
+        "--prometheus", metavar="URL", type=_prometheus_url,
+        help="a Prometheus server, e.g. http://127.0.0.1:9090 (host:port alone is taken as http)",
+    )  # fmt: skip
     source.add_argument("--metrics-file", metavar="PATH", help="a Prometheus text exposition (saved scrape)")
     parser.add_argument(
         "--window", type=_duration, help="with --prometheus: judge increases over this window (e.g. 6h)"
@@ -554,39 +572,58 @@ class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, saying "did you mean" for an option misspelt (``--sampel-rate``: ``--sample-rate``), with the usage
-    of the command it was given to."""
+    """argparse that helps: "did you mean" for an option misspelt (``--sampel-rate``: ``--sample-rate``), whatever
+    error argparse met first (``verdict --jornal J``: not "one of the arguments is required"), and for a command
+    misspelt (``verdit``); the usage of the command it was given to; the whole help where no command is given."""
+
+    #: The words of the command line being parsed (the top parser's), which its commands' parsers read too.
+    _words: list[str] = []  # (one parse at a time)
 
     def error(self, message: str) -> Any:
-        if message.startswith("unrecognized arguments: "):
-            suggestion = self._suggestion(message.split(": ", 1)[1].split())
-            if suggestion is not None:
-                command, wrong, meant = suggestion
-                command.print_usage(sys.stderr)
-                command.exit(2, f"{command.prog}: error: unrecognized argument {wrong}; did you mean {meant}?\n")
-        super().error(message)
-
-    def _suggestion(self, unknown: list[str]) -> tuple[argparse.ArgumentParser, str, str] | None:
-        """(the command's parser, the option given, the one meant) for the first option close to one the command
-        takes."""
         import difflib
 
-        for action in self._actions:
-            if isinstance(action, argparse._SubParsersAction) and self._command in action.choices:
-                parser = action.choices[self._command]
-                options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
-                for word in unknown:
-                    wrong = word.split("=", 1)[0]
-                    close = difflib.get_close_matches(wrong, options, n=1, cutoff=0.8)
-                    if wrong.startswith("--") and close:
-                        return parser, wrong, close[0]
+        commands = next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if commands is not None and not any(w in commands.choices for w in self._words):
+            given = next((w for w in self._words if not w.startswith("-")), None)
+            if given is None:
+                self.print_help(sys.stderr)
+                self.exit(2, f"{self.prog}: error: no command given: one of {', '.join(commands.choices)}\n")
+            close = difflib.get_close_matches(given, list(commands.choices), n=1, cutoff=0.6)
+            if close:
+                self.print_usage(sys.stderr)
+                self.exit(2, f"{self.prog}: error: no command {given!r}; did you mean {close[0]!r}?\n")
+        suggestion = self._suggestion(commands)
+        if suggestion is not None:
+            command, wrong, meant = suggestion
+            command.print_usage(sys.stderr)
+            command.exit(2, f"{command.prog}: error: unrecognized argument {wrong}; did you mean {meant}?\n")
+        super().error(message)
+
+    def _suggestion(self, commands: Any) -> tuple[argparse.ArgumentParser, str, str] | None:
+        """(the command's parser, the option given, the one meant) for the first option of the command line that
+        the command does not take and that is close to one it does."""
+        import difflib
+
+        parser: argparse.ArgumentParser = self
+        if commands is not None:
+            given = next((w for w in self._words if w in commands.choices), None)
+            if given is None:
+                return None
+            parser = commands.choices[given]
+        options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        for word in self._words:
+            wrong = word.split("=", 1)[0]
+            if word == "--":
+                break  # (the job's own command line follows)
+            if wrong.startswith("--") and wrong not in options:
+                close = difflib.get_close_matches(wrong, options, n=1, cutoff=0.8)
+                if close:
+                    return parser, wrong, close[0]
         return None
 
-    _command = ""  # (the command given: the first word that is no option)
-
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
-        words = list(sys.argv[1:] if args is None else args)
-        self._command = next((w for w in words if not w.startswith("-")), "")
+        if self.prog == "npu-shadow":  # (the top parser: its commands' parsers read the same words)
+            _Parser._words = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
 
@@ -675,7 +712,7 @@ def _add_doctor_command(commands: Any) -> None:
         "use, the Prometheus port, and a self-test of tensor_type. Exit code: 0 ok, 1 not (each line says why).",
         formatter_class=_Defaults,
     )
-    doctor.add_argument("--port", type=int, default=9464, help="the Prometheus port to try (default 9464)")
+    doctor.add_argument("--port", type=int, default=9464, help="the Prometheus port to try")
     doctor.add_argument("--addr", default="127.0.0.1", help="the address to try the port on")
     _add_emulate_npu(doctor, "check with N emulated npu devices installed")
     legacy = SETTINGS["legacy_from"]

@@ -472,7 +472,8 @@ SETTINGS = {
     "budget": Setting(
         "NPU_SHADOW_BUDGET",
         "--budget",
-        "'off', or the fraction in (0, 1] of the job's wall time the shadow side may use per target (default 0.2)",
+        "'off', or the fraction in (0, 1] of the job's wall time the shadow side of all the targets together may use "
+        "(default 0.2)",
         _off_or_rate("(0"),
     ),
     "deadline": Setting(
@@ -672,9 +673,11 @@ def misspelt_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
     found = []
     for name in sorted(environ):
         if name.startswith("NPU_SHADOW_") and name not in known and name not in OTHER_VARIABLES:
-            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+            # (a name that ends several settings' names is theirs, not the nearest one's: NPU_SHADOW_RATE)
+            ending = sorted(v for v in known if v.endswith("_" + name.removeprefix("NPU_SHADOW_")))
+            close = ending if len(ending) > 1 else difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
             if close:
-                found.append((name, close[0]))
+                found.append((name, close[0] if len(close) == 1 else "one of " + ", ".join(close)))
     return found
 
 
