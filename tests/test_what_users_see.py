@@ -237,6 +237,24 @@ def test_a_drill_injects_only_its_own_kind():
     assert (shared.outcome, shared.reasons) == ("mismatch", ("value",)), shared.detail
 
 
+def test_a_drilled_difference_is_decided_at_once_even_where_the_noise_floor_has_no_runs_yet():
+    """With A/A runs on, a value difference waits for the noise floor's ten runs (reason noise_pending where they
+    never come): `--drill value:1.0` on a DataParallel job compared none of its calls. A drill's difference is the
+    monitor's own: a mismatch at once, and never part of the floor's sample."""
+    ops = types.SimpleNamespace(op=lambda t: t * 2)
+    exporter = Recorder()
+    target = shadow.Target("op", ops, "op", lambda t: t * 2)
+    with shadow.install([target], sample_rate=1.0, exporters=[exporter], drill=Drill("value", 1.0), aa_rate=0.5,
+                        seed=1) as monitor:  # fmt: skip
+        for _ in range(4):
+            ops.op(torch.randn(8))
+        floor = monitor.experiment("op").noise
+    stats = monitor.stats()["op"]
+    assert (stats.mismatch, stats.skipped, stats.noise, stats.drilled) == (4, 0, 0, 4), stats
+    assert {(o.outcome, o.reasons, o.drill) for o in exporter.observations} == {("mismatch", ("value",), True)}
+    assert floor._ab == {}, "a drill's difference entered the noise floor's A/B sample"
+
+
 def test_a_drill_that_cannot_inject_its_kind_injects_nothing():
     """An output that aliases an argument cannot be changed without writing the argument; a nan has no place in
     an integer tensor: the call compares as it is and is not counted as drilled."""

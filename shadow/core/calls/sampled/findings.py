@@ -47,6 +47,9 @@ class PendingFinding:
     comparison: Comparison | PendingComparison
     autocast: str
     differences: dict[str, tuple[Any, Any]]
+    #: A fire drill injected this difference: the monitor's own, known, decided at once (never held for the noise
+    #: floor, never part of its sample).
+    drilled: bool = False
 
     def ready(self) -> bool:
         return not isinstance(self.comparison, PendingComparison) or self.comparison.ready()
@@ -60,6 +63,8 @@ class PendingFinding:
             found = dataclasses.replace(found, detail=bounded(f"{found.detail} | {self.autocast}"))
         if self.differences:
             found = with_state(found, self.differences)
+        if self.drilled:
+            return found, "", False
         return within_noise(self.context, self.signature, found)
 
 
@@ -70,12 +75,14 @@ def judge(
     runs: tuple[Run, Run],
     left: tuple | None,
     may_defer: bool = False,
+    drilled: bool = False,
 ) -> tuple[Comparison, str, bool] | PendingFinding:
     """(the finding, the noise test as text, whether it is pending) of two runs of one call (``arguments``: what
     legacy and upstream received; ``runs`` and ``left``: their results and the settings each left, legacy's and
     upstream's, ``left`` None where neither left one changed): compared, with the settings and module attributes
     each left, and a value difference held against the noise floor (:func:`within_noise`). Where it ``may_defer``
-    and the device has not finished the comparison, the :class:`PendingFinding` instead (nothing waited for)."""
+    and the device has not finished the comparison, the :class:`PendingFinding` instead (nothing waited for).
+    ``drilled``: a fire drill corrupted upstream's run, and its difference is decided as it is found."""
     states = state_differences(plan, *left) if left is not None else {}
     differences = {**states, **module_differences(context, plan)}
     legacy, upstream = runs
@@ -95,7 +102,7 @@ def judge(
             may_defer=may_defer,
         )
         autocast = f"autocast legacy: {plan.autocast}; upstream: {upstream.autocast}"
-    finding = PendingFinding(context, plan.signature, found, autocast, differences)
+    finding = PendingFinding(context, plan.signature, found, autocast, differences, drilled)
     return finding if isinstance(found, PendingComparison) else finding.finish()
 
 

@@ -148,7 +148,9 @@ class ShadowSide:
         aa = extra.aa(runs[0]) if extra is not None and plan.aa and returned else {}
         start = time.perf_counter()
         may_defer = extra is None and not context.record.publisher.wants_evidence
-        finding = findings.judge(context, plan, ((args, kwargs), self.shadow_arguments), runs, left, may_defer)
+        finding = findings.judge(
+            context, plan, ((args, kwargs), self.shadow_arguments), runs, left, may_defer, bool(common["drill"])
+        )
         if isinstance(finding, findings.PendingFinding):
             return DeferredObservation(
                 finding, plan.signature, {**common, "compare_seconds": time.perf_counter() - start}
