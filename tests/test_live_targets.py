@@ -578,3 +578,17 @@ def test_an_npu_type_name_on_another_accelerator_is_a_risky_signature_of_its_own
         assert signature.startswith(f"{kind}_elsewhere/"), signature
         assert any(fnmatch.fnmatchcase(signature, p) for p in targets.TENSOR_TYPE_RISKY), signature
     assert on_npu.startswith("npu_name/") and not on_npu.startswith("npu_name_elsewhere")
+
+
+def test_the_exit_summary_says_the_iterators_canary_runs_only_with_upstream_primary(patched) -> None:
+    """Under the defaults the DataLoader iterator's A/B never runs, and nothing said so."""
+    from shadow.launcher.launch import summary
+
+    with _monitor("legacy") as monitor:
+        assert monitor.idle_canaries == ("dataloader_init",) and monitor.arms is None
+        said = summary(monitor.stats(), idle_canaries=monitor.idle_canaries)
+    assert "dataloader_init not compared: a canary A/B (it cannot run twice), run only with --primary upstream" in (
+        " ".join(said.split())
+    )
+    with _monitor("upstream") as monitor:
+        assert monitor.idle_canaries == () and monitor.arms is not None

@@ -281,7 +281,7 @@ class Launcher:
             job, processes = _job_totals(self.exporters)
             text = summary(
                 _then(self._earlier, self.monitor.stats()), self.monitor.legacy_origins(), job=job, processes=processes,
-                forked=forks.forked_children(),
+                forked=forks.forked_children(), idle_canaries=self.monitor.idle_canaries,
             )  # fmt: skip
             if self.release_patches:
                 counts = dict(self._earlier_patches)
@@ -549,10 +549,12 @@ def summary(
     job: Mapping[str, JobTotals] | None = None,
     processes: int = 0,
     forked: int = 0,
+    idle_canaries: tuple[str, ...] = (),
 ) -> str:
-    """One screen: where the legacy comes from, then a line per target with every skip reason named; then the
-    job's totals over every process sharing its metrics (``job``, written by ``processes`` processes), or, where
-    this process ``forked`` children and there are no shared metrics, that their calls are not in it."""
+    """One screen: where the legacy comes from, then a line per target with every skip reason named, and one per
+    canary A/B whose legacy is active but that runs only in a canary (``idle_canaries``); then the job's totals over
+    every process sharing its metrics (``job``, written by ``processes`` processes), or, where this process
+    ``forked`` children and there are no shared metrics, that their calls are not in it."""
     origins = sorted(set((legacy or {}).values()))
     lines = [f"npu-shadow run {_run_or_problem()}"]
     lines += [f"npu-shadow legacy: {', '.join(origins)}"] if origins else []
@@ -568,6 +570,8 @@ def summary(
             f"{name:<16}{s.calls:>10}{s.sampled:>9}{s.match:>8}{s.close:>7}{s.mismatch:>10}{s.error:>7}{s.skipped:>9}"
         )
         lines += [f"{'':<16}{line}" for line in _target_lines(s)]
+    for name in idle_canaries:
+        lines.append(f"{name:<16}not compared: a canary A/B (it cannot run twice), run only with --primary upstream")
     if not stats:
         lines.append("(no target installed: no active legacy patch in this process)")
     if job is not None and processes > 1:

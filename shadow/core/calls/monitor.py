@@ -67,6 +67,8 @@ class Monitor:
         self._restore: list[tuple[Any, str, bool, Any]] = []
         #: The canary A/B of the DataLoader's iterator (:mod:`shadow.core.calls.canary.arms`), where one runs.
         self.arms: IteratorArms | None = None
+        #: The canary A/B targets whose legacy is active here but that do not run (only a canary runs them).
+        self.idle_canaries: tuple[str, ...] = ()
         #: Call counters at the places of a release's function patches (:mod:`shadow.core.calls.patch_calls`).
         self.patch_calls: PatchCalls | None = None
         #: A yielding monitor steps aside for a monitor installed later on the same target, and comes back
@@ -347,6 +349,7 @@ def install(
     try:
         monitor._patch()
         monitor.arms = _arms(targets, settings.primary, exporters, settings.seed)
+        monitor.idle_canaries = _idle_canaries(targets, settings.primary)
         monitor.patch_calls = _patch_counters(settings.count_patches)
     except Exception:
         monitor.uninstall()
@@ -400,6 +403,18 @@ def _arms(targets: Any, primary: str, exporters: Sequence[Any], seed: int | None
         log.warning("npu-shadow: the DataLoader iterator's A/B could not start (%r); iterators stay legacy's", exc)
         return None
     return arms
+
+
+def _idle_canaries(targets: Any, primary: str) -> tuple[str, ...]:
+    """The canary A/B targets whose legacy patch is active in this process but that do not run, since they run
+    only where upstream is the primary (``--primary upstream``): what the exit summary says of them."""
+    name = ARM_TARGETS[0]
+    if primary == UPSTREAM or (targets is not None and name not in _names(targets)):
+        return ()
+    from torch.utils.data import dataloader
+
+    legacy = vars(dataloader._MultiProcessingDataLoaderIter).get("__init__")
+    return (name,) if builtin.patch_origin(legacy) is not None else ()
 
 
 def _names(targets: Any) -> set[str]:
