@@ -29,7 +29,7 @@ import torch
 import shadow
 from shadow.core.judging.compare import compare
 from shadow.core.model import live_targets, loaded
-from shadow.npu import torch_npu_source
+from shadow.npu import torch_npu_source, wheels
 
 MAPS: dict[str, Any] = {
     "none": None,
@@ -92,7 +92,7 @@ def main() -> int:
 
     if torch.accelerator.current_accelerator() is None:
         emulated.install(2)  # (torch_npu's legacy runs over an accelerator: the emulated npu where none is here)
-    wheel = torch_npu_source.cached_wheel(options.wheel) or options.wheel
+    wheel = wheels.cached_wheel(options.wheel) or options.wheel
     patches = torch_npu_source.load(str(wheel)).patch_torch()
     outcomes: collections.Counter[str] = collections.Counter()
     changed: list[str] = []

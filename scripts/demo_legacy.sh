@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CI= bash scripts/fetch_torch_npu.sh 2.12.0 >&2
-wheel=$(.venv/bin/python -c "from shadow.npu.torch_npu_source import cached_wheel; print(cached_wheel('2.12.0') or '')")
+wheel=$(.venv/bin/python -c "from shadow.npu.wheels import cached_wheel; print(cached_wheel('2.12.0') or '')")
 if [ -n "$wheel" ]; then
   echo "== legacy: torch_npu 2.12.0's own code, read from $wheel" >&2
   printf '%s\n' --legacy-from "$wheel"

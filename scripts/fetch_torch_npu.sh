@@ -7,11 +7,11 @@
 # and the tests that need it skip, named in pytest's summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-cache=$(.venv/bin/python -c "from shadow.npu.torch_npu_source import wheel_cache; print(wheel_cache())")
+cache=$(.venv/bin/python -c "from shadow.npu.wheels import wheel_cache; print(wheel_cache())")
 if [ $# -gt 0 ]; then
   releases="$*"
 else
-  releases=$(.venv/bin/python -c "from shadow.npu.torch_npu_source import LATER_RELEASES, RELEASES; print(*RELEASES, *LATER_RELEASES)")
+  releases=$(.venv/bin/python -c "from shadow.npu.wheels import LATER_RELEASES, RELEASES; print(*RELEASES, *LATER_RELEASES)")
 fi
 mkdir -p "$cache"
 missing=()

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("tests", nargs="*", default=list(DEFAULT_TESTS), help="test files, relative to the checkout")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from shadow.npu.torch_npu_source import cached_wheel
+    from shadow.npu.wheels import cached_wheel
 
     wheel = cached_wheel(args.release)
     if wheel is None:

@@ -14,13 +14,8 @@ import pytest
 from torch_npu_wheels import wheel
 
 from shadow.analysis import census
-from shadow.npu.torch_npu_source import (
-    LATER_RELEASES,
-    MAX_MEMBER_BYTES,
-    RELEASES,
-    LegacySourceError,
-    ReleaseFiles,
-)
+from shadow.npu.torch_npu_source import MAX_MEMBER_BYTES, LegacySourceError, ReleaseFiles
+from shadow.npu.wheels import LATER_RELEASES, RELEASES
 
 pytestmark = pytest.mark.slow
 

@@ -122,3 +122,20 @@ def test_doctor_says_it_loads_torch_before_it_does():
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert done.stderr.splitlines()[0] == "npu-shadow doctor: loading torch to check it..."
+
+
+def test_the_demos_set_up_finds_the_cached_wheel_without_importing_torch(tmp_path):
+    """The warm demo's first 18 s printed nothing: its set-up imported torch twice only to find a cached file."""
+    from shadow.npu import wheels
+
+    if wheels.cached_wheel("2.12.0") is None:
+        pytest.skip("no cached torch_npu 2.12.0 wheel")
+    blocked = tmp_path / "torch"
+    blocked.mkdir()
+    (blocked / "__init__.py").write_text("raise ImportError('the set-up scripts must not import torch')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    for script in ("fetch_torch_npu.sh", "demo_legacy.sh"):
+        done = subprocess.run(["bash", os.path.join(ROOT, "scripts", script)], capture_output=True, text=True,
+                              timeout=120, env=env)  # fmt: skip
+        assert done.returncode == 0 and "must not import torch" not in done.stderr, done.stderr
+    assert done.stdout.split() == ["--legacy-from", str(wheels.cached_wheel("2.12.0"))]

@@ -1,7 +1,7 @@
 """torch_npu's own legacy code, loaded from its wheels, against our reference: bitwise, on the emulated npu.
 
 The test command fetches the five torch_npu releases that carry the patches into a cache outside the repository
-(``shadow.npu.torch_npu_source.wheel_cache()``); without access to the package index these tests skip, saying so.
+(``shadow.npu.wheels.wheel_cache()``); without access to the package index these tests skip, saying so.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from torch.utils._pytree import tree_flatten
 from torch_npu_wheels import wheel
 
 from shadow.core.judging.compare import compare
-from shadow.npu import reference, torch_npu_source
+from shadow.npu import reference, torch_npu_source, wheels
 from shadow.npu.tensor_types import NPU_TENSOR_TYPES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-RELEASES = torch_npu_source.RELEASES
+RELEASES = wheels.RELEASES
 pytestmark = [
     pytest.mark.skipif(torch.accelerator.current_accelerator() is None, reason="needs the emulated npu"),
     pytest.mark.filterwarnings("ignore:Was asked to gather along dimension 0"),

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from shadow.npu import torch_npu_source
+from shadow.npu import wheels
 
 #: Releases whose wheel was missing when a test asked for it (named in the test summary: see conftest.py).
 MISSING: dict[str, int] = {}
@@ -13,11 +13,11 @@ MISSING: dict[str, int] = {}
 def wheel(version: str = "2.12.0") -> str:
     """The cached wheel of ``version``. Where it is not there the test skips, saying why, and the summary names the
     release; under CI (CI=true) it fails instead: evidence that cannot be missing silently."""
-    path = torch_npu_source.cached_wheel(version)
+    path = wheels.cached_wheel(version)
     if path is None:
         MISSING[version] = MISSING.get(version, 0) + 1
         why = (
-            f"torch_npu {version} wheel not in {torch_npu_source.wheel_cache()}: the test command fetches it from "
+            f"torch_npu {version} wheel not in {wheels.wheel_cache()}: the test command fetches it from "
             "the package index, which this machine could not reach"
         )
         if os.environ.get("CI") == "true":

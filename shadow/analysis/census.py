@@ -35,7 +35,8 @@ from typing import Any
 
 from shadow.core.calls.patch_calls import COMPILE_INTERNALS
 from shadow.npu import catalog
-from shadow.npu.torch_npu_source import LegacySourceError, ReleaseFiles, cached_wheel, parse, printable
+from shadow.npu.torch_npu_source import LegacySourceError, ReleaseFiles, parse, printable
+from shadow.npu.wheels import cached_wheel
 
 #: How deep census follows imports and calls (each a function of its own that reaches the next): a chain deeper than
 #: this is refused (a real release's are a few dozen deep).
@@ -568,7 +569,7 @@ def patch_list(source_path: str) -> Path:
     import json
     import os
 
-    from shadow.npu.torch_npu_source import wheel_cache
+    from shadow.npu.wheels import wheel_cache
 
     path = Path(locate(source_path))
     try:

@@ -258,7 +258,7 @@ def _legacy_source(text: str) -> str:
     turned into that wheel's path so that every process of the job reads the same file."""
     if text in ("installed", REFERENCE) or os.path.exists(text):
         return text
-    from shadow.npu.torch_npu_source import cached_wheel
+    from shadow.npu.wheels import cached_wheel
 
     cached = cached_wheel(text) if re.fullmatch(r"\d+(\.\d+){1,3}(rc\d+)?", text) else None
     if cached is None:

@@ -19,10 +19,10 @@ from shadow.npu import catalog, reference
 
 def _cached_wheel_hint() -> str:
     """Where a torch_npu wheel is cached (scripts/fetch_torch_npu.sh puts them there), as a --legacy-from to try."""
-    from shadow.npu import torch_npu_source
+    from shadow.npu import wheels
 
     for version in ("2.12.0", "2.11.0", "2.10.0", "2.9.0", "2.8.0"):
-        wheel = torch_npu_source.cached_wheel(version)
+        wheel = wheels.cached_wheel(version)
         if wheel is not None:
             return f"; a torch_npu {version} wheel is cached: --legacy-from {wheel}"
     return "; scripts/fetch_torch_npu.sh 2.12.0 caches torch_npu 2.12.0's wheel for --legacy-from"

@@ -52,12 +52,6 @@ from shadow.npu.emulated import formats, torch_npu_c
 from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE, LEGACY_PATCHED, Patches, replace, upstream_of
 from shadow.npu.tensor_types import NPU_TENSOR_TYPES
 
-#: The torch_npu releases that carry the three patches npu-shadow was built for (torch_npu 2.13 removed them).
-RELEASES = ("2.8.0", "2.9.0", "2.10.0", "2.11.0", "2.12.0")
-
-#: Releases after them, read by ``npu-shadow census`` (what torch_npu still patches); fetched into the cache too.
-LATER_RELEASES = ("2.13.0", "2.14.0")
-
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
@@ -941,21 +935,3 @@ def _installed(path: str | os.PathLike, member: str, line: int, device: tuple[st
         raise LegacySourceError(f"torch_npu {version}: {member}:{line} installs {name!r}, which is not a function")
     setattr(function, ORIGIN_ATTRIBUTE, f"torch_npu {version} source")
     return function
-
-
-def wheel_cache() -> Path:
-    """Where the test command keeps torch_npu wheels: ``$NPU_SHADOW_WHEEL_DIR``, else ``wheels`` under
-    ``$NPU_SHADOW_CACHE_DIR`` (default ``~/.cache/npu-shadow``)."""
-    explicit = os.environ.get("NPU_SHADOW_WHEEL_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("NPU_SHADOW_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "npu-shadow"
-    )
-    return Path(base) / "wheels"
-
-
-def cached_wheel(version: str) -> Path | None:
-    """The cached torch_npu wheel of ``version``, if one is there."""
-    matches = sorted(wheel_cache().glob(f"torch_npu-{version}-*.whl"))
-    return matches[0] if matches else None
