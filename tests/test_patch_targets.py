@@ -388,3 +388,33 @@ def test_shadow_patch_under_the_launcher_and_its_refusals_at_start_up(tmp_path) 
     assert refused.returncode == 2 and "--shadow-patch: torch.utils.dlpack.to_dlpack: not shadowed" in refused.stderr
     alone = run("--shadow-patch", "torch._utils._get_available_device_type")
     assert alone.returncode == 2 and "--shadow-patch (NPU_SHADOW_SHADOW_PATCHES) needs --legacy-from" in alone.stderr
+
+
+def test_on_a_real_devices_properties_the_new_targets_find_no_false_divergence_and_add_no_wait(patched) -> None:
+    """An asynchronous queue and nondeterministic reductions: the repr, the save and the host copy read the tensors
+    the job made (nothing recomputed), so they still match; a sampled repr reads the device on the caller's thread
+    no more often than the job's own repr did (the shadow run prints the same values: the queue is drained)."""
+    from shadow.npu import emulated
+
+    model = torch.nn.Conv2d(2, 2, 3).to("npu")
+    emulated.set_nondeterministic(1e-3)
+    emulated.set_kernel_time(0.001)
+    try:
+        out = model(torch.randn(1, 2, 5, 5, device="npu"))
+        before = emulated.host_syncs()
+        text = repr(out)
+        plain = tuple(a - b for a, b in zip(emulated.host_syncs(), before))
+        with _monitor(["tensor_repr", "torch_save", "storage_cpu"]) as monitor:
+            out = model(torch.randn(1, 2, 5, 5, device="npu"))
+            before = emulated.host_syncs()
+            shadowed_text = repr(out)
+            shadowed = tuple(a - b for a, b in zip(emulated.host_syncs(), before))
+            torch.save({"out": out.detach()}, io.BytesIO())
+            out.detach().untyped_storage().cpu()
+    finally:
+        emulated.set_kernel_time(0.0)
+        emulated.set_nondeterministic(0.0)
+    assert text.startswith("tensor(") and shadowed_text.startswith("tensor(")
+    assert shadowed[0] <= plain[0], (shadowed, plain)  # (waits on the caller's thread: the job's own)
+    for name in ("tensor_repr", "torch_save", "storage_cpu"):  # (the save copies its storage to the host too)
+        assert set(_outcomes(monitor, name)) == {"match"}, (name, _outcomes(monitor, name))
