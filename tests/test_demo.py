@@ -4,6 +4,7 @@ that the variants can run side by side."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import socket
@@ -29,6 +30,13 @@ def demo(tmp_path, *args: str) -> str:
     return output
 
 
+def _readme_excerpt():
+    spec = importlib.util.spec_from_file_location("readme_excerpt", os.path.join(ROOT, "scripts", "readme_excerpt.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _job_total(output: str, target: str) -> int:
     job = output.split("npu-shadow job:")[1]
     return int(re.search(rf"^{target}\s+(\d+) calls", job, flags=re.M).group(1))
@@ -48,6 +56,11 @@ def test_the_demo_trains_shadowed_and_shows_the_summary_the_verdict_and_the_repo
         # the summary's job totals cover the DataLoader workers, as the verdict does
         assert _job_total(output, target) == _verdict_compared(output, target), target
     assert "overall: inconclusive" in output  # 32 steps are too few to promote (the README's excerpt)
+    # the README's excerpt is this run's verdict: the same targets, decisions, counts and bounds
+    excerpt = _readme_excerpt()
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as readme:
+        shown = excerpt.rows(excerpt.readme_excerpt(readme.read()))
+    assert shown == excerpt.rows(excerpt.verdict_section(output)), "rerun scripts/readme_excerpt.py on a demo's output"
     assert "(verdict exit code 3" in output
     report = (tmp_path / "npu-shadow-report.md").read_text()
     assert "## Verdict" in report and (tmp_path / "npu-shadow-report.html").exists()
@@ -55,8 +68,18 @@ def test_the_demo_trains_shadowed_and_shows_the_summary_the_verdict_and_the_repo
 
 
 def test_the_demo_with_a_fire_drill_ends_in_rollback_and_says_it_is_a_drill(tmp_path):
+    """Every target the job called is rehearsed: its drilled comparisons decided at once (none held for a noise
+    floor) and rolled back, and the drill names those targets alone. (A call whose result is its own input, such as
+    the workers' same-dtype casts, is never drilled.)"""
     output = demo(tmp_path, "--drill", "value:1.0")
-    assert "FIRE DRILL" in output
+    called = set(re.findall(r"^(\w+) +\d+ calls, \d+ compared", output.split("npu-shadow job:")[1], flags=re.M))
+    assert {"parallel_apply", "data_parallel", "tensor_type", "module_to", "foreach_devices"} <= called
+    rows = _readme_excerpt().rows(_readme_excerpt().verdict_section(output))
+    assert {target for target, decision, *_ in rows if decision == "rollback"} == called
+    assert all(int(divergent) > 0 for target, _, _, divergent, _ in rows if target in called)
+    assert "noise_pending" not in output and "noise floor" not in output
+    (named,) = re.findall(r"^FIRE DRILL: .* injected by a fire drill \(([\w, ]+)\)", output, flags=re.M)
+    assert set(named.split(", ")) == called
     assert "overall: rollback" in output and "(verdict exit code 1" in output
 
 

@@ -547,6 +547,35 @@ def test_the_metrics_of_a_drill_name_it_too():
     assert verdict.drill_note(decisions).startswith("FIRE DRILL: the metrics show synthetic divergence")
 
 
+def test_a_drill_names_only_the_targets_it_drilled_and_its_difference_never_reads_as_a_cause(capsys):
+    """The demo's ``--drill value:1.0``: the FIRE DRILL line listed eleven targets, six never called; the drilled
+    foreach device list read as a real hard mismatch with its meaning ("deleting the patch changes whether the
+    optimizers run their foreach kernels"), and its evidence as "clusters: not counted by this source (processes of a
+    version before clusters were counted)"."""
+    from shadow.analysis import sources, verdict
+    from shadow.launcher import cli
+
+    series = 'target="foreach_devices",signature="devices",primary="legacy"'
+    text = (
+        f'npu_shadow_comparisons_total{{{series},outcome="mismatch"}} 32\n'
+        f'npu_shadow_mismatches_total{{target="foreach_devices",primary="legacy",reason="custom"}} 32\n'
+        f'npu_shadow_drilled_total{{{series},outcome="mismatch"}} 32\n'
+        'npu_shadow_clusters_total{target="foreach_devices",primary="legacy"} 0\n'
+        'npu_shadow_comparisons_total{target="lstm_forward",signature="s",primary="legacy",outcome="match"} 0\n'
+        "npu_shadow_drill_active 1\n"
+    )
+    decisions = verdict.decide_all(sources.from_exposition(text), 0.001, {}, 30)
+    by_target = {d.target: d for d in decisions}
+    assert verdict.drill_note(decisions).startswith("FIRE DRILL: 32 comparisons carry synthetic divergence injected "
+                                                    "by a fire drill (foreach_devices):")  # fmt: skip
+    drilled = by_target["foreach_devices"]
+    assert drilled.decision == verdict.ROLLBACK and "a rehearsal, not a cause" in drilled.why
+    assert verdict.CUSTOM_MEANING["foreach_devices"] not in drilled.why
+    (evidence,) = cli._evidence(drilled)
+    assert "no clusters (a fire drill's comparisons are no evidence" in evidence
+    assert "version before" not in "".join(cli._evidence(by_target["lstm_forward"]))  # (nothing compared: no clause)
+
+
 def test_a_wall_clock_that_jumps_makes_no_clusters_and_is_said(tmp_path):
     """A process whose wall clock jumps an hour between count records, its monotonic clock advancing 30 s: its
     comparisons are as many clusters as on a steady clock (before, each record opened a cluster of its own: more

@@ -863,6 +863,10 @@ def _decide_whole(
         return Decision(decision=INCONCLUSIVE, why=why, **made)
     if hard:
         kinds = ", ".join(f"{count} {reason}" for reason, count in sorted(hard.items()))
+        if counts.drilled:  # (a drill's injected difference is no cause: the meaning of a real one would mislead)
+            into = f" into {round(counts.drilled):,} comparisons" if counts.drilled > 0 else ""
+            why = f"hard mismatches: {kinds}, while a fire drill injected divergence{into} (a rehearsal, not a cause)"
+            return Decision(decision=ROLLBACK, why=why, **made)
         meaning = CUSTOM_MEANING.get(target, "") if "custom" in hard else ""
         return Decision(decision=ROLLBACK, why=f"hard mismatches: {kinds}{f' ({meaning})' if meaning else ''}", **made)
     if counts.rollbacks:

@@ -142,16 +142,16 @@ def _print_verdict(decisions: list[Any], ab: list[Any], result: str, max_rate: f
     """The verdict as a table: a line per target, what its evidence says under it, the canary A/B, the overall."""
     from shadow.analysis import verdict
 
-    print(f"{'target':<16}{'decision':<14}{'compared':>10}{'divergent':>11}  {'95% bounds':<22} why")
+    print(f"{'target':<17}{'decision':<14}{'compared':>10}{'divergent':>11}  {'95% bounds':<22} why")
     for d in decisions:
         bounds = f"[{d.lower:.3g}, {d.upper:.3g}]"
-        print(f"{d.target:<16}{d.decision:<14}{d.compared:>10}{d.divergent:>11}  {bounds:<22} {d.why}")
+        print(f"{d.target:<17}{d.decision:<14}{d.compared:>10}{d.divergent:>11}  {bounds:<22} {d.why}")
         for line in [*_evidence(d), *_coverage_lines(d)]:
-            print(f"{'':<16}{line}")
+            print(f"{'':<17}{line}")
     if not decisions:
         print("(no npu_shadow comparisons found)")
     for summary in ab:
-        print(f"{summary.target:<16}{'canary A/B':<14}{summary.line()}")
+        print(f"{summary.target:<17}{'canary A/B':<14}{summary.line()}")
     print(
         "bounds: anytime-valid 95% (a beta-binomial confidence sequence, valid however often the verdict is "
         "re-run as evidence grows; docs/operations.md)"
@@ -200,7 +200,9 @@ def _evidence(d: Any) -> list[str]:
         line += " (signatures weighted by their share of calls)" if p.weighted else " (one stratum)"
         if p.clusters:
             line += f"; {p.clusters} clusters ({d.clustering}), each counted as one comparison"
-        else:
+        elif d.drilled and p.compared:
+            line += "; no clusters (a fire drill's comparisons are no evidence and open none)"
+        elif p.compared:
             line += "; clusters: not counted by this source (processes of a version before clusters were counted)"
         if p.uncovered_by:
             kinds = ", ".join(f"{reason} {share:.3g}" for reason, share in sorted(p.uncovered_by.items()))

@@ -559,19 +559,19 @@ def summary(
     lines = [f"npu-shadow run {_run_or_problem()}"]
     lines += [f"npu-shadow legacy: {', '.join(origins)}"] if origins else []
     lines += [
-        f"{'npu-shadow':<16}{'calls':>10}{'sampled':>9}{'match':>8}{'close':>7}{'mismatch':>10}{'error':>7}"
+        f"{'npu-shadow':<17}{'calls':>10}{'sampled':>9}{'match':>8}{'close':>7}{'mismatch':>10}{'error':>7}"
         f"{'skipped':>9}"
     ]
     for name, s in stats.items():
         if s.calls == 0:
-            lines.append(f"{name:<16}not exercised: never called in this process")
+            lines.append(f"{name:<17}not exercised: never called in this process")
             continue
         lines.append(
-            f"{name:<16}{s.calls:>10}{s.sampled:>9}{s.match:>8}{s.close:>7}{s.mismatch:>10}{s.error:>7}{s.skipped:>9}"
+            f"{name:<17}{s.calls:>10}{s.sampled:>9}{s.match:>8}{s.close:>7}{s.mismatch:>10}{s.error:>7}{s.skipped:>9}"
         )
-        lines += [f"{'':<16}{line}" for line in _target_lines(s)]
+        lines += [f"{'':<17}{line}" for line in _target_lines(s)]
     for name in idle_canaries:
-        lines.append(f"{name:<16}not compared: a canary A/B (it cannot run twice), run only with --primary upstream")
+        lines.append(f"{name:<17}not compared: a canary A/B (it cannot run twice), run only with --primary upstream")
     if not stats:
         lines.append("(no target installed: no active legacy patch in this process)")
     if job is not None and processes > 1:
@@ -581,7 +581,7 @@ def summary(
                 continue  # (never called: the table above says so)
             skipped = sum(total.skipped.values())
             reasons = f" ({_skips(total.skipped)})" if skipped else ""
-            lines.append(f"{name:<16}{total.calls:>10} calls, {total.compared} compared, {skipped} skipped{reasons}")
+            lines.append(f"{name:<17}{total.calls:>10} calls, {total.compared} compared, {skipped} skipped{reasons}")
     elif forked and job is None and stats:
         lines.append(
             f"(this process only: it forked {forked} processes, DataLoader workers say; any calls of theirs are "

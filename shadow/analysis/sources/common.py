@@ -166,6 +166,21 @@ def _set_aside_drilled(counts: dict[str, TargetCounts], name: str, labels: dict[
         phase.reasons[reason] = counted - value
 
 
+def mark_drilling(counts: dict[str, TargetCounts], drilled: list[tuple[dict[str, str], float]]) -> None:
+    """A fire drill still on: each target's comparisons it injected into (``DRILLED`` series' labels and values),
+    so that the drill names only the targets it drilled; -1 for every target (a drill was on, how many it drilled
+    is not known) where the source has no such series."""
+    if not drilled:
+        for entry in counts.values():
+            entry.drilled = -1
+        return
+    for entry in counts.values():
+        entry.drilled = 0
+    for labels, value in drilled:
+        if labels.get("outcome") in COMPARED_OUTCOMES:
+            counts.setdefault(labels.get("target", ""), TargetCounts()).drilled += value
+
+
 def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
     """A text file of at most ``limit`` bytes, UTF-8, without NUL bytes; else SourceError."""
     try:

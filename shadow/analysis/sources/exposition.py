@@ -20,6 +20,7 @@ from shadow.analysis.sources.common import (
     _count,
     _honour_resets,
     _set_aside_drilled,
+    mark_drilling,
     one_job_per_run,
     select_run,
 )
@@ -79,8 +80,7 @@ def from_exposition(
                 where = f"{source}: {sample.name}{dict(sample.labels)}"
                 arms.append((sample.name, dict(sample.labels), _count(sample.value, where, whole=False)))
     if drill:
-        for entry in counts.values():
-            entry.drilled = -1
+        mark_drilling(counts, [(labels, value) for name, labels, value in drilled if name == DRILLED])
     else:  # (a drill that is over: exactly the comparisons it marked are set aside)
         for name, labels, value in drilled:
             _set_aside_drilled(counts, name, labels, value)

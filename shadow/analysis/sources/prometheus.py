@@ -38,6 +38,7 @@ from shadow.analysis.sources.common import (
     _count,
     _honour_resets,
     _set_aside_drilled,
+    mark_drilling,
     one_job_per_run,
     select_run,
 )
@@ -256,14 +257,19 @@ def _drills(
     counts: dict[str, TargetCounts],
     drilling: bool,
 ) -> None:
-    """A fire drill still on is rehearsed (``drilled`` -1: its comparisons count); one that is over has exactly the
-    comparisons it marked set aside (:func:`_set_aside_drilled`)."""
-    for metric in (DRILLED, DRILLED_REASONS) if not drilling else ():
+    """A fire drill still on is rehearsed (its comparisons count, each target's drilled ones named:
+    :func:`mark_drilling`); one that is over has exactly the comparisons it marked set aside
+    (:func:`_set_aside_drilled`)."""
+    if drilling:
+        found = _exact_between(url, DRILLED, selector, start, end, deadline).items()
+        mark_drilling(counts, [(dict(key), _count(value, f"{url}: {DRILLED}{dict(key)}")) for key, value in found])
+        return
+    for metric in (DRILLED, DRILLED_REASONS):
         for key, value in _exact_between(url, metric, selector, start, end, deadline).items():
             labels = dict(key)
             _set_aside_drilled(counts, metric, labels, _count(value, f"{url}: {metric}{labels}"))
     for entry in counts.values():
-        entry.drilled = -1 if drilling else 0
+        entry.drilled = 0
 
 
 def _commands(selector: str, end: float | None, deadline: _Deadline) -> dict[str, set[str]]:
