@@ -118,7 +118,10 @@ def test_rules_alerts_and_verdict_against_a_real_prometheus(tmp_path, monkeypatc
             assert alert["labels"]["reason"] == "dtype" and alert["labels"]["action"] == "rollback"
             clean_alerts = [a for a in server.alerts() if a["labels"].get("job") == "clean"]
             assert not [a for a in clean_alerts if a["state"] == "firing"], clean_alerts
-            assert {a["labels"]["alertname"] for a in clean_alerts} <= {"NpuShadowPromotionEvidence"}
+            # (the overhead alert may be pending at rate 1 on a busy machine: it weighs the shadow side's cost against
+            # this machine's speed, says nothing of divergence, and fires only after 15 minutes)
+            cost = {"NpuShadowPromotionEvidence", "NpuShadowOverhead"}
+            assert {a["labels"]["alertname"] for a in clean_alerts} <= cost, clean_alerts
 
             # and the verdict, read from the server
             rollback = run_verdict(server, "diverging")

@@ -261,18 +261,19 @@ def test_a_fleet_of_two_torchrun_jobs_adds_up_per_job_and_fleet_wide(tmp_path):
                     found[job] = found.get(job, 0) + value
                 return found
 
-            def settled() -> (
-                bool
-            ):  # every rank done with its calls (it then waits for the stop file), and scraped since
+            def settled() -> bool:
+                """Every rank done with its calls (it then waits for the stop file), all scraped, and the per-job
+                calls and comparisons the same over the last six polls, every rank up at each (a rank whose scrape
+                failed at load leaves the rules for a while: stability alone let the rules miss its counts)."""
                 if len(list(tmp_path.glob("fleet_*.done-*"))) < 2 * ranks:
                     return False
-                seen.append(per_job("npu_shadow:calls:total"))
-                up = server.query('sum(up{job=~"fleet_.*"})')
-                return up.get((), 0) == 2 * ranks and len(seen) > 6 and seen[-1] == seen[-6] and len(seen[-1]) == 2
+                up = server.query('sum(up{job=~"fleet_.*"})').get((), 0)
+                calls, compared = per_job("npu_shadow:calls:total"), per_job("npu_shadow:comparisons:total")
+                seen.append((up, calls, compared))
+                return len(seen) > 6 and len(calls) == 2 and all(s == (2 * ranks, calls, compared) for s in seen[-6:])
 
             server.wait_for(settled, "every rank scraped and done", timeout=240)
-            calls = seen[-1]
-            compared = per_job("npu_shadow:comparisons:total")
+            _, calls, compared = seen[-1]
             fleet = server.query('sum(npu_shadow:comparisons:total{target="tensor_type"})')[()]
             assert fleet == sum(compared.values())  # fleet-wide: the sum over the jobs
             dp = server.query('sum by (job) (npu_shadow:comparisons:total{target="parallel_apply"})')

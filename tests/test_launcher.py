@@ -91,6 +91,7 @@ INVALID = {
     "addr": "local host",
     "multiproc_dir": "/etc/passwd",
     "otel": "maybe",
+    "gather": "maybe",
     "journal": "/etc/passwd/journal.jsonl",
     "capture_dir": "/etc/passwd/captures",
     "drill": "fire:0.5",

@@ -45,6 +45,7 @@ from typing import Any
 
 from shadow.analysis import bounds
 from shadow.analysis.bounds import Prior, Stratum
+from shadow.analysis.sooner import sooner
 from shadow.core.calls.record import clusters
 from shadow.core.model.observation import (
     COMPARED_OUTCOMES,
@@ -321,6 +322,8 @@ class PhaseDecision:
     uncovered_share: float
     uncovered_by: dict[str, float]
     why: str
+    #: What would reach a decision sooner, for an inconclusive phase (:mod:`shadow.analysis.sooner`); "" otherwise.
+    sooner: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -588,10 +591,15 @@ def _diverging_stratum(own: Mapping[str, tuple[float, float]], max_rate: float, 
 
 
 def decide_phase(
-    primary: str, phase: PhaseCounts, max_rate: float, process_seconds: float = 0.0, alpha: float = bounds.ALPHA
+    primary: str,
+    phase: PhaseCounts,
+    max_rate: float,
+    process_seconds: float = 0.0,
+    alpha: float = bounds.ALPHA,
+    target: str = "",
 ) -> PhaseDecision:
-    """The decision on one phase's evidence (hard mismatches and coverage are the target's: see :func:`decide`);
-    ``alpha``: the level of its lower bound (a rollback's)."""
+    """The decision on one phase of ``target``'s evidence (hard mismatches and coverage are the target's: see
+    :func:`decide`); ``alpha``: the level of its lower bound (a rollback's)."""
     n, k = phase.compared, phase.divergent
     counted = n + sum(phase.unmatched.values())
     if phase.cluster_count > 0 and not phase.clusters_missing:  # (counted where they happened: every source)
@@ -635,7 +643,11 @@ def decide_phase(
         return PhaseDecision(decision=PROMOTE, why=why, **common)
     units = "clusters" if clustered else "effective comparisons"
     missing = _promote_needs(upper, max_rate, share, uncovered, rate, effective, units, prior, process_seconds)
-    return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: {missing}", **common)
+    faster = ""
+    if clustered and share < max_rate and rate < max_rate - share:
+        more = bounds.needed_at_rate(max_rate - share, rate, prior) - effective
+        faster = sooner(target or "this target", more, cluster_count, sum(phase.calls.values()), process_seconds)
+    return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: {missing}", sooner=faster, **common)
 
 
 def _promote_needs(
@@ -708,13 +720,16 @@ def gradient_evidence(phase: PhaseCounts) -> PhaseCounts:
     )
 
 
-def _decide_phases(counts: TargetCounts, max_rate: float, alpha: float = bounds.ALPHA) -> list[PhaseDecision]:
-    """Each phase's forward evidence and gradient evidence, decided (legacy's first)."""
+def _decide_phases(
+    counts: TargetCounts, max_rate: float, alpha: float = bounds.ALPHA, target: str = ""
+) -> list[PhaseDecision]:
+    """Each phase of ``target``'s forward evidence and gradient evidence, decided (legacy's first)."""
     order = {side: i for i, side in enumerate(PRIMARY_SIDES)}
     phases: list[PhaseDecision] = []
     for primary, phase in sorted(counts.phases.items(), key=lambda kv: order.get(kv[0], len(order))):
         if not phase.empty():
-            phases.append(decide_phase(primary, forward_evidence(phase), max_rate, counts.process_seconds, alpha))
+            forward = forward_evidence(phase)
+            phases.append(decide_phase(primary, forward, max_rate, counts.process_seconds, alpha, target))
         gradients = gradient_evidence(phase)
         if not gradients.empty():
             name = f"{primary} {GRADIENTS}"
@@ -842,7 +857,7 @@ def _worst_fields(worst: PhaseDecision | None) -> dict[str, Any]:
 def _decide_whole(
     target: str, counts: TargetCounts, max_rate: float, risky: Iterable[str], min_per_signature: int
 ) -> Decision:
-    phases = _decide_phases(counts, max_rate)
+    phases = _decide_phases(counts, max_rate, target=target)
     hard, shared, uncovered = _reasons_of(counts)
     risky = list(risky)
     not_exercised = tuple(p for p in risky if counts.never_called(p))

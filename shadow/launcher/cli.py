@@ -208,6 +208,7 @@ def _evidence(d: Any) -> list[str]:
             kinds = ", ".join(f"{reason} {share:.3g}" for reason, share in sorted(p.uncovered_by.items()))
             line += f"; calls never compared: {p.uncovered_share:.3g} of all ({kinds})"
         lines.append(line)
+        lines += [p.sooner] if p.sooner else []
     for s in d.slices:
         lines.append(
             f"{s.name}: {s.decision if s.decision != 'promote' else 'allows promote'}, rate {s.rate:.3g} over "

@@ -386,6 +386,12 @@ SETTINGS = {
     ),
     "otel": Setting("NPU_SHADOW_OTEL", "--otel", "1/true/yes or 0/false/no", _flag),
     "journal": Setting("NPU_SHADOW_JOURNAL", "--journal", "a file path ({rank} and {pid} allowed)", _file_template),
+    "gather": Setting(
+        "NPU_SHADOW_GATHER",
+        "--gather",
+        "1/true/yes or 0/false/no: an evidence job (GATHER)",
+        _flag,
+    ),
     "journal_all": Setting(
         "NPU_SHADOW_JOURNAL_ALL",
         "--journal-all",
@@ -428,8 +434,8 @@ SETTINGS = {
         "NPU_SHADOW_LINGER",
         "--linger",
         "the seconds >= 0 the metrics endpoint stays up after the job ends, until a scrape has read the final "
-        f"counts (default {DEFAULT_LINGER_SECONDS:g} where the endpoint is the only output, 0 with a Pushgateway "
-        "or textfile)",
+        f"counts (default {DEFAULT_LINGER_SECONDS:g}; with a Pushgateway or textfile, which hold the final counts "
+        "too, only where something scraped the endpoint during the job)",
         _seconds,
     ),
     "emulate_npu": Setting(
@@ -577,7 +583,21 @@ SETTINGS = {
 
 
 #: The settings given as bare launcher flags (``--otel``), with their help.
+#: The settings of ``--gather``, for rehearsals and jobs run to gather evidence: every DataParallel call compared
+#: (the targets whose calls are few and whose evidence is thinnest), the first calls of every signature compared as
+#: by default, and the shadow side allowed half the job's wall time. A setting given explicitly overrides its value
+#: here.
+GATHER = {
+    "sample_rate": {"parallel_apply": 1.0, "data_parallel": 1.0},
+    "budget": 0.5,
+}
+
 FLAGS = {
+    "gather": (
+        "an evidence job: every DataParallel call compared (--sample-rate parallel_apply=1,data_parallel=1; other "
+        "targets 0.01 and the first 30 calls of every signature), the shadow side allowed half the job's wall time "
+        "(--budget 0.5); an option given too overrides its part"
+    ),
     "otel": "export through OpenTelemetry",
     "rollback_optional": "run a canary even where its rollback endpoint cannot start",
     "pure_hooks": "the job's module hooks have no side effects: compare calls that run them",
@@ -601,6 +621,7 @@ class Config:
     otel: bool = False
     journal: str | None = None
     journal_all: bool = False
+    gather: bool = False
     capture_dir: str | None = None
     drill: tuple[str, float] | None = None
     pushgateway: str | None = None
@@ -714,6 +735,8 @@ def from_sources(environ: Mapping[str, str], options: Mapping[str, str | None] |
         given = "rtol" if "rtol" in values else "atol"
         missing = SETTINGS["atol" if given == "rtol" else "rtol"]
         raise ConfigError(f"{SETTINGS[given].option} needs {missing.option} ({missing.variable}) too")
+    if values.get("gather"):
+        values = {**GATHER, **values}
     return Config(**values)  # type: ignore[arg-type]
 
 
