@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Times what a newcomer sees, on a fresh clone of this repository in a temporary directory with a fresh npu-shadow
 # cache (no venv, no torch_npu wheels, no emulated npu build; pip's own cache is the machine's): the first demo,
-# the warm demo, `npu-shadow census 2.13.0 --against 2.12.0`, and the test command. Each line gives the seconds,
+# the warm demo, fetching torch_npu 2.13.0's wheel, `npu-shadow census 2.13.0 --against 2.12.0`, and the test command. Each line gives the seconds,
 # the exit code and the load average at its end; the figures go to stdout and to first-hour.txt in the clone's
 # parent directory (kept, with each step's log).
 #
@@ -48,6 +48,7 @@ timed() {
 cd "$work/clone"
 timed "first demo" bash scripts/demo.sh
 timed "warm demo" bash scripts/demo.sh
+timed "fetch 2.13.0" bash scripts/fetch_torch_npu.sh 2.13.0  # (the census's release: its wheel, as its message says)
 timed "census" .venv/bin/npu-shadow census 2.13.0 --against 2.12.0
 for run in $(seq 1 "$tests"); do
   timed "test command $run" bash scripts/test.sh
