@@ -3,12 +3,18 @@ say what happened, and nothing printed that is not the tool's to say."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
+import pytest
 from test_verdict import run_verdict
 
 from shadow.core.model.observation import TargetStats
 from shadow.launcher.launch import summary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_the_longest_target_name_keeps_its_column_apart(tmp_path) -> None:
@@ -23,3 +29,59 @@ def test_the_longest_target_name_keeps_its_column_apart(tmp_path) -> None:
     )
     table = run_verdict("--metrics-file", str(scrape)).stdout
     assert re.search(r"^storage_deepcopy +inconclusive +4 +0", table, flags=re.M), table
+
+
+WARNING_JOB = """
+import warnings
+import torch
+from torch import nn
+
+
+class Warns(nn.Linear):
+    def forward(self, x):
+        warnings.warn("the job's own warning, shown once")
+        return super().forward(x)
+
+
+model = nn.DataParallel(Warns(4, 2).to("npu:0"), device_ids=[0, 1])
+for _ in range(12):
+    model(torch.randn(8, 4, device="npu:0")).sum().backward()
+"""
+
+
+@pytest.mark.slow
+def test_the_jobs_warnings_are_shown_once_as_unwrapped(tmp_path) -> None:
+    """A DataParallel job showed torch's "not compiled with NCCL support" 7 times where unwrapped it showed it once:
+    the shadow side's first backward comparison imported sympy (``torch.autograd.grad`` given cotangent tensors
+    does), the import added warning filters, and a change of the filters forgets which warnings were shown."""
+    job = tmp_path / "job.py"
+    job.write_text(WARNING_JOB)
+    every_run = [
+        "--budget",
+        "off",
+        "--sample-rate",
+        "1",
+        "--backward-rate",
+        "1",
+        "--aa-rate",
+        "1",
+        "--truth-rate",
+        "1",
+        "--oracle",
+        "1",
+    ]
+    unwrapped = f"from shadow.npu import emulated; emulated.install(2); exec(open({str(job)!r}).read())"
+    plain = subprocess.run(
+        [sys.executable, "-c", unwrapped],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    shadowed = subprocess.run(
+        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", "reference", *every_run, "--",
+         sys.executable, str(job)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert plain.returncode == shadowed.returncode == 0, shadowed.stderr[-2000:]
+    assert re.search(r"^parallel_apply +12 +12 +12 ", shadowed.stderr, flags=re.M), shadowed.stderr[-2000:]
+    shown = "UserWarning: the job's own warning"
+    assert plain.stderr.count(shown) == 1
+    assert shadowed.stderr.count(shown) == 1, shadowed.stderr[-2000:]

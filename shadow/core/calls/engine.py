@@ -27,6 +27,7 @@ from shadow.core.calls.record.record import Publisher, Record
 from shadow.core.calls.sampled.call import SampledCall, run_primary
 from shadow.core.calls.sampled.plan import CallContext, Coins
 from shadow.core.calls.settings import Settings
+from shadow.core.judging import gradients
 from shadow.core.judging.noise import NoiseFloor
 from shadow.core.model.observation import (
     LEGACY,
@@ -88,6 +89,8 @@ class Experiment:
         self.coins = Coins.of(
             target, settings.seed, settings.oracle, settings.aa_rate, settings.backward_rate, settings.truth_rate
         )
+        if self.coins.backward is not None and target.isolate:
+            gradients.prepare()
         self.noise = NoiseFloor()  # (of the current phase: started again at a rollback or a reset)
         self.legacy = target.resolve_legacy()
         self.legacy_origin = patch_origin(self.legacy) or ""

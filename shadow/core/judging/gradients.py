@@ -45,6 +45,14 @@ def names_of(args: tuple, kwargs: dict) -> dict[int, str]:
     return names
 
 
+def prepare() -> None:
+    """Import now what a backward comparison would import on its first run: ``torch.autograd.grad`` given cotangent
+    tensors imports ``torch.fx.experimental.symbolic_shapes`` (and sympy), and an import that adds warning filters
+    mid-job changes the filters, which makes Python forget which warnings it has shown: the job's warnings would show
+    again (torch's "not compiled with NCCL support" 7 times instead of once)."""
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+
+
 def _differentiable(output: Any) -> list[tuple[int, torch.Tensor]]:
     return [
         (position, leaf)

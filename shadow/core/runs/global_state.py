@@ -12,6 +12,7 @@ warning filters and its recursion limit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import warnings
@@ -182,6 +183,9 @@ class Setting:
     shown: Callable[[Any], Any] = _as_is
     #: Written outside the warnings.catch_warnings() that quiets setters which warn (anomaly detection's).
     outside_catch_warnings: bool = False
+    #: Its setter may warn: written back inside warnings.catch_warnings(), entered only then (leaving it marks
+    #: the filters changed, which forgets every "shown once" warning: the job would see its warnings again).
+    warns: bool = False
 
 
 #: Every setting taken, in the order they are written back: the mode stacks first (a mode upstream left on them
@@ -218,6 +222,7 @@ SETTINGS: dict[str, Setting] = {
             "anomaly detection",
             lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
             lambda value: torch.set_anomaly_enabled(*value),
+            warns=True,
         ),
         Setting("warn always", torch.is_warn_always_enabled, torch.set_warn_always),
         Setting(
@@ -285,8 +290,10 @@ class TorchGlobals:
         pairs = zip(SETTINGS.values(), now, then, strict=True)
         changed = [(setting, value) for setting, current, value in pairs if current != value]
         failure: BaseException | None = None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        quiet = any(setting.warns for setting, _ in changed)
+        with warnings.catch_warnings() if quiet else contextlib.nullcontext():
+            if quiet:
+                warnings.simplefilter("ignore")
             for setting, value in changed:
                 if not setting.outside_catch_warnings:
                     failure = _write(setting, value) or failure
