@@ -41,7 +41,7 @@ class Shapes(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + index)
         label = index % 4
-        image = torch.randn(3, 16, 16, generator=generator) * 0.3
+        image = torch.randn(3, 16, 16, generator=generator) * 1.5
         row, col = divmod(label, 2)
         image[:, row * 8 : row * 8 + 8, col * 8 : col * 8 + 8] += 1.0
         return image.type(torch.float32), label  # a legacy-style cast, in the DataLoader worker
@@ -80,9 +80,8 @@ def progress(step: int, total: int, loss: float, started: float) -> None:
     width = 30
     done = width * step // total
     bar = "#" * done + "." * (width - done)
-    sys.stderr.write(f"\r[{bar}] {step}/{total} loss {loss:.4f} {time.monotonic() - started:.1f}s")
-    if step == total:
-        sys.stderr.write("\n")
+    # (a loss that falls below 1e-4 keeps its digits: 4.53e-05, never 0.0000)
+    sys.stderr.write(f"\r[{bar}] {step}/{total} loss {loss:.3g} {time.monotonic() - started:.1f}s")
     sys.stderr.flush()
 
 
@@ -163,7 +162,9 @@ def main() -> None:
             if rank == 0:
                 progress(step, total, loss.item(), started)
         if rank == 0:
-            print(f"epoch {epoch}: mean loss {epoch_loss / len(loader):.6f}")
+            sys.stderr.write("\n")  # (the progress bar's line ends before the epoch's)
+            sys.stderr.flush()
+            print(f"epoch {epoch}: mean loss {epoch_loss / len(loader):.4g}", flush=True)
     if args.out and rank == 0:
         module = model.module if hasattr(model, "module") else model
         torch.save(module.state_dict(), args.out)

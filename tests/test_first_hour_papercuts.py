@@ -85,3 +85,19 @@ def test_the_jobs_warnings_are_shown_once_as_unwrapped(tmp_path) -> None:
     shown = "UserWarning: the job's own warning"
     assert plain.stderr.count(shown) == 1
     assert shadowed.stderr.count(shown) == 1, shadowed.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_examples_progress_ends_its_line_before_each_epoch_and_a_small_loss_keeps_its_digits() -> None:
+    """The demo printed ``... 16/32 loss 0.0000 2.9sepoch 0: mean loss 0.639038`` and a loss of 0.0000 from step 6."""
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "train_dataparallel.py"), "--emulate-npu", "2", "--workers",
+         "0", "--samples", "256"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:]
+    lines = re.split(r"[\r\n]", done.stdout)
+    assert [line for line in lines if "epoch" in line] == [line for line in lines if line.startswith("epoch ")]
+    assert len([line for line in lines if line.startswith("epoch ")]) == 2
+    losses = re.findall(r"\] \d+/\d+ loss (\S+) ", done.stdout)
+    assert losses and all(float(loss) > 0 for loss in losses), losses
