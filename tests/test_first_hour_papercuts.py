@@ -101,3 +101,21 @@ def test_the_examples_progress_ends_its_line_before_each_epoch_and_a_small_loss_
     assert len([line for line in lines if line.startswith("epoch ")]) == 2
     losses = re.findall(r"\] \d+/\d+ loss (\S+) ", done.stdout)
     assert losses and all(float(loss) > 0 for loss in losses), losses
+
+
+def test_a_rollback_says_so_once_for_the_process_naming_its_targets(caplog) -> None:
+    """The canary demo printed 24 "rolled back" lines: one per target in each of its processes."""
+    import types
+
+    import torch
+
+    import shadow
+    from shadow.core.model.targets import Target
+
+    ops = types.SimpleNamespace(**{name: (lambda x: x * 2) for name in ("a", "b", "c")})
+    targets = [Target(n, ops, n, lambda x: x * 3, isolate=False, signature=lambda a, k: "call") for n in "abc"]
+    with shadow.install(targets, sample_rate=1.0, primary="upstream") as monitor, caplog.at_level("WARNING", "shadow"):
+        ops.a(torch.ones(1))
+        assert monitor.roll_back("api:test") == ["a", "b", "c"]
+    said = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
+    assert said == ["npu-shadow: rolled back to legacy by api:test: a, b, c"]

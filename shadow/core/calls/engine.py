@@ -193,10 +193,7 @@ class Experiment:
         """Make legacy the primary from the next call on (upstream runs as the shadow): the rollback switch. Only
         toward legacy; True when this changed anything. Exporters hear of it (``record_rollback``); the noise
         floor starts again (the other phase's errors are not this one's)."""
-        if not self._switch_primary(LEGACY, by, "record_rollback"):
-            return False
-        log.warning("npu-shadow [%s]: rolled back to legacy by %s", self.target.name, by)
-        return True
+        return self._switch_primary(LEGACY, by, "record_rollback")
 
     def reset_primary(self, by: str) -> bool:
         """A person's reset after a rollback: the primary configured at install again. True when it changed."""

@@ -105,7 +105,10 @@ class Monitor:
         """The rollback switch: every target whose primary is upstream (a canary) returns legacy's result from the
         next call on, upstream then compared as the shadow. ``by`` says who or what threw it (recorded by the
         exporters). Only toward legacy. Returns the targets that changed."""
-        return [s.target.name for s in self._experiments if s.roll_back(by)]
+        changed = [s.target.name for s in self._experiments if s.roll_back(by)]
+        if changed:  # (one line for the process, not one per target: a canary of 5 processes printed 24)
+            log.warning("npu-shadow: rolled back to legacy by %s: %s", by, ", ".join(changed))
+        return changed
 
     def reset_primary(self, by: str) -> list[str]:
         """A person's reset of the rollback switch: each target's configured primary again. Returns those that
