@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetch the torch_npu wheels that carry the patches (2.8.0 to 2.12.0) and the later ones the census reads (2.13.0,
-# 2.14.0), or the versions given as arguments, into
+# 2.14.0), or the versions given as arguments (and take their census, kept beside them), into
 # npu-shadow's cache, outside the repository, for the differential tests and the demo, which read their Python
 # source (never import it). Wheels already cached are kept. A wheel that cannot be fetched is said on stderr; under
 # CI (CI=true) that fails the run (exit 1: its tests would otherwise skip and CI stay green), elsewhere it exits 0
@@ -30,6 +30,15 @@ for version in $releases; do
   fi
   rm -rf "$partial" "$partial.log"
 done
+if [ $# -gt 0 ]; then
+  # Versions asked for by name are for `npu-shadow census`: its census of each is taken now and kept beside the
+  # wheels (about 20 s of CPU each), so that the census reads it back in a second at any load.
+  for version in $releases; do
+    case " ${missing[*]} " in *" $version "*) continue;; esac
+    .venv/bin/python -c "import sys; from shadow.analysis.census import kept; kept(sys.argv[1])" "$version" \
+      || echo "npu-shadow: the census of torch_npu $version could not be taken now; npu-shadow census takes it" >&2
+  done
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "${CI:-}" = "true" ]; then
     echo "npu-shadow: under CI every torch_npu wheel is needed (missing: ${missing[*]}): failing" >&2

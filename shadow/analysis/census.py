@@ -35,7 +35,7 @@ from typing import Any
 
 from shadow.core.calls.patch_calls import COMPILE_INTERNALS
 from shadow.npu import catalog
-from shadow.npu.torch_npu_source import LegacySourceError, ReleaseFiles, parse, printable
+from shadow.npu.release_files import LegacySourceError, ReleaseFiles, parse, printable
 from shadow.npu.wheels import cached_wheel
 
 #: How deep census follows imports and calls (each a function of its own that reaches the next): a chain deeper than
@@ -530,6 +530,48 @@ def take(source_path: str) -> Census:
     return Census(str(path), version, tuple(patches))
 
 
+#: The files whose code decides a census (a kept census is taken again when one of them changes).
+_CENSUS_CODE = ("shadow/analysis/census.py", "shadow/npu/catalog.py", "shadow/npu/torch_npu_source.py",
+                "shadow/core/calls/patch_calls.py")  # fmt: skip
+
+
+def kept(source_path: str) -> Census:
+    """The census of a release (as :func:`take`), taken once per wheel, torch version and census code, and kept in
+    the cache beside the wheels: a later census of the same wheel reads it (a census reads the whole release, about
+    20 s of CPU). A directory or an installed torch_npu, whose files can change, is taken every time, as is a kept
+    census that cannot be read back."""
+    import hashlib
+    import importlib.metadata
+    import json
+    import os
+
+    from shadow.npu.wheels import wheel_cache
+
+    path = Path(locate(source_path))
+    if not path.is_file():
+        return take(str(path))
+    root = Path(__file__).resolve().parents[2]
+    code = hashlib.sha256(b"".join((root / name).read_bytes() for name in _CENSUS_CODE)).hexdigest()[:16]
+    stat = path.stat()
+    torch_version = importlib.metadata.version("torch")  # (not imported: a kept census needs no torch)
+    key = f"{path.name}.{stat.st_size}.{stat.st_mtime_ns}.torch-{torch_version}.{code}.census.json"
+    place = wheel_cache().parent / PATCH_LISTS / key
+    try:
+        found = json.loads(place.read_text(encoding="utf-8"))
+        return Census(str(path), str(found["version"]), tuple(Patch(**patch) for patch in found["patches"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # (not kept yet, or not readable: taken again)
+    census = take(str(path))
+    place.parent.mkdir(parents=True, exist_ok=True)
+    partial = place.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(census.as_dict()), encoding="utf-8")
+    partial.replace(place)  # (whole or absent)
+    for older in place.parent.glob(f"{path.name}.*.census.json"):
+        if older != place:  # (taken by other census code or another torch: never read again)
+            older.unlink(missing_ok=True)
+    return census
+
+
 def locate(source_path: str) -> str:
     """The path of a release: ``source_path`` itself (a wheel, a directory, ``installed``), or the cached wheel of a
     version. Raises LegacySourceError naming how to fetch one that is not cached."""
@@ -577,19 +619,19 @@ def patch_list(source_path: str) -> Path:
         key = f"{path.name}.{stat.st_size}.{int(stat.st_mtime)}"
     except OSError as exc:
         raise LegacySourceError(f"{path}: {exc.strerror or exc}") from exc
-    kept = wheel_cache().parent / PATCH_LISTS / f"{key}.{PATCH_LIST_FORMAT}.json"
-    if kept.is_file():
-        return kept
-    census = take(str(path))
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    partial = kept.with_suffix(f".{os.getpid()}.tmp")
+    listed = wheel_cache().parent / PATCH_LISTS / f"{key}.{PATCH_LIST_FORMAT}.json"
+    if listed.is_file():
+        return listed
+    census = kept(str(path))
+    listed.parent.mkdir(parents=True, exist_ok=True)
+    partial = listed.with_suffix(f".{os.getpid()}.tmp")
     places = {p.name: [p.file, p.line, p.kind] for p in census.patches if p.kind in (FUNCTION, IN_PLACE_KIND)}
     content = {
         "version": census.version, "patches": function_patches(census), "total": len(census.patches), "places": places,
     }  # fmt: skip
     partial.write_text(json.dumps(content))
-    partial.replace(kept)  # (whole or absent: ranks that start together read one file)
-    return kept
+    partial.replace(listed)  # (whole or absent: ranks that start together read one file)
+    return listed
 
 
 #: What covers a function patch that no target shadows and that could run twice.

@@ -227,11 +227,11 @@ def _census(args: argparse.Namespace) -> int:
 
     from shadow.analysis import census
     from shadow.analysis.sources import SourceError
-    from shadow.npu.torch_npu_source import LegacySourceError, printable
+    from shadow.npu.release_files import LegacySourceError, printable
 
     try:
-        taken = census.take(args.source)
-        against = census.take(args.against) if args.against else None
+        taken = census.kept(args.source)
+        against = census.kept(args.against) if args.against else None
         calls = _journal_patch_calls(args.journal) if args.journal else None
     except (LegacySourceError, OSError, SourceError) as exc:
         print(f"npu-shadow census: {printable(str(exc))}", file=sys.stderr)
@@ -278,7 +278,7 @@ def _census_by_calls(taken: Any, calls: dict[str, float], form: str) -> int:
     import json
 
     from shadow.analysis import census
-    from shadow.npu.torch_npu_source import printable
+    from shadow.npu.release_files import printable
 
     rows = census.by_calls(taken, calls)
     called = [row for row in rows if row[1]]
