@@ -11,7 +11,11 @@
 // Beside the backend: the device functions torch_npu's own Python runtime calls in torch_npu._C (its
 // torch.npu.set_device, device, current_stream and stream run over them), and torch.npu's tensor type
 // classes (torch.npu.FloatTensor, ...) made as torch and torch_npu make theirs.
-#include <torch/extension.h>
+// (not torch/extension.h: its C++ frontend, torch/all.h, was a third of the build's CPU and none of this file's use)
+#include <ATen/ATen.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
