@@ -26,13 +26,15 @@ if [ "${1:-}" = "--canary-drill" ]; then
   # The canary phase and its rollback: upstream's result returned, legacy compared, a fire drill injecting a dtype
   # divergence. A watcher (scripts/demo_watcher.py) stands in for Prometheus, Alertmanager and `npu-shadow receiver`:
   # at the first hard mismatch it throws the job's rollback switch (a file). The job returns legacy's result from
-  # the next call on, without a restart.
+  # the next call on, without a restart. (--linger 0: the watcher has stopped once it threw the switch, and the
+  # textfile holds the final counts: nothing would come to scrape them.)
   shift
   echo "== canary with a fire drill (upstream returned; metrics on http://127.0.0.1:$port/metrics); watcher armed"
   .venv/bin/python scripts/demo_watcher.py http://127.0.0.1:$port/metrics "$work/rollback" &
   .venv/bin/npu-shadow run --emulate-npu 2 "${legacy[@]}" --sample-rate 1 --budget off --port "$port" \
     --textfile "$work/metrics.prom" --journal "$work/journal-{pid}.jsonl" --primary upstream --drill dtype:0.5 \
-    --rollback-file "$work/rollback" "$@" -- .venv/bin/python examples/train_dataparallel.py --autocast --epochs 4
+    --rollback-file "$work/rollback" --linger 0 "$@" \
+    -- .venv/bin/python examples/train_dataparallel.py --autocast --epochs 4
   wait
   echo
   echo "== the rollback, as the job recorded it (journal), and comparisons by the side the caller got (metrics)"

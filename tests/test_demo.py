@@ -93,3 +93,4 @@ def test_the_canary_drill_rolls_back_the_running_job(tmp_path):
     legacy = re.findall(r"^(\w+)\s+\d+ comparisons with legacy's result returned", output, flags=re.M)
     assert upstream and {"parallel_apply", "data_parallel", "tensor_type"} <= set(legacy), output[-3000:]
     assert "watcher: no hard mismatch before the deadline" not in output
+    assert "until a scrape reads them" not in output  # (it waited 75 s for a scrape after the watcher had stopped)

@@ -119,3 +119,29 @@ def test_a_rollback_says_so_once_for_the_process_naming_its_targets(caplog) -> N
         assert monitor.roll_back("api:test") == ["a", "b", "c"]
     said = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
     assert said == ["npu-shadow: rolled back to legacy by api:test: a, b, c"]
+
+
+def test_the_reports_rate_chart_is_labelled_in_utc_not_on_the_processes_own_clock(tmp_path) -> None:
+    """The chart's axis said "time (UTC)" and showed the monotonic clock: 01:11 for a run at 15:10 UTC."""
+    import json
+    import time
+
+    import journals
+
+    from shadow.launcher import cli
+
+    start = 1_700_000_000.0 - 1_700_000_000.0 % 3600 + 10 * 60  # (22:10 UTC)
+    records = []
+    for minute in range(1, 4):
+        record = journals.counts({"call": {"match": 10 * minute}}, timestamp=start + 60 * minute)
+        record["mono"] = 4260.0 + 60 * minute  # (the process's own clock: 01:11 when read as a time)
+        records.append(record)
+    path = journals.write(tmp_path / "j.jsonl", records)
+    page = tmp_path / "r.html"
+    assert cli.main(["report", "--journal", str(path), "--markdown", str(tmp_path / "r.md"), "--html", str(page)]) == 0
+    chart = page.read_text().split('aria-label="Divergence rate over time"')[1].split("</svg>")[0]
+    labels = re.findall(r">(\d\d:\d\d)</text>", chart)
+    assert labels == ["22:11", "22:14"] == [time.strftime("%H:%M", time.gmtime(start + s)) for s in (60, 240)], (
+        labels,
+        json.dumps(records[0]),
+    )

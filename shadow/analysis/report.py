@@ -103,7 +103,9 @@ def collect(
             for phase in stream.phases.values():
                 for timestamp, compared, divergent in phase.intervals:
                     if isinstance(timestamp, (int, float)) and math.isfinite(timestamp):
-                        minute = evidence.minutes.setdefault(int(timestamp // 60), [0, 0])
+                        # (the intervals are on the process's own clock; the chart's axis is UTC)
+                        wall = stream.on_wall_clock(timestamp)
+                        minute = evidence.minutes.setdefault(int(wall // 60), [0, 0])
                         minute[0] += round(compared)
                         minute[1] += round(divergent)
         for entry in own.values():

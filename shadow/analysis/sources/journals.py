@@ -210,6 +210,11 @@ class _Stream:
         """A wall-clock time (an outcome line after the last count record) on the process's own time."""
         return wall if self.clock is None else self.clock[1] + (wall - self.clock[0])
 
+    def on_wall_clock(self, process_time: float) -> float:
+        """A time on the process's own clock (:meth:`on_process_time`) back on the wall clock, by its last count
+        record's pair of readings (for a chart's labels: a jump of the wall clock since moves it)."""
+        return process_time if self.clock is None else self.clock[0] + (process_time - self.clock[1])
+
     @property
     def origin(self) -> float | None:
         """The start of the process's own time: its first monotonic reading, else its first timestamp."""
