@@ -145,3 +145,37 @@ def test_the_reports_rate_chart_is_labelled_in_utc_not_on_the_processes_own_cloc
         labels,
         json.dumps(records[0]),
     )
+
+
+@pytest.mark.e2e
+def test_a_report_from_prometheus_names_what_the_run_ran(tmp_path) -> None:
+    """A report read from Prometheus said "npu-shadow: not recorded" (and torch, torch_npu and the run too): the
+    processes' build info is in Prometheus as it is in a metrics file."""
+    import time
+
+    from prometheus_server import backfill, prometheus
+
+    from shadow.launcher import cli
+
+    end = (time.time() // 60 - 60) * 60
+    common = {"job": "train", "instance": "rank0", "run": "job-7"}
+    points = [(end - 60 * i, 1.0) for i in range(5, -1, -1)]
+    backfill(
+        tmp_path / "data",
+        {
+            "npu_shadow_build_info": [
+                ({**common, "version": "0.1.0", "torch": "2.13.0+cpu", "torch_npu": "none", "command": "c1"}, points)
+            ],
+            "npu_shadow_calls_total": [({**common, "target": "op", "primary": "legacy", "signature": "s"}, points)],
+            "npu_shadow_comparisons_total": [
+                ({**common, "target": "op", "primary": "legacy", "signature": "s", "outcome": "match"}, points)
+            ],
+        },
+    )
+    with prometheus(tmp_path, {}, []) as server:
+        markdown = tmp_path / "r.md"
+        args = ["report", "--prometheus", server.url, "--end", str(end), "--markdown", str(markdown)]
+        assert cli.main(args) == 0
+    environment = markdown.read_text().split("## Environment")[1].split("## ")[0]
+    for row in ("| run | job-7 |", "| npu-shadow | 0.1.0 |", "| torch | 2.13.0+cpu |", "| torch_npu | none |"):
+        assert row in environment, environment

@@ -56,12 +56,12 @@ Written TIME.
 | item | value |
 |---|---|
 | sources | journals JOURNAL |
-| run | not recorded |
-| npu-shadow | not recorded |
+| run | not in these sources |
+| npu-shadow | not in these sources |
 | torch | 2.13.0+cpu |
 | torch_npu | none |
 | legacy | torch_npu 2.12.0 source |
-| returned to the caller (primary) | not recorded |
+| returned to the caller (primary) | not in these sources |
 | device | npu x2 (emulated) |
 | journal lines read | 3,084 |
 

@@ -252,7 +252,7 @@ def build(
 def _environment(evidence: Evidence, sources: Sequence[str]) -> Section:
     def values(field: str) -> str:
         seen = evidence.environment.get(field)
-        return ", ".join(sorted(seen)) if seen else "not recorded"
+        return ", ".join(sorted(seen)) if seen else "not in these sources"
 
     rows = [
         ["sources", "; ".join(sources)],

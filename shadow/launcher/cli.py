@@ -323,7 +323,7 @@ def _report(args: argparse.Namespace) -> int:
         if args.prometheus:
             counts = from_prometheus(
                 args.prometheus, args.window, args.selector, **_prometheus_range(args), recent=args.recent,
-                slices=slices,
+                slices=slices, environment=environment,
             )  # fmt: skip
         elif args.metrics_file:
             text = read_text(args.metrics_file)

@@ -43,6 +43,7 @@ from shadow.analysis.sources.common import (
     select_run,
 )
 from shadow.analysis.verdict import TargetCounts
+from shadow.core.model.observation import label_text
 
 
 def _fetch(address: str, timeout: float, said: float | None = None) -> bytes:
@@ -283,6 +284,20 @@ def _commands(selector: str, end: float | None, deadline: _Deadline) -> dict[str
     return found
 
 
+def _environment(selector: str, end: float | None, deadline: _Deadline) -> dict[str, set[str]]:
+    """What the run's processes ran, from their ``npu_shadow_build_info`` series: run, torch, torch_npu and
+    npu-shadow versions."""
+    fields = {"run": "run", "torch": "torch", "torch_npu": "torch_npu", "version": "npu-shadow"}
+    promql = f"count by ({', '.join(fields)}) (last_over_time({BUILD_INFO}{{{selector}}}[{LOOKBACK}]) > 0)"
+    found: dict[str, set[str]] = {}
+    for item in deadline.query(promql, end):
+        for label, field in fields.items():
+            value = str(item["metric"].get(label, ""))
+            if value:
+                found.setdefault(field, set()).add(label_text(value, 64))
+    return found
+
+
 def _runs(url: str, selector: str, at: float | None, deadline: _Deadline, lookback: str = LOOKBACK) -> set[str]:
     promql = f"count by ({_RUN_LABEL}) (last_over_time({CALLS}{{{selector}}}[{lookback}]))"
     return {str(item["metric"].get(_RUN_LABEL, "")) for item in deadline.query(promql, at)}
@@ -300,6 +315,7 @@ def from_prometheus(
     arms: list[tuple[str, dict[str, str], float]] | None = None,
     recent: float = 0.0,
     slices: dict[str, dict[str, TargetCounts]] | None = None,
+    environment: dict[str, set[str]] | None = None,
 ) -> dict[str, TargetCounts]:
     """Counts from a Prometheus server, of ``run`` or of the one run it holds (:func:`select_run`; the runs seen in
     the last :data:`LOOKBACK`): each counter's exact value at ``end`` (default now; its last sample at or before,
@@ -308,7 +324,9 @@ def from_prometheus(
     dashboards' sake. ``selector`` narrows the series, e.g. 'job="train"'. All queries together take at most
     ``timeout`` seconds. ``arms``, when given, receives the canary A/B's series (series, labels, value).
     ``slices``, when given, receives the counts of the last ``recent`` seconds before ``end`` (where the range
-    read is longer) and, where several runs are pooled, of each run (:func:`shadow.analysis.verdict.decide`)."""
+    read is longer) and, where several runs are pooled, of each run (:func:`shadow.analysis.verdict.decide`).
+    ``environment``, when given, receives what the run's processes ran (as
+    :func:`~shadow.analysis.sources.exposition.environment_from_exposition` reads it from a metrics file)."""
     deadline = _Deadline(url, timeout)
     runs = _runs(url, selector, end, deadline, window or LOOKBACK)
     chosen = select_run(runs, run, all_runs, f"{url}{f' ({selector})' if selector else ''}")
@@ -318,6 +336,8 @@ def from_prometheus(
         selector = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}"]))
     if not window:
         one_job_per_run(_commands(selector, end, deadline), url)
+    if environment is not None:
+        environment.update(_environment(selector, end, deadline))
     counts: dict[str, TargetCounts] = {}
     drilling = False if window else _drilling(url, selector, end, deadline)
     for metric, by in _QUERIES:
