@@ -179,3 +179,30 @@ def test_a_report_from_prometheus_names_what_the_run_ran(tmp_path) -> None:
     environment = markdown.read_text().split("## Environment")[1].split("## ")[0]
     for row in ("| run | job-7 |", "| npu-shadow | 0.1.0 |", "| torch | 2.13.0+cpu |", "| torch_npu | none |"):
         assert row in environment, environment
+
+
+@pytest.mark.slow
+def test_a_launcher_started_ignoring_sigint_ignores_it_as_its_job_does(tmp_path) -> None:
+    """A job started with ``&`` in a script ignores SIGINT: a SIGINT to the launcher left the job running to exit 0,
+    and the launcher said "stopped by a signal" and kept no endpoint after it."""
+    import signal
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    job = "import time; print('ready', flush=True); time.sleep(3)"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shadow", "run", "--port", str(port), "--linger", "1", "--", sys.executable, "-c", job],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # (as `&` in a script starts it)
+    )  # fmt: skip
+    try:
+        assert launcher.stdout.readline().strip() == "ready"
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(60) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    said = launcher.stderr.read()
+    assert "stopped by a signal" not in said and "until a scrape reads them" in said, said

@@ -123,7 +123,7 @@ def _serve_final_counts(config: cfg.Config, base: str, node: tuple | None, stopp
             f"(at most {seconds:g} s, --linger)",
             file=sys.stderr,
         )
-        ended = linger.wait_for_scrapes(registries, seconds, linger.signalled(FORWARDED))
+        ended = linger.wait_for_scrapes(registries, seconds, linger.signalled(_listened()))
         if ended.how == "scraped":
             print(
                 f"npu-shadow: the final counts were scraped {ended.seconds:.1f} s after the job ended", file=sys.stderr
@@ -168,7 +168,18 @@ def _resolve(command: str, env: Mapping[str, str]) -> str:
     return path
 
 
-_WAITED = {*FORWARDED, signal.SIGCHLD}
+
+
+def _listened() -> tuple[signal.Signals, ...]:
+    """The FORWARDED signals this launcher was not started ignoring. A job started with ``&`` in a script ignores
+    SIGINT and SIGQUIT, and so does the launcher, as any child of that shell would: a SIGINT then neither reaches
+    the job through it nor counts as having stopped it (it said "stopped by a signal" and dropped the linger while
+    the job, ignoring it too, went on and exited 0)."""
+    return tuple(s for s in FORWARDED if signal.getsignal(s) != signal.SIG_IGN)
+
+
+def _waited() -> set[signal.Signals]:
+    return {*_listened(), signal.SIGCHLD}
 
 
 #: Signals Python ignores in itself at start-up: a job gets them back at their defaults, as a shell starts it
@@ -181,11 +192,11 @@ def _run_forwarding_signals(
 ) -> int:
     """Run the command as a transparent wrapper would: signals sent to the launcher (FORWARDED) go on to the job
     once, a signal the terminal already sent to the job's process group is not sent again, and the exit code is
-    the job's (a job killed by signal N exits 128 + N, as a shell reports it). The caller has blocked _WAITED in
+    the job's (a job killed by signal N exits 128 + N, as a shell reports it). The caller has blocked _waited() in
     every thread of the launcher (they are taken here, with their sender); ``mask`` is its mask before, which
     the job starts with; ``forwarded`` collects the signals the job got. Raises CannotStart."""
     executable = _resolve(command[0], env)
-    early = signal.sigtimedwait(FORWARDED, 0)  # stopped while the launcher was getting ready: the job never starts
+    early = signal.sigtimedwait(_listened(), 0)  # stopped while the launcher was getting ready: the job never starts
     if early is not None:
         return 128 + early.si_signo
     try:
@@ -196,7 +207,7 @@ def _run_forwarding_signals(
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
-        info = signal.sigtimedwait(_WAITED, 1.0)  # (the timeout: SIGCHLDs can merge)
+        info = signal.sigtimedwait(_waited(), 1.0)  # (the timeout: SIGCHLDs can merge)
         if info is None or info.si_signo == signal.SIGCHLD:
             continue
         if forwarded is not None:
@@ -230,7 +241,7 @@ def run(command: Sequence[str], options: Mapping[str, str | None], environ: Mapp
     """Run ``command`` shadowed. Returns its exit code; 2 on a bad setting (before it starts)."""
     # Blocked before anything else (threads started later inherit the mask): no thread of the launcher takes
     # them but the loop that forwards them, which learns who sent each.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _waited())
     try:
         return _run(command, options, environ, mask)
     finally:
