@@ -21,7 +21,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 here=$(cd "$(dirname "$0")/.." && pwd)
-work=$(mktemp -d /tmp/npu-shadow-first-hour.XXXXXX)
+work=$(mktemp -d /tmp/first-hour.XXXXXX)
 report=$work/first-hour.txt
 git clone -q "$here" "$work/clone"
 export NPU_SHADOW_CACHE_DIR=$work/cache

@@ -158,6 +158,8 @@ def process(tmp_path, name: str, argv: list[str], ready_url: str, env: dict | No
                 return False
 
         PrometheusServer("").wait_for(ready, f"{name} to be ready", timeout=60)
+        if child.poll() is not None:  # (another server answered on its port: ours could not bind it)
+            raise AssertionError(f"{name} exited: {log_path.read_text()[-2000:]}")
         yield
     finally:
         child.terminate()

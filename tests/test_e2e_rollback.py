@@ -202,8 +202,12 @@ def test_a_short_job_pushes_at_exit_and_the_verdict_reads_it_through_prometheus(
         pushed = server.wait_for(lambda: server.query(query), "the pushed series")
         ((labels, value),) = pushed.items()
         assert dict(labels)["instance"].endswith(":rank0") and value == 40  # grouped by job and instance
+        # (decided on the job's own run, as a pull request's verdict is: it once met a second run of the same job
+        # name, an earlier session's, in the servers it was given)
+        (run,) = re.findall(r"^npu-shadow: run (\S+)$", done.stderr, flags=re.M)
         verdict = subprocess.run(
-            [sys.executable, "-m", "shadow", "verdict", "--prometheus", server.url, "--selector", 'job="short-job"'],
+            [sys.executable, "-m", "shadow", "verdict", "--prometheus", server.url, "--selector", 'job="short-job"',
+             "--run", run],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert verdict.returncode == 3 and "tensor_type" in verdict.stdout and "40" in verdict.stdout

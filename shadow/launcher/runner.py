@@ -168,8 +168,6 @@ def _resolve(command: str, env: Mapping[str, str]) -> str:
     return path
 
 
-
-
 def _listened() -> tuple[signal.Signals, ...]:
     """The FORWARDED signals this launcher was not started ignoring. A job started with ``&`` in a script ignores
     SIGINT and SIGQUIT, and so does the launcher, as any child of that shell would: a SIGINT then neither reaches
