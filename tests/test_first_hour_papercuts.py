@@ -206,3 +206,20 @@ def test_a_launcher_started_ignoring_sigint_ignores_it_as_its_job_does(tmp_path)
             launcher.kill()
     said = launcher.stderr.read()
     assert "stopped by a signal" not in said and "until a scrape reads them" in said, said
+
+
+def test_the_verdict_and_the_report_say_the_dataloaders_canary_ab_runs_only_in_a_canary(tmp_path) -> None:
+    """Under the defaults nothing said that the DataLoader's canary A/B runs only with --primary upstream."""
+    from shadow.launcher import cli
+
+    scrape = tmp_path / "scrape.prom"
+    scrape.write_text(
+        'npu_shadow_comparisons_total{target="tensor_type",outcome="match",signature="s",primary="legacy"} 4\n'
+    )
+    said = run_verdict("--metrics-file", str(scrape)).stdout
+    assert re.search(r"^dataloader_init +canary A/B +not in these sources: it runs only in a canary \(npu-shadow run "
+                     r"--primary upstream\)", said, flags=re.M), said  # fmt: skip
+    markdown = tmp_path / "r.md"
+    assert cli.main(["report", "--metrics-file", str(scrape), "--markdown", str(markdown)]) == 0
+    canary = markdown.read_text().split("## Canary A/B")[1]
+    assert "| dataloader_init | not in these sources: it runs only in a canary" in canary

@@ -139,6 +139,15 @@ Rows marked (fire drill) hold divergence a fire drill injected.
 vs npu:1 #0 (+56 characters more in the HTML report) |
 | parallel_apply | replicas=2+/grad=on/autocast=off | error | exception | 1 | legacy raised |
 
+## Canary A/B
+
+No canary A/B is in these sources.
+
+| target | upstream's iterator |
+|---|---|
+| dataloader_init | not in these sources: it runs only in a canary (npu-shadow run --primary upstream), never while \
+legacy's result is returned |
+
 ## Tests that diverged
 
 | test | divergent comparisons |

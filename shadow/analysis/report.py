@@ -226,8 +226,7 @@ def build(
     if any(d.truth for d in decisions):  # (truth runs are asked for: --truth-rate)
         sections.append(_truth(decisions))
     sections.append(_divergences(evidence))
-    if evidence.arms:
-        sections.append(_arms(evidence))
+    sections.append(_arms(evidence))
     if evidence.patch_calls:
         sections.append(_patches(evidence))
     if evidence.rollbacks or any(d.rollbacks for d in decisions):
@@ -405,13 +404,18 @@ def _phases(decisions: list[Decision]) -> Section:
 
 def _arms(evidence: Evidence) -> Section:
     """The canary A/B of what cannot run twice (the DataLoader's iterator): each arm's iterators and what differs."""
-    summaries = arms.summarize(evidence.arms)
-    text = [
-        "Each new multi-process DataLoader iterator was built by legacy's or upstream's __init__ (never both: its "
-        "workers start once), the arms alternating in seeded blocks. Ratios are upstream's over legacy's, with "
-        "95% intervals (Hodges-Lehmann, inverting the Mann-Whitney test)."
-    ]
+    summaries = arms.summarize(evidence.arms) if evidence.arms else []
+    text = (
+        ["No canary A/B is in these sources."]
+        if not summaries
+        else [
+            "Each new multi-process DataLoader iterator was built by legacy's or upstream's __init__ (never both: its "
+            "workers start once), the arms alternating in seeded blocks. Ratios are upstream's over legacy's, with "
+            "95% intervals (Hodges-Lehmann, inverting the Mann-Whitney test)."
+        ]
+    )
     rows = [[s.target, s.line()] for s in summaries]
+    rows += [[name, verdict.IDLE_CANARY] for name in verdict.idle_canaries(s.target for s in summaries)]
     return Section("Canary A/B", text, ["target", "upstream's iterator"], rows, [])
 
 

@@ -919,6 +919,22 @@ def overall(decisions: Iterable[Decision]) -> str:
     return max((d.decision for d in decisions), key=_SEVERITY.__getitem__)
 
 
+#: What the verdict and the report say of a canary A/B its sources hold nothing of.
+IDLE_CANARY = (
+    "not in these sources: it runs only in a canary (npu-shadow run --primary upstream), never while legacy's result "
+    "is returned"
+)
+
+
+def idle_canaries(seen: Iterable[str]) -> list[str]:
+    """The built-in canary A/B targets (the DataLoader's iterator, which cannot run twice) that are not in ``seen``:
+    each is said, so that a verdict over a shadowing job never leaves it unmentioned."""
+    from shadow.npu import catalog
+
+    seen = set(seen)
+    return [row.name for row in catalog.CATALOG if row.kind == catalog.CANARY and row.name not in seen]
+
+
 def drill_note(decisions: Iterable[Decision]) -> str:
     """The line that names a fire drill in a verdict's output, or "" when none was active."""
     decisions = list(decisions)

@@ -152,6 +152,8 @@ def _print_verdict(decisions: list[Any], ab: list[Any], result: str, max_rate: f
         print("(no npu_shadow comparisons found)")
     for summary in ab:
         print(f"{summary.target:<17}{'canary A/B':<14}{summary.line()}")
+    for name in verdict.idle_canaries(summary.target for summary in ab):
+        print(f"{name:<17}{'canary A/B':<14}{verdict.IDLE_CANARY}")
     print(
         "bounds: anytime-valid 95% (a beta-binomial confidence sequence, valid however often the verdict is "
         "re-run as evidence grows; docs/operations.md)"
