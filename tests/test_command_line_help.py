@@ -68,3 +68,10 @@ def test_help_says_each_default_once(capsys) -> None:
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
     assert "all the targets together" in capsys.readouterr().out
+
+
+def test_the_linger_help_says_what_a_textfile_job_does() -> None:
+    """``run --help`` said ``--linger`` is 0 with a textfile, where a job whose endpoint was scraped lingered."""
+    help_text = " ".join(config.SETTINGS["linger"].accepts.split())
+    assert "0 with a Pushgateway" not in help_text
+    assert "with a Pushgateway or textfile, which hold the final counts too, only where something scraped" in help_text
