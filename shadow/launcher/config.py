@@ -389,7 +389,7 @@ SETTINGS = {
     "gather": Setting(
         "NPU_SHADOW_GATHER",
         "--gather",
-        "1/true/yes or 0/false/no: an evidence job (GATHER)",
+        "1/true/yes or 0/false/no: an evidence job (the --gather preset: docs/launcher.md)",
         _flag,
     ),
     "journal_all": Setting(
