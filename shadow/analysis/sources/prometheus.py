@@ -284,6 +284,15 @@ def _commands(selector: str, end: float | None, deadline: _Deadline) -> dict[str
     return found
 
 
+def _increases(url: str, metric: str, by: str, selector: str, window: str, deadline: _Deadline) -> dict[tuple, float]:
+    """Each series' ``increase()`` over the ``window`` before now, summed by the labels ``by``."""
+    promql = f"sum by ({by}) (increase({metric}{{{selector}}}[{window}]))"
+    return {
+        tuple(sorted(_labels(item).items())): _number(item["value"][1], f"{url}: {metric}{_labels(item)}")
+        for item in deadline.query(promql)
+    }
+
+
 def _environment(selector: str, end: float | None, deadline: _Deadline) -> dict[str, set[str]]:
     """What the run's processes ran, from their ``npu_shadow_build_info`` series: run, torch, torch_npu and
     npu-shadow versions."""
@@ -325,8 +334,7 @@ def from_prometheus(
     ``timeout`` seconds. ``arms``, when given, receives the canary A/B's series (series, labels, value).
     ``slices``, when given, receives the counts of the last ``recent`` seconds before ``end`` (where the range
     read is longer) and, where several runs are pooled, of each run (:func:`shadow.analysis.verdict.decide`).
-    ``environment``, when given, receives what the run's processes ran (as
-    :func:`~shadow.analysis.sources.exposition.environment_from_exposition` reads it from a metrics file)."""
+    ``environment``, when given, receives what the run's processes ran (their ``npu_shadow_build_info``)."""
     deadline = _Deadline(url, timeout)
     runs = _runs(url, selector, end, deadline, window or LOOKBACK)
     chosen = select_run(runs, run, all_runs, f"{url}{f' ({selector})' if selector else ''}")
@@ -342,11 +350,7 @@ def from_prometheus(
     drilling = False if window else _drilling(url, selector, end, deadline)
     for metric, by in _QUERIES:
         if window:
-            promql = f"sum by ({by}) (increase({metric}{{{selector}}}[{window}]))"
-            series = {
-                tuple(sorted(_labels(item).items())): _number(item["value"][1], f"{url}: {metric}{_labels(item)}")
-                for item in deadline.query(promql)
-            }
+            series = _increases(url, metric, by, selector, window, deadline)
         else:
             series = _exact_between(url, metric, selector, start, end, deadline)
         for key, value in series.items():
@@ -361,7 +365,6 @@ def from_prometheus(
         arms.extend((metric, dict(key), value) for key, value in series.items())  # type: ignore[union-attr]
     if not window:
         _drills(url, selector, start, end, deadline, counts, drilling)
-    if not window:
         seconds = sum(_exact_between(url, PROCESS_TIME, selector, start, end, deadline).values())
         for entry in counts.values():
             entry.process_seconds = max(seconds, 0.0)
