@@ -6,6 +6,9 @@
 2. The comparator's time (``Observation.compare_seconds``) against ``torch.testing.assert_close`` on
    the same 16M-element float32 pair, within tolerance but not bitwise equal, on an idle machine and with every
    core kept busy by spinning processes (goals: ratio <= 0.5 idle, <= 1.0 busy).
+3. The same on the host's accelerator (the emulated npu where there is none), ``shadow.compare`` against
+   ``assert_close`` on a float32 and a bfloat16 pair, each ended by a synchronize: with the device's one fused pass
+   per leaf, and with torch's eager kernels in its place (goal on a GPU: <= 0.5 with the fused pass).
 
 Run: ``python benchmarks/bench_core.py`` (``--quick`` for a smoke run).
 """
@@ -14,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import statistics
 import time
 import types
 from collections.abc import Iterator
+from unittest import mock
 
 import torch
 
@@ -125,6 +130,24 @@ def bench_comparator(trials: int, numel: int, label: str = "idle") -> float:
     return ratio
 
 
+def bench_device_comparator(numel: int) -> None:
+    from shadow.core.judging import fused
+    from shadow.launcher import validate
+
+    device = validate.find_device()
+    sizes = dataclasses.replace(validate.FULL, comparator_elements=numel)
+    eager = mock.patch.object(fused, "kernel_for", lambda device_type: None)
+    for label, reduction in (("one fused pass", contextlib.nullcontext()), ("torch's eager kernels", eager)):
+        with reduction:
+            figures = validate.check_comparator(device, sizes)
+        for dtype, found in figures.items():
+            print(
+                f"comparator on {device.label}, {numel:,} {dtype}, {label}: compare / assert_close = "
+                f"{found['ratio']:.3f} (median {found['compare'] * 1e3:.2f} ms vs "
+                f"{found['assert_close'] * 1e3:.2f} ms; {found['pass']})"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few small runs, to check the script works")
@@ -143,6 +166,7 @@ def main() -> None:
         f"comparator goals: idle {idle:.3f} <= 0.5 {'ok' if idle <= 0.5 else 'MISSED'}; "
         f"busy {busy:.3f} <= 1.0 {'ok' if busy <= 1.0 else 'MISSED'}"
     )
+    bench_device_comparator(max(numel, 1 << 18))  # (leaves of SMALL_ON_HOST elements or fewer go to the host)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # from `prometheus-alertmanager`, the Pushgateway from `prometheus-pushgateway` and Chromium from Debian's
 # `chromium` when they are missing (the tests start their own servers on 127.0.0.1, never the system services, and
 # render a report in headless Chromium), then run
-# the linter and the whole test suite. The torch_npu wheels (for their source) are fetched into the cache first.
+# the linter and the whole test suite. The torch_npu wheels (for their source) are fetched into the cache first, and
+# Triton installed into .venv (its interpreter runs the comparator's GPU kernel in a test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -18,6 +19,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "== installing Debian packages: ${missing[*]} (a few minutes)" >&2
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# Triton's interpreter runs the comparator's GPU kernel on the host in a test (CI has no GPU); the demo needs none.
+if ! compgen -G ".venv/lib/python*/site-packages/triton-*.dist-info" >/dev/null; then
+  echo "== installing Triton into .venv for its interpreter (about 290 MB: seconds on a fast link)" >&2
+  .venv/bin/python -m pip install -q "triton>=3.0"
 fi
 bash scripts/fetch_torch_npu.sh
 .venv/bin/python -m ruff check .

@@ -26,6 +26,10 @@ def test_core_benchmark_runs_and_reports_both_ratios():
     assert "idle: compare_seconds / assert_close = " in out and "cores busy: compare_seconds" in out
     assert "outcome close" in out  # the pair is within tolerance but not bitwise equal
     assert "comparator goals: idle" in out
+    for dtype in ("float32", "bfloat16"):  # (on the emulated npu: CI has no other accelerator)
+        assert f"comparator on emulated npu, 2 devices (kernel_time=50us), 262,144 {dtype}, one fused pass: " in out
+        assert f"{dtype}, torch's eager kernels: compare / assert_close = " in out
+    assert "; one pass: the emulated npu's kernel)" in out and "; torch's eager kernels: " in out
 
 
 @pytest.mark.filterwarnings("ignore")

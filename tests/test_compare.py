@@ -2,6 +2,9 @@ import collections
 import dataclasses
 import importlib
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -277,18 +280,19 @@ def _special_pair(dtype: torch.dtype, n: int, seed: int) -> tuple[torch.Tensor, 
     return legacy, upstream
 
 
+_DTYPE_PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.float64, torch.float64),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.float64, torch.float32),
+]
+_TOLERANCES = [Tolerance(1.3e-6, 1e-5), Tolerance(0.0, 0.0), Tolerance(0.1, 0.5)]
+
+
 @pytest.mark.parametrize("equal_nan", [True, False])
-@pytest.mark.parametrize(
-    "legacy_dtype, upstream_dtype",
-    [
-        (torch.float32, torch.float32),
-        (torch.float64, torch.float64),
-        (torch.float16, torch.float16),
-        (torch.bfloat16, torch.bfloat16),
-        (torch.float32, torch.float16),
-        (torch.float64, torch.float32),
-    ],
-)
+@pytest.mark.parametrize("legacy_dtype, upstream_dtype", _DTYPE_PAIRS)
 def test_host_and_device_statistics_agree(monkeypatch, legacy_dtype, upstream_dtype, equal_nan):
     """The host path (numpy, chunked) and the device path (torch, whole tensors) give the same statistics."""
     monkeypatch.setattr(_compare_module, "_HOST_CHUNK", 1000)  # several chunks, the last one short
@@ -339,3 +343,121 @@ def test_host_comparison_does_the_same_torch_work_whatever_the_size():
         assert result.outcome == "close"
         counts.append(mode.ops)
     assert counts[0] == counts[1] <= 30, counts
+
+
+# --------------------------------------------------------------------------- fused kernels
+
+_fused = importlib.import_module("shadow.core.judging.fused")
+
+
+@pytest.mark.parametrize("equal_nan", [True, False])
+@pytest.mark.parametrize("legacy_dtype, upstream_dtype", _DTYPE_PAIRS)
+def test_the_emulated_npus_fused_kernel_gives_the_host_statistics(legacy_dtype, upstream_dtype, equal_nan):
+    kernel = _fused.kernel_for("npu")
+    assert kernel is not None  # (the emulated npu is installed in every test process)
+    for seed in range(3):
+        legacy, upstream = _special_pair(torch.float64, 40_000, seed)  # (more than one of the kernel's chunks)
+        legacy, upstream = legacy.to(legacy_dtype), upstream.to(upstream_dtype)
+        on_npu = legacy.to("npu:1"), upstream.to("npu:1")
+        for tolerance in _TOLERANCES:
+            tolerance = dataclasses.replace(tolerance, equal_nan=equal_nan)
+            compute = _compare_module._compute_dtype(legacy.dtype, upstream.dtype)
+            same = legacy.dtype == upstream.dtype
+            host = _compare_module._host_stats(legacy, upstream, tolerance, compute, same).tolist()
+            fused = kernel(*on_npu, tolerance, compute, same)
+            assert fused.device == on_npu[0].device
+            assert fused.cpu().tolist() == host, (seed, tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64])
+def test_integers_bools_and_complex_compare_on_the_emulated_npu_as_on_the_host(dtype, recwarn):
+    generator = torch.Generator().manual_seed(3)
+    legacy = (torch.randn(SMALL_ON_HOST * 2, generator=generator, dtype=torch.complex64) * 50)
+    legacy = legacy if dtype.is_complex else legacy.real.to(dtype)
+    upstream = legacy.clone()
+    upstream[SMALL_ON_HOST + 7] = upstream[3]  # (a difference, unless the two were equal)
+    upstream[-1:] = ~upstream[-1:] if dtype == torch.bool else upstream[-1:] + 1
+    on_host = compare(legacy, upstream)
+    assert on_host.outcome == "mismatch"
+    assert compare(legacy.to("npu:0"), upstream.to("npu:0")) == on_host
+    assert not [str(w.message) for w in recwarn]  # (a view that fell back to the CPU would say so)
+
+
+def test_a_large_leaf_on_the_emulated_npu_is_one_kernel_of_the_device():
+    """On the asynchronous emulated npu, the kernels a comparison queues are read off its stream's clock: a large
+    leaf is one pass (its fused kernel; then a copy of its statistics to the host), not torch's twenty-odd
+    reductions (72 kernels there)."""
+    from shadow.core.judging.compare import start
+    from shadow.npu import emulated
+
+    legacy = torch.randn(SMALL_ON_HOST * 4, device="npu:0")
+    upstream = legacy + 1e-3
+    kernel_ms = 50.0
+    emulated.set_kernel_time(kernel_ms / 1e3)
+    try:
+        torch.ones(1, device="npu:0").add_(1)  # (a backlog: the queue stays ahead of the host while it is timed)
+        before = torch.Event(device="npu:0", enable_timing=True)
+        before.record()
+        pending = start(legacy, upstream)
+        after = torch.Event(device="npu:0", enable_timing=True)
+        after.record()
+        found = pending.finish()
+    finally:
+        emulated.set_kernel_time(0.0)
+    assert round(before.elapsed_time(after) / kernel_ms) == 1
+    assert found == compare(legacy.cpu(), upstream.cpu())
+
+
+def test_a_fused_kernel_that_fails_gives_way_to_the_eager_reduction(monkeypatch):
+    tried = []
+
+    def broken(*args):
+        tried.append(args)
+        raise RuntimeError("no compiler on this host")
+
+    monkeypatch.setattr(_fused, "_emulated_npu", broken)
+    monkeypatch.setattr(_fused, "FAILURES", {})
+    legacy = torch.randn(SMALL_ON_HOST * 2)
+    upstream = legacy * (1 + 1e-3)
+    on_host = compare(legacy, upstream)
+    assert [compare(legacy.to("npu:0"), upstream.to("npu:0")) for _ in range(2)] == [on_host, on_host]
+    assert len(tried) == 1  # (given up after its failure, for this process)
+    assert _fused.FAILURES == {"npu": "RuntimeError: no compiler on this host"}
+
+
+_TRITON_CHECK = """
+import dataclasses, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_compare import _DTYPE_PAIRS, _TOLERANCES, _compare_module, _special_pair
+from shadow.core.judging import triton_pass
+
+checked = 0
+for legacy_dtype, upstream_dtype in _DTYPE_PAIRS:
+    if torch.float64 in (legacy_dtype, upstream_dtype):
+        continue  # (computed in float64: the eager reduction's)
+    for seed in range(2):
+        legacy, upstream = _special_pair(torch.float64, 5000, seed)
+        legacy, upstream = legacy.to(legacy_dtype), upstream.to(upstream_dtype)
+        same = legacy_dtype == upstream_dtype
+        for tolerance in _TOLERANCES:
+            for equal_nan in (True, False):
+                tolerance = dataclasses.replace(tolerance, equal_nan=equal_nan)
+                host = _compare_module._host_stats(legacy, upstream, tolerance, torch.float32, same).tolist()
+                fused = triton_pass.leaf_statistics(legacy, upstream, tolerance.rtol, tolerance.atol, equal_nan, same)
+                assert fused.tolist() == host, (legacy_dtype, upstream_dtype, seed, tolerance, fused.tolist(), host)
+                checked += 1
+print("checked", checked)
+"""
+
+
+def test_the_triton_pass_gives_the_host_statistics():
+    """The CUDA kernel's logic, run by Triton's interpreter on the host (CI has no GPU; the device check runs the
+    compiled kernel on one)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [sys.executable, "-c", _TRITON_CHECK, os.path.dirname(__file__)], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["checked", str(4 * 2 * 3 * 2)]

@@ -197,6 +197,7 @@ def test_the_device_check_validates_the_emulated_npu_and_writes_its_bundle(tmp_p
         assert bundle["cost"][arm]["step_ratio"] > 0 and bundle["cost"][arm]["memory_ratio"] >= 1.0
     assert bundle["sampled_call"]["sync_counter"] == "emulated npu"
     assert set(bundle["comparator"]) == {"float32", "bfloat16"}
+    assert {figures["pass"] for figures in bundle["comparator"].values()} == {"one pass: the emulated npu's kernel"}
     text = (out / "device-check.md").read_text()
     assert "training bitwise unchanged, canary at rate 1 | yes" in text and "comparator / assert_close" in text
 

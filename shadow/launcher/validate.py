@@ -339,7 +339,8 @@ def check_sampled_call(device: Device, sizes: Sizes) -> dict[str, Any]:
 
 def check_comparator(device: Device, sizes: Sizes) -> dict[str, Any]:
     """``shadow.compare`` against ``torch.testing.assert_close`` on one pair of float32 and bfloat16 tensors on the
-    device (median of 5, each ended by a synchronize)."""
+    device (median of 5, each ended by a synchronize), and which pass reduced them (:func:`fused.describe`)."""
+    from shadow.core.judging import fused
     from shadow.core.judging.compare import compare
 
     figures = {}
@@ -363,7 +364,9 @@ def check_comparator(device: Device, sizes: Sizes) -> dict[str, Any]:
                 device.sync()
                 runs.append(time.perf_counter() - start)
             timing[name] = statistics.median(runs)
-        figures[str(dtype).removeprefix("torch.")] = {**timing, "ratio": timing["compare"] / timing["assert_close"]}
+        figures[str(dtype).removeprefix("torch.")] = {
+            **timing, "ratio": timing["compare"] / timing["assert_close"], "pass": fused.describe(device.type),
+        }  # fmt: skip
     return figures
 
 
@@ -436,7 +439,8 @@ def markdown(bundle: dict[str, Any]) -> str:
         row("host time of a sampled call / unsampled, queue full", f"{call['host_time_ratio']:.2f}x", "<= 1.5x"),
     ]
     for dtype, figures in bundle["comparator"].items():
-        rows.append(row(f"comparator / assert_close, {dtype}", f"{figures['ratio']:.2f}x", "<= 0.5x"))
+        figure = f"{figures['ratio']:.2f}x ({figures['pass']})"
+        rows.append(row(f"comparator / assert_close, {dtype}", figure, "<= 0.5x"))
     return "\n".join(rows) + "\n"
 
 

@@ -11,10 +11,11 @@ finished.
 Tensors in host memory (device "cpu") are reduced by numpy ufuncs on one thread, in cache-sized chunks
 written into reused scratch arrays: each element streams through memory once, no parallel region waits
 for a core the job is using, and the statistics are on the host without any synchronisation. Tensors on
-an accelerator are reduced by torch on their device, whole, except small ones (``SMALL_ON_HOST`` elements at
-most), copied to the host (non-blocking, into pinned memory) and reduced there once the copies landed: a logit or
-a loss costs two copies instead of twenty-odd kernel launches.
-Both compute the same statistics (``tests/test_compare.py`` checks them against each other).
+an accelerator are reduced on their device, whole, in one pass by the device's fused kernel where it has one
+(:mod:`shadow.core.judging.fused`), else by torch's eager kernels; small ones (``SMALL_ON_HOST`` elements at
+most) are copied to the host (non-blocking, into pinned memory) and reduced there once the copies landed: a logit or
+a loss costs two copies instead of a kernel launch or twenty-odd.
+All compute the same statistics (``tests/test_compare.py`` checks them against each other).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import keystr
 
+from shadow.core.judging import fused
 from shadow.core.model import tolerance as tol
 from shadow.core.model.observation import DETAIL_LIMIT, MISMATCH_REASONS, Outcome, bounded
 from shadow.core.model.target import Alike
@@ -174,7 +176,8 @@ def _value_stats(
         return _HostPair(_to_host(a), _to_host(b), a.device, tolerance, compute, same_dtype), compute
     if a.device.type == "cpu":
         return _host_stats(a, b, tolerance, compute, same_dtype), compute
-    return _device_stats(a, b, tolerance, compute, same_dtype), compute
+    found = fused.leaf_statistics(a, b, tolerance, compute, same_dtype)
+    return (_device_stats(a, b, tolerance, compute, same_dtype) if found is None else found), compute
 
 
 def _device_stats(
@@ -436,7 +439,8 @@ class PendingComparison:
         self._on_device: torch.Tensor | None = None
         if on_device:
             home = on_device[0].device
-            self._on_device = _to_host(torch.cat([stats.to(home) for stats in on_device]))
+            gathered = on_device[0] if len(on_device) == 1 else torch.cat([stats.to(home) for stats in on_device])
+            self._on_device = _to_host(gathered)
             sources.add(home)
         self._events = []
         for device in sources:  # (each device's copies were queued on its current stream)

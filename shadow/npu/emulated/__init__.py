@@ -37,7 +37,7 @@ from shadow.npu.emulated import collectives, device, rnn
 
 __all__ = [
     "DeviceProperties", "EmulatorUnavailable", "build", "build_directory", "host_syncs", "install", "installed_devices",
-    "set_kernel_time", "set_memory_capacity", "set_nondeterministic", "set_properties",
+    "leaf_statistics", "set_kernel_time", "set_memory_capacity", "set_nondeterministic", "set_properties",
 ]  # fmt: skip
 
 EXTENSION_NAME = "npu_shadow_emulated_npu"
@@ -307,6 +307,16 @@ def host_syncs() -> tuple[int, int]:
     must see, a synchronize) and every copy to the host. The counterpart of ``torch.cuda.set_sync_debug_mode``."""
     syncs, copies = _installed_backend().host_syncs()
     return int(syncs), int(copies)
+
+
+def leaf_statistics(
+    legacy: torch.Tensor, upstream: torch.Tensor, rtol: float, atol: float, equal_nan: bool, bitwise: bool, wide: bool
+) -> torch.Tensor:
+    """npu-shadow's comparator statistics of two flat tensors on one emulated npu device, as one kernel of the
+    device (queued on the current stream, no host read): int64[8], the layout of
+    ``shadow.core.judging.compare``'s statistics, computed in float64 where ``wide`` else float32; ``bitwise``: the
+    two have the same dtype and their bits are compared too."""
+    return _installed_backend().leaf_statistics(legacy, upstream, rtol, atol, equal_nan, bitwise, wide)
 
 
 def _installed_backend() -> Any:

@@ -25,6 +25,8 @@
 #include <ATen/ops/_local_scalar_dense_native.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
@@ -42,7 +44,9 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <thread>
 #include <unordered_set>
@@ -664,6 +668,129 @@ void register_random_kernels() {
   }
 }
 
+// ---------------------------------------------------------------------------------- npu-shadow's comparator kernel
+
+// What a device kernel of npu-shadow's comparator computes for one pair of flat tensors, in one pass over both (the
+// statistics of shadow/core/judging/compare.py, which documents them): int64[8] on the tensors' device, queued as
+// one kernel. Elements are converted to `C` (float or double) chunk by chunk where their dtype is another.
+template <typename C>
+struct LeafStatistics {
+  int64_t bitdiff = 0, bad = 0, nonfinite = 0, first = -1;
+  C max_abs = 0, max_rel = 0, at_legacy = 0, at_upstream = 0;
+
+  void add(const C* x, const C* y, int64_t count, int64_t offset, C rtol, C atol, bool equal_nan) {
+    constexpr C inf = std::numeric_limits<C>::infinity();
+    for (int64_t i = 0; i < count; ++i) {
+      const C a = x[i], b = y[i];
+      const C diff = std::abs(a - b);  // NaN where either is NaN or both are the same infinity
+      const C size = std::abs(a);
+      const bool close = diff - size * rtol <= atol || a == b || (equal_nan && std::isnan(a) && std::isnan(b));
+      const bool finite = diff < inf;
+      if (!close) {
+        ++bad;
+        nonfinite += !finite;
+        if (first < 0) {
+          first = offset + i;
+          at_legacy = a;
+          at_upstream = b;
+        }
+      }
+      if (finite) {  // (errors are taken over finite differences only; 0/0 is no error, x/0 is inf)
+        max_abs = std::max(max_abs, diff);
+        const C rel = diff / size;
+        max_rel = std::isnan(rel) ? max_rel : std::max(max_rel, rel);
+      }
+    }
+  }
+};
+
+template <typename Bits>
+int64_t count_differing(const void* x, const void* y, int64_t count) {
+  const auto* a = static_cast<const Bits*>(x);
+  const auto* b = static_cast<const Bits*>(y);
+  int64_t differing = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    differing += a[i] != b[i];
+  }
+  return differing;
+}
+
+int64_t float_bits(float value) {
+  int32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+
+int64_t float_bits(double value) {
+  int64_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+
+template <typename C>
+std::array<int64_t, 8> leaf_statistics_of(const at::Tensor& legacy, const at::Tensor& upstream, double rtol,
+                                          double atol, bool equal_nan, bool bitwise) {
+  constexpr int64_t kChunk = 1 << 14;
+  const auto compute = c10::CppTypeToScalarType<C>::value;
+  const int64_t n = legacy.numel();
+  LeafStatistics<C> found;
+  const bool native = legacy.scalar_type() == compute && upstream.scalar_type() == compute;
+  at::Tensor staged[2];
+  if (!native) {
+    for (auto& buffer : staged) {
+      buffer = at::empty({std::min(n, kChunk)}, legacy.options().dtype(compute));
+    }
+  }
+  for (int64_t start = 0; start < n; start += kChunk) {
+    const int64_t count = std::min(kChunk, n - start);
+    const C *x, *y;
+    if (native) {
+      x = legacy.const_data_ptr<C>() + start;
+      y = upstream.const_data_ptr<C>() + start;
+    } else {
+      x = staged[0].narrow(0, 0, count).copy_(legacy.narrow(0, start, count)).const_data_ptr<C>();
+      y = staged[1].narrow(0, 0, count).copy_(upstream.narrow(0, start, count)).const_data_ptr<C>();
+    }
+    found.add(x, y, count, start, static_cast<C>(rtol), static_cast<C>(atol), equal_nan);
+  }
+  int64_t bitdiff = found.bad;  // (bits of different dtypes cannot be equal: what differs then is the values)
+  if (bitwise) {
+    const void* a = legacy.const_data_ptr();
+    const void* b = upstream.const_data_ptr();
+    switch (legacy.element_size()) {
+      case 1: bitdiff = count_differing<uint8_t>(a, b, n); break;
+      case 2: bitdiff = count_differing<uint16_t>(a, b, n); break;
+      case 4: bitdiff = count_differing<uint32_t>(a, b, n); break;
+      default: bitdiff = count_differing<uint64_t>(a, b, n); break;
+    }
+  }
+  return {bitdiff, found.bad, found.nonfinite, found.first, float_bits(found.max_abs), float_bits(found.max_rel),
+          float_bits(found.at_legacy), float_bits(found.at_upstream)};
+}
+
+// The comparator's statistics of flat npu tensors `legacy` and `upstream` (same device, same numel), computed in
+// `double` where `wide` else in float; `bitwise`: they have the same dtype, and their bits are compared too.
+at::Tensor leaf_statistics(const at::Tensor& legacy, const at::Tensor& upstream, double rtol, double atol,
+                           bool equal_nan, bool bitwise, bool wide) {
+  TORCH_CHECK(legacy.device().type() == kNpu && upstream.device() == legacy.device(),
+              "leaf_statistics: both tensors on one npu device");
+  TORCH_CHECK(legacy.dim() == 1 && upstream.numel() == legacy.numel(), "leaf_statistics: two flat tensors alike");
+  TORCH_CHECK(!bitwise || legacy.element_size() == upstream.element_size(), "leaf_statistics: bits of one width");
+  const c10::DeviceIndex device = legacy.device().index();
+  c10::DeviceGuard guard(legacy.device());
+  at::Tensor out = at::empty({8}, legacy.options().dtype(at::kLong));
+  {
+    InKernel in_kernel;
+    const auto a = host_alias(legacy).contiguous();
+    const auto b = host_alias(upstream).contiguous();
+    const auto found = wide ? leaf_statistics_of<double>(a, b, rtol, atol, equal_nan, bitwise)
+                            : leaf_statistics_of<float>(a, b, rtol, atol, equal_nan, bitwise);
+    std::memcpy(host_alias(out).data_ptr<int64_t>(), found.data(), sizeof found);
+  }
+  enqueue(device);
+  return out;
+}
+
 // ---------------------------------------------------------------------------------- Python API
 
 void install(int64_t devices, uint64_t seed) {
@@ -829,6 +956,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty_strided", empty_strided);
   m.impl("as_strided", at::native::as_strided_tensorimpl);
   m.impl("view", at::native::view);
+  m.impl("view_as_real", at::native::view_as_real);
+  m.impl("view_as_complex", at::native::view_as_complex);
   m.impl("_reshape_alias", at::native::_reshape_alias);
   m.impl("resize_", resize_);
   m.impl("_local_scalar_dense", local_scalar_dense);
@@ -885,4 +1014,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nondeterministic", [] { return g_nondeterministic.load(); });
   m.def("manual_seed", &manual_seed);
   m.def("initial_seed", &initial_seed);
+  m.def("leaf_statistics", &leaf_statistics,
+        "npu-shadow's comparator statistics of two flat npu tensors, int64[8] on their device (one queued kernel).");
 }
