@@ -108,6 +108,7 @@ INVALID = {
     "first_per_signature": "-1",
     "aa_rate": "1.5",
     "backward_rate": "2",
+    "backward_memory": "1.5",
     "truth_rate": "often",
     "primary": "both",
     "rollback_file": "",

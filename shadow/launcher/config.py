@@ -525,6 +525,13 @@ SETTINGS = {
         "and a graph of legacy's own (reason grad; default 0.05; 0: none)",
         lambda text: _rate(text, "[0"),
     ),
+    "backward_memory": Setting(
+        "NPU_SHADOW_BACKWARD_MEMORY",
+        "--backward-memory",
+        "a share in [0, 1] of the job's own device memory that a backward comparison's two graphs may take; one that "
+        "would take more is not made (backward skip memory; default 0.3)",
+        lambda text: _rate(text, "[0"),
+    ),
     "truth_rate": Setting(
         "NPU_SHADOW_TRUTH_RATE",
         "--truth-rate",
@@ -641,6 +648,7 @@ class Config:
     first_per_signature: int = DEFAULT_FIRST_PER_SIGNATURE
     aa_rate: float = 0.05
     backward_rate: float = 0.05
+    backward_memory: float = 0.3
     truth_rate: float = 0.25
     primary: str = "legacy"
     rollback_file: str | None = None
@@ -668,6 +676,7 @@ class Config:
             first_per_signature=self.first_per_signature,
             aa_rate=self.aa_rate,
             backward_rate=self.backward_rate,
+            backward_memory=self.backward_memory,
             truth_rate=self.truth_rate,
             primary="legacy" if rolled_back else self.primary,
         )

@@ -21,6 +21,7 @@ from typing import Any
 
 from shadow.core.calls.gate.budget import Budgets, ShadowCost
 from shadow.core.calls.gate.coverage import Classifier
+from shadow.core.calls.gate.graph_memory import GraphMemory
 from shadow.core.calls.gate.sampling import Sampling
 from shadow.core.calls.gate.wrapper import make_wrapper
 from shadow.core.calls.record.record import Publisher, Record
@@ -89,8 +90,11 @@ class Experiment:
         self.coins = Coins.of(
             target, settings.seed, settings.oracle, settings.aa_rate, settings.backward_rate, settings.truth_rate
         )
+        self.graph_memory: GraphMemory | None = None
         if self.coins.backward is not None and target.isolate:
             gradients.prepare()
+            if settings.backward_memory is not None:
+                self.graph_memory = GraphMemory(settings.backward_memory)
         self.noise = NoiseFloor()  # (of the current phase: started again at a rollback or a reset)
         self.legacy = target.resolve_legacy()
         self.legacy_origin = patch_origin(self.legacy) or ""
@@ -125,6 +129,7 @@ class Experiment:
             self.target, self.primary, self.primary_fn, self.shadow_fn, self.legacy, self.legacy_origin,
             self.tolerance, self.pure_hooks, self.deadline, self.drill, self.coins, self.noise, self.classifier,
             self.record, self.cost, plain=self.target.plain, side=self, deadline_missed=self.deadline_missed,
+            graph_memory=self.graph_memory,
         )  # fmt: skip
 
     def _sides(self, primary: str) -> tuple[Callable, Callable]:

@@ -32,6 +32,9 @@ class Settings:
         aa_rate: the fraction of sampled calls on which the primary runs again, isolated (the noise floor).
         primary: the side whose result the caller gets: ``"legacy"`` (shadowing) or ``"upstream"`` (a canary).
         backward_rate: the fraction of sampled calls of an isolated target whose gradients are compared too.
+        backward_memory: the most device memory a backward comparison's two graphs may take, as a share of the job's
+            own (:mod:`shadow.core.calls.gate.graph_memory`); one that would take more is not made (backward skip
+            ``memory``). None: no limit.
         truth_rate: the fraction of calls with a value difference that run again in float64 (which side is nearer).
         count_patches: the dotted names of a release's function patches (its census) whose places get a call
             counter (:mod:`shadow.core.calls.patch_calls`): which of them the job calls.
@@ -52,6 +55,7 @@ class Settings:
     aa_rate: float = 0.0
     primary: str = LEGACY
     backward_rate: float = 0.0
+    backward_memory: float | None = None
     truth_rate: float = 0.0
     trusted_checkpoints: bool = False
     count_patches: tuple[str, ...] = ()
@@ -84,6 +88,8 @@ class Settings:
             raise ValueError(f"first_per_signature: expected an int >= 0, got {first!r}")
         for name in ("aa_rate", "backward_rate", "truth_rate"):
             fix(name, check_rate(getattr(self, name), name))
+        if self.backward_memory is not None:
+            fix("backward_memory", check_rate(self.backward_memory, "backward_memory"))
         if self.primary not in PRIMARY_SIDES:
             raise ValueError(f"primary: expected one of {PRIMARY_SIDES}, got {self.primary!r}")
 

@@ -93,8 +93,12 @@ SKIP_REASONS = (
 #: (a sparse gradient: ``nn.Embedding(sparse=True)``), "raised" (a forward or both graphs' backward raised), "no_grad"
 #: (grad mode off, or no output requires grad: nothing to pull back), "diverged" (the forward already diverged: it is
 #: the finding), "failed" (this tool's fault, logged), "hooks" (a forward registered autograd hooks on its graph: the
-#: job's code, which pulling products through the shadow side's graphs would run again).
-BACKWARD_SKIP_REASONS = ("deadline", "reentrant", "sparse", "raised", "no_grad", "diverged", "failed", "hooks")
+#: job's code, which pulling products through the shadow side's graphs would run again), "memory" (its two graphs
+#: would take more device memory than the shadow side may add, or its signature's graph was not measured yet:
+#: shadow.core.calls.gate.graph_memory).
+BACKWARD_SKIP_REASONS = (
+    "deadline", "reentrant", "sparse", "raised", "no_grad", "diverged", "failed", "hooks", "memory",
+)  # fmt: skip
 
 #: What a backward comparison found: the gradients agree, or they differ (the call's outcome is then a mismatch
 #: with reason "grad", its forward having agreed: a backward comparison runs only after a forward that did not

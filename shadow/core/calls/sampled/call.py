@@ -13,6 +13,7 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
+from shadow.core.calls.gate import graph_memory
 from shadow.core.calls.gate.sampling import UNDER_WAY
 from shadow.core.calls.sampled import guards
 from shadow.core.calls.sampled.plan import CallContext, Run, plan
@@ -120,6 +121,9 @@ class SampledCall:
         except BaseException as exc:  # (taking the plan: ours to count, the call skipped)
             side = exc
         cost.planned = cost.clock() - start  # (charged with the shadow side's time, once it ended)
+        # (what the primary's forward allocates: the graph a backward comparison of its signature would hold twice)
+        graphs = context.graph_memory if isinstance(side, ShadowSide) and torch.is_grad_enabled() else None
+        allocated_before = graph_memory.allocated() if graphs is not None else 0
         start = time.perf_counter()
         try:
             result = run_primary(context, args, kwargs)
@@ -128,7 +132,10 @@ class SampledCall:
         except BaseException as exc:  # (SystemExit too: the state it leaves is compared like any other ending)
             self._shadow_side(side, Run(error=exc, seconds=time.perf_counter() - start))
             raise
-        self._shadow_side(side, Run(value=result, seconds=time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        if graphs is not None:
+            graphs.observe(side.plan.signature, allocated_before, graph_memory.allocated())
+        self._shadow_side(side, Run(value=result, seconds=seconds))
         return result
 
     def _shadow_side(self, side: ShadowSide | BaseException, primary: Run) -> None:

@@ -16,6 +16,7 @@ import torch
 from shadow.core.calls.gate.budget import ShadowCost
 from shadow.core.calls.gate.coin import Coin
 from shadow.core.calls.gate.coverage import Classifier
+from shadow.core.calls.gate.graph_memory import GraphMemory
 from shadow.core.calls.record.record import Record
 from shadow.core.calls.sampled.drill import Drill
 from shadow.core.judging.noise import NoiseFloor
@@ -81,6 +82,7 @@ class CallContext:
         side: who the call's shadow side runs as (the experiment: a nested call of the target there runs the
             shadow); an identity, never read.
         deadline_missed: called when a run passed its deadline (the target stops shadowing).
+        graph_memory: what a backward comparison's graphs may take (None: no limit).
     """
 
     target: Target
@@ -101,6 +103,7 @@ class CallContext:
     plain: bool
     side: object
     deadline_missed: Callable[[], None]
+    graph_memory: GraphMemory | None = None
 
     def within_deadline(
         self,
@@ -197,7 +200,7 @@ class Plan:
     backward: bool = False
     aa: bool = False
     here: bool = False  # the shadow cannot block (Target.never_blocks): it runs on the caller's thread
-    backward_skip: str = ""  # a backward comparison drawn for a call that can have none (grad mode off)
+    backward_skip: str = ""  # a backward comparison drawn but not planned: grad mode off, or no room (memory)
     rewind: Callable[[], Any] | None = None  # puts the call's consumed arguments back where the primary found them
     replay: Callable[[], tuple[tuple, dict]] | None = None  # the shadow run's arguments, once the primary ran
     #: The shadow side's hook registrations before this call's runs, where a backward comparison runs
@@ -242,7 +245,12 @@ def plan(context: CallContext, args: tuple, kwargs: dict, modules: list[torch.nn
         and coins.backward is not None
         and coins.backward.flip()
     )
-    backward = drawn and torch.is_grad_enabled()
+    if signature is None:
+        signature = context.classifier.admit(label_text(str(_raw_signature(context, args, kwargs)), 64))
+    backward_skip = "" if not drawn else "no_grad" if not torch.is_grad_enabled() else ""
+    if drawn and not backward_skip and context.graph_memory is not None and context.graph_memory.refuses(signature):
+        backward_skip = "memory"  # (its two graphs would take more device memory than the shadow side may add)
+    backward = drawn and not backward_skip
     # (with A/A runs on, the backward comparison runs legacy's backward twice: the gradients' own floor)
     backward_aa = backward and coins.aa is not None
     extra = (ORACLE,) * oracle + (BACKWARD,) * backward + (BACKWARD_AA,) * backward_aa + (AA,) * aa
@@ -253,8 +261,6 @@ def plan(context: CallContext, args: tuple, kwargs: dict, modules: list[torch.nn
         isolation, shadow_args, shadow_kwargs = None, args, kwargs
     else:
         isolation, (shadow_args, shadow_kwargs) = None, detach_tensors((args, kwargs))
-    if signature is None:
-        signature = context.classifier.admit(label_text(str(_raw_signature(context, args, kwargs)), 64))
     rewind = target.rewind(args, kwargs) if target.rewind is not None else None
     replay = target.replay(args, kwargs) if target.replay is not None else None
     # (a run that reads the caller's stream is never left running past a deadline: it would move the stream under
@@ -262,7 +268,7 @@ def plan(context: CallContext, args: tuple, kwargs: dict, modules: list[torch.nn
     here = rewind is not None or (target.never_blocks is not None and bool(target.never_blocks(args, kwargs)))
     return Plan(
         isolation, shadow_args, shadow_kwargs, signature, autocast, before, slots=(SHADOW, *extra),
-        oracle=oracle, backward=backward, aa=aa, here=here, backward_skip="no_grad" if drawn and not backward else "",
+        oracle=oracle, backward=backward, aa=aa, here=here, backward_skip=backward_skip,
         rewind=rewind, replay=replay, hooks_seen=hook_watch.registered() if backward else 0,
         modules_loaded=len(sys.modules),
     )  # fmt: skip
