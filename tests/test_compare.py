@@ -372,7 +372,7 @@ def test_the_emulated_npus_fused_kernel_gives_the_host_statistics(legacy_dtype, 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64])
 def test_integers_bools_and_complex_compare_on_the_emulated_npu_as_on_the_host(dtype, recwarn):
     generator = torch.Generator().manual_seed(3)
-    legacy = (torch.randn(SMALL_ON_HOST * 2, generator=generator, dtype=torch.complex64) * 50)
+    legacy = torch.randn(SMALL_ON_HOST * 2, generator=generator, dtype=torch.complex64) * 50
     legacy = legacy if dtype.is_complex else legacy.real.to(dtype)
     upstream = legacy.clone()
     upstream[SMALL_ON_HOST + 7] = upstream[3]  # (a difference, unless the two were equal)

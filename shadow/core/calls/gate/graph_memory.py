@@ -16,7 +16,7 @@ drawn for a signature never measured yet, or whose graphs would not fit, is not 
 
 from __future__ import annotations
 
-import torch
+from shadow.core.support import memory
 
 #: Forward graphs a backward comparison holds at once (upstream's and legacy's again; the A/A run's comes after).
 GRAPHS = 2
@@ -24,14 +24,7 @@ GRAPHS = 2
 
 def allocated() -> int:
     """Bytes allocated on the accelerator's devices together (0 without one, or where its module does not say)."""
-    accelerator = torch.accelerator.current_accelerator()
-    read = getattr(getattr(torch, accelerator.type, None), "memory_allocated", None) if accelerator else None
-    if read is None:
-        return 0
-    try:
-        return sum(int(read(index)) for index in range(torch.accelerator.device_count()))
-    except Exception:  # (a device module that cannot say: nothing measured)
-        return 0
+    return sum(memory.per_device("memory_allocated"))
 
 
 class GraphMemory:
