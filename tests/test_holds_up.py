@@ -245,11 +245,22 @@ def test_ctrl_c_at_a_terminal_reaches_the_job_once(tmp_path):
     assert record.read_text().split() == ["SIGINT"]
 
 
+def _signals_as_a_shell_leaves_them():
+    """A child's SIGHUP, SIGUSR1 and SIGUSR2 at their defaults, whatever the suite inherited: under ``nohup`` SIGHUP is
+    ignored, and a launcher started ignoring a signal rightly does not pass it on (its job ignores it too)."""
+    import signal
+
+    for number in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, signal.SIG_DFL)
+
+
 def test_hup_and_usr_signals_sent_to_the_launcher_reach_the_job(tmp_path):
     import signal
 
     record = tmp_path / "signals"
-    launcher = _launch(record, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    launcher = _launch(
+        record, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_signals_as_a_shell_leaves_them
+    )
     try:
         _wait_for(lambda: os.path.exists(f"{record}.ready"), "the job")
         for number, name in ((signal.SIGUSR1, "SIGUSR1"), (signal.SIGUSR2, "SIGUSR2")):
