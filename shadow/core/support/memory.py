@@ -119,19 +119,6 @@ def free_bytes(device: torch.device) -> int | None:
     return int(free)
 
 
-def per_device(counter: str) -> tuple[int, ...]:
-    """An allocator's ``counter`` (``memory_allocated``, ``max_memory_allocated``) of each device of the accelerator,
-    read without waiting for the device; () without an accelerator or where its module does not say."""
-    accelerator = torch.accelerator.current_accelerator()
-    read = getattr(getattr(torch, accelerator.type, None), counter, None) if accelerator else None
-    if read is None:
-        return ()
-    try:
-        return tuple(int(read(index)) for index in range(torch.accelerator.device_count()))
-    except Exception:  # (a device module that cannot say: nothing measured)
-        return ()
-
-
 def check_fits(tensors: Iterable[torch.Tensor], copies: int, what: str) -> None:
     """Raise InsufficientMemory unless ``copies`` clones of ``tensors`` fit in SHARE of each device's free
     memory."""

@@ -16,15 +16,8 @@ drawn for a signature never measured yet, or whose graphs would not fit, is not 
 
 from __future__ import annotations
 
-from shadow.core.support import memory
-
 #: Forward graphs a backward comparison holds at once (upstream's and legacy's again; the A/A run's comes after).
 GRAPHS = 2
-
-
-def allocated() -> int:
-    """Bytes allocated on the accelerator's devices together (0 without one, or where its module does not say)."""
-    return sum(memory.per_device("memory_allocated"))
 
 
 class GraphMemory:
@@ -37,7 +30,8 @@ class GraphMemory:
         self._graphs: dict[str, int] = {}
 
     def observe(self, signature: str, before: int, after: int) -> None:
-        """A primary's run of ``signature``: ``before`` and ``after`` it, the bytes :func:`allocated` read."""
+        """A primary's run of ``signature``: the bytes allocated on the accelerator's devices ``before`` and ``after``
+        it."""
         self.footprint = max(self.footprint, after)
         self._graphs[signature] = max(self._graphs.get(signature, 0), after - before)
 

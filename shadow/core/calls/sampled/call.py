@@ -13,11 +13,16 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
-from shadow.core.calls.gate import graph_memory
 from shadow.core.calls.gate.sampling import UNDER_WAY
 from shadow.core.calls.sampled import guards
 from shadow.core.calls.sampled.plan import CallContext, Run, plan
-from shadow.core.calls.sampled.shadow_side import DeferredObservation, ShadowSide, free_after_oom, is_oom
+from shadow.core.calls.sampled.shadow_side import (
+    DeferredObservation,
+    ShadowSide,
+    device_allocated,
+    free_after_oom,
+    is_oom,
+)
 from shadow.core.model.observation import Observation, Outcome, bounded
 from shadow.core.model.targets import Target
 from shadow.core.runs.global_state import TorchGlobals
@@ -123,7 +128,7 @@ class SampledCall:
         cost.planned = cost.clock() - start  # (charged with the shadow side's time, once it ended)
         # (what the primary's forward allocates: the graph a backward comparison of its signature would hold twice)
         graphs = context.graph_memory if isinstance(side, ShadowSide) and torch.is_grad_enabled() else None
-        allocated_before = graph_memory.allocated() if graphs is not None else 0
+        allocated_before = device_allocated() if graphs is not None else 0
         start = time.perf_counter()
         try:
             result = run_primary(context, args, kwargs)
@@ -134,7 +139,7 @@ class SampledCall:
             raise
         seconds = time.perf_counter() - start
         if graphs is not None:
-            graphs.observe(side.plan.signature, allocated_before, graph_memory.allocated())
+            graphs.observe(side.plan.signature, allocated_before, device_allocated())
         self._shadow_side(side, Run(value=result, seconds=seconds))
         return result
 

@@ -28,7 +28,6 @@ from shadow.core.runs.deadline import Finished, leave_worker, run_here
 from shadow.core.runs.global_state import TorchGlobals
 from shadow.core.runs.isolation import ArgumentsChanged, holds_hooked_subclass
 from shadow.core.runs.sides import Lean, keeping_no_activations, shadow_run
-from shadow.core.support import memory
 
 #: What an allocator's failure says: a device's "out of memory", the host allocator's "can't allocate memory".
 _OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory")
@@ -333,9 +332,27 @@ class DeferredObservation:
         )  # fmt: skip
 
 
+def _per_device(counter: str) -> tuple[int, ...]:
+    """An allocator's ``counter`` (``memory_allocated``, ``max_memory_allocated``) of each device of the accelerator,
+    read without waiting for the device; () without an accelerator or where its module does not say."""
+    accelerator = torch.accelerator.current_accelerator()
+    read = getattr(getattr(torch, accelerator.type, None), counter, None) if accelerator else None
+    if read is None:
+        return ()
+    try:
+        return tuple(int(read(index)) for index in range(torch.accelerator.device_count()))
+    except Exception:  # (a device module that cannot say: nothing measured)
+        return ()
+
+
 def _device_peaks() -> tuple[int, ...]:
-    """Each accelerator device's peak allocated bytes (() without an accelerator, or where its module does not say)."""
-    return memory.per_device("max_memory_allocated")
+    """Each accelerator device's peak allocated bytes."""
+    return _per_device("max_memory_allocated")
+
+
+def device_allocated() -> int:
+    """Bytes allocated on the accelerator's devices together (0 without one, or where its module does not say)."""
+    return sum(_per_device("memory_allocated"))
 
 
 def _with_peak(
