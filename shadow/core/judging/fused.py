@@ -11,7 +11,8 @@ element of both sides once and writes the int64[8] of statistics. This module sa
 - anything else (an Ascend NPU under torch_npu, say): none, the eager reduction.
 
 A kernel that fails (Triton cannot compile on this host, say) is not tried again in this process: the eager
-reduction takes over, and the failure is kept in :data:`FAILURES` for ``npu-shadow doctor`` and the device check.
+reduction takes over, and the failure is kept in :data:`FAILURES`, which :func:`describe` (the device check's
+comparator row) reports.
 """
 
 from __future__ import annotations

@@ -247,8 +247,10 @@ def plan(context: CallContext, args: tuple, kwargs: dict, modules: list[torch.nn
     )
     if signature is None:
         signature = context.classifier.admit(label_text(str(_raw_signature(context, args, kwargs)), 64))
-    backward_skip = "" if not drawn else "no_grad" if not torch.is_grad_enabled() else ""
-    if drawn and not backward_skip and context.graph_memory is not None and context.graph_memory.refuses(signature):
+    backward_skip = ""
+    if drawn and not torch.is_grad_enabled():
+        backward_skip = "no_grad"
+    elif drawn and context.graph_memory is not None and context.graph_memory.refuses(signature):
         backward_skip = "memory"  # (its two graphs would take more device memory than the shadow side may add)
     backward = drawn and not backward_skip
     # (with A/A runs on, the backward comparison runs legacy's backward twice: the gradients' own floor)
