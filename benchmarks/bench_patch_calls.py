@@ -4,7 +4,8 @@ against the same call bare, as ratios measured in one run, the two interleaved (
 The places are function patches of torch_npu 2.14.0 a training job calls (npu-shadow census 2.14.0): a module's
 forward (``Module.__call__``), printing a tensor (``Tensor.__repr__``), a save into memory (``serialization._save``),
 a storage's copy to the host (``UntypedStorage.cpu``), and the cheapest call there is, one that returns at once (the
-counter's own cost, for scale). Then the same for the targets that shadow three of them (``tensor_repr``,
+counter's own cost, for scale); a place this Python cannot count (all of them before Python 3.12: counting needs
+``sys.monitoring``) says so. Then the same for the targets that shadow three of them (``tensor_repr``,
 ``torch_save``, ``storage_cpu``): their unsampled call (``sample_rate=0``, no first comparisons) against the bare call.
 Run: ``python benchmarks/bench_patch_calls.py [--quick]``.
 """
@@ -49,9 +50,14 @@ def main() -> None:
         "torch.storage.UntypedStorage.cpu": (lambda: storage.cpu(), 20_000),
         "bench_places.noop": (lambda: module.noop(), 200_000),
     }
-    ratios: dict[str, list[float]] = {name: [] for name in places}
+    with shadow.install([], count_patches=list(places)) as monitor:  # (a C function, an older Python: not counted)
+        uncounted = monitor.patches_uncounted()
+    for name, why in uncounted.items():
+        print(f"counted / bare call of {name}: not counted here ({why})")
+    ratios: dict[str, list[float]] = {name: [] for name in places if name not in uncounted}
     for _ in range(rounds):
-        for name, (call, repeat) in places.items():
+        for name in ratios:
+            call, repeat = places[name]
             bare = _timed(call, repeat)
             with shadow.install([], count_patches=[name]) as monitor:
                 counted = _timed(call, repeat)

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import io
 import json
 import logging
 import math
 import os
+import socket
+import time
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -52,21 +55,53 @@ def serve_registry(
     :data:`SCRAPED_MARK` (:class:`ScrapeMarking`)."""
     served: Any = registry if mark_dir is None else ScrapeMarking(registry, mark_dir)
     try:
-        server, _ = start_http_server(port, addr=addr, registry=served, **tls)
+        server, thread = start_http_server(port, addr=addr, registry=served, **tls)
+        thread.name = "npu-shadow metrics endpoint"  # (the tool's: shadow.core.runs.sides.OWN_THREADS)
     except (OSError, OverflowError) as exc:  # (OverflowError: a port past 65535)
         message = f"npu-shadow: cannot serve metrics on {addr}:{port} ({exc}); the job goes on without it"
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         log.warning(message)
         return None
     # (a connection that never sends its request would hold a thread and a descriptor for good: enough of them keep
-    # a real scrape out; each request's reads and writes time out instead)
+    # a real scrape out; each connection has REQUEST_SECONDS in all to send its request, ANSWER_SECONDS to read the
+    # answer, and the kernel queues the connections the server cannot take yet rather than dropping them)
     server.RequestHandlerClass = _timed(server.RequestHandlerClass)
+    with contextlib.suppress(OSError):
+        server.socket.listen(LISTEN_BACKLOG)
     return server
 
 
+class _ReadBy(io.RawIOBase):
+    """A connection's reads, all of them over by ``deadline`` (``time.monotonic()``): a client that sends its
+    request a byte at a time is cut off at the deadline, not at one timeout per byte."""
+
+    def __init__(self, connection: socket.socket, deadline: float) -> None:
+        self.connection, self.deadline = connection, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the request took longer than its deadline")
+        self.connection.settimeout(remaining)
+        return self.connection.recv_into(buffer)
+
+
 def _timed(handler: type) -> type:
-    """``handler`` whose connection's reads and writes time out after REQUEST_SECONDS, a timed-out or dropped one
-    closed quietly (socketserver would print each one's traceback on the job's stderr)."""
+    """``handler`` whose connection has REQUEST_SECONDS in all to send its request and ANSWER_SECONDS to read the
+    answer, a timed-out or dropped one closed quietly (socketserver would print each one's traceback on the job's
+    stderr)."""
+
+    def setup(self: Any) -> None:
+        handler.setup(self)
+        self.rfile = io.BufferedReader(_ReadBy(self.connection, time.monotonic() + REQUEST_SECONDS))
+
+    def parse_request(self: Any) -> bool:
+        parsed = handler.parse_request(self)
+        self.connection.settimeout(ANSWER_SECONDS)  # (the request is read: the answer's writes get their own time)
+        return parsed
 
     def handle(self: Any) -> None:
         try:
@@ -74,11 +109,16 @@ def _timed(handler: type) -> type:
         except (TimeoutError, ConnectionError):
             self.close_connection = True
 
-    return type(handler.__name__, (handler,), {"timeout": REQUEST_SECONDS, "handle": handle})
+    members = {"timeout": ANSWER_SECONDS, "setup": setup, "parse_request": parse_request, "handle": handle}
+    return type(handler.__name__, (handler,), members)
 
 
-#: How long a scrape's connection may take to send its request and read the answer.
-REQUEST_SECONDS = 5.0
+#: How long a connection may take to send its whole request (a scraper sends it at once, on connecting).
+REQUEST_SECONDS = 1.0
+#: How long a scrape may take to read the answer.
+ANSWER_SECONDS = 5.0
+#: The connections the kernel holds for the server while its threads or descriptors are busy.
+LISTEN_BACKLOG = 256
 
 
 #: The file a served endpoint leaves in its multiprocess folder at its first scrape: something scrapes the job, so

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -373,3 +374,78 @@ def test_a_census_is_taken_once_per_wheel_and_read_back_without_torch(tmp_path, 
     changed["torch_npu/utils/_module.py"] = changed["torch_npu/utils/_module.py"].replace("nn.Module.to = to", "pass")
     os.utime(_wheel(wheel, changed), ns=(1, 1))
     assert "torch.nn.Module.to" not in census.kept(str(wheel)).names()
+
+
+def _returns_within(seconds: float, function, *args):
+    """``function(*args)``, failing the test where it has not returned within ``seconds`` (a FIFO waited on)."""
+    import threading
+
+    found: list = []
+    worker = threading.Thread(target=lambda: found.append(function(*args)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert found, f"{function.__name__} still blocked after {seconds} s"
+    return found[0]
+
+
+def test_the_census_cache_is_data_checked_against_its_wheel(tmp_path, monkeypatch):
+    """A kept patch list is used only where it is a regular file of this user's that no one else can write and names
+    the digest of the wheel it came from; anything else (a planted name in a file others could write, another wheel's
+    list, a FIFO) is never trusted or waited on: the list is taken again."""
+    import stat
+
+    monkeypatch.setenv("NPU_SHADOW_CACHE_DIR", str(tmp_path / "cache"))
+    wheel = _wheel(tmp_path / "torch_npu-9.9.9-py3-none-any.whl", PACKAGE)
+    listed = census.patch_list(str(wheel))
+    honest = json.loads(listed.read_text())
+    assert stat.S_IMODE(listed.parent.stat().st_mode) == 0o700 and "wheel_sha256" in honest
+    planted = {**honest, "patches": [*honest["patches"], "builtins.print"]}
+
+    listed.write_text(json.dumps(planted))
+    os.chmod(listed, 0o666)  # (others could have written it)
+    assert json.loads(census.patch_list(str(wheel)).read_text()) == honest
+
+    listed.write_text(json.dumps({**planted, "wheel_sha256": "0" * 64}))  # (another wheel's list)
+    assert json.loads(census.patch_list(str(wheel)).read_text()) == honest
+
+    for kept in (listed, *listed.parent.glob("*.census.json")):
+        kept.unlink()
+        os.mkfifo(kept)
+    again = _returns_within(30, census.patch_list, str(wheel))
+    assert again.is_file() and json.loads(again.read_text()) == honest
+
+
+def test_a_census_cache_others_can_write_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("NPU_SHADOW_CACHE_DIR", str(tmp_path / "cache"))
+    wheel = _wheel(tmp_path / "torch_npu-9.9.9-py3-none-any.whl", PACKAGE)
+    folder = census.patch_list(str(wheel)).parent
+    os.chmod(folder, 0o777)
+    with pytest.raises(census.UnsafeCache, match=re.escape(str(folder))):
+        census.patch_list(str(wheel))
+
+
+@pytest.mark.slow
+def test_the_launcher_refuses_a_census_cache_others_can_write_at_start_up(tmp_path):
+    """Before the job starts: exit 2, the path named (the job never runs unshadowed, nor with a planted list)."""
+    import shutil
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    shutil.copy(wheel("2.14.0"), wheels)
+    (tmp_path / "census").mkdir(mode=0o777)
+    os.chmod(tmp_path / "census", 0o777)
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "run", "--legacy-from", "2.14.0", "--", sys.executable, "-c", "print('ran')"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "NPU_SHADOW_WHEEL_DIR": str(wheels)},
+    )  # fmt: skip
+    assert done.returncode == 2 and "ran" not in done.stdout, done.stdout + done.stderr
+    assert str(tmp_path / "census") in done.stderr and "writable by others" in done.stderr
+
+
+def test_a_job_process_never_waits_on_a_fifo_named_as_its_patch_list(tmp_path, capsys):
+    from shadow.launcher import launch
+
+    fifo = tmp_path / "list.json"
+    os.mkfifo(fifo)
+    assert _returns_within(30, launch._patch_list, {launch.PATCH_LIST: str(fifo)}) == ((), "", 0)
+    assert "no patch calls counted" in capsys.readouterr().err

@@ -6,6 +6,7 @@ caller gets legacy's result and its files and streams as the unwrapped call leav
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import os
@@ -19,7 +20,7 @@ from torch_npu_wheels import wheel
 
 import shadow
 from shadow.core.model import live_targets, saving
-from shadow.core.model.target import Alike
+from shadow.core.model.target import Alike, Target
 from shadow.npu import torch_npu_source
 from shadow.npu.emulated import formats
 from shadow.npu.patching import replace
@@ -418,3 +419,162 @@ def test_on_a_real_devices_properties_the_new_targets_find_no_false_divergence_a
     assert shadowed[0] <= plain[0], (shadowed, plain)  # (waits on the caller's thread: the job's own)
     for name in ("tensor_repr", "torch_save", "storage_cpu"):  # (the save copies its storage to the host too)
         assert set(_outcomes(monitor, name)) == {"match"}, (name, _outcomes(monitor, name))
+
+
+# --------------------------------------------------------------------------- torch_save: what the job sees once
+
+
+class _FullDisk(io.BytesIO):
+    """A file of the job's on a full file system: writes past ``room`` bytes fail as the disk's would."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+
+    def write(self, data: Any) -> int:
+        if self.tell() + len(data) > self.room:
+            raise OSError(28, "No space left on device")
+        return super().write(data)
+
+
+def test_a_save_the_environment_fails_is_skipped_never_a_divergence(patched, tmp_path) -> None:
+    """Upstream saves into memory, legacy to the job's destination: a full disk or a missing folder fails legacy
+    alone. Such a call is not compared (reason ineligible, the environment named), and the job gets its OSError."""
+    state = {"w": torch.randn(64, device="npu")}
+    failures = []
+    with _monitor(["torch_save"]) as monitor:
+        for index in range(8):
+            destination = _FullDisk(room=100) if index % 2 else tmp_path / "missing" / f"{index}.pt"
+            try:
+                torch.save(state, destination)
+            except (OSError, RuntimeError) as exc:  # (torch's archive writer says RuntimeError for either)
+                failures.append(exc)
+        torch.save(state, tmp_path / "fine.pt")
+    assert len(failures) == 8  # (the job's own exceptions, as unwrapped)
+    assert _outcomes(monitor, "torch_save") == {"match": 1, "skipped": 8, "reasons": {"ineligible": 8}}
+
+
+def test_a_save_the_environment_fails_never_rolls_back_the_verdict(patched, tmp_path) -> None:
+    from exporters import JsonlExporter
+    from shadow.analysis import sources, verdict
+
+    journal = tmp_path / "j.jsonl"
+    with _monitor(["torch_save"], exporters=[JsonlExporter(str(journal))]) as monitor:
+        for index in range(40):  # (the job catches the saves the full disk fails, as in a real run)
+            with contextlib.suppress(OSError, RuntimeError):
+                torch.save({"w": torch.ones(64, device="npu")}, _FullDisk(room=100 if index % 2 else 10**6))
+    assert monitor.stats()["torch_save"].error == 0
+    (decision,) = verdict.decide_all(sources.from_journal([str(journal)]), 0.001, {}, 30)
+    assert decision.decision != "rollback", decision
+
+
+class _Reduced:
+    """Counts how often its pickling runs (the job's code, run by a save)."""
+
+    runs = 0
+
+    def __reduce__(self):
+        type(self).runs += 1
+        return (_Reduced, ())
+
+
+class _Text(str):
+    runs = 0
+
+    def __reduce__(self):
+        type(self).runs += 1
+        return (_Text, (str(self),))
+
+
+class _Key:
+    runs = 0
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __reduce__(self):
+        type(self).runs += 1
+        return (_Key, ())
+
+
+def _with_attribute() -> Any:
+    tensor = torch.ones(2)
+    tensor.note = _Reduced()
+    return {"t": tensor}
+
+
+@pytest.mark.parametrize(
+    "make, counter",
+    [
+        (lambda: {"name": _Text("layer"), "w": torch.ones(2)}, _Text),
+        (lambda: {_Key(): torch.ones(2)}, _Key),
+        (_with_attribute, _Reduced),
+    ],
+    ids=["str-subclass-leaf", "object-dict-key", "tensor-attribute"],
+)
+def test_what_pickling_would_run_of_the_jobs_code_runs_once(patched, tmp_path, make, counter) -> None:
+    obj = make()
+    counter.runs = 0
+    with _monitor(["torch_save"]) as monitor:
+        torch.save(obj, tmp_path / "c.pt")
+    assert counter.runs == 1  # (as unwrapped: the shadow save never ran it)
+    assert _outcomes(monitor, "torch_save") == {"skipped": 1, "reasons": {"ineligible": 1}}
+
+
+def test_a_pickle_module_of_the_jobs_runs_once(patched, tmp_path) -> None:
+    import pickle
+    import types as types_module
+
+    made = []
+
+    class Pickler(pickle.Pickler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    module = types_module.ModuleType("job_pickle")
+    vars(module).update({k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")}, Pickler=Pickler)
+    with _monitor(["torch_save"]) as monitor:
+        torch.save({"w": torch.ones(2)}, tmp_path / "c.pt", pickle_module=module)
+    assert len(made) == 1 and _outcomes(monitor, "torch_save") == {"skipped": 1, "reasons": {"ineligible": 1}}
+
+
+def test_a_job_recording_its_warnings_sees_each_once(patched, tmp_path) -> None:
+    """A warning a shadow run raises never reaches the job's record: a save whose pickling warns (legacy's and
+    upstream's alike) is recorded once, as unwrapped; an upstream that warns on every call is never seen."""
+    import warnings
+
+    class Warns(str):  # (a leaf of the job's that warns as it is pickled: the job sees its warning once)
+        def __reduce__(self):
+            warnings.warn("pickled", UserWarning, stacklevel=1)
+            return (str, (str(self),))
+
+    with warnings.catch_warnings(record=True) as seen, _monitor(["torch_save"], trusted_checkpoints=True) as monitor:
+        warnings.simplefilter("always")
+        torch.save({"w": torch.ones(2), "name": Warns("x")}, tmp_path / "c.pt")
+    assert [str(w.message) for w in seen] == ["pickled"] and _outcomes(monitor, "torch_save") == {"match": 1}
+
+    def upstream(x: Any) -> Any:
+        warnings.warn("upstream's own warning", UserWarning, stacklevel=1)
+        return x * 2
+
+    ops = type("Ops", (), {"op": staticmethod(lambda x: x * 2)})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with shadow.install([Target("op", ops, "op", upstream)], sample_rate=1.0, budget=None) as monitor:
+            for _ in range(3):
+                ops.op(torch.ones(2))
+    assert seen == [] and monitor.stats()["op"].match == 3
+
+
+def test_a_stream_opened_to_append_and_rewound_matches(patched, tmp_path) -> None:
+    """Writes into a file opened ``"a+b"`` land at its end wherever it was rewound to: what the save wrote is read
+    from there."""
+    path = tmp_path / "appended.pt"
+    path.write_bytes(b"earlier lines\n")
+    with _monitor(["torch_save"]) as monitor, open(path, "a+b") as stream:
+        stream.seek(0)
+        torch.save({"w": torch.arange(4.0, device="npu")}, stream)
+    assert _outcomes(monitor, "torch_save") == {"match": 1}
+    data = path.read_bytes()
+    assert data.startswith(b"earlier lines\n") and torch.load(io.BytesIO(data[14:]))["w"].tolist() == [0, 1, 2, 3]

@@ -234,6 +234,35 @@ def test_half_open_connections_never_keep_a_real_scrape_out():
         server.wait()
 
 
+def test_a_client_that_drips_its_request_is_cut_off_at_the_requests_deadline():
+    """A timeout per read let a client that sends a byte every 0.4 s hold its thread and descriptor for good (each
+    read came within its timeout): the whole request has REQUEST_SECONDS, and the connection is closed while the
+    client is still dripping."""
+    from exporters.prometheus import serve_registry
+
+    server = serve_registry(CollectorRegistry(), 0, "127.0.0.1")
+    try:
+        client = socket.create_connection(("127.0.0.1", server.server_port), timeout=5)
+        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 64
+        closed_after = None
+        for sent in range(len(request)):
+            try:
+                client.sendall(request[sent : sent + 1])
+                client.settimeout(0.4)
+                if client.recv(1024) == b"":
+                    closed_after = sent
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed_after = sent
+                break
+        assert closed_after is not None  # (before the client sent its whole request)
+    finally:
+        client.close()
+        server.shutdown()
+
+
 def test_a_linger_says_whether_a_signal_or_the_grace_period_ended_it():
     from shadow.launcher import linger
 

@@ -710,3 +710,94 @@ def test_the_backward_runs_casts_on_autograd_threads_are_never_counted_as_the_jo
     with_backward, stats = casts(1.0)
     assert stats.backward_runs == 3 and stats.match == 3, stats
     assert with_backward == plain > 0
+
+
+# --------------------------------------------------------------------------- 7. another thread's settings
+
+
+#: Process-wide settings a job thread changes, each with its reader and its change back.
+_JOB_THREAD_CHANGES = {
+    "default dtype": (lambda: torch.set_default_dtype(torch.float64), torch.get_default_dtype,
+                      lambda: torch.set_default_dtype(torch.float32)),
+    "float32 matmul precision": (lambda: torch.set_float32_matmul_precision("medium"),
+                                 torch.get_float32_matmul_precision,
+                                 lambda: torch.set_float32_matmul_precision("highest")),
+    "deterministic algorithms": (lambda: torch.use_deterministic_algorithms(True),
+                                 torch.are_deterministic_algorithms_enabled,
+                                 lambda: torch.use_deterministic_algorithms(False)),
+    "print options": (lambda: torch.set_printoptions(precision=2), lambda: torch._tensor_str.PRINT_OPTS.precision,
+                      lambda: torch.set_printoptions(precision=4)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("setting", sorted(_JOB_THREAD_CHANGES))
+@pytest.mark.parametrize("upstream_on", ["worker", "caller"], ids=["on-a-worker", "on-the-callers-thread"])
+def test_a_setting_another_job_thread_changes_during_the_shadow_side_stays_changed(setting, upstream_on):
+    """While a sampled call's shadow run is under way, another thread of the job changes a process-wide setting:
+    the change stays (the shadow side puts back only what its own code wrote), and it is no difference of the
+    call's (no false ``state`` mismatch)."""
+    import threading
+
+    change, read, undo = _JOB_THREAD_CHANGES[setting]
+    changing, changed = threading.Event(), threading.Event()
+
+    def upstream(x):
+        changing.set()
+        assert changed.wait(10)
+        return x * 2
+
+    def job_thread():
+        assert changing.wait(10)
+        change()
+        changed.set()
+
+    options = {"never_blocks": lambda a, k: True} if upstream_on == "caller" else {}
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    monitor, recorder = shadowed([Target("op", ops, "op", upstream, **options)], budget=None)
+    expected = None
+    other = threading.Thread(target=job_thread)
+    try:
+        other.start()
+        with monitor:
+            ops.op(torch.ones(2))
+            expected = read()
+            other.join(10)
+            assert read() == expected  # (still the other thread's value after the call)
+    finally:
+        other.join(10)
+        undo()
+    change()
+    try:
+        assert expected == read()  # (the value the other thread wrote, not the one from before)
+    finally:
+        undo()
+    (observation,) = recorder.observations
+    assert observation.outcome == "match", observation.detail
+
+
+def test_a_call_that_changes_a_process_wide_setting_while_other_job_threads_live_is_skipped():
+    """Running it again from the old value would show that value to the other threads for a moment: the call is
+    skipped with the reason, and legacy's change is the job's."""
+    import threading
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, args=(10,))
+
+    def legacy(x):
+        torch.set_default_dtype(torch.float64)
+        return x + 1
+
+    ops = types.SimpleNamespace(op=legacy)
+    monitor, recorder = shadowed([Target("op", ops, "op", lambda x: x + 1)])
+    other.start()
+    try:
+        with monitor:
+            ops.op(torch.ones(2))
+        assert torch.get_default_dtype() == torch.float64  # legacy's
+    finally:
+        stop.set()
+        other.join()
+        torch.set_default_dtype(torch.float32)
+    (observation,) = recorder.observations
+    assert observation.outcome == "skipped" and observation.reasons == ("ineligible",)
+    assert "default dtype" in observation.detail and "other threads" in observation.detail

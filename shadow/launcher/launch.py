@@ -140,10 +140,10 @@ class Launcher:
             if environ is not None or config is None:
                 config = config_module.from_sources(os.environ if environ is None else environ)
             if self.monitor is not None:
+                for patch, calls in self.monitor.patch_counts().items():  # (read while its counters are on)
+                    self._earlier_patches[patch] = self._earlier_patches.get(patch, 0) + calls
                 self.monitor.uninstall()  # its last counts go to the exporters it had
                 self._earlier = _then(self._earlier, self.monitor.stats())  # (the summary counts every install)
-                for patch, calls in self.monitor.patch_counts().items():
-                    self._earlier_patches[patch] = self._earlier_patches.get(patch, 0) + calls
             if self.config is not None and config != self.config:
                 self._close_exporters()
             self.config = config
@@ -287,7 +287,9 @@ class Launcher:
                 counts = dict(self._earlier_patches)
                 for patch, calls in self.monitor.patch_counts().items():
                     counts[patch] = counts.get(patch, 0) + calls
-                text += "\n" + patch_summary(counts, self.release, self.release_patches)
+                text += "\n" + patch_summary(
+                    counts, self.release, self.release_patches, self.monitor.patches_uncounted()
+                )
             print(text, file=sys.stderr)
 
     def _at_exit_output(
@@ -379,9 +381,12 @@ def _patch_list(environ: Mapping[str, str]) -> tuple[tuple[str, ...], str, int]:
     path = environ.get(PATCH_LIST)
     if not path:
         return (), "", 0
+    from shadow.core.support.safe_paths import open_own_file
+
     try:
-        with open(path, encoding="utf-8") as handle:
-            content = json.load(handle)
+        # (data from the launcher's census cache: a regular file of this user's, never a FIFO waited on)
+        with os.fdopen(open_own_file(path, os.O_RDONLY), "rb") as handle:
+            content = json.loads(handle.read(64 << 20))
         names = tuple(name for name in content["patches"] if isinstance(name, str))
         return names, str(content.get("version", "")), int(content.get("total", len(names)))
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -590,15 +595,25 @@ def summary(
     return "\n".join(lines)
 
 
-def patch_summary(counts: Mapping[str, int], release: str, total: int, most: int = 8) -> str:
-    """The exit summary's line on the release's patches: how many this process called, the most called first."""
+def patch_summary(
+    counts: Mapping[str, int], release: str, total: int, uncounted: Mapping[str, str] | None = None, most: int = 8
+) -> str:
+    """The exit summary's line on the release's patches: how many this process called, the most called first; and
+    those reachable here whose calls could not be counted, by why (``uncounted``)."""
     called = sorted(((calls, name) for name, calls in counts.items() if calls), reverse=True)
     top = ", ".join(f"{name} {calls:,}" for calls, name in called[:most])
     more = f" and {len(called) - most} more" if len(called) > most else ""
-    return (
+    line = (
         f"npu-shadow patches: this process called {len(called)} of torch_npu {release}'s {total} patches "
         f"({len(counts)} function patches counted here){': ' + top + more if called else ''}"
     )
+    by_why: dict[str, list[str]] = {}
+    for name, why in (uncounted or {}).items():
+        by_why.setdefault(why, []).append(name)
+    for why, names in sorted(by_why.items(), key=lambda item: -len(item[1])):
+        shown = ", ".join(sorted(names)[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        line += f"\nnpu-shadow patches: {len(names)} not counted ({shown}): {why}"
+    return line
 
 
 def _flush_on_sigterm(at_exit: Callable[[], None]) -> None:

@@ -35,13 +35,16 @@ def _refused_patches(config: cfg.Config) -> str:
 def _count_patches(legacy_from: str, env: dict[str, str]) -> None:
     """Every process of the job counts its calls of the release's function patches: their names, from the release's
     census (kept in the cache after the first), named in ``env`` (:data:`~shadow.launcher.launch.PATCH_LIST`). A
-    release that cannot be read counts none, said (``--legacy-from`` says why when the job loads it)."""
+    release that cannot be read counts none, said (``--legacy-from`` says why when the job loads it); a census
+    cache others can write is refused (UnsafeCache)."""
     from shadow.analysis import census
     from shadow.launcher.launch import PATCH_LIST
     from shadow.npu.torch_npu_source import LegacySourceError
 
     try:
         env[PATCH_LIST] = str(census.patch_list(legacy_from))
+    except census.UnsafeCache:
+        raise
     except (LegacySourceError, OSError) as exc:
         print(f"npu-shadow: no patch calls counted: {exc}", file=sys.stderr)
 
@@ -357,7 +360,13 @@ def _run(
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.pop(ROLLED_BACK_BY, None)  # (a new job starts with its configured primary)
     if config.legacy_from and config.legacy_from != cfg.REFERENCE:
-        _count_patches(config.legacy_from, env)
+        from shadow.analysis.census import UnsafeCache
+
+        try:
+            _count_patches(config.legacy_from, env)
+        except UnsafeCache as exc:
+            print(f"npu-shadow run: --legacy-from: {exc}", file=sys.stderr)
+            return 2
     if COMMAND_ID_VARIABLE not in env:  # (every process of the job reports the command it wraps)
         env[COMMAND_ID_VARIABLE] = command_id(list(command))
     if config.run_id is None:  # (a new launch is a new run, unless torchrun names it)

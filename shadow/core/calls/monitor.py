@@ -101,6 +101,12 @@ class Monitor:
         """{patch: the job's calls so far} of every counted function patch (``count_patches``)."""
         return self.patch_calls.counts() if self.patch_calls is not None else {}
 
+    def patches_uncounted(self) -> dict[str, str]:
+        """{patch: why its calls cannot be counted here} of the function patches reachable in this process whose
+        calls are not counted (:mod:`shadow.core.calls.patch_calls`: a C function, a Python without
+        sys.monitoring)."""
+        return dict(self.patch_calls.uncounted) if self.patch_calls is not None else {}
+
     def roll_back(self, by: str) -> list[str]:
         """The rollback switch: every target whose primary is upstream (a canary) returns legacy's result from the
         next call on, upstream then compared as the shadow. ``by`` says who or what threw it (recorded by the
@@ -129,6 +135,7 @@ class Monitor:
 
     def _patch(self) -> None:
         sides.install_inheritance()  # (threads an upstream run starts are part of it; put back at uninstall)
+        sides.install_quiet_warnings()  # (the shadow side's warnings never reach the job)
         self._inherits = True
         if any(s.coins.backward is not None for s in self._experiments):
             hook_watch.install()
@@ -236,6 +243,7 @@ class Monitor:
         if self._inherits:
             self._inherits = False
             sides.uninstall_inheritance()
+            sides.uninstall_quiet_warnings()
 
     @property
     def installed(self) -> bool:

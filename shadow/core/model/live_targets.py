@@ -266,6 +266,7 @@ def torch_save(trusted: bool = False) -> Target:
         snapshot=saving.written,
         compare=saving.difference,
         clean=saving.kept,
+        environmental=saving.environment_failure,
     )
 
 

@@ -13,14 +13,20 @@ compared by what they hold: the same content is ``close`` (the byte layout diffe
 records), different content a mismatch.
 
 Pickling runs the reducers of what is saved, so only objects whose pickling runs torch's own code are saved twice:
-containers (pytree's: dicts, lists, tuples, named tuples) of tensors, parameters and plain values
-(:func:`refusal`). Anything else (a whole module, an ``argparse.Namespace``, a class of the job's) is skipped unless
-the checkpoints are declared trusted (``trusted_checkpoints``).
+containers (dicts, lists, tuples, named tuples, of their exact types) of tensors, parameters and plain values, keyed
+by plain values, with no Python attributes on the tensors, saved with Python's own ``pickle`` (:func:`refusal`,
+decided before either save runs; the shadow save's warnings never reach the job:
+:mod:`shadow.core.runs.sides`). Anything else (a whole module, an
+``argparse.Namespace``, a ``str`` subclass, a class of the job's) is skipped unless the checkpoints are declared
+trusted (``trusted_checkpoints``). A save the caller's destination fails (a full disk: an OSError) is not compared
+(:func:`environment_failure`): the shadow run saved into memory and never met that environment.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import fcntl
 import hashlib
 import io
 import os
@@ -33,7 +39,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from shadow.core.model import loaded
 from shadow.core.model.checkpoint import is_path, regular_file
@@ -63,26 +68,61 @@ def zipped(args: tuple, kwargs: dict) -> bool:
     return bool(flag)
 
 
+#: Containers whose pickling runs only Python's own code (their exact types: a subclass may reduce itself).
+_CONTAINERS = (dict, collections.OrderedDict, list, tuple)
+#: What a namedtuple's class pickles by, when it adds nothing of its own.
+_NAMEDTUPLE_OWN = {"__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__getnewargs_ex__"}
+
+
+def _plain_namedtuple(value: Any) -> bool:
+    """A namedtuple whose class (collections.namedtuple's, pickled by reference) adds no pickling of its own."""
+    kind = type(value)
+    return (
+        isinstance(value, tuple) and hasattr(kind, "_fields") and kind.__bases__ == (tuple,)
+        and not _NAMEDTUPLE_OWN & set(vars(kind))
+    )  # fmt: skip
+
+
 def tensors_of(obj: Any) -> list[torch.Tensor] | None:
-    """The tensors of a pytree of tensors and plain values, or None where it holds anything else."""
-    found = []
-    for leaf in pytree.tree_leaves(obj):
-        if type(leaf) in (torch.Tensor, torch.nn.Parameter):
-            found.append(leaf)
-        elif not isinstance(leaf, _PLAIN):
+    """The tensors of a tree of tensors and plain values, or None where pickling ``obj`` would run anything but
+    Python's and torch's own code: a leaf, or a dict's key, of another type (a ``str`` subclass too: it may reduce
+    itself), a tensor with Python attributes of its own (pickled with it), a container of a subclass' type."""
+    found: list[torch.Tensor] = []
+    pending, seen = [obj], set()
+    while pending:
+        value = pending.pop()
+        kind = type(value)
+        if kind in (torch.Tensor, torch.nn.Parameter):
+            if vars(value):  # (a tensor's own attributes are pickled with it, by their own reducers)
+                return None
+            found.append(value)
+        elif kind in _PLAIN:
+            continue
+        elif kind in _CONTAINERS or _plain_namedtuple(value):
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if isinstance(value, dict):
+                if any(type(key) not in _PLAIN for key in value):
+                    return None
+                pending.extend(value.values())
+            else:
+                pending.extend(value)
+        else:
             return None
     return found
 
 
 def refusal(args: tuple, kwargs: dict, *, trusted: bool = False) -> str | None:
     """Why a ``torch.save`` call cannot be saved a second time and compared, told before it runs, or None: an object
-    whose pickling would run the job's code again (unless the checkpoints are trusted), a path that is not a regular
-    file (a FIFO, a device: what it took cannot be read back), a stream that cannot be read back."""
-    if not trusted and tensors_of(saved_object(args, kwargs)) is None:
-        return (
-            "the object is more than tensors and plain values in containers: saving it again would run its "
-            "reducers a second time (trust the checkpoints to compare)"
-        )
+    whose pickling would run the job's code again (unless the checkpoints are trusted: a leaf, a key or a tensor
+    attribute of the job's types, a pickle module of the job's), a job recording or rerouting its warnings (a
+    second save's would reach it), a path that is not a regular file (a FIFO, a device: what it took cannot be read
+    back), a stream that cannot be read back."""
+    if not trusted:
+        why = _runs_job_code(args, kwargs)
+        if why is not None:
+            return why
     f = destination(args, kwargs)
     if is_path(f):
         if regular_file(f) is False:
@@ -94,6 +134,56 @@ def refusal(args: tuple, kwargs: dict, *, trusted: bool = False) -> str | None:
     except Exception:
         pass
     return "a stream that cannot seek, be read or be found as a file: what the save wrote cannot be read back"
+
+
+def _runs_job_code(args: tuple, kwargs: dict) -> str | None:
+    """Why saving the call's object a second time would run the job's code again, or None."""
+    obj = saved_object(args, kwargs)
+    if tensors_of(obj) is None:
+        return _object_refusal(obj)
+    module = args[2] if len(args) > 2 else kwargs.get("pickle_module", pickle)
+    if module is not pickle:
+        return "the call names a pickle module of its own: saving again would run its code a second time"
+    return None
+
+
+def _object_refusal(obj: Any) -> str:
+    """Why ``obj``, more than tensors and plain values in containers, is not saved twice (naming what it is)."""
+    kind = type(obj)
+    if isinstance(obj, torch.nn.Module):
+        what = f"a whole module ({kind.__module__}.{kind.__qualname__}): its pickle names the job's own classes"
+    else:
+        what = "more than tensors and plain values in containers (a leaf, a key or a tensor attribute of the job's)"
+    return (
+        f"the object is {what}: saving it again would run their reducers a second time (--trusted-checkpoints, "
+        "or trusted_checkpoints=True, compares such saves)"
+    )
+
+
+#: What torch's archive writer (C++, inline_container.cc) says where the file system fails it: a path's folder
+#: missing, a file that cannot be opened, a write the disk refused.
+_WRITER_FAILURES = ("Parent directory", "cannot be opened", "file write failed", "PytorchStreamWriter failed")
+
+
+def environment_failure(error: BaseException) -> str | None:
+    """Why an exception of the save that wrote to the caller's destination is the environment's (a full disk, a
+    missing folder, a read-only file system: an OSError, or torch's archive writer saying so), not the
+    implementation's: the shadow run saved into a buffer of its own and met none of it, so the call is not compared.
+    None for any other exception."""
+    found: BaseException | None = error
+    for _ in range(8):  # (torch's writer raises its own RuntimeError over the stream's OSError: its context)
+        if found is None:
+            return None
+        text = str(found)
+        if isinstance(found, OSError) or (
+            type(found) is RuntimeError and any(words in text for words in _WRITER_FAILURES)
+        ):
+            return (
+                f"the save to the caller's destination failed ({type(found).__name__}: {text[:160]}): the other "
+                "side saved into memory and could not meet the same environment"
+            )
+        found = found.__cause__ or found.__context__
+    return None
 
 
 def _file_behind(stream: Any) -> Any:
@@ -108,6 +198,19 @@ def _file_behind(stream: Any) -> Any:
         return None
     same = (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
     return name if same and stat.S_ISREG(held.st_mode) else None
+
+
+def _where_writes_land(stream: Any) -> int:
+    """Where the next write into ``stream`` lands: where it stands, or, for a file opened to append (``"a+b"``),
+    its end whatever it stands at."""
+    try:
+        appending = bool(fcntl.fcntl(stream.fileno(), fcntl.F_GETFL) & os.O_APPEND)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        appending = False
+    if not appending:
+        return stream.tell()
+    stream.flush()  # (what the job wrote before lands at the end first; the save's writes follow it)
+    return os.fstat(stream.fileno()).st_size
 
 
 def _size(obj: Any) -> int:
@@ -125,7 +228,7 @@ def replay(args: tuple, kwargs: dict) -> Callable[[], tuple[tuple, dict]]:
     own (raises memory.InsufficientMemory where the two outputs would not fit on the host)."""
     f = destination(args, kwargs)
     if not is_path(f):
-        _STARTS.stream = (id(f), f.tell())
+        _STARTS.stream = (id(f), _where_writes_land(f))
     size = _size(saved_object(args, kwargs))
 
     def shadow_arguments() -> tuple[tuple, dict]:

@@ -94,6 +94,10 @@ class Target:
     ``clean(result)``: what of a result the evidence (journal, capture) keeps, e.g. the tensors of a loaded
     checkpoint without the rest of it.
 
+    ``environmental(error)``: for a call whose shadow run does not meet the caller's environment (a save into a buffer
+    of its own), why an exception the primary raised is the environment's (a full disk), not the implementation's:
+    the call is then skipped (reason ``ineligible``, this text its detail), never compared. None: the implementation's.
+
     ``reads_only``: the call only reads its arguments (builds no autograd graph, writes nothing): the shadow run
     gets the caller's tensors as they are, where it would get new leaves over them (a repr prints ``grad_fn``; a
     new leaf has none).
@@ -125,6 +129,7 @@ class Target:
     compare: Callable[[Any, Any], str | Alike | None] | None = None
     clean: Callable[[Any], Any] | None = None
     reaches: Callable[[tuple, dict], tuple] | None = None
+    environmental: Callable[[BaseException], str | None] | None = None
     reads_only: bool = False
 
     def __post_init__(self) -> None:
@@ -144,6 +149,7 @@ class Target:
             "compare",
             "clean",
             "reaches",
+            "environmental",
         ):
             value = getattr(self, field)
             if value is not None and not callable(value):

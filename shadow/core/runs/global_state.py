@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -186,6 +186,9 @@ class Setting:
     #: Its setter may warn: written back inside warnings.catch_warnings(), entered only then (leaving it marks
     #: the filters changed, which forgets every "shown once" warning: the job would see its warnings again).
     warns: bool = False
+    #: One value for the whole process (every thread reads what any thread wrote last): put back only where the
+    #: code the tool ran wrote it (:class:`Writes`), never over a change another thread of the job made meanwhile.
+    process_wide: bool = False
 
 
 #: Every setting taken, in the order they are written back: the mode stacks first (a mode upstream left on them
@@ -194,12 +197,13 @@ SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
         Setting("torch function modes", _function_modes, _set_function_modes),
-        Setting("default dtype", torch.get_default_dtype, torch.set_default_dtype),
+        Setting("default dtype", torch.get_default_dtype, torch.set_default_dtype, process_wide=True),
         Setting(
             "default device",
             _default_device,
             _set_default_device,
             shown=lambda value: None if value[1] is None else str(value[1]),
+            process_wide=True,
         ),
         Setting("autocast", _autocast, _set_autocast),
         Setting("autocast cache", torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled),
@@ -210,41 +214,57 @@ SETTINGS: dict[str, Setting] = {
                 torch.is_deterministic_algorithms_warn_only_enabled(),
             ),
             lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1]),
+            process_wide=True,
         ),
         Setting(
             "fill uninitialized memory",
             lambda: torch.utils.deterministic.fill_uninitialized_memory,
             _set_fill_uninitialized_memory,
+            process_wide=True,
         ),
-        Setting("float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+        Setting(
+            "float32 matmul precision",
+            torch.get_float32_matmul_precision,
+            torch.set_float32_matmul_precision,
+            process_wide=True,
+        ),
         Setting("threads", torch.get_num_threads, torch.set_num_threads),
         Setting(
             "anomaly detection",
             lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
             lambda value: torch.set_anomaly_enabled(*value),
             warns=True,
+            process_wide=True,
         ),
-        Setting("warn always", torch.is_warn_always_enabled, torch.set_warn_always),
+        Setting("warn always", torch.is_warn_always_enabled, torch.set_warn_always, process_wide=True),
         Setting(
             "autograd multithreading",
             torch.autograd.is_multithreading_enabled,
             torch.autograd.set_multithreading_enabled,
         ),
-        Setting("mkldnn", lambda: torch.backends.mkldnn.enabled, _set_mkldnn),
+        Setting("mkldnn", lambda: torch.backends.mkldnn.enabled, _set_mkldnn, process_wide=True),
+        # (process-wide, but written by a plain assignment to the module that no hook sees: put back whoever wrote it)
         Setting("opt_einsum", _opt_einsum_enabled, _set_opt_einsum),
         Setting(
             "multi-head attention fast path",
             torch.backends.mha.get_fastpath_enabled,
             torch.backends.mha.set_fastpath_enabled,
+            process_wide=True,
         ),
-        Setting("print options", _print_options, _set_print_options),
+        Setting("print options", _print_options, _set_print_options, process_wide=True),
         Setting("grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
         Setting("current device", _current_device, _set_current_device),
         Setting("torch dispatch modes", _dispatch_modes, _set_dispatch_modes),
         Setting("saved tensors hooks", _saved_tensors_hooks, _set_saved_tensors_hooks),
         Setting("numpy error settings", np.geterr, lambda value: np.seterr(**value)),
-        Setting("warning filters", lambda: tuple(warnings.filters), _set_warning_filters, outside_catch_warnings=True),
-        Setting("recursion limit", sys.getrecursionlimit, sys.setrecursionlimit),
+        Setting(
+            "warning filters",
+            lambda: tuple(warnings.filters),
+            _set_warning_filters,
+            outside_catch_warnings=True,
+            process_wide=True,
+        ),
+        Setting("recursion limit", sys.getrecursionlimit, sys.setrecursionlimit, process_wide=True),
     )
 }
 
@@ -281,14 +301,36 @@ class TorchGlobals:
                 found[setting.name] = (mine, theirs)
         return found
 
-    def restore(self) -> None:
-        """Write back every setting that differs from the snapshot. Each is written on its own: one that cannot
+    def process_wide_differences(self, other: TorchGlobals) -> list[str]:
+        """The process-wide settings the two snapshots differ in, by name."""
+        pairs = zip(SETTINGS.values(), self._state, other._state, strict=True)
+        return [setting.name for setting, mine, theirs in pairs if setting.process_wide and mine != theirs]
+
+    def as_written_by(self, written: Collection[str], others: TorchGlobals) -> TorchGlobals:
+        """This snapshot as far as the code that ran on its thread is concerned: its process-wide settings that code
+        did not write (``written``: :class:`Writes`) as they are in ``others`` (a change another thread made
+        meanwhile is no difference of that code's)."""
+        taken = TorchGlobals.__new__(TorchGlobals)
+        taken._state = [
+            mine if not setting.process_wide or setting.name in written else theirs
+            for setting, mine, theirs in zip(SETTINGS.values(), self._state, others._state, strict=True)
+        ]
+        return taken
+
+    def restore(self, written: Collection[str] = ()) -> None:
+        """Write back every thread-local setting that differs from the snapshot, and of the process-wide ones those
+        named in ``written`` (the ones the tool's own code wrote since, :class:`Writes`): a process-wide setting
+        another thread of the job changed meanwhile keeps its new value. Each is written on its own: one that cannot
         be written back does not keep the others from it; the first failure is raised at the end."""
         now, then = self._read(), self._state
         if now == then:
             return
         pairs = zip(SETTINGS.values(), now, then, strict=True)
-        changed = [(setting, value) for setting, current, value in pairs if current != value]
+        changed = [
+            (setting, value)
+            for setting, current, value in pairs
+            if current != value and (not setting.process_wide or setting.name in written)
+        ]
         failure: BaseException | None = None
         quiet = any(setting.warns for setting, _ in changed)
         with warnings.catch_warnings() if quiet else contextlib.nullcontext():
@@ -302,6 +344,80 @@ class TorchGlobals:
                 failure = _write(setting, value) or failure
         if failure is not None:
             raise failure
+
+
+def _setters() -> tuple[dict[int, str], dict[int, str]]:
+    """({id of a C function: the process-wide setting it writes}, {id of a Python code: the setting}): what
+    :class:`Writes` watches for. Taken once (the objects are kept alive by the table itself)."""
+    found = _FOUND.get("setters")
+    if found is not None:
+        return found
+    c_functions = {
+        "default dtype": (torch._C._set_default_dtype, torch._C._set_default_tensor_type),
+        "deterministic algorithms": (torch._C._set_deterministic_algorithms,),
+        "fill uninitialized memory": (torch._C._set_deterministic_fill_uninitialized_memory,),
+        "float32 matmul precision": (torch._C._set_float32_matmul_precision,),
+        "anomaly detection": (torch._C.set_anomaly_enabled,),
+        "warn always": (torch._C._set_warnAlways,),
+        "mkldnn": (torch._C._set_mkldnn_enabled,),
+        "warning filters": (warnings._filters_mutated,),  # type: ignore[attr-defined]  (every filter change calls it)
+        "recursion limit": (sys.setrecursionlimit,),
+    }
+    python_functions = {
+        "default device": (
+            torch.set_default_device, torch.utils._device.DeviceContext.__enter__,
+            torch.utils._device.DeviceContext.__exit__,
+        ),
+        "multi-head attention fast path": (torch.backends.mha.set_fastpath_enabled,),
+        "print options": (torch._tensor_str.set_printoptions,),
+    }  # fmt: skip
+    kept: list[Any] = []
+    by_c, by_code = {}, {}
+    for name, functions in c_functions.items():
+        for function in functions:
+            kept.append(function)
+            by_c[id(function)] = name
+    for name, functions in python_functions.items():
+        for function in functions:
+            code = getattr(function, "__code__", None)
+            if code is not None:
+                kept.append(code)
+                by_code[id(code)] = name
+    found = _FOUND["setters"] = (by_c, by_code)
+    _FOUND["setters kept"] = kept
+    return found
+
+
+class Writes:
+    """The process-wide settings the code run on this thread writes while the ``with`` body runs: a profile hook
+    on this thread alone (``sys.setprofile``; the thread's own hook, a profiler's, is put back after) that notes each
+    call of a function that writes one (:func:`_setters`). Those alone are put back after a run of the tool's: a
+    setting another thread of the job changes meanwhile is the job's (not put back, and no difference of the run's).
+    Not seen: threads the body starts, and a plain assignment to ``torch._tensor_str.PRINT_OPTS``."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def __enter__(self) -> Writes:
+        by_c, by_code = _setters()
+        names = self.names
+
+        def hook(frame: Any, event: str, arg: Any) -> None:
+            if event == "c_call":
+                name = by_c.get(id(arg))
+            elif event == "call":
+                name = by_code.get(id(frame.f_code))
+            else:
+                return
+            if name is not None:
+                names.add(name)
+
+        self._outer = sys.getprofile()
+        sys.setprofile(hook)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(self._outer)
 
 
 def _write(setting: Setting, value: Any) -> Exception | None:

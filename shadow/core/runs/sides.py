@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -222,6 +223,58 @@ def uninstall_inheritance() -> None:
             name, start = _replaced.pop()
             if getattr(getattr(threading, name, None), "__wrapped__", None) is start:
                 setattr(threading, name, start)
+
+
+#: What the tool's own threads are named (the shadow side's workers, the reporter, the metrics endpoint, ...).
+OWN_THREADS = "npu-shadow"
+
+
+def job_threads_besides_this_one() -> bool:
+    """Whether a Python thread of the job's other than the caller's is alive: one that would see a process-wide
+    setting the shadow side wrote for a moment (the tool's own threads, and those C started, are not the job's)."""
+    me = threading.current_thread()
+    return any(
+        thread is not me and not thread.name.startswith(OWN_THREADS)
+        and not isinstance(thread, threading._DummyThread) and thread.is_alive()
+        for thread in threading.enumerate()
+    )  # fmt: skip
+
+
+class _QuietShadowWarnings:
+    """Warnings the shadow side raises (its runs, the comparison, the exporters) never reach the job: ``warnings``'
+    one function that shows a warning (``_showwarnmsg``: below it, the job's ``catch_warnings(record=True)``, its
+    ``showwarning`` or ``logging.captureWarnings``) passes on the warnings of the job's threads only, while a monitor
+    is installed. (Python's C code marks a warning shown "once" in its registry before asking to show it: such a
+    warning raised first by the shadow side would not be shown to the job later.)"""
+
+    def __init__(self) -> None:
+        self.installs = 0
+        self.lock = threading.Lock()
+        self.shown: Callable[[Any], Any] | None = None
+
+    def install(self) -> None:
+        with self.lock:
+            self.installs += 1
+            if self.installs == 1:
+                self.shown = warnings._showwarnmsg  # type: ignore[attr-defined]
+                warnings._showwarnmsg = self.show  # type: ignore[attr-defined]
+
+    def uninstall(self) -> None:
+        with self.lock:
+            self.installs = max(0, self.installs - 1)
+            if not self.installs and self.shown is not None:
+                if warnings._showwarnmsg == self.show:  # type: ignore[attr-defined]  (nothing replaced ours since)
+                    warnings._showwarnmsg = self.shown  # type: ignore[attr-defined]
+                self.shown = None
+
+    def show(self, message: Any) -> None:
+        shown = self.shown or warnings._showwarnmsg_impl  # type: ignore[attr-defined]
+        if shadow_side_of_this_thread() is None and current_run() is None:
+            shown(message)
+
+
+_QUIET = _QuietShadowWarnings()
+install_quiet_warnings, uninstall_quiet_warnings = _QUIET.install, _QUIET.uninstall
 
 
 class _Runs:

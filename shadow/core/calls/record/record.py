@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from shadow.core.calls.gate.sampling import Sampling
@@ -217,11 +217,12 @@ class Record:
         with self._lock:
             setattr(self.tally, count, getattr(self.tally, count) + value)
 
-    def put_back(self, settings: TorchGlobals) -> bool:
-        """Write back a snapshot of torch's global settings; whatever cannot be is counted and logged, never raised
-        (each setting is written on its own, so the others still are). Whether all of them were."""
+    def put_back(self, settings: TorchGlobals, written: Collection[str] = ()) -> bool:
+        """Write back a snapshot of torch's global settings (its thread-local ones, and the process-wide ones the
+        tool's own runs ``written``: :meth:`TorchGlobals.restore`); whatever cannot be is counted and logged, never
+        raised (each setting is written on its own, so the others still are). Whether all of them were."""
         try:
-            settings.restore()
+            settings.restore(written)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:

@@ -27,8 +27,14 @@ from shadow.core.model.observation import Observation, Outcome, bounded
 from shadow.core.model.targets import Target
 from shadow.core.runs.global_state import TorchGlobals
 from shadow.core.runs.isolation import user_code_reached
-from shadow.core.runs.sides import SAMPLED_CALLS, marks
+from shadow.core.runs.sides import SAMPLED_CALLS, job_threads_besides_this_one, marks
 from shadow.core.support.memory import InsufficientMemory
+
+#: Why a call is not run again when torch's process-wide settings changed while it ran.
+_MOVED = (
+    "torch's process-wide settings changed while the call ran ({}), and other threads of the job are alive: running "
+    "it again from the old values would show them those values meanwhile"
+)
 
 #: torch's own TorchFunctionModes: they are part of the call's context, active for legacy and upstream alike.
 _TORCHS_OWN_MODES = (DeviceContext,)  # torch.set_default_device, ``with torch.device(...)``
@@ -154,11 +160,17 @@ class SampledCall:
         try:
             left_by_primary = TorchGlobals()  # the shadow side's changes never reach the job
             changed = isinstance(side, ShadowSide) and not left_by_primary.same_as(side.plan.before)
+            moved = left_by_primary.process_wide_differences(side.plan.before) if changed else []  # type: ignore[union-attr]
+            if moved and not job_threads_besides_this_one():  # (none would see them: run again from the old values)
+                side.plan.written.update(moved)  # type: ignore[union-attr]
+                moved = []
             UNDER_WAY.hold()
             held = True
             marks.shadow_side = context.side
             try:
-                if isinstance(side, ShadowSide):
+                if moved:  # (the shadow would start from the old values, and every thread would see them meanwhile)
+                    observation = side.skipped("ineligible", _MOVED.format(", ".join(moved)))  # type: ignore[union-attr]
+                elif isinstance(side, ShadowSide):
                     observation = side.observe(self.args, self.kwargs, primary, left_by_primary, changed)
                 else:
                     observation = self._plan_failed(side)
@@ -167,7 +179,7 @@ class SampledCall:
                 else:
                     context.record.publish(observation, context.noise)
             finally:
-                context.record.put_back(left_by_primary)
+                context.record.put_back(left_by_primary, side.plan.written if isinstance(side, ShadowSide) else ())
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # taking torch's settings failed: ours to count, not the job's

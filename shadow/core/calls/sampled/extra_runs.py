@@ -58,9 +58,9 @@ class ExtraRuns:
             with on() as bound, shadow_run(side, backward=backward) as key:
                 if bound is None:
                     return None
-                return context.within_deadline(key, side, plan.before, lambda: run(bound))
+                return context.within_deadline(key, side, plan.before, lambda: run(bound), written=plan.written)
         finally:
-            context.record.put_back(left_by_legacy)
+            context.record.put_back(left_by_legacy, plan.written)
 
     def _guarded(
         self, kind: str, work: Callable[[], dict[str, Any] | None], **failed: Callable[[BaseException], Any]

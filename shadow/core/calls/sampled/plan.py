@@ -25,7 +25,7 @@ from shadow.core.model.targets import Target
 from shadow.core.model.tolerance import ToleranceSpec
 from shadow.core.runs import hook_watch
 from shadow.core.runs.deadline import Finished, leave_worker, run_within, worker
-from shadow.core.runs.global_state import TorchGlobals
+from shadow.core.runs.global_state import TorchGlobals, Writes
 from shadow.core.runs.isolation import Isolation, SideEffects, detach_tensors
 from shadow.core.runs.sides import marks
 
@@ -112,14 +112,16 @@ class CallContext:
         before: TorchGlobals,
         body: Callable[[], Any],
         checks_its_settings: bool = False,
+        written: set[str] | None = None,
     ) -> Finished:
         """``body()`` (a run of the shadow side, ``run``, as ``side``'s (:func:`~shadow.core.runs.sides.shadow_run`),
         from the settings ``before``, which this thread has written already): on a daemon thread of the shadow
         side's, waited for at most the deadline (:mod:`shadow.core.runs.deadline`; without one, until it ends). Past the
         deadline the run is abandoned and the target stops shadowing (``deadline_missed``). An interrupt the body raised
         is raised here, as it would be on the caller's thread. A run that leaves a setting of its thread changed ends
-        its worker (the body says so itself where ``checks_its_settings``)."""
-        record = self.record
+        its worker (the body says so itself where ``checks_its_settings``). The process-wide settings the body wrote
+        are added to ``written``."""
+        record, writes = self.record, Writes()
 
         def start() -> None:
             marks.shadow_side, marks.run = side, run
@@ -136,10 +138,16 @@ class CallContext:
             try:
                 return body()
             finally:
-                if not TorchGlobals().same_as(before):
+                if not TorchGlobals().as_written_by(writes.names, before).same_as(before):
                     leave_worker()
 
-        found = run_within(self.deadline, body if checks_its_settings else checked, start=start)
+        def watched() -> Any:
+            with writes:
+                return (body if checks_its_settings else checked)()
+
+        found = run_within(self.deadline, watched, start=start)
+        if written is not None:
+            written |= writes.names
         if isinstance(found.error, KeyboardInterrupt):
             raise found.error
         if not found.finished:
@@ -207,6 +215,9 @@ class Plan:
     #: (:mod:`shadow.core.runs.hook_watch`).
     hooks_seen: int = 0
     modules_loaded: int = 0
+    #: The process-wide settings this call's runs of the tool's wrote (:class:`~shadow.core.runs.global_state
+    #: .Writes`): the only ones put back after them.
+    written: set[str] = dataclasses.field(default_factory=set)
 
     def shadow_arguments(self) -> tuple[tuple, dict]:
         """What the shadow receives: the isolation's copies (once taken), or the arguments above."""

@@ -25,7 +25,7 @@ from shadow.core.calls.sampled.plan import CallContext, Plan, Run, autocast_stat
 from shadow.core.model.observation import DIVERGENT_OUTCOMES, UPSTREAM, Observation, Outcome, bounded
 from shadow.core.model.target import CannotReplay
 from shadow.core.runs.deadline import Finished, leave_worker, run_here
-from shadow.core.runs.global_state import TorchGlobals
+from shadow.core.runs.global_state import TorchGlobals, Writes
 from shadow.core.runs.isolation import ArgumentsChanged, holds_hooked_subclass
 from shadow.core.runs.sides import Lean, keeping_no_activations, shadow_run
 
@@ -178,8 +178,11 @@ class ShadowSide:
         primary returned a tensor subclass with hooks (comparing it would run its code), wrote an argument in place,
         or the argument copies would not fit. None when the shadow can run (the isolation's copies are then
         taken)."""
-        plan = self.plan
+        plan, environmental = self.plan, self.context.target.environmental
         value = primary.value
+        faced_alone = environmental(primary.error) if primary.error is not None and environmental else None
+        if faced_alone is not None:  # (the primary met an environment the shadow run never would: not comparable)
+            return self.skipped("ineligible", bounded(faced_alone))
         if primary.error is None and type(value) is not torch.Tensor and holds_hooked_subclass(value):
             return self.skipped("mode")
         try:
@@ -217,7 +220,7 @@ class ShadowSide:
         isolated = plan.isolation.shadow_run() if plan.isolation is not None else contextlib.nullcontext()
         drill = context.drill if context.drill is not None and context.drill.fires() else None
         if primary_changed:  # (the primary changed a setting: the shadow starts where it did)
-            record.put_back(plan.before)
+            record.put_back(plan.before, plan.written)
         # (compared forward only: its activations are not kept, and the job's memory holds one forward's, not two)
         if not plan.backward and torch.is_grad_enabled() and plan.signature not in record.keeps_activations:
             self.lean = Lean()
@@ -231,25 +234,29 @@ class ShadowSide:
                 plan.rewind()
             with isolated, shadow_run(context.side) as run:
                 if plan.here:
-                    finished = run_here(shadow.run)
+                    with Writes() as writes:
+                        finished = run_here(shadow.run)
+                    plan.written.update(writes.names)
                 else:
-                    finished = context.within_deadline(run, context.side, plan.before, shadow.run, True)
+                    finished = context.within_deadline(run, context.side, plan.before, shadow.run, True, plan.written)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the isolation's own failure (the shadow's are in finished): a fault of ours,
-            record.put_back(left_by_primary)  # counted as a "comparator" skip, never a side's exception
+            record.put_back(left_by_primary, plan.written)  # counted as a "comparator" skip, never a side's exception
             raise IsolationFailed(f"the isolation of the shadow run failed: {exc!r}") from exc
         finally:
             if left_there is not None:
                 left_there()
         if isinstance(finished.error, IsolationFailed):
-            record.put_back(left_by_primary)
+            record.put_back(left_by_primary, plan.written)
             raise finished.error
         seconds = time.perf_counter() - start
         left_by_shadow = shadow.left if shadow.left is not None and finished.finished else TorchGlobals()
+        # (a process-wide setting the shadow run did not write, changed meanwhile, is another thread's: no difference)
+        left_by_shadow = left_by_shadow.as_written_by(plan.written, left_by_primary)
         changed = primary_changed or not left_by_shadow.same_as(plan.before)
         if changed or not finished.finished:  # (where neither run changed a setting, they are as the primary left)
-            record.put_back(left_by_primary)
+            record.put_back(left_by_primary, plan.written)
         if not finished.finished:
             return None, shadow.drilled, left_by_shadow, changed
         # (SystemExit, GeneratorExit: the shadow's outcome, never the caller's)
@@ -293,7 +300,7 @@ class _ShadowRun:
             return value
         finally:
             self.left = TorchGlobals()
-            if not (plan.here or self.left.same_as(plan.before)):
+            if not (plan.here or self.left.as_written_by(plan.written, plan.before).same_as(plan.before)):
                 leave_worker()
 
 
