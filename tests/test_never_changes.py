@@ -383,3 +383,36 @@ def test_the_comparator_neither_sees_nor_changes_the_jobs_numpy_error_settings()
     assert torch.equal(result[[0, 2, 3, 4]], special[[0, 2, 3, 4]] * 2) and result[1].isnan()
     stats = monitor.stats()["op"]
     assert stats.compared == stats.match == 1 and stats.by_reason == {}  # the same NaN and infinities
+
+
+@pytest.mark.e2e
+def test_a_torchscript_job_whose_other_thread_changes_settings_trains_as_unwrapped_under_214(tmp_path):
+    """Under ``npu-shadow run --legacy-from 2.14.0`` at rate 1 (its patches counted, its live targets shadowed): a
+    job that scripts a model and whose second thread keeps changing process-wide settings trains bitwise as it does
+    unwrapped, and none of that thread's changes is undone."""
+    import os
+    import subprocess
+    import sys
+
+    from torch_npu_wheels import wheel
+
+    wheel("2.14.0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    job = os.path.join(root, "tests", "settings_job.py")
+    plain, shadowed = tmp_path / "plain.pt", tmp_path / "shadowed.pt"
+    done = subprocess.run([sys.executable, job, str(plain)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", "2.14.0", "--sample-rate", "1", "--",
+         sys.executable, job, str(shadowed)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    unwrapped, monitored = torch.load(plain), torch.load(shadowed)
+    assert unwrapped["undone"] == 0 and monitored["undone"] == 0, done.stderr[-3000:]
+    assert all(torch.equal(a, b) for a, b in zip(unwrapped["parameters"], monitored["parameters"], strict=True))
+    rows = {line.split()[0]: line.split()[1:] for line in done.stderr.splitlines() if line.split()[:1] in (
+        ["tensor_repr"], ["torch_save"])}  # fmt: skip
+    assert set(rows) == {"tensor_repr", "torch_save"}, done.stderr[-3000:]
+    for target, (calls, sampled, match, close, mismatch, error, skipped) in rows.items():
+        assert int(match) > 0 and mismatch == error == "0", (target, done.stderr[-3000:])  # (no false divergence)

@@ -735,7 +735,7 @@ _JOB_THREAD_CHANGES = {
 def test_a_setting_another_job_thread_changes_during_the_shadow_side_stays_changed(setting, upstream_on):
     """While a sampled call's shadow run is under way, another thread of the job changes a process-wide setting:
     the change stays (the shadow side puts back only what its own code wrote), and it is no difference of the
-    call's (no false ``state`` mismatch)."""
+    call's: the two runs did not start from the same settings, so the call is skipped, never a false mismatch."""
     import threading
 
     change, read, undo = _JOB_THREAD_CHANGES[setting]
@@ -772,7 +772,8 @@ def test_a_setting_another_job_thread_changes_during_the_shadow_side_stays_chang
     finally:
         undo()
     (observation,) = recorder.observations
-    assert observation.outcome == "match", observation.detail
+    assert observation.outcome == "skipped" and observation.reasons == ("ineligible",), observation.detail
+    assert setting in observation.detail and "another thread" in observation.detail
 
 
 def test_a_call_that_changes_a_process_wide_setting_while_other_job_threads_live_is_skipped():

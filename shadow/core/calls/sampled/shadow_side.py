@@ -29,6 +29,12 @@ from shadow.core.runs.global_state import TorchGlobals, Writes
 from shadow.core.runs.isolation import ArgumentsChanged, holds_hooked_subclass
 from shadow.core.runs.sides import Lean, keeping_no_activations, shadow_run
 
+#: Why a call is not compared when another thread changed torch's process-wide settings while its two runs ran.
+_FOREIGN = (
+    "another thread of the job changed torch's process-wide settings while the call ran twice ({}): the two runs "
+    "did not start from the same settings"
+)
+
 #: What an allocator's failure says: a device's "out of memory", the host allocator's "can't allocate memory".
 _OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
@@ -59,6 +65,8 @@ class ShadowSide:
     run_arguments: tuple = ()
     #: What the shadow run saw where it kept no activations (:func:`~shadow.core.runs.sides.keeping_no_activations`).
     lean: Lean | None = None
+    #: The process-wide settings another thread changed while the primary and the shadow ran.
+    foreign: list[str] = dataclasses.field(default_factory=list)
 
     def skipped(self, reason: str, detail: str = "", **fields: Any) -> Observation:
         """The observation of this call skipped for ``reason``."""
@@ -109,6 +117,8 @@ class ShadowSide:
                                 "runs keep their activations from now on")  # fmt: skip
         if shadow is None:
             return self.skipped("deadline", f"the shadow side took longer than its deadline ({context.deadline:g} s)")
+        if self.foreign:  # (the two runs did not start from the same settings: not the same call)
+            return self.skipped("ineligible", _FOREIGN.format(", ".join(self.foreign)))
         common = {
             "primary_seconds": primary.seconds,
             "shadow_seconds": shadow.seconds,
@@ -252,7 +262,9 @@ class ShadowSide:
             raise finished.error
         seconds = time.perf_counter() - start
         left_by_shadow = shadow.left if shadow.left is not None and finished.finished else TorchGlobals()
-        # (a process-wide setting the shadow run did not write, changed meanwhile, is another thread's: no difference)
+        # (a process-wide setting the shadow run did not write, changed meanwhile, is another thread's: no difference
+        # of the call's, but the two runs may have read it differently)
+        self.foreign = [n for n in left_by_shadow.process_wide_differences(plan.before) if n not in plan.written]
         left_by_shadow = left_by_shadow.as_written_by(plan.written, left_by_primary)
         changed = primary_changed or not left_by_shadow.same_as(plan.before)
         if changed or not finished.finished:  # (where neither run changed a setting, they are as the primary left)
