@@ -1,5 +1,6 @@
-"""An attack round over the surface of round 5: threads, an upstream that keeps the GIL, forks, memory limits,
-connections and hostile files.
+"""An attack round over the surfaces of rounds 5 and 7: threads, an upstream that keeps the GIL, forks, memory limits,
+connections and hostile files; counted patch places, saves the environment fails, settings another thread changes,
+saves whose pickling runs the job's code, append-mode streams and the census cache.
 
 Each case is tried many times with varied inputs; a case holds when training is unchanged (the caller's result,
 its module's state, its call counts) and what the monitor cannot do is refused or skipped with a counted reason.
@@ -512,6 +513,261 @@ def _verdict_inputs(trials: int, rng: random.Random) -> list[bool]:
     return held
 
 
+def _matmul_twice(x: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x, x)
+
+
+def _counted_places(release: str) -> list[bool]:
+    """Every function patch of a release's census, counted: the object at its place, its pickle and signature are
+    what they are unwatched; a model and a function calling counted places script with TorchScript."""
+    import inspect
+    import pickle
+
+    from torch_npu_wheels import wheel
+
+    from shadow.analysis import census
+    from shadow.core.calls import patch_calls
+
+    def seen(name: str) -> Any:
+        place = patch_calls._place(name)
+        if place is None:
+            return None
+        value = inspect.getattr_static(*place, None)
+        results = []
+        for read in (lambda: pickle.dumps(getattr(*place)), lambda: str(inspect.signature(getattr(*place)))):
+            try:
+                results.append(read())
+            except Exception as exc:
+                results.append(type(exc).__name__)
+        return id(value), results
+
+    names = json.loads(census.patch_list(wheel(release)).read_text())["patches"]
+    before = {name: seen(name) for name in names}
+    with shadow.install([], count_patches=names):
+        during = {name: seen(name) for name in names}
+        try:
+            norm = torch.jit.script(torch.nn.Sequential(torch.nn.Embedding(4, 4), torch.nn.LayerNorm(4)))
+            squared = torch.jit.script(_matmul_twice)
+            scripts = norm(torch.tensor([1, 2])).shape == (2, 4) and squared(torch.eye(2)).equal(torch.eye(2))
+        except Exception:
+            scripts = False
+    after = {name: seen(name) for name in names}
+    return [before[n] == during[n] == after[n] for n in names if before[n] is not None] + [scripts]
+
+
+class _FullStream(io.BytesIO):
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+
+    def write(self, data: Any) -> int:
+        if self.tell() + len(data) > self.room:
+            raise OSError(28, "No space left on device")
+        return super().write(data)
+
+
+def _environment_saves(trials: int, rng: random.Random) -> list[bool]:
+    """Saves a full disk or a missing folder fails (the environment, which upstream's save into memory never
+    meets): the job gets the unwrapped call's exception, and the call is skipped, never an error or a mismatch."""
+    from shadow.core.model import live_targets
+
+    held = []
+    with tempfile.TemporaryDirectory() as directory:
+        for index in range(trials):
+            state = {"w": torch.randn(rng.randint(1, 4096))}
+            room = rng.randint(0, 2000)
+
+            def destination(index: int = index, room: int = room) -> Any:
+                return _FullStream(room) if index % 2 else os.path.join(directory, "missing", f"{index}.pt")
+
+            try:
+                torch.save(state, destination())
+                unwrapped: Any = None
+            except Exception as exc:
+                unwrapped = type(exc)
+            with shadow.install([live_targets.torch_save()], sample_rate=1.0, budget=None, deadline=None) as monitor:
+                try:
+                    torch.save(state, destination())
+                    got: Any = None
+                except Exception as exc:
+                    got = type(exc)
+                stats = monitor.stats()["torch_save"]
+            held.append(got is unwrapped and stats.error == stats.mismatch == 0)
+    return held
+
+
+def _settings_threads(trials: int, rng: random.Random) -> list[bool]:
+    """Another thread of the job changes a process-wide setting while a sampled call's shadow run is under way:
+    its value stays, and the call is never a mismatch."""
+    changes = [
+        (lambda: torch.set_default_dtype(torch.float64), torch.get_default_dtype,
+         lambda: torch.set_default_dtype(torch.float32)),
+        (lambda: torch.set_printoptions(precision=2), lambda: torch._tensor_str.PRINT_OPTS.precision,
+         lambda: torch.set_printoptions(precision=4)),
+        (lambda: torch.use_deterministic_algorithms(True), torch.are_deterministic_algorithms_enabled,
+         lambda: torch.use_deterministic_algorithms(False)),
+        (lambda: torch.set_float32_matmul_precision("medium"), torch.get_float32_matmul_precision,
+         lambda: torch.set_float32_matmul_precision("highest")),
+    ]  # fmt: skip
+    held = []
+    for _ in range(trials):
+        change, read, undo = rng.choice(changes)
+        changing, changed = threading.Event(), threading.Event()
+
+        def upstream(x: Any, changing: threading.Event = changing, changed: threading.Event = changed) -> Any:
+            changing.set()
+            changed.wait(10)
+            return x * 2
+
+        def other(change: Any = change, changing: threading.Event = changing, changed: threading.Event = changed):
+            changing.wait(10)
+            change()
+            changed.set()
+
+        owner = types.SimpleNamespace(op=lambda x: x * 2)
+        thread = threading.Thread(target=other)
+        try:
+            with shadow.install([Target("op", owner, "op", upstream)], sample_rate=1.0, budget=None) as monitor:
+                thread.start()
+                owner.op(torch.ones(2))
+                thread.join(10)
+                value = read()
+                stats = monitor.stats()["op"]
+            change()
+            held.append(value == read() and stats.mismatch == stats.error == 0)
+        finally:
+            thread.join(10)
+            undo()
+    return held
+
+
+class _Counted:
+    runs = 0
+
+    def __reduce__(self) -> Any:
+        type(self).runs += 1
+        return (_Counted, ())
+
+
+class _CountedText(str):
+    runs = 0
+
+    def __reduce__(self) -> Any:
+        type(self).runs += 1
+        return (str, (str(self),))
+
+
+def _pickled_once(trials: int, rng: random.Random) -> list[bool]:
+    """Saves whose pickling runs the job's code (a str subclass, an object as a dict key, a tensor's attribute, a
+    pickle module of the job's): the job's code runs once, as unwrapped."""
+    import pickle
+
+    from shadow.core.model import live_targets
+
+    made: list[int] = []
+
+    class Pickler(pickle.Pickler):  # (torch.save subclasses it: counted in a list, not on the class)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    module = types.ModuleType("job_pickle")
+    vars(module).update({k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")}, Pickler=Pickler)
+
+    def tensor_with_attribute() -> Any:
+        tensor = torch.ones(2)
+        tensor.note = _Counted()
+        return {"t": tensor}
+
+    kinds = {
+        "leaf": (lambda: {"name": _CountedText("x"), "w": torch.ones(2)}, {}, lambda: _CountedText.runs),
+        "key": (lambda: {_Counted(): torch.ones(2)}, {}, lambda: _Counted.runs),
+        "attribute": (tensor_with_attribute, {}, lambda: _Counted.runs),
+        "module": (lambda: {"w": torch.ones(2)}, {"pickle_module": module}, lambda: len(made)),
+    }
+    held = []
+    with tempfile.TemporaryDirectory() as directory:
+        for index in range(trials):
+            make, kwargs, runs = kinds[rng.choice(sorted(kinds))]
+            obj = make()
+            before = runs()
+            with shadow.install([live_targets.torch_save()], sample_rate=1.0, budget=None, deadline=None):
+                torch.save(obj, os.path.join(directory, f"{index}.pt"), **kwargs)
+            held.append(runs() - before == 1)
+    return held
+
+
+def _append_streams(trials: int, rng: random.Random) -> list[bool]:
+    """Saves into a file opened to append ("a+b") and rewound anywhere: compared where the writes land, a match."""
+    from shadow.core.model import live_targets
+
+    held = []
+    with tempfile.TemporaryDirectory() as directory:
+        for index in range(trials):
+            path = os.path.join(directory, f"{index}.log")
+            with open(path, "wb") as first:
+                first.write(os.urandom(rng.randint(0, 300)))
+            with shadow.install([live_targets.torch_save()], sample_rate=1.0, budget=None, deadline=None) as monitor:
+                with open(path, "a+b") as stream:
+                    stream.seek(rng.randint(0, 300))
+                    torch.save({"w": torch.randn(rng.randint(1, 64))}, stream)
+                stats = monitor.stats()["torch_save"]
+            held.append(stats.match == 1)
+    return held
+
+
+def _census_cache(trials: int, rng: random.Random) -> list[bool]:
+    """A census cache others can write (refused, exit 2 naming it), a planted name, another wheel's list or a FIFO in
+    place of a kept list (never trusted, never waited on: taken again)."""
+    import shutil
+
+    from torch_npu_wheels import wheel
+
+    from shadow.analysis import census
+
+    held = []
+    with tempfile.TemporaryDirectory() as directory:
+        wheels = os.path.join(directory, "wheels")
+        os.makedirs(wheels)
+        shutil.copy(wheel("2.14.0"), wheels)
+        shutil.copytree(os.path.join(os.path.dirname(wheel("2.14.0")), "..", "census"),
+                        os.path.join(directory, "census"))  # fmt: skip
+        os.environ["NPU_SHADOW_WHEEL_DIR"] = wheels
+        try:
+            listed = census.patch_list("2.14.0")
+            honest = json.loads(listed.read_text())
+            for _ in range(trials):
+                kind = rng.choice(["planted", "other wheel", "fifo", "open folder"])
+                listed.unlink()
+                if kind == "fifo":
+                    os.mkfifo(listed)
+                else:
+                    planted = {**honest, "patches": [*honest["patches"], "builtins.print"]}
+                    if kind == "other wheel":
+                        planted["wheel_sha256"] = "0" * 64
+                    listed.write_text(json.dumps(planted))
+                    os.chmod(listed, 0o666 if kind == "planted" else 0o600)
+                if kind == "open folder":
+                    os.chmod(listed.parent, 0o777)
+                    done = subprocess.run(
+                        [sys.executable, "-m", "shadow", "run", "--legacy-from", "2.14.0", "--", "true"],
+                        capture_output=True, text=True, timeout=120, cwd=ROOT,
+                    )  # fmt: skip
+                    os.chmod(listed.parent, 0o700)
+                    held.append(done.returncode == 2 and str(listed.parent) in done.stderr)
+                    listed.unlink()
+                    census.patch_list("2.14.0")
+                    continue
+                found: list = []
+                worker = threading.Thread(target=lambda f=found: f.append(census.patch_list("2.14.0")), daemon=True)
+                worker.start()
+                worker.join(60)
+                held.append(bool(found) and json.loads(found[0].read_text()) == honest)
+        finally:
+            del os.environ["NPU_SHADOW_WHEEL_DIR"]
+    return held
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer trials of each (the test suite's run)")
@@ -531,14 +787,21 @@ def main() -> int:
         "census": lambda: _census(16 // n, rng),
         "linger": lambda: _linger(2 if not args.quick else 1),
         "verdict inputs": lambda: _verdict_inputs(14 // n, rng),
+        "counted 2.13.0": lambda: _counted_places("2.13.0"),
+        "counted 2.14.0": lambda: _counted_places("2.14.0"),
+        "env saves": lambda: _environment_saves(40 // n, rng),
+        "setting threads": lambda: _settings_threads(40 // n, rng),
+        "pickled once": lambda: _pickled_once(40 // n, rng),
+        "append streams": lambda: _append_streams(30 // n, rng),
+        "census cache": lambda: _census_cache(12 // n, rng),
     }
     tried = held = 0
     for name, run in surfaces.items():
         results = run()
         tried += len(results)
         held += sum(results)
-        print(f"{name:<14} tried {len(results):>4}  held {sum(results):>4}", flush=True)
-    print(f"{'all':<14} tried {tried:>4}  held {held:>4}")
+        print(f"{name:<16} tried {len(results):>4}  held {sum(results):>4}", flush=True)
+    print(f"{'all':<16} tried {tried:>4}  held {held:>4}")
     return 0 if tried == held else 1
 
 

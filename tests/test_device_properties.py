@@ -439,3 +439,16 @@ def test_a_forward_that_reads_its_own_graph_is_compared_with_its_activations_kep
     first, *rest = recorder.observations
     assert first.outcome == "skipped" and first.reasons == ("ineligible",) and "reads its own graph" in first.detail
     assert [o.outcome for o in rest] == ["match", "match"]  # (its activations kept from then on)
+
+
+@pytest.mark.parametrize("out, words", [("", "empty"), ("/dev/null", "cannot be made a folder")])
+def test_a_bad_bundle_folder_is_refused_before_the_device_check_runs(tmp_path, out, words):
+    """``--out ''`` wrote the bundle into the working directory, a file in its place ended in a traceback after the
+    checks had run: either is refused first, naming the setting (exit 2), and nothing is written."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "shadow", "validate", "--small", "--out", out], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2 and f"--out={out!r} is not valid: {words}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []

@@ -403,8 +403,8 @@ def test_a_torchscript_job_whose_other_thread_changes_settings_trains_as_unwrapp
     done = subprocess.run([sys.executable, job, str(plain)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", "2.14.0", "--sample-rate", "1", "--",
-         sys.executable, job, str(shadowed)],
+        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", "2.14.0", "--sample-rate", "1",
+         "--", sys.executable, job, str(shadowed)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -414,5 +414,5 @@ def test_a_torchscript_job_whose_other_thread_changes_settings_trains_as_unwrapp
     rows = {line.split()[0]: line.split()[1:] for line in done.stderr.splitlines() if line.split()[:1] in (
         ["tensor_repr"], ["torch_save"])}  # fmt: skip
     assert set(rows) == {"tensor_repr", "torch_save"}, done.stderr[-3000:]
-    for target, (calls, sampled, match, close, mismatch, error, skipped) in rows.items():
+    for target, (_, _, match, _, mismatch, error, _) in rows.items():
         assert int(match) > 0 and mismatch == error == "0", (target, done.stderr[-3000:])  # (no false divergence)

@@ -169,7 +169,7 @@ def test_an_object_whose_pickling_runs_the_jobs_code_is_saved_once_unless_truste
 def test_a_save_whose_two_outputs_would_not_fit_on_the_host_is_skipped_as_oom(patched, tmp_path, monkeypatch) -> None:
     from shadow.core.support import memory
 
-    big = {"w": torch.zeros(3 << 20, device="npu")}  # (12 MiB: two outputs need 24)
+    big = {"w": torch.zeros(3 << 20, device="npu")}  # (12 MiB: what a sampled save holds, 60)
     monkeypatch.setattr(memory, "host_free_bytes", lambda: 40 << 20)  # (at most half of it is taken: 20 MiB)
     with _monitor(["torch_save"]) as monitor:
         torch.save(big, tmp_path / "big.pt")
@@ -578,3 +578,28 @@ def test_a_stream_opened_to_append_and_rewound_matches(patched, tmp_path) -> Non
     assert _outcomes(monitor, "torch_save") == {"match": 1}
     data = path.read_bytes()
     assert data.startswith(b"earlier lines\n") and torch.load(io.BytesIO(data[14:]))["w"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_sampled_save_is_compared_only_where_what_it_holds_fits(tmp_path, monkeypatch) -> None:
+    """What a sampled save holds on the host (measured by tracemalloc: the shadow's buffer, both outputs read back)
+    is within saving.HOLDS times the checkpoint; a save whose HOLDS times does not fit in the host's share is
+    skipped for memory (twice its size fit, and a save held about 4x)."""
+    import tracemalloc
+
+    from shadow.core.support import memory
+
+    state = {"w": torch.randn(2 << 20)}  # (8 MiB)
+    size = 8 << 20
+    tracemalloc.start()
+    try:
+        with _monitor(["torch_save"]) as monitor:
+            tracemalloc.reset_peak()
+            torch.save(state, tmp_path / "measured.pt")
+            peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert _outcomes(monitor, "torch_save") == {"match": 1} and peak <= saving.HOLDS * size, peak / size
+    monkeypatch.setattr(memory, "host_free_bytes", lambda: 2 * 3 * size)  # (half of it may be taken: 3 sizes)
+    with _monitor(["torch_save"]) as monitor:
+        torch.save(state, tmp_path / "refused.pt")
+    assert _outcomes(monitor, "torch_save") == {"skipped": 1, "reasons": {"oom": 1}}

@@ -155,3 +155,50 @@ def test_ranks_exporting_on_their_own_show_at_most_the_cap_between_them(tmp_path
         calls += total(parsed, "npu_shadow_calls_total", target="op")
     assert len(shown - {""}) == MAX_SIGNATURES + 1 and "other" in shown
     assert calls == 12 * MAX_SIGNATURES
+
+
+def test_a_rank_never_finds_a_signature_slot_another_has_made_but_not_written(tmp_path):
+    """Rank A is slow between making its slot and writing its value (held there on purpose); rank B admits the same
+    value meanwhile: B never reads an empty slot as another value's, so the value holds one slot, not two."""
+    import hashlib
+    import time
+
+    from exporters.signatures import JobSignatures
+
+    slow = os.fork()
+    if slow == 0:
+        try:
+            real = os.fdopen
+
+            def fdopen(*args, **kwargs):  # (rank A, held between making a file and writing it)
+                time.sleep(1.0)
+                return real(*args, **kwargs)
+
+            os.fdopen = fdopen
+            JobSignatures(str(tmp_path)).admit("torch_save", "dest=path")
+        finally:
+            os._exit(0)
+    folder = tmp_path / "signatures" / hashlib.sha256(b"torch_save").hexdigest()[:16]
+    deadline = time.monotonic() + 30
+    while not any(folder.glob("*")) and time.monotonic() < deadline:  # (rank A has begun: a file is there)
+        time.sleep(0.01)
+    assert JobSignatures(str(tmp_path)).admit("torch_save", "dest=path") == "dest=path"
+    os.waitpid(slow, 0)
+    assert sorted(path.read_text() for path in folder.glob("slot-*")) == ["dest=path"]
+
+
+def test_a_fifo_among_the_signature_slots_never_blocks_a_rank(tmp_path):
+    import hashlib
+    import threading
+
+    from exporters.signatures import JobSignatures
+
+    folder = tmp_path / "signatures" / hashlib.sha256(b"op").hexdigest()[:16]
+    folder.mkdir(parents=True)
+    os.mkfifo(folder / "slot-0")
+    found: list = []
+    admitting = threading.Thread(target=lambda: found.append(JobSignatures(str(tmp_path)).admit("op", "sig")))
+    admitting.daemon = True
+    admitting.start()
+    admitting.join(30)
+    assert found == ["sig"] and (folder / "slot-1").read_text() == "sig"

@@ -601,21 +601,28 @@ def _keep(place: Path, content: dict) -> None:
         replace_regular_file(str(place), json.dumps(content).encode())
 
 
+def _census_code() -> str:
+    """A digest of the code that decides a census (:data:`_CENSUS_CODE`): what it keeps is taken again when that
+    code changes."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[2]
+    return hashlib.sha256(b"".join((root / name).read_bytes() for name in _CENSUS_CODE)).hexdigest()[:16]
+
+
 def kept(source_path: str) -> Census:
     """The census of a release (as :func:`take`), taken once per wheel, torch version and census code, and kept in
     the cache beside the wheels: a later census of the same wheel reads it (a census reads the whole release, about
     20 s of CPU). A directory or an installed torch_npu, whose files can change, is taken every time, as is a kept
     census that cannot be read back as data (:func:`read_kept`). Raises UnsafeCache where the cache is not
     private."""
-    import hashlib
     import importlib.metadata
 
     path = Path(locate(source_path))
     if not path.is_file():
         return take(str(path))
     folder = _census_folder()
-    root = Path(__file__).resolve().parents[2]
-    code = hashlib.sha256(b"".join((root / name).read_bytes() for name in _CENSUS_CODE)).hexdigest()[:16]
+    code = _census_code()
     digest = wheel_digest(path)
     torch_version = importlib.metadata.version("torch")  # (not imported: a kept census needs no torch)
     place = folder / f"{path.name}.{digest[:16]}.torch-{torch_version}.{code}.census.json"
@@ -678,11 +685,9 @@ def patch_list(source_path: str) -> Path:
         import hashlib
 
         digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()
-        listed = folder / f"{path.name}.{digest[:16]}.{PATCH_LIST_FORMAT}.json"
-    else:
-        listed = folder / f"{path.name}.{digest[:16]}.{PATCH_LIST_FORMAT}.json"
-        if read_kept(listed, digest) is not None:
-            return listed
+    listed = folder / f"{path.name}.{digest[:16]}.{_census_code()}.{PATCH_LIST_FORMAT}.json"
+    if path.is_file() and read_kept(listed, digest) is not None:
+        return listed
     census = kept(str(path))
     places = {p.name: [p.file, p.line, p.kind] for p in census.patches if p.kind in (FUNCTION, IN_PLACE_KIND)}
     content = {

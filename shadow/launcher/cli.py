@@ -682,9 +682,26 @@ def _validate(args: argparse.Namespace) -> int:
                 f"npu-shadow validate: --emulated-device={args.emulated_device!r} is not valid: {exc}", file=sys.stderr
             )
             return 2
+    problem = _folder_problem(args.out)
+    if problem:  # (before the checks run: minutes, then nowhere to write their bundle)
+        print(f"npu-shadow validate: --out={args.out!r} is not valid: {problem}", file=sys.stderr)
+        return 2
     from shadow.launcher import validate
 
     return validate.main(args.out, args.small, args.emulated_device)
+
+
+def _folder_problem(path: str) -> str | None:
+    """Why ``path`` cannot be the folder a bundle is written to (made here where it is not yet), or None."""
+    if not path.strip():
+        return "empty (name a folder)"
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        return f"cannot be made a folder: {exc.strerror or exc}"
+    if not os.access(path, os.W_OK):
+        return "a folder this user cannot write"
+    return None
 
 
 def _add_validate_command(commands: Any) -> None:
