@@ -301,3 +301,98 @@ def test_a_replay_gives_the_shadow_run_its_arguments_whether_or_not_the_target_i
     with _monitor([target]):
         assert owner.op("the caller's") == "the caller's"
     assert seen == ["read once"]
+
+
+# --------------------------------------------------------------------------- real code, round 7
+
+
+class _LanguageModel(torch.nn.Module):
+    """word_language_model's RNN model in small: an embedding, an LSTM (its ``_flat_weight_refs`` are weak
+    references to its parameters), a decoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.rnn, self.decoder = torch.nn.Embedding(10, 4), torch.nn.LSTM(4, 4), torch.nn.Linear(4, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.rnn(self.encoder(tokens))[0])
+
+
+@pytest.mark.parametrize("rnn", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN])
+def test_a_whole_model_holding_an_rnn_matches_its_second_load(patched, tmp_path, rnn) -> None:
+    """Both loads have the same class and a bitwise-equal state: a match. (Comparing the RNN's weak references by
+    ``==`` compared its parameters and raised: a false ``mismatch(value)`` that rolled word_language_model back.)"""
+    model = _LanguageModel()
+    model.rnn = rnn(4, 4)
+    torch.save(model, tmp_path / "model.pt")
+    with _monitor([live_targets.torch_load(trusted=True)]) as monitor:
+        loaded_model = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert _counts(monitor) == {"outcomes": {"match": 1}, "reasons": {}}
+    assert torch.equal(loaded_model.rnn.weight_hh_l0, model.rnn.weight_hh_l0)
+
+
+def test_a_weak_reference_is_read_as_what_it_refers_to_in_its_own_graph() -> None:
+    import weakref
+
+    class Holder:
+        pass
+
+    first, second = Holder(), Holder()
+    first.value, second.value = torch.ones(2), torch.ones(2)
+    first.refs, second.refs = [weakref.ref(first)], [weakref.ref(second)]
+    assert compare(loaded.comparable(first), loaded.comparable(second), exact=True).outcome == "match"
+    second.value = torch.zeros(2)
+    assert compare(loaded.comparable(first), loaded.comparable(second), exact=True).outcome == "mismatch"
+
+
+def _without_byteorder(obj: Any) -> bytes:
+    """A checkpoint written without its byte-order record (as older torch wrote them)."""
+    buffer, out = io.BytesIO(), io.BytesIO()
+    torch.save(obj, buffer)
+    source = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as rewritten:
+        for info in source.infolist():
+            if not info.filename.endswith("/byteorder"):
+                rewritten.writestr(info, source.read(info))
+    return out.getvalue()
+
+
+def test_a_load_under_a_threads_own_serialization_settings_runs_its_shadow_under_them(patched) -> None:
+    """``set_default_load_endianness`` is per thread in torch 2.13 (a context variable), as are the mmap options,
+    and ``torch.serialization.skip_data`` is a thread-local: the shadow load, on a thread of its own, runs under the
+    caller's. (It read the other byte order: a false ``mismatch(value)``; 10 of PyTorch's own
+    ``test_serialization_load_bom_data*`` tests flipped under strict.)"""
+    data = _without_byteorder({"w": torch.arange(4, dtype=torch.int32)})
+    torch.serialization.set_default_load_endianness(torch.serialization.LoadEndianness.BIG)
+    try:
+        swapped = torch.load(io.BytesIO(data))["w"]
+        with _monitor() as monitor:
+            got = torch.load(io.BytesIO(data))["w"]
+    finally:
+        torch.serialization.set_default_load_endianness(None)
+    assert torch.equal(got, swapped) and swapped[1] == 1 << 24
+    assert _counts(monitor) == {"outcomes": {"match": 1}, "reasons": {}}
+
+
+def test_the_shadow_runs_context_variables_and_serialization_locals_are_the_callers() -> None:
+    import contextvars
+
+    setting = contextvars.ContextVar("setting", default="unset")
+    seen = []
+
+    def upstream(x: Any) -> Any:
+        seen.append((setting.get(), torch.serialization._serialization_tls.skip_data))
+        setting.set("upstream's own")  # (in a copy: never the caller's)
+        return x * 2
+
+    ops = types.SimpleNamespace(op=lambda x: x * 2)
+    token = setting.set("the caller's")
+    torch.serialization._serialization_tls.skip_data = True
+    try:
+        with _monitor([shadow.Target("op", ops, "op", upstream)]):
+            ops.op(torch.ones(2))
+        assert setting.get() == "the caller's"
+    finally:
+        torch.serialization._serialization_tls.skip_data = False
+        setting.reset(token)
+    assert seen == [("the caller's", True)]

@@ -603,3 +603,43 @@ def test_a_sampled_save_is_compared_only_where_what_it_holds_fits(tmp_path, monk
     with _monitor(["torch_save"]) as monitor:
         torch.save(state, tmp_path / "refused.pt")
     assert _outcomes(monitor, "torch_save") == {"skipped": 1, "reasons": {"oom": 1}}
+
+
+class _Fresh:
+    """An object whose pickling makes a new storage every time (a clone): the legacy format keys storages by their
+    address, so two saves of it differ in a key and nothing else."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+    def __reduce__(self):
+        return (_Fresh, (self.data.clone(),))
+
+
+@pytest.mark.parametrize("zipped", [False, True], ids=["legacy-format", "zip"])
+def test_saves_that_differ_only_in_a_storage_key_are_compared_by_what_they_load_back_to(tmp_path, zipped) -> None:
+    """With --trusted-checkpoints: the same content is never a mismatch (the legacy format's keys are addresses)."""
+    with _monitor(["torch_save"], trusted_checkpoints=True) as monitor:
+        torch.save({"fresh": _Fresh(torch.arange(4.0))}, tmp_path / "c.pt", _use_new_zipfile_serialization=zipped)
+    stats = monitor.stats()["torch_save"]
+    assert stats.mismatch == 0 and stats.match + stats.close == 1, stats
+
+
+def test_saves_that_cannot_be_loaded_back_to_compare_are_skipped_never_a_mismatch() -> None:
+    from shadow.core.model.target import CannotCompare
+
+    first, second = saving.Written(b"not a checkpoint", None), saving.Written(b"another", None)
+    with pytest.raises(CannotCompare, match="cannot be loaded weights-only"):
+        saving.difference(first, second)
+
+
+def test_a_skipped_whole_model_save_says_why_and_what_compares_it(patched, tmp_path) -> None:
+    from fakes import Recorder
+
+    recorder = Recorder()
+    with _monitor(["torch_save"], exporters=[recorder]):
+        torch.save(torch.nn.Linear(2, 2), tmp_path / "model.pt")
+    (observation,) = recorder.observations
+    assert observation.reasons == ("ineligible",)
+    assert "a whole module (torch.nn.modules.linear.Linear)" in observation.detail
+    assert "the job's own classes" in observation.detail and "--trusted-checkpoints" in observation.detail

@@ -264,7 +264,7 @@ def torch_save(trusted: bool = False) -> Target:
         run_if=functools.partial(saving.refusal, trusted=trusted),
         replay=saving.replay,
         snapshot=saving.written,
-        compare=saving.difference,
+        compare=functools.partial(saving.difference, trusted=trusted),
         clean=saving.kept,
         environmental=saving.environment_failure,
     )

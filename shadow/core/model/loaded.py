@@ -5,7 +5,9 @@ dataclasses, numpy scalars. Two loads of one checkpoint give two distinct object
 classes) calls every whole model a divergence. :func:`comparable` turns a loaded object into what it holds, the way
 ``torch.testing`` pairs leaves: containers stay containers, a tensor stays a tensor, an object becomes its class's
 name and its fields (a module: its parameters, buffers, submodules and attributes), a function or class its
-qualified name, an object met again a reference to where it was first met (tied weights, cycles). What cannot be
+qualified name, an object met again a reference to where it was first met (tied weights, cycles), a weak reference
+what it refers to within the same side's object graph (an RNN's ``_flat_weight_refs``: never ``==``, which compares
+what they refer to, and raises for parameters). What cannot be
 read that way (an object with neither fields nor an equality of its own) raises :class:`Uncomparable`: the call is
 then a ``comparator`` skip, never a mismatch. Reading runs none of the objects' code: fields are read with
 ``object.__getattribute__``, types with ``type()``.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import types
+import weakref
 from typing import Any
 
 import numpy as np
@@ -94,6 +97,8 @@ class _Reader:
         self.seen[id(obj)] = path
         if isinstance(obj, _NAMED):
             return f"<{kind.__name__} {qualified_name(obj)}>"
+        if isinstance(obj, weakref.ref):
+            return self._weak(obj, path, depth)
         if kind in _DICTS or kind is collections.defaultdict:
             return self._dict(obj, path, depth)
         if kind in (list, tuple):
@@ -113,6 +118,15 @@ class _Reader:
         if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
             return self._storage(obj)
         return self._object(obj, path, depth)
+
+    def _weak(self, reference: weakref.ref, path: str, depth: int) -> Any:
+        """A weak reference as what it refers to in this side's graph: where that was met, or read here."""
+        referent = reference()
+        if referent is None:
+            return "<a dead weak reference>"
+        if id(referent) in self.seen:
+            return f"<a weak reference to the object at {self.seen[id(referent)] or 'the top'}>"
+        return {"__weakref__": self.read(referent, f"{path}()", depth + 1)}
 
     def _dict(self, obj: dict, path: str, depth: int) -> dict:
         items = {}

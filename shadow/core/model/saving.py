@@ -42,7 +42,7 @@ import torch
 
 from shadow.core.model import loaded
 from shadow.core.model.checkpoint import is_path, regular_file
-from shadow.core.model.target import Alike
+from shadow.core.model.target import Alike, CannotCompare
 from shadow.core.support import memory
 
 #: Values whose pickling runs no code but torch's and Python's own.
@@ -303,8 +303,11 @@ def written(result: Any, args: tuple, kwargs: dict) -> Written:
     return Written(data, _records(data))
 
 
-def _load(data: bytes) -> Any:
-    return loaded.comparable(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+def _load(data: bytes, trusted: bool) -> Any:
+    """What a checkpoint loads back to, on the host, as the comparator reads it: weights-only, or (the checkpoints
+    declared trusted, whose saves were made of the job's objects) as the job's own load would."""
+    found = torch.load(io.BytesIO(data), map_location="cpu", weights_only=not trusted)
+    return loaded.comparable(found)
 
 
 def _first_difference(legacy: Any, upstream: Any, path: str = "") -> str | None:
@@ -333,10 +336,12 @@ def _first_difference(legacy: Any, upstream: Any, path: str = "") -> str | None:
     return None if type(legacy) is type(upstream) and legacy == upstream else path or "the object"
 
 
-def difference(legacy: Written, upstream: Written) -> str | Alike | None:
+def difference(legacy: Written, upstream: Written, *, trusted: bool = False) -> str | Alike | None:
     """None where both saves wrote the same records (or the same stream); where they did not, what they load back to
-    compared: the same content is :class:`~shadow.core.model.target.Alike` (the byte layout differs: ``close``),
-    else the first place where they differ."""
+    compared (``trusted``: the job's objects loaded as the job would; else weights-only): the same content is
+    :class:`~shadow.core.model.target.Alike` (the byte layout differs: ``close``; a storage key that is a memory
+    address, as the legacy format's are, is layout), else the first place where they differ. Two saves that cannot
+    be loaded back to compare are no finding: CannotCompare is raised (the call is not compared)."""
     if legacy.records is not None and legacy.records == upstream.records:
         return None
     if legacy.records is None and legacy.data == upstream.data:
@@ -350,9 +355,10 @@ def difference(legacy: Written, upstream: Written) -> str | Alike | None:
     else:
         layout = f"the files differ ({len(legacy.data):,} / {len(upstream.data):,} bytes)"
     try:
-        found = _first_difference(_load(legacy.data), _load(upstream.data))
-    except (pickle.UnpicklingError, RuntimeError, loaded.Uncomparable) as exc:
-        return f"{layout}; what they hold cannot be loaded weights-only to compare ({type(exc).__name__})"
+        found = _first_difference(_load(legacy.data, trusted), _load(upstream.data, trusted))
+    except (pickle.UnpicklingError, RuntimeError, loaded.Uncomparable, AttributeError, ImportError) as exc:
+        how = "" if trusted else " weights-only"
+        raise CannotCompare(f"{layout}; what they hold cannot be loaded{how} ({type(exc).__name__})") from exc
     if found is None:
         return Alike(f"{layout}; both load back to the same content")
     return f"{layout}; they load back to different content at {found}"

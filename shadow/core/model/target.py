@@ -18,6 +18,11 @@ class CannotReplay(Exception):
     ``ineligible``, this text its detail)."""
 
 
+class CannotCompare(Exception):
+    """A target's ``compare`` cannot tell how two results relate (two checkpoints that cannot be loaded back): the call
+    is skipped (reason ``ineligible``, this text its detail), neither agreement nor a divergence."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Alike:
     """What a target's ``compare`` returns for two results that hold the same content but differ in form (two
@@ -88,7 +93,8 @@ class Target:
 
     ``compare(legacy, upstream)``: a custom equality for results the comparator cannot read (storages, modules):
     None when they agree, else a short text saying how they differ (a ``mismatch``, reason ``custom``), or an
-    :class:`Alike` where they agree in content but not in form (a ``close``).
+    :class:`Alike` where they agree in content but not in form (a ``close``); it raises :class:`CannotCompare` where it
+    cannot tell (the call is skipped).
     Example: ``compare=lambda a, b: None if a.nbytes() == b.nbytes() else "sizes differ"``.
 
     ``clean(result)``: what of a result the evidence (journal, capture) keeps, e.g. the tensors of a loaded

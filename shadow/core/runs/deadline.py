@@ -21,8 +21,10 @@ import _thread
 import atexit
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,16 +36,28 @@ from shadow.core.runs.sides import marks
 from shadow.core.support import forks
 
 
+def _serialization_locals() -> Any:
+    """torch.serialization's thread-local state (``skip_data``, ``materialize_fake_tensors``, the ``map_location`` of
+    a load under way), or None in a torch without it."""
+    serialization = sys.modules.get("torch.serialization")
+    return getattr(serialization, "_serialization_tls", None)
+
+
 @dataclasses.dataclass(frozen=True)
 class ThreadContext:
-    """The thread-local torch state of the thread that took it that a snapshot of the settings
+    """The thread-local state of the thread that took it that a snapshot of the settings
     (:class:`shadow.core.runs.global_state.TorchGlobals`, written back on the new thread) does not carry: inference
-    mode,
-    the accelerator's current stream, the saved-tensors hooks on top of their stack."""
+    mode, the accelerator's current stream, the saved-tensors hooks on top of their stack, torch.serialization's
+    thread-locals, and every context variable (torch's config modules keep a thread's overrides in them:
+    ``torch.serialization.set_default_load_endianness``, the mmap options, dynamo's and inductor's settings; NumPy
+    2's error state). The body runs in a copy of the caller's context: what it sets there never reaches the caller
+    nor stays on the worker."""
 
     inference: bool
     stream: Any
     saved_tensors_hooks: Any
+    variables: contextvars.Context
+    serialization: dict[str, Any]
 
     @classmethod
     def take(cls) -> ThreadContext:
@@ -51,25 +65,40 @@ class ThreadContext:
         if torch.accelerator.current_accelerator() is not None:
             with contextlib.suppress(Exception):  # (a backend without streams)
                 stream = torch.accelerator.current_stream()
+        serialization = _serialization_locals()
         return cls(
             inference=torch.is_inference_mode_enabled(),
             stream=stream,
             saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
+            variables=contextvars.copy_context(),
+            serialization=dict(vars(serialization)) if serialization is not None else {},
         )
 
     @contextlib.contextmanager
     def entered(self) -> Any:
-        """This context on the current (fresh) thread, for the body of the ``with``."""
+        """This context on the current (fresh) thread, for the body of the ``with`` (its context variables: run the
+        body with :meth:`run`)."""
         if self.stream is not None:
             torch.accelerator.set_stream(self.stream)
         if self.saved_tensors_hooks is not None:
             torch._C._autograd._push_saved_tensors_default_hooks(*self.saved_tensors_hooks)
+        serialization = _serialization_locals()
+        kept = dict(vars(serialization)) if serialization is not None else {}
+        if serialization is not None:
+            vars(serialization).update(self.serialization)
         try:
             with torch.inference_mode() if self.inference else contextlib.nullcontext():
                 yield
         finally:
+            if serialization is not None:
+                vars(serialization).clear()
+                vars(serialization).update(kept)
             if self.saved_tensors_hooks is not None:
                 torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def run(self, body: Callable[[], Any]) -> Any:
+        """``body()`` in a copy of the caller's context variables."""
+        return self.variables.copy().run(body)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +206,7 @@ class _Run:
             if self.start is not None:
                 self.start()
             with self.context.entered():
-                self.outcome = Finished(True, self.body())  # (no local of this frame's holds the value)
+                self.outcome = Finished(True, self.context.run(self.body))  # (no local of this frame's holds it)
             return True
         except BaseException as exc:  # (the body's outcome, handed to the caller)
             self.outcome = Finished(True, error=exc)

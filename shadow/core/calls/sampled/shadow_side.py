@@ -23,7 +23,7 @@ from shadow.core.calls.sampled.extra_runs import ExtraRuns
 from shadow.core.calls.sampled.guards import IsolationFailed
 from shadow.core.calls.sampled.plan import CallContext, Plan, Run, autocast_state
 from shadow.core.model.observation import DIVERGENT_OUTCOMES, UPSTREAM, Observation, Outcome, bounded
-from shadow.core.model.target import CannotReplay
+from shadow.core.model.target import CannotCompare, CannotReplay
 from shadow.core.runs.deadline import Finished, leave_worker, run_here
 from shadow.core.runs.global_state import TorchGlobals, Writes
 from shadow.core.runs.isolation import ArgumentsChanged, holds_hooked_subclass
@@ -158,9 +158,12 @@ class ShadowSide:
         aa = extra.aa(runs[0]) if extra is not None and plan.aa and returned else {}
         start = time.perf_counter()
         may_defer = extra is None and not context.record.publisher.wants_evidence
-        finding = findings.judge(
-            context, plan, ((args, kwargs), self.shadow_arguments), runs, left, may_defer, bool(common["drill"])
-        )
+        try:
+            finding = findings.judge(
+                context, plan, ((args, kwargs), self.shadow_arguments), runs, left, may_defer, bool(common["drill"])
+            )
+        except CannotCompare as exc:  # (the target's own comparison cannot tell: neither agreement nor divergence)
+            return self.skipped("ineligible", bounded(str(exc)), **common)
         if isinstance(finding, findings.PendingFinding):
             return DeferredObservation(
                 finding, plan.signature, {**common, "compare_seconds": time.perf_counter() - start}
