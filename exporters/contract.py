@@ -209,14 +209,24 @@ AA_RUNS = Metric(
     "A/A runs (legacy run again, isolated as upstream is, against its own result), by whether the two differed "
     "(result: same, differs).",
 )
+NOISE_CHECKS = Metric(
+    "npu_shadow.noise_checks",
+    "{run}",
+    "counter",
+    ("target", "primary", "evidence", "pair", "check"),
+    "Runs judged against their signature's noise thresholds (fixed by its first A/A runs: shadow.core.judging.noise), "
+    "by evidence (forward, gradients), pair (ab: legacy against upstream; aa: legacy against itself) and check "
+    "(within, beyond): the verdict bounds the rate of A/B exceedances beyond legacy's own A/A rate with them. Absent "
+    "until counted.",
+)
 NOISE_FLOOR = Metric(
     "npu_shadow.noise_floor",
     "1",
     "gauge",
     ("target", "signature", "measure"),
     "The noise floor: the greatest difference between two legacy runs of the same call (A/A), by signature and "
-    "measure (abs, rel). A legacy-vs-upstream value difference is outcome noise only within twice the greatest A/A "
-    "error and while a rank test finds the A/B errors no larger than the A/A ones.",
+    "measure (abs, rel). A legacy-vs-upstream value difference is outcome noise only within its leaves' thresholds "
+    "(6 x the greatest of a signature's first 200 A/A errors: npu_shadow_noise_checks_total).",
     greatest=True,
 )
 SHADOW_PEAK = Metric(
@@ -326,6 +336,7 @@ ALL = (
     SHADOW,
     SHADOW_DURATION,
     AA_RUNS,
+    NOISE_CHECKS,
     NOISE_FLOOR,
     SHADOW_PEAK,
     BACKWARD_RUNS,
@@ -412,6 +423,10 @@ def _aa(o: Observation) -> Iterable[Sample]:
     )
 
 
+def _noise(o: Observation) -> Iterable[Sample]:
+    return [(NOISE_CHECKS, (o.target, o.primary, *check), 1) for check in o.noise_checks]
+
+
 def _extra_runs(o: Observation) -> Iterable[Sample]:
     if o.outcome == Outcome.SKIPPED:
         return ()
@@ -442,7 +457,7 @@ def _time(o: Observation) -> Iterable[Sample]:
 
 #: What an observation says, by metric: each rule gives its samples (none where it says nothing of them).
 OBSERVATION_RULES: list[Callable[[Observation], Iterable[Sample]]] = [
-    _outcome, _errors, _aa, _extra_runs, _memory, _time,
+    _outcome, _errors, _aa, _noise, _extra_runs, _memory, _time,
 ]  # fmt: skip
 
 

@@ -45,6 +45,7 @@ COUNT_TABLES = {
     "truth": 2,
     "truth_decades": 2,
     "backward": 2,
+    "noise": 2,
     "drilled_outcomes": 2,
     "drilled_reasons": 1,
 }
@@ -54,7 +55,9 @@ COUNT_SCALARS = ("clusters", "drilled")
 #: timestamp (written first, beside its ISO time).
 _NOT_JOURNALLED = {"evidence", "leaf_errors", "noise_pending", "timestamp"}
 #: Text fields written as null where empty (what a reader tests for).
-NULL_WHEN_EMPTY = {"shared_divergence", "backward_skip", "nearer"}
+NULL_WHEN_EMPTY = {
+    "shared_divergence", "backward_skip", "nearer", "noise_check", "aa_check", "grad_noise_check", "grad_aa_check",
+}  # fmt: skip
 
 #: The observation's fields on its line, in order, with their types.
 OBSERVATION_FIELDS: tuple[tuple[str, str], ...] = tuple(
@@ -157,6 +160,8 @@ class Counts:
                 self.drilled_reasons[reason] = self.drilled_reasons.get(reason, 0) + 1
         if o.backward:
             _bump(self.backward, o.signature, o.backward_outcome)
+        for evidence, pair, check in o.noise_checks:  # ({evidence: {"ab/beyond": count}}: shadow.core.judging.noise)
+            _bump(self.noise, evidence, f"{pair}/{check}")
         if o.nearer:
             _bump(self.truth, o.signature, o.nearer)
             decade = error_decade(o.legacy_truth_error, o.upstream_truth_error)

@@ -69,3 +69,19 @@ def shadowed(targets: Any, **options: Any) -> tuple[Any, Recorder]:
     """A monitor of ``targets`` at sample rate 1.0 with seed 0 (not yet entered), and its recorder."""
     recorder = Recorder()
     return shadow.install(targets, sample_rate=1.0, exporters=[recorder], seed=0, **options), recorder
+
+
+def counts_of(stats):
+    """The verdict's counts of a monitor's stats of one target (one signature, legacy's phase): its outcomes, their
+    reasons and the runs judged against noise thresholds."""
+    from shadow.analysis import verdict
+
+    counts = verdict.TargetCounts()
+    for outcome in ("match", "close", "noise", "mismatch", "error"):
+        if getattr(stats, outcome):
+            counts.add_outcome("call", outcome, getattr(stats, outcome))
+    for reason, value in stats.by_reason.items():
+        counts.add_reason(reason, value)
+    for key, value in stats.noise_checks.items():
+        counts.add_noise(*key.split("/"), value)
+    return counts

@@ -46,6 +46,8 @@ def test_every_instrument_with_its_unit_and_attributes():
     # (a fire drill's comparison, of another target: the drill's own counters)
     exporter.export(Observation("drilled", "error", reasons=("exception",), drill=True))
     exporter.record_patch_calls("torch.serialization._save", 3)  # (a release's function patch the job called)
+    # (a call of a noisy target's, judged against its noise thresholds: within them, its A/A run beyond)
+    exporter.export(Observation("noisy", "noise", noise_check="within", aa_check="beyond"))
     data = reader.get_metrics_data()
     (scope_metrics,) = data.resource_metrics[0].scope_metrics
     assert scope_metrics.scope.name == "npu_shadow"
@@ -78,6 +80,8 @@ def test_every_instrument_with_its_unit_and_attributes():
     assert value("npu_shadow.sample_rate", target="op") == 1.0
     assert value("npu_shadow.patch_calls", patch="torch.serialization._save") == 3
     assert value("npu_shadow.drilled", target="drilled", outcome="error") == 1
+    assert value("npu_shadow.noise_checks", target="noisy", evidence="forward", pair="ab", check="within") == 1
+    assert value("npu_shadow.noise_checks", target="noisy", evidence="forward", pair="aa", check="beyond") == 1
     assert value("npu_shadow.drilled_reasons", target="drilled", reason="exception") == 1
     assert value("npu_shadow.backward_runs", target="op") == stats.backward_runs == stats.match - 2  # (no_grad: two)
     assert value("npu_shadow.truth_runs", target="op") == sum(stats.truth_runs.values()) == stats.mismatch

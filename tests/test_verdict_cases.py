@@ -452,9 +452,9 @@ def test_ranks_started_by_mp_spawn_count_their_process_groups_share(tmp_path, mo
 # --------------------------------------------------------------------------- 7: the first minutes of a jittering job
 
 
-def _shadowed_1500_calls(legacy, upstream):
+def _shadowed_1500_calls(legacy, upstream, aa_rate: float = 0.05):
     """The stats of 1,500 calls of ``legacy`` shadowed by ``upstream``, every one sampled, A/A on a twentieth (the
-    launcher's default)."""
+    launcher's default) unless ``aa_rate`` says otherwise."""
     import types
 
     import torch
@@ -463,7 +463,7 @@ def _shadowed_1500_calls(legacy, upstream):
 
     ops = types.SimpleNamespace(op=legacy)
     target = shadow.Target("op", ops, "op", upstream, signature=lambda a, k: "call")
-    with shadow.install([target], sample_rate=1.0, aa_rate=0.05, budget=None, seed=4) as monitor:
+    with shadow.install([target], sample_rate=1.0, aa_rate=aa_rate, budget=None, seed=4) as monitor:
         for _ in range(1_500):
             ops.op(torch.zeros(64))
     return monitor.stats()["op"]
@@ -481,21 +481,34 @@ def _noise(rng, scale: float, varying: bool = False):
     return jitter
 
 
-def test_an_honest_job_whose_sides_jitter_alike_with_a_varying_spread_counts_no_mismatch():
-    """Legacy and upstream jitter alike, the spread varying from call to call (nondeterministic reductions): each
-    value beyond twice a floor taken from a dozen A/A runs was a mismatch at once, about 5% of the calls at
-    --aa-rate 0.05, so such a job could never promote. Beyond the floor it is now judged by how often."""
+def test_an_honest_job_whose_sides_jitter_alike_with_a_varying_spread_lands_beyond_as_often_as_legacy():
+    """Legacy and upstream jitter alike, the spread varying from call to call (nondeterministic reductions): once the
+    burn-in's A/A runs fixed the thresholds, nearly every call is noise; the few beyond are mismatches (counted,
+    never called noise), as rare as legacy's own A/A runs beyond, and the verdict does not roll the job back."""
     import numpy as np
 
+    from shadow.analysis import verdict
+
     jitter = _noise(np.random.default_rng(11), 1e-4, varying=True)
-    stats = _shadowed_1500_calls(jitter, jitter)
-    assert stats.mismatch == 0 and stats.noise > 1_400, stats
+    stats = _shadowed_1500_calls(jitter, jitter, aa_rate=1.0)
+    checks = stats.noise_checks
+    assert stats.noise > 1_400 and stats.mismatch == checks.get("forward/ab/beyond", 0) <= 15, stats
+    assert checks["forward/aa/within"] > 1_300 and checks.get("forward/aa/beyond", 0) <= 15, checks
+    counts = verdict.TargetCounts()
+    counts.add_outcome("call", "noise", stats.noise)
+    counts.add_outcome("call", "mismatch", stats.mismatch)
+    counts.add_reason("value", stats.mismatch)
+    for key, value in checks.items():
+        counts.add_noise(*key.split("/"), value)
+    decided = verdict.decide("op", counts, verdict.DEFAULT_MAX_RATE)
+    assert decided.decision != verdict.ROLLBACK and decided.detection_limit > 0, decided.why
 
 
 def test_a_real_difference_beyond_the_floor_is_still_a_mismatch_within_a_few_calls():
-    """The other side of the same rule: upstream 10x legacy's spread is a mismatch on (nearly) every call."""
+    """The other side of the same rule: upstream 10x legacy's spread is a mismatch on (nearly) every call, those held
+    during the burn-in included."""
     import numpy as np
 
     rng = np.random.default_rng(12)
-    stats = _shadowed_1500_calls(_noise(rng, 1e-4), _noise(rng, 1e-3))
-    assert stats.noise == 0 and stats.mismatch >= 1_400, stats
+    stats = _shadowed_1500_calls(_noise(rng, 1e-4), _noise(rng, 1e-3), aa_rate=1.0)
+    assert stats.noise <= 30 and stats.mismatch >= 1_470, stats  # (a 10x spread: beyond on about 99% of calls)

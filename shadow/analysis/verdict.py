@@ -43,7 +43,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from shadow.analysis import bounds
+from shadow.analysis import bounds, noise_verdict
 from shadow.analysis.bounds import Prior, Stratum
 from shadow.analysis.sooner import sooner
 from shadow.core.calls.record import clusters
@@ -139,6 +139,10 @@ class PhaseCounts:
     #: matches are not known (lines after a process's last count record, without every outcome).
     backward: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
     backward_unmatched: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: Runs judged against their signature's noise thresholds, by (evidence, pair, check): ``("forward", "ab",
+    #: "beyond")`` an A/B exceedance, ``("forward", "aa", "beyond")`` legacy beyond its own threshold
+    #: (:mod:`shadow.core.judging.noise`).
+    noise: dict[tuple[str, str, str], float] = dataclasses.field(default_factory=dict)
 
     def by_signature(self, outcomes: Iterable[str]) -> dict[str, float]:
         found: dict[str, float] = {}
@@ -228,6 +232,13 @@ class TargetCounts:
         """Backward comparisons of a signature that found ``found`` (match or mismatch)."""
         phase = self.phase(primary)
         phase.backward[(signature, found)] = phase.backward.get((signature, found), 0) + count
+
+    def add_noise(self, evidence: str, pair: str, check: str, count: float, primary: str = LEGACY) -> None:
+        """Runs of ``evidence`` (forward, gradients) judged against their noise thresholds: ``pair`` ab or aa,
+        ``check`` within or beyond."""
+        phase = self.phase(primary)
+        key = (evidence, pair, check)
+        phase.noise[key] = phase.noise.get(key, 0) + count
 
     def add_calls(self, signature: str, count: float, primary: str = LEGACY) -> None:
         phase = self.phase(primary)
@@ -324,6 +335,13 @@ class PhaseDecision:
     why: str
     #: What would reach a decision sooner, for an inconclusive phase (:mod:`shadow.analysis.sooner`); "" otherwise.
     sooner: str = ""
+    #: Under a device's noise (:mod:`shadow.analysis.noise_verdict`): the detection limit (the excess rate this
+    #: evidence cannot tell from the noise; 0 where nothing was judged against noise thresholds), the size a wrong
+    #: call must have to be seen, and legacy's own A/A exceedances (judged, beyond).
+    detection_limit: float = 0.0
+    size_limit: str = ""
+    aa_judged: int = 0
+    aa_beyond: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,6 +405,10 @@ class Decision:
     truth: tuple[TruthSummary, ...] = ()
     #: The slices decided besides the whole (the last hour, each run of several): each must allow promote.
     slices: tuple[SliceDecision, ...] = ()
+    #: Under a device's noise: the greatest detection limit of its phases (the excess rate the evidence cannot tell
+    #: from the noise; 0 where nothing was judged against noise thresholds), and the size a wrong call must have.
+    detection_limit: float = 0.0
+    size_limit: str = ""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -597,9 +619,12 @@ def decide_phase(
     process_seconds: float = 0.0,
     alpha: float = bounds.ALPHA,
     target: str = "",
+    evidence: str = "forward",
 ) -> PhaseDecision:
     """The decision on one phase of ``target``'s evidence (hard mismatches and coverage are the target's: see
-    :func:`decide`); ``alpha``: the level of its lower bound (a rollback's)."""
+    :func:`decide`); ``alpha``: the level of its lower bound (a rollback's); ``evidence``: which of the phase's runs
+    judged against noise thresholds are its own (forward, gradients): where any were, the decision is on the rate
+    beyond the noise (:mod:`shadow.analysis.noise_verdict`)."""
     n, k = phase.compared, phase.divergent
     counted = n + sum(phase.unmatched.values())
     if phase.cluster_count > 0 and not phase.clusters_missing:  # (counted where they happened: every source)
@@ -632,6 +657,9 @@ def decide_phase(
     }
     if n == 0:
         return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: no call compared", **common)
+    noisy = noise_verdict.NoiseEvidence.of(phase.noise, evidence)
+    if noisy is not None:
+        return _decide_under_noise(primary, noisy, (lower_strata, upper_strata), own, max_rate, alpha, prior, common)
     diverging = _diverging_stratum(own, max_rate, alpha)
     if diverging and lower <= max_rate:
         return PhaseDecision(decision=ROLLBACK, why=diverging, **common)
@@ -648,6 +676,47 @@ def decide_phase(
         more = bounds.needed_at_rate(max_rate - share, rate, prior) - effective
         faster = sooner(target or "this target", more, cluster_count, sum(phase.calls.values()), process_seconds)
     return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: {missing}", sooner=faster, **common)
+
+
+def _decide_under_noise(
+    primary: str,
+    noisy: noise_verdict.NoiseEvidence,
+    strata: tuple[list[Stratum], list[Stratum]],
+    own: Mapping[str, tuple[float, float]],
+    max_rate: float,
+    alpha: float,
+    prior: Prior,
+    common: dict[str, Any],
+) -> PhaseDecision:
+    """The decision on a phase whose runs were judged against noise thresholds: on the divergence rate beyond legacy's
+    own A/A rate, at every look (:mod:`shadow.analysis.noise_verdict`); promote only where the detection limit is
+    below the max rate too."""
+    n = common["compared"]
+    scale = common["effective"] / n if n else 1.0
+    found = noise_verdict.excess_bounds(*strata, prior, noisy, n, min(1.0, scale), common["rate"], alpha)
+    common = {
+        **common, "lower": found.lower, "upper": found.upper, "rate": found.rate, "detection_limit": found.width,
+        "size_limit": noise_verdict.SIZE_LIMIT, "aa_judged": round(noisy.aa_judged),
+        "aa_beyond": round(noisy.aa_beyond),
+    }  # fmt: skip
+    seen = noise_verdict.describe(found, noisy)
+    diverging = _diverging_stratum(own, max_rate, alpha)
+    if diverging and found.lower <= max_rate:
+        return PhaseDecision(decision=ROLLBACK, why=f"{diverging}; {seen}", **common)
+    if found.lower > max_rate:
+        why = f"{primary} phase: the divergence rate beyond the noise is at least {found.lower:.3g} > max rate "
+        return PhaseDecision(decision=ROLLBACK, why=f"{why}{max_rate:g}: {seen}", **common)
+    factor = noise_verdict.aa_factor(noisy, found.share, min(1.0, scale), prior, max_rate)
+    if found.width >= max_rate:
+        why = f"{primary} phase: {noise_verdict.hidden(found, noisy, max_rate, factor)}; {seen}"
+        lever = f"sooner: --aa-rate x{factor:g} (more A/A runs narrow the detection limit)"
+        lever = lever if math.isfinite(factor) else ""
+        return PhaseDecision(decision=INCONCLUSIVE, why=why, sooner=lever, **common)
+    if found.upper < max_rate:
+        why = f"{primary} phase: {seen} < max rate {max_rate:g}; {noise_verdict.SIZE_LIMIT}"
+        return PhaseDecision(decision=PROMOTE, why=why, **common)
+    why = f"{primary} phase: upper bound {found.upper:.3g} >= max rate {max_rate:g}: more comparisons needed; {seen}"
+    return PhaseDecision(decision=INCONCLUSIVE, why=why, **common)
 
 
 def _promote_needs(
@@ -717,6 +786,7 @@ def gradient_evidence(phase: PhaseCounts) -> PhaseCounts:
         unmatched={"": unmatched} if unmatched else {},
         cluster_count=phase.cluster_count,
         clusters_missing=phase.clusters_missing,
+        noise={key: value for key, value in phase.noise.items() if key[0] == GRADIENTS},
     )
 
 
@@ -733,7 +803,7 @@ def _decide_phases(
         gradients = gradient_evidence(phase)
         if not gradients.empty():
             name = f"{primary} {GRADIENTS}"
-            phases.append(decide_phase(name, gradients, max_rate, counts.process_seconds, alpha))
+            phases.append(decide_phase(name, gradients, max_rate, counts.process_seconds, alpha, evidence=GRADIENTS))
     return phases
 
 
@@ -870,6 +940,8 @@ def _decide_whole(
         "resets": tuple(counts.resets), "set_aside": round(counts.set_aside), "notes": tuple(counts.notes),
         "drilled": round(counts.drilled), "drill_set_aside": round(counts.drill_set_aside),
         "truth": truth_summaries(counts), **_worst_fields(worst),
+        "detection_limit": max((p.detection_limit for p in phases), default=0.0),
+        "size_limit": next((p.size_limit for p in phases if p.size_limit), ""),
     }  # fmt: skip
     if counts.compared == 0 and worst is None:
         needed = comparisons_needed(max_rate)

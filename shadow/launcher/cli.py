@@ -210,6 +210,12 @@ def _evidence(d: Any) -> list[str]:
             kinds = ", ".join(f"{reason} {share:.3g}" for reason, share in sorted(p.uncovered_by.items()))
             line += f"; calls never compared: {p.uncovered_share:.3g} of all ({kinds})"
         lines.append(line)
+        if p.size_limit:  # (decided under a device's noise: what the evidence can and cannot see)
+            lines.append(
+                f"{p.primary} phase: detection limit {p.detection_limit:.3g} (an excess of divergence over legacy's "
+                f"own A/A exceedances, {p.aa_beyond:,} of {p.aa_judged:,}, smaller than this cannot be told from the "
+                f"noise); {p.size_limit}"
+            )
         lines += [p.sooner] if p.sooner else []
     for s in d.slices:
         lines.append(

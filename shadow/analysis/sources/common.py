@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from exporters import contract
 from shadow.analysis.verdict import TargetCounts
+from shadow.core.judging import noise
 from shadow.core.model.observation import (
     BACKWARD_OUTCOMES,
     COMPARED_OUTCOMES,
@@ -25,6 +26,7 @@ CLUSTERS = contract.CLUSTERS.series
 PROCESS_TIME = contract.PROCESS_TIME.series
 TRUTH_RUNS = contract.TRUTH_RUNS.series
 BACKWARD_RUNS = contract.BACKWARD_RUNS.series
+NOISE_CHECKS = contract.NOISE_CHECKS.series
 ROLLBACKS = contract.ROLLBACKS.series
 RESETS = contract.RESETS.series
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
@@ -139,6 +141,10 @@ def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], val
     elif name == BACKWARD_RUNS:
         if labels.get("outcome") in BACKWARD_OUTCOMES:  # (series from before the outcome label: not evidence)
             target.add_backward(labels.get("signature", ""), labels["outcome"], value, primary)
+    elif name == NOISE_CHECKS:
+        evidence, pair, check = (labels.get(name, "") for name in ("evidence", "pair", "check"))
+        if evidence in noise.EVIDENCE and pair in noise.PAIRS and check in noise.CHECKS:
+            target.add_noise(evidence, pair, check, value, primary)
     else:
         target.add_shared(labels.get("reason", ""), value, primary)
 
@@ -200,6 +206,7 @@ def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
 
 _COUNTED = (
     COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, CLUSTERS, ROLLBACKS, RESETS, TRUTH_RUNS, BACKWARD_RUNS,
+    NOISE_CHECKS,
 )  # fmt: skip
 
 

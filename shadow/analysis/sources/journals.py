@@ -24,6 +24,7 @@ from shadow.analysis.sources.common import (
     select_run,
 )
 from shadow.analysis.verdict import TargetCounts
+from shadow.core.judging import noise
 from shadow.core.model.observation import (
     BACKWARD_OUTCOMES,
     COMPARED_OUTCOMES,
@@ -103,6 +104,13 @@ class _Phase:
     at: float = -math.inf  # (the last count record's time)
 
 
+#: The observation fields that say where a run stood against its noise thresholds, by (evidence, pair).
+_NOISE_FIELDS = {
+    ("forward", "ab"): "noise_check", ("forward", "aa"): "aa_check",
+    ("gradients", "ab"): "grad_noise_check", ("gradients", "aa"): "grad_aa_check",
+}  # fmt: skip
+
+
 @dataclasses.dataclass
 class _Tail:
     """The lines of one (target, primary) after a process's last count record, counted: bounded memory however
@@ -116,6 +124,7 @@ class _Tail:
     truth: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, nearer)
     truth_decades: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, decade)
     backward: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, found)
+    noise: dict[tuple[str, str, str], float] = dataclasses.field(default_factory=dict)  # (evidence, pair, check)
     seconds: dict[int, list[float]] = dataclasses.field(default_factory=dict)  # second -> [compared, divergent]
     lines: int = 0
 
@@ -137,6 +146,10 @@ class _Tail:
         if record.get("backward") is True:
             found = "mismatch" if "grad" in record.get("reasons", []) else "match"
             self.backward[(signature, found)] = self.backward.get((signature, found), 0) + 1
+        for (evidence, pair), field in _NOISE_FIELDS.items():
+            if record.get(field) in noise.CHECKS:
+                key = (evidence, pair, record[field])
+                self.noise[key] = self.noise.get(key, 0) + 1
         nearer = record.get("nearer")
         if nearer in NEARER:
             self.truth[(signature, nearer)] = self.truth.get((signature, nearer), 0) + 1
@@ -289,6 +302,9 @@ def _check_counts(record: dict, where: str) -> dict:
     truth, decades, backward = tables["truth"], tables["truth_decades"], tables["backward"]
     if any(found not in BACKWARD_OUTCOMES for by_found in backward.values() for found in by_found):
         raise SourceError(f"{where}: a count record with an unknown backward outcome")
+    judged = {f"{pair}/{check}" for pair in noise.PAIRS for check in noise.CHECKS}
+    if any(e not in noise.EVIDENCE or set(by_key) - judged for e, by_key in tables["noise"].items()):
+        raise SourceError(f"{where}: a count record with an unknown noise check")
     if any(side not in NEARER for by_side in truth.values() for side in by_side):
         raise SourceError(f"{where}: a count record with an unknown side nearer the truth")
     known = {str(d) for d in range(-DECADE_LIMIT, DECADE_LIMIT + 1)}
@@ -717,6 +733,10 @@ def _add_counts(entry: TargetCounts, primary: str, counts: dict) -> None:
     for signature, by_found in counts.get("backward", {}).items():
         for found, value in by_found.items():
             entry.add_backward(signature, found, value, primary)
+    for evidence, by_key in counts.get("noise", {}).items():
+        for key, value in by_key.items():
+            pair, check = key.split("/")
+            entry.add_noise(evidence, pair, check, value, primary)
 
 
 def _add_tail(entry: TargetCounts, primary: str, tail: _Tail, complete: bool) -> None:
@@ -746,6 +766,8 @@ def _add_tail(entry: TargetCounts, primary: str, tail: _Tail, complete: bool) ->
             phase = entry.phase(primary)
             phase.backward_unmatched[signature] = phase.backward_unmatched.get(signature, 0) + value
     entry.drilled += sum(v for divergent, v in tail.drilled.items() if complete or divergent)
+    for (evidence, pair, check), value in tail.noise.items() if complete else ():  # (within: agreement not known)
+        entry.add_noise(evidence, pair, check, value, primary)
 
 
 def _blocks(intervals: list, start: float | None, window: float) -> list[tuple[float, float]]:

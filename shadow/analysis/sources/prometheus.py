@@ -27,6 +27,7 @@ from shadow.analysis.sources.common import (
     LOOKBACK,
     MAX_FILE_BYTES,
     MISMATCHES,
+    NOISE_CHECKS,
     PROCESS_TIME,
     RESETS,
     ROLLBACKS,
@@ -132,6 +133,7 @@ _QUERIES = [
     (RESETS, "target"),
     (TRUTH_RUNS, "target, signature, nearer, primary"),
     (BACKWARD_RUNS, "target, signature, outcome, primary"),
+    (NOISE_CHECKS, "target, primary, evidence, pair, check"),
 ]
 
 

@@ -1,74 +1,75 @@
-"""The noise floor: how much legacy differs from itself, as a distribution, and whether upstream differs more.
+"""The noise floor: how much legacy differs from itself, and which differences are beyond it.
 
-Diffy's idea for tensors: legacy run twice on the same call (an A/A run) shows the target's own nondeterminism. A
-legacy-vs-upstream (A/B) value difference is ``noise`` only while two things hold for every output leaf that
-differs, per call signature:
+A real device's reductions are nondeterministic: two runs of legacy on one call differ (its A/A runs), and legacy
+and upstream (A/B) differ at least as much, with a heavy tail (a reduction's spread varies from call to call; noise
+that moves an activation across a ReLU's zero gates a whole gradient element). Diffy's idea for tensors, made
+something a verdict can certify, per call signature and output leaf:
 
-- the call's error is within ``MARGIN`` times a robust floor of the A/A errors (their ``FLOOR_QUANTILE`` quantile,
-  a high order statistic one outlier cannot move; absolute errors only, so an element near zero cannot make a
-  relative floor infinite), after at least ``MIN_AA_RUNS`` A/A runs, or beyond it no more often than legacy's own.
-  A floor from a dozen A/A runs is itself noisy (at a process's start, at ``--aa-rate 0.05``), and errors are
-  heavy-tailed where kernels are nondeterministic (reductions whose spread varies from call to call; noise that
-  moves an activation across a ReLU's zero gates a whole gradient element, 10-20% of it: on a device under
-  cudnn.benchmark about one backward comparison in twenty of an honest job went beyond twice the floor), so an
-  error beyond the floor is judged by how often such errors happen, never one by one. Where
-  upstream differs from legacy as legacy differs from itself, A/B and A/A errors are exchangeable and exceed the
-  floor equally often, so a gradient beyond it is a mismatch once the A/B errors exceed it more often than each
-  A/A error exceeds the floor of the others (a one-sided Fisher exact test at ``TEST_LEVEL`` over the window),
-  within the noise where the counts show no sign of that (p at least ``AS_OFTEN_LEVEL``, with
-  ``MIN_TEST_SAMPLES`` A/B errors and legacy seen beyond its own floor at least once) and the rank test below
-  agrees, and held otherwise (neither noise nor a mismatch: a skip if never judged). A real difference beyond
-  the floor is one on every call, and is found within about six. Where legacy repeated itself bitwise in every
-  A/A run, any difference is a mismatch at once (for a gradient, where no gradient of the call varied);
-- the A/B errors of the recent calls are not stochastically larger than the A/A errors (a one-sided Mann-Whitney
-  U test over the last ``WINDOW`` of each, as Kayenta judges a canary's metrics): a systematic shift hidden inside
-  the floor call by call shows up there, and from then on such calls are mismatches. Until each side holds
-  ``MIN_TEST_SAMPLES`` errors the test cannot run, and a difference within the floor waits to be judged.
+- **A threshold, fixed once.** A leaf's first ``BURN_IN`` A/A errors fix its threshold: ``FACTOR`` times the
+  greatest of them (absolute errors: an element near zero cannot make a relative one infinite). A leaf that never
+  varied in its burn-in gets 0: any difference there is real, at once (and from its first ``BITWISE_RUNS`` A/A runs
+  on, while every one of them repeated legacy bitwise: a deterministic target's differences are never held). The
+  burn-in's runs are never counted after, so the threshold is independent of everything it judges.
+- **Every call judged against it, as often for legacy as for upstream.** After the burn-in, every A/B comparison of
+  the signature (``ab``) and every A/A run (``aa``) is *within* (no leaf beyond its threshold) or *beyond* (an
+  exceedance). An A/B difference within is outcome ``noise``; beyond is a value ``mismatch``, counted in every source
+  and never called noise. Legacy's own A/A runs land beyond now and then under a heavy tail: their exceedances are
+  counted as well, so that the verdict bounds the rate of A/B exceedances *beyond* the A/A rate at the same threshold
+  (:mod:`shadow.analysis.noise_verdict`). Where legacy repeats itself bitwise, nothing is judged against a threshold
+  and the verdict is the one it always was.
+- **Held before.** A difference on a leaf whose burn-in is not complete is held (neither noise nor a mismatch) until
+  it is, and a skip (``noise_pending``) if it never is.
 
-A backward comparison with A/A runs on keeps its gradients' floor here too: each product is a leaf named
-``grad:<tensor>`` of the call's signature (:mod:`shadow.core.calls.sampled.extra_runs`).
+The size a real difference must have to be seen follows: a wrong call stands out where its difference exceeds the
+threshold, ``FACTOR`` times the greatest of ``BURN_IN`` A/A errors; smaller ones are invisible however often they
+happen. The verdict says so (:mod:`shadow.analysis.noise_verdict`).
 
-Each judgement says its test (runs on each side, p-value) so that a reviewer can redo it from the journal, whose
-lines keep both error samples (``max_abs_error``, ``aa_abs_error``).
+A backward comparison with A/A runs on keeps its gradients' thresholds here too: each product is a leaf named
+``grad:<tensor>`` (:mod:`shadow.core.calls.sampled.extra_runs`); a backward that varies anywhere varies everywhere,
+so a gradient leaf whose burn-in never varied takes the greatest threshold of its signature's gradients.
 """
 
 from __future__ import annotations
 
-import collections
 import threading
 from collections.abc import Iterable
 
-import numpy as np
-
-#: A value difference within this many times the robust floor can be noise.
-MARGIN = 2.0
-#: How a gradient's leaf is named (:mod:`shadow.core.calls.sampled.extra_runs`): judged beyond the floor by how
-#: often.
+#: A/A runs of a signature's leaf that fix its threshold (never counted after). A signature has an A/A run on every
+#: sampled call until they are made (:meth:`NoiseFloor.burning`), whatever the A/A rate.
+BURN_IN = 200
+#: A/A runs of a leaf, all bitwise equal, after which a difference there is real at once (legacy repeats itself:
+#: a deterministic target's differences are never held for the whole burn-in).
+BITWISE_RUNS = 10
+#: The threshold: this many times the greatest A/A error of the burn-in.
+FACTOR = 6.0
+#: How a gradient's leaf is named (:mod:`shadow.core.calls.sampled.extra_runs`).
 GRADIENT = "grad:"
-#: A/A runs of a signature and leaf before any difference there is called noise.
-MIN_AA_RUNS = 10
-#: The robust floor: this quantile of the A/A errors, taken at or below it (with 10 runs, the second largest).
-FLOOR_QUANTILE = 0.9
-#: Errors kept per signature and leaf, on each side, for the rank test.
-WINDOW = 200
-#: The rank test's level: below it, upstream differs more than legacy differs from itself (small: the test is
-#: taken again at every value difference, over windows that overlap).
-TEST_LEVEL = 0.001
-#: A difference beyond the floor is noise where the exceedance test's p-value is at least this (and the A/B window
-#: holds ``MIN_TEST_SAMPLES``): no sign that upstream exceeds the floor more often than legacy does; between it and
-#: ``TEST_LEVEL`` the difference is held until the counts tell.
-AS_OFTEN_LEVEL = 0.05
-#: Errors each side's window holds before the rank test may reject.
-MIN_TEST_SAMPLES = 10
+
+#: What a judgement against the thresholds found: a difference held until the burn-in ends, one within or beyond
+#: the thresholds (counted: the verdict's noise evidence), one where legacy never varied (real at once), or nothing
+#: judged (no difference, no threshold).
+PENDING, WITHIN, BEYOND, REAL = "pending", "within", "beyond", "real"
+#: The checks the sources count: where a call stood against its thresholds.
+CHECKS = (WITHIN, BEYOND)
+#: Which evidence a check is of, and which pair of runs it compares (legacy against upstream, legacy against itself).
+EVIDENCE = ("forward", "gradients")
+PAIRS = ("ab", "aa")
+
+
+def evidence_of(leaves: Iterable[tuple[str, float]]) -> str:
+    """``gradients`` for a backward comparison's leaves, else ``forward``."""
+    return "gradients" if any(leaf.startswith(GRADIENT) for leaf, _ in leaves) else "forward"
 
 
 class NoiseFloor:
-    """A/A and A/B absolute errors per (signature, output leaf), bounded; thread-safe."""
+    """Each signature's leaves' burn-ins and thresholds; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._aa: dict[tuple[str, str], collections.deque[float]] = {}
-        self._ab: dict[tuple[str, str], collections.deque[float]] = {}
+        #: (signature, leaf) -> the burn-in's A/A errors so far, until it ends
+        self._burn_in: dict[tuple[str, str], list[float]] = {}
+        #: (signature, leaf) -> the threshold, once the burn-in ended
+        self._threshold: dict[tuple[str, str], float] = {}
         #: signature -> [greatest A/A abs error, greatest rel error, A/A runs, runs that differed]
         self.summary: dict[str, list[float]] = {}
 
@@ -79,110 +80,104 @@ class NoiseFloor:
         rel_error: float,
         differs: bool,
         summarize: bool = True,
-    ) -> None:
-        """One A/A run's errors by leaf (all 0.0 when legacy repeated itself bitwise); ``summarize``: counted in
-        :attr:`summary` (the forward's A/A runs; a backward's A/A products, leaves named ``grad:...``, are not)."""
+    ) -> str:
+        """One A/A run's errors by leaf (all 0.0 where legacy repeated itself bitwise); ``summarize``: counted in
+        :attr:`summary` (the forward's A/A runs; a backward's A/A products, leaves named ``grad:...``, are not).
+        Returns where the run stood against the thresholds (:data:`WITHIN`, :data:`BEYOND`), or "" where it went
+        into a burn-in or its signature's leaves never varied."""
+        leaves = [(leaf, error if differs else 0.0) for leaf, error in leaves]
+        with self._lock:
+            judged = self._judged(signature, leaves) if self._all_fixed(signature, leaves) else ""
+            for leaf, error in leaves:
+                burning = self._burn_in.get((signature, leaf))
+                if (signature, leaf) in self._threshold:
+                    continue
+                if burning is None:
+                    burning = self._burn_in[(signature, leaf)] = []
+                burning.append(error)
+                if len(burning) >= BURN_IN:
+                    self._threshold[(signature, leaf)] = FACTOR * max(burning)
+                    del self._burn_in[(signature, leaf)]
+            if summarize:
+                summary = self.summary.setdefault(signature, [0.0, 0.0, 0, 0])
+                if differs:
+                    summary[0] = max(summary[0], max((e for _, e in leaves), default=0.0))
+                    summary[1] = max(summary[1], rel_error)
+                summary[2] += 1
+                summary[3] += differs
+        return judged if judged in CHECKS else ""
+
+    def judge(self, signature: str, leaves: Iterable[tuple[str, float]]) -> tuple[str, str]:
+        """(where a compared call's leaf errors stand against its signature's thresholds, the judgement as text):
+        :data:`PENDING` where a leaf that differs has no threshold yet, :data:`REAL` where one differs that legacy
+        never varied, :data:`BEYOND` where one is beyond its threshold, :data:`WITHIN` where every one is within
+        and some can vary, "" where nothing was judged (no difference, and no threshold that can vary)."""
         leaves = list(leaves)
         with self._lock:
-            for leaf, error in leaves:
-                self._window(self._aa, signature, leaf).append(error if differs else 0.0)
-            if not summarize:
-                return
-            summary = self.summary.setdefault(signature, [0.0, 0.0, 0, 0])
-            if differs:
-                summary[0] = max(summary[0], max((e for _, e in leaves), default=0.0))
-                summary[1] = max(summary[1], rel_error)
-            summary[2] += 1
-            summary[3] += differs
+            missing = next((leaf for leaf, e in leaves if e > 0 and self._known(signature, leaf) is None), None)
+            if missing is not None:
+                runs = len(self._burn_in.get((signature, missing), ()))
+                return PENDING, f"{missing or 'output'}: {runs} A/A runs of the {BURN_IN} that fix its threshold"
+            if not self._all_fixed(signature, leaves):
+                if any(e > 0 for _, e in leaves):  # (a difference where legacy so far repeated itself bitwise)
+                    return REAL, self._text(signature, leaves)
+                return "", ""
+            return self._judged(signature, leaves), self._text(signature, leaves)
 
-    def add_ab(self, signature: str, leaves: Iterable[tuple[str, float]]) -> None:
-        """One compared call's legacy-vs-upstream errors by leaf."""
+    def burning(self, signature: str) -> bool:
+        """Whether ``signature``'s burn-in is under way (or not begun): its sampled calls then all get an A/A run, so
+        that its thresholds are fixed after ``BURN_IN`` sampled calls whatever the A/A rate, and the differences held
+        meanwhile are few. Not where legacy repeated itself bitwise so far (``BITWISE_RUNS`` runs or more)."""
         with self._lock:
-            for leaf, error in leaves:
-                self._window(self._ab, signature, leaf).append(error)
+            burning = [runs for (s, _), runs in self._burn_in.items() if s == signature]
+            if not burning:
+                return not any(s == signature for s, _ in self._threshold)
+            return not all(len(runs) >= BITWISE_RUNS and max(runs) == 0 for runs in burning)
 
-    def judge(self, signature: str, leaves: Iterable[tuple[str, float]]) -> tuple[bool | None, str]:
-        """(whether a value-only difference with these leaf errors is noise, the test behind it as text): None
-        where it cannot be judged yet (a differing leaf with fewer than ``MIN_AA_RUNS`` A/A runs, or within the
-        floor while the rank test has fewer than ``MIN_TEST_SAMPLES`` errors a side: a shift inside the floor is
-        invisible call by call): the difference is then neither noise nor a mismatch until it can be."""
-        notes = []
+    def thresholds(self, signature: str) -> dict[str, float]:
+        """The fixed thresholds of ``signature``'s leaves."""
         with self._lock:
-            windows = [
-                (leaf, error, list(self._aa.get((signature, leaf), ())), list(self._ab.get((signature, leaf), ())))
-                for leaf, error in leaves
-                if error > 0
-            ]
-            # (a backward that varies anywhere varies everywhere: one leaf repeated bitwise so far proves nothing)
-            varies = any(
-                k[0] == signature and k[1].startswith(GRADIENT) and max(w, default=0) for k, w in self._aa.items()
+            return {leaf: t for (s, leaf), t in self._threshold.items() if s == signature}
+
+    def _known(self, signature: str, leaf: str) -> float | None:
+        """A leaf's threshold: fixed, or 0 while its burn-in has repeated legacy bitwise ``BITWISE_RUNS`` times or
+        more; None while it cannot be said."""
+        fixed = self._threshold.get((signature, leaf))
+        if fixed is not None:
+            return fixed
+        burning = self._burn_in.get((signature, leaf), ())
+        return 0.0 if len(burning) >= BITWISE_RUNS and max(burning) == 0 else None
+
+    def _all_fixed(self, signature: str, leaves: list[tuple[str, float]]) -> bool:
+        return bool(leaves) and all((signature, leaf) in self._threshold for leaf, _ in leaves)
+
+    def _of(self, signature: str, leaf: str) -> float:
+        """A known leaf's threshold; a gradient leaf that never varied takes its signature's greatest gradient one."""
+        threshold = self._known(signature, leaf) or 0.0
+        if threshold == 0 and leaf.startswith(GRADIENT):
+            threshold = max(
+                (t for (s, other), t in self._threshold.items() if s == signature and other.startswith(GRADIENT)),
+                default=0.0,
             )
-        if not windows:
-            return False, ""
-        for leaf, error, aa, ab in windows:
-            name = leaf or "output"
-            if len(aa) < MIN_AA_RUNS:
-                return None, f"{name}: {len(aa)} A/A runs, {MIN_AA_RUNS} needed before a difference can be judged"
-            gradient = leaf.startswith(GRADIENT)
-            if max(aa) == 0 and not (gradient and varies):  # (legacy never differed from itself: nor can upstream)
-                return False, f"{name}: abs error {error:.3g}; legacy repeated itself bitwise in {len(aa)} A/A runs"
-            floor = float(np.quantile(aa, FLOOR_QUANTILE, method="lower"))
-            where = f"abs error {error:.3g} within {MARGIN:g} x A/A floor {floor:.3g}"
-            if error > MARGIN * floor:  # (beyond it: as often as legacy's own are beyond theirs?)
-                beyond_aa, p_value, beyond = _exceedances(ab, aa, floor)
-                where = f"abs error {error:.3g} > {MARGIN:g} x A/A floor {floor:.3g}; {beyond}"
-                if p_value < TEST_LEVEL:
-                    return False, f"{name}: {where} < {TEST_LEVEL:g}"
-                # (held: legacy has not been seen beyond its own floor yet, or the counts cannot tell yet)
-                if not beyond_aa or len(ab) < MIN_TEST_SAMPLES or p_value < AS_OFTEN_LEVEL:
-                    return None, f"{name}: {where}: held until the counts tell"
-                where += f" >= {AS_OFTEN_LEVEL:g}: as often as legacy's own"
-            if len(ab) < MIN_TEST_SAMPLES or len(aa) < MIN_TEST_SAMPLES:  # (a shift inside the floor: unseen yet)
-                return None, (
-                    f"{name}: within {MARGIN:g} x A/A floor {floor:.3g}; the rank test needs {MIN_TEST_SAMPLES} "
-                    f"errors a side (A/B {len(ab)}, A/A {len(aa)})"
-                )
-            p_value = _greater(ab, aa)
-            test = f"{name}: Mann-Whitney A/B {len(ab)} vs A/A {len(aa)}, p={p_value:.3g}"
-            if p_value < TEST_LEVEL:
-                return False, f"{test} < {TEST_LEVEL:g}: upstream differs more than legacy differs from itself"
-            notes.append(f"{test}; {where}")
-        return True, "; ".join(notes)
+        return threshold
 
-    @staticmethod
-    def _window(
-        table: dict[tuple[str, str], collections.deque[float]], signature: str, leaf: str
-    ) -> collections.deque[float]:
-        window = table.get((signature, leaf))
-        if window is None:
-            window = table[(signature, leaf)] = collections.deque(maxlen=WINDOW)
-        return window
+    def _judged(self, signature: str, leaves: list[tuple[str, float]]) -> str:
+        thresholds = [(error, self._of(signature, leaf)) for leaf, error in leaves]
+        if any(error > 0 and threshold == 0 for error, threshold in thresholds):
+            return REAL
+        if not any(threshold > 0 for _, threshold in thresholds):
+            return ""  # (legacy never varied, and nothing differs: no noise to judge against)
+        return BEYOND if any(error > threshold for error, threshold in thresholds) else WITHIN
 
-
-def _greater(ab: list[float], aa: list[float]) -> float:
-    """One-sided Mann-Whitney U p-value that A/B errors are stochastically greater than A/A errors (1.0 where
-    either side has too few to say)."""
-    if len(ab) < MIN_TEST_SAMPLES or len(aa) < MIN_TEST_SAMPLES:
-        return 1.0
-    if max(ab) == min(ab) == max(aa) == min(aa):
-        return 1.0
-    from scipy.stats import mannwhitneyu  # (here: scipy.stats takes seconds to import, and few jobs run A/A)
-
-    return float(mannwhitneyu(ab, aa, alternative="greater").pvalue)
-
-
-def _exceedances(ab: list[float], aa: list[float], floor: float) -> tuple[int, float, str]:
-    """(the A/A errors beyond the floor of the others, the one-sided Fisher exact p-value that A/B errors exceed
-    ``MARGIN`` x ``floor`` (the A/A errors' floor) more often than each A/A error exceeds ``MARGIN`` times the
-    floor of the other A/A errors, the counts as text)."""
-    from scipy.stats import fisher_exact
-
-    ordered = np.sort(np.asarray(aa, dtype=np.float64))
-    n = len(ordered)
-    k = int(np.floor(FLOOR_QUANTILE * (n - 2)))  # (the floor's index among the n - 1 others, "lower")
-    others = np.where(np.arange(n) <= k, ordered[min(k + 1, n - 1)], ordered[k])  # (each one's floor without it)
-    beyond_aa = int(np.count_nonzero(ordered > MARGIN * others))
-    beyond_ab = sum(error > MARGIN * floor for error in ab)
-    table = [[beyond_ab, len(ab) - beyond_ab], [beyond_aa, n - beyond_aa]]
-    p_value = float(fisher_exact(table, "greater")[1])
-    return beyond_aa, p_value, f"beyond it A/B {beyond_ab}/{len(ab)} vs A/A {beyond_aa}/{n}, Fisher p={p_value:.3g}"
+    def _text(self, signature: str, leaves: list[tuple[str, float]]) -> str:
+        """The greatest leaf error against its threshold, as the judgement's text."""
+        error, leaf = max((e, leaf) for leaf, e in leaves)
+        threshold, name = self._of(signature, leaf), leaf or "output"
+        if threshold == 0:
+            runs = BURN_IN if (signature, leaf) in self._threshold else len(self._burn_in.get((signature, leaf), ()))
+            return f"{name}: abs error {error:.3g}; legacy repeated itself bitwise in its {runs} A/A runs"
+        where = "beyond" if error > threshold else "within"
+        return (
+            f"{name}: abs error {error:.3g} {where} its threshold {threshold:.3g} ({FACTOR:g} x the greatest of "
+            f"{BURN_IN} A/A errors)"
+        )

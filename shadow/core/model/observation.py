@@ -266,9 +266,18 @@ class Observation:
     aa_abs_error: float = 0.0
     aa_rel_error: float = 0.0
     aa_seconds: float = 0.0
-    #: For a value difference: the noise floor's test of it (A/A and A/B runs, Mann-Whitney p, the floor), whether
-    #: it made the outcome noise or not.
+    #: For a value difference: the noise floor's judgement of it (its greatest leaf error against that leaf's
+    #: threshold), whether it made the outcome noise or not.
     noise_test: str = ""
+    #: Where the call (``noise_check``), its A/A run (``aa_check``) and its backward comparison's gradients and their
+    #: A/A products (``grad_noise_check``, ``grad_aa_check``) stood against their signature's noise thresholds
+    #: (shadow.core.judging.noise): ``within``, ``beyond`` (an exceedance), or "" where none was judged (a burn-in not
+    #: over, a target that repeats itself bitwise, no A/A runs). The verdict bounds the rate of A/B exceedances beyond
+    #: the A/A rate with them.
+    noise_check: str = ""
+    aa_check: str = ""
+    grad_noise_check: str = ""
+    grad_aa_check: str = ""
     #: A backward comparison ran on this call (shadow.core.judging.gradients), and the time it took.
     backward: bool = False
     backward_seconds: float = 0.0
@@ -328,6 +337,17 @@ class Observation:
     def upstream_seconds(self) -> float:
         """The time upstream's run took, whichever side it ran as."""
         return self.shadow_seconds if self.primary == LEGACY else self.primary_seconds
+
+    @property
+    def noise_checks(self) -> tuple[tuple[str, str, str], ...]:
+        """(evidence, pair, check) of each of this call's runs judged against its noise thresholds: evidence
+        ``forward`` or ``gradients``, pair ``ab`` (legacy against upstream) or ``aa`` (legacy against itself), check
+        ``within`` or ``beyond``."""
+        judged = (
+            ("forward", "ab", self.noise_check), ("forward", "aa", self.aa_check),
+            ("gradients", "ab", self.grad_noise_check), ("gradients", "aa", self.grad_aa_check),
+        )  # fmt: skip
+        return tuple(check for check in judged if check[2])
 
     @property
     def backward_outcome(self) -> str:
@@ -395,6 +415,9 @@ class TargetStats:
     signature_calls: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     #: The most a sampled call's shadow side raised the accelerator's peak allocation, in bytes (0 on the host).
     shadow_peak_bytes: int = 0
+    #: Runs judged against their signature's noise thresholds, by ``evidence/pair/check`` (``forward/ab/beyond``: an
+    #: A/B exceedance; ``forward/aa/beyond``: legacy beyond its own threshold; shadow.core.judging.noise).
+    noise_checks: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def compared(self) -> int:

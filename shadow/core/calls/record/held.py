@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from shadow.core.judging.noise import NoiseFloor
+from shadow.core.judging.noise import PENDING, NoiseFloor
 from shadow.core.model.observation import Observation
 
 #: Value differences a target holds at most while its noise floor cannot judge them, in number and in bytes (more
@@ -44,15 +44,16 @@ class HeldDifferences:
             self._bytes += size
             return True
 
-    def judged(self, signature: str, noise: NoiseFloor) -> list[tuple[Observation, bool, str]]:
-        """The held differences of ``signature`` the floor can judge now, each let go with its judgement (whether
-        it is noise, the test as text); those it still cannot judge stay held."""
+    def judged(self, signature: str, noise: NoiseFloor) -> list[tuple[Observation, str, str]]:
+        """The held differences of ``signature`` the floor can judge now, each let go with its judgement (where it
+        stands against its thresholds: :mod:`shadow.core.judging.noise`'s checks, and the judgement as text); those
+        it still cannot judge stay held."""
         with self._lock:
             waiting = [o for o in self._held if o.signature == signature]
         found = []
         for observation in waiting:
-            noise_now, test = noise.judge(signature, observation.leaf_errors)
-            if noise_now is None:
+            check, test = noise.judge(signature, observation.leaf_errors)
+            if check == PENDING:
                 continue
             with self._lock:
                 left = [o for o in self._held if o is not observation]
@@ -60,7 +61,7 @@ class HeldDifferences:
                     continue  # (judged meanwhile on another thread)
                 self._held = left
                 self._bytes -= held_bytes(observation)
-            found.append((observation, noise_now, test))
+            found.append((observation, check, test))
         return found
 
     def release(self) -> list[Observation]:

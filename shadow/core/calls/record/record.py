@@ -15,7 +15,7 @@ from shadow.core.calls.gate.sampling import Sampling
 from shadow.core.calls.record import clusters as clustering
 from shadow.core.calls.record.exporting import call_hook
 from shadow.core.calls.record.held import HeldDifferences
-from shadow.core.judging.noise import NoiseFloor
+from shadow.core.judging.noise import BEYOND, WITHIN, NoiseFloor, evidence_of
 from shadow.core.model.observation import (
     DIVERGENT_OUTCOMES,
     OUTCOMES,
@@ -93,6 +93,7 @@ class Tally:
         shared: divergences legacy and upstream share (the single-device oracle's finding), by reason.
         oracle_runs, backward_runs, backward_skips, truth_runs: the extra runs made (and the backward comparisons
             that could not be made, by reason; the truth runs by which side was nearer).
+        noise_checks: runs judged against their noise thresholds, by ``evidence/pair/check``.
         clusters: the process's clusters of comparisons (:mod:`shadow.core.calls.record.clusters`).
         drilled: comparisons a fire drill corrupted.
         signatures_over_cap: calls whose signature counted as "other" (past the cap).
@@ -111,6 +112,7 @@ class Tally:
     backward_runs: int = 0
     backward_skips: collections.Counter[str] = dataclasses.field(default_factory=_counter)
     truth_runs: collections.Counter[str] = dataclasses.field(default_factory=_counter)
+    noise_checks: collections.Counter[str] = dataclasses.field(default_factory=_counter)
     clusters: clustering.Clusters = dataclasses.field(init=False)
     drilled: int = 0
     signatures_over_cap: int = 0
@@ -148,6 +150,8 @@ class Tally:
             self.backward_skips[observation.backward_skip] += 1
         if observation.nearer:
             self.truth_runs[observation.nearer] += 1
+        for check in observation.noise_checks:
+            self.noise_checks["/".join(check)] += 1
         return observation
 
     def skip_in_bulk(self, reason: str) -> None:
@@ -254,9 +258,13 @@ class Record:
         if failed:
             self.add("export_errors", failed)
         if (observation.aa or observation.backward) and not judged and len(self.held):  # (a floor grew)
-            for held, is_noise, test in self.held.judged(observation.signature, noise):
-                found = within_noise_floor(held, test) if is_noise else held
-                found = dataclasses.replace(found, noise_pending=False, noise_test=test, leaf_errors=())
+            for held, check, test in self.held.judged(observation.signature, noise):
+                found = within_noise_floor(held, test) if check == WITHIN else held
+                counted = check if check in (WITHIN, BEYOND) else ""
+                which = "grad_noise_check" if evidence_of(held.leaf_errors) == "gradients" else "noise_check"
+                found = dataclasses.replace(
+                    found, noise_pending=False, noise_test=test, leaf_errors=(), **{which: counted}
+                )
                 self.publish(found, noise, True)
 
     def defer(self, deferred: Deferred, noise: NoiseFloor) -> None:
@@ -326,6 +334,7 @@ class Record:
                 noise_pending=len(self.held),
                 backward_skips=dict(tally.backward_skips),
                 truth_runs=dict(tally.truth_runs),
+                noise_checks=dict(tally.noise_checks),
                 clusters=tally.clusters.count,
                 drilled=tally.drilled,
                 signatures_over_cap=tally.signatures_over_cap,

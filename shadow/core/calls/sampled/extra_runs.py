@@ -20,6 +20,7 @@ from shadow.core.calls.sampled import guards
 from shadow.core.calls.sampled.plan import AA, BACKWARD, BACKWARD_AA, ORACLE, SHADOW, CallContext, Plan, Run
 from shadow.core.judging.compare import Comparison, compare, compare_exceptions
 from shadow.core.judging.gradients import GradientComparison, compare_gradients, names_of, vjp
+from shadow.core.judging.noise import BEYOND, PENDING, WITHIN
 from shadow.core.judging.truth import in_float64, judge, judge_both, run_upcast
 from shadow.core.model.observation import SHARED_DIVERGENCE_REASONS, Outcome, bounded, within_noise_floor
 from shadow.core.model.tolerance import ToleranceSpec
@@ -160,20 +161,23 @@ class ExtraRuns:
     def _judged_by_floor(
         self, found: Comparison, compared: Comparison, floor: Comparison | None, fields: dict[str, Any]
     ) -> tuple[Comparison, dict[str, Any]]:
-        """The gradients' comparison against their floor: noise, held, or a ``grad`` mismatch."""
+        """The gradients' comparison against their thresholds (:mod:`shadow.core.judging.noise`): noise, held, or a
+        ``grad`` mismatch; the gradients' A/A products (``floor``) fix the thresholds, then are judged against them,
+        as the A/B products are (``grad_aa_check``, ``grad_noise_check``)."""
         plan = self.plan
         noise = self.context.noise
         if floor is not None and floor.value_only:
             differs = floor.outcome != Outcome.MATCH.value
-            noise.add_aa(plan.signature, floor.leaf_errors, floor.max_rel_error, differs, summarize=False)
-        if compared.value_only:
-            noise.add_ab(plan.signature, compared.leaf_errors)
-        if compared.outcome != Outcome.MISMATCH.value:
-            return found, fields
-        judged, test = False, ""
+            check = noise.add_aa(plan.signature, floor.leaf_errors, floor.max_rel_error, differs, summarize=False)
+            fields["grad_aa_check"] = _beyond_only_as_mismatch(check, floor.outcome)
+        judged, test = "", ""
         if compared.value_only and BACKWARD_AA in plan.slots:  # (no A/A runs: no floor, nothing is noise)
             judged, test = noise.judge(plan.signature, compared.leaf_errors)
-        if judged:
+            if judged in (WITHIN, BEYOND):
+                fields["grad_noise_check"] = _beyond_only_as_mismatch(judged, compared.outcome)
+        if compared.outcome != Outcome.MISMATCH.value:
+            return found, fields
+        if judged == WITHIN:
             return within_noise_floor(found, test), {**fields, "noise_test": test}
         detail = "; ".join(part for part in (compared.detail, found.detail) if part)
         found = dataclasses.replace(
@@ -181,8 +185,10 @@ class ExtraRuns:
             max_abs_error=max(found.max_abs_error, compared.max_abs_error),
             max_rel_error=max(found.max_rel_error, compared.max_rel_error),
         )  # fmt: skip
-        if judged is None:  # (held until the gradients' floor can judge it: neither noise nor a mismatch meanwhile)
+        if judged == PENDING:  # (held until the gradients' burn-in ends: neither noise nor a mismatch meanwhile)
             fields.update(noise_test=test, noise_pending=True, leaf_errors=compared.leaf_errors)
+        elif test:
+            fields["noise_test"] = test
         return found, fields
 
     def truth(self, args: tuple, kwargs: dict, legacy: Any, upstream: Any) -> dict[str, Any]:
@@ -237,12 +243,15 @@ class ExtraRuns:
                 return {}
             if ran.error is not None:
                 raise ran.error
-            found = compare(legacy.value, ran.value, tolerance=context.tolerance, exact=True)
+            found = compare(legacy.value, ran.value, tolerance=context.tolerance)
             differs = found.outcome != Outcome.MATCH
             abs_error = found.max_abs_error if differs else 0.0
             rel_error = found.max_rel_error if differs else 0.0
-            context.noise.add_aa(plan.signature, found.leaf_errors, rel_error, differs)
-            return {"aa": True, "aa_abs_error": abs_error, "aa_rel_error": rel_error}
+            check = context.noise.add_aa(plan.signature, found.leaf_errors, rel_error, differs)
+            return {
+                "aa": True, "aa_abs_error": abs_error, "aa_rel_error": rel_error,
+                "aa_check": _beyond_only_as_mismatch(check, found.outcome),
+            }  # fmt: skip
 
         return self._guarded(AA, aa)
 
@@ -338,6 +347,15 @@ def _gradients_compared(
     if _any_sparse(ran.value) or _any_sparse(theirs.value):
         return None, "sparse"
     return compare_gradients(ran.value, theirs.value, names, tolerance), ""
+
+
+def _beyond_only_as_mismatch(check: str, outcome: str) -> str:
+    """A check of legacy's own A/A run (or of an A/B comparison) as the verdict counts it: ``beyond`` only where the
+    run also differs beyond the tolerance (an A/B call within it is no mismatch, so neither is an A/A run: both sides
+    are counted alike), ``within`` otherwise, "" where it was not judged."""
+    if check == BEYOND and outcome != Outcome.MISMATCH.value:
+        return WITHIN
+    return check
 
 
 def _value_difference(found: Comparison) -> bool:

@@ -12,6 +12,7 @@ import torch
 
 from shadow.core.calls.sampled.guards import failed
 from shadow.core.calls.sampled.plan import CallContext, Plan, Run
+from shadow.core.judging import noise
 from shadow.core.judging.compare import (
     Comparison,
     PendingComparison,
@@ -54,17 +55,17 @@ class PendingFinding:
     def ready(self) -> bool:
         return not isinstance(self.comparison, PendingComparison) or self.comparison.ready()
 
-    def finish(self) -> tuple[Comparison, str, bool]:
-        """(the finding, the noise test as text, whether it is pending): the comparison (with both runs' autocast
-        state where they mismatch), the settings and module attributes each run left, and a value difference
-        held against the noise floor (:func:`within_noise`)."""
+    def finish(self) -> tuple[Comparison, str, bool, str]:
+        """(the finding, the noise test as text, whether it is pending, where it stood against the noise
+        thresholds): the comparison (with both runs' autocast state where they mismatch), the settings and module
+        attributes each run left, and a value difference held against the noise floor (:func:`within_noise`)."""
         found = self.comparison if isinstance(self.comparison, Comparison) else self.comparison.finish()
         if found.outcome == Outcome.MISMATCH and self.autocast:
             found = dataclasses.replace(found, detail=bounded(f"{found.detail} | {self.autocast}"))
         if self.differences:
             found = with_state(found, self.differences)
         if self.drilled:
-            return found, "", False
+            return found, "", False, ""
         return within_noise(self.context, self.signature, found)
 
 
@@ -76,8 +77,9 @@ def judge(
     left: tuple | None,
     may_defer: bool = False,
     drilled: bool = False,
-) -> tuple[Comparison, str, bool] | PendingFinding:
-    """(the finding, the noise test as text, whether it is pending) of two runs of one call (``arguments``: what
+) -> tuple[Comparison, str, bool, str] | PendingFinding:
+    """(the finding, the noise test as text, whether it is pending, where it stood against the noise thresholds) of
+    two runs of one call (``arguments``: what
     legacy and upstream received; ``runs`` and ``left``: their results and the settings each left, legacy's and
     upstream's, ``left`` None where neither left one changed): compared, with the settings and module attributes
     each left, and a value difference held against the noise floor (:func:`within_noise`). Where it ``may_defer``
@@ -128,26 +130,29 @@ def module_differences(context: CallContext, plan: Plan) -> dict[str, tuple[str,
     return found
 
 
-def within_noise(context: CallContext, signature: str, found: Comparison) -> tuple[Comparison, str, bool]:
-    """(the comparison, the noise test as text, whether it is pending): a value mismatch (nothing else) is
-    reported as noise while the noise floor says legacy differs from itself as much
-    (:mod:`shadow.core.judging.noise`),
-    and is pending while the floor cannot judge it yet (too few A/A runs: the engine holds it until it can).
-    Anything beyond the floor, or of another kind, stays a mismatch. Every value comparison's errors join the
-    A/B sample."""
-    if context.coins.aa is None:  # (no A/A runs: no floor, nothing is noise, and no sample is kept)
-        return found, "", False
-    noise_floor = context.noise
-    if found.outcome in (Outcome.MATCH, Outcome.CLOSE) or set(found.reasons) == {"value"}:
-        noise_floor.add_ab(signature, found.leaf_errors)
-    if found.outcome != Outcome.MISMATCH or set(found.reasons) != {"value"}:
-        return found, "", False
-    noise, test = noise_floor.judge(signature, found.leaf_errors)
-    if noise is None:
-        return found, test, True
-    if not noise:
-        return found, test, False
-    return within_noise_floor(found, test), test, False
+def within_noise(context: CallContext, signature: str, found: Comparison) -> tuple[Comparison, str, bool, str]:
+    """(the comparison, the noise test as text, whether it is pending, where the call stood against its signature's
+    noise thresholds: ``within``, ``beyond`` or "" where it was not judged): with A/A runs on, a comparison of value
+    (a match, a close, a value mismatch) is judged against the thresholds its signature's A/A burn-in fixed
+    (:mod:`shadow.core.judging.noise`): a value mismatch within them is noise, beyond them stays a mismatch (an
+    exceedance, counted as such), and one on a leaf whose burn-in is not over is held (pending) until it is. A
+    difference of another kind is never noise. Without A/A runs nothing is noise and nothing is judged."""
+    if context.coins.aa is None:  # (no A/A runs: no floor, nothing is noise, nothing judged)
+        return found, "", False, ""
+    mismatch = found.outcome == Outcome.MISMATCH
+    of_value = found.outcome in (Outcome.MATCH, Outcome.CLOSE) or (mismatch and set(found.reasons) == {"value"})
+    if not of_value:
+        return found, "", False, ""
+    check, test = context.noise.judge(signature, found.leaf_errors)
+    if check == noise.PENDING:
+        return found, test, mismatch, ""  # (a match or a close before the burn-in ends: not judged, nothing held)
+    if check == noise.REAL or not check:
+        return found, test if mismatch else "", False, ""
+    if check == noise.BEYOND and mismatch:
+        return found, test, False, noise.BEYOND  # (an exceedance: a mismatch, counted, never called noise)
+    if mismatch:
+        return within_noise_floor(found, test), test, False, noise.WITHIN
+    return found, "", False, noise.WITHIN  # (a match, or a close within the tolerance: no exceedance)
 
 
 def evidence(context: CallContext, arguments: tuple[tuple, dict], legacy: Run, upstream: Run) -> Evidence:

@@ -248,7 +248,6 @@ def plan(context: CallContext, args: tuple, kwargs: dict, modules: list[torch.nn
     before = TorchGlobals()
     plain = context.plain  # (the extra runs are for plain functions of tensors only)
     oracle = plain and coins.oracle is not None and ("=on/" in autocast or coins.oracle.flip())
-    aa = plain and coins.aa is not None and coins.aa.flip()
     drawn = (
         plain
         and target.isolate
@@ -258,6 +257,8 @@ def plan(context: CallContext, args: tuple, kwargs: dict, modules: list[torch.nn
     )
     if signature is None:
         signature = context.classifier.admit(label_text(str(_raw_signature(context, args, kwargs)), 64))
+    # (an A/A run on every sampled call of a signature until its burn-in fixed its noise thresholds: then at the rate)
+    aa = plain and coins.aa is not None and (coins.aa.flip() or context.noise.burning(signature))
     backward_skip = ""
     if drawn and not torch.is_grad_enabled():
         backward_skip = "no_grad"

@@ -168,8 +168,8 @@ class ShadowSide:
             return DeferredObservation(
                 finding, plan.signature, {**common, "compare_seconds": time.perf_counter() - start}
             )
-        found, noise_test, pending = finding
-        fields: dict[str, Any] = {**common, **aa, "compare_seconds": time.perf_counter() - start}
+        found, noise_test, pending, check = finding
+        fields: dict[str, Any] = {**common, **aa, "compare_seconds": time.perf_counter() - start, "noise_check": check}
         leaf_errors = tuple(found.leaf_errors) if pending else ()
         if extra is not None:  # (the extra runs the plan drew, and a truth run a difference may draw)
             found, extra_fields = extra.after_comparing(args, kwargs, runs, primary, found, returned)
@@ -335,12 +335,12 @@ class DeferredObservation:
 
     def observation(self) -> Observation:
         """The observation, once the comparison is read (waiting for the device where it has not finished)."""
-        found, noise_test, pending = self.finding.finish()
+        found, noise_test, pending, check = self.finding.finish()
         leaf_errors = tuple(found.leaf_errors) if pending else ()
         context = self.finding.context
         return Observation.compared(
             context.target.name, found, self.signature, context.primary, noise_test=noise_test, noise_pending=pending,
-            leaf_errors=leaf_errors, **self.fields,
+            leaf_errors=leaf_errors, noise_check=check, **self.fields,
         )  # fmt: skip
 
     def failed(self, failure: BaseException) -> Observation:
