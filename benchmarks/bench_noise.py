@@ -4,11 +4,12 @@ wrong on a fraction of the calls.
 
 Each comparison's error is a draw of the jitter: lognormal(0, sigma) times 1e-4 (the A/A runs' and the honest A/B
 calls' alike, both sides jittering); on a wrong call upstream's error is ``size`` times its draw. Every call is judged
-by the tool's own noise floor (``shadow.core.judging.noise.NoiseFloor``: the burn-in, an A/A run on every call
-until it ends, its thresholds, the checks), the calls before a signature's burn-in ends are held (up to
-``record.held.MAX_PENDING``, the rest skipped as ``noise_pending``, as the engine does) and judged when it ends, and every look is decided by
-``shadow.analysis.verdict.decide_phase`` itself, each comparison its own cluster. A run ends at its first
-decisive look (promote or rollback: the decision a rollout acts on), looking every 500 calls up to 20,000.
+by the tool's own noise floor (``shadow.core.judging.noise.NoiseFloor``: the burn-in, an A/A run on every call until
+it ends, its thresholds, the checks); the calls before a signature's burn-in ends are held (up to
+``record.held.MAX_PENDING``, the rest skipped as ``noise_pending``, as the engine does) and judged when it ends; and
+every look is decided by ``shadow.analysis.verdict.decide_phase`` itself, each comparison its own cluster. A run
+ends at its first decisive look (promote or rollback: the decision a rollout acts on), looking every 500 calls up to
+20,000.
 
 Columns: sigma, A/A rate (the launcher's default 0.05, or 1), the real divergence (rate and size; 0: honest), then
 the share of runs promoted, rolled back, inconclusive at the end, the median detection limit stated at the end, and
