@@ -72,16 +72,7 @@ def shadowed(targets: Any, **options: Any) -> tuple[Any, Recorder]:
 
 
 def counts_of(stats):
-    """The verdict's counts of a monitor's stats of one target (one signature, legacy's phase): its outcomes, their
-    reasons and the runs judged against noise thresholds."""
+    """The verdict's counts of a monitor's stats of one target (:func:`shadow.analysis.verdict.from_stats`)."""
     from shadow.analysis import verdict
 
-    counts = verdict.TargetCounts()
-    for outcome in ("match", "close", "noise", "mismatch", "error"):
-        if getattr(stats, outcome):
-            counts.add_outcome("call", outcome, getattr(stats, outcome))
-    for reason, value in stats.by_reason.items():
-        counts.add_reason(reason, value)
-    for key, value in stats.noise_checks.items():
-        counts.add_noise(*key.split("/"), value)
-    return counts
+    return verdict.from_stats(stats)

@@ -83,3 +83,15 @@ def test_patch_call_benchmark_runs_and_reports_each_place():
         assert f"counted / bare call of {place}: " in out
     for target in ("tensor_repr", "torch_save", "storage_cpu"):
         assert f"unsampled / bare call of target {target}: " in out
+
+
+def test_the_noise_benchmark_decides_each_cell_and_checks_its_goals():
+    """At its smoke size: an honest run at sigma 0.5 with an A/A run on every call promotes, a real divergence of
+    1,000x on 5% of calls at sigma 1.5 rolls back, 20x at the defaults never promotes, and every goal holds."""
+    out = run_quick("bench_noise.py")
+    rows = {" ".join(line.split()[:5]): line.split() for line in out.splitlines() if line[:1].isdigit()}
+    assert rows["0.5 1.0 honest (0%) 100%"], out  # (promoted, every run)
+    assert rows["1.5 1.0 5.0% x 1000"][5:7] == ["0%", "100%"], out  # (never promoted, rolled back)
+    assert rows["1.5 0.05 5.0% x 20"][5] == "0%", out  # (never promoted)
+    assert all(f"{goal}: met" in out for goal in ("(a)", "(b)", "(c)")), out
+    assert "(d) honest runs promote >= 80% where the limit is below the max rate: met" in out, out

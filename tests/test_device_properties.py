@@ -198,7 +198,10 @@ def test_the_device_check_validates_the_emulated_npu_and_writes_its_bundle(tmp_p
     bundle = json.loads((out / "device-check.json").read_text())
     assert bundle["device"].startswith("emulated npu") and bundle["bitwise_holds"]
     assert bundle["doctor"]["exit"] == 0
-    assert bundle["nondeterministic"]["compared"] > 0 and bundle["nondeterministic"]["counts"]["parallel_apply"]
+    assert bundle["nondeterministic"]["counts"]["parallel_apply"]["calls"] > 0
+    noise = bundle["noise"]  # (a real divergence under heavy-tailed noise: seen where it is above the size limit)
+    assert noise["holds"] and noise["wrong 1000x"]["decision"] == "rollback", noise
+    assert noise["honest"]["decision"] != "rollback" and noise["wrong 20x"]["decision"] != "promote"
     for arm in ("defaults", "rate_0.01", "rate_1"):
         assert bundle["cost"][arm]["step_ratio"] > 0 and bundle["cost"][arm]["memory_ratio"] >= 1.0
     assert bundle["sampled_call"]["sync_counter"] == "emulated npu"

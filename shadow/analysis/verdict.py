@@ -312,6 +312,22 @@ class TargetCounts:
         )
 
 
+def from_stats(stats: Any, primary: str = LEGACY) -> TargetCounts:
+    """A monitor's counts of one target (:class:`~shadow.core.model.observation.TargetStats`) as the verdict reads
+    them: its outcomes (one stratum), their reasons and its runs judged against noise thresholds, in ``primary``'s
+    phase. (A process's own look at its evidence: without clusters, each comparison one.)"""
+    counts = TargetCounts()
+    for outcome in COMPARED_OUTCOMES:
+        if getattr(stats, outcome):
+            counts.add_outcome("", outcome, getattr(stats, outcome), primary)
+    for reason, value in stats.by_reason.items():
+        if reason not in NONRESPONSE_REASONS and reason != "budget":
+            counts.add_reason(reason, value, primary)
+    for key, value in stats.noise_checks.items():
+        counts.add_noise(*key.split("/"), value, primary)
+    return counts
+
+
 @dataclasses.dataclass(frozen=True)
 class PhaseDecision:
     """The decision on one phase of a target, with the numbers behind it."""

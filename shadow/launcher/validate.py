@@ -10,8 +10,11 @@ What it runs, on a small CNN in ``nn.DataParallel`` (two device ids: the same de
 - training under deterministic kernels, unwrapped against shadowed at rate 1 with every extra run (A/A, oracle,
   backward, truth), at the launcher's defaults, and in the canary phase (against an unwrapped run of upstream):
   bitwise the same, or the check fails (exit 1);
-- training under nondeterministic kernels (``cudnn.benchmark``; the emulated npu's nondeterministic reductions) at
-  rate 1 with A/A and backward runs: the mismatches an honest job would count (goal 0);
+- training under nondeterministic kernels (``cudnn.benchmark``; the emulated npu's nondeterministic reductions, with
+  a heavy tail) at rate 1 with A/A and backward runs: what an honest job counts;
+- a real divergence under that noise (a convolution's weight gradient; upstream honest, then wrong on 5% of calls by
+  20 and by 1,000 times its own jitter): the honest run never rolled back, the wrong ones never promoted, each with
+  the detection limit the verdict states;
 - step time and peak device memory against the unwrapped run at the defaults, at 1% and at 100%;
 - the host synchronizations a sampled call makes on the caller's thread, and its host time with the device queue
   full, against an unsampled call;
@@ -54,9 +57,15 @@ class Sizes:
 SMALL = Sizes(steps=6, batch=8, image=8, timed_steps=8, comparator_elements=1 << 20)
 FULL = Sizes(steps=40, batch=64, image=32, timed_steps=30, comparator_elements=16 << 20)
 #: The emulated npu's properties where no real device is present: a queue, and reductions as nondeterministic
-#: as a device's backward was seen to be (about 2e-4 of an element, an H200 under cudnn.benchmark).
+#: as a device's backward was seen to be (about 2e-4 of an element, an H200 under cudnn.benchmark), with the heavy
+#: tail of a device's spread from call to call (a lognormal's sigma).
 EMULATED = "kernel_time=50us"
 NONDETERMINISTIC = 2e-4
+TAIL = 1.5
+#: The noise case: calls of each run (after the burn-in's), the wrong share of the divergent ones and their sizes
+#: (times upstream's own jitter: 20x, below what the noise lets a call be seen at, and 1,000x, above it).
+NOISE_CALLS = {"small": 600, "full": 3_000}
+NOISE_WRONG, NOISE_SIZES = 0.05, (20.0, 1000.0)
 
 
 class _Net(nn.Module):
@@ -137,12 +146,14 @@ def _kernels(device: Device, deterministic: bool) -> Iterator[None]:
         from shadow.npu import emulated
 
         emulated.set_nondeterministic(0.0 if deterministic else NONDETERMINISTIC)
+        emulated.set_tail(0.0 if deterministic else TAIL)
     try:
         yield
     finally:
         backends.deterministic, backends.benchmark = before
         if emulated is not None:
             emulated.set_nondeterministic(0.0)
+            emulated.set_tail(0.0)
 
 
 @dataclasses.dataclass
@@ -246,6 +257,59 @@ def check_nondeterministic(device: Device, sizes: Sizes) -> dict[str, Any]:
         "compared": sum(c["compared"] for c in counts.values()),
         "counts": counts,
     }
+
+
+def _weight_gradient(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """A convolution's weight gradient: a reduction a device computes nondeterministically (atomics, the algorithm
+    cuDNN's benchmark mode picks; the emulated npu's nondeterministic reductions)."""
+    return torch.nn.grad.conv2d_weight(x, weight.shape, grad, padding=1)
+
+
+def check_noise(device: Device, sizes: Sizes) -> dict[str, Any]:
+    """A real divergence under the device's noise: a convolution's weight gradient, legacy against upstream at rate
+    1 with an A/A run on every call, upstream honest, then wrong on ``NOISE_WRONG`` of its calls by each of
+    ``NOISE_SIZES`` times its own jitter (that many times the difference between two of its runs). The verdict on
+    each run's counts (each comparison a cluster): the honest one must not roll back, the wrong ones must not
+    promote; each with the detection limit it states."""
+    import random
+    import types
+
+    from shadow.analysis import verdict
+    from shadow.core.judging import noise
+    from shadow.core.model.target import Target
+
+    calls = noise.BURN_IN + NOISE_CALLS["small" if sizes == SMALL else "full"]
+    torch.manual_seed(0)
+    on = f"{device.type}:0"
+    x, weight = torch.randn(8, 3, 16, 16, device=on), torch.randn(16, 3, 3, 3, device=on)
+    grad = torch.randn(8, 16, 16, 16, device=on)
+    draws = random.Random(7)  # (the wrong calls' draws: the target's own, no generator of the job's)
+    found: dict[str, Any] = {}
+    with _kernels(device, deterministic=False):
+        cases = [("honest", 0.0, 0.0)] + [(f"wrong {size:g}x", NOISE_WRONG, size) for size in NOISE_SIZES]
+        for name, wrong, size in cases:
+
+            def upstream(x: Any, weight: Any, grad: Any, wrong: float = wrong, size: float = size) -> Any:
+                result = _weight_gradient(x, weight, grad)
+                if draws.random() < wrong:
+                    result = result + size * (result - _weight_gradient(x, weight, grad))
+                return result
+
+            owner = types.SimpleNamespace(op=_weight_gradient)
+            target = Target("weight_gradient", owner, "op", upstream, isolate=False, signature=lambda a, k: "call")
+            with install([target], sample_rate=1.0, aa_rate=1.0, seed=1, budget=None, deadline=None) as monitor:
+                for _ in range(calls):
+                    owner.op(x, weight, grad)
+                stats = monitor.stats()["weight_gradient"]
+            decided = verdict.decide("weight_gradient", verdict.from_stats(stats), verdict.DEFAULT_MAX_RATE)
+            found[name] = {
+                "calls": calls, "decision": decided.decision, "detection_limit": decided.detection_limit,
+                "lower": decided.lower, "upper": decided.upper, "noise_checks": dict(stats.noise_checks),
+                "mismatch": stats.mismatch, "why": decided.why, "size_limit": decided.size_limit,
+            }  # fmt: skip
+    wrong = [found[name]["decision"] != verdict.PROMOTE for name, _, size in cases if size]
+    found["holds"] = found["honest"]["decision"] != verdict.ROLLBACK and all(wrong)
+    return found
 
 
 def check_cost(device: Device, sizes: Sizes) -> dict[str, Any]:
@@ -386,6 +450,7 @@ def run_checks(sizes: Sizes, emulated_device: str | None = None) -> dict[str, An
     for name, check in (
         ("bitwise", check_bitwise),
         ("nondeterministic", check_nondeterministic),
+        ("noise", check_noise),
         ("cost", check_cost),
         ("sampled_call", check_sampled_call),
         ("comparator", check_comparator),
@@ -429,6 +494,19 @@ def markdown(bundle: dict[str, Any]) -> str:
             "0",
         ),
     ]
+    wrong = [(f"wrong {size:g}x", "not promote") for size in NOISE_SIZES]
+    for name, goal in [("honest", "not rollback"), *wrong]:
+        case = bundle["noise"][name]
+        checks = case["noise_checks"]
+        beyond, within = checks.get("forward/ab/beyond", 0), checks.get("forward/ab/within", 0)
+        aa = checks.get("forward/aa/beyond", 0)
+        what = "honest" if name == "honest" else f"wrong on {NOISE_WRONG:.0%} of calls by {name[6:]} its jitter"
+        rows.append(row(
+            f"under noise, upstream {what} ({case['calls']} calls, A/A every call)",
+            f"{case['decision']}: {beyond} beyond of {beyond + within} (A/A {aa}), detection limit "
+            f"{case['detection_limit']:.3g}",
+            goal,
+        ))  # fmt: skip
     for arm, goal_step, goal_memory in (("defaults", "<= 1.05x", "<= 1.3x"), ("rate_0.01", "", ""), ("rate_1", "", "")):
         figures = cost[arm]
         rows.append(row(f"step time at {arm} / unwrapped", f"{figures['step_ratio']:.3f}x", goal_step))

@@ -38,6 +38,7 @@ from shadow.npu.emulated import collectives, device, rnn
 __all__ = [
     "DeviceProperties", "EmulatorUnavailable", "build", "build_directory", "host_syncs", "install", "installed_devices",
     "leaf_statistics", "set_kernel_time", "set_memory_capacity", "set_nondeterministic", "set_properties",
+    "set_tail",
 ]  # fmt: skip
 
 EXTENSION_NAME = "npu_shadow_emulated_npu"
@@ -301,6 +302,15 @@ def set_nondeterministic(relative: float) -> None:
     _installed_backend().set_nondeterministic(float(relative))
 
 
+def set_tail(sigma: float) -> None:
+    """Give the nondeterministic reductions a heavy tail (0: off): each kernel's variation is the relative size of
+    :func:`set_nondeterministic` times a lognormal(0, ``sigma``) draw of its own (1.5: most calls a fraction of it,
+    one in fifty beyond 20 times their median), as a device's spread varies from call to call."""
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not 0 <= sigma <= 5:
+        raise ValueError(f"a nondeterministic tail is a lognormal's sigma in [0, 5], got {sigma!r}")
+    _installed_backend().set_tail(float(sigma))
+
+
 def host_syncs() -> tuple[int, int]:
     """(host synchronizations, device-to-host copies) the calling thread has made on the emulated npu since it
     started: every wait for the device (a blocking copy either way, a scalar read, an op whose result the host
@@ -330,6 +340,7 @@ def set_properties(properties: DeviceProperties) -> None:
     set_memory_capacity(properties.capacity)
     set_kernel_time(properties.kernel_time)
     set_nondeterministic(properties.nondeterministic)
+    set_tail(properties.tail)
 
 
 def install(devices: int = 2, seed: int = 67280421310721) -> int:

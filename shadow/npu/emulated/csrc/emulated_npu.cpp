@@ -191,8 +191,11 @@ struct Event {
 // On a device, reductions that accumulate with atomics or pick their algorithm at run time (convolutions under
 // cudnn.benchmark, backward's reductions) are not bitwise repeatable: their last bits vary from run to run. With a
 // relative size set (0: off), the emulator perturbs the floating results of such kernels by up to that much of
-// each element, from a generator of its own (never the job's), unless deterministic algorithms are asked for.
+// each element, from a generator of its own (never the job's), unless deterministic algorithms are asked for. With a
+// tail (a lognormal's sigma, 0: off), each kernel's size is that times a lognormal(0, tail) draw of its own: the
+// heavy-tailed spread a device's reductions show from call to call (most calls tiny, a few far larger).
 std::atomic<double> g_nondeterministic{0.0};
+std::atomic<double> g_tail{0.0};
 
 const std::unordered_set<std::string>& nondeterministic_ops() {
   // (by name, every overload: structured ops reach a backend as their out= variants, sum.IntList_out say)
@@ -214,6 +217,11 @@ at::Generator& jitter_generator() {
 void jitter(const at::Tensor& tensor, double relative) {
   if (!tensor.defined() || tensor.device().type() != kNpu || !tensor.is_floating_point() || tensor.numel() == 0) {
     return;
+  }
+  const double tail = g_tail.load(std::memory_order_relaxed);
+  if (tail > 0) {
+    thread_local std::mt19937_64 spread_engine{std::random_device{}()};
+    relative = std::min(relative * std::lognormal_distribution<double>(0.0, tail)(spread_engine), 0.5);
   }
   auto host = host_alias(tensor);
   auto noise = at::empty(host.sizes(), host.options().dtype(at::kFloat)).uniform_(-relative, relative, jitter_generator());
@@ -1012,6 +1020,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_nondeterministic", [](double relative) { g_nondeterministic.store(relative); },
         "The relative size of nondeterministic reductions' variation (0: off).");
   m.def("nondeterministic", [] { return g_nondeterministic.load(); });
+  m.def("set_tail", [](double sigma) { g_tail.store(sigma); },
+        "The sigma of the lognormal spread of each nondeterministic kernel's size (0: off).");
   m.def("manual_seed", &manual_seed);
   m.def("initial_seed", &initial_seed);
   m.def("leaf_statistics", &leaf_statistics,
