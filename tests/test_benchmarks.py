@@ -93,5 +93,5 @@ def test_the_noise_benchmark_decides_each_cell_and_checks_its_goals():
     assert rows["0.5 1.0 honest (0%) 100%"], out  # (promoted, every run)
     assert rows["1.5 1.0 5.0% x 1000"][5:7] == ["0%", "100%"], out  # (never promoted, rolled back)
     assert rows["1.5 0.05 5.0% x 20"][5] == "0%", out  # (never promoted)
-    assert all(f"{goal}: met" in out for goal in ("(a)", "(b)", "(c)")), out
-    assert "(d) honest runs promote >= 80% where the limit is below the max rate: met" in out, out
+    goals = [line for line in out.splitlines() if line.startswith("(")]
+    assert len(goals) == 5 and all(line.endswith(": met") for line in goals), out
