@@ -368,6 +368,11 @@ PROMOTION_CASES = [
         "burst": {("legacy", "a"): (10, 50)},
     },
     {
+        "name": "clean, but judged against a device's noise thresholds: the verdict alone decides",
+        "phases": {"legacy": CLEAN},
+        "noise": {("legacy", "forward", "aa", "within"): 5, ("legacy", "forward", "ab", "within"): 100},
+    },
+    {
         "name": "tensor_type whose job took a risky signature, compared too rarely",
         "target": "tensor_type",
         "phases": {"legacy": {"dtype/cpu/blocking": (1000, 100, 0), "npu_name/noncurrent/blocking": (1, 0.1, 0)}},
@@ -406,6 +411,8 @@ def promotion_case(spec: dict) -> dict:
                  outcome="mismatch")  # fmt: skip
     for (primary, reason), per_minute in spec.get("hard", {}).items():
         grow("npu_shadow_mismatches_total", per_minute, primary=primary, reason=reason)
+    for (primary, evidence, pair, check), per_minute in spec.get("noise", {}).items():
+        grow("npu_shadow_noise_checks_total", per_minute, primary=primary, evidence=evidence, pair=pair, check=check)
     if spec.get("rollbacks"):
         grow("npu_shadow_rollbacks_total", spec["rollbacks"], source="http")
     for (primary, signature), (burst, per_minute) in spec.get("burst", {}).items():  # (the last minutes to EVAL)

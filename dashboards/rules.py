@@ -40,6 +40,7 @@ from dashboards.series import (
     HARD_REASONS,
     LEGACY_TIME,
     MISMATCHES,
+    NOISE_CHECKS,
     PRIMARY_TIME,
     RESETS,
     ROLLBACKS,
@@ -485,6 +486,9 @@ def _alerting_rules() -> list[dict]:
             f" unless on (job, run, target) ({called} > 0 unless {ON_SIGNATURE} {compared} > 0)"
             # never after a rollback (a person's reset and fresh evidence: judge a window after it)
             f" unless on (job, run, target) {ROLLED_BACK}"
+            # never under a device's noise: its bound on the excess over legacy's own A/A rate, and the detection
+            # limit a promote needs below the max rate too, are the verdict's alone (beyond PromQL)
+            f" unless on (job, run, target) sum by (job, run, target) ({NOISE_CHECKS}) > 0"
             # every risky signature of a built-in target compared as often as the verdict asks
             f" unless on (job, run, target) ({_risky_uncovered()})",
             "info",

@@ -25,6 +25,7 @@ PRIMARY = contract.PRIMARY.prometheus_name
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
 NOISE_FLOOR = contract.NOISE_FLOOR.prometheus_name
 AA_RUNS = contract.AA_RUNS.series
+NOISE_CHECKS = contract.NOISE_CHECKS.series
 BACKWARD_RUNS = contract.BACKWARD_RUNS.series
 TRUTH_RUNS = contract.TRUTH_RUNS.series
 ARM_ITERATORS = contract.ARM_ITERATORS.series

@@ -17,6 +17,7 @@ import shadow
 from dashboards import grafana_dashboard, rule_cases, rules
 from exporters import PrometheusExporter, contract
 from shadow.core.calls.canary.arms import ArmRun
+from shadow.core.model.observation import Observation
 
 PROMETHEUS_DIR = rules.RULES_PATH.parent
 GRAFANA_DIR = grafana_dashboard.DASHBOARD_PATH.parent
@@ -127,8 +128,10 @@ def scraped_metric_names():
         backward_rate=1.0,
         truth_rate=1.0,
     ):
-        for i in range(12):  # (the noise floor judges a value difference once it has 10 A/A runs)
+        for i in range(12):  # (legacy repeats itself: a difference is real once it did so 10 times)
             ops.op(torch.tensor([float(i)], requires_grad=True))
+    # (a call judged against a noisy target's thresholds, as one is once its burn-in's 200 A/A runs are made)
+    exporter.export(Observation("op", "noise", noise_check="within", aa_check="within"))
     exporter.export_arm(ArmRun("dataloader_init", "legacy", 0.0, ((0,),), (0, 1), (0,), (0, 1), 0.1, 0.2, 3, 10.0))
     text = generate_latest(exporter.registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
@@ -175,6 +178,8 @@ def _counts_at_eval(spec: dict, minutes: int = rule_cases.PROMOTION_EVAL_MINUTES
         counts.add_backward(signature, "mismatch", differing * minutes, primary)
     for (primary, reason), per_minute in spec.get("hard", {}).items():
         counts.add_reason(reason, per_minute * minutes, primary)
+    for (primary, evidence, pair, check), per_minute in spec.get("noise", {}).items():
+        counts.add_noise(evidence, pair, check, per_minute * minutes, primary)
     if spec.get("rollbacks") or spec.get("rolled_back"):
         counts.rollbacks.append("http")  # (a restart's counter reset: the counts over the run still hold it)
     return counts
