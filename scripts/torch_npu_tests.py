@@ -1,7 +1,12 @@
 """Run torch_npu's own tests (a checkout of the Ascend/pytorch repository) on the emulated npu twice, unshadowed and
-under ``npu-shadow run --legacy-from RELEASE --sample-rate 1``, and say what the monitor changed and what it found:
+under ``npu-shadow run --legacy-from RELEASE --sample-rate 1`` (``--strict``: under the pytest plugin's strict mode,
+``pytest --npu-shadow --npu-shadow-strict``, where a divergence fails the test that made the call), and say what the
+monitor changed and what it found:
 
-    python scripts/torch_npu_tests.py --checkout PATH [--release 2.14.0] [TEST FILE ...]
+    python scripts/torch_npu_tests.py --checkout PATH [--release 2.14.0] [--strict] [--support FILE ...] [TEST ...]
+
+``--support`` names files the tests import that are no tests (Ascend's ``test/url.py`` and ``url.ini`` beside its
+copy of PyTorch's ``test_serialization.py``: ``git show v2.5.1-7.1.0:test/test_serialization.py`` in a checkout).
 
 The tests import ``torch_npu``: a rehearsal one (scripts/rehearsal_torch_npu) gives them the surface they use over the
 emulated npu; the patches under test are the release's own, from its wheel's source. Every test's outcome in the
@@ -48,7 +53,7 @@ def counts(journal: Path) -> dict[str, collections.Counter]:
     """Each target's outcomes (and skips by reason) over the run, from the journal's count records (cumulative: a
     process's last record of a target and primary side holds all it counted)."""
     last = {}
-    for line in journal.read_text().splitlines():
+    for line in (journal.read_text() if journal.exists() else "").splitlines():
         record = json.loads(line)
         if record.get("event") == "counts":
             last[(record.get("pid"), record["target"], record["primary"])] = record
@@ -64,7 +69,7 @@ def counts(journal: Path) -> dict[str, collections.Counter]:
 def differences(journal: Path) -> list[dict]:
     """The journal's observations that are not matches (mismatch, error, close)."""
     found = []
-    for line in journal.read_text().splitlines():
+    for line in (journal.read_text() if journal.exists() else "").splitlines():
         record = json.loads(line)
         if record.get("outcome") in ("mismatch", "error", "close"):
             found.append(record)
@@ -75,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkout", required=True, help="a checkout of github.com/Ascend/pytorch")
     parser.add_argument("--release", default="2.14.0", help="the torch_npu release whose patches are shadowed")
+    parser.add_argument("--strict", action="store_true", help="the shadowed run under pytest --npu-shadow-strict")
+    parser.add_argument("--support", nargs="*", default=[], help="files the tests import, relative to the checkout")
     parser.add_argument("tests", nargs="*", default=list(DEFAULT_TESTS), help="test files, relative to the checkout")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -90,17 +97,23 @@ def main(argv: list[str] | None = None) -> int:
         for test in args.tests:  # (copied alone: the checkout's conftest files are not this run's)
             shutil.copy(Path(args.checkout) / test, directory / Path(test).name)
             files.append(Path(test).name)
+        for support in args.support:
+            shutil.copy(Path(args.checkout) / support, directory / Path(support).name)
         env = dict(os.environ, TORCH_NPU_TESTS_WHEEL=str(wheel))
         env["PYTHONPATH"] = os.pathsep.join([str(REHEARSAL), str(ROOT), env.get("PYTHONPATH", "")])
         pytest = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-p", "no:randomly"]
         plain = subprocess.run([*pytest, "--junitxml=plain.xml", *files], cwd=directory, env=env,
                                capture_output=True, text=True)  # fmt: skip
         journal = directory / "journal.jsonl"
-        shadow = [
-            sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", str(wheel),
-            "--sample-rate", "1", "--budget", "off", "--journal", str(journal), "--journal-all", "--",
-        ]  # fmt: skip
-        shadowed = subprocess.run([*shadow, *pytest, "--junitxml=shadowed.xml", *files], cwd=directory, env=env,
+        if args.strict:  # (the plugin shadows every call, strict: a divergence fails its test)
+            strict = [f"--npu-shadow-legacy-from={wheel}", f"--npu-shadow-journal={journal}"]
+            command = [*pytest, "--npu-shadow", "--npu-shadow-strict", "--npu-shadow-emulate-npu=2", *strict]
+        else:
+            command = [
+                sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", str(wheel),
+                "--sample-rate", "1", "--budget", "off", "--journal", str(journal), "--journal-all", "--", *pytest,
+            ]  # fmt: skip
+        shadowed = subprocess.run([*command, "--junitxml=shadowed.xml", *files], cwd=directory, env=env,
                                   capture_output=True, text=True)  # fmt: skip
         if not (directory / "plain.xml").exists() or not (directory / "shadowed.xml").exists():
             print(plain.stdout[-3000:], plain.stderr[-3000:], shadowed.stdout[-3000:], shadowed.stderr[-3000:])

@@ -512,3 +512,59 @@ def test_a_real_difference_beyond_the_floor_is_still_a_mismatch_within_a_few_cal
     rng = np.random.default_rng(12)
     stats = _shadowed_1500_calls(_noise(rng, 1e-4), _noise(rng, 1e-3), aa_rate=1.0)
     assert stats.noise <= 30 and stats.mismatch >= 1_470, stats  # (a 10x spread: beyond on about 99% of calls)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("window", [("--start", None), ("--window", "2h")], ids=["start", "window"])
+def test_a_rollback_never_reset_holds_over_any_window_a_reader_picks(tmp_path, window):
+    """A run rolled back at its minute 100 (its switch thrown, nobody reset it), clean for ten hours after: read from
+    a start after the rollback, or over the last two hours, Prometheus promoted it ([0, 0.00094]); read whole it
+    rolled back."""
+    from prometheus_server import backfill, prometheus
+
+    history, end = _history(660, 660, 0.0, ended_ago=60)
+    start = end - 60 * 660
+    common = {"job": "train", "instance": "rank0", "run": "job-1", "target": "op", "source": "http"}
+    history["npu_shadow_rollbacks_total"] = [(common, [(start + 60 * m, float(m >= 100)) for m in range(661)])]
+    backfill(tmp_path / "data", history)
+    flag, value = window
+    with prometheus(tmp_path, {}, []) as server:
+        whole = _json("--prometheus", server.url, "--run", "job-1", "--recent", "0")
+        picked = _json("--prometheus", server.url, "--run", "job-1", "--recent", "0", flag,
+                       value or str(start + 60 * 200))  # fmt: skip
+    for decided in (whole, picked):
+        (target,) = decided["targets"]
+        assert decided["decision"] == "rollback" and "rolled back in a running job" in target["why"], target["why"]
+
+
+@pytest.mark.parametrize(
+    "clusters, seconds, words",
+    [(500_000, 480 * 60, "more than its comparisons"), (4_800, 480 * 60, "blocks its processes' 28,800 s allow")],
+    ids=["fifty-times-the-comparisons", "more-than-a-block-a-minute"],
+)
+def test_impossible_cluster_counts_are_taken_as_what_the_evidence_can_hold(tmp_path, clusters, seconds, words):
+    """A count record with clusters 50 times its comparisons, or 4,800 clusters in 480 process-minutes (more than
+    one a 60 s block), promoted; a cluster count is at most the comparisons and the blocks the processes' time holds,
+    and the verdict says it capped it."""
+    record = journals.counts({"call": {"match": 10_000}}, calls={"call": 10_000}, timestamp=float(seconds))
+    record["clusters"], record["process_seconds"] = clusters, float(seconds)
+    path = journals.write(tmp_path / "j.jsonl", [record])
+    decided = _json("--journal", str(path), "--recent", "0")
+    (target,) = decided["targets"]
+    assert decided["decision"] != "promote", target["why"]
+    assert any(words in note for note in target["notes"]), target["notes"]
+    assert target["phases"][0]["clusters"] <= min(10_000, seconds / 60 + 1)
+
+
+def test_a_metrics_file_with_impossible_clusters_is_capped_as_journals_are():
+    from shadow.analysis import sources, verdict
+
+    labels = 'target="op",primary="legacy",run="r"'
+    text = "\n".join([
+        f'npu_shadow_calls_total{{{labels},signature="call"}} 10000',
+        f'npu_shadow_comparisons_total{{{labels},signature="call",outcome="match"}} 10000',
+        f"npu_shadow_clusters_total{{{labels}}} 500000",
+        'npu_shadow_process_seconds_total{run="r"} 28800',
+    ]) + "\n"  # fmt: skip
+    (decided,) = verdict.decide_all(sources.from_exposition(text), 0.001, {}, 30)
+    assert decided.decision != "promote" and decided.phases[0].clusters <= 481, decided.why

@@ -185,6 +185,8 @@ class TargetCounts:
     #: Process time behind the evidence, every process together (seconds; 0 where the source does not say): the
     #: evidence rate "how much more running it takes" is said at.
     process_seconds: float = 0.0
+    #: The processes behind the evidence, where the source knows them (0: not known, taken as one).
+    processes: int = 0
     #: Rollbacks no person has reset since (who or what threw the switch, and when where known).
     rollbacks: list[str] = dataclasses.field(default_factory=list)
     #: Rollbacks and resets as metrics count them (a counter each, per process): a person reset every rollback
@@ -203,6 +205,14 @@ class TargetCounts:
 
     def phase(self, primary: str = LEGACY) -> PhaseCounts:
         return self.phases.setdefault(primary, PhaseCounts())
+
+    def blocks_allowed(self) -> float:
+        """The most clusters a phase's evidence can hold: a cluster is a 60 s block of one process's time at least
+        (:mod:`shadow.core.calls.record.clusters`), so the processes' time allows ``seconds / 60`` of them and a
+        block begun in each process; inf where the source does not say how long its processes ran."""
+        if self.process_seconds <= 0:
+            return math.inf
+        return self.process_seconds / clusters.WINDOW_SECONDS + max(1, self.processes)
 
     def add_outcome(self, signature: str, outcome: str, count: float, primary: str = LEGACY) -> None:
         phase = self.phase(primary)
@@ -636,17 +646,19 @@ def decide_phase(
     alpha: float = bounds.ALPHA,
     target: str = "",
     evidence: str = "forward",
+    most_clusters: float = math.inf,
 ) -> PhaseDecision:
     """The decision on one phase of ``target``'s evidence (hard mismatches and coverage are the target's: see
     :func:`decide`); ``alpha``: the level of its lower bound (a rollback's); ``evidence``: which of the phase's runs
     judged against noise thresholds are its own (forward, gradients): where any were, the decision is on the rate
-    beyond the noise (:mod:`shadow.analysis.noise_verdict`)."""
+    beyond the noise (:mod:`shadow.analysis.noise_verdict`); ``most_clusters``: the most clusters its processes' time
+    allows (:meth:`TargetCounts.blocks_allowed`), a count above it taken as it."""
     n, k = phase.compared, phase.divergent
     counted = n + sum(phase.unmatched.values())
     if phase.cluster_count > 0 and not phase.clusters_missing:  # (counted where they happened: every source)
         # (a distributed job's ranks count 1 / WORLD_SIZE of a cluster each: a fraction, rounded only against the
-        # float sum's noise)
-        clustered, cluster_count = True, round(phase.cluster_count, 6)
+        # float sum's noise; never more clusters than comparisons, nor than the processes' time holds blocks)
+        clustered, cluster_count = True, round(min(phase.cluster_count, counted, most_clusters), 6)
     else:  # (a journal's blocks, formed from its count records' times)
         clusters = [c for c in phase.clusters.values() if c[0] > 0]
         clustered = bool(clusters) and round(sum(c[0] for c in clusters)) == round(counted)
@@ -812,14 +824,24 @@ def _decide_phases(
     """Each phase of ``target``'s forward evidence and gradient evidence, decided (legacy's first)."""
     order = {side: i for i, side in enumerate(PRIMARY_SIDES)}
     phases: list[PhaseDecision] = []
+    most = counts.blocks_allowed()
     for primary, phase in sorted(counts.phases.items(), key=lambda kv: order.get(kv[0], len(order))):
+        if phase.cluster_count > min(most, phase.compared + sum(phase.unmatched.values())) + 1e-6:
+            note = (
+                f"{primary} phase: {phase.cluster_count:,.6g} clusters counted, more than its comparisons or the 60 s "
+                f"blocks its processes' {counts.process_seconds:,.0f} s allow: taken as that many"
+            )
+            if note not in counts.notes:
+                counts.notes.append(note)
         if not phase.empty():
             forward = forward_evidence(phase)
-            phases.append(decide_phase(primary, forward, max_rate, counts.process_seconds, alpha, target))
+            phases.append(decide_phase(primary, forward, max_rate, counts.process_seconds, alpha, target,
+                                       most_clusters=most))  # fmt: skip
         gradients = gradient_evidence(phase)
         if not gradients.empty():
             name = f"{primary} {GRADIENTS}"
-            phases.append(decide_phase(name, gradients, max_rate, counts.process_seconds, alpha, evidence=GRADIENTS))
+            phases.append(decide_phase(name, gradients, max_rate, counts.process_seconds, alpha, evidence=GRADIENTS,
+                                       most_clusters=most))  # fmt: skip
     return phases
 
 

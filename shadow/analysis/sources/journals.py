@@ -580,6 +580,7 @@ class JournalReader:
         count record all count). ``run``: only that run's processes (else the reader's :attr:`run`, or all)."""
         counts: dict[str, TargetCounts] = {}
         seconds = 0.0  # (the processes' time, first record to last: the evidence rate's denominator)
+        processes = 0
         run = self.run if run is None else run
         since = self.latest - min(recent, self.recent) if recent > 0 and self.latest is not None else None
         for stream in self.streams.values():
@@ -598,8 +599,10 @@ class JournalReader:
                 )
             _add_stream(self, counts, key, stream, since)
             seconds += stream.seconds
+            processes += 1
         for entry in counts.values():
             entry.process_seconds = seconds
+            entry.processes = processes
         return counts
 
 

@@ -351,7 +351,9 @@ def from_prometheus(
     counts: dict[str, TargetCounts] = {}
     drilling = False if window else _drilling(url, selector, end, deadline)
     for metric, by in _QUERIES:
-        if window:
+        if metric in (ROLLBACKS, RESETS):  # (a rollback no person reset holds over any window a reader picks)
+            series = _exact(url, metric, selector, end, deadline)
+        elif window:
             series = _increases(url, metric, by, selector, window, deadline)
         else:
             series = _exact_between(url, metric, selector, start, end, deadline)
@@ -367,7 +369,8 @@ def from_prometheus(
         arms.extend((metric, dict(key), value) for key, value in series.items())  # type: ignore[union-attr]
     if not window:
         _drills(url, selector, start, end, deadline, counts, drilling)
-        seconds = sum(_exact_between(url, PROCESS_TIME, selector, start, end, deadline).values())
+        each = _exact_between(url, PROCESS_TIME, selector, start, end, deadline)
         for entry in counts.values():
-            entry.process_seconds = max(seconds, 0.0)
+            entry.process_seconds = max(sum(each.values()), 0.0)
+            entry.processes = len(each)
     return _honour_resets(counts)
