@@ -34,6 +34,7 @@ from shadow.core.model.observation import LEGACY as LEGACY_SIDE
 from shadow.core.model.run_ids import command_id as command_id
 from shadow.core.model.run_ids import restarts as restarts
 from shadow.core.model.run_ids import run_id as run_id
+from shadow.core.model.run_ids import run_started, started
 from shadow.core.support.environment import device as device  # the environment labels come from the core
 from shadow.core.support.environment import versions as versions
 
@@ -216,8 +217,9 @@ NOISE_CHECKS = Metric(
     ("target", "primary", "evidence", "pair", "check"),
     "Runs judged against their signature's noise thresholds (fixed by its first A/A runs: shadow.core.judging.noise), "
     "by evidence (forward, gradients), pair (ab: legacy against upstream; aa: legacy against itself) and check "
-    "(within, beyond): the verdict bounds the rate of A/B exceedances beyond legacy's own A/A rate with them. Absent "
-    "until counted.",
+    "(below: at most the typical A/A error; within: above it, within the thresholds; beyond): the verdict bounds the "
+    "rate of A/B exceedances beyond legacy's own A/A rate with them, and a shift inside the thresholds from how "
+    "often each lands above the typical error. Absent until counted.",
 )
 NOISE_FLOOR = Metric(
     "npu_shadow.noise_floor",
@@ -262,6 +264,14 @@ PROCESS_TIME = Metric(
     "Seconds of process time under the monitor, every process of the run together: the evidence rate's "
     "denominator (clusters per process-hour).",
 )
+PROCESSES = Metric(
+    "npu_shadow.processes",
+    "{process}",
+    "counter",
+    (),
+    "Processes whose values these are (each counts 1 as its exporter starts, a forked one too): each begins a 60 s "
+    "block of its own, so their clusters are at most their time's blocks and one more each.",
+)
 CLUSTERS = Metric(
     "npu_shadow.clusters",
     "{cluster}",
@@ -270,6 +280,14 @@ CLUSTERS = Metric(
     "Clusters of comparisons (a process's 60 s blocks, an incident never cut, a distributed job's rank counting "
     "1/WORLD_SIZE of each: shadow.core.calls.record.clusters): the unit the verdict counts evidence in, by the "
     "side whose result the caller got.",
+)
+CALL_BLOCKS = Metric(
+    "npu_shadow.call_blocks",
+    "{block}",
+    "counter",
+    ("target", "primary"),
+    "The 60 s blocks of process time in which the target was called, compared or not, counted as clusters are (a "
+    "rank's share each): the most clusters comparing every call could make, what --gather can add to the evidence.",
 )
 TRUTH_RUNS = Metric(
     "npu_shadow.truth_runs",
@@ -306,6 +324,22 @@ SAMPLE_RATE = Metric("npu_shadow.sample_rate", "1", "gauge", ("target",), "Confi
 DRILL_ACTIVE = Metric(
     "npu_shadow.drill_active", "1", "gauge", (), "1 while a fire drill injects synthetic divergence upstream, else 0."
 )
+STARTED = Metric(
+    "npu_shadow.started_time",
+    "s",
+    "gauge",
+    (),
+    "When the processes these values come from began (Unix seconds: their launcher's start). One moment of their "
+    "metrics holds what they counted since, nothing of the run before it.",
+)
+RUN_STARTED = Metric(
+    "npu_shadow.run_start_time",
+    "s",
+    "gauge",
+    (),
+    "When the run began (Unix seconds: --run-started, or the time a made run id carries; absent where a process "
+    "cannot know). Where it is before npu_shadow_started_time_seconds, the run had processes these values never saw.",
+)
 BUILD_INFO = Metric(
     "npu_shadow.build_info",
     "1",
@@ -322,7 +356,9 @@ ALL = (
     ARM_FIRST_BATCHES,
     COMPARISONS,
     CLUSTERS,
+    CALL_BLOCKS,
     PROCESS_TIME,
+    PROCESSES,
     MISMATCHES,
     DRILLED,
     DRILLED_REASONS,
@@ -347,6 +383,8 @@ ALL = (
     RESETS,
     SAMPLE_RATE,
     DRILL_ACTIVE,
+    STARTED,
+    RUN_STARTED,
 )
 
 
@@ -371,7 +409,7 @@ def zero_series(target: str) -> list[tuple[Metric, dict[str, str]]]:
     ]
     series += [(MISMATCHES, {"target": target, "reason": r, "primary": legacy}) for r in MISMATCH_REASONS]
     series += [(SKIPPED, {"target": target, "reason": r, "signature": "", "primary": legacy}) for r in SKIP_REASONS]
-    series += [(CLUSTERS, {"target": target, "primary": legacy})]
+    series += [(CLUSTERS, {"target": target, "primary": legacy}), (CALL_BLOCKS, {"target": target, "primary": legacy})]
     series += [(EXPORT_ERRORS, {"target": target})]
     series += [
         (SHARED_DIVERGENCES, {"target": target, "reason": r, "primary": legacy}) for r in SHARED_DIVERGENCE_REASONS
@@ -491,6 +529,16 @@ def reset_samples(target: str) -> list[Sample]:
     return [(RESETS, (target,), 1)]
 
 
+def call_block_samples(target: str, primary: str, blocks: float) -> list[Sample]:
+    """The target's calls began a block of process time (``record_call_blocks``)."""
+    return [(CALL_BLOCKS, (target, primary), blocks)] if blocks > 0 else []
+
+
+def process_samples() -> list[Sample]:
+    """A process whose values an exporter carries from now (at its start, and in a forked child)."""
+    return [(PROCESSES, (), 1)]
+
+
 def time_samples(seconds: float) -> list[Sample]:
     """Process time under the monitor (``record_time``)."""
     return [(PROCESS_TIME, (), seconds)] if seconds > 0 else []
@@ -518,6 +566,12 @@ def registered_samples(target: str, sample_rate: float) -> list[Sample]:
 def build_info() -> tuple[str, ...]:
     """The labels of ``npu_shadow_build_info`` for this process, in the metric's order."""
     return (*versions().values(), command_id(), str(restarts()))
+
+
+def start_samples(run: str) -> list[Sample]:
+    """When this process's launch began, and when its run did where it can know (an exporter's first samples)."""
+    began = run_started(run)
+    return [(STARTED, (), started())] + ([(RUN_STARTED, (), began)] if began is not None else [])
 
 
 def drill_samples(active: bool) -> list[Sample]:

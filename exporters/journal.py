@@ -163,6 +163,10 @@ class JsonlExporter:
             phase = self._phase(target, self._primary.get(target, LEGACY))
             phase.calls[signature] = phase.calls.get(signature, 0) + calls
 
+    def record_call_blocks(self, target: str, primary: str, blocks: float) -> None:
+        with self._lock:
+            self._phase(target, primary).call_blocks += blocks
+
     def record_patch_calls(self, patch: str, calls: int) -> None:
         """The job's calls of a release's function patch: carried, cumulative, by the ``patch_calls`` record
         written beside the count records."""

@@ -49,7 +49,7 @@ COUNT_TABLES = {
     "drilled_outcomes": 2,
     "drilled_reasons": 1,
 }
-COUNT_SCALARS = ("clusters", "drilled")
+COUNT_SCALARS = ("clusters", "call_blocks", "drilled")
 
 #: Observation fields never journalled: the evidence (a capture's), what a held difference waits with, and the
 #: timestamp (written first, beside its ISO time).
@@ -139,6 +139,7 @@ class Counts:
         for name in COUNT_TABLES:
             setattr(self, name, {})
         self.clusters = 0.0  # (shadow.core.calls.record.clusters: the clusters its comparisons opened)
+        self.call_blocks = 0.0  # (the blocks its calls fell in, counted alike: what comparing every call could open)
         self.drilled = 0
 
     def observe(self, o: Observation) -> None:

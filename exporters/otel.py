@@ -92,7 +92,7 @@ class OTelExporter:
                 description=metric.description,
             )
         self._primary: dict[str, str] = {}  # target -> the side the caller gets now (set_primary)
-        self._apply(contract.drill_samples(False))
+        self._apply(contract.drill_samples(False) + contract.start_samples(self.run) + contract.process_samples())
         forks.register(self)
 
     # ------------------------------------------------------------------ collection time
@@ -184,6 +184,9 @@ class OTelExporter:
     def record_time(self, seconds: float) -> None:
         self._apply(contract.time_samples(seconds))
 
+    def record_call_blocks(self, target: str, primary: str, blocks: float) -> None:
+        self._apply(contract.call_block_samples(target, primary, blocks))
+
     def record_patch_calls(self, patch: str, calls: int) -> None:
         self._apply(contract.patch_call_samples(patch, calls))
 
@@ -208,3 +211,4 @@ class OTelExporter:
                 gauge.clear()
         self._pending.clear()
         self.dropped = 0
+        self._apply_totals(contract.process_samples())

@@ -285,7 +285,7 @@ class PrometheusExporter:
         #: The signature values the job's processes share under the launcher (None: this process's own cap alone).
         self._job_signatures = JobSignatures.from_environment()
         self._metrics[contract.BUILD_INFO].labels(self.run, *contract.build_info()).set(1)
-        self._apply(contract.drill_samples(False))
+        self._apply(contract.drill_samples(False) + contract.start_samples(self.run) + contract.process_samples())
         self.server: Any = None
         self.port: int | None = None
         if port is not None:
@@ -373,6 +373,9 @@ class PrometheusExporter:
     def record_time(self, seconds: float) -> None:
         self._apply(contract.time_samples(seconds))
 
+    def record_call_blocks(self, target: str, primary: str, blocks: float) -> None:
+        self._apply(contract.call_block_samples(target, primary, blocks))
+
     def record_patch_calls(self, patch: str, calls: int) -> None:
         self._apply(contract.patch_call_samples(patch, calls))
 
@@ -419,3 +422,4 @@ class PrometheusExporter:
 
     def _after_fork_in_child(self) -> None:
         self.server = None  # the serving thread did not survive the fork
+        self._apply(contract.process_samples())  # (a process of its own: its own values, its own first block)

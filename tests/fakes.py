@@ -76,3 +76,17 @@ def counts_of(stats):
     from shadow.analysis import verdict
 
     return verdict.from_stats(stats)
+
+
+def each_comparison_its_own_cluster(monkeypatch: Any) -> None:
+    """Every comparison its own cluster (a cluster window of 1e-9 s), and the process's time under the monitor
+    running a million times as fast, so that the processes' time holds the blocks their clusters need (the verdict
+    takes no more clusters than that): a test of rules, alerts or the verdict's arithmetic, not of how correlated
+    one process's comparisons are."""
+    import time
+
+    from shadow.core.calls import monitor
+    from shadow.core.calls.record import clusters
+
+    monkeypatch.setattr(clusters, "WINDOW_SECONDS", 1e-9)
+    monkeypatch.setattr(monitor, "time", types.SimpleNamespace(monotonic=lambda: time.monotonic() * 1e6))

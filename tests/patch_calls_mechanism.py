@@ -17,7 +17,7 @@ from shadow.core.calls import patch_calls
 from shadow.core.calls.patch_calls import C_FUNCTION, PatchCalls
 from shadow.core.runs.sides import SAMPLED_CALLS, marks
 
-SOURCE = '''
+SOURCE = """
 def op(x):
     return x + 1
 
@@ -35,7 +35,7 @@ class Holder:
 
 def deep(n):
     return 0 if n == 0 else 1 + deep(n - 1)
-'''
+"""
 
 ops = types.ModuleType("job_ops")
 sys.modules["job_ops"] = ops

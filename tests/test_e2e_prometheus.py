@@ -6,6 +6,7 @@ import dataclasses
 import subprocess
 import sys
 
+import fakes
 import faults
 import pytest
 import torch
@@ -16,7 +17,6 @@ import shadow
 from dashboards import rules
 from exporters import PrometheusExporter
 from shadow.analysis import verdict
-from shadow.core.calls.record import clusters
 from shadow.core.model import targets as builtin
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -68,7 +68,7 @@ def run_verdict(server, job):
 def test_rules_alerts_and_verdict_against_a_real_prometheus(tmp_path, monkeypatch):
     # each comparison its own cluster: the rules, alerts and verdict over Prometheus are under test here, not how
     # correlated one process's comparisons are (3,000 of them in a minute would be one cluster)
-    monkeypatch.setattr(clusters, "WINDOW_SECONDS", 1e-9)
+    fakes.each_comparison_its_own_cluster(monkeypatch)
     EXPORTERS.clear()
     EXPORTERS.update({job: PrometheusExporter(registry=CollectorRegistry(), port=0) for job in ("diverging", "clean")})
     try:

@@ -383,11 +383,11 @@ def test_a_nondeterministic_targets_own_noise_is_measured_and_not_called_a_diver
 def test_a_difference_beyond_the_noise_floor_stays_a_divergence():
     beyond = _Noisy(offset=0.01)
     with shadow.install([beyond.target()], sample_rate=1.0, aa_rate=1.0, seed=3) as monitor:
-        for _ in range(150):  # (held until the burn-in's 100 A/A runs fix the thresholds, then judged)
+        for _ in range(250):  # (held until the burn-in's 200 A/A runs fix the thresholds, then judged)
             beyond.op(torch.ones(4))
         stats = monitor.stats()["noisy"]
-    assert (stats.mismatch, stats.noise) == (150, 0)
-    assert stats.noise_checks["forward/ab/beyond"] == 150, stats.noise_checks
+    assert (stats.mismatch, stats.noise) == (250, 0)
+    assert stats.noise_checks["forward/ab/beyond"] == 250, stats.noise_checks
 
 
 def test_a_deterministic_target_has_a_floor_of_zero_and_its_differences_stay_mismatches():
@@ -423,16 +423,17 @@ def test_the_noise_floor_is_exported_and_journaled(tmp_path):
     floor = [line for line in text.splitlines() if line.startswith('npu_shadow_noise_floor{measure="abs"')]
     assert len(floor) == 1 and 5e-4 < float(floor[0].split()[-1]) <= 1e-3
     runs = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("npu_shadow_aa_runs_total{"))
-    assert 160 < runs < 240  # about half the sampled calls
+    assert 260 < runs < 340  # (every call of the burn-in's 200, then about half the others)
     records = [r for r in map(json.loads, (tmp_path / "j.jsonl").read_text().splitlines()) if "outcome" in r]
     assert sum(r["aa"] for r in records) == runs and max(r["aa_abs_error"] for r in records) > 5e-4
-    # (the calls and A/A runs after the burn-in's 100 A/A runs, judged against the thresholds it fixed)
+    # (the calls and A/A runs after the burn-in's 200 A/A runs, judged against the levels it fixed: about half of
+    # each side above the typical error)
     judged = {(r["noise_check"], r["aa_check"]) for r in records}
-    assert ("within", None) in judged and ("within", "within") in judged, judged
+    assert {("below", None), ("within", None), ("below", "within"), ("within", "below")} <= judged, judged
     counts = sources.from_exposition(text)["noisy"]
     from_journal = sources.from_journal([str(tmp_path / "j.jsonl")])["noisy"]
     assert counts.phase().noise == from_journal.phase().noise  # (one count, every source)
-    ab = counts.phase().noise[("forward", "ab", "within")] + counts.phase().noise.get(("forward", "ab", "beyond"), 0)
+    ab = sum(counts.phase().noise.get(("forward", "ab", check), 0) for check in ("below", "within", "beyond"))
     assert counts.compared == 400 and ab == sum(1 for r in records if r["noise_check"]) > 100
 
 

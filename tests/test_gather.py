@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from torch_npu_wheels import wheel
@@ -54,7 +55,7 @@ def test_a_job_whose_blocks_go_without_comparisons_is_told_that_comparing_every_
 
 def test_a_job_whose_blocks_are_all_compared_is_told_no_setting_is_sooner():
     said = sooner.sooner("tensor_type", 4000, cluster_count=60, calls=100_000, process_seconds=3600)
-    assert said.startswith("sooner: no setting; its comparisons already fill the 60 s blocks its calls reach (60 a ")
+    assert said.startswith("sooner: no setting; its comparisons already fill the 60 s blocks its calls reach (60 of 60")
 
 
 def test_the_verdict_says_what_is_sooner_under_an_inconclusive_phase() -> None:
@@ -96,3 +97,59 @@ def test_gather_compares_every_dataparallel_call_of_the_example_job_within_its_b
     assert calls["parallel_apply"] == compared["parallel_apply"] == 48
     assert calls["data_parallel"] == compared["data_parallel"] == 16
     assert skipped == 0
+
+
+# --------------------------------------------------------------------------- the gain, from the calls' own blocks
+
+
+def _simulated(call_times: list[list[float]], rate: float, seed: int) -> tuple[float, float, float]:
+    """(clusters seen sampling ``rate`` of the calls, the call blocks the processes counted, clusters with every call
+    compared) for ranks calling at ``call_times`` (one list each; a rank counts 1/W of a block), the blocks counted
+    as the engine counts them: a comparison opens a cluster, calls mark their block at each comparison and at each
+    second's report."""
+    from shadow.core.calls.record.clusters import Clusters
+
+    rng = np.random.default_rng(seed)
+    seen = blocks = every = 0.0
+    for times in call_times:
+        share = 1 / len(call_times)
+        sampled, counted, full = Clusters(share=share), Clusters(share=share), Clusters(share=share)
+        reported = -1
+        for t, drawn in zip(times, rng.random(len(times)) < rate):
+            every += share * full.opens("legacy", False, t)
+            if drawn:
+                seen += share * sampled.opens("legacy", False, t)
+                blocks += counted.called("legacy", t)
+            elif int(t) != reported:  # (the reporter, each second)
+                reported = int(t)
+                blocks += counted.called("legacy", reported + 1.0)
+    return seen, blocks, every
+
+
+def _lockstep(rng) -> list[list[float]]:  # 8 ranks, a call a second each, 10 hours: every block compared at 20%
+    times = list(np.arange(36_000, dtype=float) + 0.5)
+    return [times] * 8
+
+
+def _bursts(rng) -> list[list[float]]:  # a burst of 600 calls in 5 minutes each hour, 40 hours
+    return [sorted(float(h * 3600 + x) for h in range(40) for x in rng.uniform(0, 300, 600))]
+
+
+def _poisson(rng) -> list[list[float]]:  # 30 calls a process-hour, spread at random, 40 hours
+    return [sorted(rng.uniform(0, 40 * 3600, 1_200).tolist())]
+
+
+@pytest.mark.parametrize(
+    "stream, rate", [(_lockstep, 0.2), (_bursts, 0.005), (_poisson, 0.1)], ids=["lockstep", "bursts", "poisson"]
+)
+def test_the_gain_said_is_within_1_5x_of_what_comparing_every_call_brings(stream, rate):
+    """sooner: took the gain for a Poisson stream of the calls: 8 ranks in lockstep whose every block is compared
+    were told 8x (true: 1), hourly bursts 24x. The gain is the blocks the calls fell in over the clusters, both
+    counted by the processes with their rank shares; checked against a simulation comparing every call."""
+    seen, blocks, every = _simulated(stream(np.random.default_rng(7)), rate, seed=8)
+    hours = 40.0 if stream is not _lockstep else 8 * 10.0  # (process-hours: every rank's)
+    said = sooner.reachable_per_hour(seen, calls=1.0, hours=hours, call_blocks=blocks) / (seen / hours)
+    true = every / seen
+    assert true / 1.5 <= said <= true * 1.5, (said, true)
+    line = sooner.sooner("op", 500, cluster_count=seen, calls=10_000, process_seconds=hours * 3600, call_blocks=blocks)
+    assert ("no setting" in line) == (said < sooner.WORTH), line

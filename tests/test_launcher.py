@@ -119,6 +119,7 @@ INVALID = {
     "rollback_optional": "maybe",
     "linger": "-1",
     "run_id": "two words",
+    "run_started": "yesterday",
 }
 MORE_INVALID = [
     ("sample_rate", "tensor_type=x"),
@@ -149,6 +150,8 @@ MORE_INVALID = [
     ("linger", "soon"),
     ("run_id", "-starts-with-a-dash"),
     ("run_id", "x" * 65),
+    ("run_started", "nan"),
+    ("run_started", "99999999999"),  # (in the future)
     ("linger", "inf"),
 ]
 

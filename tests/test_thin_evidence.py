@@ -353,6 +353,7 @@ def _ranks_in_lockstep(tmp_path, monkeypatch, world_size: int, variable: str = "
 
     import shadow
     from exporters import JsonlExporter, PrometheusExporter
+    from shadow.core.calls import monitor
     from shadow.core.calls.record import clusters
 
     for each in ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
@@ -361,6 +362,7 @@ def _ranks_in_lockstep(tmp_path, monkeypatch, world_size: int, variable: str = "
     monkeypatch.setenv("NPU_SHADOW_RUN_ID", "job-1")
     clock = [0.0]
     monkeypatch.setattr(clusters, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(monitor, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))  # (its process time)
     registry = CollectorRegistry()
     metrics = PrometheusExporter(registry=registry)
     paths = []

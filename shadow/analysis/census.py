@@ -27,7 +27,9 @@ import ast
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import re
+import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -740,6 +742,38 @@ def coverage(patch: Patch) -> str:
     if patch.name.startswith(TALKS_TO_RANKS):
         return "nothing: it talks to the job's other ranks: run twice on one rank, it waits for partners never coming"
     return NO_TARGET
+
+
+def covered_by(name: str) -> str:
+    """What gives evidence about deleting the function patch ``name`` (:func:`coverage`), from its name alone: the
+    target that shadows its place in this torch, else why nothing can, else :data:`NO_TARGET` with the setting that
+    could (``--shadow-patch``)."""
+    owner, attribute = _loaded_owner(name)
+    shadowed = next((t for o, a, t in _shadowing() if owner is not None and o is owner and a == attribute), None)
+    missing = owner is not None and inspect.getattr_static(owner, attribute, _MISSING) is _MISSING
+    found = coverage(Patch(name, "", 0, "", "", kind=ADDITION if missing else FUNCTION, shadowed_by=shadowed))
+    return f"{found} (npu-shadow run --shadow-patch {name})" if found == NO_TARGET else found
+
+
+_MISSING = object()
+
+
+def _loaded_owner(name: str) -> tuple[Any, str]:
+    """(the owner of ``name`` among the modules already imported, or None; the attribute's name): a name read from
+    a journal or a metrics store is data, so nothing is imported and no attribute hook runs to find it."""
+    owner_path, _, attribute = name.rpartition(".")
+    parts = owner_path.split(".")
+    for cut in range(len(parts), 0, -1):
+        owner = sys.modules.get(".".join(parts[:cut]))
+        if owner is None:
+            continue
+        for part in parts[cut:]:
+            try:
+                owner = inspect.getattr_static(owner, part)
+            except AttributeError:
+                return None, attribute
+        return owner, attribute
+    return None, attribute
 
 
 def not_twice(patch: Patch) -> str | None:

@@ -48,12 +48,13 @@ from collections.abc import Mapping, Sequence
 
 from shadow.analysis import bounds
 from shadow.analysis.bounds import Prior, Stratum
-from shadow.core.judging.noise import BEYOND, BURN_IN, FACTOR, WITHIN
+from shadow.core.judging.noise import BELOW, BEYOND, BURN_IN, FACTOR, QUANTILE, WITHIN
 
 #: What a wrong call must exceed to be seen, in words (every decision made under noise says it).
 SIZE_LIMIT = (
     f"a wrong call is seen only where its difference goes beyond its signature's noise threshold ({FACTOR:g} x the "
-    f"greatest of its first {BURN_IN} A/A errors); a smaller real difference is invisible at any rate"
+    f"{QUANTILE:g} quantile of its first {BURN_IN} A/A errors); a smaller real difference only where it puts the "
+    "calls above legacy's typical A/A error measurably more often than legacy's own runs (a shift)"
 )
 #: The least factor of more A/A runs offered, and the greatest looked for.
 _FACTORS = tuple(2.0**i for i in range(1, 31))
@@ -68,17 +69,25 @@ class NoiseEvidence:
     ab_beyond: float
     aa_judged: float
     aa_beyond: float
+    #: How many landed above the typical A/A error (within the thresholds or beyond); None where the source does not
+    #: count the level below it (evidence from before it was counted).
+    ab_above: float | None = None
+    aa_above: float | None = None
 
     @classmethod
     def of(cls, noise: Mapping[tuple[str, str, str], float], evidence: str) -> NoiseEvidence | None:
         """``evidence``'s (forward, gradients) runs judged, from a phase's counts by (evidence, pair, check); None
         where none was (a target that repeats itself bitwise, or no A/A runs)."""
+
         def count(pair: str, check: str) -> float:
             return max(0.0, noise.get((evidence, pair, check), 0.0))
 
+        levels = count("ab", BELOW) + count("aa", BELOW) > 0
         found = cls(
-            count("ab", WITHIN) + count("ab", BEYOND), count("ab", BEYOND),
-            count("aa", WITHIN) + count("aa", BEYOND), count("aa", BEYOND),
+            count("ab", BELOW) + count("ab", WITHIN) + count("ab", BEYOND), count("ab", BEYOND),
+            count("aa", BELOW) + count("aa", WITHIN) + count("aa", BEYOND), count("aa", BEYOND),
+            count("ab", WITHIN) + count("ab", BEYOND) if levels else None,
+            count("aa", WITHIN) + count("aa", BEYOND) if levels else None,
         )  # fmt: skip
         return found if found.ab_judged > 0 or found.aa_judged > 0 else None
 
@@ -127,6 +136,31 @@ def excess_bounds(
     lower = max(0.0, bounds.lower(lower_strata, half) - share * aa_upper)
     width = share * (aa_upper - aa_lower)
     return NoiseBounds(lower, upper, share, aa_lower, aa_upper, width, max(0.0, rate - share * evidence.aa_rate))
+
+
+def shift_lower(evidence: NoiseEvidence, scale: float, alpha: float = bounds.ALPHA) -> float:
+    """A lower bound, valid at every look, on the share of calls upstream moves beyond legacy's own variation inside
+    the thresholds: the rate A/B calls land above the typical A/A error less legacy's own A/A rate there, each side's
+    anytime-valid sequence at ``alpha / 2`` (in the clusters' units, ``scale``; the A/A side's mixture uniform, as
+    its rate is about 1/2). Where upstream differs as legacy differs from itself both rates are about 1/2 and the
+    bound is 0; a shift inside the threshold on every call raises the A/B rate. 0 where the levels are not
+    counted."""
+    if evidence.ab_above is None or evidence.aa_above is None or not evidence.ab_judged or not evidence.aa_judged:
+        return 0.0
+    half = alpha / 2
+    ab_low = bounds.lower_bound(evidence.ab_above * scale, evidence.ab_judged * scale, half)
+    aa_high = bounds.upper_bound(evidence.aa_above * scale, evidence.aa_judged * scale, Prior(1.0, 1.0), half)
+    return max(0.0, ab_low - aa_high)
+
+
+def shifted(evidence: NoiseEvidence, lower: float) -> str:
+    """Why a phase rolls back on a shift inside its thresholds (:func:`shift_lower`)."""
+    return (
+        f"upstream differs more than legacy differs from itself, inside the noise thresholds: its calls land above "
+        f"legacy's typical A/A error in {evidence.ab_above:.0f} of {evidence.ab_judged:.0f}, legacy's own runs in "
+        f"{evidence.aa_above:.0f} of {evidence.aa_judged:.0f}: at least {lower:.3g} of the calls are moved (95% lower "
+        "bound)"
+    )
 
 
 def aa_factor(evidence: NoiseEvidence, share: float, scale: float, prior: Prior, max_rate: float) -> float:

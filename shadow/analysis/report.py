@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from shadow.analysis import arms, charts, verdict
+from shadow.analysis.patch_evidence import Unspoken, unspoken
 from shadow.analysis.sources import (
     CLUSTER_WINDOW_SECONDS,
     JournalReader,
@@ -220,7 +221,9 @@ def build(
     decisions = verdict.decide_all(evidence.counts, max_rate, risky or {}, min_per_signature, evidence.slices)
     overall = verdict.overall(decisions)
     absent = sorted(set(risky or {}) - set(evidence.counts))  # known targets the sources never saw
-    sections = [_environment(evidence, sources), _verdict(decisions, overall, max_rate, absent), _phases(decisions)]
+    silent = unspoken(evidence.patch_calls, evidence.counts)
+    sections = [_environment(evidence, sources), _verdict(decisions, overall, max_rate, absent, silent)]
+    sections.append(_phases(decisions))
     sections.append(_charts(evidence, decisions, max_rate, min_per_signature))
     sections += [_coverage(decisions), _shared(decisions)]
     if any(d.truth for d in decisions):  # (truth runs are asked for: --truth-rate)
@@ -268,7 +271,13 @@ def _environment(evidence: Evidence, sources: Sequence[str]) -> Section:
     return Section("Environment", [f"Written {stamp}."], ["item", "value"], rows)
 
 
-def _verdict(decisions: list[Decision], overall: str, max_rate: float, absent: Sequence[str] = ()) -> Section:
+def _verdict(
+    decisions: list[Decision],
+    overall: str,
+    max_rate: float,
+    absent: Sequence[str] = (),
+    silent: Sequence[Unspoken] = (),
+) -> Section:
     rows = [
         [d.target, d.decision, f"{d.compared:,}", f"{d.divergent:,}", f"[{d.lower:.3g}, {d.upper:.3g}]", d.why]
         for d in decisions
@@ -285,6 +294,10 @@ def _verdict(decisions: list[Decision], overall: str, max_rate: float, absent: S
         for target in absent
     ]
     drill = verdict.drill_note(decisions)
+    unspoken_for = (
+        [f"The jobs called {len(silent)} of the release's patches that no evidence here speaks for: the overall "
+         "decision is about the targets above only."] if silent else []
+    )  # fmt: skip
     return Section(
         "Verdict",
         [
@@ -292,10 +305,12 @@ def _verdict(decisions: list[Decision], overall: str, max_rate: float, absent: S
             "read: a beta-binomial confidence sequence over signatures weighted by their share of calls, calls never "
             "compared counted as unknown, each process's time block one comparison where journals say which)."
         ]
-        + ([f"**{drill}**."] if drill else []),
+        + ([f"**{drill}**."] if drill else [])
+        + unspoken_for,
         ["target", "decision", "compared", "divergent", "95% bounds", "why / evidence still missing"],
         rows,
-        [] if decisions else ["No npu_shadow comparisons in these sources."],
+        ([] if decisions else ["No npu_shadow comparisons in these sources."])
+        + [f"patch without evidence: {each.line()}" for each in silent],
     )
 
 

@@ -43,7 +43,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from shadow.analysis import bounds, noise_verdict
+from shadow.analysis import bounds, eta, noise_verdict
 from shadow.analysis.bounds import Prior, Stratum
 from shadow.analysis.sooner import sooner
 from shadow.core.calls.record import clusters
@@ -131,6 +131,9 @@ class PhaseCounts:
     #: process, lines after a process's last count record), so that this count does not cover them all.
     cluster_count: float = 0.0
     clusters_missing: bool = False
+    #: The blocks of process time its calls fell in, counted as clusters are (compared or not): the most clusters
+    #: comparing every call could have made (:mod:`shadow.analysis.sooner`); 0 where the source does not say.
+    call_blocks: float = 0.0
     #: Float64 truth runs of value differences by (signature, side nearer the truth), and by (signature, decade
     #: of upstream's error over legacy's) where both errors were known.
     truth: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
@@ -185,7 +188,7 @@ class TargetCounts:
     #: Process time behind the evidence, every process together (seconds; 0 where the source does not say): the
     #: evidence rate "how much more running it takes" is said at.
     process_seconds: float = 0.0
-    #: The processes behind the evidence, where the source knows them (0: not known, taken as one).
+    #: The processes behind the evidence, where the source knows them (0: not known: their time caps no clusters).
     processes: int = 0
     #: Rollbacks no person has reset since (who or what threw the switch, and when where known).
     rollbacks: list[str] = dataclasses.field(default_factory=list)
@@ -202,6 +205,9 @@ class TargetCounts:
     #: counters began again at 0 after whatever they counted before, a rollback included (0: not restarted, or a
     #: source that holds the run's history).
     restarted: int = 0
+    #: Where the source holds one moment of the run (a metrics file) and its processes began after the run did (a
+    #: restart no launcher counted): the seconds of the run before them, which it cannot see (0: none, or unknown).
+    unseen_before: float = 0.0
 
     def phase(self, primary: str = LEGACY) -> PhaseCounts:
         return self.phases.setdefault(primary, PhaseCounts())
@@ -209,8 +215,9 @@ class TargetCounts:
     def blocks_allowed(self) -> float:
         """The most clusters a phase's evidence can hold: a cluster is a 60 s block of one process's time at least
         (:mod:`shadow.core.calls.record.clusters`), so the processes' time allows ``seconds / 60`` of them and a
-        block begun in each process; inf where the source does not say how long its processes ran."""
-        if self.process_seconds <= 0:
+        block begun in each process; inf where the source does not say how long its processes ran, or how many they
+        were."""
+        if self.process_seconds <= 0 or self.processes <= 0:
             return math.inf
         return self.process_seconds / clusters.WINDOW_SECONDS + max(1, self.processes)
 
@@ -258,6 +265,10 @@ class TargetCounts:
         """Clusters counted where the comparisons happened (:mod:`shadow.core.calls.record.clusters`)."""
         self.phase(primary).cluster_count += count
         self.clustering = self.clustering or COUNTED_CLUSTERS
+
+    def add_call_blocks(self, count: float, primary: str = LEGACY) -> None:
+        """Blocks of process time the calls fell in (:meth:`shadow.core.calls.record.clusters.Clusters.called`)."""
+        self.phase(primary).call_blocks += count
 
     def clusters_not_counted(self, primary: str = LEGACY) -> None:
         """Some of the phase's comparisons came without their clusters counted."""
@@ -368,6 +379,9 @@ class PhaseDecision:
     size_limit: str = ""
     aa_judged: int = 0
     aa_beyond: int = 0
+    #: The blocks of process time the phase's calls fell in (rank shares): the most clusters comparing every call
+    #: could have made (0: not counted by the source).
+    call_blocks: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -654,15 +668,7 @@ def decide_phase(
     beyond the noise (:mod:`shadow.analysis.noise_verdict`); ``most_clusters``: the most clusters its processes' time
     allows (:meth:`TargetCounts.blocks_allowed`), a count above it taken as it."""
     n, k = phase.compared, phase.divergent
-    counted = n + sum(phase.unmatched.values())
-    if phase.cluster_count > 0 and not phase.clusters_missing:  # (counted where they happened: every source)
-        # (a distributed job's ranks count 1 / WORLD_SIZE of a cluster each: a fraction, rounded only against the
-        # float sum's noise; never more clusters than comparisons, nor than the processes' time holds blocks)
-        clustered, cluster_count = True, round(min(phase.cluster_count, counted, most_clusters), 6)
-    else:  # (a journal's blocks, formed from its count records' times)
-        clusters = [c for c in phase.clusters.values() if c[0] > 0]
-        clustered = bool(clusters) and round(sum(c[0] for c in clusters)) == round(counted)
-        cluster_count = len(clusters)
+    clustered, cluster_count = _clusters_of(phase, most_clusters)
     lower_strata, upper_strata, uncovered, weighted, own = _strata(phase, cluster_count if clustered else None)
     prior = Prior.for_max_rate(max_rate)
     lower, upper = bounds.lower(lower_strata, alpha), bounds.upper(upper_strata, prior)
@@ -680,6 +686,7 @@ def decide_phase(
         "effective": effective,
         "weighted": weighted,
         "clusters": round(cluster_count) if clustered else 0,
+        "call_blocks": round(phase.call_blocks, 6),
         "uncovered_share": share,
         "uncovered_by": uncovered,
     }
@@ -698,12 +705,24 @@ def decide_phase(
         why = f"divergence rate below {upper:.3g} (95% upper bound, {k:.0f}/{n:.0f}) < max rate {max_rate:g}"
         return PhaseDecision(decision=PROMOTE, why=why, **common)
     units = "clusters" if clustered else "effective comparisons"
-    missing = _promote_needs(upper, max_rate, share, uncovered, rate, effective, units, prior, process_seconds)
+    missing = _promote_needs((lower, upper), max_rate, share, uncovered, rate, effective, units, prior, process_seconds)
     faster = ""
     if clustered and share < max_rate and rate < max_rate - share:
-        more = bounds.needed_at_rate(max_rate - share, rate, prior) - effective
-        faster = sooner(target or "this target", more, cluster_count, sum(phase.calls.values()), process_seconds)
+        more, calls = bounds.needed_at_rate(max_rate - share, rate, prior) - effective, sum(phase.calls.values())
+        faster = sooner(target or "this target", more, cluster_count, calls, process_seconds, phase.call_blocks)
     return PhaseDecision(decision=INCONCLUSIVE, why=f"{primary} phase: {missing}", sooner=faster, **common)
+
+
+def _clusters_of(phase: PhaseCounts, most_clusters: float) -> tuple[bool, float]:
+    """(whether the phase's comparisons are known in clusters, how many): counted where they happened (every
+    source), else a journal's blocks formed from its count records' times."""
+    counted = phase.compared + sum(phase.unmatched.values())
+    if phase.cluster_count > 0 and not phase.clusters_missing:
+        # (a distributed job's ranks count 1 / WORLD_SIZE of a cluster each: a fraction, rounded only against the
+        # float sum's noise; never more clusters than comparisons, nor than the processes' time holds blocks)
+        return True, round(min(phase.cluster_count, counted, most_clusters), 6)
+    clusters = [c for c in phase.clusters.values() if c[0] > 0]
+    return bool(clusters) and round(sum(c[0] for c in clusters)) == round(counted), len(clusters)
 
 
 def _decide_under_noise(
@@ -720,21 +739,26 @@ def _decide_under_noise(
     own A/A rate, at every look (:mod:`shadow.analysis.noise_verdict`); promote only where the detection limit is
     below the max rate too."""
     n = common["compared"]
-    scale = common["effective"] / n if n else 1.0
-    found = noise_verdict.excess_bounds(*strata, prior, noisy, n, min(1.0, scale), common["rate"], alpha)
+    scale = min(1.0, common["effective"] / n if n else 1.0)
+    found = noise_verdict.excess_bounds(*strata, prior, noisy, n, scale, common["rate"], alpha)
+    # (two ways to roll back, each at half the level: beyond the thresholds, and a shift inside them)
+    beyond_lower = noise_verdict.excess_bounds(*strata, prior, noisy, n, scale, common["rate"], alpha / 2).lower
+    moved = noise_verdict.shift_lower(noisy, scale, alpha / 2)
     common = {
-        **common, "lower": found.lower, "upper": found.upper, "rate": found.rate, "detection_limit": found.width,
+        **common, "lower": beyond_lower, "upper": found.upper, "rate": found.rate, "detection_limit": found.width,
         "size_limit": noise_verdict.SIZE_LIMIT, "aa_judged": round(noisy.aa_judged),
         "aa_beyond": round(noisy.aa_beyond),
     }  # fmt: skip
     seen = noise_verdict.describe(found, noisy)
     diverging = _diverging_stratum(own, max_rate, alpha)
-    if diverging and found.lower <= max_rate:
+    if diverging and beyond_lower <= max_rate:
         return PhaseDecision(decision=ROLLBACK, why=f"{diverging}; {seen}", **common)
-    if found.lower > max_rate:
-        why = f"{primary} phase: the divergence rate beyond the noise is at least {found.lower:.3g} > max rate "
+    if beyond_lower > max_rate:
+        why = f"{primary} phase: the divergence rate beyond the noise is at least {beyond_lower:.3g} > max rate "
         return PhaseDecision(decision=ROLLBACK, why=f"{why}{max_rate:g}: {seen}", **common)
-    factor = noise_verdict.aa_factor(noisy, found.share, min(1.0, scale), prior, max_rate)
+    if moved > max_rate:
+        return PhaseDecision(decision=ROLLBACK, why=f"{primary} phase: {noise_verdict.shifted(noisy, moved)}", **common)
+    factor = noise_verdict.aa_factor(noisy, found.share, scale, prior, max_rate)
     if found.width >= max_rate:
         why = f"{primary} phase: {noise_verdict.hidden(found, noisy, max_rate, factor)}; {seen}"
         lever = f"sooner: --aa-rate x{factor:g} (more A/A runs narrow the detection limit)"
@@ -748,7 +772,7 @@ def _decide_under_noise(
 
 
 def _promote_needs(
-    upper: float,
+    found: tuple[float, float],
     max_rate: float,
     share: float,
     uncovered: Mapping[str, float],
@@ -758,27 +782,67 @@ def _promote_needs(
     prior: Prior,
     process_seconds: float,
 ) -> str:
-    """What an inconclusive phase needs to promote: the calls never compared that no comparison can make up for,
-    a rate seen that running on cannot bring below max rate, or how much more running at the rate seen takes."""
+    """What an inconclusive phase needs to promote (its bounds ``found``): the calls never compared that no
+    comparison can make up for, a rate surely not below the max rate (its lower bound reaches it), or how much more
+    running takes: at the rate seen, and its median and 90% range over the futures the evidence allows
+    (:mod:`shadow.analysis.eta`)."""
+    lower, upper = found
     if share >= max_rate:
         kinds = ", ".join(f"{reason} {value:.3g}" for reason, value in sorted(uncovered.items()))
         return (
             f"{share:.3g} of the calls are of a kind never compared ({kinds}): no number of comparisons of the "
             "others can bound the rate below max rate"
         )
-    if rate >= max_rate - share:
+    if lower >= max_rate - share:
         return (
-            f"upper bound {upper:.3g} >= max rate {max_rate:g}, and the rate seen ({rate:.3g}) is not below it"
-            f"{f' less the uncovered share {share:.3g}' if share else ''}: running on at the rate seen cannot "
-            "promote (the bound falls toward the rate, never below it)"
+            f"upper bound {upper:.3g} >= max rate {max_rate:g}, and the rate is at least {lower:.3g} (95% lower "
+            f"bound){f', with the uncovered share {share:.3g},' if share else ''} not below it: running on cannot "
+            "promote"
         )
     # (running on brings divergences at the rate seen: the bound is reached where it falls below max rate with
     # them, not with today's divergences alone)
     needed = bounds.needed_at_rate(max_rate - share, rate, prior)
-    more = "more than any job makes:" if math.isinf(needed) else f"about {max(1, math.ceil(needed - effective)):,}"
     seen = f"at the rate seen ({rate:.3g}, its divergences included)" if rate else "without divergence"
-    when = _when(needed - effective, effective, process_seconds, units)
-    return f"upper bound {upper:.3g} >= max rate {max_rate:g}: {more} more {units} {seen}{when}"
+    if math.isinf(needed) and rate >= max_rate - share:
+        point = f"at the rate seen ({rate:.3g}) running on never promotes, though the rate may be below it"
+    else:
+        more = "more than any job makes:" if math.isinf(needed) else f"about {max(1, math.ceil(needed - effective)):,}"
+        point = f"{more} more {units} {seen}{_when(needed - effective, effective, process_seconds, units)}"
+    predicted = eta.predict(rate * effective, effective, max_rate - share, prior)
+    ahead = _eta_text(predicted, effective, process_seconds, units)
+    return f"upper bound {upper:.3g} >= max rate {max_rate:g}: {point}; {ahead}"
+
+
+def _eta_text(predicted: eta.Eta, seen: float, process_seconds: float, units: str) -> str:
+    """The predicted ETA as words: median and 90% range (:mod:`shadow.analysis.eta`), in ``units`` and in
+    process-hours where the source says how long its evidence took."""
+    per_hour = _hours(seen, process_seconds, units)
+
+    def amount(value: float) -> str:
+        if math.isinf(value):
+            return "never"
+        hours = f" ({value / per_hour:,.3g} process-hours)" if per_hour else ""
+        return f"{max(1, math.ceil(value)):,}{hours}"
+
+    never = f"; {predicted.never:.0%} of them never promote" if predicted.never >= 0.005 else ""
+    if math.isinf(predicted.median):
+        return (
+            f"predicted from the evidence so far: most futures it allows never promote ({predicted.never:.0%}); "
+            f"90% of them need at least {amount(predicted.low)} more {units}"
+        )
+    return (
+        f"predicted from the evidence so far: {amount(predicted.median)} more {units}, the median of the futures "
+        f"it allows (90% of them: {amount(predicted.low)} to {amount(predicted.high)}{never})"
+    )
+
+
+def _hours(seen: float, process_seconds: float, units: str) -> float | None:
+    """The evidence's ``units`` per process-hour (clusters come at most 60 an hour); None where not known."""
+    if not (seen > 0 and process_seconds > 0):
+        return None
+    if units == "clusters":
+        process_seconds = max(process_seconds, seen * clusters.WINDOW_SECONDS)
+    return seen / (process_seconds / 3600)
 
 
 #: The suffix of a phase's gradient evidence in the phases decided (``legacy gradients``).
@@ -852,10 +916,14 @@ def recent_windows(seconds: float) -> list[float]:
 
 def recent_slice(seconds: float) -> str:
     """The name of the recent window's slice: ``the last 1h``."""
+    return f"{_RECENT_PREFIX}{_duration(seconds)}"
+
+
+def _duration(seconds: float) -> str:
+    """``1h5m``, ``30s``."""
     hours, rest = divmod(round(seconds), 3600)
     minutes, secs = divmod(rest, 60)
-    text = "".join(f"{v}{u}" for v, u in ((hours, "h"), (minutes, "m"), (secs, "s")) if v) or "0s"
-    return f"{_RECENT_PREFIX}{text}"
+    return "".join(f"{v}{u}" for v, u in ((hours, "h"), (minutes, "m"), (secs, "s")) if v) or "0s"
 
 
 _RECENT_PREFIX = "the last "
@@ -1010,15 +1078,29 @@ def _decide_whole(
             missing.append(f"risky signature {pattern} compared {seen} times, needs {min_per_signature}")
     for reason, count in sorted(uncovered.items()):
         missing.append(f"{count} sampled calls not compared ({reason}: {_UNCOVERED_WHY[reason]})")
-    if counts.restarted:
-        missing.append(
-            f"the job was restarted ({counts.restarted} restarts): one moment of its metrics holds only what its "
-            "processes counted since, and a rollback before the restart is not in it; decide over Prometheus (which "
-            "keeps the run's history) or the journals"
-        )
+    missing += _one_moment_unseen(counts)
     if missing:
         return Decision(decision=INCONCLUSIVE, why="; ".join(missing), **made)
     return Decision(decision=PROMOTE, why="; ".join(f"{p.primary} phase: {p.why}" for p in phases), **made)
+
+
+def _one_moment_unseen(counts: TargetCounts) -> list[str]:
+    """What one moment of a run's metrics (a metrics file) cannot see: a restart's earlier processes, counted by the
+    launcher (``restarted``) or seen in the processes' start after their run's (``unseen_before``)."""
+    if counts.restarted:
+        return [
+            f"the job was restarted ({counts.restarted} restarts): one moment of its metrics holds only what its "
+            "processes counted since, and a rollback before the restart is not in it; decide over Prometheus (which "
+            "keeps the run's history) or the journals"
+        ]
+    if counts.unseen_before:
+        return [
+            f"the metrics' processes began {_duration(counts.unseen_before)} after their run did (a restart no "
+            "launcher counted?): one moment of their metrics holds only what they counted since, and what the run "
+            "counted before, a rollback included, is not in it; decide over Prometheus (which keeps the run's "
+            "history) or the journals"
+        ]
+    return []
 
 
 def overall(decisions: Iterable[Decision]) -> str:

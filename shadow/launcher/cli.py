@@ -93,12 +93,14 @@ def _verdict(args: argparse.Namespace) -> int:
     import json
 
     from shadow.analysis import arms, verdict
+    from shadow.analysis.patch_evidence import unspoken
     from shadow.analysis.sources import SourceError, from_exposition, from_journal, from_prometheus, read_text
     from shadow.core.model.observation import BUILTIN_RISKY
 
     arm_records: list[dict] = []
     arm_series: list[tuple[str, dict[str, str], float]] = []
     slices: dict[str, dict] = {}
+    patches: dict[str, float] = {}
     if problem := _range_problem(args):
         print(f"npu-shadow verdict: {problem}", file=sys.stderr)
         return EXIT_USAGE
@@ -106,17 +108,17 @@ def _verdict(args: argparse.Namespace) -> int:
         if args.prometheus:
             counts = from_prometheus(
                 args.prometheus, args.window, args.selector, **_prometheus_range(args), arms=arm_series,
-                recent=args.recent, slices=slices,
+                recent=args.recent, slices=slices, patches=patches,
             )  # fmt: skip
         elif args.metrics_file:
             counts = from_exposition(
                 read_text(args.metrics_file), args.metrics_file, args.run, args.all_runs, arms=arm_series,
-                slices=slices,
+                slices=slices, patches=patches,
             )  # fmt: skip
         else:
             counts = from_journal(
                 args.journal, torn := [], args.cluster_window, args.run, args.all_runs, arm_records,
-                recent=args.recent, slices=slices,
+                recent=args.recent, slices=slices, patches=patches,
             )  # fmt: skip
             if torn:
                 print(f"npu-shadow verdict: skipped {len(torn)} torn line(s): {', '.join(torn)}", file=sys.stderr)
@@ -130,16 +132,19 @@ def _verdict(args: argparse.Namespace) -> int:
     decisions = verdict.decide_all(counts, args.max_rate, risky, args.min_per_signature, slices)
     result = verdict.overall(decisions)
     ab = arms.summarize(arm_records) if arm_records else arms.summarize_series(arm_series)
+    silent = unspoken(patches, counts)
     if args.format == "json":
         targets = [d.as_dict() for d in decisions]
-        print(json.dumps({"decision": result, "targets": targets, "ab": [a.as_dict() for a in ab]}, indent=2))
+        print(json.dumps({"decision": result, "targets": targets, "ab": [a.as_dict() for a in ab],
+                          "patches_without_evidence": [u.as_dict() for u in silent]}, indent=2))  # fmt: skip
     else:
-        _print_verdict(decisions, ab, result, args.max_rate)
+        _print_verdict(decisions, ab, result, args.max_rate, silent)
     return verdict.EXIT_CODES[result]
 
 
-def _print_verdict(decisions: list[Any], ab: list[Any], result: str, max_rate: float) -> None:
-    """The verdict as a table: a line per target, what its evidence says under it, the canary A/B, the overall."""
+def _print_verdict(decisions: list[Any], ab: list[Any], result: str, max_rate: float, silent: list[Any] = ()) -> None:
+    """The verdict as a table: a line per target, what its evidence says under it, the canary A/B, the called
+    patches no evidence speaks for, the overall."""
     from shadow.analysis import verdict
 
     print(f"{'target':<17}{'decision':<14}{'compared':>10}{'divergent':>11}  {'95% bounds':<22} why")
@@ -161,8 +166,11 @@ def _print_verdict(decisions: list[Any], ab: list[Any], result: str, max_rate: f
     note = verdict.drill_note(decisions)
     if note:
         print(note)
+    for each in silent:
+        print(f"patch without evidence: {each.line()}")
     active = any(d.drilled for d in decisions)
-    print(f"overall: {result} (max rate {max_rate:g}){' - a FIRE DRILL' if active else ''}")
+    unspoken = f"; {len(silent)} called patches have no evidence here (above)" if silent else ""
+    print(f"overall: {result} (max rate {max_rate:g}){' - a FIRE DRILL' if active else ''}{unspoken}")
 
 
 def _coverage_lines(d: Any) -> list[str]:
@@ -306,13 +314,7 @@ def _census_by_calls(taken: Any, calls: dict[str, float], form: str) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from shadow.analysis import report
-    from shadow.analysis.sources import (
-        SourceError,
-        environment_from_exposition,
-        from_exposition,
-        from_prometheus,
-        read_text,
-    )
+    from shadow.analysis.sources import SourceError
     from shadow.core.model.observation import BUILTIN_RISKY
 
     if not (args.journal or args.metrics_file or args.prometheus):
@@ -325,22 +327,7 @@ def _report(args: argparse.Namespace) -> int:
     sources += [f"metrics file {args.metrics_file}"] if args.metrics_file else []
     sources += [f"journals {', '.join(args.journal)}"] if args.journal else []
     try:
-        counts = None
-        environment: dict = {}
-        slices: dict[str, dict] = {}
-        if args.prometheus:
-            counts = from_prometheus(
-                args.prometheus, args.window, args.selector, **_prometheus_range(args), recent=args.recent,
-                slices=slices, environment=environment,
-            )  # fmt: skip
-        elif args.metrics_file:
-            text = read_text(args.metrics_file)
-            counts = from_exposition(text, args.metrics_file, args.run, args.all_runs, slices=slices)
-            environment = environment_from_exposition(text)
-        evidence = report.collect(
-            args.journal or (), counts, details=args.details, window=args.cluster_window, environment=environment,
-            run=args.run, all_runs=args.all_runs, recent=args.recent, slices=slices,
-        )  # fmt: skip
+        evidence = _report_evidence(args)
     except SourceError as exc:
         print(f"npu-shadow report: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -362,6 +349,34 @@ def _report(args: argparse.Namespace) -> int:
     else:
         print(f"npu-shadow report: {overall}; written to {args.markdown}" + (f" and {args.html}" if args.html else ""))
     return EXIT_OK
+
+
+def _report_evidence(args: argparse.Namespace) -> Any:
+    """The report's evidence: the metrics source's counts (and its patches' calls) where one is given, the journals'
+    details beside them (raises SourceError)."""
+    from shadow.analysis import report
+    from shadow.analysis.sources import environment_from_exposition, from_exposition, from_prometheus, read_text
+
+    counts = None
+    environment: dict = {}
+    slices: dict[str, dict] = {}
+    patches: dict[str, float] = {}
+    if args.prometheus:
+        counts = from_prometheus(
+            args.prometheus, args.window, args.selector, **_prometheus_range(args), recent=args.recent,
+            slices=slices, environment=environment, patches=patches,
+        )  # fmt: skip
+    elif args.metrics_file:
+        text = read_text(args.metrics_file)
+        counts = from_exposition(text, args.metrics_file, args.run, args.all_runs, slices=slices, patches=patches)
+        environment = environment_from_exposition(text)
+    evidence = report.collect(
+        args.journal or (), counts, details=args.details, window=args.cluster_window, environment=environment,
+        run=args.run, all_runs=args.all_runs, recent=args.recent, slices=slices,
+    )  # fmt: skip
+    if patches:  # (the metrics source's counts of the patches, like its counts of comparisons, come first)
+        evidence.patch_calls = patches
+    return evidence
 
 
 def _prometheus_range(args: argparse.Namespace) -> dict[str, Any]:

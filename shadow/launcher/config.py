@@ -16,7 +16,7 @@ from typing import Any
 
 from shadow.core.calls.gate.budget import DEFAULT_DEADLINE
 from shadow.core.model.observation import ARM_TARGETS, BUILTIN_TARGETS, DEFAULT_FIRST_PER_SIGNATURE, DRILL_KINDS
-from shadow.core.model.run_ids import RUN_ID_VARIABLE, run_id_problem
+from shadow.core.model.run_ids import RUN_ID_VARIABLE, RUN_STARTED_VARIABLE, run_id_problem, unix_time_problem
 from shadow.core.support.rates import parse_rate
 from shadow.core.support.safe_paths import directory_problem, long_component, template_problem
 
@@ -119,6 +119,13 @@ def _run_id(text: str) -> str:
     if problem:
         raise Invalid(problem)
     return text
+
+
+def _unix_time(text: str) -> float:
+    problem = unix_time_problem(text)
+    if problem:
+        raise Invalid(problem)
+    return float(text)
 
 
 def _off_or_rate(low: str) -> Callable[[str], float | None]:
@@ -430,6 +437,13 @@ SETTINGS = {
         "made at launch)",
         _run_id,
     ),
+    "run_started": Setting(
+        RUN_STARTED_VARIABLE,
+        "--run-started",
+        "when the run began, in Unix seconds (default: the time a made run id carries; give it where a run outlives "
+        "its processes under one id, a pod's spec, so that a restarted process's metrics say what they cannot see)",
+        _unix_time,
+    ),
     "linger": Setting(
         "NPU_SHADOW_LINGER",
         "--linger",
@@ -634,6 +648,7 @@ class Config:
     pushgateway: str | None = None
     textfile: str | None = None
     run_id: str | None = None
+    run_started: float | None = None
     linger: float | None = None  # (None: DEFAULT_LINGER_SECONDS where only the endpoint carries the final counts)
     emulate_npu: int = 0
     emulated_soc: str | None = None
@@ -689,7 +704,7 @@ OTHER_VARIABLES = frozenset(
         "NPU_SHADOW_CACHE_DIR", "NPU_SHADOW_COMMAND_ID", "NPU_SHADOW_DEMO_OUT", "NPU_SHADOW_DEMO_PORT",
         "NPU_SHADOW_ENABLED", "NPU_SHADOW_JOB", "NPU_SHADOW_MADE_RUN_ID", "NPU_SHADOW_PATCH_LIST",
         "NPU_SHADOW_METRICS_DIR", "NPU_SHADOW_METRICS_LAYOUT", "NPU_SHADOW_RECEIVER_TOKEN", "NPU_SHADOW_ROLLED_BACK_BY",
-        "NPU_SHADOW_WHEEL_DIR",
+        "NPU_SHADOW_STARTED", "NPU_SHADOW_WHEEL_DIR",
     }
 )  # fmt: skip
 

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 
-from shadow.core.model.run_ids import COMMAND_ID_VARIABLE, MADE_RUN_ID_VARIABLE, command_id, new_run_id
+from shadow.core.model.run_ids import COMMAND_ID_VARIABLE, MADE_RUN_ID_VARIABLE, command_id, new_run_id, started
 from shadow.core.support.safe_paths import make_private_directory
 from shadow.launcher import config as cfg
 from shadow.launcher import linger
@@ -369,6 +369,7 @@ def _run(
             return 2
     if COMMAND_ID_VARIABLE not in env:  # (every process of the job reports the command it wraps)
         env[COMMAND_ID_VARIABLE] = command_id(list(command))
+    started(env)  # (when this launch began: every process it starts says so in its metrics)
     if config.run_id is None:  # (a new launch is a new run, unless torchrun names it)
         env[MADE_RUN_ID_VARIABLE] = new_run_id()
         torchrun = " (torchrun's TORCHELASTIC_RUN_ID instead where it sets one)" if _is_torchrun(command) else ""

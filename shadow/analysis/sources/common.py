@@ -23,13 +23,18 @@ SHARED = contract.SHARED_DIVERGENCES.series
 SKIPPED = contract.SKIPPED.series
 CALLS = contract.CALLS.series
 CLUSTERS = contract.CLUSTERS.series
+CALL_BLOCKS = contract.CALL_BLOCKS.series
 PROCESS_TIME = contract.PROCESS_TIME.series
+PROCESSES = contract.PROCESSES.series
 TRUTH_RUNS = contract.TRUTH_RUNS.series
 BACKWARD_RUNS = contract.BACKWARD_RUNS.series
 NOISE_CHECKS = contract.NOISE_CHECKS.series
+PATCH_CALLS = contract.PATCH_CALLS.series
 ROLLBACKS = contract.ROLLBACKS.series
 RESETS = contract.RESETS.series
 DRILL_ACTIVE = contract.DRILL_ACTIVE.prometheus_name
+STARTED = contract.STARTED.prometheus_name
+RUN_STARTED = contract.RUN_STARTED.prometheus_name
 DRILLED = contract.DRILLED.series
 DRILLED_REASONS = contract.DRILLED_REASONS.series
 #: The canary A/B's series (shadow.analysis.arms reads them: not comparisons).
@@ -135,6 +140,8 @@ def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], val
         target.add_calls(labels.get("signature", ""), value, primary)
     elif name == CLUSTERS:
         target.add_clusters(value, primary)
+    elif name == CALL_BLOCKS:
+        target.add_call_blocks(value, primary)
     elif name == TRUTH_RUNS:
         if labels.get("nearer") in NEARER:
             target.add_truth(labels.get("signature", ""), labels["nearer"], value, primary)
@@ -205,8 +212,8 @@ def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
 
 
 _COUNTED = (
-    COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, CLUSTERS, ROLLBACKS, RESETS, TRUTH_RUNS, BACKWARD_RUNS,
-    NOISE_CHECKS,
+    COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, CLUSTERS, CALL_BLOCKS, ROLLBACKS, RESETS, TRUTH_RUNS,
+    BACKWARD_RUNS, NOISE_CHECKS,
 )  # fmt: skip
 
 

@@ -317,6 +317,7 @@ def _check_counts(record: dict, where: str) -> dict:
         **tables,
         "drilled": drilled,
         **({"clusters": _count(record["clusters"], f"{where}: clusters", whole=False)} if "clusters" in record else {}),
+        "call_blocks": _count(record.get("call_blocks", 0), f"{where}: call_blocks", whole=False),
     }
 
 
@@ -727,6 +728,7 @@ def _add_counts(entry: TargetCounts, primary: str, counts: dict) -> None:
         entry.add_clusters(counts["clusters"], primary)
     elif _compared(counts)[0]:
         entry.clusters_not_counted(primary)  # (a process of a version before clusters were counted)
+    entry.add_call_blocks(counts.get("call_blocks", 0), primary)
     for signature, by_side in counts.get("truth", {}).items():
         for side, value in by_side.items():
             entry.add_truth(signature, side, value, primary)
@@ -800,12 +802,14 @@ def from_journal(
     arms: list[dict] | None = None,
     recent: float = 0.0,
     slices: dict[str, dict[str, TargetCounts]] | None = None,
+    patches: dict[str, float] | None = None,
 ) -> dict[str, TargetCounts]:
     """Counts from JSONL journals and their rotated siblings (see :class:`JournalReader`), of ``run`` or of the one
     run they hold (:func:`select_run`); a torn final line is skipped (its place appended to ``torn`` when
     given). ``arms``, when given, receives the run's canary A/B iterator records. ``slices``, when given,
     receives the counts of the last ``recent`` seconds (where the evidence spans more) and, where several runs are
-    pooled, of each run (:func:`shadow.analysis.verdict.decide`)."""
+    pooled, of each run (:func:`shadow.analysis.verdict.decide`). ``patches``, when given, receives the calls of
+    each function patch of the release (:func:`patch_calls`)."""
     reader = JournalReader(window, recent=recent if slices is not None else 0.0)
     read, added = with_rotated(paths)
     reader.read(read)
@@ -819,6 +823,8 @@ def from_journal(
         torn.extend(reader.torn)
     if arms is not None:
         arms.extend(reader.arm_runs())
+    if patches is not None:
+        patches.update(patch_calls(reader))
     counts = reader.counts()
     if slices is not None:
         slices.update(reader.slices())

@@ -18,6 +18,7 @@ from shadow.analysis.sources.common import (
     ARM_SERIES,
     BACKWARD_RUNS,
     BUILD_INFO,
+    CALL_BLOCKS,
     CALLS,
     CLUSTERS,
     COMPARISONS,
@@ -28,7 +29,9 @@ from shadow.analysis.sources.common import (
     MAX_FILE_BYTES,
     MISMATCHES,
     NOISE_CHECKS,
+    PATCH_CALLS,
     PROCESS_TIME,
+    PROCESSES,
     RESETS,
     ROLLBACKS,
     SHARED,
@@ -129,6 +132,7 @@ _QUERIES = [
     (SKIPPED, "target, reason, signature, primary"),
     (CALLS, "target, signature, primary"),
     (CLUSTERS, "target, primary"),
+    (CALL_BLOCKS, "target, primary"),
     (ROLLBACKS, "target, source"),
     (RESETS, "target"),
     (TRUTH_RUNS, "target, signature, nearer, primary"),
@@ -237,12 +241,47 @@ def _exact_between(
     """Each series' exact count from ``start`` to ``end`` (:func:`_exact`; ``whole``: counts, not seconds or a
     rank's share of a cluster)."""
     if whole is None:
-        whole = metric not in (CLUSTERS, PROCESS_TIME)
+        whole = metric not in (CLUSTERS, CALL_BLOCKS, PROCESS_TIME)
     series = _exact(url, metric, selector, end, deadline, whole)
     if start is not None:
         before = _exact(url, metric, selector, start, deadline, whole)
         series = {key: value - before.get(key, 0.0) for key, value in series.items()}
     return series
+
+
+def _counted(
+    url: str, selector: str, window: str | None, start: float | None, end: float | None, deadline: _Deadline
+) -> dict[str, TargetCounts]:
+    """Each target's counts (:data:`_QUERIES`) from ``start`` to ``end``, or their ``increase()`` over ``window``; a
+    rollback and its resets whole, whatever the range (a rollback no person reset holds over any window a reader
+    picks)."""
+    counts: dict[str, TargetCounts] = {}
+    for metric, by in _QUERIES:
+        if metric in (ROLLBACKS, RESETS):
+            series = _exact(url, metric, selector, end, deadline)
+        elif window:
+            series = _increases(url, metric, by, selector, window, deadline)
+        else:
+            series = _exact_between(url, metric, selector, start, end, deadline)
+        for key, value in series.items():
+            labels = dict(key)
+            # increase() extrapolates to the window's edges: fractional there, never negative
+            shares = metric in (CLUSTERS, CALL_BLOCKS)  # (a rank's share of a block each: fractions)
+            value = _count(value, f"{url}: {metric}{labels}", whole=window is None and not shares)
+            _add(counts, metric, labels, value if shares else float(round(value)))
+    return counts
+
+
+def _patch_calls(
+    url: str, selector: str, start: float | None, end: float | None, deadline: _Deadline
+) -> dict[str, float]:
+    """The calls of each function patch of the release from ``start`` to ``end`` (``npu_shadow_patch_calls_total``,
+    every process of the run together)."""
+    found: dict[str, float] = {}
+    for key, value in _exact_between(url, PATCH_CALLS, selector, start, end, deadline).items():
+        patch = dict(key).get("patch", "")
+        found[patch] = found.get(patch, 0.0) + _count(value, f"{url}: {PATCH_CALLS}{dict(key)}")
+    return found
 
 
 def _drilling(url: str, selector: str, end: float | None, deadline: _Deadline) -> bool:
@@ -327,6 +366,7 @@ def from_prometheus(
     recent: float = 0.0,
     slices: dict[str, dict[str, TargetCounts]] | None = None,
     environment: dict[str, set[str]] | None = None,
+    patches: dict[str, float] | None = None,
 ) -> dict[str, TargetCounts]:
     """Counts from a Prometheus server, of ``run`` or of the one run it holds (:func:`select_run`; the runs seen in
     the last :data:`LOOKBACK`): each counter's exact value at ``end`` (default now; its last sample at or before,
@@ -336,7 +376,8 @@ def from_prometheus(
     ``timeout`` seconds. ``arms``, when given, receives the canary A/B's series (series, labels, value).
     ``slices``, when given, receives the counts of the last ``recent`` seconds before ``end`` (where the range
     read is longer) and, where several runs are pooled, of each run (:func:`shadow.analysis.verdict.decide`).
-    ``environment``, when given, receives what the run's processes ran (their ``npu_shadow_build_info``)."""
+    ``environment``, when given, receives what the run's processes ran (their ``npu_shadow_build_info``);
+    ``patches``, the calls of each function patch of the release (``npu_shadow_patch_calls_total``)."""
     deadline = _Deadline(url, timeout)
     runs = _runs(url, selector, end, deadline, window or LOOKBACK)
     chosen = select_run(runs, run, all_runs, f"{url}{f' ({selector})' if selector else ''}")
@@ -348,29 +389,20 @@ def from_prometheus(
         one_job_per_run(_commands(selector, end, deadline), url)
     if environment is not None:
         environment.update(_environment(selector, end, deadline))
-    counts: dict[str, TargetCounts] = {}
     drilling = False if window else _drilling(url, selector, end, deadline)
-    for metric, by in _QUERIES:
-        if metric in (ROLLBACKS, RESETS):  # (a rollback no person reset holds over any window a reader picks)
-            series = _exact(url, metric, selector, end, deadline)
-        elif window:
-            series = _increases(url, metric, by, selector, window, deadline)
-        else:
-            series = _exact_between(url, metric, selector, start, end, deadline)
-        for key, value in series.items():
-            labels = dict(key)
-            # increase() extrapolates to the window's edges: fractional there, never negative
-            value = _count(value, f"{url}: {metric}{labels}", whole=window is None and metric != CLUSTERS)
-            _add(counts, metric, labels, value if metric == CLUSTERS else float(round(value)))
+    counts = _counted(url, selector, window, start, end, deadline)
     if not counts:
         raise SourceError(f"{url} has no {COMPARISONS} series{f' matching {selector}' if selector else ''}")
     for metric in ARM_SERIES if arms is not None and not window else ():
         series = _exact_between(url, metric, selector, start, end, deadline, whole=False)
         arms.extend((metric, dict(key), value) for key, value in series.items())  # type: ignore[union-attr]
+    if patches is not None and not window:
+        patches.update(_patch_calls(url, selector, start, end, deadline))
     if not window:
         _drills(url, selector, start, end, deadline, counts, drilling)
         each = _exact_between(url, PROCESS_TIME, selector, start, end, deadline)
+        processes = _exact(url, PROCESSES, selector, end, deadline)  # (every process of the run, whatever the range)
         for entry in counts.values():
             entry.process_seconds = max(sum(each.values()), 0.0)
-            entry.processes = len(each)
+            entry.processes = round(sum(processes.values()))
     return _honour_resets(counts)

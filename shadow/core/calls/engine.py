@@ -260,7 +260,7 @@ class Experiment:
         """Tell exporters how many calls passed (by signature for a guided target), and how many sampled calls
         were skipped in bulk, since the last report (done at each publish, at a rollback or reset, each second by
         :mod:`shadow.core.calls.record.reporter` and at flush: ``flush`` counts a guided target's open gate too)."""
-        self.record.report_calls(flush)
+        self.record.report_calls(flush, self.primary)
 
     def noise_floor(self) -> dict[str, tuple[float, float, int, int]]:
         """{signature: (greatest abs difference, greatest rel difference, A/A runs, runs that differed)} of the

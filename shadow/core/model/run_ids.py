@@ -3,6 +3,7 @@ receiver read it before torch could load)."""
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import os
 import re
@@ -58,6 +59,51 @@ def run_id(environ: MutableMapping[str, str] = os.environ) -> str:
     if run_id_problem(made):
         made = environ[MADE_RUN_ID_VARIABLE] = new_run_id()
     return made
+
+
+#: When the run began (Unix seconds; ``npu-shadow run --run-started``): where a run outlives its processes (a pod
+#: restarted under a run id its spec names), the time the first of them began, so that one moment of a later one's
+#: metrics can say what it cannot see.
+RUN_STARTED_VARIABLE = "NPU_SHADOW_RUN_STARTED"
+#: When the processes of this launch began: the launcher's start (or a library-form job's first exporter), set once
+#: and inherited by every process it starts.
+STARTED_VARIABLE = "NPU_SHADOW_STARTED"
+_MADE = re.compile(r"(\d{8}T\d{6}Z)-[0-9a-f]{6}")
+
+
+def unix_time_problem(text: str) -> str | None:
+    """Why ``text`` cannot be a time a run began (Unix seconds, finite, after 2000 and not in the future), or
+    None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return "Unix seconds, e.g. 1796600000"
+    if not 946_684_800 <= value <= time.time() + 86_400:
+        return "Unix seconds after 2000 and not in the future"
+    return None
+
+
+def run_started(run: str, environ: Mapping[str, str] = os.environ) -> float | None:
+    """When the run ``run`` began, where this process can know: :data:`RUN_STARTED_VARIABLE`, else the time a made
+    run id carries (:func:`new_run_id`); None for a named run or torchrun's (a restarted process cannot tell)."""
+    text = environ.get(RUN_STARTED_VARIABLE, "").strip()
+    if text and unix_time_problem(text) is None:
+        return float(text)
+    made = _MADE.fullmatch(run)
+    if made:
+        return float(calendar.timegm(time.strptime(made.group(1), "%Y%m%dT%H%M%SZ")))
+    return None
+
+
+def started(environ: MutableMapping[str, str] = os.environ) -> float:
+    """When the processes of this launch began (:data:`STARTED_VARIABLE`), set to now where no one set it yet (so
+    that the processes this one starts share it)."""
+    text = environ.get(STARTED_VARIABLE, "").strip()
+    if text and unix_time_problem(text) is None:
+        return float(text)
+    now = time.time()
+    environ[STARTED_VARIABLE] = repr(now)
+    return now
 
 
 #: The variables that carry a job's restart count: torchrun's (elastic restarts), Slurm's (a requeued job).

@@ -198,12 +198,13 @@ SETTINGS: dict[str, Setting] = {
     for s in (
         Setting("torch function modes", _function_modes, _set_function_modes),
         Setting("default dtype", torch.get_default_dtype, torch.set_default_dtype, process_wide=True),
+        # (thread-local in effect: its context is a mode on this thread's stack, where constructors read it; the
+        # global beside it only answers torch.get_default_device)
         Setting(
             "default device",
             _default_device,
             _set_default_device,
             shown=lambda value: None if value[1] is None else str(value[1]),
-            process_wide=True,
         ),
         Setting("autocast", _autocast, _set_autocast),
         Setting("autocast cache", torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled),
@@ -316,6 +317,15 @@ class TorchGlobals:
             for setting, mine, theirs in zip(SETTINGS.values(), self._state, others._state, strict=True)
         ]
         return taken
+
+    def attributed(
+        self, written: Collection[str], others: TorchGlobals, before: TorchGlobals
+    ) -> tuple[TorchGlobals, list[str]]:
+        """(this snapshot as the code that wrote ``written`` left it: :meth:`as_written_by` ``others``; the
+        process-wide settings it differs from ``before`` in that the code did not write: another thread's changes,
+        which the code may have read)."""
+        foreign = [name for name in self.process_wide_differences(before) if name not in written]
+        return self.as_written_by(written, others), foreign
 
     def restore(self, written: Collection[str] = ()) -> None:
         """Write back every thread-local setting that differs from the snapshot, and of the process-wide ones those

@@ -79,6 +79,9 @@ class Clusters:
         self.opened_share = 1.0
         self.count = 0.0  # (clusters opened, every phase together, each ``share``)
         self._phases: dict[str, list] = {}  # phase -> [origin, current block, last comparison diverged]
+        self._called: dict[str, list] = {}  # phase -> [origin, current block] of the blocks its calls fell in
+        #: What the last comparison counted as among the blocks of its phase's calls (:meth:`called`), else 0.
+        self.call_block_opened = 0.0
 
     @property
     def share(self) -> float:
@@ -89,6 +92,7 @@ class Clusters:
         """Whether a comparison of ``phase`` (``divergent`` or not) made ``now`` (monotonic seconds) opens a new
         cluster."""
         now = time.monotonic() if now is None else now
+        self.call_block_opened = self.called(phase, now)  # (a comparison is a call: its block is one the calls fell in)
         state = self._phases.get(phase)
         if state is None:
             self._phases[phase] = [now, 0, divergent]
@@ -105,7 +109,24 @@ class Clusters:
         state[2] = divergent
         return opened
 
+    def called(self, phase: str, now: float | None = None) -> float:
+        """Calls of ``phase`` were made by ``now`` (monotonic seconds; reported each second and at each comparison):
+        the share of a block this counts as where it is the first of a block of the phase's calls, else 0. The
+        blocks the target's calls fell in are the most clusters comparing every call could make (rank shares
+        included): what ``--gather`` can add to the evidence (:mod:`shadow.analysis.sooner`)."""
+        now = time.monotonic() if now is None else now
+        state = self._called.get(phase)
+        if state is None:
+            self._called[phase] = [now, 0]
+            return self.share
+        here = int((now - state[0]) // self.window) if self.window > 0 else 0
+        if here == state[1]:
+            return 0.0
+        state[1] = here
+        return self.share
+
     def clear(self) -> None:
         """Forget every phase (a forked child's comparisons are its own process's)."""
         self._phases.clear()
+        self._called.clear()
         self.count = 0.0

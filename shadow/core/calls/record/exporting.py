@@ -31,6 +31,10 @@ class Exporter(Protocol):
         """Calls of the target (sampled or not) since the last report; for a coverage-guided target, by
         ``signature`` (passed only then: the calls of all signatures add up to the target's)."""
 
+    def record_call_blocks(self, target: str, primary: str, blocks: float) -> None:
+        """The target's calls (``primary`` the side the caller got) began a block of process time: ``blocks`` is
+        what it counts as (a rank's share; :meth:`shadow.core.calls.record.clusters.Clusters.called`)."""
+
     def record_skips(self, target: str, reason: str, count: int) -> None:
         """Sampled calls skipped in bulk, without an observation each (the overhead budget)."""
 
@@ -74,6 +78,7 @@ HOOKS = (
     "export",
     "register",
     "record_calls",
+    "record_call_blocks",
     "record_skips",
     "set_primary",
     "record_rollback",

@@ -15,9 +15,10 @@ from shadow.core.calls.gate.sampling import Sampling
 from shadow.core.calls.record import clusters as clustering
 from shadow.core.calls.record.exporting import call_hook
 from shadow.core.calls.record.held import HeldDifferences
-from shadow.core.judging.noise import BEYOND, WITHIN, NoiseFloor, evidence_of
+from shadow.core.judging.noise import CHECKS, NOISE_CHECKS, NoiseFloor, evidence_of
 from shadow.core.model.observation import (
     DIVERGENT_OUTCOMES,
+    LEGACY,
     OUTCOMES,
     Observation,
     Outcome,
@@ -101,6 +102,7 @@ class Tally:
         settings_failures: torch's global settings that could not be taken or put back.
         shadow_peak_bytes: the most a sampled call's shadow side raised the accelerator's peak allocation.
         skips_unreported: sampled calls skipped in bulk (budget, deadline) since the last report.
+        call_blocks_unreported: the blocks of calls begun since the last report, by phase (a rank's share each).
         calls_reported: the calls reported to the exporters so far, by signature (under "" where not guided).
     """
 
@@ -120,6 +122,7 @@ class Tally:
     settings_failures: int = 0
     shadow_peak_bytes: int = 0
     skips_unreported: collections.Counter[str] = dataclasses.field(default_factory=_counter)
+    call_blocks_unreported: collections.Counter[str] = dataclasses.field(default_factory=_counter)
     calls_reported: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -133,12 +136,10 @@ class Tally:
     def count(self, observation: Observation) -> Observation:
         """Count a published observation; returned with its cluster share where it opens a cluster."""
         # (a drilled comparison is no evidence: it opens no cluster, so setting it aside leaves the clusters exact)
-        if (
-            observation.outcome != Outcome.SKIPPED.value
-            and not observation.drill
-            and self.clusters.opens(observation.primary, observation.outcome in DIVERGENT_OUTCOMES)
-        ):
-            observation = dataclasses.replace(observation, cluster_share=self.clusters.opened_share)
+        if observation.outcome != Outcome.SKIPPED.value and not observation.drill:
+            if self.clusters.opens(observation.primary, observation.outcome in DIVERGENT_OUTCOMES):
+                observation = dataclasses.replace(observation, cluster_share=self.clusters.opened_share)
+            self.call_blocks_unreported[observation.primary] += self.clusters.call_block_opened
         self.drilled += observation.drill
         self.outcomes[observation.outcome] += 1
         self.reasons.update(observation.reasons)
@@ -159,6 +160,14 @@ class Tally:
         self.outcomes[Outcome.SKIPPED.value] += 1
         self.reasons[reason] += 1
         self.skips_unreported[reason] += 1
+
+    def take_call_blocks(self, primary: str, calls_since: bool) -> collections.Counter[str]:
+        """The blocks of calls begun since the last report, by phase, and none from now; ``calls_since``: calls of
+        ``primary`` were made since (their block marked now, unless a comparison marked it)."""
+        if calls_since:
+            self.call_blocks_unreported[primary] += self.clusters.called(primary)
+        blocks, self.call_blocks_unreported = self.call_blocks_unreported, collections.Counter()
+        return blocks
 
     def take_unreported_skips(self) -> collections.Counter[str]:
         """The skips in bulk since the last report, and none from now."""
@@ -253,14 +262,15 @@ class Record:
             observation = unjudged(observation)
         with self._lock:
             observation = self.tally.count(observation)
-        self.report_calls()
+        compared = observation.outcome != Outcome.SKIPPED.value and not observation.drill  # (its block marked)
+        self.report_calls(primary=observation.primary, marked=compared)
         failed = self.publisher.export(self.target, observation)
         if failed:
             self.add("export_errors", failed)
         if (observation.aa or observation.backward) and not judged and len(self.held):  # (a floor grew)
             for held, check, test in self.held.judged(observation.signature, noise):
-                found = within_noise_floor(held, test) if check == WITHIN else held
-                counted = check if check in (WITHIN, BEYOND) else ""
+                found = within_noise_floor(held, test) if check in NOISE_CHECKS else held
+                counted = check if check in CHECKS else ""
                 which = "grad_noise_check" if evidence_of(held.leaf_errors) == "gradients" else "noise_check"
                 found = dataclasses.replace(
                     found, noise_pending=False, noise_test=test, leaf_errors=(), **{which: counted}
@@ -300,18 +310,24 @@ class Record:
         for observation in self.held.release():
             self.publish(unjudged(observation), noise, True)
 
-    def report_calls(self, flush: bool = False) -> None:
-        """Tell exporters how many calls passed since the last report (by signature, or under ""), and how many
-        sampled calls were skipped in bulk (``flush``: a guided target's open gate's calls too)."""
+    def report_calls(self, flush: bool = False, primary: str = LEGACY, marked: bool = False) -> None:
+        """Tell exporters how many calls passed since the last report (by signature, or under ""), the blocks of
+        calls they began (:meth:`~shadow.core.calls.record.clusters.Clusters.called`: ``primary``'s, unless a
+        comparison just ``marked`` it), and how many sampled calls were skipped in bulk (``flush``: a guided target's
+        open gate's calls too)."""
         with self._lock:
             now = self._counted(flush)
             reported = self.tally.calls_reported
             deltas = {signature: calls - reported.get(signature, 0) for signature, calls in now.items()}
             self.tally.calls_reported = dict(now)
             skipped = self.tally.take_unreported_skips()
+            blocks = self.tally.take_call_blocks(primary, any(deltas.values()) and not marked)
         for signature, delta in deltas.items():
             if delta:
                 self.publisher.each("record_calls", self.target, delta, signature)
+        for side, value in blocks.items():
+            if value:
+                self.publisher.each("record_call_blocks", self.target, side, value)
         for reason, count in skipped.items():
             self.publisher.each("record_skips", self.target, reason, count)
 

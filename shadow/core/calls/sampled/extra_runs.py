@@ -20,7 +20,7 @@ from shadow.core.calls.sampled import guards
 from shadow.core.calls.sampled.plan import AA, BACKWARD, BACKWARD_AA, ORACLE, SHADOW, CallContext, Plan, Run
 from shadow.core.judging.compare import Comparison, compare, compare_exceptions
 from shadow.core.judging.gradients import GradientComparison, compare_gradients, names_of, vjp
-from shadow.core.judging.noise import BEYOND, PENDING, WITHIN
+from shadow.core.judging.noise import BEYOND, CHECKS, NOISE_CHECKS, PENDING, WITHIN, NoiseFloor
 from shadow.core.judging.truth import in_float64, judge, judge_both, run_upcast
 from shadow.core.model.observation import SHARED_DIVERGENCE_REASONS, Outcome, bounded, within_noise_floor
 from shadow.core.model.tolerance import ToleranceSpec
@@ -156,40 +156,8 @@ class ExtraRuns:
         fields.update({"backward": compared is not None, "backward_skip": skip if compared is None else ""})
         if compared is None:
             return found, fields
-        return self._judged_by_floor(found, compared, floor, fields)
-
-    def _judged_by_floor(
-        self, found: Comparison, compared: Comparison, floor: Comparison | None, fields: dict[str, Any]
-    ) -> tuple[Comparison, dict[str, Any]]:
-        """The gradients' comparison against their thresholds (:mod:`shadow.core.judging.noise`): noise, held, or a
-        ``grad`` mismatch; the gradients' A/A products (``floor``) fix the thresholds, then are judged against them,
-        as the A/B products are (``grad_aa_check``, ``grad_noise_check``)."""
-        plan = self.plan
-        noise = self.context.noise
-        if floor is not None and floor.value_only:
-            differs = floor.outcome != Outcome.MATCH.value
-            check = noise.add_aa(plan.signature, floor.leaf_errors, floor.max_rel_error, differs, summarize=False)
-            fields["grad_aa_check"] = _beyond_only_as_mismatch(check, floor.outcome)
-        judged, test = "", ""
-        if compared.value_only and BACKWARD_AA in plan.slots:  # (no A/A runs: no floor, nothing is noise)
-            judged, test = noise.judge(plan.signature, compared.leaf_errors)
-            if judged in (WITHIN, BEYOND):
-                fields["grad_noise_check"] = _beyond_only_as_mismatch(judged, compared.outcome)
-        if compared.outcome != Outcome.MISMATCH.value:
-            return found, fields
-        if judged == WITHIN:
-            return within_noise_floor(found, test), {**fields, "noise_test": test}
-        detail = "; ".join(part for part in (compared.detail, found.detail) if part)
-        found = dataclasses.replace(
-            found, outcome=Outcome.MISMATCH.value, reasons=("grad",), detail=bounded(detail),
-            max_abs_error=max(found.max_abs_error, compared.max_abs_error),
-            max_rel_error=max(found.max_rel_error, compared.max_rel_error),
-        )  # fmt: skip
-        if judged == PENDING:  # (held until the gradients' burn-in ends: neither noise nor a mismatch meanwhile)
-            fields.update(noise_test=test, noise_pending=True, leaf_errors=compared.leaf_errors)
-        elif test:
-            fields["noise_test"] = test
-        return found, fields
+        noise, signature, with_aa = context.noise, plan.signature, BACKWARD_AA in plan.slots
+        return _judged_by_floor(noise, signature, with_aa, found, compared, floor, fields)
 
     def truth(self, args: tuple, kwargs: dict, legacy: Any, upstream: Any) -> dict[str, Any]:
         """The float64 CPU runs (:mod:`shadow.core.judging.truth`: the single-device call's, or each side's code
@@ -347,6 +315,45 @@ def _gradients_compared(
     if _any_sparse(ran.value) or _any_sparse(theirs.value):
         return None, "sparse"
     return compare_gradients(ran.value, theirs.value, names, tolerance), ""
+
+
+def _judged_by_floor(
+    noise: NoiseFloor,
+    signature: str,
+    with_aa: bool,
+    found: Comparison,
+    compared: Comparison,
+    floor: Comparison | None,
+    fields: dict[str, Any],
+) -> tuple[Comparison, dict[str, Any]]:
+    """A backward comparison's gradients (``compared``) against ``signature``'s thresholds in ``noise``
+    (:mod:`shadow.core.judging.noise`): noise, held, or a ``grad`` mismatch of the call (``found``); the gradients'
+    A/A products (``floor``, where ``with_aa``) fix the thresholds, then are judged against them, as the A/B products
+    are (``grad_aa_check``, ``grad_noise_check`` in ``fields``)."""
+    if floor is not None and floor.value_only:
+        differs = floor.outcome != Outcome.MATCH.value
+        check = noise.add_aa(signature, floor.leaf_errors, floor.max_rel_error, differs, summarize=False)
+        fields["grad_aa_check"] = _beyond_only_as_mismatch(check, floor.outcome)
+    judged, test = "", ""
+    if compared.value_only and with_aa:  # (no A/A runs: no floor, nothing is noise)
+        judged, test = noise.judge(signature, compared.leaf_errors)
+        if judged in CHECKS:
+            fields["grad_noise_check"] = _beyond_only_as_mismatch(judged, compared.outcome)
+    if compared.outcome != Outcome.MISMATCH.value:
+        return found, fields
+    if judged in NOISE_CHECKS:
+        return within_noise_floor(found, test), {**fields, "noise_test": test}
+    detail = "; ".join(part for part in (compared.detail, found.detail) if part)
+    found = dataclasses.replace(
+        found, outcome=Outcome.MISMATCH.value, reasons=("grad",), detail=bounded(detail),
+        max_abs_error=max(found.max_abs_error, compared.max_abs_error),
+        max_rel_error=max(found.max_rel_error, compared.max_rel_error),
+    )  # fmt: skip
+    if judged == PENDING:  # (held until the gradients' burn-in ends: neither noise nor a mismatch meanwhile)
+        fields.update(noise_test=test, noise_pending=True, leaf_errors=compared.leaf_errors)
+    elif test:
+        fields["noise_test"] = test
+    return found, fields
 
 
 def _beyond_only_as_mismatch(check: str, outcome: str) -> str:

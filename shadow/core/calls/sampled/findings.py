@@ -132,8 +132,8 @@ def module_differences(context: CallContext, plan: Plan) -> dict[str, tuple[str,
 
 def within_noise(context: CallContext, signature: str, found: Comparison) -> tuple[Comparison, str, bool, str]:
     """(the comparison, the noise test as text, whether it is pending, where the call stood against its signature's
-    noise thresholds: ``within``, ``beyond`` or "" where it was not judged): with A/A runs on, a comparison of value
-    (a match, a close, a value mismatch) is judged against the thresholds its signature's A/A burn-in fixed
+    noise levels: ``below``, ``within``, ``beyond`` or "" where it was not judged): with A/A runs on, a comparison of
+    value (a match, a close, a value mismatch) is judged against the levels its signature's A/A burn-in fixed
     (:mod:`shadow.core.judging.noise`): a value mismatch within them is noise, beyond them stays a mismatch (an
     exceedance, counted as such), and one on a leaf whose burn-in is not over is held (pending) until it is. A
     difference of another kind is never noise. Without A/A runs nothing is noise and nothing is judged."""
@@ -151,8 +151,9 @@ def within_noise(context: CallContext, signature: str, found: Comparison) -> tup
     if check == noise.BEYOND and mismatch:
         return found, test, False, noise.BEYOND  # (an exceedance: a mismatch, counted, never called noise)
     if mismatch:
-        return within_noise_floor(found, test), test, False, noise.WITHIN
-    return found, "", False, noise.WITHIN  # (a match, or a close within the tolerance: no exceedance)
+        return within_noise_floor(found, test), test, False, check
+    # (a match, or a close within the tolerance: no exceedance, whatever its error against the threshold)
+    return found, "", False, noise.WITHIN if check == noise.BEYOND else check
 
 
 def evidence(context: CallContext, arguments: tuple[tuple, dict], legacy: Run, upstream: Run) -> Evidence:

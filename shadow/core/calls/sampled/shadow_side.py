@@ -267,8 +267,7 @@ class ShadowSide:
         left_by_shadow = shadow.left if shadow.left is not None and finished.finished else TorchGlobals()
         # (a process-wide setting the shadow run did not write, changed meanwhile, is another thread's: no difference
         # of the call's, but the two runs may have read it differently)
-        self.foreign = [n for n in left_by_shadow.process_wide_differences(plan.before) if n not in plan.written]
-        left_by_shadow = left_by_shadow.as_written_by(plan.written, left_by_primary)
+        left_by_shadow, self.foreign = left_by_shadow.attributed(plan.written, left_by_primary, plan.before)
         changed = primary_changed or not left_by_shadow.same_as(plan.before)
         if changed or not finished.finished:  # (where neither run changed a setting, they are as the primary left)
             record.put_back(left_by_primary, plan.written)
