@@ -210,6 +210,8 @@ def test_the_device_check_validates_the_emulated_npu_and_writes_its_bundle(tmp_p
     assert {figures["pass"] for figures in bundle["comparator"].values()} == {"one pass: the emulated npu's kernel"}
     text = (out / "device-check.md").read_text()
     assert "training bitwise unchanged, canary at rate 1 | yes" in text and "comparator / assert_close" in text
+    calls = noise["honest"]["calls"]  # (every call judged once the burn-in is over, those held during it included)
+    assert f"upstream honest ({calls} calls, A/A every call) | " in text and f" beyond of {calls} (A/A " in text
 
 
 def _floor_sequence(scale: float, calls: int, seed: int) -> dict:

@@ -503,12 +503,13 @@ def markdown(bundle: dict[str, Any]) -> str:
     for name, goal in [("honest", "not rollback"), *wrong]:
         case = bundle["noise"][name]
         checks = case["noise_checks"]
-        beyond, within = checks.get("forward/ab/beyond", 0), checks.get("forward/ab/within", 0)
+        beyond = checks.get("forward/ab/beyond", 0)
+        judged = sum(checks.get(f"forward/ab/{check}", 0) for check in ("below", "within", "beyond"))
         aa = checks.get("forward/aa/beyond", 0)
         what = "honest" if name == "honest" else f"wrong on {NOISE_WRONG:.0%} of calls by {name[6:]} its jitter"
         rows.append(row(
             f"under noise, upstream {what} ({case['calls']} calls, A/A every call)",
-            f"{case['decision']}: {beyond} beyond of {beyond + within} (A/A {aa}), detection limit "
+            f"{case['decision']}: {beyond} beyond of {judged} (A/A {aa}), detection limit "
             f"{case['detection_limit']:.3g}",
             goal,
         ))  # fmt: skip
