@@ -1,8 +1,8 @@
 """The divergence rate under a device's noise: A/B exceedances beyond legacy's own A/A rate, bounded at every look.
 
 On a nondeterministic device both sides of every comparison jitter, and a heavy tail puts even legacy's own A/A runs
-beyond its noise threshold now and then (:mod:`shadow.core.judging.noise`: the threshold is ``FACTOR`` times the
-greatest of a signature's first A/A errors). A call beyond the threshold is therefore evidence only relative to how
+beyond its noise threshold now and then (:mod:`shadow.core.judging.noise`: the threshold is ``FACTOR`` times a
+high quantile of a signature's first A/A errors). A call beyond the threshold is therefore evidence only relative to how
 often legacy's own runs land there. Of a phase's ``n`` compared calls, ``k`` diverged (every mismatch and error: an
 A/B exceedance is a value mismatch); ``n_t`` of them were judged against thresholds, and of ``n_aa`` A/A runs judged
 against the same thresholds ``k_aa`` landed beyond. Under noise alone a judged call is an exceedance with the A/A
@@ -32,9 +32,11 @@ the decision is inconclusive, saying how many more A/A runs would do: ``--aa-rat
 repeats itself bitwise nothing is judged against a threshold (``n_t = n_aa = 0``) and the verdict is the one it
 always was (:func:`shadow.analysis.verdict.decide_phase`).
 
-**The size limit.** A wrong call is seen only where its difference goes beyond the threshold: ``FACTOR`` times the
-greatest of ``BURN_IN`` A/A errors. A real difference smaller than that is invisible at any rate; the verdict says so
-beside every decision it makes under noise.
+**The size limit.** A wrong call is seen one by one only where its difference goes beyond the threshold: ``FACTOR``
+times the ``QUANTILE`` quantile of ``BURN_IN`` A/A errors. A smaller real difference is seen only where it is on
+enough calls to put them above legacy's typical A/A error measurably more often than legacy's own runs
+(:func:`shift_lower`: a shift inside the thresholds, rolled back at half the level); the verdict says so beside every
+decision it makes under noise.
 
 A simulation checks the whole (``benchmarks/bench_noise.py``: lognormal jitter of sigma 0.5 to 1.5 on both sides,
 real differences of 2, 20 and 1,000 times the jitter on 0.1% to 5% of calls, looks every 500 calls to 20,000).
