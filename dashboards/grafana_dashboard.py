@@ -40,6 +40,7 @@ from dashboards.series import (
     SKIPPED,
     TRUTH_RUNS,
 )
+from shadow.analysis.sources import promql
 
 DASHBOARD_PATH = pathlib.Path(__file__).parent / "grafana" / "npu-shadow.json"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -81,9 +82,15 @@ def stat_panel(title: str, description: str, expr: str, unit: str = "short", leg
     )
 
 
+def counted(series: str) -> str:
+    """PromQL: the panels' count of ``series`` (selected by the dashboard's variables) in each interval, a series
+    that appeared in it counted from zero (:mod:`shadow.analysis.sources.promql`): a job's series appear at their
+    first event, and a per-second ``rate()`` would show a first mismatch as nothing."""
+    return promql.increase(f"{series}{{{SEL}}}", "$__rate_interval")
+
+
 def build() -> Dashboard:
     """The dashboard builder."""
-    rate = "[$__rate_interval]"
     return (
         Dashboard("npu-shadow: legacy vs upstream")
         .uid("npu-shadow")
@@ -200,10 +207,10 @@ def build() -> Dashboard:
         .with_panel(
             series_panel(
                 "Comparisons by outcome",
-                "Compared calls per second by outcome: match (bitwise), close (within tolerance), noise (within "
+                "Compared calls in each interval by outcome: match (bitwise), close (within tolerance), noise (within "
                 "the noise floor), mismatch, error (skipped calls are in Skipped by reason).",
-                "ops",
-                query(f"sum by (outcome) (rate({COMPARISONS}{{{SEL}}}{rate}))", "{{outcome}}"),
+                "short",
+                query(f"sum by (outcome) ({counted(COMPARISONS)})", "{{outcome}}"),
                 stacked=True,
             )
         )
@@ -211,9 +218,9 @@ def build() -> Dashboard:
             series_panel(
                 "Mismatches by reason",
                 "Reasons found in divergent comparisons (one comparison can have several).",
-                "ops",
+                "short",
                 query(
-                    f"sum by (target, reason) (rate({MISMATCHES}{{{SEL}}}{rate}))",
+                    f"sum by (target, reason) ({counted(MISMATCHES)})",
                     "{{target}} {{reason}}",
                 ),
                 stacked=True,
@@ -224,9 +231,9 @@ def build() -> Dashboard:
                 "Skipped by reason",
                 "Sampled calls not compared (oom, compiling, mode, budget, comparator), and observations an exporter "
                 "failed to export.",
-                "ops",
-                query(f"sum by (target, reason) (rate({SKIPPED}{{{SEL}}}{rate}))", "{{target}} {{reason}}"),
-                query(f"sum by (target) (rate({EXPORT_ERRORS}{{{SEL}}}{rate}))", "{{target}} export errors", "B"),
+                "short",
+                query(f"sum by (target, reason) ({counted(SKIPPED)})", "{{target}} {{reason}}"),
+                query(f"sum by (target) ({counted(EXPORT_ERRORS)})", "{{target}} export errors", "B"),
                 stacked=True,
             )
         )
@@ -236,9 +243,9 @@ def build() -> Dashboard:
                 "Comparisons where legacy and upstream agree but both depart from replica 0 run alone on its device "
                 "(the single-device oracle), by reason: removing the patch changes nothing there; an upstream issue "
                 "to file, not a reason to keep the patch.",
-                "ops",
+                "short",
                 query(
-                    f"sum by (target, reason) (rate({SHARED}{{{SEL}}}{rate}))",
+                    f"sum by (target, reason) ({counted(SHARED)})",
                     "{{target}} {{reason}}",
                 ),
                 stacked=True,
@@ -250,32 +257,32 @@ def build() -> Dashboard:
                 "Float64 CPU truth runs of calls whose two sides differ in value, by the side nearer the truth "
                 "(upstream nearer: no regression; legacy nearer: one), and backward comparisons run (their "
                 "differences are mismatches with reason grad, in the panel of reasons).",
-                "ops",
+                "short",
                 query(
-                    f"sum by (target, nearer) (rate({TRUTH_RUNS}{{{SEL}}}{rate}))",
+                    f"sum by (target, nearer) ({counted(TRUTH_RUNS)})",
                     "{{target}} {{nearer}} nearer",
                 ),
-                query(f"sum by (target) (rate({BACKWARD_RUNS}{{{SEL}}}{rate}))", "{{target}} backward compared", "B"),
+                query(f"sum by (target) ({counted(BACKWARD_RUNS)})", "{{target}} backward compared", "B"),
             )
         )
         .with_row(Row("Error sizes"))
         .with_panel(
             heatmap.Panel()
             .title("Absolute error distribution")
-            .description("Greatest absolute error per comparison (log buckets 1e-9 .. 1e2).")
+            .description("Greatest absolute error per comparison (buckets every second decade, 1e-8 .. 1).")
             .datasource(DATASOURCE)
             .height(8)
             .span(12)
-            .with_target(query(f"sum by (le) (rate({ABS_ERROR}{{{SEL}}}{rate}))", "{{le}}").format("heatmap"))
+            .with_target(query(f"sum by (le) ({counted(ABS_ERROR)})", "{{le}}").format("heatmap"))
         )
         .with_panel(
             heatmap.Panel()
             .title("Relative error distribution")
-            .description("Greatest relative error per comparison (log buckets 1e-9 .. 1e2).")
+            .description("Greatest relative error per comparison (buckets every second decade, 1e-8 .. 1).")
             .datasource(DATASOURCE)
             .height(8)
             .span(12)
-            .with_target(query(f"sum by (le) (rate({REL_ERROR}{{{SEL}}}{rate}))", "{{le}}").format("heatmap"))
+            .with_target(query(f"sum by (le) ({counted(REL_ERROR)})", "{{le}}").format("heatmap"))
         )
         .with_row(Row("Coverage and cost"))
         .with_panel(
@@ -294,12 +301,11 @@ def build() -> Dashboard:
         .with_panel(
             series_panel(
                 "Calls vs sampled",
-                "Calls of the wrapped function and sampled calls, per second.",
-                "ops",
-                query(f"sum by (target) (rate({CALLS}{{{SEL}}}{rate}))", "{{target}} calls"),
+                "Calls of the wrapped function and sampled calls, in each interval.",
+                "short",
+                query(f"sum by (target) ({counted(CALLS)})", "{{target}} calls"),
                 query(
-                    f"sum by (target) (rate({COMPARISONS}{{{SEL}}}{rate}))"
-                    f" + sum by (target) (rate({SKIPPED}{{{SEL}}}{rate}))",
+                    f"sum by (target) ({counted(COMPARISONS)} or {counted(SKIPPED)})",
                     "{{target}} sampled",
                     "B",
                 ),
@@ -309,16 +315,16 @@ def build() -> Dashboard:
             series_panel(
                 "Shadow overhead",
                 "Shadow side seconds (the shadow run + comparison) per second of the primary's own runs on sampled "
-                "calls, and shadow seconds per second of wall time.",
+                "calls, and shadow seconds in each interval.",
                 "short",
                 query(
-                    f"sum by (target) (rate({SHADOW_TIME}{{{SEL}}}{rate})) / "
-                    f"sum by (target) (rate({PRIMARY_TIME}{{{SEL}}}{rate}) or rate({LEGACY_TIME}{{{SEL}}}{rate}))",
+                    f"sum by (target) ({counted(SHADOW_TIME)}) / "
+                    f"sum by (target) ({counted(PRIMARY_TIME)} or {counted(LEGACY_TIME)})",
                     "{{target}} shadow / primary",
                 ),
                 query(
-                    f"sum by (target) (rate({SHADOW_TIME}{{{SEL}}}{rate}))",
-                    "{{target}} shadow s/s",
+                    f"sum by (target) ({counted(SHADOW_TIME)})",
+                    "{{target}} shadow s",
                     "B",
                 ),
             )

@@ -75,6 +75,34 @@ def cases() -> list[dict]:
             ],
         ),
         case(
+            "series appear at their first event: a hard mismatch first scraped at 1 pages once, a burst of 600 "
+            "mismatches first scraped at once burns fast, a reset first scraped at 1 clears the latch",
+            [
+                series("npu_shadow_mismatches_total", "_ _ _ 1x30", reason="dtype"),
+                comparisons("match", "0+1000x60"),
+                series(
+                    "npu_shadow_comparisons_total", "_x30 600x30", outcome="mismatch", signature="dtype/npu/blocking"
+                ),
+                series("npu_shadow_rollbacks_total", "0 0 1x30", job="latched", source="http"),
+                series("npu_shadow_resets_total", "_x5 1x30", job="latched"),
+            ],
+            [
+                ("4m", "NpuShadowHardMismatch", [expected("NpuShadowHardMismatch", reason="dtype")]),
+                ("20m", "NpuShadowHardMismatch", []),
+                ("33m", "NpuShadowDivergenceFastBurn", [expected("NpuShadowDivergenceFastBurn")]),
+            ],
+            [
+                {
+                    "expr": f'{rules.ROLLED_BACK}{{job="latched"}}',
+                    "eval_time": "4m",
+                    "exp_samples": [
+                        {"labels": f'{rules.ROLLED_BACK}{{job="latched",run="",target="{TARGET}"}}', "value": 1}
+                    ],
+                },
+                {"expr": f'{rules.ROLLED_BACK}{{job="latched"}}', "eval_time": "9m", "exp_samples": []},
+            ],
+        ),
+        case(
             "fast burn: 5% divergence fires, 1% does not, 50% of too few samples does not",
             [
                 comparisons("match", "0+1000x60"),

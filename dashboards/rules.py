@@ -49,6 +49,7 @@ from dashboards.series import (
     SKIPPED,
 )
 from shadow.analysis import bounds, verdict
+from shadow.analysis.sources import promql
 from shadow.core.model.observation import DIVERGENT_OUTCOMES, NONRESPONSE_REASONS
 
 #: Every threshold, in one place.
@@ -82,13 +83,16 @@ RECENT_WINDOWS = tuple(f"{round(seconds / 60)}m" if seconds < 3600 else f"{round
 Z95 = 1.6448536269514722  # one-sided 95%
 
 PHASE = "job, run, target, primary"
+COMPARED_SERIES = f"{COMPARISONS}{{{COMPARED}}}"
+DIVERGENT_SERIES = f"{COMPARISONS}{{{DIVERGENT}}}"
 BY = f"sum by ({PHASE})"
 BY_SIGNATURE = f"sum by ({PHASE}, signature)"
 ON_SIGNATURE = f"on ({PHASE}, signature)"
 
 
 def _per_signature(selector: str, window: str | None, over: str = "rate") -> str:
-    return f"{BY_SIGNATURE} ({f'{over}({selector}[{window}])' if window else selector})"
+    counted = getattr(promql, over)(selector, window) if window else selector
+    return f"{BY_SIGNATURE} ({counted})"
 
 
 def _weighted(window: str | None, over: str = "rate") -> tuple[str, str]:
@@ -108,7 +112,10 @@ def _recording_rules() -> list[dict[str, str]]:
     weighted_rate, weighted_effective = _weighted(None)
     rules = [
         {"record": "npu_shadow:comparisons:total", "expr": f"{BY} ({COMPARISONS}{{{COMPARED}}})"},
-        {"record": "npu_shadow:divergent:total", "expr": f"{BY} ({COMPARISONS}{{{DIVERGENT}}})"},
+        {
+            "record": "npu_shadow:divergent:total",
+            "expr": f"{BY} ({DIVERGENT_SERIES}) or npu_shadow:comparisons:total * 0",
+        },
         {
             "record": "npu_shadow:divergence:ratio_total",
             "expr": f"({weighted_rate}) or npu_shadow:divergent:total / npu_shadow:comparisons:total",
@@ -123,11 +130,11 @@ def _recording_rules() -> list[dict[str, str]]:
         rules += [
             {
                 "record": f"npu_shadow:comparisons:rate{window}",
-                "expr": f"{BY} (rate({COMPARISONS}{{{COMPARED}}}[{window}]))",
+                "expr": f"{BY} ({promql.rate(COMPARED_SERIES, window)})",
             },
             {
                 "record": f"npu_shadow:divergent:rate{window}",
-                "expr": f"{BY} (rate({COMPARISONS}{{{DIVERGENT}}}[{window}]))",
+                "expr": f"{BY} ({promql.rate(DIVERGENT_SERIES, window)}) or npu_shadow:comparisons:rate{window} * 0",
             },
             {
                 "record": f"npu_shadow:divergence:ratio_rate{window}",
@@ -136,7 +143,7 @@ def _recording_rules() -> list[dict[str, str]]:
             },
             {
                 "record": f"npu_shadow:comparisons:increase{window}",
-                "expr": f"{BY} (increase({COMPARISONS}{{{COMPARED}}}[{window}]))",
+                "expr": f"{BY} ({promql.increase(COMPARED_SERIES, window)})",
             },
             {
                 "record": f"npu_shadow:comparisons:effective_increase{window}",
@@ -150,8 +157,8 @@ def _recording_rules() -> list[dict[str, str]]:
         },
         {
             "record": "npu_shadow:overhead:ratio_rate15m",
-            "expr": f"sum by (job, run, target) (rate({SHADOW_TIME}[15m]))"
-            f" / sum by (job, run, target) (rate({PRIMARY_TIME}[15m]) or rate({LEGACY_TIME}[15m]))",
+            "expr": f"sum by (job, run, target) ({promql.rate(SHADOW_TIME, '15m')}) / sum by (job, run, target) "
+            f"({promql.rate(PRIMARY_TIME, '15m')} or {promql.rate(LEGACY_TIME, '15m')})",
         },
         *_stratum_rules(),
         {"record": "npu_shadow:promotion:upper_bound_approx", "expr": promotion_bound()},
@@ -297,7 +304,7 @@ def rolled_back_latch() -> str:
     reset is counted (a rule that reads its own series latches: Prometheus keeps it while it evaluates)."""
     by, on = "sum by (job, run, target)", "on (job, run, target)"
     now = f"{by} ({ROLLBACKS}) > {by} ({RESETS}) or {by} ({ROLLBACKS}) > 0 unless {on} {by} ({RESETS})"
-    reset = f"{by} (increase({RESETS}[{PARAMS['hard_window']}])) > 0"
+    reset = f"{by} ({promql.increase(RESETS, PARAMS['hard_window'])}) > 0"
     return f"group by (job, run, target) (({now}) or ({ROLLED_BACK} unless {on} ({reset})))"
 
 
@@ -373,17 +380,20 @@ def _recent_windows_within(max_rate: float, divergent: str) -> str:
     """The promotion alert's clauses that hold it back where a recent window's rate, forward or gradients, is above
     the max rate (a burst of minutes is diluted in an hour: each window sees those of about its length)."""
     clauses = []
+    mismatched = f'{BACKWARD_RUNS}{{outcome=~"{divergent}"}}'
     for window in RECENT_WINDOWS:
         clauses.append(f" unless on (job, run, target) (npu_shadow:divergence:ratio_rate{window} > {max_rate!r})")
         clauses.append(
-            f' unless on (job, run, target) ({BY} (increase({BACKWARD_RUNS}{{outcome=~"{divergent}"}}[{window}]))'
-            f" / {BY} (increase({BACKWARD_RUNS}[{window}])) > {max_rate!r})"
+            f" unless on (job, run, target) ({BY} ({promql.increase(mismatched, window)})"
+            f" / {BY} ({promql.increase(BACKWARD_RUNS, window)}) > {max_rate!r})"
         )
     return "".join(clauses)
 
 
 def _alerting_rules() -> list[dict]:
     hard = "|".join(HARD_REASONS)
+    hard_mismatches = f'{MISMATCHES}{{reason=~"{hard}"}}'
+    errored = f'{COMPARISONS}{{outcome="error"}}'
     blind, errors, overhead = PARAMS["blind"], PARAMS["upstream_errors"], PARAMS["overhead"]
     nonresponse = "|".join(NONRESPONSE_REASONS)
     called = _per_signature(f'{CALLS}{{signature!=""}}', None)
@@ -417,8 +427,7 @@ def _alerting_rules() -> list[dict]:
         ),
         _alert(
             "NpuShadowHardMismatch",
-            f"sum by (job, run, target, reason) "
-            f'(increase({MISMATCHES}{{reason=~"{hard}"}}[{PARAMS["hard_window"]}])) > 0',
+            f"sum by (job, run, target, reason) ({promql.increase(hard_mismatches, PARAMS['hard_window'])}) > 0",
             "page",
             "rollback",
             "{{ $labels.target }} in {{ $labels.job }}: {{ $labels.reason }} mismatch between legacy and upstream",
@@ -428,15 +437,11 @@ def _alerting_rules() -> list[dict]:
         ),
         _alert(
             "NpuShadowBlind",
-            f"{BY} (increase({CALLS}[{blind['window']}])) * on (job, run, target) "
+            f"{BY} ({promql.increase(CALLS, blind['window'])}) * on (job, run, target) "
             f"max by (job, run, target) ({SAMPLE_RATE}) >= {blind['expected']} "
             # Raw series, not the recording rules: a recorded total can lag the calls scraped with it by one
             # evaluation, which made the alert pending for a healthy job whose first comparisons had just arrived.
-            f"unless on (job, run, target) {BY} (increase({COMPARISONS}{{{COMPARED}}}[{blind['window']}])) > 0 "
-            # increase() cannot see a series whose first sample is already non-zero (a new signature): the
-            # summed total's growth over the window, a series absent then counted as 0, sees it
-            f"unless on (job, run, target) ({BY} ({COMPARISONS}{{{COMPARED}}}) - ({BY} ({COMPARISONS}{{{COMPARED}}} "
-            f"offset {blind['window']}) or {BY} ({COMPARISONS}{{{COMPARED}}}) * 0)) > 0",
+            f"unless on (job, run, target) {BY} ({promql.increase(COMPARED_SERIES, blind['window'])}) > 0",
             "ticket",
             "investigate",
             "{{ $labels.target }} in {{ $labels.job }} is called and sampled but nothing is compared",
@@ -446,7 +451,7 @@ def _alerting_rules() -> list[dict]:
         ),
         _alert(
             "NpuShadowUpstreamErrors",
-            f'{BY} (rate({COMPARISONS}{{outcome="error"}}[{errors["window"]}])) '
+            f"{BY} ({promql.rate(errored, errors['window'])}) "
             f"/ npu_shadow:comparisons:rate{errors['window']} > {errors['ratio']:g} "
             f"and npu_shadow:comparisons:increase{errors['window']} >= {PARAMS['min_samples']}",
             "ticket",
@@ -459,7 +464,7 @@ def _alerting_rules() -> list[dict]:
         _alert(
             "NpuShadowOverhead",
             f"npu_shadow:overhead:ratio_rate15m > {overhead['ratio']:g} "
-            f"and {BY} (rate({SHADOW_TIME}[{overhead['window']}])) > {overhead['time_fraction']:g}",
+            f"and {BY} ({promql.rate(SHADOW_TIME, overhead['window'])}) > {overhead['time_fraction']:g}",
             "ticket",
             "investigate",
             f"shadowing {{{{ $labels.target }}}} costs over {overhead['ratio']:g}x legacy's time and over "

@@ -133,6 +133,12 @@ def scraped_metric_names():
     # (a call judged against a noisy target's thresholds, as one is once its burn-in's 200 A/A runs are made)
     exporter.export(Observation("op", "noise", noise_check="within", aa_check="within"))
     exporter.export_arm(ArmRun("dataloader_init", "legacy", 0.0, ((0,),), (0, 1), (0,), (0, 1), 0.1, 0.2, 3, 10.0))
+    # (what a healthy job does not do: each series appears at its first event)
+    exporter.export(Observation("op", "match", shared_divergence="value"))
+    exporter.record_skips("op", "budget", 1)
+    exporter.record_export_error("op")
+    exporter.record_rollback("op", "api")
+    exporter.record_reset("op", "api")
     text = generate_latest(exporter.registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 

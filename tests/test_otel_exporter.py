@@ -48,6 +48,12 @@ def test_every_instrument_with_its_unit_and_attributes():
     exporter.record_patch_calls("torch.serialization._save", 3)  # (a release's function patch the job called)
     # (a call of a noisy target's, judged against its noise thresholds: within them, its A/A run beyond)
     exporter.export(Observation("noisy", "noise", noise_check="within", aa_check="beyond"))
+    # (what no workload of a healthy job does: each series appears at its first event)
+    exporter.export(Observation("shared", "match", shared_divergence="value"))
+    exporter.record_skips("op", "budget", 2)
+    exporter.record_export_error("op")
+    exporter.record_rollback("op", "api")
+    exporter.record_reset("op", "api")
     data = reader.get_metrics_data()
     (scope_metrics,) = data.resource_metrics[0].scope_metrics
     assert scope_metrics.scope.name == "npu_shadow"
@@ -71,10 +77,11 @@ def test_every_instrument_with_its_unit_and_attributes():
     assert value("npu_shadow.arm_iterators", arm="legacy", workers="bound") == 1
     assert value("npu_shadow.arm_first_batch", arm="legacy") == 0.2
     assert value("npu_shadow.backward_skips", reason="no_grad") == stats.backward_skips["no_grad"] >= 1
-    assert value("npu_shadow.comparisons", outcome="match") == stats.match
+    assert value("npu_shadow.comparisons", target="op", outcome="match") == stats.match
     assert value("npu_shadow.comparisons", outcome="mismatch") == stats.mismatch
     assert value("npu_shadow.mismatches", reason="value") == stats.mismatch
-    assert value("npu_shadow.skipped", reason="oom") == 0  # pre-created at zero
+    assert value("npu_shadow.skipped", reason="budget") == 2
+    assert not [p for p in by_name["npu_shadow.skipped"].data.data_points if p.attributes["reason"] == "oom"]
     assert value("npu_shadow.abs_error", target="op") == stats.compared == 14
     assert value("npu_shadow.shadow_peak_added", target="op") == stats.shadow_peak_bytes >= 1 << 18
     assert value("npu_shadow.sample_rate", target="op") == 1.0

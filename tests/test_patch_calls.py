@@ -311,6 +311,14 @@ def test_a_job_under_the_launcher_says_which_of_the_releases_patches_it_called(t
     assert by_name["torch.Tensor.__repr__"]["calls"] == (3 if COUNTS else 0)
     assert by_name["torch.load"]["covered_by"] == "target torch_load"
     assert by_name["torch.utils.dlpack.to_dlpack"]["covered_by"].startswith("nothing: a DLPack capsule")
+    # (the patch board: each covered patch with its covering target's decision, as the verdict reaches it on the same
+    # journal; a patch nothing covers has none)
+    decided = subprocess.run([sys.executable, "-m", "shadow", "verdict", "--journal", str(journal), "--format", "json"],
+                             capture_output=True, text=True, timeout=300, cwd=root)  # fmt: skip
+    by_target = {t["target"]: t["decision"] for t in json.loads(decided.stdout)["targets"] if t["compared"]}
+    assert by_name["torch.Tensor.__repr__"]["decision"] == by_target["tensor_repr"]
+    assert by_name["torch.serialization._save"]["decision"] == by_target["torch_save"]
+    assert by_name["torch.utils.dlpack.to_dlpack"]["decision"] == "-"
     if not COUNTS:
         return
     report = subprocess.run([sys.executable, "-m", "shadow", "report", "--journal", str(journal), "--markdown", "-"],

@@ -248,12 +248,12 @@ def _census(args: argparse.Namespace) -> int:
     try:
         taken = census.kept(args.source)
         against = census.kept(args.against) if args.against else None
-        calls = _journal_patch_calls(args.journal) if args.journal else None
+        evidence = _census_evidence(args) if args.journal or args.prometheus else None
     except (LegacySourceError, OSError, SourceError) as exc:
         print(f"npu-shadow census: {printable(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
-    if calls is not None:
-        return _census_by_calls(taken, calls, args.format)
+    if evidence is not None:
+        return _census_by_calls(taken, *evidence, args.format)
     if args.format == "json":
         found = taken.as_dict()
         if against is not None:
@@ -280,33 +280,56 @@ def _census(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _journal_patch_calls(paths: list[str]) -> dict[str, float]:
-    """The jobs' calls of each function patch, from their journals (every process and run together)."""
-    from shadow.analysis.sources import JournalReader, patch_calls, with_rotated
+def _census_evidence(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, str]]:
+    """The jobs' calls of each function patch and each target's decision, every process and run of the journals or
+    the Prometheus server together (raises SourceError). A source with calls and no comparison yet ranks the calls
+    alone."""
+    from shadow.analysis import patch_board
+    from shadow.analysis.sources import (
+        JournalReader,
+        SourceError,
+        from_journal,
+        from_prometheus,
+        patch_calls,
+        patch_calls_from_prometheus,
+        with_rotated,
+    )
 
-    reader = JournalReader()
-    reader.read(with_rotated(paths)[0])
-    return patch_calls(reader)
+    calls: dict[str, float] = {}
+    try:
+        if args.prometheus:
+            counts = from_prometheus(args.prometheus, None, args.selector, all_runs=True, patches=calls)
+        else:
+            counts = from_journal(args.journal, [], all_runs=True, patches=calls)
+    except SourceError:
+        if args.prometheus:
+            return patch_calls_from_prometheus(args.prometheus, args.selector), {}
+        reader = JournalReader()
+        reader.read(with_rotated(args.journal)[0])
+        return patch_calls(reader), {}
+    return calls, patch_board.decisions_of(counts, args.max_rate)
 
 
-def _census_by_calls(taken: Any, calls: dict[str, float], form: str) -> int:
-    """``census RELEASE --journal ...``: the release's patches ranked by the jobs' calls, with what covers each."""
+def _census_by_calls(taken: Any, calls: dict[str, float], decisions: dict[str, str], form: str) -> int:
+    """``census RELEASE --journal ...`` or ``--prometheus URL``: the patch board (the release's patches ranked by
+    the jobs' calls, with what covers each and that evidence's decision)."""
     import json
 
-    from shadow.analysis import census
+    from shadow.analysis import patch_board
     from shadow.npu.release_files import printable
 
-    rows = census.by_calls(taken, calls)
-    called = [row for row in rows if row[1]]
+    rows = patch_board.board(taken, calls, decisions)
+    called = [row for row in rows if row.calls]
     if form == "json":
-        found = [{**patch.as_dict(), "calls": n, "covered_by": covered} for patch, n, covered in rows]
         print(json.dumps({"source": taken.source, "version": taken.version, "called": len(called),
-                          "patches": found}, indent=2))  # fmt: skip
+                          "patches": [row.as_dict() for row in rows]}, indent=2))  # fmt: skip
         return EXIT_OK
     print(printable(f"torch_npu {taken.version}: the jobs called {len(called)} of its {len(rows)} patches"))
-    print(f"{'calls':>12}  {'patched':<56} {'kind':<10} {'applied':<22} covered by")
-    for patch, n, covered in called:
-        print(printable(f"{n:>12,}  {patch.name:<56} {patch.kind:<10} {patch.applied:<22} {covered}"))
+    print(f"{'calls':>12}  {'patched':<56} {'kind':<10} {'applied':<22} {'decision':<13} covered by")
+    for row in called:
+        patch = row.patch
+        print(printable(f"{row.calls:>12,}  {patch.name:<56} {patch.kind:<10} {patch.applied:<22} {row.decision:<13} "
+                        f"{row.covered_by}"))  # fmt: skip
     if not called:
         print("(no call counted: run the jobs under npu-shadow run --legacy-from RELEASE --journal PATH)")
     return EXIT_OK
@@ -845,6 +868,8 @@ def _add_report_command(commands: Any) -> None:
 
 def _add_census_command(commands: Any) -> None:
     """``npu-shadow census``."""
+    from shadow.analysis.verdict import DEFAULT_MAX_RATE
+
     count = commands.add_parser(
         "census",
         help="list what a torch_npu release replaces in torch, from its source alone",
@@ -857,12 +882,23 @@ def _add_census_command(commands: Any) -> None:
     count.add_argument("source", metavar="SOURCE", help="the release to read")
     count.add_argument("--against", metavar="SOURCE", help="also list what changed since this release")
     count.add_argument("--format", choices=("text", "json"), default="text", help="output format")
-    count.add_argument(
+    calls = count.add_mutually_exclusive_group()
+    calls.add_argument(
         "--journal",
         nargs="+",
         metavar="PATH",
         help="rank the patches by the calls these jobs' journals counted "
-        "(npu-shadow run --legacy-from RELEASE), with what covers each",
+        "(npu-shadow run --legacy-from RELEASE), with what covers each and that evidence's decision",
+    )
+    calls.add_argument(
+        "--prometheus",
+        metavar="URL",
+        type=_prometheus_url,
+        help="the same from a Prometheus server or any PromQL store (VictoriaMetrics): every run it holds",
+    )
+    count.add_argument("--selector", default="", help='with --prometheus: series selector, e.g. job="train"')
+    count.add_argument(
+        "--max-rate", type=_rate, default=DEFAULT_MAX_RATE, help="tolerated divergence rate of the decisions"
     )
     count.set_defaults(handler=_census)
 

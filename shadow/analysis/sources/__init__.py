@@ -23,7 +23,7 @@ from shadow.analysis.sources.journals import (
     rotated_siblings,
     with_rotated,
 )
-from shadow.analysis.sources.prometheus import from_prometheus
+from shadow.analysis.sources.prometheus import from_prometheus, patch_calls_from_prometheus
 
 __all__ = [
     "CLUSTER_WINDOW_SECONDS",
@@ -35,6 +35,7 @@ __all__ = [
     "from_prometheus",
     "journal_records",
     "patch_calls",
+    "patch_calls_from_prometheus",
     "read_text",
     "rotated_siblings",
     "run_names",

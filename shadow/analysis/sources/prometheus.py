@@ -13,6 +13,7 @@ import urllib.request
 from typing import Any
 
 from shadow.analysis import verdict
+from shadow.analysis.sources import promql
 from shadow.analysis.sources.common import (
     _RUN_LABEL,
     ARM_SERIES,
@@ -284,6 +285,12 @@ def _patch_calls(
     return found
 
 
+def patch_calls_from_prometheus(url: str, selector: str = "", timeout: float = 30) -> dict[str, float]:
+    """The calls of each function patch of the release, every run the server holds together (the patch board's
+    calls where no comparison is there to decide on); raises SourceError."""
+    return _patch_calls(url, selector, None, None, _Deadline(url, timeout))
+
+
 def _drilling(url: str, selector: str, end: float | None, deadline: _Deadline) -> bool:
     """Whether a fire drill is still on at ``end`` in some process of the run: its drill gauge's last sample."""
     found = deadline.query(f"last_over_time({DRILL_ACTIVE}{{{selector}}}[{LOOKBACK}]) > 0", end)
@@ -326,11 +333,12 @@ def _commands(selector: str, end: float | None, deadline: _Deadline) -> dict[str
 
 
 def _increases(url: str, metric: str, by: str, selector: str, window: str, deadline: _Deadline) -> dict[tuple, float]:
-    """Each series' ``increase()`` over the ``window`` before now, summed by the labels ``by``."""
-    promql = f"sum by ({by}) (increase({metric}{{{selector}}}[{window}]))"
+    """Each series' ``increase()`` over the ``window`` before now (a series new in it counted from zero:
+    :func:`shadow.analysis.sources.promql.increase`), summed by the labels ``by``."""
+    query = f"sum by ({by}) ({promql.increase(f'{metric}{{{selector}}}', window)})"
     return {
         tuple(sorted(_labels(item).items())): _number(item["value"][1], f"{url}: {metric}{_labels(item)}")
-        for item in deadline.query(promql)
+        for item in deadline.query(query)
     }
 
 
