@@ -30,6 +30,7 @@ from dashboards.series import (
     LEGACY_TIME,
     MISMATCHES,
     NOISE_FLOOR,
+    PATCH_CALLS,
     PRIMARY,
     PRIMARY_TIME,
     REL_ERROR,
@@ -294,6 +295,23 @@ def build() -> Dashboard:
             .span(12)
             .with_target(
                 query(f"sum by (target, signature) ({COMPARISONS}{{{SEL}, {COMPARED}}})", "{{signature}}")
+                .instant()
+                .format("table")
+            )
+        )
+        .with_panel(
+            table.Panel()
+            .title("Patch board")
+            .description(
+                "The release's function patches the jobs call, the most called first (npu_shadow_patch_calls_total, "
+                "counted under npu-shadow run --legacy-from RELEASE). What gives evidence about each, and that "
+                "evidence's decision: npu-shadow census RELEASE --prometheus URL, from the same store."
+            )
+            .datasource(DATASOURCE)
+            .height(8)
+            .span(12)
+            .with_target(
+                query(f'sort_desc(sum by (patch) ({PATCH_CALLS}{{job=~"$job", run=~"$run"}}))', "{{patch}}")
                 .instant()
                 .format("table")
             )

@@ -61,7 +61,7 @@ def case(name: str, input_series: list[dict], alerts: list[tuple[str, str, list[
 def cases() -> list[dict]:
     quiet = [
         comparisons(o, "0x120") for o in ("match", "close", "mismatch", "error", "skipped")
-    ]  # pre-created series that never move: no traffic
+    ]  # series that never move: no traffic
     return [
         case(
             "hard mismatch fires at once; a value mismatch is not hard",

@@ -28,6 +28,7 @@ AA_RUNS = contract.AA_RUNS.series
 NOISE_CHECKS = contract.NOISE_CHECKS.series
 BACKWARD_RUNS = contract.BACKWARD_RUNS.series
 TRUTH_RUNS = contract.TRUTH_RUNS.series
+PATCH_CALLS = contract.PATCH_CALLS.series
 ARM_ITERATORS = contract.ARM_ITERATORS.series
 ARM_FIRST_BATCH = contract.ARM_FIRST_BATCH.series
 ARM_FIRST_BATCHES = contract.ARM_FIRST_BATCHES.series

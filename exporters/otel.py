@@ -157,7 +157,7 @@ class OTelExporter:
         self._pending.extend(values)
 
     def register(self, target: str, sample_rate: float) -> None:
-        """Create the target's sums at zero and record its sample rate."""
+        """Show the target installed: its calls at zero (:func:`exporters.contract.zero_series`) and its sample rate."""
         self._apply(contract.registered_samples(target, sample_rate))
 
     def set_drill(self, active: bool) -> None:

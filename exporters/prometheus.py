@@ -346,7 +346,7 @@ class PrometheusExporter:
                 child.set(value)
 
     def register(self, target: str, sample_rate: float) -> None:
-        """Create every series of ``target`` at zero and record its sample rate."""
+        """Show ``target`` installed: its calls at zero (:func:`exporters.contract.zero_series`) and its sample rate."""
         self._apply(contract.registered_samples(target, sample_rate))
 
     def set_drill(self, active: bool) -> None:

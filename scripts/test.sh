@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (see setup.sh), install Prometheus and promtool from Debian's `prometheus` package, Alertmanager and amtool
-# from `prometheus-alertmanager`, the Pushgateway from `prometheus-pushgateway` and Chromium from Debian's
+# from `prometheus-alertmanager`, the Pushgateway from `prometheus-pushgateway`, VictoriaMetrics from `victoria-metrics`
+# and Chromium from Debian's
 # `chromium` when they are missing (the tests start their own servers on 127.0.0.1, never the system services, and
 # render a report in headless Chromium), then run
 # the linter and the whole test suite. The torch_npu wheels (for their source) are fetched into the cache first, and
@@ -12,6 +13,7 @@ missing=()
 command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 command -v prometheus-alertmanager >/dev/null 2>&1 && command -v amtool >/dev/null 2>&1 || missing+=(prometheus-alertmanager)
 command -v prometheus-pushgateway >/dev/null 2>&1 || missing+=(prometheus-pushgateway)
+command -v victoria-metrics >/dev/null 2>&1 || missing+=(victoria-metrics)  # the fleet-wide store (tests/test_fleet.py)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # renders the report's HTML in a test
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""

@@ -52,8 +52,10 @@ def wait_for(condition, what: str, timeout: float = 90.0, interval: float = 0.05
 
 
 class PrometheusServer:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, pid: int | None = None) -> None:
         self.url = url
+        #: The server's process (its memory is measured by benchmarks/bench_fleet.py).
+        self.pid = pid
 
     def get(self, path: str, **params: str) -> dict:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
@@ -82,10 +84,13 @@ def prometheus(
     rule_files: list[str],
     alertmanager: str | None = None,
     honor_labels: tuple[str, ...] = (),
+    remote_write: str | None = None,
+    metrics_paths: dict[str, str] | None = None,
 ) -> Iterator[PrometheusServer]:
-    """Run Prometheus scraping ``{job: port}`` every second and evaluating ``rule_files`` every second; alerts go to
-    ``alertmanager`` (host:port) when given; the jobs in ``honor_labels`` keep their samples' own labels (a
-    Pushgateway's)."""
+    """Run Prometheus scraping ``{job: port}`` every second (at ``metrics_paths[job]`` where given) and evaluating
+    ``rule_files`` every second; alerts go to ``alertmanager`` (host:port) when given; the jobs in ``honor_labels``
+    keep their samples' own labels (a Pushgateway's); every sample is also sent to ``remote_write`` (a URL) within a
+    second when given."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("prometheus not installed (apt-get install prometheus)")
@@ -97,10 +102,13 @@ def prometheus(
                 "job_name": job,
                 "static_configs": [{"targets": [f"127.0.0.1:{port}"]}],
                 "honor_labels": job in honor_labels,
+                "metrics_path": (metrics_paths or {}).get(job, "/metrics"),
             }
             for job, port in scrape_jobs.items()
         ],
     }  # fmt: skip
+    if remote_write:
+        config["remote_write"] = [{"url": remote_write, "queue_config": {"batch_send_deadline": "1s"}}]
     if alertmanager:
         config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
     config_path = tmp_path / "prometheus.yml"
@@ -113,8 +121,32 @@ def prometheus(
         f"--web.listen-address=127.0.0.1:{port}",
         "--log.level=warn",
     ]
-    with process(tmp_path, "prometheus", argv, f"http://127.0.0.1:{port}/-/ready"):
-        yield PrometheusServer(f"http://127.0.0.1:{port}")
+    with process(tmp_path, "prometheus", argv, f"http://127.0.0.1:{port}/-/ready") as child:
+        yield PrometheusServer(f"http://127.0.0.1:{port}", child.pid)
+
+
+@contextlib.contextmanager
+def victoria_metrics(tmp_path) -> Iterator[PrometheusServer]:
+    """Run VictoriaMetrics (single node, Debian's ``victoria-metrics``) on 127.0.0.1 with its data in ``tmp_path``:
+    Prometheus' remote_write at ``{url}/api/v1/write``, its query API at ``{url}/api/v1/query``; every sample it
+    holds is queried at once (no latency offset, no cache of earlier answers)."""
+    binary = shutil.which("victoria-metrics")
+    if binary is None:
+        pytest.skip("victoria-metrics not installed (apt-get install victoria-metrics)")
+    port = free_port()
+    argv = [
+        binary,
+        f"-storageDataPath={tmp_path / 'victoria-metrics'}",
+        f"-httpListenAddr=127.0.0.1:{port}",
+        "-retentionPeriod=100y",
+        "-search.latencyOffset=0s",
+        "-search.disableCache",
+        "-search.maxQueryLen=1048576",  # (the promotion rules' bounds are longer than its default 16 KiB)
+        "-search.maxUniqueTimeseries=10000000",  # (a fleet's every series in one query: benchmarks/bench_fleet.py)
+        "-loggerLevel=ERROR",
+    ]
+    with process(tmp_path, "victoria-metrics", argv, f"http://127.0.0.1:{port}/health") as child:
+        yield PrometheusServer(f"http://127.0.0.1:{port}", child.pid)
 
 
 def backfill(data: pathlib.Path, samples: dict[str, list[tuple[dict[str, str], list[tuple[float, float]]]]]) -> None:
@@ -138,7 +170,9 @@ def backfill(data: pathlib.Path, samples: dict[str, list[tuple[dict[str, str], l
 
 
 @contextlib.contextmanager
-def process(tmp_path, name: str, argv: list[str], ready_url: str, env: dict | None = None) -> Iterator[None]:
+def process(
+    tmp_path, name: str, argv: list[str], ready_url: str, env: dict | None = None
+) -> Iterator[subprocess.Popen]:
     """A server process (Alertmanager, a Pushgateway, a receiver) on 127.0.0.1 with its log in ``tmp_path``, ready
     when ``ready_url`` answers; stopped after."""
     log_path = tmp_path / f"{name}.log"
@@ -160,7 +194,7 @@ def process(tmp_path, name: str, argv: list[str], ready_url: str, env: dict | No
         PrometheusServer("").wait_for(ready, f"{name} to be ready", timeout=60)
         if child.poll() is not None:  # (another server answered on its port: ours could not bind it)
             raise AssertionError(f"{name} exited: {log_path.read_text()[-2000:]}")
-        yield
+        yield child
     finally:
         child.terminate()
         try:

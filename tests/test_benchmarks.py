@@ -95,3 +95,27 @@ def test_the_noise_benchmark_decides_each_cell_and_checks_its_goals():
     assert rows["1.5 0.05 5.0% x 20"][5] == "0%", out  # (never promoted)
     goals = [line for line in out.splitlines() if line.startswith("(")]
     assert len(goals) == 5 and all(line.endswith(": met") for line in goals), out
+
+
+@pytest.mark.e2e
+def test_the_fleet_benchmark_decides_alike_from_prometheus_and_victoria_metrics(tmp_path):
+    """benchmarks/bench_fleet.py at a small fleet: both stores hold every series of every job, a job's series within
+    its budget, every decision alike from both, and the jobs' decisions what their evidence says (a clean job of 2
+    hours promotes at 0.01, one diverging at 5% rolls back, one of 15 minutes cannot decide yet)."""
+    import json
+
+    figures_path = tmp_path / "fleet.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_fleet.py"), "--jobs", "14", "--runs-read", "14",
+         "--json", str(figures_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    figures = json.loads(figures_path.read_text())
+    assert figures["jobs"] == 14 and figures["series"] == figures["victoriametrics_series"]
+    assert figures["series_per_job"] <= 250 and figures["same_decisions"] is True
+    # (jobs 3 and 13 diverge; jobs 5 and 12 are 15 minutes old; the other 10 are clean)
+    assert figures["run_decisions"] == {"inconclusive": 2, "promote": 10, "rollback": 2}
+    assert figures["fleet_decision"] == "rollback"
+    for store in ("prometheus", "victoriametrics"):
+        assert figures[f"{store}_verdict_seconds"] > 0 and figures[f"{store}_bytes_per_series"] > 0

@@ -298,12 +298,12 @@ def _census_evidence(args: argparse.Namespace) -> tuple[dict[str, float], dict[s
     calls: dict[str, float] = {}
     try:
         if args.prometheus:
-            counts = from_prometheus(args.prometheus, None, args.selector, all_runs=True, patches=calls)
+            counts = from_prometheus(args.prometheus, None, args.selector, args.timeout, all_runs=True, patches=calls)
         else:
             counts = from_journal(args.journal, [], all_runs=True, patches=calls)
     except SourceError:
         if args.prometheus:
-            return patch_calls_from_prometheus(args.prometheus, args.selector), {}
+            return patch_calls_from_prometheus(args.prometheus, args.selector, args.timeout), {}
         reader = JournalReader()
         reader.read(with_rotated(args.journal)[0])
         return patch_calls(reader), {}
@@ -403,7 +403,7 @@ def _report_evidence(args: argparse.Namespace) -> Any:
 
 
 def _prometheus_range(args: argparse.Namespace) -> dict[str, Any]:
-    return {"run": args.run, "all_runs": args.all_runs, "start": args.start, "end": args.end}
+    return {"run": args.run, "all_runs": args.all_runs, "start": args.start, "end": args.end, "timeout": args.timeout}
 
 
 def _range_problem(args: argparse.Namespace) -> str:
@@ -580,6 +580,7 @@ def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._Mut
         "--window", type=_duration, help="with --prometheus: judge increases over this window (e.g. 6h)"
     )
     parser.add_argument("--selector", default="", help='with --prometheus: series selector, e.g. job="train"')
+    _add_timeout(parser)
     parser.add_argument(
         "--run", metavar="ID", help="decide on this run's evidence only (a source of several runs needs it)"
     )
@@ -609,6 +610,14 @@ def _add_evidence_options(parser: argparse.ArgumentParser, source: argparse._Mut
         "seconds from its start, a run of divergent blocks kept whole (0: by process); at least 60, as a shorter "
         "window would make more clusters of the same evidence",
     )
+
+
+def _add_timeout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--timeout", type=_seconds, default=30.0, metavar="SECONDS",
+        help="with --prometheus: every query of the read together within this many seconds (a fleet's store read "
+        "whole, --all-runs, takes longer: docs/fleet.md)",
+    )  # fmt: skip
 
 
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -897,6 +906,7 @@ def _add_census_command(commands: Any) -> None:
         help="the same from a Prometheus server or any PromQL store (VictoriaMetrics): every run it holds",
     )
     count.add_argument("--selector", default="", help='with --prometheus: series selector, e.g. job="train"')
+    _add_timeout(count)
     count.add_argument(
         "--max-rate", type=_rate, default=DEFAULT_MAX_RATE, help="tolerated divergence rate of the decisions"
     )

@@ -208,19 +208,23 @@ def _prometheus_slices(
     return found
 
 
-#: The resolution of the first look for a run's last sample (:func:`_last_sample`).
-_END_STEP_SECONDS = 300
+#: The first looks for a run's last sample (:func:`_last_sample`), nearest first: (how far back, at what step). A
+#: run scraped in the last hour is found by the first, whose cost does not grow with the store's history.
+_END_LOOKS = (("1h", 60), ("1d", 300), (LOOKBACK, 300))
 
 
 def _last_sample(url: str, selector: str, end: float | None, deadline: _Deadline) -> float | None:
     """When the run (the series ``selector`` names) was last scraped, at or before ``end`` (now where None): the end
     of its own last hour, which a run that ended hours before the read must not take from the reader's clock. None
-    where it has no sample in :data:`LOOKBACK`. A subquery finds the last sample's time within a step (each step
-    sees the samples of the lookback before it; one that went stale at the run's end is seen by an earlier step, so
-    the sample found is less than two steps before the last), then the raw samples from there give it exactly."""
-    step = _END_STEP_SECONDS
-    coarse = deadline.query(f"max(max_over_time(timestamp({CALLS}{{{selector}}})[{LOOKBACK}:{step}s]))", end)
-    if not coarse:
+    where it has no sample in :data:`LOOKBACK`. A subquery finds the last sample's time within a step, looking back
+    an hour first, then a day, then the lookback (each step sees the samples of the lookback before it; one that went
+    stale at the run's end is seen by an earlier step, so the sample found is less than two steps before the last),
+    then the raw samples from there give it exactly."""
+    for back, step in _END_LOOKS:
+        coarse = deadline.query(f"max(max_over_time(timestamp({CALLS}{{{selector}}})[{back}:{step}s]))", end)
+        if coarse:
+            break
+    else:
         return None
     found = _number(coarse[0]["value"][1], f"{url}: the last sample's time")
     span = 2 * step + 60
@@ -387,7 +391,11 @@ def from_prometheus(
     ``environment``, when given, receives what the run's processes ran (their ``npu_shadow_build_info``);
     ``patches``, the calls of each function patch of the release (``npu_shadow_patch_calls_total``)."""
     deadline = _Deadline(url, timeout)
-    runs = _runs(url, selector, end, deadline, window or LOOKBACK)
+    # (a run asked for is looked up alone: one run's read costs the same however many runs the store holds)
+    asked = selector if run is None else ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(run)}"]))
+    runs = _runs(url, asked, end, deadline, window or LOOKBACK)
+    if run is not None and run not in runs:  # (the refusal names the runs it does hold)
+        runs = _runs(url, selector, end, deadline, window or LOOKBACK)
     chosen = select_run(runs, run, all_runs, f"{url}{f' ({selector})' if selector else ''}")
     if slices is not None and not window:
         slices.update(_prometheus_slices(url, selector, deadline, runs, chosen, start, end, recent))

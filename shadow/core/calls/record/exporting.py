@@ -25,7 +25,7 @@ class Exporter(Protocol):
     # ------------------------------------------------------------------ optional hooks
 
     def register(self, target: str, sample_rate: float) -> None:
-        """At install: create the target's series (at zero) and record its sample rate."""
+        """At install: show the target installed (its calls at zero) and record its sample rate."""
 
     def record_calls(self, target: str, calls: int, signature: str = "") -> None:
         """Calls of the target (sampled or not) since the last report; for a coverage-guided target, by
