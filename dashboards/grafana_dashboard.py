@@ -303,8 +303,8 @@ def build() -> Dashboard:
             table.Panel()
             .title("Patch board")
             .description(
-                "The release's function patches the jobs call, the most called first (npu_shadow_patch_calls_total, "
-                "counted under npu-shadow run --legacy-from RELEASE). What gives evidence about each, and that "
+                "The release's function patches the jobs call, the most called first (the jobs' patch calls, counted "
+                "under npu-shadow run --legacy-from RELEASE). What gives evidence about each, and that "
                 "evidence's decision: npu-shadow census RELEASE --prometheus URL, from the same store."
             )
             .datasource(DATASOURCE)

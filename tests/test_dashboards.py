@@ -139,6 +139,7 @@ def scraped_metric_names():
     exporter.record_export_error("op")
     exporter.record_rollback("op", "api")
     exporter.record_reset("op", "api")
+    exporter.record_patch_calls("torch.load", 1)
     text = generate_latest(exporter.registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
