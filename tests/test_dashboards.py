@@ -26,6 +26,9 @@ GRAFANA_DIR = grafana_dashboard.DASHBOARD_PATH.parent
 def test_generated_files_are_up_to_date():
     assert rules.RULES_PATH.read_text() == rules.render(), "run: python -m dashboards.rules"
     assert rule_cases.TEST_PATH.read_text() == rule_cases.render(), "run: python -m dashboards.rule_cases"
+    assert rule_cases.COARSE_TEST_PATH.read_text() == rule_cases.render(coarse=True), (
+        "run: python -m dashboards.rule_cases"
+    )
     assert grafana_dashboard.DASHBOARD_PATH.read_text() == grafana_dashboard.render(), (
         "run: python -m dashboards.grafana_dashboard"
     )
@@ -39,9 +42,22 @@ def run_promtool(*args, cwd=PROMETHEUS_DIR):
 
 
 @pytest.mark.slow
-def test_promtool_checks_and_unit_tests_the_rules():
+@pytest.mark.parametrize("cases", [rule_cases.TEST_PATH, rule_cases.COARSE_TEST_PATH], ids=lambda path: path.stem)
+def test_promtool_checks_and_unit_tests_the_rules(cases):
     assert "SUCCESS" in run_promtool("check", "rules", rules.RULES_PATH.name)
-    assert "SUCCESS" in run_promtool("test", "rules", rule_cases.TEST_PATH.name)
+    tested = run_promtool("test", "rules", cases.name)
+    assert "SUCCESS" in tested and "FAILED" not in tested
+
+
+def test_every_case_is_in_one_promtool_file():
+    """The cases split between the file evaluated every minute and the coarse one, none left out, none twice."""
+    import yaml
+
+    names = [t["name"] for path in (rule_cases.TEST_PATH, rule_cases.COARSE_TEST_PATH)
+             for t in yaml.safe_load(path.read_text())["tests"]]  # fmt: skip
+    assert sorted(names) == sorted(t["name"] for t in rule_cases.cases()) and len(set(names)) == len(names)
+    coarse = yaml.safe_load(rule_cases.COARSE_TEST_PATH.read_text())
+    assert coarse["evaluation_interval"] == "5m" and any(t["name"].startswith("promotion") for t in coarse["tests"])
 
 
 def test_every_alert_has_severity_action_and_a_runbook():
