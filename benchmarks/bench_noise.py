@@ -111,7 +111,7 @@ def one_run(sigma: float, aa_rate: float, rate: float, size: float, seed: int) -
         if (call + 1) % LOOK_EVERY == 0:
             now = dict(counts)
             now["skipped"] += len(held)  # (still held: neither agreement nor divergence yet)
-            decided = verdict.decide_phase("legacy", _phase(now), MAX_RATE)
+            decided = verdict.decide_phase("legacy", _phase(now), MAX_RATE, explain=False)
             limit = decided.detection_limit if decided.size_limit else math.inf
             if decided.decision != verdict.INCONCLUSIVE:
                 return decided.decision, limit, _size_limit(floor, sigma), call + 1

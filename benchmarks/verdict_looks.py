@@ -51,7 +51,8 @@ def false_promotes(sequences: int, rate_of_max: float = 1.0, seed: int = 39) -> 
 
     @functools.cache
     def whole(k: int, minutes: int) -> str:
-        return verdict.decide_phase("legacy", _counts(k, minutes * per_minute, minutes).phase(), max_rate).decision
+        phase = _counts(k, minutes * per_minute, minutes).phase()
+        return verdict.decide_phase("legacy", phase, max_rate, explain=False).decision
 
     @functools.cache
     def window(k: int, minutes: int) -> str:

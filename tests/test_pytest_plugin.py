@@ -137,15 +137,9 @@ def test_without_the_option_the_plugin_does_nothing(suite):
     assert outcomes["test_suite::test_fails_on_its_own"] == "failed"
 
 
-#: Some of the project's own tests, several of which install monitors of their own (the session's steps aside).
-OWN_TESTS = [
-    "tests/test_compare.py",
-    "tests/test_install.py",
-    "tests/test_sampler.py",
-    "tests/test_verdict.py",
-    "tests/test_oracle.py",
-    "tests/test_torch_npu_source.py",
-]
+#: The project's own tests that install monitors of their own beside the plugin's session (what the plugin must step
+#: aside for): every one of their outcomes the same with the plugin on.
+OWN_TESTS = ["tests/test_install.py", "tests/test_oracle.py"]
 
 
 def test_the_projects_own_tests_have_the_same_outcomes_with_the_plugin(tmp_path):
@@ -161,7 +155,7 @@ def test_the_projects_own_tests_have_the_same_outcomes_with_the_plugin(tmp_path)
 
     _, plain = outcomes()
     shadowed_run, shadowed = outcomes("--npu-shadow", "--npu-shadow-journal", str(tmp_path / "j.jsonl"))
-    assert len(plain) > 100
+    assert len(plain) >= 30
     assert shadowed == plain, shadowed_run.stdout[-3000:]
     assert "= npu-shadow =" in shadowed_run.stdout
     assert (tmp_path / "j.jsonl").read_text().count("\n") > 0  # the session compared calls

@@ -661,12 +661,15 @@ def decide_phase(
     target: str = "",
     evidence: str = "forward",
     most_clusters: float = math.inf,
+    explain: bool = True,
 ) -> PhaseDecision:
     """The decision on one phase of ``target``'s evidence (hard mismatches and coverage are the target's: see
     :func:`decide`); ``alpha``: the level of its lower bound (a rollback's); ``evidence``: which of the phase's runs
     judged against noise thresholds are its own (forward, gradients): where any were, the decision is on the rate
     beyond the noise (:mod:`shadow.analysis.noise_verdict`); ``most_clusters``: the most clusters its processes' time
-    allows (:meth:`TargetCounts.blocks_allowed`), a count above it taken as it."""
+    allows (:meth:`TargetCounts.blocks_allowed`), a count above it taken as it. ``explain=False`` leaves the predicted
+    ETA out of an inconclusive phase's reason (a simulation of the futures: :mod:`shadow.analysis.eta`), for
+    callers that read the decision alone; the decision is the same."""
     n, k = phase.compared, phase.divergent
     clustered, cluster_count = _clusters_of(phase, most_clusters)
     lower_strata, upper_strata, uncovered, weighted, own = _strata(phase, cluster_count if clustered else None)
@@ -705,7 +708,9 @@ def decide_phase(
         why = f"divergence rate below {upper:.3g} (95% upper bound, {k:.0f}/{n:.0f}) < max rate {max_rate:g}"
         return PhaseDecision(decision=PROMOTE, why=why, **common)
     units = "clusters" if clustered else "effective comparisons"
-    missing = _promote_needs((lower, upper), max_rate, share, uncovered, rate, effective, units, prior, process_seconds)
+    missing = _promote_needs(
+        (lower, upper), max_rate, share, uncovered, rate, effective, units, prior, process_seconds, explain
+    )
     faster = ""
     if clustered and share < max_rate and rate < max_rate - share:
         more, calls = bounds.needed_at_rate(max_rate - share, rate, prior) - effective, sum(phase.calls.values())
@@ -781,6 +786,7 @@ def _promote_needs(
     units: str,
     prior: Prior,
     process_seconds: float,
+    explain: bool = True,
 ) -> str:
     """What an inconclusive phase needs to promote (its bounds ``found``): the calls never compared that no
     comparison can make up for, a rate surely not below the max rate (its lower bound reaches it), or how much more
@@ -808,6 +814,8 @@ def _promote_needs(
     else:
         more = "more than any job makes:" if math.isinf(needed) else f"about {max(1, math.ceil(needed - effective)):,}"
         point = f"{more} more {units} {seen}{_when(needed - effective, effective, process_seconds, units)}"
+    if not explain:
+        return f"upper bound {upper:.3g} >= max rate {max_rate:g}: {point}"
     predicted = eta.predict(rate * effective, effective, max_rate - share, prior)
     ahead = _eta_text(predicted, effective, process_seconds, units)
     return f"upper bound {upper:.3g} >= max rate {max_rate:g}: {point}; {ahead}"
@@ -883,9 +891,10 @@ def gradient_evidence(phase: PhaseCounts) -> PhaseCounts:
 
 
 def _decide_phases(
-    counts: TargetCounts, max_rate: float, alpha: float = bounds.ALPHA, target: str = ""
+    counts: TargetCounts, max_rate: float, alpha: float = bounds.ALPHA, target: str = "", explain: bool = True
 ) -> list[PhaseDecision]:
-    """Each phase of ``target``'s forward evidence and gradient evidence, decided (legacy's first)."""
+    """Each phase of ``target``'s forward evidence and gradient evidence, decided (legacy's first; ``explain``: see
+    :func:`decide_phase`)."""
     order = {side: i for i, side in enumerate(PRIMARY_SIDES)}
     phases: list[PhaseDecision] = []
     most = counts.blocks_allowed()
@@ -900,12 +909,12 @@ def _decide_phases(
         if not phase.empty():
             forward = forward_evidence(phase)
             phases.append(decide_phase(primary, forward, max_rate, counts.process_seconds, alpha, target,
-                                       most_clusters=most))  # fmt: skip
+                                       most_clusters=most, explain=explain))  # fmt: skip
         gradients = gradient_evidence(phase)
         if not gradients.empty():
             name = f"{primary} {GRADIENTS}"
             phases.append(decide_phase(name, gradients, max_rate, counts.process_seconds, alpha, evidence=GRADIENTS,
-                                       most_clusters=most))  # fmt: skip
+                                       most_clusters=most, explain=explain))  # fmt: skip
     return phases
 
 
@@ -943,7 +952,8 @@ def decide_slice(name: str, counts: TargetCounts, max_rate: float) -> SliceDecis
     """One slice of a target's evidence decided on its own: rollback where a phase's lower bound is above the max
     rate (at the slice's level: :func:`_slice_alpha`), inconclusive where a phase's rate is (promote is held back),
     promote (allows it) otherwise."""
-    phases = _decide_phases(counts, max_rate, _slice_alpha(name))
+    # (a slice's reason is its rate, or a rollback's: no inconclusive phase's ETA is said of it)
+    phases = _decide_phases(counts, max_rate, _slice_alpha(name), explain=False)
     worst = max(phases, key=lambda p: (_SEVERITY[p.decision], p.rate), default=None)
     if worst is None:
         return SliceDecision(name, PROMOTE, 0, 0, 0.0, 0.0, 1.0, f"{name}: no comparison (allows promote)")
