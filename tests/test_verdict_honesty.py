@@ -33,7 +33,9 @@ PRIOR = Prior.for_max_rate(MAX)
 
 
 def decide(counts: TargetCounts, max_rate: float = MAX) -> verdict.Decision:
-    return verdict.decide("op", counts, max_rate)
+    """The verdict's decision on ``counts`` (its reasons without the ETA's simulation: these tests read decisions and
+    bounds; tests/test_verdict_cases.py reads the ETA)."""
+    return verdict.decide("op", counts, max_rate, explain=False)
 
 
 def strata_counts(strata: dict[str, tuple[int, int, int]], primary: str = "legacy") -> TargetCounts:

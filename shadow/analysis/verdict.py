@@ -984,10 +984,12 @@ def decide(
     risky: Iterable[str] = (),
     min_per_signature: int = DEFAULT_MIN_PER_SIGNATURE,
     slices: Mapping[str, TargetCounts] | None = None,
+    explain: bool = True,
 ) -> Decision:
     """The decision for one target (see the module docstring): on its whole evidence, then held back or rolled back
-    by any of ``slices`` (name -> that slice's counts) that does not allow promote."""
-    whole = _decide_whole(target, counts, max_rate, risky, min_per_signature)
+    by any of ``slices`` (name -> that slice's counts) that does not allow promote. ``explain=False``: without the
+    predicted ETA in an inconclusive phase's reason (:func:`decide_phase`); the decision is the same."""
+    whole = _decide_whole(target, counts, max_rate, risky, min_per_signature, explain)
     decided = tuple(decide_slice(name, each, max_rate) for name, each in (slices or {}).items() if not each.empty())
     if not decided:
         return whole
@@ -1041,9 +1043,9 @@ def _worst_fields(worst: PhaseDecision | None) -> dict[str, Any]:
 
 
 def _decide_whole(
-    target: str, counts: TargetCounts, max_rate: float, risky: Iterable[str], min_per_signature: int
+    target: str, counts: TargetCounts, max_rate: float, risky: Iterable[str], min_per_signature: int, explain: bool
 ) -> Decision:
-    phases = _decide_phases(counts, max_rate, target=target)
+    phases = _decide_phases(counts, max_rate, target=target, explain=explain)
     hard, shared, uncovered = _reasons_of(counts)
     risky = list(risky)
     not_exercised = tuple(p for p in risky if counts.never_called(p))
