@@ -663,13 +663,10 @@ def decide_phase(
     most_clusters: float = math.inf,
     explain: bool = True,
 ) -> PhaseDecision:
-    """The decision on one phase of ``target``'s evidence (hard mismatches and coverage are the target's: see
-    :func:`decide`); ``alpha``: the level of its lower bound (a rollback's); ``evidence``: which of the phase's runs
-    judged against noise thresholds are its own (forward, gradients): where any were, the decision is on the rate
-    beyond the noise (:mod:`shadow.analysis.noise_verdict`); ``most_clusters``: the most clusters its processes' time
-    allows (:meth:`TargetCounts.blocks_allowed`), a count above it taken as it. ``explain=False`` leaves the predicted
-    ETA out of an inconclusive phase's reason (a simulation of the futures: :mod:`shadow.analysis.eta`), for
-    callers that read the decision alone; the decision is the same."""
+    """The decision on one phase of ``target``'s evidence (its hard mismatches and coverage: :func:`decide`); ``alpha``:
+    its lower bound's level; ``evidence``: which runs judged against noise thresholds are its own (forward, gradients):
+    where any were, it is on the rate beyond the noise (:mod:`shadow.analysis.noise_verdict`); ``most_clusters``: the
+    most its processes' time allows; ``explain=False``: the same decision, its reason without the ETA."""
     n, k = phase.compared, phase.divergent
     clustered, cluster_count = _clusters_of(phase, most_clusters)
     lower_strata, upper_strata, uncovered, weighted, own = _strata(phase, cluster_count if clustered else None)
@@ -708,9 +705,8 @@ def decide_phase(
         why = f"divergence rate below {upper:.3g} (95% upper bound, {k:.0f}/{n:.0f}) < max rate {max_rate:g}"
         return PhaseDecision(decision=PROMOTE, why=why, **common)
     units = "clusters" if clustered else "effective comparisons"
-    missing = _promote_needs(
-        (lower, upper), max_rate, share, uncovered, rate, effective, units, prior, process_seconds, explain
-    )
+    found = (lower, upper)
+    missing = _promote_needs(found, max_rate, share, uncovered, rate, effective, units, prior, process_seconds, explain)
     faster = ""
     if clustered and share < max_rate and rate < max_rate - share:
         more, calls = bounds.needed_at_rate(max_rate - share, rate, prior) - effective, sum(phase.calls.values())
