@@ -30,5 +30,5 @@ fi
 bash scripts/fetch_torch_npu.sh
 .venv/bin/python -m ruff check .
 # (two workers: the suite takes half as long, and its tests wait for conditions, never for an idle machine)
-echo "== tests: about 17 minutes on 2 idle cores, about 33 with both cores busy; the 25 slowest are listed at the end" >&2
+echo "== tests: about 14 minutes on 2 idle cores, longer with both cores busy; the 25 slowest are listed at the end" >&2
 .venv/bin/python -m pytest -q -n 2 --durations=25 "$@"
