@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Set up (see setup.sh), install Prometheus and promtool from Debian's `prometheus` package, Alertmanager and amtool
-# from `prometheus-alertmanager`, the Pushgateway from `prometheus-pushgateway`, VictoriaMetrics from `victoria-metrics`
-# and Chromium from Debian's
-# `chromium` when they are missing (the tests start their own servers on 127.0.0.1, never the system services, and
-# render a report in headless Chromium), then run
-# the linter and the whole test suite. The torch_npu wheels (for their source) are fetched into the cache first, and
+# from `prometheus-alertmanager`, the Pushgateway from `prometheus-pushgateway`, VictoriaMetrics (and vmalert) from
+# `victoria-metrics` and Chromium from `chromium` when they are missing (the tests start their own servers on
+# 127.0.0.1, never the system services, and render a report in headless Chromium), then run the linter and the
+# whole test suite. The torch_npu wheels (for their source) are fetched into the cache first, and
 # Triton installed into .venv (its interpreter runs the comparator's GPU kernel in a test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
