@@ -106,6 +106,7 @@ def _decisions(found: dict) -> dict:
     return {"decision": found["decision"], "targets": targets}
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_victoria_metrics_fed_by_remote_write_decides_as_the_prometheus_that_fed_it(tmp_path):
     """Three jobs of 8 ranks scraped by a real Prometheus that remote_writes every sample to a real VictoriaMetrics:
