@@ -92,6 +92,7 @@ def cases() -> list[dict]:
                 ),
                 series("npu_shadow_rollbacks_total", "0 0 1x30", job="latched", source="http"),
                 series("npu_shadow_resets_total", "_x5 1x30", job="latched"),
+                series("npu_shadow_calls_total", "0x30", job="fresh", signature="", primary="legacy"),
             ],
             [
                 ("4m", "NpuShadowHardMismatch", [expected("NpuShadowHardMismatch", reason="dtype")]),
@@ -107,6 +108,17 @@ def cases() -> list[dict]:
                     ],
                 },
                 {"expr": f'{rules.ROLLED_BACK}{{job="latched"}}', "eval_time": "9m", "exp_samples": []},
+                # (a target installed and not yet compared: its totals are 0, not absent)
+                *(
+                    {
+                        "expr": f'{record}{{job="fresh"}}',
+                        "eval_time": "4m",
+                        "exp_samples": [
+                            {"labels": f'{record}{{job="fresh",primary="legacy",target="{TARGET}"}}', "value": 0}
+                        ],
+                    }
+                    for record in ("npu_shadow:comparisons:total", "npu_shadow:divergent:total")
+                ),
             ],
         ),
         case(

@@ -111,14 +111,19 @@ def _weighted(window: str | None, over: str = "rate") -> tuple[str, str]:
 def _recording_rules() -> list[dict[str, str]]:
     weighted_rate, weighted_effective = _weighted(None)
     rules = [
-        {"record": "npu_shadow:comparisons:total", "expr": f"{BY} ({COMPARISONS}{{{COMPARED}}})"},
+        {
+            # (an installed target's calls exist from its start, its comparisons from the first: 0 until then)
+            "record": "npu_shadow:comparisons:total",
+            "expr": f"{BY} ({COMPARED_SERIES}) or {BY} ({CALLS}) * 0",
+        },
         {
             "record": "npu_shadow:divergent:total",
             "expr": f"{BY} ({DIVERGENT_SERIES}) or npu_shadow:comparisons:total * 0",
         },
         {
             "record": "npu_shadow:divergence:ratio_total",
-            "expr": f"({weighted_rate}) or npu_shadow:divergent:total / npu_shadow:comparisons:total",
+            # (no comparison yet: no ratio, never a 0/0 that one store keeps as NaN and another drops)
+            "expr": f"({weighted_rate}) or npu_shadow:divergent:total / (npu_shadow:comparisons:total > 0)",
         },
         {
             "record": "npu_shadow:comparisons:effective_total",
