@@ -744,6 +744,15 @@ def coverage(patch: Patch) -> str:
     return NO_TARGET
 
 
+def covering_target(covered: str) -> str | None:
+    """The target (or canary A/B) whose evidence speaks for a patch, from what :func:`coverage` said of it; None where
+    none does."""
+    for prefix in ("target ", "canary A/B "):
+        if covered.startswith(prefix):
+            return covered.removeprefix(prefix)
+    return None
+
+
 def covered_by(name: str) -> str:
     """What gives evidence about deleting the function patch ``name`` (:func:`coverage`), from its name alone: the
     target that shadows its place in this torch, else why nothing can, else :data:`NO_TARGET` with the setting that

@@ -30,20 +30,12 @@ class BoardRow:
         return {**self.patch.as_dict(), "calls": self.calls, "covered_by": self.covered_by, "decision": self.decision}
 
 
-def covering_target(covered_by: str) -> str | None:
-    """The target (or canary A/B) whose evidence speaks for a patch, from its ``covered_by``; None where none does."""
-    for prefix in ("target ", "canary A/B "):
-        if covered_by.startswith(prefix):
-            return covered_by.removeprefix(prefix)
-    return None
-
-
 def board(taken: census.Census, calls: Mapping[str, float], decisions: Mapping[str, str]) -> list[BoardRow]:
     """Every patch of ``taken`` with the jobs' ``calls`` of it and the decision of the target covering it
     (``decisions``: target -> decision, from the same source), the most called first (then by name)."""
     rows = []
     for patch, called, covered in census.by_calls(taken, dict(calls)):
-        target = covering_target(covered)
+        target = census.covering_target(covered)
         decision = NOTHING_TO_DECIDE if target is None else decisions.get(target, NO_EVIDENCE)
         rows.append(BoardRow(patch, called, covered, decision))
     return rows

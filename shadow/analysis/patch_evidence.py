@@ -35,8 +35,7 @@ def unspoken(calls: Mapping[str, float], counts: Mapping[str, TargetCounts]) -> 
         if called <= 0 or not patch:  # (a series without its patch's name names none)
             continue
         covered = census.covered_by(patch)
-        target = covered.removeprefix("target ").removeprefix("canary A/B ") if covered.startswith(
-            ("target ", "canary A/B ")) else patch  # fmt: skip
+        target = census.covering_target(covered) or patch
         entry = counts.get(target)
         if entry is not None and entry.compared > 0:
             continue

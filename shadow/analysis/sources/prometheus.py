@@ -122,6 +122,11 @@ def _labels(item: dict) -> dict[str, str]:
     return {str(k): str(v) for k, v in item["metric"].items() if k != "__name__"}
 
 
+def _of_run(selector: str, run: str | None) -> str:
+    """``selector`` narrowed to ``run``'s series (unchanged where ``run`` is None)."""
+    return selector if run is None else ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(run)}"]))
+
+
 def _selector(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
 
@@ -193,7 +198,7 @@ def _prometheus_slices(
     found = {}
     finish = None
     if recent > 0:  # (the run's own last part: up to its last sample, never up to the reader's now)
-        within = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}" if chosen is not None else ""]))
+        within = _of_run(selector, chosen)
         finish = _last_sample(url, within, end, deadline)
     for seconds in verdict.recent_windows(recent) if finish is not None else ():
         if start is None or start < finish - seconds:
@@ -392,7 +397,7 @@ def from_prometheus(
     ``patches``, the calls of each function patch of the release (``npu_shadow_patch_calls_total``)."""
     deadline = _Deadline(url, timeout)
     # (a run asked for is looked up alone: one run's read costs the same however many runs the store holds)
-    asked = selector if run is None else ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(run)}"]))
+    asked = _of_run(selector, run)
     runs = _runs(url, asked, end, deadline, window or LOOKBACK)
     if run is not None and run not in runs:  # (the refusal names the runs it does hold)
         runs = _runs(url, selector, end, deadline, window or LOOKBACK)
@@ -400,7 +405,7 @@ def from_prometheus(
     if slices is not None and not window:
         slices.update(_prometheus_slices(url, selector, deadline, runs, chosen, start, end, recent))
     if chosen is not None:
-        selector = ",".join(filter(None, [selector, f"{_RUN_LABEL}={json.dumps(chosen)}"]))
+        selector = _of_run(selector, chosen)
     if not window:
         one_job_per_run(_commands(selector, end, deadline), url)
     if environment is not None:
