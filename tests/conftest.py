@@ -12,6 +12,8 @@ HERE = os.path.dirname(__file__)
 FAKE_TORCH_NPU = os.path.join(HERE, "fake_torch_npu")
 sys.path.insert(0, HERE)  # for the helper modules beside the tests
 
+pytest_plugins = ["ci_skips", "pytester"]
+
 
 def pytest_configure(config):
     """Every test process has a 2-device emulated npu, installed before any test module is imported (torch

@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 from typing import Any
 
 import pytest
 import torch
+from commands import npu_shadow
 from scipy.stats import mannwhitneyu
 from torch.utils.data import DataLoader, TensorDataset
 from torch_npu_wheels import wheel
@@ -196,30 +196,40 @@ def test_a_dataloader_canary_runs_both_arms_and_the_verdict_reports_legacys_affi
     journal = tmp_path / "j.jsonl"
     first, second = sorted(os.sched_getaffinity(0))[:2]  # (device ranges within the cores this test may use)
     env = {**os.environ, "CPU_AFFINITY_CONF": f"1,npu0:{first}-{first},npu1:{second}-{second}"}
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.13.0"),
-         "--primary", "upstream", "--rollback-file", str(tmp_path / "switch"), "--journal", str(journal),
-         "--textfile", str(tmp_path / "metrics.prom"), "--",
-         sys.executable, "-W", "ignore", "-c", _DATALOADER_JOB],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+    done = npu_shadow(
+        "run",
+        "--emulate-npu",
+        "2",
+        "--legacy-from",
+        wheel("2.13.0"),
+        "--primary",
+        "upstream",
+        "--rollback-file",
+        str(tmp_path / "switch"),
+        "--journal",
+        str(journal),
+        "--textfile",
+        str(tmp_path / "metrics.prom"),
+        "--",
+        sys.executable,
+        "-W",
+        "ignore",
+        "-c",
+        _DATALOADER_JOB,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0 and "total 12096.0" in done.stdout, done.stderr[-3000:]
     records = [json.loads(line) for line in journal.read_text().splitlines()]
     arms = [r for r in records if r.get("event") == "arm"]
     assert sorted(r["arm"] for r in arms) == ["legacy"] * 3 + ["upstream"] * 3
     assert all(r["workers_bound"] for r in arms if r["arm"] == "legacy")
     assert not any(r["workers_bound"] for r in arms if r["arm"] == "upstream")
-    verdict = subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", "--journal", str(journal)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    verdict = npu_shadow("verdict", "--journal", str(journal), timeout=120)
     line = next(line for line in verdict.stdout.splitlines() if line.startswith("dataloader_init"))
     assert "canary A/B" in line and "affinity differs: legacy's workers run on cores" in line, verdict.stdout
     assert "throughput" in line and "batches equal for 3 seed(s)" in line
-    from_metrics = subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", "--metrics-file", str(tmp_path / "metrics.prom")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    from_metrics = npu_shadow("verdict", "--metrics-file", str(tmp_path / "metrics.prom"), timeout=120)
     line = next(line for line in from_metrics.stdout.splitlines() if line.startswith("dataloader_init"))
     assert (
         "affinity differs: workers bound to fewer cores than the process had in 3 of 3 legacy iterators, 0 of 3 "

@@ -12,6 +12,7 @@ import textwrap
 import zipfile
 
 import pytest
+from commands import npu_shadow
 from torch_npu_wheels import wheel
 
 from shadow.analysis import census
@@ -185,10 +186,7 @@ def releases():
 
     def of(version: str) -> census.Census:
         if version not in taken:
-            done = subprocess.run(
-                [sys.executable, "-m", "shadow", "census", wheel(version), "--format", "json"],
-                capture_output=True, text=True, timeout=300,
-            )  # fmt: skip
+            done = npu_shadow("census", wheel(version), "--format", "json", timeout=300)
             assert done.returncode == 0, done.stderr
             found = json.loads(done.stdout)
             patches = tuple(census.Patch(**patch) for patch in found["patches"])
@@ -228,10 +226,7 @@ def test_the_later_releases_still_patch_load_to_npu_and_the_dataloader_but_not_t
 
 
 def test_the_command_gives_json_and_names_what_2_13_removed():
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "census", wheel("2.13.0"), "--against", wheel("2.12.0"), "--format", "json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = npu_shadow("census", wheel("2.13.0"), "--against", wheel("2.12.0"), "--format", "json", timeout=300)
     assert done.returncode == 0, done.stderr
     answer = json.loads(done.stdout)
     assert answer["version"] == "2.13.0" and answer["against"]["version"] == "2.12.0"
@@ -248,9 +243,7 @@ def test_the_command_gives_json_and_names_what_2_13_removed():
 
 
 def test_the_command_refuses_a_source_it_cannot_read(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "census", str(tmp_path / "missing.whl")], capture_output=True, text=True
-    )
+    done = npu_shadow("census", str(tmp_path / "missing.whl"))
     assert done.returncode == 2 and "npu-shadow census:" in done.stderr and "Traceback" not in done.stderr
 
 
@@ -273,9 +266,7 @@ def _release(tmp_path, extra: dict[str, bytes] | None = None):
 
 
 def _census(source, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", "census", str(source)], capture_output=True, text=True, timeout=timeout
-    )
+    return npu_shadow("census", str(source), timeout=timeout)
 
 
 def _refused(done: subprocess.CompletedProcess, *words: str) -> None:
@@ -434,10 +425,17 @@ def test_the_launcher_refuses_a_census_cache_others_can_write_at_start_up(tmp_pa
     shutil.copy(wheel("2.14.0"), wheels)
     (tmp_path / "census").mkdir(mode=0o777)
     os.chmod(tmp_path / "census", 0o777)
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--legacy-from", "2.14.0", "--", sys.executable, "-c", "print('ran')"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "NPU_SHADOW_WHEEL_DIR": str(wheels)},
-    )  # fmt: skip
+    done = npu_shadow(
+        "run",
+        "--legacy-from",
+        "2.14.0",
+        "--",
+        sys.executable,
+        "-c",
+        "print('ran')",
+        env={**os.environ, "NPU_SHADOW_WHEEL_DIR": str(wheels)},
+        timeout=300,
+    )
     assert done.returncode == 2 and "ran" not in done.stdout, done.stdout + done.stderr
     assert str(tmp_path / "census") in done.stderr and "writable by others" in done.stderr
 

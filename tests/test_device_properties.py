@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from commands import npu_shadow
 from fakes import Recorder
 from torch import nn
 
@@ -39,6 +40,26 @@ def syncs_of(call):
 
 
 # --------------------------------------------------------------------------- the emulated device
+
+
+def kernels_of(call):
+    before = emulated.kernels()
+    call()
+    return emulated.kernels() - before
+
+
+def test_kernels_are_counted_per_op_on_the_device_and_per_thread():
+    x = torch.arange(1000, dtype=torch.float32, device="npu")
+    assert kernels_of(lambda: (x * 2).sum().add_(1)) == 3  # (one each: mul, sum, add_; none for their copies inside)
+    assert kernels_of(lambda: torch.ones(4).add_(1)) == 0  # (the host's)
+    assert kernels_of(lambda: torch.ones(4).to("npu")) == 1  # (a copy onto the device)
+    assert kernels_of(lambda: x.cpu()) == 0  # (a read of the device by the host: host_syncs counts it)
+    other = []
+    thread = __import__("threading").Thread(target=lambda: other.append(kernels_of(lambda: x + 1)))
+    before = emulated.kernels()
+    thread.start()
+    thread.join()
+    assert other == [1] and emulated.kernels() == before
 
 
 def test_host_reads_are_counted_per_thread_and_the_kernels_own_copies_are_not():
@@ -114,11 +135,18 @@ def test_device_properties_read_as_written():
 
 def test_a_bad_emulated_device_setting_fails_the_launcher_before_the_job_naming_it(tmp_path):
     marker = tmp_path / "ran"
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--emulated-device", "kernel_time=fast", "--",
-         sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+    done = npu_shadow(
+        "run",
+        "--emulate-npu",
+        "2",
+        "--emulated-device",
+        "kernel_time=fast",
+        "--",
+        sys.executable,
+        "-c",
+        f"open({str(marker)!r}, 'w')",
+        timeout=120,
+    )
     assert done.returncode == 2 and "--emulated-device" in done.stderr and not marker.exists()
 
 

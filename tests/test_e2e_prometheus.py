@@ -3,13 +3,12 @@ the alerts, and the verdict read from the server."""
 
 import contextlib
 import dataclasses
-import subprocess
-import sys
 
 import fakes
 import faults
 import pytest
 import torch
+from commands import npu_shadow
 from prometheus_client import CollectorRegistry
 from prometheus_server import prometheus
 
@@ -57,12 +56,7 @@ def clean_calls():
 
 
 def run_verdict(server, job):
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", "--prometheus", server.url, "--selector", f'job="{job}"'],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return npu_shadow("verdict", "--prometheus", server.url, "--selector", f'job="{job}"', timeout=120)
 
 
 def test_rules_alerts_and_verdict_against_a_real_prometheus(tmp_path, monkeypatch):

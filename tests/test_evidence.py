@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from commands import npu_shadow
 
 import shadow
 from shadow.core.model import targets as builtin
@@ -317,20 +318,12 @@ def test_the_cluster_window_can_only_widen_the_bound(tmp_path):
 
 
 def test_the_verdict_names_its_statistic_and_effective_sample_size(tmp_path):
-    import subprocess
-    import sys
 
     path = _journal(tmp_path / "j.jsonl", 40, 10)
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", "--journal", str(path), "--cluster-window", "120"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = npu_shadow("verdict", "--journal", str(path), "--cluster-window", "120", timeout=120)
     assert "legacy phase: rate 0 over 20.0 effective comparisons (one stratum)" in done.stdout
     assert "20 clusters (process x 120 s blocks from its start), each counted as one comparison" in done.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", "--journal", str(path), "--cluster-window", "-1"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    bad = npu_shadow("verdict", "--journal", str(path), "--cluster-window", "-1", timeout=120)
     assert bad.returncode == 2 and "--cluster-window" in bad.stderr
 
 
@@ -494,10 +487,7 @@ def test_a_suite_ab_finds_the_difference_compiled_code_hides_from_call_level_sha
         "test/passed->failed",
     )
     assert "assert device(type='npu', index=1) == device(type='npu', index=0)" in changed["detail"]
-    verdict = subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", "--journal", str(journal)], capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
+    verdict = npu_shadow("verdict", "--journal", str(journal), timeout=120)
     assert verdict.returncode == 1 and "suite_ab" in verdict.stdout and "hard mismatches: 1 exception" in verdict.stdout
 
 
@@ -516,8 +506,6 @@ def test_an_exception_divergence_shows_both_sides_however_long_legacys_text():
 
 
 def test_a_fire_drill_is_named_in_the_verdict_and_the_report(tmp_path):
-    import subprocess
-    import sys
 
     import journals
 
@@ -525,17 +513,19 @@ def test_a_fire_drill_is_named_in_the_verdict_and_the_report(tmp_path):
         journals.line("mismatch", drill=True, detail="(drill) value 1 of 4 differs " + "x" * 400) for _ in range(3)
     ] + [journals.line("match", drill=False)] * 10
     journal = journals.write(tmp_path / "j.jsonl", lines)
-    verdict = subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", "--journal", str(journal)], capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
+    verdict = npu_shadow("verdict", "--journal", str(journal), timeout=120)
     assert "FIRE DRILL: 3 comparisons carry synthetic divergence injected by a fire drill (op)" in verdict.stdout
     assert verdict.stdout.rstrip().endswith("- a FIRE DRILL")
-    report = subprocess.run(
-        [sys.executable, "-m", "shadow", "report", "--journal", str(journal), "--html", str(tmp_path / "r.html"),
-         "--markdown", str(tmp_path / "r.md")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    report = npu_shadow(
+        "report",
+        "--journal",
+        str(journal),
+        "--html",
+        str(tmp_path / "r.html"),
+        "--markdown",
+        str(tmp_path / "r.md"),
+        timeout=120,
+    )
     assert report.returncode == 0, report.stderr
     markdown = (tmp_path / "r.md").read_text()
     assert "**FIRE DRILL: 3 comparisons carry synthetic divergence" in markdown

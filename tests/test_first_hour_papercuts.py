@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from commands import npu_shadow
 from test_verdict import run_verdict
 
 from shadow.core.model.observation import TargetStats
@@ -75,11 +76,18 @@ def test_the_jobs_warnings_are_shown_once_as_unwrapped(tmp_path) -> None:
         [sys.executable, "-c", unwrapped],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    shadowed = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", "reference", *every_run, "--",
-         sys.executable, str(job)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    shadowed = npu_shadow(
+        "run",
+        "--emulate-npu",
+        "2",
+        "--legacy-from",
+        "reference",
+        *every_run,
+        "--",
+        sys.executable,
+        str(job),
+        timeout=300,
+    )
     assert plain.returncode == shadowed.returncode == 0, shadowed.stderr[-2000:]
     assert re.search(r"^parallel_apply +12 +12 +12 ", shadowed.stderr, flags=re.M), shadowed.stderr[-2000:]
     shown = "UserWarning: the job's own warning"

@@ -6,17 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from commands import npu_shadow
 
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def npu_shadow(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
 
 
 def test_a_misspelt_option_is_answered_with_the_one_meant_and_the_commands_usage():
@@ -31,7 +25,8 @@ def test_a_misspelt_option_is_answered_with_the_one_meant_and_the_commands_usage
 
 def test_a_misspelt_variable_fails_at_start_up_naming_the_one_meant():
     """A misspelt NPU_SHADOW_SAMPEL_RATE was silently ignored: the job ran on defaults the user thought changed."""
-    done = npu_shadow("run", "--", sys.executable, "-c", "print('ran')", env={"NPU_SHADOW_SAMPEL_RATE": "0.1"})
+    misspelt = {**os.environ, "NPU_SHADOW_SAMPEL_RATE": "0.1"}
+    done = npu_shadow("run", "--", sys.executable, "-c", "print('ran')", env=misspelt)
     assert done.returncode == 2 and "ran" not in done.stdout
     assert "NPU_SHADOW_SAMPEL_RATE is not a setting of npu-shadow; did you mean NPU_SHADOW_SAMPLE_RATE?" in done.stderr
     from shadow.launcher import config
@@ -54,11 +49,11 @@ def test_a_window_that_is_no_prometheus_duration_is_refused_saying_what_one_is()
 
 def test_doctor_on_a_host_without_torch_npu_names_the_emulated_npu_and_the_cached_wheel(tmp_path):
     """`doctor` on a host without torch_npu suggested neither --emulate-npu nor the cached wheel."""
-    empty = npu_shadow("doctor", "--port", "0", env={"NPU_SHADOW_WHEEL_DIR": str(tmp_path)})
+    empty = npu_shadow("doctor", "--port", "0", env={**os.environ, "NPU_SHADOW_WHEEL_DIR": str(tmp_path)})
     assert "npu-shadow run --emulate-npu 2" in empty.stdout + empty.stderr
     assert "scripts/fetch_torch_npu.sh 2.12.0" in empty.stdout + empty.stderr
     (tmp_path / "torch_npu-2.12.0-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
-    cached = npu_shadow("doctor", "--port", "0", env={"NPU_SHADOW_WHEEL_DIR": str(tmp_path)})
+    cached = npu_shadow("doctor", "--port", "0", env={**os.environ, "NPU_SHADOW_WHEEL_DIR": str(tmp_path)})
     assert f"--legacy-from {tmp_path}/torch_npu-2.12.0-" in cached.stdout + cached.stderr
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from commands import npu_shadow
 from prometheus_client.parser import text_string_to_metric_families
 from torch_npu_wheels import wheel
 
@@ -33,12 +34,23 @@ def test_the_example_job_exports_at_most_its_series_budget_at_the_launchers_defa
     when every series was created at zero for every label value it could take; at most 250 now, with every target's
     calls and the comparisons it made there."""
     textfile = tmp_path / "metrics.prom"
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.14.0"),
-         "--textfile", str(textfile), "--linger", "0", "--",
-         sys.executable, "examples/train_dataparallel.py", "--epochs", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    done = npu_shadow(
+        "run",
+        "--emulate-npu",
+        "2",
+        "--legacy-from",
+        wheel("2.14.0"),
+        "--textfile",
+        str(textfile),
+        "--linger",
+        "0",
+        "--",
+        sys.executable,
+        "examples/train_dataparallel.py",
+        "--epochs",
+        "1",
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     found = series_of(textfile.read_text())
     assert sum(found.values()) <= SERIES_BUDGET, found.most_common()
@@ -83,8 +95,7 @@ def _serve(expositions: dict[str, str]):
 def _npu_shadow_json(*args: str) -> tuple[int, dict]:
     import json
 
-    done = subprocess.run([sys.executable, "-m", "shadow", *args, "--format", "json"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = npu_shadow(*args, "--format", "json", timeout=300)
     assert done.returncode in (0, 1, 3), done.stderr[-3000:]
     return done.returncode, json.loads(done.stdout)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 import os
 import random
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+from commands import npu_shadow
 from prometheus_client.parser import text_string_to_metric_families
 from torch_npu_wheels import wheel
 
@@ -75,12 +75,22 @@ def test_gather_compares_every_dataparallel_call_of_the_example_job_within_its_b
     defaults compare whatever the rate (bench_gather: 30 of 96 over 8 epochs); with --gather every one is compared,
     none skipped for the budget."""
     textfile = tmp_path / "metrics.prom"
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.12.0"), "--gather",
-         "--textfile", str(textfile), "--", sys.executable, os.path.join(ROOT, "examples", "train_dataparallel.py"),
-         "--epochs", "4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    done = npu_shadow(
+        "run",
+        "--emulate-npu",
+        "2",
+        "--legacy-from",
+        wheel("2.12.0"),
+        "--gather",
+        "--textfile",
+        str(textfile),
+        "--",
+        sys.executable,
+        os.path.join(ROOT, "examples", "train_dataparallel.py"),
+        "--epochs",
+        "4",
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     calls: dict[str, float] = {}
     compared: dict[str, float] = {}

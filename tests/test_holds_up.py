@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from commands import npu_shadow
 from fakes import Recorder
 
 import shadow
@@ -18,12 +19,6 @@ from shadow import Target
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def npu_shadow(*args, env=None, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT
-    )
 
 
 # --------------------------------------------------------------------------- 1. memory

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from commands import npu_shadow
 from metrics_helpers import samples, total
 from prometheus_server import consecutive_free_ports, free_port, prometheus
 from torch_npu_wheels import wheel
@@ -24,12 +25,6 @@ EXAMPLE = os.path.join(ROOT, "examples", "train_dataparallel.py")
 FAKE_TORCH_NPU = os.path.join(ROOT, "tests", "fake_torch_npu")
 JOB = ["--epochs", "1", "--samples", "128", "--batch-size", "32", "--workers", "2"]
 STEPS, SAMPLES = 4, 128
-
-
-def npu_shadow(*args, env=None, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT
-    )
 
 
 @pytest.fixture(scope="module")
@@ -612,12 +607,21 @@ def test_a_token_file_that_is_not_a_token_is_refused_saying_why(tmp_path, conten
     path.chmod(0o600)
     with pytest.raises(cfg.Invalid, match=says):
         cfg.read_token_file(str(path))
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--primary", "upstream", "--rollback-port", "0",
-         "--legacy-from", "reference", "--", sys.executable, "-c", "pass"],
-        capture_output=True, text=True, timeout=120,
+    done = npu_shadow(
+        "run",
+        "--primary",
+        "upstream",
+        "--rollback-port",
+        "0",
+        "--legacy-from",
+        "reference",
+        "--",
+        sys.executable,
+        "-c",
+        "pass",
         env={**os.environ, "NPU_SHADOW_ROLLBACK_TOKEN_FILE": str(path)},
-    )  # fmt: skip
+        timeout=120,
+    )
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 

@@ -11,7 +11,6 @@ import io
 import json
 import os
 import pickle
-import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from commands import npu_shadow
 from conftest import installed
 from torch_npu_wheels import wheel
 
@@ -367,19 +367,26 @@ def _launch(tmp_path: Any, job: str, *options: str, env: dict | None = None) -> 
     """``npu-shadow run --emulate-npu 2 --legacy-from <2.13.0 wheel> --sample-rate 1 --journal J OPTIONS -- job``:
     the finished process and the journal's path."""
     journal = tmp_path / "j.jsonl"
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--emulate-npu", "2", "--legacy-from", wheel("2.13.0"),
-         "--sample-rate", "1", "--journal", str(journal), *options, "--", sys.executable, "-c", job,
-         str(tmp_path / "model.pt")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    return done, journal
-
-
-def _npu_shadow(*args: str) -> Any:
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    done = npu_shadow(
+        "run",
+        "--emulate-npu",
+        "2",
+        "--legacy-from",
+        wheel("2.13.0"),
+        "--sample-rate",
+        "1",
+        "--journal",
+        str(journal),
+        *options,
+        "--",
+        sys.executable,
+        "-c",
+        job,
+        str(tmp_path / "model.pt"),
+        env=env,
+        timeout=300,
     )
+    return done, journal
 
 
 _LIVE_JOB = """
@@ -413,11 +420,11 @@ def test_under_the_launcher_the_job_gets_legacys_results_and_the_evidence_names_
         ("torch_load", "match", ()),
         ("torch_save", "match", ()),
     }
-    verdict = _npu_shadow("verdict", "--journal", str(journal), "--format", "json")
+    verdict = npu_shadow("verdict", "--journal", str(journal), "--format", "json")
     decided = {t["target"]: (t["decision"], t["divergent"]) for t in json.loads(verdict.stdout)["targets"]}
     assert decided["module_npu"] == ("rollback", 1) and decided["module_to"] == ("rollback", 1)
     assert decided["torch_load"] == ("inconclusive", 0)
-    report = _npu_shadow("report", "--journal", str(journal), "--markdown", str(tmp_path / "r.md"))
+    report = npu_shadow("report", "--journal", str(journal), "--markdown", str(tmp_path / "r.md"))
     text = (tmp_path / "r.md").read_text()
     assert report.returncode == 0 and "| module_to | rollback | 1 | 1 |" in text and "| module_npu | rollback |" in text
     assert "torch_npu 2.13.0 source" in text
@@ -471,7 +478,7 @@ def test_an_optimizer_on_an_older_soc_shows_what_deleting_the_foreach_patch_turn
         line["reasons"] == ["custom"]
         and "turns the foreach (multi-tensor) optimizer kernels on for npu" in (line["detail"])
     )
-    verdict = _npu_shadow("verdict", "--journal", str(journal))
+    verdict = npu_shadow("verdict", "--journal", str(journal))
     row = next(r for r in verdict.stdout.splitlines() if r.startswith("foreach_devices"))
     assert "rollback" in row and "hard mismatches: 1 custom (deleting the patch changes whether the optimizers" in row
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import types
 
 import fakes
 import numpy as np
 import pytest
 import torch
+from commands import npu_shadow
 from fakes import counts_of
 
 import shadow
@@ -101,8 +100,7 @@ def _run(target: shadow.Target, aa_rate: float, gradients: bool, exporters=(), l
 
 
 def _verdict(*source: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "shadow", "verdict", *source, "--format", "json"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    done = npu_shadow("verdict", *source, "--format", "json", timeout=300)
     assert done.returncode in (0, 1, 3), done.stderr
     (decision,) = [d for d in json.loads(done.stdout)["targets"] if d["target"] == "jittery"]
     return decision
@@ -167,7 +165,6 @@ def test_the_detection_limit_is_in_the_verdicts_text_and_json(tmp_path):
     assert verdict.DEFAULT_MAX_RATE <= phase["detection_limit"] < 1 and "noise threshold" in decision["size_limit"]
     assert "the noise hides what the max rate needs" in decision["why"]
     assert phase["sooner"].startswith("sooner: --aa-rate x")
-    done = subprocess.run([sys.executable, "-m", "shadow", "verdict", "--journal", str(journal)], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    done = npu_shadow("verdict", "--journal", str(journal), timeout=300)
     assert f"legacy phase: detection limit {phase['detection_limit']:.3g}" in done.stdout, done.stdout
     assert "sooner: --aa-rate x" in done.stdout

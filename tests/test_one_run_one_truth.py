@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+from commands import npu_shadow
 from fakes import Recorder
 from metrics_helpers import samples, total
 from prometheus_client import CollectorRegistry, generate_latest
@@ -186,11 +187,20 @@ def test_a_run_is_named_by_the_person_then_torchrun_then_the_launcher(monkeypatc
 def test_the_launcher_says_the_run_first_and_every_process_of_the_job_shares_it(tmp_path):
     journal = tmp_path / "j-{pid}.jsonl"
     job = "import torch, multiprocessing as mp\nx = torch.ones(2)\nx.type(torch.float64)\n"
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--legacy-from", "reference", "--sample-rate", "1",
-         "--journal", str(journal), "--", sys.executable, "-c", job],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = npu_shadow(
+        "run",
+        "--legacy-from",
+        "reference",
+        "--sample-rate",
+        "1",
+        "--journal",
+        str(journal),
+        "--",
+        sys.executable,
+        "-c",
+        job,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     first = done.stderr.splitlines()[0]
     assert first.startswith("npu-shadow: run ")
@@ -204,10 +214,7 @@ def test_the_launcher_says_the_run_first_and_every_process_of_the_job_shares_it(
 
 
 def _run_verdict(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", "--format", "json", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    return npu_shadow("verdict", "--format", "json", *args, timeout=120)
 
 
 def _compared(done):
@@ -237,10 +244,7 @@ def test_two_runs_in_one_journal_are_named_never_mixed_and_each_is_decided_alone
     assert _compared(_run_verdict("--journal", str(path), "--all-runs")) == {"op": 100}
     missing = _run_verdict("--journal", str(path), "--run", "third")
     assert missing.returncode == 2 and "no evidence of run 'third'" in missing.stderr
-    report = subprocess.run(
-        [sys.executable, "-m", "shadow", "report", "--journal", str(path), "--run", "bravo-9"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    report = npu_shadow("report", "--journal", str(path), "--run", "bravo-9", timeout=120)
     assert report.returncode == 0, report.stderr
     assert "| run | bravo-9 |" in report.stdout and "alpha-7" not in report.stdout
 
@@ -383,14 +387,25 @@ def test_a_job_with_a_textfile_that_nobody_scraped_does_not_keep_its_endpoint(tm
     """The endpoint is kept after the job (for a Prometheus that scraped it) only where something scraped it during
     the job; the exit summary's own read of the job's metrics is no scrape."""
     textfile = tmp_path / "final.prom"
-    done = subprocess.run(
-        [
-            sys.executable, "-m", "shadow", "run", "--legacy-from", "reference", "--port", str(free_port()),
-            "--textfile", str(textfile), "--", sys.executable, os.path.join(ROOT, "tests", "counting_job.py"),
-            "--calls", "50", "--ready", str(tmp_path / "ready"), "--stop", str(tmp_path / "ready"),
-        ],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = npu_shadow(
+        "run",
+        "--legacy-from",
+        "reference",
+        "--port",
+        str(free_port()),
+        "--textfile",
+        str(textfile),
+        "--",
+        sys.executable,
+        os.path.join(ROOT, "tests", "counting_job.py"),
+        "--calls",
+        "50",
+        "--ready",
+        str(tmp_path / "ready"),
+        "--stop",
+        str(tmp_path / "ready"),
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "the job's final counts are in its textfile" in done.stderr
     assert "until a scrape reads them" not in done.stderr

@@ -19,6 +19,7 @@ import types
 
 import pytest
 import torch
+from commands import npu_shadow
 
 import shadow
 from exporters import JsonlExporter, PrometheusExporter
@@ -332,10 +333,7 @@ def test_a_job_under_the_launcher_says_which_of_the_releases_patches_it_called(t
 
 
 def test_a_legacy_version_not_in_the_cache_is_refused_at_start_up_naming_the_setting():
-    import subprocess
-
-    done = subprocess.run([sys.executable, "-m", "shadow", "run", "--legacy-from", "9.9.9", "--", "true"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = npu_shadow("run", "--legacy-from", "9.9.9", "--", "true", timeout=120)
     assert done.returncode == 2 and "--legacy-from='9.9.9' is not valid" in done.stderr, done.stderr
     assert "nor a version whose wheel is cached" in done.stderr
 

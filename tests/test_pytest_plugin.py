@@ -8,6 +8,7 @@ import sys
 import xml.etree.ElementTree as ElementTree
 
 import pytest
+from commands import npu_shadow
 
 pytestmark = pytest.mark.slow
 
@@ -94,10 +95,7 @@ def test_every_observation_is_attributed_to_the_test_that_made_the_call(suite):
     assert by_test[("test_suite.py::test_agrees", "call")] == ["match"]
     assert by_test[("test_suite.py::test_diverges_in_setup", "setup")] == ["mismatch"]
     assert by_test[("test_suite.py::test_fails_on_its_own", "call")] == ["match"]
-    verdict = subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", "--journal", str(suite / "journal.jsonl")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    verdict = npu_shadow("verdict", "--journal", str(suite / "journal.jsonl"), timeout=120)
     assert verdict.returncode == 1 and "hard mismatches: 2 device" in verdict.stdout, verdict.stdout
 
 

@@ -5,12 +5,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tracemalloc
 
 import numpy as np
 import png
 import pytest
+from commands import npu_shadow
 
 from shadow.analysis import report
 from shadow.launcher import cli
@@ -289,6 +289,5 @@ def test_the_html_renders_in_chromium_with_the_verdict_table(tmp_path):
 
 def test_the_command_runs_as_a_process(tmp_path):
     journal = known_journal(tmp_path / "j.jsonl")
-    done = subprocess.run([sys.executable, "-m", "shadow", "report", "--journal", str(journal)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = npu_shadow("report", "--journal", str(journal), timeout=120)
     assert done.returncode == 0 and "**Overall: rollback**" in done.stdout

@@ -11,16 +11,11 @@ import sys
 
 import fakes
 import pytest
+from commands import npu_shadow
 
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def npu_shadow(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
-    )
 
 
 @pytest.mark.parametrize("signal_name, code", [("PIPE", 141), ("XFSZ", 153)])
@@ -88,14 +83,16 @@ def free_port() -> int:
 
 
 class Switches:
-    """Fake job switches on loopback: each records the rollbacks posted to it; ``drip`` answers one byte every
-    ``drip`` seconds (a job that is alive but slow)."""
+    """Fake job switches on loopback: each records the rollbacks posted to it (``posts``) and when it was done with
+    each (``ended``: answered, or cut off); ``drip`` answers one byte every ``drip`` seconds (a job that is alive but
+    slow)."""
 
     def __init__(self, drip: float = 0.0):
         import http.server
         import threading
 
         self.posts: list[tuple[float, str]] = []
+        self.ended: list[float] = []
         switches = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -103,6 +100,14 @@ class Switches:
                 pass
 
             def do_POST(self):
+                import time
+
+                try:
+                    self.answer()
+                finally:
+                    switches.ended.append(time.monotonic())
+
+            def answer(self):
                 import time
 
                 switches.posts.append((time.monotonic(), self.headers.get("X-NPU-Shadow-By", "")))
@@ -212,18 +217,20 @@ def test_a_slow_switch_never_delays_another(tmp_path):
     slow, fast = Switches(drip=0.5), Switches()
     receiver = Receiver(tmp_path, f"--switch=slow={slow.url}", f"--switch=fast={fast.url}")
     try:
-        posted = time.monotonic()
         # (502: the slow switch was not thrown within its deadline, so Alertmanager sends it again)
         assert receiver.post(notification(("slow", "A"), ("fast", "A"))) == 502
-        answered = time.monotonic()
     finally:
         receiver.close()
+        for _ in range(600):  # (the slow switch's answer ends as the receiver's connection goes with it)
+            if slow.ended:
+                break
+            time.sleep(0.05)
         slow.close()
         fast.close()
     ((thrown, _),) = fast.posts
-    assert len(slow.posts) == 1
-    # (both thrown at once: the fast one did not wait for the slow one's answer, which takes 20 s)
-    assert thrown - posted < answered - posted and thrown <= slow.posts[0][0] + 5
+    assert len(slow.posts) == 1 and len(slow.ended) == 1
+    # (the fast one was thrown while the slow one was still answering: it did not wait for it)
+    assert slow.posts[0][0] < thrown < slow.ended[0]
     statuses = {line["job"]: line["status"] for line in receiver.lines()}
     assert statuses == {"slow": 0, "fast": 200}  # the slow one: not answered within its deadline
 
@@ -438,8 +445,6 @@ def test_the_exit_push_has_one_deadline_then_the_textfile_and_exit(tmp_path):
 
     from metrics_helpers import samples, total
 
-    from shadow.launcher.launch import PUSH_TIMEOUT_SECONDS
-
     gateway = socket.socket()
     gateway.bind(("127.0.0.1", 0))
     gateway.listen()
@@ -470,8 +475,9 @@ def test_the_exit_push_has_one_deadline_then_the_textfile_and_exit(tmp_path):
         stop.set()
         gateway.close()
     assert done.returncode == 0, done.stderr
-    waited = re.search(r"push to \S+ failed after ([0-9.]+) s: not finished within", done.stderr)
-    assert waited and float(waited.group(1)) < PUSH_TIMEOUT_SECONDS + 1, done.stderr
+    # (given up at its deadline, the documented 3 s, not at the end of the gateway's answer: what the job says it did)
+    assert re.search(r"push to \S+ failed after [0-9.]+ s: not finished within its 3 s deadline",
+                     done.stderr), done.stderr  # fmt: skip
     assert total(samples(textfile.read_text()), "npu_shadow_calls_total", target="tensor_type") == 1
 
 

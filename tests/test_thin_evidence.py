@@ -11,15 +11,14 @@ import time
 
 import journals
 import pytest
+from commands import npu_shadow
 from fakes import Recorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def verdict_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
+    return npu_shadow("verdict", *args, timeout=120)
 
 
 @pytest.mark.parametrize("timestamp", [None, "yesterday", float("nan"), float("inf")])

@@ -8,6 +8,7 @@ import sys
 
 import journals
 import pytest
+from commands import npu_shadow
 from scipy.stats import beta
 
 from shadow.analysis import bounds, verdict
@@ -114,9 +115,7 @@ def run_verdict(*args):
 def test_the_installed_command_runs_as_a_process(tmp_path):
     path = tmp_path / "scrape.prom"
     path.write_text(EXPOSITION)
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", "--metrics-file", str(path)], capture_output=True, text=True
-    )
+    done = npu_shadow("verdict", "--metrics-file", str(path))
     assert done.returncode == 1 and "overall: rollback" in done.stdout
 
 

@@ -14,6 +14,7 @@ import sys
 
 import journals
 import pytest
+from commands import npu_shadow
 from test_thin_evidence import ROOT, verdict_cli
 
 
@@ -471,8 +472,7 @@ def test_the_exporter_says_when_its_processes_and_their_run_began(monkeypatch):
 
 @pytest.mark.parametrize("bad", ["yesterday", "nan", "1e12", "5"])
 def test_a_run_start_that_is_not_a_time_fails_at_start_up_naming_the_setting(bad):
-    done = subprocess.run([sys.executable, "-m", "shadow", "run", "--run-started", bad, "--", sys.executable, "-c", ""],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    done = npu_shadow("run", "--run-started", bad, "--", sys.executable, "-c", "", timeout=120)
     assert done.returncode == 2 and "--run-started" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 

@@ -17,6 +17,7 @@ import journals
 import numpy as np
 import pytest
 import torch
+from commands import npu_shadow
 from scipy.optimize import brentq
 from scipy.stats import beta, mannwhitneyu
 
@@ -50,9 +51,7 @@ def strata_counts(strata: dict[str, tuple[int, int, int]], primary: str = "legac
 
 
 def verdict_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", "verdict", *args], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
+    return npu_shadow("verdict", *args, timeout=300)
 
 
 # --------------------------------------------------------------------------- the statistic itself
@@ -572,10 +571,7 @@ def test_the_verdict_and_the_report_show_phases_and_rollbacks(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "upstream phase: rate" in done.stdout and "legacy phase: rate" in done.stdout
     assert "rollbacks not reset: http:alertmanager" in done.stdout
-    report = subprocess.run(
-        [sys.executable, "-m", "shadow", "report", "--journal", str(path)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
+    report = npu_shadow("report", "--journal", str(path), timeout=300)
     assert "## Phases" in report.stdout and "## Rollbacks and resets" in report.stdout
     assert "| op | upstream | inconclusive |" in report.stdout
 
@@ -705,12 +701,25 @@ def test_the_launchers_journal_and_its_metrics_give_the_same_counts(tmp_path):
     """`npu-shadow run --journal` on the example job: every comparison is in the journal's counts."""
     textfile = tmp_path / "metrics.prom"
     job = [os.path.join(ROOT, "examples", "train_dataparallel.py"), "--epochs", "1", "--samples", "64"]
-    done = subprocess.run(
-        [sys.executable, "-m", "shadow", "run", "--sample-rate", "0.5", "--textfile", str(textfile),
-         "--journal", str(tmp_path / "journal-{pid}.jsonl"), "--", sys.executable, *job,
-         "--batch-size", "16", "--workers", "0", "--out", str(tmp_path / "w.pt")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
+    done = npu_shadow(
+        "run",
+        "--sample-rate",
+        "0.5",
+        "--textfile",
+        str(textfile),
+        "--journal",
+        str(tmp_path / "journal-{pid}.jsonl"),
+        "--",
+        sys.executable,
+        *job,
+        "--batch-size",
+        "16",
+        "--workers",
+        "0",
+        "--out",
+        str(tmp_path / "w.pt"),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     journal_paths = [str(p) for p in tmp_path.glob("journal-*.jsonl")]
     from_journal = json.loads(verdict_cli("--format", "json", "--journal", *journal_paths).stdout)

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from commands import npu_shadow
 from fakes import Recorder
 from metrics_helpers import without_run
 from prometheus_client import generate_latest
@@ -280,11 +281,10 @@ CASTS = "import torch\nx = torch.ones(2)\nfor _ in range(5):\n    x.type(torch.f
 def test_run_and_doctor_agree_on_a_host_without_torch_npu(tmp_path):
     """Without torch_npu and without --legacy-from, run shadows nothing and doctor says so; --legacy-from
     reference rehearses on shadow.npu.reference in both."""
-    import subprocess
     import sys
 
     def npu_shadow(*args):
-        done = subprocess.run([sys.executable, "-m", "shadow", *args], capture_output=True, text=True, timeout=300)
+        done = npu_shadow(*args, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
         return done
 
@@ -344,12 +344,8 @@ def test_a_plugin_value_apart_from_its_option_is_refused_by_pytest_and_joined_by
 
 
 def _replay(path):
-    import subprocess
-    import sys
 
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", "replay", str(path)], capture_output=True, text=True, timeout=600
-    )
+    return npu_shadow("replay", str(path), timeout=600)
 
 
 def test_an_npu_capture_replays_on_the_emulated_npu_as_it_was_recorded(tmp_path):
@@ -396,7 +392,6 @@ if __name__ == "__main__":
 
 
 def test_the_exit_summary_covers_the_workers_or_says_it_does_not(tmp_path):
-    import subprocess
     import sys
 
     from metrics_helpers import samples, total
@@ -406,10 +401,7 @@ def test_the_exit_summary_covers_the_workers_or_says_it_does_not(tmp_path):
     common = ["run", "--legacy-from", "reference", "--sample-rate", "1", "--budget", "off"]
 
     def run(*options):
-        done = subprocess.run(
-            [sys.executable, "-m", "shadow", *common, *options, "--", sys.executable, str(job)],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        done = npu_shadow(*common, *options, "--", sys.executable, str(job), timeout=300)
         assert done.returncode == 0, done.stderr
         return done.stderr
 

@@ -37,7 +37,7 @@ from shadow.npu.emulated import collectives, device, rnn
 
 __all__ = [
     "DeviceProperties", "EmulatorUnavailable", "build", "build_directory", "host_syncs", "install", "installed_devices",
-    "leaf_statistics", "set_kernel_time", "set_memory_capacity", "set_nondeterministic", "set_properties",
+    "kernels", "leaf_statistics", "set_kernel_time", "set_memory_capacity", "set_nondeterministic", "set_properties",
     "set_tail",
 ]  # fmt: skip
 
@@ -317,6 +317,13 @@ def host_syncs() -> tuple[int, int]:
     must see, a synchronize) and every copy to the host. The counterpart of ``torch.cuda.set_sync_debug_mode``."""
     syncs, copies = _installed_backend().host_syncs()
     return int(syncs), int(copies)
+
+
+def kernels() -> int:
+    """The kernels the calling thread has queued on the emulated npu since it started (an op on npu tensors, a copy
+    onto a device, a kernel of ours such as :func:`leaf_statistics`; what a kernel does inside itself is not counted
+    again), with the queue off too: what a test counts where a device's profiler would."""
+    return int(_installed_backend().kernels())
 
 
 def leaf_statistics(

@@ -110,6 +110,7 @@ std::unordered_map<int64_t, int64_t> g_ready_ns;  // (device, stream) -> the ste
 
 thread_local int64_t t_host_syncs = 0;   // waits for the device this thread made
 thread_local int64_t t_host_copies = 0;  // device-to-host copies (and scalar reads) this thread made
+thread_local int64_t t_kernels = 0;      // kernels this thread queued (with the queue off too)
 thread_local int t_kernel_depth = 0;     // inside a kernel of ours: its own copies are not the caller's reads
 
 struct InKernel {
@@ -128,6 +129,9 @@ int64_t stream_key(c10::DeviceIndex device, c10::StreamId stream) {
 
 // Queue one kernel on the thread's current stream of `device`.
 void enqueue(c10::DeviceIndex device) {
+  if (t_kernel_depth == 0 && device >= 0) {
+    ++t_kernels;
+  }
   const int64_t kernel = g_kernel_ns.load(std::memory_order_relaxed);
   if (kernel <= 0 || device < 0) {
     return;
@@ -1017,6 +1021,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernel_time", [] { return static_cast<double>(g_kernel_ns.load()) / 1e9; });
   m.def("host_syncs", [] { return std::make_pair(t_host_syncs, t_host_copies); },
         "(host synchronizations, device-to-host copies) this thread made.");
+  m.def("kernels", [] { return t_kernels; }, "The kernels this thread queued on the devices.");
   m.def("set_nondeterministic", [](double relative) { g_nondeterministic.store(relative); },
         "The relative size of nondeterministic reductions' variation (0: off).");
   m.def("nondeterministic", [] { return g_nondeterministic.load(); });
