@@ -5,6 +5,7 @@ variable, help that says a default twice."""
 import pytest
 
 from shadow.launcher import cli, config
+from shadow.launcher.commands import options
 
 
 def _fails(capsys, *argv: str) -> str:
@@ -41,7 +42,7 @@ def test_the_jobs_own_options_after_the_double_dash_are_never_taken_for_misspell
     [("127.0.0.1:9090", "http://127.0.0.1:9090"), ("https://prom:443/x", "https://prom:443/x")],
 )
 def test_a_prometheus_address_without_its_scheme_is_taken_as_http(given, url) -> None:
-    assert cli._prometheus_url(given) == url
+    assert options.prometheus_url(given) == url
 
 
 @pytest.mark.parametrize("given", ["ftp://x", "h:port", "://"])

@@ -551,7 +551,7 @@ def test_a_drill_names_only_the_targets_it_drilled_and_its_difference_never_read
     optimizers run their foreach kernels"), and its evidence as "clusters: not counted by this source (processes of a
     version before clusters were counted)"."""
     from shadow.analysis import sources, verdict
-    from shadow.launcher import cli
+    from shadow.launcher.commands import verdict as verdict_command
 
     series = 'target="foreach_devices",signature="devices",primary="legacy"'
     text = (
@@ -569,9 +569,10 @@ def test_a_drill_names_only_the_targets_it_drilled_and_its_difference_never_read
     drilled = by_target["foreach_devices"]
     assert drilled.decision == verdict.ROLLBACK and "a rehearsal, not a cause" in drilled.why
     assert verdict.CUSTOM_MEANING["foreach_devices"] not in drilled.why
-    (evidence,) = cli._evidence(drilled)
+    (evidence,) = verdict_command.evidence_lines(drilled)
     assert "no clusters (a fire drill's comparisons are no evidence" in evidence
-    assert "version before" not in "".join(cli._evidence(by_target["lstm_forward"]))  # (nothing compared: no clause)
+    nothing_compared = verdict_command.evidence_lines(by_target["lstm_forward"])
+    assert "version before" not in "".join(nothing_compared)  # (no clause)
 
 
 def test_a_wall_clock_that_jumps_makes_no_clusters_and_is_said(tmp_path):

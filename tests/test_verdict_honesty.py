@@ -486,11 +486,11 @@ def verdict_cli_from_counts(counts: TargetCounts) -> str:
     import contextlib
     import io
 
-    from shadow.launcher import cli
+    from shadow.launcher.commands import verdict as verdict_command
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        for line in cli._evidence(decide(counts)):
+        for line in verdict_command.evidence_lines(decide(counts)):
             print(line)
     return out.getvalue()
 

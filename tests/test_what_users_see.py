@@ -283,23 +283,23 @@ def test_run_and_doctor_agree_on_a_host_without_torch_npu(tmp_path):
     reference rehearses on shadow.npu.reference in both."""
     import sys
 
-    def npu_shadow(*args):
+    def succeeds(*args):
         done = npu_shadow(*args, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
         return done
 
-    bare = npu_shadow("run", "--sample-rate", "1", "--budget", "off", "--", sys.executable, "-c", CASTS)
+    bare = succeeds("run", "--sample-rate", "1", "--budget", "off", "--", sys.executable, "-c", CASTS)
     assert "(no target installed: no active legacy patch in this process)" in bare.stderr
-    rehearsal = npu_shadow(
+    rehearsal = succeeds(
         "run", "--legacy-from", "reference", "--sample-rate", "1", "--budget", "off", "--", sys.executable, "-c", CASTS
     )
     line = next(line for line in rehearsal.stderr.splitlines() if line.startswith("tensor_type"))
     assert line.split()[1:4] == ["5", "5", "5"], rehearsal.stderr  # calls, sampled, match
     assert "npu-shadow legacy: reference" in rehearsal.stderr
 
-    doctor = npu_shadow("doctor", "--port", "0")
+    doctor = succeeds("doctor", "--port", "0")
     assert doctor.stdout.rstrip().endswith("npu-shadow run without it shadows nothing here")
-    doctor = npu_shadow("doctor", "--port", "0", "--legacy-from", "reference")
+    doctor = succeeds("doctor", "--port", "0", "--legacy-from", "reference")
     assert "legacy: shadow.npu.reference (--legacy-from reference: a rehearsal" in doctor.stdout
     assert doctor.stdout.rstrip().endswith(
         "ok: this host can rehearse shadowing on shadow.npu.reference (--legacy-from reference)"
