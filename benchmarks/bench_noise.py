@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shadow.analysis import verdict
+from shadow.analysis import evidence, verdict
 from shadow.core.calls.record.held import MAX_PENDING
 from shadow.core.judging import noise
 
@@ -50,9 +50,9 @@ LOOK_EVERY, CALLS = 500, 20_000
 SCALE = 1e-4
 
 
-def _phase(counts: dict[str, float]) -> verdict.PhaseCounts:
+def _phase(counts: dict[str, float]) -> evidence.PhaseCounts:
     """The phase's counts as a source gives them: one signature, each comparison its own cluster."""
-    phase = verdict.PhaseCounts()
+    phase = evidence.PhaseCounts()
     compared = counts["match"] + counts["noise"] + counts["mismatch"]
     phase.outcomes = {("call", "match"): counts["match"], ("call", "noise"): counts["noise"],
                       ("call", "mismatch"): counts["mismatch"]}  # fmt: skip

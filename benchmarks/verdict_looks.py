@@ -24,11 +24,11 @@ import math
 
 import numpy as np
 
-from shadow.analysis import verdict
+from shadow.analysis import evidence, verdict
 
 
-def _counts(k: int, n: int, clusters: float) -> verdict.TargetCounts:
-    found = verdict.TargetCounts()
+def _counts(k: int, n: int, clusters: float) -> evidence.TargetCounts:
+    found = evidence.TargetCounts()
     found.add_outcome("s", "match", n - k)
     found.add_outcome("s", "mismatch", k)
     found.add_calls("s", n)

@@ -72,10 +72,10 @@ def shadowed(targets: Any, **options: Any) -> tuple[Any, Recorder]:
 
 
 def counts_of(stats):
-    """The verdict's counts of a monitor's stats of one target (:func:`shadow.analysis.verdict.from_stats`)."""
-    from shadow.analysis import verdict
+    """The verdict's counts of a monitor's stats of one target (:func:`shadow.analysis.evidence.from_stats`)."""
+    from shadow.analysis import evidence
 
-    return verdict.from_stats(stats)
+    return evidence.from_stats(stats)
 
 
 def each_comparison_its_own_cluster(monkeypatch: Any) -> None:

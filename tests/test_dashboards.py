@@ -178,7 +178,7 @@ def test_dashboard_and_rules_name_only_real_metrics():
 def _counts_at_eval(spec: dict, minutes: int = rule_cases.PROMOTION_EVAL_MINUTES):
     """A promotion case's series as the verdict would read them at the case's evaluation time (over its last
     ``minutes``, for a recent window: the series grow by the minute, a burst in the minutes just before it)."""
-    from shadow.analysis.verdict import TargetCounts
+    from shadow.analysis.evidence import TargetCounts
 
     counts = TargetCounts()
     for primary, signatures in spec["phases"].items():
@@ -237,7 +237,8 @@ def test_the_promotion_rules_bound_is_never_below_the_verdicts():
     import random
 
     from shadow.analysis import bounds
-    from shadow.analysis.verdict import TargetCounts, decide
+    from shadow.analysis.evidence import TargetCounts
+    from shadow.analysis.verdict import decide
 
     max_rate = rules.PARAMS["max_divergence"]
     prior = bounds.Prior.for_max_rate(max_rate)

@@ -195,9 +195,9 @@ def test_calls_by_signature_reach_the_metrics_and_weight_the_verdict():
 
 def _one_stratum(counts):
     """The same comparisons without calls by signature."""
-    from shadow.analysis import verdict
+    from shadow.analysis import evidence
 
-    alone = verdict.TargetCounts()
+    alone = evidence.TargetCounts()
     for (signature, outcome), value in counts.phase().outcomes.items():
         alone.add_outcome(signature, outcome, value)
     return alone
@@ -536,13 +536,14 @@ def test_a_fire_drill_is_named_in_the_verdict_and_the_report(tmp_path):
 
 def test_the_metrics_of_a_drill_name_it_too():
     from shadow.analysis import sources, verdict
+    from shadow.analysis.decisions import drill_note
 
     text = (
         'npu_shadow_comparisons_total{target="op",outcome="mismatch",signature="call"} 5\nnpu_shadow_drill_active 1\n'
     )
     decisions = verdict.decide_all(sources.from_exposition(text), 0.001, {}, 30)
     assert decisions[0].drilled == -1
-    assert verdict.drill_note(decisions).startswith("FIRE DRILL: the metrics show synthetic divergence")
+    assert drill_note(decisions).startswith("FIRE DRILL: the metrics show synthetic divergence")
 
 
 def test_a_drill_names_only_the_targets_it_drilled_and_its_difference_never_reads_as_a_cause(capsys):
@@ -551,6 +552,7 @@ def test_a_drill_names_only_the_targets_it_drilled_and_its_difference_never_read
     optimizers run their foreach kernels"), and its evidence as "clusters: not counted by this source (processes of a
     version before clusters were counted)"."""
     from shadow.analysis import sources, verdict
+    from shadow.analysis.decisions import drill_note
     from shadow.launcher.commands import verdict as verdict_command
 
     series = 'target="foreach_devices",signature="devices",primary="legacy"'
@@ -564,7 +566,7 @@ def test_a_drill_names_only_the_targets_it_drilled_and_its_difference_never_read
     )
     decisions = verdict.decide_all(sources.from_exposition(text), 0.001, {}, 30)
     by_target = {d.target: d for d in decisions}
-    assert verdict.drill_note(decisions).startswith("FIRE DRILL: 32 comparisons carry synthetic divergence injected "
+    assert drill_note(decisions).startswith("FIRE DRILL: 32 comparisons carry synthetic divergence injected "
                                                     "by a fire drill (foreach_devices):")  # fmt: skip
     drilled = by_target["foreach_devices"]
     assert drilled.decision == verdict.ROLLBACK and "a rehearsal, not a cause" in drilled.why

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch_npu_wheels import wheel
 
 from exporters import contract
-from shadow.analysis import sooner, verdict
+from shadow.analysis import evidence, sooner, verdict
 from shadow.core.calls.record import clusters
 from shadow.launcher import config
 
@@ -59,7 +59,7 @@ def test_a_job_whose_blocks_are_all_compared_is_told_no_setting_is_sooner():
 
 
 def test_the_verdict_says_what_is_sooner_under_an_inconclusive_phase() -> None:
-    counts = verdict.TargetCounts(process_seconds=36000)
+    counts = evidence.TargetCounts(process_seconds=36000)
     counts.add_outcome("s", "match", 60)
     counts.add_calls("s", 6000)
     counts.add_clusters(6)

@@ -269,7 +269,8 @@ def test_two_runs_in_one_metrics_file_are_told_apart(tmp_path):
 
 def test_a_risky_signature_the_jobs_never_called_does_not_block_and_is_named():
     """A realistic job needed 30 comparisons of risky call kinds it never makes: promote was out of reach."""
-    from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, TargetCounts, decide
+    from shadow.analysis.evidence import TargetCounts
+    from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, decide
 
     evidence = TargetCounts()
     evidence.add_outcome("dtype/npu/blocking", "match", 100_000)
@@ -328,7 +329,8 @@ def test_a_phase_decided_from_metrics_and_from_journals_gives_the_same_bounds(tm
 
 def test_the_verdict_says_how_much_more_running_a_promote_takes_at_the_evidence_rate():
     """ "About 4,740 more clusters" said nothing of when: at this job's rate, how many process-hours or runs."""
-    from shadow.analysis.verdict import INCONCLUSIVE, TargetCounts, comparisons_needed, decide
+    from shadow.analysis.evidence import TargetCounts
+    from shadow.analysis.verdict import INCONCLUSIVE, comparisons_needed, decide
 
     evidence = TargetCounts()
     evidence.add_outcome("", "match", 6000)

@@ -13,6 +13,7 @@ from torch import nn
 import shadow
 from exporters import JsonlExporter, OTelExporter, PrometheusExporter
 from shadow.analysis import verdict
+from shadow.analysis.decisions import EXIT_CODES
 from shadow.analysis.sources import from_exposition, from_journal
 from shadow.core.model.observation import SHARED_DIVERGENCE_REASONS
 from shadow.launcher import cli
@@ -76,7 +77,7 @@ def test_the_verdict_reports_them_on_their_own_line_without_changing_the_decisio
     path = tmp_path / "scrape.prom"
     path.write_text(exposition)
     code = cli.main(["verdict", "--metrics-file", str(path)])
-    assert code == verdict.EXIT_CODES[decision.decision]
+    assert code == EXIT_CODES[decision.decision]
 
 
 def test_the_verdict_table_names_the_shared_divergence(shadowed_autocast_steps, tmp_path, capsys):

@@ -12,7 +12,9 @@ from commands import npu_shadow
 from scipy.stats import beta
 
 from shadow.analysis import bounds, verdict
-from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, ROLLBACK, TargetCounts, decide
+from shadow.analysis.decisions import overall
+from shadow.analysis.evidence import TargetCounts
+from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, ROLLBACK, decide
 from shadow.launcher import cli
 
 MAX = 0.001
@@ -83,10 +85,10 @@ def test_a_risky_signature_never_exercised_is_inconclusive():
 
 def test_overall_is_the_worst_target():
     made = [decide("a", counts(match=10_000), MAX), decide("b", counts(), MAX)]
-    assert verdict.overall(made) == INCONCLUSIVE
+    assert overall(made) == INCONCLUSIVE
     made.append(decide("c", counts(match=1, error=1, reasons={"exception": 1}), MAX))
-    assert verdict.overall(made) == ROLLBACK
-    assert verdict.overall([]) == INCONCLUSIVE
+    assert overall(made) == ROLLBACK
+    assert overall([]) == INCONCLUSIVE
 
 
 EXPOSITION = """# TYPE npu_shadow_comparisons_total counter

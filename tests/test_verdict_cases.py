@@ -148,7 +148,7 @@ def test_a_ten_minute_burst_after_ten_clean_hours_is_not_promoted(tmp_path):
 
 
 def _one_stratum(k: float, n: float, clusters: float, seconds: float = 0.0):
-    from shadow.analysis.verdict import TargetCounts
+    from shadow.analysis.evidence import TargetCounts
 
     evidence = TargetCounts()
     evidence.add_outcome("", "match", n - k)
@@ -197,7 +197,8 @@ def test_a_rate_seen_above_the_max_by_chance_is_never_called_cannot_promote():
 def test_cannot_promote_is_said_where_the_rate_surely_reaches_the_max_with_the_calls_never_compared():
     """The rate's lower bound (0.00084) and the share of calls never compared (0.0005) together reach the max rate
     (0.001): no running on promotes, whatever the futures."""
-    from shadow.analysis.verdict import TargetCounts, decide
+    from shadow.analysis.evidence import TargetCounts
+    from shadow.analysis.verdict import decide
 
     evidence = TargetCounts(process_seconds=8 * 3_600 * 100)
     evidence.add_outcome("s", "match", 40_000 - 60)
@@ -601,7 +602,7 @@ def test_an_honest_job_whose_sides_jitter_alike_with_a_varying_spread_lands_beyo
     never called noise), as rare as legacy's own A/A runs beyond, and the verdict does not roll the job back."""
     import numpy as np
 
-    from shadow.analysis import verdict
+    from shadow.analysis import evidence, verdict
 
     jitter = _noise(np.random.default_rng(11), 1e-4, varying=True)
     stats = _shadowed_1500_calls(jitter, jitter, aa_rate=1.0)
@@ -610,7 +611,7 @@ def test_an_honest_job_whose_sides_jitter_alike_with_a_varying_spread_lands_beyo
     aa_beyond = checks.get("forward/aa/beyond", 0)  # (every A/A run after the 200 of the burn-in is judged)
     aa_judged = checks.get("forward/aa/below", 0) + checks.get("forward/aa/within", 0) + aa_beyond
     assert aa_judged == 1_300 and aa_beyond <= 15, checks
-    counts = verdict.TargetCounts()
+    counts = evidence.TargetCounts()
     counts.add_outcome("call", "noise", stats.noise)
     counts.add_outcome("call", "mismatch", stats.mismatch)
     counts.add_reason("value", stats.mismatch)

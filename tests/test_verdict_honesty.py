@@ -23,10 +23,12 @@ from scipy.stats import beta, mannwhitneyu
 
 import shadow
 from exporters import JsonlExporter, PrometheusExporter
-from shadow.analysis import bounds, sources, verdict
+from shadow.analysis import bounds, evidence, sources, verdict
 from shadow.analysis.bounds import Prior, Stratum
-from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, ROLLBACK, TargetCounts
+from shadow.analysis.evidence import TargetCounts
+from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, ROLLBACK
 from shadow.core.model import targets as builtin
+from shadow.core.model.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES
 
 MAX = 0.001
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -255,7 +257,7 @@ def test_a_large_relative_error_is_never_promoted():
     stats, _ = _shadow(pair, [torch.ones(3)] * 300)
     checks = stats.noise_checks
     assert checks["forward/ab/within"] == 300 and "forward/ab/below" not in checks, checks  # (every call above)
-    decided = verdict.decide("noisy", verdict.from_stats(stats), MAX)
+    decided = verdict.decide("noisy", evidence.from_stats(stats), MAX)
     assert decided.decision == ROLLBACK and "inside the noise thresholds" in decided.why, decided.why
 
 
@@ -297,7 +299,7 @@ def test_a_shift_inside_the_floor_is_never_promoted_at_the_launchers_aa_rate():
         for call in range(1, 4_001):
             pair.ops.op(torch.ones(1))
             if call % 250 == 0:
-                decisions.append(verdict.decide("noisy", verdict.from_stats(monitor.stats()["noisy"]), MAX).decision)
+                decisions.append(verdict.decide("noisy", evidence.from_stats(monitor.stats()["noisy"]), MAX).decision)
     assert PROMOTE not in decisions and decisions[-1] == ROLLBACK, decisions
 
 
@@ -390,8 +392,8 @@ def _random_counts(rng: random.Random) -> TargetCounts:
                 counts.add_skip(rng.choice(["oom", "budget", "comparator"]), rng.randint(1, 50), primary, signature)
         if rng.random() < 0.5:  # clusters: the phase's comparisons spread over processes
             phase = counts.phase(primary)
-            compared = phase.by_signature(verdict.COMPARED_OUTCOMES)
-            divergent = phase.by_signature(verdict.DIVERGENT_OUTCOMES)
+            compared = phase.by_signature(COMPARED_OUTCOMES)
+            divergent = phase.by_signature(DIVERGENT_OUTCOMES)
             processes = rng.randint(1, 50)
             for index in range(processes):
                 share = 1 / processes

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from shadow.analysis import census
-from shadow.analysis.verdict import TargetCounts
+from shadow.analysis.evidence import TargetCounts
 
 #: The decision column of a patch whose covering target compared nothing in the source.
 NO_EVIDENCE = "no evidence"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from shadow.analysis.verdict import TargetCounts
+from shadow.analysis.evidence import TargetCounts
 
 
 @dataclasses.dataclass(frozen=True)

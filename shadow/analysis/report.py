@@ -17,6 +17,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from shadow.analysis import arms, charts, verdict
+from shadow.analysis.decisions import IDLE_CANARY, drill_note, idle_canaries, overall
+from shadow.analysis.evidence import TargetCounts
 from shadow.analysis.patch_evidence import Unspoken, unspoken
 from shadow.analysis.sources import (
     CLUSTER_WINDOW_SECONDS,
@@ -26,7 +28,7 @@ from shadow.analysis.sources import (
     select_run,
     with_rotated,
 )
-from shadow.analysis.verdict import Decision, TargetCounts
+from shadow.analysis.verdict import Decision
 from shadow.core.model.observation import COMPARED_OUTCOMES, DIFFERS_IN_FLOAT64, DIVERGENT_OUTCOMES, Outcome
 
 DIVERGENT = DIVERGENT_OUTCOMES
@@ -219,10 +221,10 @@ def build(
 ) -> tuple[str, list[Section]]:
     """(overall decision, sections) for the evidence."""
     decisions = verdict.decide_all(evidence.counts, max_rate, risky or {}, min_per_signature, evidence.slices)
-    overall = verdict.overall(decisions)
+    worst = overall(decisions)
     absent = sorted(set(risky or {}) - set(evidence.counts))  # known targets the sources never saw
     silent = unspoken(evidence.patch_calls, evidence.counts)
-    sections = [_environment(evidence, sources), _verdict(decisions, overall, max_rate, absent, silent)]
+    sections = [_environment(evidence, sources), _verdict(decisions, worst, max_rate, absent, silent)]
     sections.append(_phases(decisions))
     sections.append(_charts(evidence, decisions, max_rate, min_per_signature))
     sections += [_coverage(decisions), _shared(decisions)]
@@ -248,7 +250,7 @@ def build(
         )
     if evidence.test_run:
         sections.append(_tests(evidence))
-    return overall, sections
+    return worst, sections
 
 
 def _environment(evidence: Evidence, sources: Sequence[str]) -> Section:
@@ -293,7 +295,7 @@ def _verdict(
         ]
         for target in absent
     ]
-    drill = verdict.drill_note(decisions)
+    drill = drill_note(decisions)
     unspoken_for = (
         [f"The jobs called {len(silent)} of the release's patches that no evidence here speaks for: the overall "
          "decision is about the targets above only."] if silent else []
@@ -430,7 +432,7 @@ def _arms(evidence: Evidence) -> Section:
         ]
     )
     rows = [[s.target, s.line()] for s in summaries]
-    rows += [[name, verdict.IDLE_CANARY] for name in verdict.idle_canaries(s.target for s in summaries)]
+    rows += [[name, IDLE_CANARY] for name in idle_canaries(s.target for s in summaries)]
     return Section("Canary A/B", text, ["target", "upstream's iterator"], rows, [])
 
 

@@ -38,30 +38,32 @@ one.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from shadow.analysis import bounds, eta, noise_verdict
+from shadow.analysis import bounds, eta, noise_verdict, strata
 from shadow.analysis.bounds import Prior, Stratum
+from shadow.analysis.decisions import (
+    INCONCLUSIVE,
+    PROMOTE,
+    ROLLBACK,
+    SEVERITY,
+    Decision,
+    PhaseDecision,
+    SliceDecision,
+    truth_summaries,
+)
+from shadow.analysis.evidence import PhaseCounts, TargetCounts
 from shadow.analysis.sooner import sooner
 from shadow.core.calls.record import clusters
 from shadow.core.model.observation import (
-    COMPARED_OUTCOMES,
     CUSTOM_MEANING,
-    DIVERGENT_OUTCOMES,
     HARD_REASONS,
-    LEGACY,
-    NEARER,
-    NONRESPONSE_REASONS,
     PRIMARY_SIDES,
     UNCOVERED_REASONS,
 )
 
-PROMOTE, ROLLBACK, INCONCLUSIVE = "promote", "rollback", "inconclusive"
-EXIT_CODES = {PROMOTE: 0, ROLLBACK: 1, INCONCLUSIVE: 3}  # 2 is left to usage errors
-_SEVERITY = {PROMOTE: 0, INCONCLUSIVE: 1, ROLLBACK: 2}
 CONFIDENCE = 1 - bounds.ALPHA
 
 #: What to do about each kind of call the evidence does not reach (the verdict's "why").
@@ -75,7 +77,6 @@ _UNCOVERED_WHY = {
 }
 DEFAULT_MAX_RATE = 0.001  # the divergence rate a rollout tolerates; the alert rules' budget too
 #: How clusters counted by the processes are formed, for the output.
-COUNTED_CLUSTERS = "process x 60 s blocks, counted as compared"
 DEFAULT_MIN_PER_SIGNATURE = 30  # comparisons each risky signature needs (--min-per-signature)
 #: The recent window every verdict also decides on (``--recent``; the sustained-burn alert's long window too).
 RECENT_SECONDS = 3600.0
@@ -107,506 +108,6 @@ def wilson_upper(k: float, n: float, z: float = 1.6448536269514722) -> float:
         return 1.0
     p = k / n
     return (p + z * z / (2 * n) + z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (1 + z * z / n)
-
-
-@dataclasses.dataclass
-class PhaseCounts:
-    """The evidence of one phase (the side whose result the caller got): comparisons by signature and outcome,
-    mismatch reasons, shared divergences, sampled calls not compared by signature and reason, calls by signature,
-    clusters."""
-
-    outcomes: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, outcome)
-    reasons: dict[str, float] = dataclasses.field(default_factory=dict)
-    shared: dict[str, float] = dataclasses.field(default_factory=dict)
-    skipped: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, reason)
-    calls: dict[str, float] = dataclasses.field(default_factory=dict)  # "" where calls are not by signature
-    #: (compared, divergent) by cluster, where the source knows them (journals).
-    clusters: dict[tuple, list[float]] = dataclasses.field(default_factory=dict)
-    #: Divergent comparisons whose matches are not known (lines a process wrote after its last count record,
-    #: without every outcome): they raise the upper bound (as comparisons that all diverged), never the lower.
-    unmatched: dict[str, float] = dataclasses.field(default_factory=dict)
-    #: Clusters its processes counted where the comparisons happened (shadow.core.calls.record.clusters: metrics and
-    #: journal
-    #: count records carry them alike); ``clusters_missing`` where some comparisons came without them (an older
-    #: process, lines after a process's last count record), so that this count does not cover them all.
-    cluster_count: float = 0.0
-    clusters_missing: bool = False
-    #: The blocks of process time its calls fell in, counted as clusters are (compared or not): the most clusters
-    #: comparing every call could have made (:mod:`shadow.analysis.sooner`); 0 where the source does not say.
-    call_blocks: float = 0.0
-    #: Float64 truth runs of value differences by (signature, side nearer the truth), and by (signature, decade
-    #: of upstream's error over legacy's) where both errors were known.
-    truth: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
-    truth_decades: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
-    #: Backward comparisons by (signature, what they found: match or mismatch), and gradient mismatches whose
-    #: matches are not known (lines after a process's last count record, without every outcome).
-    backward: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
-    backward_unmatched: dict[str, float] = dataclasses.field(default_factory=dict)
-    #: Runs judged against their signature's noise thresholds, by (evidence, pair, check): ``("forward", "ab",
-    #: "beyond")`` an A/B exceedance, ``("forward", "aa", "beyond")`` legacy beyond its own threshold
-    #: (:mod:`shadow.core.judging.noise`).
-    noise: dict[tuple[str, str, str], float] = dataclasses.field(default_factory=dict)
-
-    def by_signature(self, outcomes: Iterable[str]) -> dict[str, float]:
-        found: dict[str, float] = {}
-        for (signature, outcome), value in self.outcomes.items():
-            if outcome in outcomes:
-                found[signature] = found.get(signature, 0) + value
-        return found
-
-    @property
-    def compared(self) -> float:
-        return sum(v for (_, o), v in self.outcomes.items() if o in COMPARED_OUTCOMES)
-
-    @property
-    def divergent(self) -> float:
-        return sum(v for (_, o), v in self.outcomes.items() if o in DIVERGENT_OUTCOMES)
-
-    def skipped_by_reason(self) -> dict[str, float]:
-        found: dict[str, float] = {}
-        for (_, reason), value in self.skipped.items():
-            found[reason] = found.get(reason, 0) + value
-        return found
-
-    def empty(self) -> bool:
-        return not (self.compared or sum(self.calls.values()) or sum(self.skipped.values()) or self.unmatched)
-
-
-@dataclasses.dataclass
-class TargetCounts:
-    """What a source knows about one target, by phase (primary side), and its rollbacks."""
-
-    phases: dict[str, PhaseCounts] = dataclasses.field(default_factory=dict)
-    #: How the clusters were formed, for the output ("process x 60 s blocks").
-    clustering: str = ""
-    #: A fire drill injected synthetic divergence into these sources: how many comparisons carry it (journals),
-    #: or -1 where only that a drill was active is known (metrics).
-    drilled: float = 0
-    #: Comparisons of a fire drill that is over (clean comparisons came after it), set aside by its own marks: the
-    #: clean evidence decides.
-    drill_set_aside: float = 0
-    #: Process time behind the evidence, every process together (seconds; 0 where the source does not say): the
-    #: evidence rate "how much more running it takes" is said at.
-    process_seconds: float = 0.0
-    #: The processes behind the evidence, where the source knows them (0: not known: their time caps no clusters).
-    processes: int = 0
-    #: Rollbacks no person has reset since (who or what threw the switch, and when where known).
-    rollbacks: list[str] = dataclasses.field(default_factory=list)
-    #: Rollbacks and resets as metrics count them (a counter each, per process): a person reset every rollback
-    #: where there are as many resets.
-    counted_rollbacks: float = 0.0
-    counted_resets: float = 0.0
-    #: Resets, and the comparisons from before the last one that were set aside (not evidence any more).
-    resets: list[str] = dataclasses.field(default_factory=list)
-    set_aside: float = 0
-    #: What the source says about its own completeness (unread siblings, processes without a final count).
-    notes: list[str] = dataclasses.field(default_factory=list)
-    #: The launcher's restart count where the source holds one moment of the run (a metrics file): its processes'
-    #: counters began again at 0 after whatever they counted before, a rollback included (0: not restarted, or a
-    #: source that holds the run's history).
-    restarted: int = 0
-    #: Where the source holds one moment of the run (a metrics file) and its processes began after the run did (a
-    #: restart no launcher counted): the seconds of the run before them, which it cannot see (0: none, or unknown).
-    unseen_before: float = 0.0
-
-    def phase(self, primary: str = LEGACY) -> PhaseCounts:
-        return self.phases.setdefault(primary, PhaseCounts())
-
-    def blocks_allowed(self) -> float:
-        """The most clusters a phase's evidence can hold: a cluster is a 60 s block of one process's time at least
-        (:mod:`shadow.core.calls.record.clusters`), so the processes' time allows ``seconds / 60`` of them and a
-        block begun in each process; inf where the source does not say how long its processes ran, or how many they
-        were."""
-        if self.process_seconds <= 0 or self.processes <= 0:
-            return math.inf
-        return self.process_seconds / clusters.WINDOW_SECONDS + max(1, self.processes)
-
-    def add_outcome(self, signature: str, outcome: str, count: float, primary: str = LEGACY) -> None:
-        phase = self.phase(primary)
-        phase.outcomes[(signature, outcome)] = phase.outcomes.get((signature, outcome), 0) + count
-
-    def add_reason(self, reason: str, count: float, primary: str = LEGACY) -> None:
-        phase = self.phase(primary)
-        phase.reasons[reason] = phase.reasons.get(reason, 0) + count
-
-    def add_shared(self, reason: str, count: float, primary: str = LEGACY) -> None:
-        phase = self.phase(primary)
-        phase.shared[reason] = phase.shared.get(reason, 0) + count
-
-    def add_skip(self, reason: str, count: float, primary: str = LEGACY, signature: str = "") -> None:
-        phase = self.phase(primary)
-        phase.skipped[(signature, reason)] = phase.skipped.get((signature, reason), 0) + count
-
-    def add_truth(self, signature: str, nearer: str, count: float, primary: str = LEGACY) -> None:
-        phase = self.phase(primary)
-        phase.truth[(signature, nearer)] = phase.truth.get((signature, nearer), 0) + count
-
-    def add_truth_decade(self, signature: str, decade: int, count: float, primary: str = LEGACY) -> None:
-        phase = self.phase(primary)
-        phase.truth_decades[(signature, decade)] = phase.truth_decades.get((signature, decade), 0) + count
-
-    def add_backward(self, signature: str, found: str, count: float, primary: str = LEGACY) -> None:
-        """Backward comparisons of a signature that found ``found`` (match or mismatch)."""
-        phase = self.phase(primary)
-        phase.backward[(signature, found)] = phase.backward.get((signature, found), 0) + count
-
-    def add_noise(self, evidence: str, pair: str, check: str, count: float, primary: str = LEGACY) -> None:
-        """Runs of ``evidence`` (forward, gradients) judged against their noise thresholds: ``pair`` ab or aa,
-        ``check`` within or beyond."""
-        phase = self.phase(primary)
-        key = (evidence, pair, check)
-        phase.noise[key] = phase.noise.get(key, 0) + count
-
-    def add_calls(self, signature: str, count: float, primary: str = LEGACY) -> None:
-        phase = self.phase(primary)
-        phase.calls[signature] = phase.calls.get(signature, 0) + count
-
-    def add_clusters(self, count: float, primary: str = LEGACY) -> None:
-        """Clusters counted where the comparisons happened (:mod:`shadow.core.calls.record.clusters`)."""
-        self.phase(primary).cluster_count += count
-        self.clustering = self.clustering or COUNTED_CLUSTERS
-
-    def add_call_blocks(self, count: float, primary: str = LEGACY) -> None:
-        """Blocks of process time the calls fell in (:meth:`shadow.core.calls.record.clusters.Clusters.called`)."""
-        self.phase(primary).call_blocks += count
-
-    def clusters_not_counted(self, primary: str = LEGACY) -> None:
-        """Some of the phase's comparisons came without their clusters counted."""
-        self.phase(primary).clusters_missing = True
-
-    def add_to_cluster(self, cluster: tuple, compared: float, divergent: float, primary: str = LEGACY) -> None:
-        counts = self.phase(primary).clusters.setdefault(cluster, [0.0, 0.0])
-        counts[0] += compared
-        counts[1] += divergent
-
-    @property
-    def compared(self) -> int:
-        return round(sum(p.compared for p in self.phases.values()))
-
-    def empty(self) -> bool:
-        """Whether no phase holds evidence (comparisons, calls, skips, gradient comparisons)."""
-        return all(p.empty() and not p.backward and not p.backward_unmatched for p in self.phases.values())
-
-    @property
-    def divergent(self) -> int:
-        return round(sum(p.divergent for p in self.phases.values()))
-
-    def never_called(self, pattern: str) -> bool:
-        """Whether the evidence knows that no call of a signature matching ``pattern`` was made: calls are counted
-        by signature here (a guided target's) and none of them, compared or skipped, matches."""
-        phases = self.phases.values()
-        if not any(signature for p in phases for signature in p.calls):
-            return False  # (calls not by signature: whether it was called is not known)
-        seen = [s for p in phases for s, v in p.calls.items() if v > 0]
-        seen += [s for p in phases for (s, _), v in p.outcomes.items() if v > 0]
-        seen += [s for p in phases for (s, _), v in p.skipped.items() if v > 0]
-        return not any(fnmatch.fnmatchcase(s, pattern) for s in seen)
-
-    def taken_matching(self, pattern: str) -> list[str]:
-        """The signatures matching ``pattern`` the evidence saw taken: with calls, comparisons or skips."""
-        phases = self.phases.values()
-        seen = {s for p in phases for s, v in p.calls.items() if v > 0}
-        seen |= {s for p in phases for (s, _), v in p.outcomes.items() if v > 0}
-        seen |= {s for p in phases for (s, _), v in p.skipped.items() if v > 0}
-        return sorted(s for s in seen if s and fnmatch.fnmatchcase(s, pattern))
-
-    def compared_of(self, signature: str) -> int:
-        """Comparisons, in every phase, of ``signature`` itself."""
-        return round(
-            sum(
-                v
-                for p in self.phases.values()
-                for (s, o), v in p.outcomes.items()
-                if s == signature and o in COMPARED_OUTCOMES
-            )
-        )
-
-    def compared_matching(self, pattern: str) -> int:
-        """Comparisons, in every phase, of the signatures matching ``pattern``."""
-        return round(
-            sum(
-                v
-                for p in self.phases.values()
-                for (s, o), v in p.outcomes.items()
-                if o in COMPARED_OUTCOMES and fnmatch.fnmatchcase(s, pattern)
-            )
-        )
-
-
-def from_stats(stats: Any, primary: str = LEGACY) -> TargetCounts:
-    """A monitor's counts of one target (:class:`~shadow.core.model.observation.TargetStats`) as the verdict reads
-    them: its outcomes (one stratum), their reasons and its runs judged against noise thresholds, in ``primary``'s
-    phase. (A process's own look at its evidence: without clusters, each comparison one.)"""
-    counts = TargetCounts()
-    for outcome in COMPARED_OUTCOMES:
-        if getattr(stats, outcome):
-            counts.add_outcome("", outcome, getattr(stats, outcome), primary)
-    for reason, value in stats.by_reason.items():
-        if reason not in NONRESPONSE_REASONS and reason != "budget":
-            counts.add_reason(reason, value, primary)
-    for key, value in stats.noise_checks.items():
-        counts.add_noise(*key.split("/"), value, primary)
-    return counts
-
-
-@dataclasses.dataclass(frozen=True)
-class PhaseDecision:
-    """The decision on one phase of a target, with the numbers behind it."""
-
-    primary: str
-    decision: str
-    compared: int
-    divergent: int
-    lower: float
-    upper: float
-    #: The divergence rate (signatures weighted by their share of calls) and the effective comparisons behind the
-    #: bounds (after clustering: ``clusters`` when the source knows them).
-    rate: float
-    effective: float
-    weighted: bool
-    clusters: int
-    #: The share of calls whose kind was never compared (non-response), and why, by skip reason ("never
-    #: sampled" for signatures with calls and no comparison).
-    uncovered_share: float
-    uncovered_by: dict[str, float]
-    why: str
-    #: What would reach a decision sooner, for an inconclusive phase (:mod:`shadow.analysis.sooner`); "" otherwise.
-    sooner: str = ""
-    #: Under a device's noise (:mod:`shadow.analysis.noise_verdict`): the detection limit (the excess rate this
-    #: evidence cannot tell from the noise; 0 where nothing was judged against noise thresholds), the size a wrong
-    #: call must have to be seen, and legacy's own A/A exceedances (judged, beyond).
-    detection_limit: float = 0.0
-    size_limit: str = ""
-    aa_judged: int = 0
-    aa_beyond: int = 0
-    #: The blocks of process time the phase's calls fell in (rank shares): the most clusters comparing every call
-    #: could have made (0: not counted by the source).
-    call_blocks: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class SliceDecision:
-    """One slice of a target's evidence (the last hour, one run), decided on its own: it can hold back or roll
-    back the target, never promote it."""
-
-    name: str
-    decision: str
-    compared: int
-    divergent: int
-    rate: float
-    lower: float
-    upper: float
-    why: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """The verdict on one target: the worst of its phases, with the numbers of the phase that decided."""
-
-    target: str
-    decision: str
-    compared: int
-    divergent: int
-    lower: float
-    upper: float
-    hard: dict[str, int]
-    why: str
-    #: Each risky signature the jobs took (one matching a risky pattern, with calls, comparisons or skips) ->
-    #: its comparisons; a pattern where calls are not counted by signature (which it took is not known).
-    risky: dict[str, int] = dataclasses.field(default_factory=dict)
-    #: Risky signature patterns no call of these jobs took (called never, compared never): the promotion covers
-    #: the paths the jobs take, and says which it does not.
-    not_exercised: tuple[str, ...] = ()
-    #: Shared divergences by reason: legacy and upstream agree, both unlike a single-device run. Reported on
-    #: their own line; they never change the decision (removing the patch changes nothing there).
-    shared: dict[str, int] = dataclasses.field(default_factory=dict)
-    #: Sampled calls the evidence does not reach, by skip reason (UNCOVERED_REASONS: a user's hooks or modes,
-    #: compiled code): coverage still missing, whatever the bounds say.
-    uncovered: dict[str, int] = dataclasses.field(default_factory=dict)
-    rate: float = 0.0
-    effective: float = 0.0
-    weighted: bool = False
-    clusters: int = 0
-    clustering: str = ""
-    uncovered_share: float = 0.0
-    phases: tuple[PhaseDecision, ...] = ()
-    rollbacks: tuple[str, ...] = ()
-    resets: tuple[str, ...] = ()
-    set_aside: int = 0
-    notes: tuple[str, ...] = ()
-    #: Comparisons a fire drill injected divergence into (-1: a drill was active, how many is not known); a
-    #: verdict over a drill is a rehearsal of the alerting and rollback, not evidence about upstream.
-    drilled: int = 0
-    #: Comparisons of a fire drill that is over, set aside (see TargetCounts.drill_set_aside).
-    drill_set_aside: int = 0
-    #: Float64 truth runs of the value differences, by signature: which side was nearer the truth, and by how
-    #: much. Shown beside the decision, never folded into it: a difference where upstream is nearer is no
-    #: regression, one where it is further is.
-    truth: tuple[TruthSummary, ...] = ()
-    #: The slices decided besides the whole (the last hour, each run of several): each must allow promote.
-    slices: tuple[SliceDecision, ...] = ()
-    #: Under a device's noise: the greatest detection limit of its phases (the excess rate the evidence cannot tell
-    #: from the noise; 0 where nothing was judged against noise thresholds), and the size a wrong call must have.
-    detection_limit: float = 0.0
-    size_limit: str = ""
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class TruthSummary:
-    """The truth runs of one signature: how many found legacy, upstream or neither nearer the float64 truth, and
-    the median decade of upstream's error over legacy's (-2: upstream's error a hundredth of legacy's; None where
-    no run knew both errors)."""
-
-    signature: str
-    legacy: int
-    upstream: int
-    tie: int
-    decade: int | None = None
-    #: Runs where the two code paths differ in float64 too (the difference is the algorithm's: no truth to be near).
-    differs: int = 0
-
-    @property
-    def runs(self) -> int:
-        return self.legacy + self.upstream + self.tie + self.differs
-
-    def describe(self) -> str:
-        """One line: ``upstream nearer in 4 of 5 (its error ~10^-3 of legacy's), legacy in 1, tie 0``."""
-        by_how_much = f" (upstream's error ~10^{self.decade} of legacy's, median)" if self.decade is not None else ""
-        differs = (
-            f"; the two code paths differ in float64 too in {self.differs} (the algorithm differs, not the rounding: "
-            "no side is the truth)"
-            if self.differs
-            else ""
-        )
-        return (
-            f"upstream nearer in {self.upstream} of {self.runs}, legacy nearer in {self.legacy}, tie {self.tie}"
-            f"{by_how_much}{differs}"
-        )
-
-
-def truth_summaries(counts: TargetCounts) -> tuple[TruthSummary, ...]:
-    """The truth runs of every signature of ``counts`` (all phases: a truth run asks about the two sides' code,
-    whichever side's result the caller got)."""
-    sides: dict[str, dict[str, float]] = {}
-    decades: dict[str, dict[int, float]] = {}
-    for phase in counts.phases.values():
-        for (signature, nearer), value in phase.truth.items():
-            by_side = sides.setdefault(signature, {})
-            by_side[nearer] = by_side.get(nearer, 0) + value
-        for (signature, decade), value in phase.truth_decades.items():
-            by_decade = decades.setdefault(signature, {})
-            by_decade[decade] = by_decade.get(decade, 0) + value
-    found = []
-    for signature in sorted(sides):
-        by_side = {k: round(v) for k, v in sides[signature].items()}
-        if not sum(by_side.values()):
-            continue
-        legacy, upstream, tie, differs = (by_side.get(side, 0) for side in NEARER)
-        found.append(TruthSummary(signature, legacy, upstream, tie, _median(decades.get(signature, {})), differs))
-    return tuple(found)
-
-
-def _median(counts: dict[int, float]) -> int | None:
-    """The median of values given with their counts (the lower one of an even count); None when empty."""
-    total = sum(counts.values())
-    if total <= 0:
-        return None
-    seen = 0.0
-    for value in sorted(counts):
-        seen += counts[value]
-        if seen >= total / 2:
-            return value
-    return None
-
-
-def _strata(
-    phase: PhaseCounts, cap: float | None
-) -> tuple[list[Stratum], list[Stratum], dict[str, float], bool, dict[str, tuple[float, float]]]:
-    """(strata for the lower bound, strata for the upper bound, uncovered share by reason, weighted, each
-    signature's own (divergences, comparisons) after clustering): each
-    signature weighted by its share of the phase's calls (one stratum where calls are not known by signature),
-    its non-response (skips tied to the call) a free stratum of its own; where the phase's comparisons fall in
-    ``cap`` clusters, a stratum with more comparisons counts as ``cap`` comparisons at its own rate."""
-    compared = phase.by_signature(COMPARED_OUTCOMES)
-    divergent = phase.by_signature(DIVERGENT_OUTCOMES)
-    nonresponse = _nonresponse(phase)
-    unmatched = dict(phase.unmatched)
-    by_signature = any(s for s in phase.calls if phase.calls[s] > 0)
-    if not by_signature:  # one stratum: uniform sampling weights every comparison alike
-        merge = [compared, divergent, unmatched]
-        compared, divergent, unmatched = ({"": sum(m.values())} for m in merge)
-        nonresponse = {"": _merged(nonresponse.values())}
-        calls = {"": max(sum(phase.calls.values()), 1.0)}
-    else:
-        calls = dict(phase.calls)
-        loose = nonresponse.pop("", None)
-        for signature in set(compared) | set(nonresponse) | set(unmatched):
-            seen = compared.get(signature, 0) + sum(nonresponse.get(signature, {}).values())
-            calls[signature] = max(calls.get(signature, 0), seen + unmatched.get(signature, 0))
-    total = sum(calls.values())
-    lower: list[Stratum] = []
-    upper: list[Stratum] = []
-    uncovered: dict[str, float] = {}
-    own: dict[str, tuple[float, float]] = {}
-    for signature, count in calls.items():
-        if count <= 0:
-            continue
-        weight = count / total
-        n, k = compared.get(signature, 0), divergent.get(signature, 0)
-        skipped = nonresponse.get(signature, {})
-        extra = unmatched.get(signature, 0)
-        sampled = n + sum(skipped.values()) + extra
-        if sampled <= 0:
-            upper.append(Stratum(weight, 0, 0))
-            lower.append(Stratum(weight, 0, 0))
-            uncovered["never sampled"] = uncovered.get("never sampled", 0) + weight
-            continue
-        for reason, value in skipped.items():
-            uncovered[reason] = uncovered.get(reason, 0) + weight * value / sampled
-        free = weight * sum(skipped.values()) / sampled
-        if free:
-            upper.append(Stratum(free, 0, 0))
-            lower.append(Stratum(free, 0, 0))
-        scale = (n + extra) / cap if cap is not None and n + extra > cap else 1.0
-        upper.append(Stratum(weight * (n + extra) / sampled, (k + extra) / scale, (n + extra) / scale))
-        lower.append(Stratum(weight * (n + extra) / sampled, k / scale, (n + extra) / scale))
-        own[signature] = (k / scale, (n + extra) / scale)
-    if by_signature and loose:  # (skips whose signature is not known: their share of all sampled calls)
-        sampled = sum(compared.values()) + sum(_merged(nonresponse.values()).values()) + sum(loose.values())
-        lower, upper = _with_loose(lower, uncovered, loose, sampled), _with_loose(upper, {}, loose, sampled)
-    return lower, upper, uncovered, by_signature, own
-
-
-def _nonresponse(phase: PhaseCounts) -> dict[str, dict[str, float]]:
-    """A phase's skips tied to the call (non-response), by signature and reason."""
-    found: dict[str, dict[str, float]] = {}
-    for (signature, reason), value in phase.skipped.items():
-        if reason in NONRESPONSE_REASONS and value > 0:
-            by_reason = found.setdefault(signature, {})
-            by_reason[reason] = by_reason.get(reason, 0) + value
-    return found
-
-
-def _with_loose(
-    strata: list[Stratum], uncovered: dict[str, float], loose: Mapping[str, float], sampled: float
-) -> list[Stratum]:
-    """``strata`` with the skips whose signature is not known as a free stratum of their share of the sampled
-    calls (the others scaled to the rest); their share added to ``uncovered`` by reason."""
-    share = sum(loose.values()) / sampled
-    for reason, value in loose.items():
-        uncovered[reason] = uncovered.get(reason, 0) + value / sampled
-    return [dataclasses.replace(s, weight=s.weight * (1 - share)) for s in strata] + [Stratum(share, 0, 0)]
-
-
-def _merged(maps: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    merged: dict[str, float] = {}
-    for each in maps:
-        for key, value in each.items():
-            merged[key] = merged.get(key, 0) + value
-    return merged
 
 
 def _when(more: float, seen: float, process_seconds: float, units: str) -> str:
@@ -669,7 +170,7 @@ def decide_phase(
     most its processes' time allows; ``explain=False``: the same decision, its reason without the ETA."""
     n, k = phase.compared, phase.divergent
     clustered, cluster_count = _clusters_of(phase, most_clusters)
-    lower_strata, upper_strata, uncovered, weighted, own = _strata(phase, cluster_count if clustered else None)
+    lower_strata, upper_strata, uncovered, weighted, own = strata.of(phase, cluster_count if clustered else None)
     prior = Prior.for_max_rate(max_rate)
     lower, upper = bounds.lower(lower_strata, alpha), bounds.upper(upper_strata, prior)
     covered = sum(s.weight for s in lower_strata if s.n > 0)
@@ -950,7 +451,7 @@ def decide_slice(name: str, counts: TargetCounts, max_rate: float) -> SliceDecis
     promote (allows it) otherwise."""
     # (a slice's reason is its rate, or a rollback's: no inconclusive phase's ETA is said of it)
     phases = _decide_phases(counts, max_rate, _slice_alpha(name), explain=False)
-    worst = max(phases, key=lambda p: (_SEVERITY[p.decision], p.rate), default=None)
+    worst = max(phases, key=lambda p: (SEVERITY[p.decision], p.rate), default=None)
     if worst is None:
         return SliceDecision(name, PROMOTE, 0, 0, 0.0, 0.0, 1.0, f"{name}: no comparison (allows promote)")
     numbers = {
@@ -990,8 +491,8 @@ def decide(
     if not decided:
         return whole
     whole = dataclasses.replace(whole, slices=decided)
-    worst = max(decided, key=lambda s: _SEVERITY[s.decision])
-    if _SEVERITY[worst.decision] <= _SEVERITY[whole.decision]:
+    worst = max(decided, key=lambda s: SEVERITY[s.decision])
+    if SEVERITY[worst.decision] <= SEVERITY[whole.decision]:
         return whole
     return dataclasses.replace(whole, decision=worst.decision, why=f"{worst.why}; the whole history: {whole.why}")
 
@@ -1046,7 +547,7 @@ def _decide_whole(
     risky = list(risky)
     not_exercised = tuple(p for p in risky if counts.never_called(p))
     coverage = _risky_coverage(counts, risky, not_exercised)
-    worst = max(phases, key=lambda p: (_SEVERITY[p.decision], p.upper), default=None)
+    worst = max(phases, key=lambda p: (SEVERITY[p.decision], p.upper), default=None)
     made = {
         "target": target, "compared": counts.compared, "divergent": counts.divergent, "hard": hard,
         "risky": coverage, "not_exercised": not_exercised, "shared": shared, "uncovered": uncovered,
@@ -1109,51 +610,6 @@ def _one_moment_unseen(counts: TargetCounts) -> list[str]:
             "history) or the journals"
         ]
     return []
-
-
-def overall(decisions: Iterable[Decision]) -> str:
-    """The worst decision (rollback over inconclusive over promote); inconclusive when there is none."""
-    decisions = list(decisions)
-    if not decisions:
-        return INCONCLUSIVE
-    return max((d.decision for d in decisions), key=_SEVERITY.__getitem__)
-
-
-#: What the verdict and the report say of a canary A/B its sources hold nothing of.
-IDLE_CANARY = (
-    "not in these sources: it runs only in a canary (npu-shadow run --primary upstream), never while legacy's result "
-    "is returned"
-)
-
-
-def idle_canaries(seen: Iterable[str]) -> list[str]:
-    """The built-in canary A/B targets (the DataLoader's iterator, which cannot run twice) that are not in ``seen``:
-    each is said, so that a verdict over a shadowing job never leaves it unmentioned."""
-    from shadow.npu import catalog
-
-    seen = set(seen)
-    return [row.name for row in catalog.CATALOG if row.kind == catalog.CANARY and row.name not in seen]
-
-
-def drill_note(decisions: Iterable[Decision]) -> str:
-    """The line that names a fire drill in a verdict's output, or "" when none was active."""
-    decisions = list(decisions)
-    drilled = [d for d in decisions if d.drilled]
-    if not drilled:
-        over = [d for d in decisions if d.drill_set_aside]
-        if over:
-            return (
-                f"a fire drill is over: its {sum(d.drill_set_aside for d in over):,} comparisons "
-                f"({', '.join(d.target for d in over)}) were set aside by its marks, and the clean evidence after it "
-                "decides"
-            )
-        return ""
-    counted = sum(d.drilled for d in drilled if d.drilled > 0)
-    how_many = f"{counted:,} comparisons carry" if counted else "the metrics show"
-    return (
-        f"FIRE DRILL: {how_many} synthetic divergence injected by a fire drill ({', '.join(d.target for d in drilled)})"
-        ": this verdict rehearses the alerting and the rollback, it is not evidence about upstream"
-    )
 
 
 def decide_all(

@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterable
 
 from exporters import contract
-from shadow.analysis.verdict import TargetCounts
+from shadow.analysis.evidence import TargetCounts
 from shadow.core.judging import noise
 from shadow.core.model.observation import (
     BACKWARD_OUTCOMES,

@@ -9,6 +9,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from shadow.analysis import verdict
+from shadow.analysis.evidence import TargetCounts
 from shadow.analysis.sources.common import (
     _COUNTED,
     _RUN_LABEL,
@@ -33,7 +34,6 @@ from shadow.analysis.sources.common import (
     one_job_per_run,
     select_run,
 )
-from shadow.analysis.verdict import TargetCounts
 from shadow.core.model.observation import (
     label_text,
 )

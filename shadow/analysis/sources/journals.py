@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 
 from exporters import journal_format
 from shadow.analysis import verdict
+from shadow.analysis.evidence import TargetCounts
 from shadow.analysis.sources.common import (
     CLOCK_JUMP_SECONDS,
     CLUSTER_WINDOW_SECONDS,
@@ -23,7 +24,6 @@ from shadow.analysis.sources.common import (
     one_job_per_run,
     select_run,
 )
-from shadow.analysis.verdict import TargetCounts
 from shadow.core.judging import noise
 from shadow.core.model.observation import (
     BACKWARD_OUTCOMES,

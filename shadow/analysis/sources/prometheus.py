@@ -13,6 +13,7 @@ import urllib.request
 from typing import Any
 
 from shadow.analysis import verdict
+from shadow.analysis.evidence import TargetCounts
 from shadow.analysis.sources import promql
 from shadow.analysis.sources.common import (
     _RUN_LABEL,
@@ -47,7 +48,6 @@ from shadow.analysis.sources.common import (
     one_job_per_run,
     select_run,
 )
-from shadow.analysis.verdict import TargetCounts
 from shadow.core.model.observation import label_text
 
 

@@ -40,6 +40,7 @@ def handle(args: argparse.Namespace) -> int:
     import json
 
     from shadow.analysis import arms, verdict
+    from shadow.analysis.decisions import EXIT_CODES, overall
     from shadow.analysis.patch_evidence import unspoken
     from shadow.analysis.sources import SourceError, from_exposition, from_journal, from_prometheus, read_text
     from shadow.core.model.observation import BUILTIN_RISKY
@@ -77,7 +78,7 @@ def handle(args: argparse.Namespace) -> int:
         target, _, pattern = item.partition("=")
         risky.setdefault(target, []).append(pattern)
     decisions = verdict.decide_all(counts, args.max_rate, risky, args.min_per_signature, slices)
-    result = verdict.overall(decisions)
+    result = overall(decisions)
     ab = arms.summarize(arm_records) if arm_records else arms.summarize_series(arm_series)
     silent = unspoken(patches, counts)
     if args.format == "json":
@@ -86,7 +87,7 @@ def handle(args: argparse.Namespace) -> int:
                           "patches_without_evidence": [u.as_dict() for u in silent]}, indent=2))  # fmt: skip
     else:
         _print_table(decisions, ab, result, args.max_rate, silent)
-    return verdict.EXIT_CODES[result]
+    return EXIT_CODES[result]
 
 
 def _risky(text: str) -> str:
@@ -98,7 +99,7 @@ def _risky(text: str) -> str:
 def _print_table(decisions: list[Any], ab: list[Any], result: str, max_rate: float, silent: list[Any] = ()) -> None:
     """The verdict as a table: a line per target, what its evidence says under it, the canary A/B, the called
     patches no evidence speaks for, the overall."""
-    from shadow.analysis import verdict
+    from shadow.analysis.decisions import IDLE_CANARY, drill_note, idle_canaries
 
     print(f"{'target':<17}{'decision':<14}{'compared':>10}{'divergent':>11}  {'95% bounds':<22} why")
     for d in decisions:
@@ -110,13 +111,13 @@ def _print_table(decisions: list[Any], ab: list[Any], result: str, max_rate: flo
         print("(no npu_shadow comparisons found)")
     for summary in ab:
         print(f"{summary.target:<17}{'canary A/B':<14}{summary.line()}")
-    for name in verdict.idle_canaries(summary.target for summary in ab):
-        print(f"{name:<17}{'canary A/B':<14}{verdict.IDLE_CANARY}")
+    for name in idle_canaries(summary.target for summary in ab):
+        print(f"{name:<17}{'canary A/B':<14}{IDLE_CANARY}")
     print(
         "bounds: anytime-valid 95% (a beta-binomial confidence sequence, valid however often the verdict is "
         "re-run as evidence grows; docs/operations.md)"
     )
-    note = verdict.drill_note(decisions)
+    note = drill_note(decisions)
     if note:
         print(note)
     for each in silent:
