@@ -525,7 +525,7 @@ def _counted_places(release: str) -> list[bool]:
 
     from torch_npu_wheels import wheel
 
-    from shadow.analysis import census
+    from shadow.analysis import census_cache
     from shadow.core.calls import patch_calls
 
     def seen(name: str) -> Any:
@@ -541,7 +541,7 @@ def _counted_places(release: str) -> list[bool]:
                 results.append(type(exc).__name__)
         return id(value), results
 
-    names = json.loads(census.patch_list(wheel(release)).read_text())["patches"]
+    names = json.loads(census_cache.patch_list(wheel(release)).read_text())["patches"]
     before = {name: seen(name) for name in names}
     with shadow.install([], count_patches=names):
         during = {name: seen(name) for name in names}
@@ -723,7 +723,7 @@ def _census_cache(trials: int, rng: random.Random) -> list[bool]:
 
     from torch_npu_wheels import wheel
 
-    from shadow.analysis import census
+    from shadow.analysis import census_cache
 
     held = []
     with tempfile.TemporaryDirectory() as directory:
@@ -734,7 +734,7 @@ def _census_cache(trials: int, rng: random.Random) -> list[bool]:
                         os.path.join(directory, "census"))  # fmt: skip
         os.environ["NPU_SHADOW_WHEEL_DIR"] = wheels
         try:
-            listed = census.patch_list("2.14.0")
+            listed = census_cache.patch_list("2.14.0")
             honest = json.loads(listed.read_text())
             for _ in range(trials):
                 kind = rng.choice(["planted", "other wheel", "fifo", "open folder"])
@@ -756,10 +756,11 @@ def _census_cache(trials: int, rng: random.Random) -> list[bool]:
                     os.chmod(listed.parent, 0o700)
                     held.append(done.returncode == 2 and str(listed.parent) in done.stderr)
                     listed.unlink()
-                    census.patch_list("2.14.0")
+                    census_cache.patch_list("2.14.0")
                     continue
                 found: list = []
-                worker = threading.Thread(target=lambda f=found: f.append(census.patch_list("2.14.0")), daemon=True)
+                listing = lambda f=found: f.append(census_cache.patch_list("2.14.0"))  # noqa: E731
+                worker = threading.Thread(target=listing, daemon=True)
                 worker.start()
                 worker.join(60)
                 held.append(bool(found) and json.loads(found[0].read_text()) == honest)

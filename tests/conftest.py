@@ -12,7 +12,7 @@ HERE = os.path.dirname(__file__)
 FAKE_TORCH_NPU = os.path.join(HERE, "fake_torch_npu")
 sys.path.insert(0, HERE)  # for the helper modules beside the tests
 
-pytest_plugins = ["ci_skips", "pytester"]
+pytest_plugins = ["ci_skips", "tiers", "pytester"]
 
 
 def pytest_configure(config):

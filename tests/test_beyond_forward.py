@@ -170,6 +170,7 @@ def _scaled_in_half(x):
     return (x.half() * 3.14159).to(x.dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("dtype", "legacy", "upstream", "expected"),
     [
@@ -266,6 +267,7 @@ def _truth_journal(tmp_path, calls=4):
     return journal
 
 
+@pytest.mark.slow
 def test_the_verdict_shows_per_signature_which_side_is_nearer_and_by_how_much(tmp_path):
     """From the journal's count records (every truth run) and, with the CLI, as a line under the decision."""
 

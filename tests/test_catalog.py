@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from shadow.npu import catalog
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -20,6 +22,8 @@ catalog.CATALOG += (catalog.Row(
 ),)
 import torch
 import shadow
+
+import pytest
 from shadow.analysis import census
 from shadow.core.model import targets
 from shadow.core.model.observation import BUILTIN_RISKY, BUILTIN_TARGETS
@@ -41,6 +45,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_a_target_added_as_one_row_and_one_factory_is_a_built_in_everywhere():
     """A process whose catalog has one more row (its factory in tests/row_target.py): the target installs by name,
     compares, and the vocabulary, settings, places, torch_npu's patches, the census, doctor and the docs table all

@@ -15,11 +15,9 @@ import pytest
 from commands import npu_shadow
 from torch_npu_wheels import wheel
 
-from shadow.analysis import census
+from shadow.analysis import census, census_cache
 from shadow.npu.torch_npu_source import MAX_MEMBER_BYTES, LegacySourceError, ReleaseFiles
 from shadow.npu.wheels import LATER_RELEASES, RELEASES
-
-pytestmark = pytest.mark.slow
 
 PACKAGE = {
     "torch_npu/__init__.py": """
@@ -196,6 +194,7 @@ def releases():
     return of
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", RELEASES)
 def test_each_release_with_the_patches_shows_them_shadowed(releases, version):
     found = {p.name: p for p in releases(version).patches}
@@ -209,6 +208,7 @@ def test_each_release_with_the_patches_shows_them_shadowed(releases, version):
     assert found["torch.nn.Module.to"].applied == "import"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", LATER_RELEASES)
 def test_the_later_releases_still_patch_load_to_npu_and_the_dataloader_but_not_the_three(releases, version):
     found = {p.name: p for p in releases(version).patches}
@@ -225,6 +225,7 @@ def test_the_later_releases_still_patch_load_to_npu_and_the_dataloader_but_not_t
     assert not set(gone) & set(found)
 
 
+@pytest.mark.slow
 def test_the_command_gives_json_and_names_what_2_13_removed():
     done = npu_shadow("census", wheel("2.13.0"), "--against", wheel("2.12.0"), "--format", "json", timeout=300)
     assert done.returncode == 0, done.stderr
@@ -242,6 +243,7 @@ def test_the_command_gives_json_and_names_what_2_13_removed():
     } <= removed
 
 
+@pytest.mark.slow
 def test_the_command_refuses_a_source_it_cannot_read(tmp_path):
     done = npu_shadow("census", str(tmp_path / "missing.whl"))
     assert done.returncode == 2 and "npu-shadow census:" in done.stderr and "Traceback" not in done.stderr
@@ -297,6 +299,7 @@ def test_a_fifo_or_a_device_in_the_source_is_never_opened(tmp_path, kind):
         ReleaseFiles(root).read("torch_npu/utils/special.py")
 
 
+@pytest.mark.slow
 def test_a_wheel_member_that_inflates_past_the_bound_is_refused_at_once(tmp_path):
     wheel = tmp_path / "torch_npu-9.9.9-cp311-cp311-linux_x86_64.whl"
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as out:
@@ -306,6 +309,7 @@ def test_a_wheel_member_that_inflates_past_the_bound_is_refused_at_once(tmp_path
     _refused(_census(wheel, timeout=120), "torch_npu/big.py", "larger than")  # (a 2 GiB one ran past 300 s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "data, words",
     [
@@ -325,11 +329,13 @@ def test_a_declared_encoding_is_read_as_declared(tmp_path):
     assert {p.name for p in census.take(str(root)).patches} == {"torch.load", "torch.save"}
 
 
+@pytest.mark.slow
 def test_a_call_chain_deeper_than_census_follows_is_a_clear_refusal(tmp_path):
     chain = "\n".join(f"def f{i}():\n    f{i + 1}()\n" for i in range(3000)) + "\ndef f3000():\n    pass\n\nf0()\n"
     _refused(_census(_release(tmp_path, {"torch_npu/utils/__init__.py": chain.encode()})), "chained deeper than")
 
 
+@pytest.mark.slow
 def test_control_characters_in_names_are_printed_escaped(tmp_path):
     root = _release(tmp_path)
     (root / "torch_npu" / "__init__.py").write_text("import torch\n\nsetattr(torch, '\\x1b[31mred', None)\n")
@@ -344,27 +350,28 @@ def _wheel(path, package: dict[str, str]):
     return path
 
 
+@pytest.mark.slow
 def test_a_census_is_taken_once_per_wheel_and_read_back_without_torch(tmp_path, monkeypatch):
     """``census 2.13.0 --against 2.12.0`` took 280 s at load 11-14 (25 s of CPU, every time): a wheel's census is now
     kept beside the wheels and read back (no parsing, no torch); a wheel that changed, or a kept census that cannot be
     read, is taken again."""
     monkeypatch.setenv("NPU_SHADOW_CACHE_DIR", str(tmp_path / "cache"))
     wheel = _wheel(tmp_path / "torch_npu-9.9.9-py3-none-any.whl", PACKAGE)
-    taken = census.kept(str(wheel))
+    taken = census_cache.kept(str(wheel))
     assert taken == census.take(str(wheel)) and "torch.nn.Module.to" in taken.names()
     (place,) = (tmp_path / "cache" / "census").glob("*.census.json")
     reads_back = (
-        "import sys\nfrom shadow.analysis import census\n"
-        f"print(len(census.kept({str(wheel)!r}).patches), 'torch' in sys.modules)"
+        "import sys\nfrom shadow.analysis import census_cache\n"
+        f"print(len(census_cache.kept({str(wheel)!r}).patches), 'torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", reads_back], capture_output=True, text=True, env=dict(os.environ))
     assert done.stdout.split() == [str(len(taken.patches)), "False"], done.stderr
     place.write_text("{not json")
-    assert census.kept(str(wheel)) == taken  # (unreadable: taken again)
+    assert census_cache.kept(str(wheel)) == taken  # (unreadable: taken again)
     changed = {**PACKAGE, "torch_npu/utils/_module.py": PACKAGE["torch_npu/utils/_module.py"] + "\n\n# changed\n"}
     changed["torch_npu/utils/_module.py"] = changed["torch_npu/utils/_module.py"].replace("nn.Module.to = to", "pass")
     os.utime(_wheel(wheel, changed), ns=(1, 1))
-    assert "torch.nn.Module.to" not in census.kept(str(wheel)).names()
+    assert "torch.nn.Module.to" not in census_cache.kept(str(wheel)).names()
 
 
 def _returns_within(seconds: float, function, *args):
@@ -387,32 +394,32 @@ def test_the_census_cache_is_data_checked_against_its_wheel(tmp_path, monkeypatc
 
     monkeypatch.setenv("NPU_SHADOW_CACHE_DIR", str(tmp_path / "cache"))
     wheel = _wheel(tmp_path / "torch_npu-9.9.9-py3-none-any.whl", PACKAGE)
-    listed = census.patch_list(str(wheel))
+    listed = census_cache.patch_list(str(wheel))
     honest = json.loads(listed.read_text())
     assert stat.S_IMODE(listed.parent.stat().st_mode) == 0o700 and "wheel_sha256" in honest
     planted = {**honest, "patches": [*honest["patches"], "builtins.print"]}
 
     listed.write_text(json.dumps(planted))
     os.chmod(listed, 0o666)  # (others could have written it)
-    assert json.loads(census.patch_list(str(wheel)).read_text()) == honest
+    assert json.loads(census_cache.patch_list(str(wheel)).read_text()) == honest
 
     listed.write_text(json.dumps({**planted, "wheel_sha256": "0" * 64}))  # (another wheel's list)
-    assert json.loads(census.patch_list(str(wheel)).read_text()) == honest
+    assert json.loads(census_cache.patch_list(str(wheel)).read_text()) == honest
 
     for kept in (listed, *listed.parent.glob("*.census.json")):
         kept.unlink()
         os.mkfifo(kept)
-    again = _returns_within(30, census.patch_list, str(wheel))
+    again = _returns_within(30, census_cache.patch_list, str(wheel))
     assert again.is_file() and json.loads(again.read_text()) == honest
 
 
 def test_a_census_cache_others_can_write_is_refused_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("NPU_SHADOW_CACHE_DIR", str(tmp_path / "cache"))
     wheel = _wheel(tmp_path / "torch_npu-9.9.9-py3-none-any.whl", PACKAGE)
-    folder = census.patch_list(str(wheel)).parent
+    folder = census_cache.patch_list(str(wheel)).parent
     os.chmod(folder, 0o777)
-    with pytest.raises(census.UnsafeCache, match=re.escape(str(folder))):
-        census.patch_list(str(wheel))
+    with pytest.raises(census_cache.UnsafeCache, match=re.escape(str(folder))):
+        census_cache.patch_list(str(wheel))
 
 
 @pytest.mark.slow

@@ -1,6 +1,9 @@
-"""CI's own rules: it says it is CI, and there a skipped test fails (tests/ci_skips.py)."""
+"""The suite's own rules: CI says it is CI, and there a skipped test fails (tests/ci_skips.py); the fast tier starts
+no program (tests/tiers.py)."""
 
 import os
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,3 +43,36 @@ def test_ci_runs_the_readmes_test_command_saying_it_is_ci():
     assert lines.index("export CI=true") < lines.index("bash scripts/test.sh")
     with open(os.path.join(ROOT, "README.md")) as readme:
         assert "bash scripts/test.sh" in readme.read()
+
+
+TIERED = """
+import os, subprocess, sys
+
+import pytest
+
+def test_starts_a_program_unmarked():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+@pytest.mark.slow
+def test_starts_a_program_marked_slow():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_forks_itself():
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)
+
+def test_starts_nothing():
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_an_unmarked_test_that_starts_a_program_fails_naming_it(pytester, monkeypatch):
+    pytester.makepyfile(TIERED)
+    pytester.makeini("[pytest]\nmarkers =\n    slow: starts a program\n")
+    monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "tests"))
+    done = pytester.runpytest_subprocess("-p", "tiers", "-p", "no:cacheprovider")
+    done.assert_outcomes(passed=3, failed=1)
+    done.stdout.fnmatch_lines(["*test_starts_a_program_unmarked*", "*this test started python* not marked slow*"])

@@ -445,6 +445,7 @@ print("checked", checked)
 """
 
 
+@pytest.mark.slow
 def test_the_triton_pass_gives_the_host_statistics():
     """The CUDA kernel's logic, run by Triton's interpreter on the host (CI has no GPU; the device check runs the
     compiled kernel on one)."""
@@ -458,6 +459,7 @@ def test_the_triton_pass_gives_the_host_statistics():
     assert done.stdout.split() == ["checked", str(4 * 2 * 3 * 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_triton_pass_compiles_for_a_gpu_without_a_warning(dtype):
     """Triton's own compiler (and ptxas, which its wheel carries) builds both kernels for an H100/H200 (sm_90) here,

@@ -117,6 +117,7 @@ def test_dashboard_is_importable_with_its_variables():
         assert wanted in titles
 
 
+@pytest.mark.slow
 def test_every_dashboard_expression_parses(tmp_path):
     expressions = grafana_dashboard.expressions(dashboard())
     assert len(expressions) >= 15

@@ -133,6 +133,7 @@ def test_device_properties_read_as_written():
     )
 
 
+@pytest.mark.slow
 def test_a_bad_emulated_device_setting_fails_the_launcher_before_the_job_naming_it(tmp_path):
     marker = tmp_path / "ran"
     done = npu_shadow(
@@ -217,6 +218,7 @@ def test_an_honest_job_under_nondeterministic_reductions_is_never_rolled_back(pr
     assert decided.decision != verdict.ROLLBACK, decided.why
 
 
+@pytest.mark.slow
 def test_the_device_check_validates_the_emulated_npu_and_writes_its_bundle(tmp_path):
     out = tmp_path / "bundle"
     done = subprocess.run(
@@ -490,6 +492,7 @@ def test_a_forward_that_reads_its_own_graph_is_compared_with_its_activations_kep
     assert [o.outcome for o in rest] == ["match", "match"]  # (its activations kept from then on)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("out, words", [("", "empty"), ("/dev/null", "cannot be made a folder")])
 def test_a_bad_bundle_folder_is_refused_before_the_device_check_runs(tmp_path, out, words):
     """``--out ''`` wrote the bundle into the working directory, a file in its place ended in a traceback after the

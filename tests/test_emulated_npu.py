@@ -180,6 +180,7 @@ def test_build_directory_is_keyed_by_torch_version_and_source_hash(tmp_path, mon
     assert not str(path).startswith(ROOT)
 
 
+@pytest.mark.slow
 def test_refuses_when_torch_npu_is_imported():
     done = run_python(
         """
@@ -196,6 +197,7 @@ def test_refuses_when_torch_npu_is_imported():
     assert "torch_npu is imported" in done.stdout, done.stderr
 
 
+@pytest.mark.slow
 def test_refuses_when_another_privateuse1_backend_is_registered():
     done = run_python(
         """
@@ -211,6 +213,7 @@ def test_refuses_when_another_privateuse1_backend_is_registered():
     assert "another PrivateUse1 backend is registered in this process ('foo')" in done.stdout, done.stderr
 
 
+@pytest.mark.slow
 def test_refuses_without_a_compiler_and_says_what_to_install(tmp_path):
     done = run_python(
         """
@@ -225,6 +228,7 @@ def test_refuses_without_a_compiler_and_says_what_to_install(tmp_path):
     assert "no C++ compiler found" in done.stdout and "build-essential" in done.stdout, done.stderr
 
 
+@pytest.mark.slow
 def test_a_regular_wheel_install_ships_the_source_and_installs(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), ROOT],
@@ -262,6 +266,7 @@ def test_a_regular_wheel_install_ships_the_source_and_installs(tmp_path):
     assert installed_at.startswith(str(site)) and device == "npu:1"
 
 
+@pytest.mark.slow
 def test_a_load_never_waits_on_a_lock():
     """A published build is imported straight away: neither cpp_extension's lock file (a killed build leaves it)
     nor a builder holding its turn makes a load wait."""
@@ -340,6 +345,7 @@ def test_a_process_that_ran_backward_on_two_emulated_devices_exits_cleanly():
     assert [(c.returncode, c.stdout.strip()) for c in codes] == [(0, "done")] * 8, codes[0].stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_type_table_fixed_before_install_is_refused_saying_why():
     done = run_python(
         """

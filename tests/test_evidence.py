@@ -317,6 +317,7 @@ def test_the_cluster_window_can_only_widen_the_bound(tmp_path):
     assert decided[0.5].decision == decided[60].decision == verdict.INCONCLUSIVE
 
 
+@pytest.mark.slow
 def test_the_verdict_names_its_statistic_and_effective_sample_size(tmp_path):
 
     path = _journal(tmp_path / "j.jsonl", 40, 10)
@@ -455,6 +456,7 @@ def test_plain():
 """
 
 
+@pytest.mark.slow
 def test_a_suite_ab_finds_the_difference_compiled_code_hides_from_call_level_shadowing(tmp_path):
     """In compiled code the legacy patch is traced into the graph: no call reaches the shadow wrapper, and
     ``--npu-shadow`` alone reports no divergence. Run with and without the patches, the test's outcome changes, and
@@ -505,6 +507,7 @@ def test_an_exception_divergence_shows_both_sides_however_long_legacys_text():
     assert found.detail.endswith("; upstream raised TypeError: upstream: 'torch_npu.npu.HalfTensor' is not a type")
 
 
+@pytest.mark.slow
 def test_a_fire_drill_is_named_in_the_verdict_and_the_report(tmp_path):
 
     import journals

@@ -155,6 +155,7 @@ def test_the_reports_rate_chart_is_labelled_in_utc_not_on_the_processes_own_cloc
     )
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_report_from_prometheus_names_what_the_run_ran(tmp_path) -> None:
     """A report read from Prometheus said "npu-shadow: not recorded" (and torch, torch_npu and the run too): the

@@ -16,8 +16,6 @@ from fakes import Recorder
 import shadow
 from shadow import Target
 
-pytestmark = pytest.mark.slow
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -49,6 +47,7 @@ print(stats.match, dict(stats.by_reason))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit, expected", [("limited", "0 {'oom': 1}"), ("unlimited", "1 {}")])
 def test_the_copies_never_take_legacys_headroom(limit, expected):
     done = subprocess.run(
@@ -84,6 +83,7 @@ class _Huge:
 # --------------------------------------------------------------------------- 2. tiny and huge rates
 
 
+@pytest.mark.slow
 def test_a_tiny_sample_rate_never_crashes_the_job():
     done = npu_shadow(
         "run",
@@ -136,6 +136,7 @@ def test_a_rate_beyond_any_float_is_a_value_error_naming_the_setting(make, setti
     assert len(str(caught.value)) < 200  # the number is not printed whole
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_rate", ["1e-310", "5e-324"])
 def test_the_verdict_takes_a_tiny_max_rate(tmp_path, max_rate):
     import journals
@@ -211,6 +212,7 @@ def _launch(record, **popen):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_a_terminal_reaches_the_job_once(tmp_path):
     import fcntl
     import pty
@@ -249,6 +251,7 @@ def _signals_as_a_shell_leaves_them():
         signal.signal(number, signal.SIG_DFL)
 
 
+@pytest.mark.slow
 def test_hup_and_usr_signals_sent_to_the_launcher_reach_the_job(tmp_path):
     import signal
 
@@ -269,6 +272,7 @@ def test_hup_and_usr_signals_sent_to_the_launcher_reach_the_job(tmp_path):
     assert record.read_text().split() == ["SIGUSR1", "SIGUSR2", "SIGHUP"]
 
 
+@pytest.mark.slow
 def test_a_command_that_cannot_run_exits_as_a_shell_says(tmp_path):
     plain = tmp_path / "plain.txt"
     plain.write_text("not a program\n")
@@ -299,6 +303,7 @@ print(stats.match, stats.export_errors, journal.lines_lost)
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_loses_whole_lines_counted_and_the_journal_stays_readable(tmp_path):
     from shadow.analysis import sources
 
@@ -320,6 +325,7 @@ def test_a_full_disk_loses_whole_lines_counted_and_the_journal_stays_readable(tm
     assert counts["op"].compared == (40 if final_counts else written)
 
 
+@pytest.mark.slow
 def test_readers_skip_and_count_a_torn_final_line(tmp_path):
     import journals
 
@@ -353,6 +359,7 @@ def test_the_textfile_never_replaces_a_device_file():
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
 
 
+@pytest.mark.slow
 def test_a_failed_push_never_costs_the_textfile_and_each_failure_is_said(tmp_path):
     textfile = tmp_path / "tf.prom"
     missing = tmp_path / "missing" / "tf.prom"
@@ -369,6 +376,7 @@ def test_a_failed_push_never_costs_the_textfile_and_each_failure_is_said(tmp_pat
     assert done.returncode == 0 and f"npu-shadow: textfile {missing} failed" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template", ["tf-{rank:s}.prom", "tf-{pid:.0}.prom", "tf-{rank:>300}.prom", "tf-{pid!r}.prom"])
 def test_format_specs_are_refused_before_the_command(tmp_path, template):
     done = npu_shadow("run", "--textfile", str(tmp_path / template), "--", sys.executable, "-c", "pass")
@@ -408,6 +416,7 @@ monitor.uninstall()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", ["0.5", "0.01"])
 def test_forked_dataloader_workers_report_every_call(tmp_path, rate):
     tally = tmp_path / "calls.txt"
@@ -538,6 +547,7 @@ def test_a_file_planted_at_the_journal_path_gets_nothing(tmp_path):
     assert planted.read_text() == "" and monitor.stats()["op"].export_errors == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["journal", "lock"])
 def test_a_fifo_at_the_journal_path_never_blocks_the_job(tmp_path, where):
     path = tmp_path / "j.jsonl"
@@ -582,6 +592,7 @@ def test_target_names_never_write_captures_outside_capture_dir(tmp_path, name):
 # --------------------------------------------------------------------------- 11. settings that pass and then break
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "option, value, env",
     [
@@ -657,6 +668,7 @@ def _deep(levels=3000):
     return node
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fields, says",
     [
@@ -716,6 +728,7 @@ def test_a_trickling_prometheus_is_given_up_on_within_the_timeout():
     assert time.monotonic() - start < 30  # (deadline: 3 s, in this process; the trickle alone takes hours)
 
 
+@pytest.mark.slow
 def test_the_report_survives_surrogates_and_never_passes_raw_html(tmp_path):
     import journals
 

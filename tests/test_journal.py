@@ -118,6 +118,7 @@ def replay_cli(path, *options, cwd=None):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_replayed_custom_capture_reproduces_its_mismatch_with_the_functions_given(tmp_path):
     journal = JsonlExporter(str(tmp_path / "j.jsonl"), capture_dir=str(tmp_path / "captures"))
     run([journal], calls=4)
@@ -146,6 +147,7 @@ def tensor_type_capture(tmp_path, args, **fields):
     return path
 
 
+@pytest.mark.slow
 def test_replayed_tensor_type_capture_runs_the_builtin_functions(tmp_path):
     """On a CPU-only host the reference legacy casts an npu type name where torch refuses it: an error."""
     done = replay_cli(tensor_type_capture(tmp_path, [torch.arange(4.0), "torch.npu.HalfTensor"]))

@@ -104,6 +104,7 @@ journal.close()
 """
 
 
+@pytest.mark.slow
 def test_several_processes_sharing_one_journal_path_lose_no_line_on_rotation(tmp_path):
     path = tmp_path / "shared.jsonl"
     script = WRITER.format(here=os.path.dirname(HERE), path=str(path), count=3000)

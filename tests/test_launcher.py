@@ -18,8 +18,6 @@ from torch_npu_wheels import wheel
 from shadow.launcher import config as cfg
 from shadow.launcher import doctor, runner
 
-pytestmark = pytest.mark.slow
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_dataparallel.py")
 FAKE_TORCH_NPU = os.path.join(ROOT, "tests", "fake_torch_npu")
@@ -43,6 +41,7 @@ def assert_same_weights(path, expected):
     assert all(torch.equal(got[k], expected[k]) for k in got)
 
 
+@pytest.mark.slow
 def test_example_job_with_spawned_workers_is_shadowed_and_unchanged(plain_run, tmp_path):
     plain, weights = plain_run
     textfile, out = tmp_path / "metrics.prom", tmp_path / "weights.pt"
@@ -61,10 +60,12 @@ def test_example_job_with_spawned_workers_is_shadowed_and_unchanged(plain_run, t
     assert total(parsed, "npu_shadow_comparisons_total", target="tensor_type", outcome="match") == 2 * STEPS + SAMPLES
 
 
+@pytest.mark.slow
 def test_exit_code_is_the_commands():
     assert npu_shadow("run", "--", sys.executable, "-c", "import sys; sys.exit(7)").returncode == 7
 
 
+@pytest.mark.slow
 def test_processes_that_never_import_torch_pay_nothing():
     done = npu_shadow(
         "run", "--", sys.executable, "-c", "import sys; print('torch' in sys.modules, 'shadow' in sys.modules)"
@@ -211,6 +212,7 @@ def test_an_option_overrides_its_variable(tmp_path):
     assert marker.exists()
 
 
+@pytest.mark.slow
 def test_bad_setting_through_the_real_command(tmp_path):
     marker, command = marker_command(tmp_path)
     env = dict(os.environ, NPU_SHADOW_SAMPLE_RATE="often")
@@ -240,6 +242,7 @@ print(json.dumps(second.stats()["tensor_type"].match))
 """
 
 
+@pytest.mark.slow
 def test_torch_npu_imported_late_is_shadowed_once():
     done = npu_shadow(
         "run",
@@ -257,6 +260,7 @@ def test_torch_npu_imported_late_is_shadowed_once():
     assert done.stdout.strip() == "1"
 
 
+@pytest.mark.slow
 def test_fire_drill_gives_rollback_and_leaves_the_job_alone(plain_run, tmp_path):
     _, weights = plain_run
     textfile, out = tmp_path / "metrics.prom", tmp_path / "weights.pt"
@@ -285,6 +289,7 @@ def test_fire_drill_gives_rollback_and_leaves_the_job_alone(plain_run, tmp_path)
     assert sum(line["drill"] for line in lines) >= 4
 
 
+@pytest.mark.slow
 def test_doctor_on_this_cpu_host_and_with_the_emulated_npu():
     done = npu_shadow("doctor", "--port", str(free_port()))  # a fresh process: no accelerator
     assert done.returncode == 0, done.stdout + done.stderr
@@ -322,6 +327,7 @@ EMULATED_JOB = ["--epochs", "1", "--samples", "256", "--batch-size", "32", "--wo
 EMULATED_STEPS = 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("legacy", ["reference", "torch_npu 2.12.0 source"])
 def test_example_job_on_two_emulated_npus_shadows_all_three_targets_and_is_unchanged(tmp_path, legacy):
     legacy_from = ["--legacy-from", wheel("2.12.0")] if legacy != "reference" else []
@@ -383,6 +389,7 @@ def test_example_job_on_two_emulated_npus_shadows_all_three_targets_and_is_uncha
 TORCHRUN_JOB = ["--epochs", "1", "--samples", "64", "--batch-size", "16", "--workers", "0", "--linger", "6"]
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_both_shadowed_and_scraped(tmp_path):
     port = consecutive_free_ports()
     textfile = tmp_path / "rank{rank}.prom"
@@ -436,6 +443,7 @@ def test_library_form_reads_the_same_variables(monkeypatch):
         shadow.install_from_env({"NPU_SHADOW_SEED": "x"})
 
 
+@pytest.mark.slow
 def test_one_endpoint_per_node_aggregates_every_process(tmp_path):
     from metrics_helpers import scrape
 
@@ -467,6 +475,7 @@ def test_one_endpoint_per_node_aggregates_every_process(tmp_path):
     assert job.returncode != 0  # stopped by the signal, not finished
 
 
+@pytest.mark.slow
 def test_sigterm_reaches_the_job(tmp_path):
     import signal
 
@@ -491,6 +500,7 @@ def test_sigterm_reaches_the_job(tmp_path):
     assert flag.exists()
 
 
+@pytest.mark.slow
 def test_emulate_npu_where_torch_npu_is_imported_warns_and_still_shadows():
     """torch_npu is imported when torch is (torch autoloads it): the emulator refuses, the monitor does not."""
     job = (
@@ -510,6 +520,7 @@ def test_emulate_npu_where_torch_npu_is_imported_warns_and_still_shadows():
     assert "tensor_type" in done.stderr and "not installed" not in done.stderr
 
 
+@pytest.mark.slow
 def test_legacy_from_where_torch_npu_is_imported_keeps_torch_npu_and_says_so():
     """The real torch_npu outranks its source: its patches stay the legacy."""
     job = (
@@ -527,6 +538,7 @@ def test_legacy_from_where_torch_npu_is_imported_keeps_torch_npu_and_says_so():
     assert "torch_npu 2.12.0 source" not in done.stdout
 
 
+@pytest.mark.slow
 def test_doctor_says_which_legacy_is_active(tmp_path):
     source = wheel("2.12.0")
     done = npu_shadow("doctor", "--emulate-npu", "2", "--legacy-from", source, "--port", str(free_port()))
@@ -555,6 +567,7 @@ def test_a_directory_that_cannot_be_created_stops_before_the_command(tmp_path, c
 CASTS = "import torch\nfor _ in range(5):\n    torch.ones(2).type(torch.float64)\n"
 
 
+@pytest.mark.slow
 def test_each_job_gets_a_fresh_private_folder_inside_the_multiproc_dir(tmp_path):
     """Files of an earlier job, planted symlinks and foreign files in the directory never reach a new job."""
     import stat
@@ -578,6 +591,7 @@ def test_each_job_gets_a_fresh_private_folder_inside_the_multiproc_dir(tmp_path)
     assert len(jobs) == 2 and all(stat.S_IMODE(p.stat().st_mode) == 0o700 for p in jobs)
 
 
+@pytest.mark.slow
 def test_a_per_target_rate_applies_to_a_legacy_patched_after_torch():
     """As on an NPU host whose job imports torch_npu itself: the patch comes after `import torch`."""
     job = (
@@ -593,6 +607,7 @@ def test_a_per_target_rate_applies_to_a_legacy_patched_after_torch():
     assert 60 < int(done.stdout.strip().splitlines()[-1]) < 140  # about half of 200 calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "content, says",
     [
@@ -646,6 +661,7 @@ def _blocked_environment(tmp_path, everywhere: bool) -> dict:
     return env
 
 
+@pytest.mark.slow
 def test_an_exporter_not_asked_for_is_never_imported(tmp_path):
     """Without opentelemetry installed, a job run with a journal only is shadowed (it used to import the OTel
     exporter anyway, print "not installed" among the job's output, and run the job unshadowed, exiting 0)."""
@@ -659,6 +675,7 @@ def test_an_exporter_not_asked_for_is_never_imported(tmp_path):
     assert "not installed" not in done.stderr and journal.exists(), done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_an_exporter_whose_package_is_missing_fails_the_launcher_before_the_job(tmp_path):
     """--otel where opentelemetry cannot be imported: exit 2 naming the setting and the package, the job never
     started. Where the launcher finds it but a job process cannot import it, the job runs (its output is its own)

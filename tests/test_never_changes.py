@@ -385,6 +385,7 @@ def test_the_comparator_neither_sees_nor_changes_the_jobs_numpy_error_settings()
     assert stats.compared == stats.match == 1 and stats.by_reason == {}  # the same NaN and infinities
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_torchscript_job_whose_other_thread_changes_settings_trains_as_unwrapped_under_214(tmp_path):
     """Under ``npu-shadow run --legacy-from 2.14.0`` at rate 1 (its patches counted, its live targets shadowed): a

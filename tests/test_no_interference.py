@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -160,6 +161,7 @@ def test_dataparallel_replicas_leave_the_module_buffers_untouched_by_the_upstrea
     assert stats["parallel_apply"].match == 3
 
 
+@pytest.mark.slow
 def test_on_a_cpu_only_host_torch_upstream_refuses_and_that_is_an_error_not_a_crash():
     """The emulator cannot serve a host without an accelerator, so this runs in a fresh process without it."""
     script = textwrap.dedent(

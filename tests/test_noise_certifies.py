@@ -27,8 +27,6 @@ CALLS, LOOK_EVERY, SIGMA, WRONG, SIZE = 20_000, 2_000, 1.5, 0.05, 20.0
 #: The launcher's A/A rate, and one on every call.
 DEFAULTS, EVERY_CALL = 0.05, 1.0
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(autouse=True)
 def each_comparison_its_own_cluster(monkeypatch):
@@ -106,6 +104,7 @@ def _verdict(*source: str) -> dict:
     return decision
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("gradients", [False, True], ids=["forward", "gradients"])
 def test_a_real_divergence_on_5_percent_of_calls_under_heavy_tailed_noise_is_never_promoted(tmp_path, gradients):
@@ -135,6 +134,7 @@ def test_a_real_divergence_on_5_percent_of_calls_under_heavy_tailed_noise_is_nev
     assert len({(d["decision"], d["divergent"]) for d in decisions}) == 1, decisions  # (one run, one answer)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("aa_rate", [DEFAULTS, EVERY_CALL], ids=["launcher-defaults", "aa-every-call"])
 @pytest.mark.parametrize("gradients", [False, True], ids=["forward", "gradients"])
@@ -150,6 +150,7 @@ def test_the_honest_twin_is_never_rolled_back_over_20000_calls(aa_rate, gradient
     assert all(look.decision != verdict.ROLLBACK for look in looks), [look.why for look in looks]
 
 
+@pytest.mark.slow
 def test_the_detection_limit_is_in_the_verdicts_text_and_json(tmp_path):
     """At the launcher's A/A rate the noise hides what the max rate needs: inconclusive, the detection limit and the
     size limit said, and --aa-rate offered with its factor."""

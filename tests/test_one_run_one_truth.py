@@ -19,8 +19,6 @@ from exporters import JsonlExporter, PrometheusExporter
 from shadow import Target
 from shadow.core.model import run_ids as environment
 
-pytestmark = pytest.mark.slow
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -42,6 +40,7 @@ def test_calls_between_sampled_calls_reach_the_exposition_within_a_second():
         wait_for(lambda: _calls_exposed(registry, "op") == 251, "the next call too")
 
 
+@pytest.mark.slow
 def test_a_real_prometheus_sees_every_call_of_a_running_job_and_its_final_counts_after_it(tmp_path):
     """Under the launcher's defaults the last scrape held 30 of 40 calls of a target: calls reached the exposition
     only with a comparison, and the counts at exit were never scraped (a textfile beside the endpoint did not keep
@@ -184,6 +183,7 @@ def test_a_run_is_named_by_the_person_then_torchrun_then_the_launcher(monkeypatc
         environment.run_id({"NPU_SHADOW_RUN_ID": "a b"})
 
 
+@pytest.mark.slow
 def test_the_launcher_says_the_run_first_and_every_process_of_the_job_shares_it(tmp_path):
     journal = tmp_path / "j-{pid}.jsonl"
     job = "import torch, multiprocessing as mp\nx = torch.ones(2)\nx.type(torch.float64)\n"
@@ -234,6 +234,7 @@ def _two_runs_journal(tmp_path, monkeypatch):
     return path
 
 
+@pytest.mark.slow
 def test_two_runs_in_one_journal_are_named_never_mixed_and_each_is_decided_alone(tmp_path, monkeypatch):
     """Two successive runs with one job label were mixed: a report said 29,164 compared beside a 14,643 run."""
     path = _two_runs_journal(tmp_path, monkeypatch)
@@ -249,6 +250,7 @@ def test_two_runs_in_one_journal_are_named_never_mixed_and_each_is_decided_alone
     assert "| run | bravo-9 |" in report.stdout and "alpha-7" not in report.stdout
 
 
+@pytest.mark.slow
 def test_two_runs_in_one_metrics_file_are_told_apart(tmp_path):
     lines = ["# TYPE npu_shadow_comparisons_total counter"]
     for run, count in (("a", 10), ("b", 20)):
@@ -362,6 +364,7 @@ def test_the_dashboard_has_the_run_variable_panel_ids_rollbacks_and_the_side_ret
             assert 'run=~"$run"' in expr, expr
 
 
+@pytest.mark.slow
 def test_a_capture_names_its_run_and_replay_says_it(tmp_path, monkeypatch):
     import faults
 
@@ -385,6 +388,7 @@ def test_a_capture_names_its_run_and_replay_says_it(tmp_path, monkeypatch):
     assert "in run capture-run-3" in done.stdout, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_a_job_with_a_textfile_that_nobody_scraped_does_not_keep_its_endpoint(tmp_path):
     """The endpoint is kept after the job (for a Prometheus that scraped it) only where something scraped it during
     the job; the exit summary's own read of the job's metrics is no scrape."""

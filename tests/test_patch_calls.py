@@ -58,6 +58,7 @@ def _newer_python() -> str:
     pytest.skip(why)
 
 
+@pytest.mark.slow
 def test_the_counting_mechanism_keeps_each_function_itself_and_counts_the_jobs_calls_only():
     """On a Python with sys.monitoring, without torch: identity, pickling, signature, code and recursion headroom
     unchanged; the job's calls counted, the shadow side's and the tool's own not; each closure of a factory its own;
@@ -104,9 +105,9 @@ def test_every_place_a_release_counts_stays_itself(release):
     import torch.utils.data  # noqa: F401
     from torch_npu_wheels import wheel
 
-    from shadow.analysis import census
+    from shadow.analysis import census_cache
 
-    names = json.loads(census.patch_list(wheel(release)).read_text())["patches"]
+    names = json.loads(census_cache.patch_list(wheel(release)).read_text())["patches"]
     before = _places(names)
     assert len(before) > 20, before  # (most of them are reachable in this process)
     with shadow.install([], count_patches=names) as monitor:
@@ -145,9 +146,9 @@ def test_a_torchscript_model_trains_under_the_counters_of_214_as_unwrapped():
     counters: it scripts, and trains bitwise as it does unwatched."""
     from torch_npu_wheels import wheel
 
-    from shadow.analysis import census
+    from shadow.analysis import census_cache
 
-    names = json.loads(census.patch_list(wheel("2.14.0")).read_text())["patches"]
+    names = json.loads(census_cache.patch_list(wheel("2.14.0")).read_text())["patches"]
 
     def train() -> list[torch.Tensor]:
         torch.manual_seed(0)
@@ -255,6 +256,7 @@ def test_count_patches_must_be_dotted_names():
         shadow.install([], count_patches="torch.save")
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_job_under_the_launcher_says_which_of_the_releases_patches_it_called(tmp_path):
     """A job on 2 emulated npus with legacy from torch_npu 2.14.0 prints npu tensors, saves and loads a checkpoint
@@ -332,6 +334,7 @@ def test_a_job_under_the_launcher_says_which_of_the_releases_patches_it_called(t
                if m.startswith("npu_shadow_patch_calls_total"))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_legacy_version_not_in_the_cache_is_refused_at_start_up_naming_the_setting():
     done = npu_shadow("run", "--legacy-from", "9.9.9", "--", "true", timeout=120)
     assert done.returncode == 2 and "--legacy-from='9.9.9' is not valid" in done.stderr, done.stderr
@@ -350,6 +353,7 @@ print(explained.graph_break_count, [str(b.reason) for b in explained.break_reaso
 """
 
 
+@pytest.mark.slow
 def test_counters_add_no_graph_break_to_compiled_code():
     """A counted place dynamo traces through (a module's call) is traced as before: no graph break. (In a process of
     its own: dynamo's state, once traced, leaves later eager calls making reference cycles that other tests count.)"""

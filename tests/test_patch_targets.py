@@ -364,6 +364,7 @@ def test_a_patch_that_cannot_have_a_generic_target_is_refused_saying_why(name, w
         shadow.patch_target("2.14.0", name)
 
 
+@pytest.mark.slow
 def test_shadow_patch_under_the_launcher_and_its_refusals_at_start_up(tmp_path) -> None:
     import json
     import subprocess

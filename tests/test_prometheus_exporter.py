@@ -86,6 +86,7 @@ def test_scraped_counters_equal_the_monitor_stats(exporter, fake_torch_npu):
     assert {"dtype/cpu/blocking", "none/cpu/blocking", "call"} <= signatures
 
 
+@pytest.mark.slow
 def test_exposition_passes_promtool_check_metrics(exporter):
     ops = types.SimpleNamespace(op=faults.scale)
     with shadow.install([Target("op", ops, "op", faults.scale_wrong)], sample_rate=1.0, exporters=[exporter]):
@@ -162,6 +163,7 @@ def test_exporter_failure_is_counted_as_export_skip(exporter):
     assert total(parsed, "npu_shadow_skipped_total", target="op") == 0  # an exporter's failure skips no call
 
 
+@pytest.mark.slow
 def test_tls_options_reach_the_endpoint(tmp_path):
     import shutil
     import ssl

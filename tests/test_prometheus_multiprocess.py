@@ -8,11 +8,10 @@ import sys
 import pytest
 from metrics_helpers import samples, scrape, total
 
-pytestmark = pytest.mark.slow
-
 HERE = os.path.dirname(__file__)
 
 
+@pytest.mark.slow
 def test_parent_forked_and_spawned_children_all_arrive(tmp_path):
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
     job = subprocess.Popen(
@@ -48,6 +47,7 @@ def test_parent_forked_and_spawned_children_all_arrive(tmp_path):
     assert job.returncode == 0
 
 
+@pytest.mark.slow
 def test_a_multiprocess_directory_others_can_write_is_refused_by_the_library(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -73,6 +73,7 @@ for index in range(60):
 """
 
 
+@pytest.mark.slow
 def test_one_endpoint_shows_at_most_the_signature_cap_however_many_processes_write(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 
@@ -97,6 +98,7 @@ def test_one_endpoint_shows_at_most_the_signature_cap_however_many_processes_wri
     assert {dict(items)["signature"] for name, items in again if name == "npu_shadow_calls_total"} == signatures
 
 
+@pytest.mark.slow
 def test_a_torn_value_file_leaves_out_that_file_never_the_scrape_nor_a_traceback(tmp_path):
     """A value file torn by a process killed while it grew it (or a stranger's *.db) made every scrape of the job's
     endpoint fail (HTTP 500) and print a traceback on the job's stderr. It is left out, said once, and the other

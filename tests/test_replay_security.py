@@ -30,6 +30,7 @@ def replay(path, *options, cwd):
 EVIL = {"args": ["touch pwned"], "kwargs": {}, "legacy_fn": "os:system", "upstream_fn": "os:system"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fields",
     [
@@ -48,6 +49,7 @@ def test_a_capture_naming_functions_runs_nothing_of_them(tmp_path, fields):
         assert "refused" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_custom_capture_needs_its_functions_on_the_command_line(tmp_path):
     done = replay(save(tmp_path, **EVIL), cwd=tmp_path)
     assert done.returncode == 2 and "--legacy MODULE:FUNCTION" in done.stderr and "os:system" in done.stderr
@@ -58,12 +60,14 @@ def test_a_custom_capture_needs_its_functions_on_the_command_line(tmp_path):
     assert builtin.returncode == 2 and "built-in target" in builtin.stderr
 
 
+@pytest.mark.slow
 def test_class_leaves_resolve_to_tensor_types_only(tmp_path):
     path = save(tmp_path, **{**EVIL, "target": "tensor_type", "args": [torch.ones(2), {"class": "torch:HalfTensor"}]})
     done = replay(path, cwd=tmp_path)
     assert done.returncode == 0 and "replayed: match" in done.stdout, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "data",
     [{"format": 1}, {"format": 1, "target": 3}, {"format": 1, "target": "custom", "outcome": "m", "signature": "s",
@@ -77,6 +81,7 @@ def test_malformed_captures_exit_2_saying_what_is_wrong(tmp_path, data):
     assert done.returncode == 2 and "malformed capture" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_both_sides_raising_is_reported_as_such_not_as_a_match(tmp_path):
     path = save(tmp_path, **{**EVIL, "args": ["not", "fitting", "arguments"]})
     done = replay(path, "--legacy", "faults:scale", "--upstream", "faults:scale", cwd=tmp_path)
@@ -108,6 +113,7 @@ def test_a_capture_that_would_inflate_past_its_bound_is_refused(tmp_path, monkey
     assert capture_format.load(str(path))["args"][0].numel() == 1 << 19
 
 
+@pytest.mark.slow
 def test_a_deflated_capture_is_refused_before_it_is_inflated(tmp_path):
     import zipfile
 
@@ -123,6 +129,7 @@ def test_a_deflated_capture_is_refused_before_it_is_inflated(tmp_path):
     assert done.returncode == 2 and "once read" in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_replay_never_opens_a_fifo_or_a_symlink(tmp_path):
     fifo = tmp_path / "capture.pt"
     os.mkfifo(fifo)
@@ -134,6 +141,7 @@ def test_replay_never_opens_a_fifo_or_a_symlink(tmp_path):
     assert done.returncode == 2 and "cannot open" in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_a_captures_escape_sequences_never_reach_the_terminal(tmp_path):
     detail = "\x1b]0;owned\x07\x1b[2J"  # (a terminal title, then a cleared screen)
     path = save(tmp_path, target="tensor_type", detail=detail, args=[torch.ones(2), "torch.HalfTensor"], kwargs={})

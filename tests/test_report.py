@@ -256,6 +256,7 @@ def test_the_html_holds_the_charts_as_inline_svg(tmp_path):
     assert "## Charts" not in (tmp_path / "r.md").read_text()  # (Markdown: no room for pictures)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (the test command installs it)")
 def test_the_html_renders_in_chromium_with_the_verdict_table(tmp_path):
     from shadow.analysis import charts
@@ -287,6 +288,7 @@ def test_the_html_renders_in_chromium_with_the_verdict_table(tmp_path):
     assert all(count > 300 for count in drawn.values()), drawn
 
 
+@pytest.mark.slow
 def test_the_command_runs_as_a_process(tmp_path):
     journal = known_journal(tmp_path / "j.jsonl")
     done = npu_shadow("report", "--journal", str(journal), timeout=120)

@@ -13,11 +13,10 @@ import fakes
 import pytest
 from commands import npu_shadow
 
-pytestmark = pytest.mark.slow
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signal_name, code", [("PIPE", 141), ("XFSZ", 153)])
 def test_the_job_starts_with_the_default_dispositions_a_shell_gives(signal_name, code):
     """Python ignores SIGPIPE and SIGXFSZ in itself; the job it starts must not inherit that."""
@@ -25,6 +24,7 @@ def test_the_job_starts_with_the_default_dispositions_a_shell_gives(signal_name,
     assert done.returncode == code and "survived" not in done.stdout, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "journal, says",
     [
@@ -54,6 +54,7 @@ for _ in range(100):
 """
 
 
+@pytest.mark.slow
 def test_the_exit_summary_counts_every_install_of_the_monitor(tmp_path):
     from metrics_helpers import samples, total
 
@@ -195,6 +196,7 @@ def notification(*alerts: tuple[str, str]) -> bytes:
     ).encode()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alertname", ["Ünïcode ☃ alert", "Injected\r\nX-Evil: 1", "\x1b[31mred"])
 def test_every_firing_rollback_alert_throws_its_switch_whatever_its_labels_hold(tmp_path, alertname):
     a, b = Switches(), Switches()
@@ -211,6 +213,7 @@ def test_every_firing_rollback_alert_throws_its_switch_whatever_its_labels_hold(
     assert [line["status"] for line in receiver.lines()] == [200, 200]
 
 
+@pytest.mark.slow
 def test_a_slow_switch_never_delays_another(tmp_path):
     import time
 
@@ -235,6 +238,7 @@ def test_a_slow_switch_never_delays_another(tmp_path):
     assert statuses == {"slow": 0, "fast": 200}  # the slow one: not answered within its deadline
 
 
+@pytest.mark.slow
 def test_the_receiver_refuses_what_it_must_and_answers_bad_requests_with_400(tmp_path):
     switches = Switches()
     receiver = Receiver(tmp_path, f"--switch=a={switches.url}")
@@ -254,6 +258,7 @@ def test_the_receiver_refuses_what_it_must_and_answers_bad_requests_with_400(tmp
     assert receiver.lines()[-1]["job"] == "nobody" and receiver.lines()[-1]["switch"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, env, says",
     [
@@ -345,6 +350,7 @@ def _raw(port: int, data: bytes, wait: float = 10) -> bytes:
         return b"".join(chunks)
 
 
+@pytest.mark.slow
 def test_idle_connections_are_bounded_and_the_token_is_checked_before_any_body(tmp_path, monkeypatch):
     import socket
     import threading
@@ -422,6 +428,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_a_rollback_reaches_every_process_started_after_it_whatever_the_start_method(tmp_path):
     job = tmp_path / "job.py"
     job.write_text(SPAWNS_AFTER_ROLLBACK)
@@ -437,6 +444,7 @@ def test_a_rollback_reaches_every_process_started_after_it_whatever_the_start_me
 # --------------------------------------------------------------------------- the push, the launcher, the job
 
 
+@pytest.mark.slow
 def test_the_exit_push_has_one_deadline_then_the_textfile_and_exit(tmp_path):
     """A gateway that drips its answer a byte at a time never trips a socket timeout: the push as a whole is given
     up on at its deadline, and the textfile is still written."""
@@ -595,6 +603,7 @@ def _xdist(tmp_path, *options, env=None):
     return done.returncode, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_malformed_worker_counts_are_refused_and_said_never_crash_the_summary(tmp_path):
     (tmp_path / "test_suite.py").write_text(XDIST_SUITE)
     (tmp_path / "conftest.py").write_text(TAMPERING_CONFTEST)
@@ -605,6 +614,7 @@ def test_malformed_worker_counts_are_refused_and_said_never_crash_the_summary(tm
     assert "its evidence was refused" in summary and "INTERNALERROR" not in output
 
 
+@pytest.mark.slow
 def test_a_crashed_workers_calls_are_said_to_be_missing(tmp_path):
     (tmp_path / "test_suite.py").write_text(XDIST_SUITE)
     code, output = _xdist(tmp_path, env={"CRASH_A_WORKER": "1"})
@@ -627,6 +637,7 @@ def pytest_sessionfinish(session):
 """
 
 
+@pytest.mark.slow
 def test_a_workers_names_and_texts_reach_the_terminal_without_control_characters(tmp_path):
     """A worker's target name with an ESC is refused (no Target may have one), said with the ESC escaped; the
     control characters of its divergences' texts reach the terminal as '?'."""
@@ -684,6 +695,7 @@ CANARY = ["run", "--legacy-from", "reference", "--primary", "upstream", "--sampl
 PRINTS = [sys.executable, "-c", "print('the job ran')"]
 
 
+@pytest.mark.slow
 def test_a_canary_whose_switch_cannot_start_refuses_to_start_unless_told(tmp_path):
     import socket
 
@@ -702,6 +714,7 @@ def test_a_canary_whose_switch_cannot_start_refuses_to_start_unless_told(tmp_pat
     assert past.returncode == 2 and "past port 65535" in past.stderr and "the job ran" not in past.stdout
 
 
+@pytest.mark.slow
 def test_the_token_never_on_the_command_line_and_an_open_address_is_said(tmp_path):
     on_the_line = npu_shadow(*CANARY, "--rollback-port", "0", "--rollback-token", JOBS_TOKEN, "--", *PRINTS)
     assert on_the_line.returncode == 2 and "the job ran" not in on_the_line.stdout
@@ -757,6 +770,7 @@ def _ab(tmp_path: pathlib.Path, *pytest_args: str, journal: str | None = None, *
             "--npu-shadow-legacy=reference", *pytest_args]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argument, says",
     [
@@ -779,6 +793,7 @@ def test_ab_refuses_options_that_would_make_its_comparison_empty_or_one_sided(tm
     assert "the legacy world" not in done.stderr  # refused before any world ran
 
 
+@pytest.mark.slow
 def test_a_symlink_at_the_journal_path_is_refused_before_anything_runs(tmp_path):
     (tmp_path / "elsewhere").write_text("")
     (tmp_path / "j.jsonl").symlink_to(tmp_path / "elsewhere")
@@ -788,6 +803,7 @@ def test_a_symlink_at_the_journal_path_is_refused_before_anything_runs(tmp_path)
     assert (tmp_path / "elsewhere").read_text() == ""
 
 
+@pytest.mark.slow
 def test_a_test_that_crashes_the_interpreter_in_one_world_is_the_finding(tmp_path):
     import json
 
@@ -842,6 +858,7 @@ def _ignored(pid: int | str) -> set[int]:
     return {bit + 1 for bit in range(64) if mask >> bit & 1}
 
 
+@pytest.mark.slow
 def test_ab_started_ignoring_a_hang_up_keeps_ignoring_it_and_its_pytest_does_too(tmp_path):
     """Under nohup (SIGHUP ignored) ab and its pytest go on ignoring SIGHUP; the signals ab was not started
     ignoring reach its pytest at their defaults, whatever ab does with them."""
@@ -858,6 +875,7 @@ def test_ab_started_ignoring_a_hang_up_keeps_ignoring_it_and_its_pytest_does_too
     assert ab.returncode == 2 and "stopped by SIGTERM" in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1"])
 def test_a_signal_to_ab_stops_the_running_pytest_too(tmp_path, signal_name):
     import signal
@@ -920,6 +938,7 @@ with shadow.install([target], sample_rate=1.0, deadline=0.2):
 """
 
 
+@pytest.mark.slow
 def test_a_job_whose_upstream_hangs_forever_still_ends():
     done = subprocess.run([sys.executable, "-c", HANGING_JOB], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.strip() == "[2.0]", done.stdout + done.stderr
@@ -1018,6 +1037,7 @@ def test_a_slow_signature_function_is_paid_from_the_budget():
 # --------------------------------------------------------------------------- the rollback always gets through
 
 
+@pytest.mark.slow
 def test_idle_connections_without_a_token_never_keep_an_authorised_rollback_out():
     import socket
     import urllib.request
@@ -1051,6 +1071,7 @@ def test_a_malformed_request_is_refused_and_counted_never_a_traceback(capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_receiver_posts_each_switch_once_per_notification(tmp_path):
     switches = [Switches() for _ in range(8)]
     receiver = Receiver(tmp_path, *(f"--switch=job{i}={s.url}" for i, s in enumerate(switches)))
@@ -1064,6 +1085,7 @@ def test_the_receiver_posts_each_switch_once_per_notification(tmp_path):
     assert [len(s.posts) for s in switches] == [1] * 8
 
 
+@pytest.mark.slow
 def test_the_receiver_answers_502_when_a_switch_was_not_thrown(tmp_path):
     receiver = Receiver(tmp_path, f"--switch=gone=http://127.0.0.1:{free_port()}")
     try:
@@ -1100,6 +1122,7 @@ os.waitpid(pid, 0)
 """
 
 
+@pytest.mark.slow
 def test_a_rollback_reaches_a_process_forked_before_it(tmp_path):
     job = tmp_path / "job.py"
     job.write_text(FORKED_BEFORE_ROLLBACK)
@@ -1112,6 +1135,7 @@ def test_a_rollback_reaches_a_process_forked_before_it(tmp_path):
     assert done.stdout.split("\n")[0] == "legacy", done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_an_abort_at_exit_after_every_test_ran_loses_no_outcome(tmp_path):
     (tmp_path / "conftest.py").write_text("import atexit, os\natexit.register(os.abort)\n")
     done = subprocess.run(

@@ -11,11 +11,10 @@ import torch
 
 import shadow
 
-pytestmark = pytest.mark.slow
-
 THREADS, CALLS = 8, 10_000
 
 
+@pytest.mark.slow
 def test_eight_threads_hammering_type_count_exactly(fake_torch_npu):
     errors = []
     barrier = threading.Barrier(THREADS)
@@ -88,6 +87,7 @@ def run_compile(mode):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_compiled_code_sees_legacy_alone():
     legacy = run_compile("legacy")
     shadowed = run_compile("shadowed")
@@ -161,6 +161,7 @@ assert monitor.stats()["tensor_type"].match == 10
 """
 
 
+@pytest.mark.slow
 def test_no_shadow_thread_is_left_when_the_interpreter_finalizes():
     # A daemon thread still there at finalization is ended wherever it next takes the GIL; one whose stack holds
     # C++ frames (a room started under torch.compile's frame hook) aborts the process: "terminate called without

@@ -328,6 +328,7 @@ def test_an_unpacked_package_loads_and_its_module_code_never_runs(tmp_path: Any)
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_without_an_accelerator_loading_fails_saying_why() -> None:
     script = (
         "import torch\nfrom shadow.npu import torch_npu_source as s\n"
@@ -493,6 +494,7 @@ def _fetch(tmp_path: Any, ci: str, *versions: str) -> subprocess.CompletedProces
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_wheel_that_cannot_be_fetched_fails_ci_and_is_said_elsewhere(tmp_path: Any) -> None:
     under_ci = _fetch(tmp_path, "true", "2.12.0")
     assert under_ci.returncode == 1 and "missing: 2.12.0" in under_ci.stderr
@@ -515,6 +517,7 @@ def test_a_missing_wheel_fails_under_ci_and_skips_loudly_elsewhere(monkeypatch: 
     )
 
 
+@pytest.mark.slow
 def test_the_demo_fetches_torch_npus_wheel_and_falls_back_only_where_it_cannot(tmp_path: Any) -> None:
     index = tmp_path / "index"  # a local package folder standing for the package index
     index.mkdir()

@@ -114,6 +114,7 @@ def run_verdict(*args):
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+@pytest.mark.slow
 def test_the_installed_command_runs_as_a_process(tmp_path):
     path = tmp_path / "scrape.prom"
     path.write_text(EXPOSITION)
@@ -167,6 +168,7 @@ def test_usage_and_source_errors_exit_2(args):
     assert done.stderr
 
 
+@pytest.mark.slow
 def test_a_verdict_piped_into_a_reader_that_left_ends_quietly(tmp_path):
     """`npu-shadow verdict ... | head`: the reader leaves first; no BrokenPipeError traceback, exit 141 (SIGPIPE)."""
     import shlex

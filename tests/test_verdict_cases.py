@@ -34,6 +34,7 @@ def _source_error(done, *words: str) -> None:
 # --------------------------------------------------------------------------- 7: count records that cannot be
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field", ["timestamp", "mono"])
 def test_a_time_of_ten_to_the_400_is_a_source_error_naming_it_not_a_traceback(tmp_path, field):
     """An integer too large for a float ended in OverflowError with exit 1, the rollback code."""
@@ -43,6 +44,7 @@ def test_a_time_of_ten_to_the_400_is_a_source_error_naming_it_not_a_traceback(tm
     _source_error(verdict_cli("--journal", str(path)), f"whose {field} is an integer of 1329 bits")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -57,6 +59,7 @@ def test_a_span_a_journal_cannot_have_is_refused_never_silently_ignored(tmp_path
     _source_error(verdict_cli("--journal", str(path), *args), *words)
 
 
+@pytest.mark.slow
 def test_a_span_that_ends_before_it_starts_is_refused():
     done = verdict_cli("--prometheus", "http://127.0.0.1:9", "--start", "200", "--end", "100")
     _source_error(done, "--start (200) is after --end (100)")
@@ -105,6 +108,7 @@ def _history(
     return series, end
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_run_that_ended_hours_ago_is_judged_on_its_own_last_hour(tmp_path):
     """Ten clean hours, then an hour at 5x the max rate, the run ended 3 hours before the read: "the last hour"
@@ -128,6 +132,7 @@ def test_a_run_that_ended_hours_ago_is_judged_on_its_own_last_hour(tmp_path):
 # --------------------------------------------------------------------------- 3: a burst younger than an hour
 
 
+@pytest.mark.slow
 def test_a_ten_minute_burst_after_ten_clean_hours_is_not_promoted(tmp_path):
     """64 processes x 10 clean hours, their last 10 minutes at 5x the max rate: the last hour diluted the burst to
     0.87x the max rate, and the run promoted. The last 15 and 5 minutes are decided too."""
@@ -254,6 +259,7 @@ def test_clusters_come_at_most_sixty_per_process_hour_however_short_the_process(
     assert "at this evidence's rate, 60 clusters per process-hour" in decided.why, decided.why
 
 
+@pytest.mark.slow
 def test_one_run_gives_one_evidence_rate_from_its_journal_and_its_metrics(tmp_path):
     """The journal's process time was its first count record to its last, the metrics' the time under the monitor:
     one short run said 152 clusters per process-hour from one source and 249 from the other. Count records now carry
@@ -292,6 +298,7 @@ def test_one_run_gives_one_evidence_rate_from_its_journal_and_its_metrics(tmp_pa
 # --------------------------------------------------------------------------- 5: a drill never hides a real incident
 
 
+@pytest.mark.slow
 def test_a_drill_over_in_journals_sets_aside_its_marked_comparisons_never_the_real_divergences_beside_them(tmp_path):
     """A drill at 1 in 10 in a process that really diverged on every call set aside its whole span: the 90 real
     divergences went with the 10 drilled, and the clean evidence after it decided."""
@@ -357,6 +364,7 @@ def _drill_beside_an_incident(minutes: int, drill: range) -> tuple[dict, float]:
     return series, start + 60 * minutes
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_drill_on_one_process_never_sets_aside_a_real_incident_on_another(tmp_path):
     """Over Prometheus a drill set aside every process's counts while it ran: a real 100/100 incident on another
@@ -400,6 +408,7 @@ def _build(command: str = "0123456789ab", restart: str = "0", run: str = "job-1"
             "restart": restart}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_metrics_file_scraped_after_a_restart_never_promotes(tmp_path):
     """A canary rolled back, its process restarted (counters back at 0), then 10,000 clean clusters: the scrape
     after the restart promoted. A moment of a restarted job cannot see the rollback before it."""
@@ -434,6 +443,7 @@ def _began(run_start: float, started: float) -> str:
     )
 
 
+@pytest.mark.slow
 def test_a_metrics_file_of_processes_begun_after_their_run_never_promotes_alone(tmp_path):
     """A pod restarted (no launcher counted it: restart="0") after a rollback, then 10,000 clean clusters: the file
     promoted over the rollback it cannot see. It says when its processes began and when their run did."""
@@ -471,6 +481,7 @@ def test_the_exporter_says_when_its_processes_and_their_run_began(monkeypatch):
     assert values("job-1")["npu_shadow_run_start_time_seconds"] == 1796000000.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", ["yesterday", "nan", "1e12", "5"])
 def test_a_run_start_that_is_not_a_time_fails_at_start_up_naming_the_setting(bad):
     done = npu_shadow("run", "--run-started", bad, "--", sys.executable, "-c", "", timeout=120)
@@ -491,6 +502,7 @@ def test_a_command_id_is_the_same_for_every_rank_and_differs_between_jobs():
 # --------------------------------------------------------------------------- 7: two jobs under one run id
 
 
+@pytest.mark.slow
 def test_two_jobs_under_one_run_id_are_refused_from_a_metrics_file_never_pooled(tmp_path):
     """Two jobs sharing a run id were pooled: a job diverging at 5% beside a clean one was promoted with it."""
     path = tmp_path / "m.prom"
@@ -500,6 +512,7 @@ def test_two_jobs_under_one_run_id_are_refused_from_a_metrics_file_never_pooled(
     )
 
 
+@pytest.mark.slow
 def test_two_jobs_under_one_run_id_are_refused_from_journals(tmp_path):
     records = []
     for pid, command in ((1, "aaaaaaaaaaaa"), (2, "bbbbbbbbbbbb")):
@@ -514,6 +527,7 @@ def test_two_jobs_under_one_run_id_are_refused_from_journals(tmp_path):
 # --------------------------------------------------------------------------- 2: ranks from every launcher
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variable", ["SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
 def test_ranks_started_by_srun_or_mpirun_are_the_evidence_of_one_rank(tmp_path, monkeypatch, variable):
     """The rank share read only WORLD_SIZE, which srun and mpirun do not set: 8 ranks that saw the same inputs
@@ -550,6 +564,7 @@ def _spawned_rank(rank: int, world_size: int, directory: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_started_by_mp_spawn_count_their_process_groups_share(tmp_path, monkeypatch):
     """torch.multiprocessing.spawn sets no variable: each rank's cluster counts 1 / the process group's size."""
     import torch.multiprocessing as mp
@@ -632,6 +647,7 @@ def test_a_real_difference_beyond_the_floor_is_still_a_mismatch_within_a_few_cal
     assert stats.noise <= 15 and stats.mismatch >= 1_485, stats
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("window", [("--start", None), ("--window", "2h")], ids=["start", "window"])
 def test_a_rollback_never_reset_holds_over_any_window_a_reader_picks(tmp_path, window):
@@ -655,6 +671,7 @@ def test_a_rollback_never_reset_holds_over_any_window_a_reader_picks(tmp_path, w
         assert decided["decision"] == "rollback" and "rolled back in a running job" in target["why"], target["why"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "clusters, seconds, words",
     [(500_000, 480 * 60, "more than its comparisons"), (4_800, 480 * 60, "blocks its processes' 28,800 s allow")],
@@ -691,6 +708,7 @@ def test_a_metrics_file_with_impossible_clusters_is_capped_as_journals_are(clust
     assert decided.decision != "promote" and decided.phases[0].clusters <= 481, decided.why
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_prometheus_with_impossible_clusters_is_capped_as_journals_are(tmp_path):
     """Ten processes scraped for 11 hours, each counting a cluster a second (60 a minute, 396,000 in all: more than
@@ -722,6 +740,7 @@ def test_prometheus_with_impossible_clusters_is_capped_as_journals_are(tmp_path)
 # --------------------------------------------------------------------------- 5: called patches without evidence
 
 
+@pytest.mark.slow
 def test_a_called_patch_no_evidence_speaks_for_is_named_with_what_could_give_it(tmp_path):
     """Journals counted 2,000,000 calls of a patch no target shadows: the verdict promoted the one shadowed target
     and said nothing of the patch. The verdict (text and JSON) and the report name it, with --shadow-patch."""
@@ -747,6 +766,7 @@ def test_a_called_patch_no_evidence_speaks_for_is_named_with_what_could_give_it(
     assert "torch.nn.functional.pad: called 2,000,000 times" in verdict_part, verdict_part
 
 
+@pytest.mark.slow
 def test_a_patch_name_from_the_evidence_is_data_never_imported(tmp_path):
     """A name in a journal is looked up among the modules already loaded: naming a module imports nothing."""
     probe = tmp_path / "planted_by_a_journal.py"

@@ -567,6 +567,7 @@ def test_a_reset_sets_the_canarys_evidence_aside_and_fresh_evidence_decides(tmp_
     assert [p.primary for p in decision.phases] == ["legacy"]
 
 
+@pytest.mark.slow
 def test_the_verdict_and_the_report_show_phases_and_rollbacks(tmp_path):
     path = _canary_then_clean(tmp_path, rollback=True)
     done = verdict_cli("--journal", str(path))
@@ -602,6 +603,7 @@ def test_looking_every_1000_comparisons_promotes_at_most_5_percent_at_the_max_ra
     assert promoted_ours <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / sequences)
 
 
+@pytest.mark.slow
 def test_the_verdict_says_its_bounds_are_anytime_valid(tmp_path):
     path = journals.write(tmp_path / "j.jsonl", _processes(3, 100), all_outcomes=False)
     assert "anytime-valid 95%" in verdict_cli("--journal", str(path)).stdout
@@ -610,6 +612,7 @@ def test_the_verdict_says_its_bounds_are_anytime_valid(tmp_path):
 # --------------------------------------------------------------------------- 8 and 10. clusters
 
 
+@pytest.mark.slow
 def test_a_record_without_its_process_is_refused(tmp_path):
     """5,000 comparisons in one process (inconclusive), plus one record without pid: the old verdict dropped
     clustering for the whole target and promoted."""
@@ -678,6 +681,7 @@ def test_a_journal_without_every_outcome_counts_every_comparison_and_weights_as_
     assert j.rate == pytest.approx(m.rate) == pytest.approx(10 / 4000) and j.weighted and m.weighted
 
 
+@pytest.mark.slow
 def test_a_journal_that_cannot_count_every_comparison_is_refused(tmp_path):
     """Mismatch lines only (no count record, no header saying every outcome is there): the old verdict read 10 of 10
     divergent and said rollback."""
@@ -699,6 +703,7 @@ def test_a_process_killed_before_its_last_count_record_never_rolls_back_on_its_t
     assert "did not exit cleanly" in " ".join(decision.notes)
 
 
+@pytest.mark.slow
 def test_the_launchers_journal_and_its_metrics_give_the_same_counts(tmp_path):
     """`npu-shadow run --journal` on the example job: every comparison is in the journal's counts."""
     textfile = tmp_path / "metrics.prom"

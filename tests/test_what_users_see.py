@@ -21,8 +21,6 @@ from exporters import PrometheusExporter
 from shadow.core.calls.sampled.drill import Drill
 from shadow.core.model.targets import data_parallel_signature
 
-pytestmark = pytest.mark.slow
-
 
 def test_in_a_canary_skipped_calls_name_upstream_as_the_side_returned():
     """A call skipped for its module's hooks returned upstream's result in a canary: its skip says so."""
@@ -100,6 +98,7 @@ print(sorted(shadow.BUILTINS))
 """
 
 
+@pytest.mark.slow
 def test_a_job_that_imports_shadow_before_torch_is_shadowed(tmp_path):
     """`import shadow` first under the launcher: installed (no circular import), the emulated npu applied, and
     the calls counted in the exit summary."""
@@ -278,6 +277,7 @@ def test_the_report_marks_the_rows_a_drill_made(tmp_path):
 CASTS = "import torch\nx = torch.ones(2)\nfor _ in range(5):\n    x.type(torch.float16)\n"
 
 
+@pytest.mark.slow
 def test_run_and_doctor_agree_on_a_host_without_torch_npu(tmp_path):
     """Without torch_npu and without --legacy-from, run shadows nothing and doctor says so; --legacy-from
     reference rehearses on shadow.npu.reference in both."""
@@ -306,6 +306,7 @@ def test_run_and_doctor_agree_on_a_host_without_torch_npu(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_plugin_value_apart_from_its_option_is_refused_by_pytest_and_joined_by_ab(tmp_path):
     """pytest chooses its rootdir before it knows the plugin's options: ``--npu-shadow-journal PATH`` (space form)
     would make PATH's directory the rootdir and drop the suite's own config."""
@@ -348,6 +349,7 @@ def _replay(path):
     return npu_shadow("replay", str(path), timeout=600)
 
 
+@pytest.mark.slow
 def test_an_npu_capture_replays_on_the_emulated_npu_as_it_was_recorded(tmp_path):
     """Captures taken on npu:1 (this process has the emulated npu): a fresh replay process has no npu of its own."""
     base = {"format": 1, "target": "tensor_type", "outcome": "match", "signature": "s", "detail": "", "kwargs": {}}
@@ -391,6 +393,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_the_exit_summary_covers_the_workers_or_says_it_does_not(tmp_path):
     import sys
 
@@ -419,6 +422,7 @@ def test_the_exit_summary_covers_the_workers_or_says_it_does_not(tmp_path):
     assert "(this process only: it forked 2 processes" in without_metrics, without_metrics
 
 
+@pytest.mark.slow
 def test_every_skip_reason_is_named_in_the_summary():
     import subprocess
     import sys
@@ -450,6 +454,7 @@ def test_the_emulated_npus_first_build_says_what_it_is_doing(tmp_path, monkeypat
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_the_receiver_says_it_listens_before_torch_could_load():
     """The receiver needs no torch: it listens within a few seconds even where importing torch takes many."""
     import socket
@@ -555,6 +560,7 @@ def _chart_problems(tmp_path, page):
     return measured["found"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (the test command installs it)")
 @pytest.mark.parametrize("rate", [0.5, 0.002], ids=["drill", "near-thresholds"])
 def test_no_chart_text_overlaps_or_leaves_its_picture_in_chromium(tmp_path, rate):

@@ -371,7 +371,7 @@ _NOT_LOADED = object()
 #: Set in the job's environment when its switch is thrown: processes it starts later begin rolled back.
 ROLLED_BACK_BY = "NPU_SHADOW_ROLLED_BACK_BY"
 #: Set by ``npu-shadow run --legacy-from RELEASE``: a file naming the release's function patches, whose calls every
-#: process counts (:func:`shadow.analysis.census.patch_list`).
+#: process counts (:func:`shadow.analysis.census_cache.patch_list`).
 PATCH_LIST = "NPU_SHADOW_PATCH_LIST"
 
 

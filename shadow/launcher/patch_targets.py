@@ -24,9 +24,9 @@ class PatchRefused(ValueError):
 
 
 def _listing(release: str) -> dict[str, Any]:
-    from shadow.analysis import census
+    from shadow.analysis import census_cache
 
-    return json.loads(census.patch_list(release).read_text(encoding="utf-8"))
+    return json.loads(census_cache.patch_list(release).read_text(encoding="utf-8"))
 
 
 def _place(release: str, name: str) -> tuple[str, int, str]:

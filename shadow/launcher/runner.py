@@ -37,13 +37,13 @@ def _count_patches(legacy_from: str, env: dict[str, str]) -> None:
     census (kept in the cache after the first), named in ``env`` (:data:`~shadow.launcher.launch.PATCH_LIST`). A
     release that cannot be read counts none, said (``--legacy-from`` says why when the job loads it); a census
     cache others can write is refused (UnsafeCache)."""
-    from shadow.analysis import census
+    from shadow.analysis import census_cache
     from shadow.launcher.launch import PATCH_LIST
     from shadow.npu.torch_npu_source import LegacySourceError
 
     try:
-        env[PATCH_LIST] = str(census.patch_list(legacy_from))
-    except census.UnsafeCache:
+        env[PATCH_LIST] = str(census_cache.patch_list(legacy_from))
+    except census_cache.UnsafeCache:
         raise
     except (LegacySourceError, OSError) as exc:
         print(f"npu-shadow: no patch calls counted: {exc}", file=sys.stderr)
@@ -360,7 +360,7 @@ def _run(
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.pop(ROLLED_BACK_BY, None)  # (a new job starts with its configured primary)
     if config.legacy_from and config.legacy_from != cfg.REFERENCE:
-        from shadow.analysis.census import UnsafeCache
+        from shadow.analysis.census_cache import UnsafeCache
 
         try:
             _count_patches(config.legacy_from, env)

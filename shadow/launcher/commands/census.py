@@ -50,13 +50,13 @@ def add(commands: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     import json
 
-    from shadow.analysis import census
+    from shadow.analysis import census, census_cache
     from shadow.analysis.sources import SourceError
     from shadow.npu.release_files import LegacySourceError, printable
 
     try:
-        taken = census.kept(args.source)
-        against = census.kept(args.against) if args.against else None
+        taken = census_cache.kept(args.source)
+        against = census_cache.kept(args.against) if args.against else None
         evidence = _evidence(args) if args.journal or args.prometheus else None
     except (LegacySourceError, OSError, SourceError) as exc:
         print(f"npu-shadow census: {printable(str(exc))}", file=sys.stderr)
