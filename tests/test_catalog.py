@@ -22,19 +22,18 @@ catalog.CATALOG += (catalog.Row(
 ),)
 import torch
 import shadow
-
-import pytest
 from shadow.analysis import census
 from shadow.core.model import targets
 from shadow.core.model.observation import BUILTIN_RISKY, BUILTIN_TARGETS
-from shadow.launcher import config, doctor
+from shadow.launcher import doctor, setting_values
 from shadow.npu import torch_npu_source
 with shadow.install(["tensor_neg"], sample_rate=1.0) as monitor:
     negated = torch.arange(3.0).neg()
     stats = monitor.stats()["tensor_neg"]
 code, lines = doctor.diagnose(0)
 print(json.dumps({
-    "names": list(BUILTIN_TARGETS), "risky": BUILTIN_RISKY["tensor_neg"], "setting": "tensor_neg" in config.BUILTINS,
+    "names": list(BUILTIN_TARGETS), "risky": BUILTIN_RISKY["tensor_neg"],
+    "setting": "tensor_neg" in setting_values.BUILTINS,
     "place": targets.PLACES["tensor_neg"][0]() is torch.Tensor,
     "patch": [p.definition for p in torch_npu_source.PATCHES if p.target == "tensor_neg"],
     "census": [t for o, a, t in census._shadowing() if (o, a) == (torch.Tensor, "neg")],

@@ -16,7 +16,7 @@ from prometheus_server import consecutive_free_ports, free_port, prometheus
 from torch_npu_wheels import wheel
 
 from shadow.launcher import config as cfg
-from shadow.launcher import doctor, runner
+from shadow.launcher import doctor, runner, setting_values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_dataparallel.py")
@@ -620,8 +620,8 @@ def test_a_token_file_that_is_not_a_token_is_refused_saying_why(tmp_path, conten
     path = tmp_path / "token"
     path.write_bytes(content)
     path.chmod(0o600)
-    with pytest.raises(cfg.Invalid, match=says):
-        cfg.read_token_file(str(path))
+    with pytest.raises(setting_values.Invalid, match=says):
+        setting_values.read_token_file(str(path))
     done = npu_shadow(
         "run",
         "--primary",

@@ -111,6 +111,43 @@ def test_strict_mode_fails_exactly_the_tests_that_diverged(suite):
     assert code == 1
 
 
+LEGACY_FORMAT = """
+import torch
+
+
+def _saved(tmp_path):
+    path = tmp_path / "old.pt"
+    torch.save({"w": torch.ones(3, device="npu:0")}, path, _use_new_zipfile_serialization=False)
+    return path
+
+
+def test_loads_a_legacy_format_npu_checkpoint(tmp_path):
+    assert torch.load(_saved(tmp_path), weights_only=False)["w"].sum().item() == 3
+
+
+def test_loads_it_weights_only(tmp_path):
+    assert torch.load(_saved(tmp_path))["w"].sum().item() == 3
+"""
+
+
+@pytest.mark.parametrize("release, flips", [("2.12.0", True), ("2.14.0", False)])
+def test_strict_mode_still_catches_212_loading_a_legacy_format_npu_checkpoint_onto_the_cpu(tmp_path, release, flips):
+    """A real difference: torch_npu 2.12.0 loads a checkpoint of the legacy (non-zip) format onto the CPU where no
+    map_location is given and weights_only is off, upstream onto the device it was saved from; strict mode fails the
+    test that loads it. From 2.13.0 on, torch_npu loads it as upstream does (no flip), and a weights-only load agrees
+    in every release."""
+    from torch_npu_wheels import wheel
+
+    (tmp_path / "test_legacy_format.py").write_text(LEGACY_FORMAT)
+    legacy = [f"--npu-shadow-legacy-from={wheel(release)}", "--npu-shadow-targets=torch_load"]
+    _, output, outcomes = run_pytest(tmp_path, *SHADOWED, "--npu-shadow-strict", *legacy)
+    assert outcomes == {
+        "test_legacy_format::test_loads_a_legacy_format_npu_checkpoint": "failed" if flips else "passed",
+        "test_legacy_format::test_loads_it_weights_only": "passed",
+    }, output
+    assert ("torch_load mismatch (device)" in output) == flips, output
+
+
 def test_under_xdist_the_workers_evidence_is_merged_and_agrees_with_the_journal(suite):
     """With ``-n 2`` the controller runs no test: its summary is the workers' counts and divergences merged, and
     the same as the journal they all wrote."""

@@ -208,7 +208,7 @@ def test_millions_of_lines_need_bounded_memory(tmp_path):
         assert evidence.lines == lines + 1 and sum(g.count for g in evidence.groups.values()) == lines
         return high
 
-    small, large = peak(5_000), peak(100_000)
+    small, large = peak(1_000), peak(20_000)
     assert large < 2 * small + (1 << 20), (small, large)
 
 

@@ -341,7 +341,9 @@ def test_without_an_accelerator_loading_fails_saying_why() -> None:
 def test_where_the_accelerator_is_not_an_npu_its_name_and_module_stand_in(monkeypatch) -> None:
     """On a CUDA host torch_npu's code sees torch.cuda as torch.npu and reads the device string 'npu' as 'cuda'.
     Shown with a stand-in accelerator named 'cpu' whose device module is the emulated npu's."""
-    monkeypatch.setattr(torch_npu_source, "_device_module", lambda: ("cpu", torch.npu))
+    from shadow.npu import legacy_host
+
+    monkeypatch.setattr(legacy_host, "device_module", lambda: ("cpu", torch.npu))
     loaded = torch_npu_source.load(wheel("2.12.0"))
     cast = loaded.tensor_type(torch.ones(2, device="npu:1"), "torch.npu.HalfTensor")
     assert cast.device == torch.device("cpu") and cast.dtype == torch.float16  # device='npu' read as 'cpu'

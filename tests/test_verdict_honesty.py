@@ -753,10 +753,12 @@ def test_outcome_lines_are_not_parsed_where_count_records_cover_them(tmp_path, m
     headers, count records, events and the lines after a process's last count record are parsed."""
     stats, _ = _guided_job(tmp_path / "j.jsonl", calls=4000, all_outcomes=True, count_interval=0)
     parsed = []
-    from shadow.analysis.sources import journals
+    from shadow.analysis.sources import journal_lines, journals
 
-    real = journals._journal_record
-    monkeypatch.setattr(journals, "_journal_record", lambda raw, where: parsed.append(raw) or real(raw, where))
+    real = journal_lines.record_of
+    counting = lambda raw, where: parsed.append(raw) or real(raw, where)  # noqa: E731
+    for module in (journal_lines, journals):  # (the reader's fast path, and the checked read of a whole line)
+        monkeypatch.setattr(module, "record_of", counting)
     counts = sources.from_journal([str(tmp_path / "j.jsonl")])["op"]
     lines = (tmp_path / "j.jsonl").read_text().splitlines()
     assert counts.compared == stats.compared and len(lines) > 2 * stats.compared

@@ -85,7 +85,8 @@ def refused_argument(pytest_args: Sequence[str]) -> str | None:
 
 def journal_problem(journal: str) -> str | None:
     """Why ab cannot write its journal there (the rule of the launcher's --journal), or None."""
-    from shadow.launcher.config import SETTINGS, Invalid
+    from shadow.launcher.config import SETTINGS
+    from shadow.launcher.setting_values import Invalid
 
     try:
         SETTINGS["journal"].parse(journal)

@@ -13,7 +13,7 @@ import socket
 import torch
 
 from shadow.core.model import targets
-from shadow.launcher.config import REFERENCE
+from shadow.launcher.setting_values import REFERENCE
 from shadow.npu import catalog, reference
 
 

@@ -402,7 +402,7 @@ def _load_legacy(path: str) -> Any:
     """Install torch_npu's own legacy from its source at ``path``, or :mod:`shadow.npu.reference`'s where ``path``
     is "reference"; what is installed is returned (None where nothing is). Where torch_npu itself is imported its
     patches are the legacy; where the source cannot be loaded, say so and shadow what the process has."""
-    from shadow.launcher.config import REFERENCE
+    from shadow.launcher.setting_values import REFERENCE
     from shadow.npu import torch_npu_source
 
     if "torch_npu" in sys.modules:

@@ -174,7 +174,7 @@ def main(
     listen: str, switch_args: Sequence[str], token: str | None, receiver_token: str | None, anywhere: bool = False
 ) -> int:
     """Check the settings (exit 2 with a message naming the one that is wrong), then receive until interrupted."""
-    from shadow.launcher.config import TOKEN_RULE, token_problem
+    from shadow.launcher.setting_values import TOKEN_RULE, token_problem
 
     for name, value in (("NPU_SHADOW_ROLLBACK_TOKEN", token), ("NPU_SHADOW_RECEIVER_TOKEN", receiver_token)):
         problem = "is not set" if not value else token_problem(value)

@@ -17,6 +17,7 @@ from shadow.launcher import config as cfg
 from shadow.launcher import linger
 from shadow.launcher.bootstrap import npu_shadow_boot as boot
 from shadow.launcher.launch import ROLLED_BACK_BY, wants_prometheus
+from shadow.launcher.setting_values import REFERENCE
 
 BOOTSTRAP_DIR = os.path.dirname(os.path.abspath(boot.__file__))
 
@@ -316,7 +317,7 @@ def _run(
         except emulated.EmulatorUnavailable as exc:
             print(f"npu-shadow run: --emulate-npu: {exc}", file=sys.stderr)
             return 2
-    if config.legacy_from and config.legacy_from != cfg.REFERENCE:
+    if config.legacy_from and config.legacy_from != REFERENCE:
         from shadow.npu import torch_npu_source
 
         try:
@@ -359,7 +360,7 @@ def _run(
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *filter(None, [env.get("PYTHONPATH")])])
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.pop(ROLLED_BACK_BY, None)  # (a new job starts with its configured primary)
-    if config.legacy_from and config.legacy_from != cfg.REFERENCE:
+    if config.legacy_from and config.legacy_from != REFERENCE:
         from shadow.analysis.census_cache import UnsafeCache
 
         try:

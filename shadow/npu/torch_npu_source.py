@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from shadow.npu import catalog
+from shadow.npu import legacy_host as host
 from shadow.npu.emulated import formats, torch_npu_c
 from shadow.npu.patching import LEGACY_ORIGIN_ATTRIBUTE, LEGACY_PATCHED, Patches, replace, upstream_of
 from shadow.npu.release_files import (  # noqa: F401  (the release readers, re-exported here)
@@ -240,92 +241,13 @@ def _imported(tree: ast.Module) -> dict[str, tuple[str, str | None]]:
     return bound
 
 
-class _DeviceRename(ast.NodeTransformer):
-    """``'npu'`` -> the accelerator's type, for hosts whose accelerator is not an npu."""
-
-    def __init__(self, device_type: str) -> None:
-        self.device_type = device_type
-
-    def visit_Constant(self, node: ast.Constant) -> ast.Constant:
-        if node.value == "npu":
-            return ast.copy_location(ast.Constant(self.device_type), node)
-        return node
-
-
-# --------------------------------------------------------------------------- binding to this host
-
-
-class _TorchView(types.ModuleType):
-    """``torch`` as torch_npu's code sees it where ``torch.npu`` is not torch_npu's (the emulated npu, CUDA)."""
-
-    def __init__(self, device_module: Any) -> None:
-        super().__init__("torch")
-        self.npu = device_module
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-class _NpuModule(types.ModuleType):
-    """``torch_npu.npu`` (which torch_npu also makes ``torch.npu``) where the accelerator is not a real NPU:
-    torch_npu's runtime functions from its source (set on it by the loader), then torch_npu's defaults for what
-    the patches read of its settings, anything else the device module's."""
-
-    def __init__(self, device_module: Any) -> None:
-        super().__init__("torch_npu.npu")
-        self._device_module = device_module
-
-    @staticmethod
-    def get_mm_bmm_format_nd() -> bool:
-        return True  # (torch_npu's default: matmul weights keep the ND format)
-
-    @staticmethod
-    def is_jit_compile_false() -> bool:
-        return True  # (torch_npu's default on the 910B and later)
-
-    def get_device_name(self, device: Any = None) -> str:
-        getter = getattr(self._device_module, "get_device_name", None)
-        return getter(device) if getter is not None else "unknown"
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._device_module, name)
-
-
-def _npu_format_cast(tensor: torch.Tensor, acl_format: int) -> torch.Tensor:
-    """``torch_npu.npu_format_cast`` on a host whose accelerator is not an npu (CUDA): one memory format, nothing to
-    cast (torch_npu returns the tensor itself where its format is the one asked for)."""
-    return tensor
-
-
-def _get_npu_format(tensor: torch.Tensor) -> int:
-    """``torch_npu.get_npu_format`` on a host whose accelerator is not an npu: every tensor is ND."""
-    return int(formats.Format.ND)
-
-
-def _emulated_torch_npu_c() -> Any:
-    """The emulator's ``torch_npu._C`` where the accelerator is the emulated npu, else None."""
-    from shadow.npu import emulated
-
-    return torch_npu_c if emulated.installed_devices() else None
-
-
-def _device_module() -> tuple[str, Any]:
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None:
-        raise LegacySourceError(
-            "torch_npu's legacy needs an accelerator (an NPU, CUDA, or the emulated npu: --emulate-npu); "
-            "this host has none"
-        )
-    return accelerator.type, torch.get_device_module(accelerator.type)
-
-
 class _Loader:
     def __init__(self, source: ReleaseFiles, version: str, device: tuple[str, Any] | None = None) -> None:
         self.source = source
         self.version = version
         # (``device``: a check that defines the functions and calls none of them needs no accelerator)
-        self.device_type, self.device_module = device or _device_module()
-        self.torch_npu_c = _emulated_torch_npu_c() if self.device_type == "npu" else None
+        self.device_type, self.device_module = device or host.device_module()
+        self.torch_npu_c = host.emulated_torch_npu_c() if self.device_type == "npu" else None
         self.namespaces: dict[str, dict[str, Any]] = {}
         self.trees: dict[str, ast.Module] = {}
         self.package = self._package()
@@ -335,18 +257,18 @@ class _Loader:
         if self.device_type == "npu" and self.torch_npu_c is None:
             self.torch = torch  # a real NPU: torch.npu is the installed torch_npu's own
         else:
-            self.torch = _TorchView(self.package.npu)
+            self.torch = host.TorchView(self.package.npu)
 
     def _package(self) -> types.ModuleType:
         package = types.ModuleType("torch_npu")
         if self.torch_npu_c is not None:
-            npu = _NpuModule(self.device_module)
+            npu = host.NpuModule(self.device_module)
             package._C = self.torch_npu_c
             # torch_npu.npu._lazy_init lives in module state (torch_npu/npu/__init__.py), not in a definition the
             # loader takes: the emulator's initialisation stands in for it (nothing to wait for).
             npu._lazy_init = self.torch_npu_c._npu_init
         else:
-            npu = _NpuModule(self.device_module)
+            npu = host.NpuModule(self.device_module)
             package._C = types.SimpleNamespace(
                 _npu_getLocalDevice=torch.accelerator.current_device_index,
                 _npu_set_thread_affinity=lambda start, end: None,  # (torch_npu's binding is for NPU hosts)
@@ -355,8 +277,8 @@ class _Loader:
                 _tensor_construct_from_storage=torch_npu_c._tensor_construct_from_storage,
             )
         emulated = self.torch_npu_c is not None
-        package.npu_format_cast = formats.cast if emulated else _npu_format_cast
-        package.get_npu_format = formats.get if emulated else _get_npu_format
+        package.npu_format_cast = formats.cast if emulated else host.npu_format_cast
+        package.get_npu_format = formats.get if emulated else host.get_npu_format
         package.Format = formats.Format
         for name in TENSOR_TYPE_NAMES:
             cls = getattr(self.device_module, name, None)
@@ -380,7 +302,7 @@ class _Loader:
             try:
                 namespace = self.execute(member, names)
             except LegacySourceError:
-                continue  # (an older release: _NpuModule's defaults, torch_npu's own, stand in)
+                continue  # (an older release: host.NpuModule's defaults, torch_npu's own, stand in)
             for name in names:
                 loaded[name] = namespace[name]
                 setattr(self.package.npu, name, namespace[name])
@@ -503,7 +425,7 @@ class _Loader:
         never = ast.If(test=ast.Constant(False), body=_imports(tree) or [ast.Pass()], orelse=[])
         module = ast.fix_missing_locations(ast.Module(body=[never, *nodes], type_ignores=[]))
         if self.device_type != "npu":
-            module = ast.fix_missing_locations(_DeviceRename(self.device_type).visit(module))
+            module = ast.fix_missing_locations(host.DeviceRename(self.device_type).visit(module))
         # torch_npu's own compiler flags (its file's __future__ imports), never this module's
         code = compile(module, namespace["__file__"], "exec", flags=_future_flags(tree), dont_inherit=True)
         exec(code, namespace)

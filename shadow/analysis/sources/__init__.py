@@ -1,5 +1,6 @@
 """Where the verdict's counts come from, one module per source: a Prometheus server (:mod:`.prometheus`), a saved
-exposition (:mod:`.exposition`), or journals (:mod:`.journals`); what they share is :mod:`.common`.
+exposition (:mod:`.exposition`), or journals (:mod:`.journals`, their lines checked by :mod:`.journal_lines`); what
+they share is :mod:`.common`.
 
 Sources are data from elsewhere and are checked as such: a source that is not what it claims (binary, not
 UTF-8, too large, malformed), or whose counts cannot be counts (negative, fractional where they must be whole,
@@ -15,14 +16,8 @@ from shadow.analysis.sources.common import (
     select_run,
 )
 from shadow.analysis.sources.exposition import environment_from_exposition, from_exposition
-from shadow.analysis.sources.journals import (
-    JournalReader,
-    from_journal,
-    journal_records,
-    patch_calls,
-    rotated_siblings,
-    with_rotated,
-)
+from shadow.analysis.sources.journal_lines import journal_records, rotated_siblings, with_rotated
+from shadow.analysis.sources.journals import JournalReader, from_journal, patch_calls
 from shadow.analysis.sources.prometheus import from_prometheus, patch_calls_from_prometheus
 
 __all__ = [

@@ -7,9 +7,7 @@ import collections
 import dataclasses
 import json
 import math
-import os
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from exporters import journal_format
 from shadow.analysis import verdict
@@ -20,40 +18,28 @@ from shadow.analysis.sources.common import (
     MAX_LINE_BYTES,
     SourceError,
     _count,
-    _shown,
     one_job_per_run,
     select_run,
 )
+from shadow.analysis.sources.journal_lines import (
+    check_counts,
+    record_of,
+    said,
+    seconds_of,
+    whole_record,
+    with_rotated,
+)
 from shadow.core.judging import noise
 from shadow.core.model.observation import (
-    BACKWARD_OUTCOMES,
     COMPARED_OUTCOMES,
-    DECADE_LIMIT,
     DIFFERS_IN_FLOAT64,
     DIVERGENT_OUTCOMES,
     LEGACY,
     NEARER,
-    OUTCOMES,
     PRIMARY_SIDES,
     Outcome,
     error_decade,
 )
-
-
-def journal_records(paths: Iterable[str], torn: list[str] | None = None) -> Iterator[dict]:
-    """Every record of the journals, checked, one at a time (bounded memory however long they are).
-
-    A final line without its newline that is not a whole record (a writer killed mid-line, a full disk) is
-    skipped; its place is appended to ``torn`` when given."""
-    for path in paths:
-        try:
-            with open(path, "rb") as handle:
-                for number, raw in enumerate(iter(lambda h=handle: h.readline(MAX_LINE_BYTES + 1), b""), 1):
-                    record = _whole_record(raw, f"{path}:{number}", torn)
-                    if record is not None:
-                        yield record
-        except OSError as exc:
-            raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
 def clustering(window: float) -> str:
@@ -61,30 +47,6 @@ def clustering(window: float) -> str:
     return f"process x {window:g} s blocks from its start" if window > 0 else "process"
 
 
-def rotated_siblings(path: str) -> list[str]:
-    """``path`` with the files its rotation left (``path.1`` ... ``path.N``, oldest first, then ``path``)."""
-    siblings = []
-    index = 1
-    while os.path.exists(f"{path}.{index}"):
-        siblings.append(f"{path}.{index}")
-        index += 1
-    return [*reversed(siblings), path]
-
-
-def with_rotated(paths: Iterable[str]) -> tuple[list[str], list[str]]:
-    """(every journal to read: each path with its rotated siblings, oldest first, each once; the siblings added)."""
-    given = list(dict.fromkeys(os.fspath(p) for p in paths))
-    read, added = [], []
-    for path in given:
-        for each in rotated_siblings(path) if not _ROTATED.search(path) else [path]:
-            if each not in read:
-                read.append(each)
-                if each not in given:
-                    added.append(each)
-    return read, added
-
-
-_ROTATED = re.compile(r"\.\d+$")
 #: An outcome line as the journal exporter frames it: its process is read without parsing the line (fast path).
 _OUTCOME_START = journal_format.LINE_START
 _PROCESS_FIELDS = journal_format.PROCESS_KEY
@@ -160,7 +122,7 @@ class _Tail:
                 if decade is not None:
                     key = (signature, str(decade))
                     self.truth_decades[key] = self.truth_decades.get(key, 0) + 1
-        timestamp = _seconds(record.get("timestamp"))
+        timestamp = seconds_of(record.get("timestamp"))
         second = int(timestamp) if timestamp is not None else 0
         counts = self.seconds.setdefault(second, [0.0, 0.0])
         counts[0] += 1
@@ -198,7 +160,7 @@ class _Stream:
     patch_calls: dict[str, float] = dataclasses.field(default_factory=dict)  # its calls of a release's patches
 
     def see(self, value: object) -> None:
-        timestamp = _seconds(value)
+        timestamp = seconds_of(value)
         if timestamp is not None:
             self.start = timestamp if self.start is None else min(self.start, timestamp)
             self.last = timestamp if self.last is None else max(self.last, timestamp)
@@ -209,8 +171,8 @@ class _Stream:
         wall, mono = record["timestamp"], record.get("mono")
         if mono is None:
             return wall
-        if _seconds(mono) is None:
-            raise SourceError(f"{where}: a count record whose mono is {_said(mono)}, not a finite number")
+        if seconds_of(mono) is None:
+            raise SourceError(f"{where}: a count record whose mono is {said(mono)}, not a finite number")
         if self.clock is not None:
             jump = (wall - self.clock[0]) - (mono - self.clock[1])
             if abs(jump) > CLOCK_JUMP_SECONDS:
@@ -245,23 +207,6 @@ class _Stream:
         return self.last - self.start if self.start is not None and self.last is not None else 0.0
 
 
-def _seconds(value: object) -> float | None:
-    """A record's time as a float, or None where it is no finite number (text, a bool, nan, an integer too large
-    for a float: 10**400)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        seconds = float(value)
-    except OverflowError:
-        return None
-    return seconds if math.isfinite(seconds) else None
-
-
-def _said(value: object) -> str:
-    """A record's value as a message quotes it: JSON, a huge integer by its size."""
-    return _shown(value) if isinstance(value, int) and not isinstance(value, bool) else json.dumps(value)
-
-
 def _compared(counts: dict) -> tuple[float, float]:
     compared = divergent = 0.0
     for by_outcome in counts.get("outcomes", {}).values():
@@ -269,85 +214,6 @@ def _compared(counts: dict) -> tuple[float, float]:
             compared += value if outcome in COMPARED_OUTCOMES else 0
             divergent += value if outcome in DIVERGENT_OUTCOMES else 0
     return compared, divergent
-
-
-def _check_counts(record: dict, where: str) -> dict:
-    """A count record's fields, checked: nested maps of strings to whole counts."""
-    if not isinstance(record.get("target"), str) or record.get("primary") not in PRIMARY_SIDES:
-        raise SourceError(f"{where}: a count record without a target or a known primary")
-    timestamp = record.get("timestamp")
-    if _seconds(timestamp) is None:
-        raise SourceError(
-            f"{where}: a count record whose timestamp is {_said(timestamp)}, not a finite number of seconds "
-            "(when its comparisons were counted, which the clusters are cut by)"
-        )
-
-    def table(name: str, depth: int) -> dict:  # (depth: journal_format.COUNT_TABLES')
-        value = record.get(name, {})
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise SourceError(f"{where}: a count record whose {name} is not a map")
-        if depth == 2:
-            return {k: table_of(v, f"{name}.{k}") for k, v in value.items()}
-        return {k: _count(v, f"{where}: {name}.{k}") for k, v in value.items()}
-
-    def table_of(value: object, name: str) -> dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise SourceError(f"{where}: a count record whose {name} is not a map")
-        return {k: _count(v, f"{where}: {name}.{k}") for k, v in value.items()}
-
-    tables = {name: table(name, depth) for name, depth in journal_format.COUNT_TABLES.items()}
-    for outcomes in tables["outcomes"].values():
-        if any(o not in COMPARED_OUTCOMES for o in outcomes):
-            raise SourceError(f"{where}: a count record with an unknown outcome")
-    truth, decades, backward = tables["truth"], tables["truth_decades"], tables["backward"]
-    if any(found not in BACKWARD_OUTCOMES for by_found in backward.values() for found in by_found):
-        raise SourceError(f"{where}: a count record with an unknown backward outcome")
-    judged = {f"{pair}/{check}" for pair in noise.PAIRS for check in noise.CHECKS}
-    if any(e not in noise.EVIDENCE or set(by_key) - judged for e, by_key in tables["noise"].items()):
-        raise SourceError(f"{where}: a count record with an unknown noise check")
-    if any(side not in NEARER for by_side in truth.values() for side in by_side):
-        raise SourceError(f"{where}: a count record with an unknown side nearer the truth")
-    known = {str(d) for d in range(-DECADE_LIMIT, DECADE_LIMIT + 1)}
-    if any(decade not in known for by_decade in decades.values() for decade in by_decade):
-        raise SourceError(f"{where}: a count record with an unknown error decade")
-    drilled = _count(record.get("drilled", 0), f"{where}: drilled")
-    _check_totals(tables["outcomes"], drilled, where)
-    _check_drilled(tables, drilled, where)
-    return {
-        **tables,
-        "drilled": drilled,
-        **({"clusters": _count(record["clusters"], f"{where}: clusters", whole=False)} if "clusters" in record else {}),
-        "call_blocks": _count(record.get("call_blocks", 0), f"{where}: call_blocks", whole=False),
-    }
-
-
-def _check_totals(outcomes: dict, drilled: float, where: str) -> None:
-    """A count record's drilled comparisons must be at most its comparisons. (Its calls may lag its comparisons: calls
-    are reported each second, comparisons as they end.)"""
-    compared = sum(n for by_outcome in outcomes.values() for n in by_outcome.values())
-    if drilled > compared:
-        raise SourceError(
-            f"{where}: drilled: a count record with {drilled:g} drilled comparisons of {compared:g}: not a record "
-            "npu-shadow writes"
-        )
-
-
-def _check_drilled(tables: dict, drilled: float, where: str) -> None:
-    """A count record's drilled comparisons are among its comparisons, outcome by outcome and reason by reason, and
-    add up to its drilled count."""
-    for signature, by_outcome in tables["drilled_outcomes"].items():
-        for outcome, value in by_outcome.items():
-            if value > tables["outcomes"].get(signature, {}).get(outcome, 0):
-                raise SourceError(
-                    f"{where}: drilled_outcomes.{signature}.{outcome}: {value:g} drilled comparisons, more than the "
-                    "record's comparisons of that outcome: not a record npu-shadow writes"
-                )
-    for reason, value in tables["drilled_reasons"].items():
-        if value > tables["reasons"].get(reason, 0):
-            raise SourceError(f"{where}: drilled_reasons.{reason}: {value:g}, more than the record's reasons {reason}")
-    marked = sum(n for by_outcome in tables["drilled_outcomes"].values() for n in by_outcome.values())
-    if marked > drilled:
-        raise SourceError(f"{where}: drilled_outcomes: {marked:g} marked, more than its drilled {drilled:g}")
 
 
 def _minus(now: dict, base: dict | None) -> dict:
@@ -429,7 +295,7 @@ class JournalReader:
                     if only is not None:
                         continue
                     where = f"{path}:{number}"
-                    record = _whole_record(raw, where, self.torn)
+                    record = whole_record(raw, where, self.torn)
                     if record is not None:
                         self._add(record, where)
         except OSError as exc:
@@ -451,7 +317,7 @@ class JournalReader:
         return stream
 
     def _count_tail_line(self, stream: _Stream, raw: bytes, where: str) -> None:
-        record = _journal_record(raw, where)
+        record = record_of(raw, where)
         if record is not None and "event" not in record:
             stream.see(record.get("timestamp"))
             primary = record.get("primary") if record.get("primary") in PRIMARY_SIDES else LEGACY
@@ -488,7 +354,7 @@ class JournalReader:
             stream.counted = True
             stream.marks.clear()  # (a count record covers every line before it: see the journal exporter)
             stream.folded.clear()
-            counts = _check_counts(record, where)
+            counts = check_counts(record, where)
             phase = stream.phases.setdefault((record["target"], record["primary"]), _Phase())
             self._mark_drill(phase, record, counts)
             phase.counts, phase.at = counts, record["timestamp"]
@@ -843,111 +709,3 @@ def patch_calls(reader: JournalReader) -> dict[str, float]:
             for patch, calls in stream.patch_calls.items():
                 found[patch] = found.get(patch, 0) + calls
     return found
-
-
-def _check_patch_calls(record: dict, where: str) -> dict:
-    """A process's calls of a release's function patches (``"event": "patch_calls"``, cumulative), checked as
-    data: {dotted name: whole count}."""
-    calls = record.get("calls")
-    if not isinstance(calls, dict) or not all(isinstance(k, str) and len(k) <= 256 for k in calls):
-        raise SourceError(f"{where}: a patch_calls record whose calls are not a map of patch names")
-    return {**record, "calls": {k: _count(v, f"{where}: calls.{k}") for k, v in calls.items()}}
-
-
-def _check_arm(record: dict, where: str) -> dict:
-    """A canary A/B iterator record (``"event": "arm"``, :mod:`shadow.core.calls.canary.arms`), checked as data."""
-
-    def cores(value: object) -> bool:
-        return isinstance(value, list) and len(value) <= 4096 and all(type(c) is int and c >= 0 for c in value)
-
-    def number(value: object) -> bool:
-        return value is None or (type(value) in (int, float) and math.isfinite(value) and value >= 0)
-
-    problems = [
-        name
-        for name, ok in (
-            ("target", isinstance(record.get("target"), str)),
-            ("arm", record.get("arm") in PRIMARY_SIDES),
-            ("worker_cores", isinstance(record.get("worker_cores"), list) and all(map(cores, record["worker_cores"]))),
-            ("caller_cores_before", cores(record.get("caller_cores_before"))),
-            ("caller_cores_after", cores(record.get("caller_cores_after"))),
-            ("process_cores", cores(record.get("process_cores"))),
-            ("first_batch_seconds", number(record.get("first_batch_seconds"))),
-            ("batches_per_second", number(record.get("batches_per_second"))),
-            ("base_seed", record.get("base_seed") is None or type(record.get("base_seed")) is int),
-            ("first_batch_digest", isinstance(record.get("first_batch_digest", ""), str)),
-            ("raised", isinstance(record.get("raised", ""), str)),
-        )
-        if not ok
-    ]
-    if problems:
-        raise SourceError(f"{where}: not a journal line (an arm record whose {problems[0]} is missing or wrong)")
-    return record
-
-
-def _whole_record(raw: bytes, where: str, torn: list[str] | None) -> dict | None:
-    """The record on one line, checked; None for a blank line. A torn line (a writer killed mid-line, a full disk)
-    is skipped, its place appended to ``torn``: the final line without its newline, or a line in the middle that
-    begins as a record does (``{``), and the record a restarted writer appended after the tear is read (the earliest
-    ``{"`` after which the rest of the line is a whole record). A line that never began as a record is refused."""
-    try:
-        return _journal_record(raw, where)
-    except SourceError:
-        if len(raw) > MAX_LINE_BYTES or not (raw.startswith(b"{") or not raw.endswith(b"\n")) or _is_json(raw):
-            raise  # (a whole JSON line that is no record is not a tear: it was written so)
-        record = None
-        start = raw.find(b'{"', 1)
-        while start > 0 and record is None:
-            try:
-                record = _journal_record(raw[start:], where)
-            except SourceError:
-                start = raw.find(b'{"', start + 1)
-        if torn is not None:
-            torn.append(where)
-        return record
-
-
-def _is_json(raw: bytes) -> bool:
-    try:
-        json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return False
-    return True
-
-
-def _journal_record(raw: bytes, where: str) -> dict | None:
-    if len(raw) > MAX_LINE_BYTES:
-        raise SourceError(f"{where}: a line longer than {MAX_LINE_BYTES >> 20} MiB: not a journal")
-    if not raw.strip():
-        return None
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise SourceError(f"{where}: not a journal line ({type(exc).__name__}: {str(exc)[:120]})") from None
-    if not isinstance(record, dict):
-        raise SourceError(f"{where}: not a journal line (a JSON {type(record).__name__})")
-    if "event" in record:
-        event = record["event"]
-        if event not in journal_format.EVENTS:
-            raise SourceError(f"{where}: not a journal line (an unknown event)")
-        if event in ("journal", "counts"):  # (a process's header; its counts, checked where they are read)
-            return record
-        if event == "arm":
-            return _check_arm(record, where)
-        if event == "patch_calls":
-            return _check_patch_calls(record, where)
-        if event not in ("rollback", "reset") or not isinstance(record.get("target"), str):
-            raise SourceError(f"{where}: not a journal line (an unknown event, or one without its target)")
-        if not isinstance(record.get("by"), str):
-            raise SourceError(f"{where}: not a journal line (a {event} without who made it: by)")
-        return record
-    target, outcome = record.get("target"), record.get("outcome")
-    signature, reasons = record.get("signature", ""), record.get("reasons", [])
-    shared = record.get("shared_divergence")
-    if not isinstance(target, str) or outcome not in OUTCOMES or not isinstance(signature, str):
-        raise SourceError(f"{where}: not a journal line (target, outcome or signature missing or wrong)")
-    if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
-        raise SourceError(f"{where}: not a journal line (reasons must be a list of strings)")
-    if shared is not None and not isinstance(shared, str):
-        raise SourceError(f"{where}: not a journal line (shared_divergence must be a string)")
-    return journal_format.readable(record)

@@ -128,7 +128,7 @@ class Experiment:
         return CallContext(
             self.target, self.primary, self.primary_fn, self.shadow_fn, self.legacy, self.legacy_origin,
             self.tolerance, self.pure_hooks, self.deadline, self.drill, self.coins, self.noise, self.classifier,
-            self.record, self.cost, plain=self.target.plain, side=self, deadline_missed=self.deadline_missed,
+            self.record, self.cost, plain=self.target.plain, experiment=self, deadline_missed=self.deadline_missed,
             graph_memory=self.graph_memory,
         )  # fmt: skip
 
@@ -163,7 +163,7 @@ class Experiment:
         or a guided target's call among the first of its signature, compared whatever the rate)."""
         side = shadow_side_of_this_thread()
         publishing = getattr(marks, "publishing", False)
-        if side is not None or publishing or getattr(marks, "in_legacy", None) is self:
+        if side is not None or publishing or getattr(marks, "in_primary", None) is self:
             # A nested call, part of a call already counted: made by the primary itself (through a mode, a subclass
             # or recursion), by a shadow side (its runs, the comparison) on its own thread or on a thread its run
             # started (DataParallel's workers), or by an exporter. Not a call of the job's: not counted, not

@@ -3,8 +3,8 @@ from a nested one.
 
 Per thread (``marks``): ``shadow_side``, the experiment whose shadow side this thread runs (upstream, the
 comparison, the oracle, the exporters); ``run``, the upstream run under way on it (a key of
-:data:`shadow_runs`); ``inherited``, the (run, experiment) of the thread that started this one; ``in_legacy``,
-the experiment whose legacy it runs; ``publishing`` while it hands an observation to the exporters.
+:data:`shadow_runs`); ``inherited``, the (run, experiment) of the thread that started this one; ``in_primary``,
+the experiment whose primary it runs; ``publishing`` while it hands an observation to the exporters.
 
 A run's threads are known by construction: a thread started by a thread of an upstream run (DataParallel's workers
 in upstream's ``parallel_apply``) inherits that run, and is part of it while the run is under way (a pool's
@@ -33,7 +33,7 @@ class _Marks(threading.local):
     shadow_side: Any = None
     run: object | None = None
     inherited: tuple[object, Any] | None = None
-    in_legacy: Any = None
+    in_primary: Any = None
     publishing: Any = None
 
 

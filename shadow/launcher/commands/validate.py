@@ -31,11 +31,12 @@ def add(commands: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     from shadow.launcher import config as cfg
+    from shadow.launcher import setting_values
 
     if args.emulated_device is not None:
         try:
             cfg.SETTINGS["emulated_device"].parse(args.emulated_device)
-        except cfg.Invalid as exc:
+        except setting_values.Invalid as exc:
             print(
                 f"npu-shadow validate: --emulated-device={args.emulated_device!r} is not valid: {exc}", file=sys.stderr
             )

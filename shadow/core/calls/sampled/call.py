@@ -83,12 +83,12 @@ def skip_reason(
 
 def run_primary(context: CallContext, args: tuple, kwargs: dict) -> Any:
     """The primary, marked as running on this thread: its own nested calls of the wrapper are not new calls."""
-    outer = getattr(marks, "in_legacy", None)
+    outer = getattr(marks, "in_primary", None)
     try:
-        marks.in_legacy = context.side
+        marks.in_primary = context.experiment
         return context.primary_fn(*args, **kwargs)
     finally:
-        marks.in_legacy = outer
+        marks.in_primary = outer
 
 
 class SampledCall:
@@ -166,7 +166,7 @@ class SampledCall:
                 moved = []
             UNDER_WAY.hold()
             held = True
-            marks.shadow_side = context.side
+            marks.shadow_side = context.experiment
             try:
                 if moved:  # (the shadow would start from the old values, and every thread would see them meanwhile)
                     observation = side.skipped("ineligible", _MOVED.format(", ".join(moved)))  # type: ignore[union-attr]

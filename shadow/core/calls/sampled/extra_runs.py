@@ -136,7 +136,7 @@ class ExtraRuns:
                 return {"compared": (None, "hooks")}
             theirs = again = Finished(False)
             if ran is not None and ran.finished:
-                theirs = self._run(context.side, lambda: contextlib.nullcontext(True),
+                theirs = self._run(context.experiment, lambda: contextlib.nullcontext(True),
                     lambda _: vjp(upstream.value, plan.stand_ins(SHADOW), seed), backward=True,
                 )  # fmt: skip
             if ran is not None and ran.finished and BACKWARD_AA in plan.slots:
@@ -169,10 +169,10 @@ class ExtraRuns:
             with torch.no_grad():  # (the single-device call's scatter: no graph on the caller's inputs)
                 call = target.oracle(args, kwargs) if target.oracle is not None else None
             if call is not None:
-                paths, on, parts = [(call.module, context.side)], (call.args, call.kwargs), call.legacy_part
+                paths, on, parts = [(call.module, context.experiment)], (call.args, call.kwargs), call.legacy_part
             else:
                 # (legacy's path as the A/A run runs it: the calls it makes of wrapped functions are legacy's)
-                paths = [(target.upstream, context.side), (context.legacy, LEGACY_AGAIN)]
+                paths = [(target.upstream, context.experiment), (context.legacy, LEGACY_AGAIN)]
                 on, parts = (args, kwargs), (lambda result, truth: result)
             truths = []
             for function, side in paths:
@@ -235,7 +235,7 @@ class ExtraRuns:
                 yield context.target.oracle(args, kwargs)  # (None: the call has no single-device equivalent)
 
         def oracle() -> dict[str, Any]:
-            ran = self._run(context.side, single_device, lambda call: (call, forward_only(call.run)))
+            ran = self._run(context.experiment, single_device, lambda call: (call, forward_only(call.run)))
             if ran is None:
                 return None  # (no single-device equivalent: no oracle run)
             if not ran.finished or (ran.error is None and ran.value[1] is _READ_ITS_GRAPH):

@@ -79,8 +79,8 @@ class CallContext:
         record: what the target counted (and its log).
         cost: what the shadow side cost, charged to the budget.
         plain: the target's calls are plain functions of tensors (:attr:`Target.plain`: the extra runs are made).
-        side: who the call's shadow side runs as (the experiment: a nested call of the target there runs the
-            shadow); an identity, never read.
+        experiment: the experiment the call is of, as its runs are marked (a nested call of the target on the
+            shadow side runs the shadow, on the primary's the primary); an identity, never read.
         deadline_missed: called when a run passed its deadline (the target stops shadowing).
         graph_memory: what a backward comparison's graphs may take (None: no limit).
     """
@@ -101,20 +101,21 @@ class CallContext:
     record: Record
     cost: ShadowCost
     plain: bool
-    side: object
+    experiment: object
     deadline_missed: Callable[[], None]
     graph_memory: GraphMemory | None = None
 
     def within_deadline(
         self,
         run: object,
-        side: object,
+        runs_as: object,
         before: TorchGlobals,
         body: Callable[[], Any],
         checks_its_settings: bool = False,
         written: set[str] | None = None,
     ) -> Finished:
-        """``body()`` (a run of the shadow side, ``run``, as ``side``'s (:func:`~shadow.core.runs.sides.shadow_run`),
+        """``body()`` (a run of the shadow side, ``run``, marked as ``runs_as``'s: an experiment's shadow run, or a role
+        such as the A/A run's; :func:`~shadow.core.runs.sides.shadow_run`),
         from the settings ``before``, which this thread has written already): on a daemon thread of the shadow
         side's, waited for at most the deadline (:mod:`shadow.core.runs.deadline`; without one, until it ends). Past the
         deadline the run is abandoned and the target stops shadowing (``deadline_missed``). An interrupt the body raised
@@ -124,7 +125,7 @@ class CallContext:
         record, writes = self.record, Writes()
 
         def start() -> None:
-            marks.shadow_side, marks.run = side, run
+            marks.shadow_side, marks.run = runs_as, run
             # (a worker whose run changed a setting ends with it: a worker kept holds what its last run started from)
             known = getattr(worker, "settings", None)
             if known is not None and known.same_as(before):

@@ -245,13 +245,15 @@ class ShadowSide:
         try:
             if plan.rewind is not None:
                 plan.rewind()
-            with isolated, shadow_run(context.side) as run:
+            with isolated, shadow_run(context.experiment) as run:
                 if plan.here:
                     with Writes() as writes:
                         finished = run_here(shadow.run)
                     plan.written.update(writes.names)
                 else:
-                    finished = context.within_deadline(run, context.side, plan.before, shadow.run, True, plan.written)
+                    finished = context.within_deadline(
+                        run, context.experiment, plan.before, shadow.run, True, plan.written
+                    )
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the isolation's own failure (the shadow's are in finished): a fault of ours,
