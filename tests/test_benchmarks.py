@@ -45,7 +45,6 @@ def test_core_benchmark_runs_and_reports_both_ratios():
     # doing a sampled call's work would be 100x)
     assert figure(out, "unsampled .type(): shadow wrapper / bare wrapper =") <= 10.0, out
     assert figure(out, "unsampled .type(): coverage-guided wrapper / bare wrapper =") <= 10.0, out
-    assert figure(out, "idle: compare_seconds / assert_close =") <= 0.5, out
     for dtype in ("float32", "bfloat16"):  # (one fused pass beats torch's eager kernels on the same leaf)
         fused = figure(out, f"262,144 {dtype}, one fused pass: compare / assert_close =")
         eager = figure(out, f"262,144 {dtype}, torch's eager kernels: compare / assert_close =")

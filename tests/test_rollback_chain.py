@@ -84,16 +84,14 @@ def free_port() -> int:
 
 
 class Switches:
-    """Fake job switches on loopback: each records the rollbacks posted to it (``posts``) and when it was done with
-    each (``ended``: answered, or cut off); ``drip`` answers one byte every ``drip`` seconds (a job that is alive but
-    slow)."""
+    """Fake job switches on loopback: each records the rollbacks posted to it; ``drip`` answers one byte every
+    ``drip`` seconds (a job that is alive but slow)."""
 
     def __init__(self, drip: float = 0.0):
         import http.server
         import threading
 
         self.posts: list[tuple[float, str]] = []
-        self.ended: list[float] = []
         switches = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -101,14 +99,6 @@ class Switches:
                 pass
 
             def do_POST(self):
-                import time
-
-                try:
-                    self.answer()
-                finally:
-                    switches.ended.append(time.monotonic())
-
-            def answer(self):
                 import time
 
                 switches.posts.append((time.monotonic(), self.headers.get("X-NPU-Shadow-By", "")))
@@ -215,8 +205,9 @@ def test_every_firing_rollback_alert_throws_its_switch_whatever_its_labels_hold(
 
 @pytest.mark.slow
 def test_a_slow_switch_never_delays_another(tmp_path):
-    import time
-
+    """A switch that drips its answer (20 s) is left behind at the receiver's deadline, and the other switch of the
+    same notification is thrown and answers within it: thrown one after the other, the fast one would be thrown only
+    after the slow one's 20 s, past the deadline (status 0)."""
     slow, fast = Switches(drip=0.5), Switches()
     receiver = Receiver(tmp_path, f"--switch=slow={slow.url}", f"--switch=fast={fast.url}")
     try:
@@ -224,16 +215,9 @@ def test_a_slow_switch_never_delays_another(tmp_path):
         assert receiver.post(notification(("slow", "A"), ("fast", "A"))) == 502
     finally:
         receiver.close()
-        for _ in range(600):  # (the slow switch's answer ends as the receiver's connection goes with it)
-            if slow.ended:
-                break
-            time.sleep(0.05)
         slow.close()
         fast.close()
-    ((thrown, _),) = fast.posts
-    assert len(slow.posts) == 1 and len(slow.ended) == 1
-    # (the fast one was thrown while the slow one was still answering: it did not wait for it)
-    assert slow.posts[0][0] < thrown < slow.ended[0]
+    assert len(fast.posts) == 1 and len(slow.posts) == 1
     statuses = {line["job"]: line["status"] for line in receiver.lines()}
     assert statuses == {"slow": 0, "fast": 200}  # the slow one: not answered within its deadline
 
