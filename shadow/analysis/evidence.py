@@ -14,6 +14,7 @@ from typing import Any
 from shadow.core.calls.record import clusters
 from shadow.core.model.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, LEGACY, NONRESPONSE_REASONS
 
+#: How clusters counted by the processes are formed, for the output.
 COUNTED_CLUSTERS = "process x 60 s blocks, counted as compared"
 
 

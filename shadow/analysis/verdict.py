@@ -76,7 +76,6 @@ _UNCOVERED_WHY = {
     "its own graph, the first time its signature is met)",
 }
 DEFAULT_MAX_RATE = 0.001  # the divergence rate a rollout tolerates; the alert rules' budget too
-#: How clusters counted by the processes are formed, for the output.
 DEFAULT_MIN_PER_SIGNATURE = 30  # comparisons each risky signature needs (--min-per-signature)
 #: The recent window every verdict also decides on (``--recent``; the sustained-burn alert's long window too).
 RECENT_SECONDS = 3600.0
