@@ -38,13 +38,17 @@ if [ "${1:-}" = "--canary-drill" ]; then
   wait
   echo
   echo "== the rollback, as the job recorded it (journal), and comparisons by the side the caller got (metrics)"
-  cat "$work"/journal-*.jsonl | .venv/bin/python -c '
+  # (the first 6 in time order, chosen in Python: a `| head` under pipefail fails the demo when sort writes on)
+  .venv/bin/python - "$work"/journal-*.jsonl <<'ROLLBACKS'
 import json, sys
-for line in sys.stdin:
-    event = json.loads(line)
-    if event.get("event") == "rollback":
-        print(event["time"], event["target"], "rolled back to legacy by", event["by"], "pid", event["pid"])
-' | sort | head -n 6
+rollbacks = []
+for path in sys.argv[1:]:
+    for line in open(path):
+        event = json.loads(line)
+        if event.get("event") == "rollback":
+            rollbacks.append(f'{event["time"]} {event["target"]} rolled back to legacy by {event["by"]} pid {event["pid"]}')
+print(*sorted(rollbacks)[:6], sep="\n")
+ROLLBACKS
   .venv/bin/python - "$work/metrics.prom" <<'COUNT'
 import collections, sys
 from prometheus_client.parser import text_string_to_metric_families
