@@ -20,7 +20,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporters import contract
+from shadow.core.model import contract
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_dataparallel.py")

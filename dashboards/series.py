@@ -3,7 +3,7 @@ the core's vocabulary. Nothing here spells a metric name."""
 
 from __future__ import annotations
 
-from exporters import contract
+from shadow.core.model import contract
 
 CALLS = contract.CALLS.series
 ROLLBACKS = contract.ROLLBACKS.series

@@ -1,7 +1,7 @@
 """Where observations go: Prometheus, OpenTelemetry, and a JSON-lines journal with repro captures.
 
-The exporters load on first use (PEP 562): the analysis tools read ``exporters.contract`` alone and so start
-without torch, which a journal's repro captures need."""
+The exporters load on first use (PEP 562): importing the package loads none of them, and so no torch (a journal's
+repro captures need it). What they export is the metric contract's samples (:mod:`shadow.core.model.contract`)."""
 
 from __future__ import annotations
 

@@ -17,14 +17,14 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-from exporters import contract
 from exporters.capture import Captures
 from exporters.journal_file import JournalFile
-from exporters.journal_format import Counts, observation_line, quote
+from exporters.journal_format import PHASE_SERIES, Counts, observation_line, quote
 from shadow.core.calls.canary.arms import ArmRun
-from shadow.core.model.observation import LEGACY, Observation, Outcome
+from shadow.core.model import contract
+from shadow.core.model.observation import Observation, Outcome, Switched
 from shadow.core.support import forks
 from shadow.core.support.safe_paths import check_private_directory, template_problem
 
@@ -107,7 +107,6 @@ class JsonlExporter:
         self.host = socket.gethostname()
         self._lock = threading.Lock()
         self._file: JournalFile | None = None
-        self._primary: dict[str, str] = {}  # target -> the side the caller gets now (set_primary)
         self._reset_process_state()
         forks.register(self)
 
@@ -154,43 +153,41 @@ class JsonlExporter:
             counts = self._counts[key] = Counts()
         return counts
 
-    def set_primary(self, target: str, side: str) -> None:
+    def record(self, samples: Iterable[contract.Sample]) -> None:
+        """The contract's samples, summed into the count records: a phase's series (:data:`PHASE_SERIES`) into
+        its counts, the job's patch calls into the ``patch_calls`` record, process time into every count record. (A
+        zero adds nothing: the series an endpoint shows at zero from the start are no phase's counts here.)"""
         with self._lock:
-            self._primary[target] = side
-
-    def record_calls(self, target: str, calls: int, signature: str = "") -> None:
-        with self._lock:
-            phase = self._phase(target, self._primary.get(target, LEGACY))
-            phase.calls[signature] = phase.calls.get(signature, 0) + calls
-
-    def record_call_blocks(self, target: str, primary: str, blocks: float) -> None:
-        with self._lock:
-            self._phase(target, primary).call_blocks += blocks
-
-    def record_patch_calls(self, patch: str, calls: int) -> None:
-        """The job's calls of a release's function patch: carried, cumulative, by the ``patch_calls`` record
-        written beside the count records."""
-        with self._lock:
-            self._patch_calls[patch] = self._patch_calls.get(patch, 0) + calls
-            self._patch_calls_dirty = True
-
-    def record_time(self, seconds: float) -> None:
-        """Process time under the monitor: count records carry its total (the metrics' process time)."""
-        with self._lock:
-            self._process_seconds += seconds
-
-    def record_skips(self, target: str, reason: str, count: int) -> None:
-        with self._lock:
-            self._phase(target, self._primary.get(target, LEGACY)).skip("", reason, count)
+            for metric, labels, value in samples:
+                if not value:
+                    continue
+                if metric in PHASE_SERIES:
+                    named = dict(zip(metric.labels, labels))
+                    self._phase(named["target"], named["primary"]).add(metric, named, value)
+                elif metric is contract.PATCH_CALLS:
+                    self._patch_calls[labels[0]] = self._patch_calls.get(labels[0], 0) + value
+                    self._patch_calls_dirty = True
+                elif metric is contract.PROCESS_TIME:
+                    self._process_seconds += value
 
     def flush(self) -> None:
         """Write the count records of whatever changed since the last ones."""
         with self._lock:
             self._write_counts()
 
-    def export(self, observation: Observation) -> None:
+    def export(self, record: Observation | Switched | ArmRun) -> None:
+        """A record's line: an observation's that is not a bitwise match, found a shared divergence or ran an A/A
+        run (every one with ``all_outcomes``), a rollback's or reset's, a canary A/B iterator's."""
+        if isinstance(record, Switched):
+            self._event(record.event, record.target, record.by)
+        elif isinstance(record, ArmRun):
+            self._export_arm(record)
+        else:
+            self._export_observation(record)
+
+    def _export_observation(self, observation: Observation) -> None:
         with self._lock:
-            self._phase(observation.target, observation.primary).observe(observation)
+            self._phase(observation.target, observation.primary).truth_decade(observation)
             try:
                 if (
                     observation.outcome != Outcome.MATCH
@@ -222,25 +219,17 @@ class JsonlExporter:
         if failure is not None:
             raise failure
 
-    def export_arm(self, run: ArmRun) -> None:
-        """One iterator of a canary A/B (``"event": "arm"``, :mod:`shadow.core.calls.canary.arms`): its arm and what was
-        measured
-        of it."""
+    def _export_arm(self, run: ArmRun) -> None:
+        """One iterator of a canary A/B (``"event": "arm"``, :mod:`shadow.core.calls.canary.arms`): its arm and what
+        was measured of it."""
         fields = dataclasses.asdict(run)
         fields.pop("timestamp")
         with self._lock:
             self._write_record({"event": "arm", **fields, "workers_bound": run.workers_bound})
 
-    def record_rollback(self, target: str, by: str) -> None:
-        """A line of its own for each rollback (``"event": "rollback"``): when, which target, who or what threw it;
-        the count records first, so that the counts before it are known exactly."""
-        self._event("rollback", target, by)
-
-    def record_reset(self, target: str, by: str) -> None:
-        """A person's reset after a rollback (``"event": "reset"``): evidence from before it is set aside."""
-        self._event("reset", target, by)
-
     def _event(self, event: str, target: str, by: str) -> None:
+        """A line of its own for each rollback or reset (a reset sets evidence from before it aside): when, which
+        target, who or what threw it; the count records first, so that the counts before it are known exactly."""
         with self._lock:
             self._write_counts()
             self._write_record({"event": event, "target": target, "by": by})

@@ -19,10 +19,11 @@ import dataclasses
 import datetime
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from json.encoder import encode_basestring_ascii
 
-from shadow.core.model.observation import DIFFERS_IN_FLOAT64, LEGACY, Observation, Outcome, error_decade
+from shadow.core.model import contract
+from shadow.core.model.observation import DIFFERS_IN_FLOAT64, LEGACY, Observation, error_decade
 
 #: How every observation's line starts: readers locate outcome lines by it without parsing them.
 LINE_START = b'{"time":'
@@ -128,10 +129,37 @@ def readable(record: dict) -> dict:
     return {**record, **{new: record.get(old[was], 0.0) for new, old in RENAMED.items()}}
 
 
+#: The count record's tables, each one series of the contract summed by the labels it keeps (outer key, inner key
+#: for a table of depth 2): a phase's table of the series the metrics sources read (:mod:`shadow.analysis.sources`).
+TABLE_SERIES: dict[str, tuple[contract.Metric, tuple[str, ...]]] = {
+    "outcomes": (contract.COMPARISONS, ("signature", "outcome")),
+    "skipped": (contract.SKIPPED, ("signature", "reason")),
+    "reasons": (contract.MISMATCHES, ("reason",)),
+    "shared": (contract.SHARED_DIVERGENCES, ("reason",)),
+    "calls": (contract.CALLS, ("signature",)),
+    "truth": (contract.TRUTH_RUNS, ("signature", "nearer")),
+    "backward": (contract.BACKWARD_RUNS, ("signature", "outcome")),
+    "noise": (contract.NOISE_CHECKS, ("evidence", "pair", "check")),  # ({evidence: {"ab/beyond": count}})
+    "drilled_outcomes": (contract.DRILLED, ("signature", "outcome")),
+    "drilled_reasons": (contract.DRILLED_REASONS, ("reason",)),
+}
+#: The count record's plain counts, each one series of the contract summed whole.
+SCALAR_SERIES = {"clusters": contract.CLUSTERS, "call_blocks": contract.CALL_BLOCKS, "drilled": contract.DRILLED}
+#: The series a phase's counts hold, and the tables and plain counts each is summed into.
+_INTO: dict[contract.Metric, list[tuple[str, tuple[str, ...] | None]]] = {}
+for _name, (_metric, _keys) in TABLE_SERIES.items():
+    _INTO.setdefault(_metric, []).append((_name, _keys))
+for _name, _metric in SCALAR_SERIES.items():
+    _INTO.setdefault(_metric, []).append((_name, None))
+#: The series counted in a phase: each has the target and primary labels.
+PHASE_SERIES = frozenset(_INTO)
+
+
 class Counts:
-    """What one (target, primary) phase of a process saw since the exporter started: every observation (those not
-    written as lines too), calls and budget skips. Written whole (cumulative) in count records
-    (:data:`COUNT_TABLES`)."""
+    """What one (target, primary) phase of a process counted since the exporter started: the contract's samples of
+    :data:`PHASE_SERIES`, each summed into its table (:data:`TABLE_SERIES`) or plain count (:data:`SCALAR_SERIES`),
+    and the decades of its truth runs (a table only the journal keeps: of the observations' truth errors). Written
+    whole (cumulative) in count records (:data:`COUNT_TABLES`)."""
 
     __slots__ = (*COUNT_TABLES, *COUNT_SCALARS)
 
@@ -142,42 +170,30 @@ class Counts:
         self.call_blocks = 0.0  # (the blocks its calls fell in, counted alike: what comparing every call could open)
         self.drilled = 0
 
-    def observe(self, o: Observation) -> None:
-        """Count one observation."""
-        if o.outcome == Outcome.SKIPPED:
-            for reason in o.reasons:
-                self.skip(o.signature, reason, 1)
-            return
-        _bump(self.outcomes, o.signature, o.outcome)
-        self.clusters += o.cluster_share
-        for reason in o.reasons:
-            self.reasons[reason] = self.reasons.get(reason, 0) + 1
-        if o.shared_divergence:
-            self.shared[o.shared_divergence] = self.shared.get(o.shared_divergence, 0) + 1
-        if o.drill:  # (the drill's own marks: exactly these are set aside once it is over)
-            self.drilled += 1
-            _bump(self.drilled_outcomes, o.signature, o.outcome)
-            for reason in o.reasons:
-                self.drilled_reasons[reason] = self.drilled_reasons.get(reason, 0) + 1
-        if o.backward:
-            _bump(self.backward, o.signature, o.backward_outcome)
-        for evidence, pair, check in o.noise_checks:  # ({evidence: {"ab/beyond": count}}: shadow.core.judging.noise)
-            _bump(self.noise, evidence, f"{pair}/{check}")
-        if o.nearer:
-            _bump(self.truth, o.signature, o.nearer)
-            decade = error_decade(o.legacy_truth_error, o.upstream_truth_error)
-            if decade is not None and o.nearer != DIFFERS_IN_FLOAT64:  # (errors against two runs: no ratio)
-                _bump(self.truth_decades, o.signature, str(decade))
+    def add(self, metric: contract.Metric, labels: Mapping[str, str], value: float) -> None:
+        """Add one sample of a series of :data:`PHASE_SERIES` (``labels`` by name)."""
+        for name, keys in _INTO[metric]:
+            if keys is None:
+                setattr(self, name, getattr(self, name) + value)
+            elif name == "noise":
+                _bump(self.noise, labels["evidence"], f"{labels['pair']}/{labels['check']}", value)
+            elif len(keys) == 2:
+                _bump(getattr(self, name), labels[keys[0]], labels[keys[1]], value)
+            else:
+                table = getattr(self, name)
+                table[labels[keys[0]]] = table.get(labels[keys[0]], 0) + value
 
-    def skip(self, signature: str, reason: str, count: int) -> None:
-        """Count sampled calls skipped for ``reason``."""
-        _bump(self.skipped, signature, reason, count)
+    def truth_decade(self, o: Observation) -> None:
+        """The decade of a truth run's errors (their ratio's), where it has one."""
+        decade = error_decade(o.legacy_truth_error, o.upstream_truth_error) if o.nearer else None
+        if decade is not None and o.nearer != DIFFERS_IN_FLOAT64:  # (errors against two runs: no ratio)
+            _bump(self.truth_decades, o.signature, str(decade))
 
     def fields(self) -> dict:
         """The count record's fields."""
         return {name: getattr(self, name) for name in (*COUNT_TABLES, *COUNT_SCALARS)}
 
 
-def _bump(table: dict[str, dict[str, int]], signature: str, key: str, count: int = 1) -> None:
+def _bump(table: dict[str, dict[str, float]], signature: str, key: str, count: float = 1) -> None:
     by_key = table.setdefault(signature, {})
     by_key[key] = by_key.get(key, 0) + count

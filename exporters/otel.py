@@ -2,7 +2,7 @@
 
 A library records through the API and leaves the SDK (readers, exporters, collectors) to the
 application; without an SDK these instruments are no-ops. The instruments follow
-:mod:`exporters.contract`, so the SDK's Prometheus translation yields the same names as
+:mod:`shadow.core.model.contract`, so the SDK's Prometheus translation yields the same names as
 :class:`exporters.PrometheusExporter`.
 
 The SDK spends about ten microseconds on each synchronous measurement, which is too much for a
@@ -20,9 +20,7 @@ from collections.abc import Iterable
 
 from opentelemetry import metrics
 
-from exporters import contract
-from shadow.core.calls.canary.arms import ArmRun
-from shadow.core.model.observation import LEGACY, Observation
+from shadow.core.model import contract
 from shadow.core.support import forks
 
 METER_NAME = "npu_shadow"
@@ -44,7 +42,7 @@ def _target(metric: contract.Metric, value: float, labels: tuple[str, ...]) -> s
 
 
 class OTelExporter:
-    """Exports observations through an OpenTelemetry meter named ``npu_shadow``.
+    """Records the contract's samples through an OpenTelemetry meter named ``npu_shadow``.
 
     ``meter_provider``: the provider to use (tests pass their own); the global one by default.
     Versions (this package, torch, torch_npu) are the meter's version and attributes; every value carries the
@@ -91,7 +89,6 @@ class OTelExporter:
                 unit=metric.unit,
                 description=metric.description,
             )
-        self._primary: dict[str, str] = {}  # target -> the side the caller gets now (set_primary)
         self._apply(contract.drill_samples(False) + contract.start_samples(self.run) + contract.process_samples())
         forks.register(self)
 
@@ -156,49 +153,9 @@ class OTelExporter:
                 return
         self._pending.extend(values)
 
-    def register(self, target: str, sample_rate: float) -> None:
-        """Show the target installed: its calls at zero (:func:`exporters.contract.zero_series`) and its sample rate."""
-        self._apply(contract.registered_samples(target, sample_rate))
-
-    def set_drill(self, active: bool) -> None:
-        """Show whether a fire drill is injecting synthetic divergence."""
-        self._apply(contract.drill_samples(active))
-
-    def record_calls(self, target: str, calls: int, signature: str = "") -> None:
-        self._apply(contract.call_samples(target, calls, signature, self._primary.get(target, LEGACY)))
-
-    def set_primary(self, target: str, side: str) -> None:
-        self._primary[target] = side
-        self._apply(contract.primary_samples(target, side))
-
-    def record_rollback(self, target: str, by: str) -> None:
-        self._apply(contract.rollback_samples(target, by))
-
-    def record_reset(self, target: str, by: str) -> None:
-        self._apply(contract.reset_samples(target))
-
-    def record_skips(self, target: str, reason: str, count: int) -> None:
-        """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
-        self._apply(contract.skip_samples(target, reason, count, self._primary.get(target, LEGACY)))
-
-    def record_time(self, seconds: float) -> None:
-        self._apply(contract.time_samples(seconds))
-
-    def record_call_blocks(self, target: str, primary: str, blocks: float) -> None:
-        self._apply(contract.call_block_samples(target, primary, blocks))
-
-    def record_patch_calls(self, patch: str, calls: int) -> None:
-        self._apply(contract.patch_call_samples(patch, calls))
-
-    def record_export_error(self, target: str) -> None:
-        self._apply(contract.export_error_samples(target))
-
-    def export(self, observation: Observation) -> None:
-        self._apply(contract.observation_samples(observation))
-
-    def export_arm(self, run: ArmRun) -> None:
-        """One iterator of a canary A/B (:mod:`shadow.core.calls.canary.arms`)."""
-        self._apply(contract.arm_samples(run.target, run.arm, run.workers_bound, run.first_batch_seconds))
+    def record(self, samples: Iterable[contract.Sample]) -> None:
+        """The contract's samples: on the totals and gauges, histogram values queued (:meth:`_apply`)."""
+        self._apply(samples)
 
     def _after_fork_in_child(self) -> None:
         # The parent's totals are the parent's: a forked child reports its own, from zero (its series stay).

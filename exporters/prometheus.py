@@ -32,10 +32,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from exporters import contract
 from exporters.signatures import JobSignatures
-from shadow.core.calls.canary.arms import ArmRun
-from shadow.core.model.observation import LEGACY, MAX_SIGNATURES, OTHER_SIGNATURE, Observation
+from shadow.core.model import contract
+from shadow.core.model.observation import MAX_SIGNATURES, OTHER_SIGNATURE
 from shadow.core.support import forks
 from shadow.core.support.safe_paths import check_private_directory, replace_regular_file
 
@@ -236,7 +235,7 @@ class SignatureCappedCollector:
 
 
 class PrometheusExporter:
-    """Exports observations as the ``npu_shadow_*`` metrics; serves /metrics when ``port`` is given.
+    """Records the contract's samples as the ``npu_shadow_*`` metrics; serves /metrics when ``port`` is given.
 
     Every series carries the ``run`` label (``run``, default ``shadow.core.support.environment.run_id()``).
     ``addr`` defaults to loopback (prometheus-client's own default is every interface). ``certfile``,
@@ -281,7 +280,6 @@ class PrometheusExporter:
         self._metrics = self._create(metric_registry)
         self._children: dict[tuple, Any] = {}
         self._greatest: dict[tuple, float] = {}  # (metric, labels) -> the greatest value of a gauge that keeps it
-        self._primary: dict[str, str] = {}  # target -> the side the caller gets now (for calls and bulk skips)
         #: The signature values the job's processes share under the launcher (None: this process's own cap alone).
         self._job_signatures = JobSignatures.from_environment()
         self._metrics[contract.BUILD_INFO].labels(self.run, *contract.build_info()).set(1)
@@ -345,49 +343,9 @@ class PrometheusExporter:
                 self._greatest[(metric, labels)] = value
                 child.set(value)
 
-    def register(self, target: str, sample_rate: float) -> None:
-        """Show ``target`` installed: its calls at zero (:func:`exporters.contract.zero_series`) and its sample rate."""
-        self._apply(contract.registered_samples(target, sample_rate))
-
-    def set_drill(self, active: bool) -> None:
-        """Show whether a fire drill is injecting synthetic divergence."""
-        self._apply(contract.drill_samples(active))
-
-    def record_calls(self, target: str, calls: int, signature: str = "") -> None:
-        self._apply(contract.call_samples(target, calls, signature, self._primary.get(target, LEGACY)))
-
-    def set_primary(self, target: str, side: str) -> None:
-        self._primary[target] = side
-        self._apply(contract.primary_samples(target, side))
-
-    def record_rollback(self, target: str, by: str) -> None:
-        self._apply(contract.rollback_samples(target, by))
-
-    def record_reset(self, target: str, by: str) -> None:
-        self._apply(contract.reset_samples(target))
-
-    def record_skips(self, target: str, reason: str, count: int) -> None:
-        """Sampled calls skipped without an observation each (the overhead budget), reported in bulk."""
-        self._apply(contract.skip_samples(target, reason, count, self._primary.get(target, LEGACY)))
-
-    def record_time(self, seconds: float) -> None:
-        self._apply(contract.time_samples(seconds))
-
-    def record_call_blocks(self, target: str, primary: str, blocks: float) -> None:
-        self._apply(contract.call_block_samples(target, primary, blocks))
-
-    def record_patch_calls(self, patch: str, calls: int) -> None:
-        self._apply(contract.patch_call_samples(patch, calls))
-
-    def record_export_error(self, target: str) -> None:
-        self._apply(contract.export_error_samples(target))
-
-    def export(self, observation: Observation) -> None:
-        self._apply(contract.observation_samples(observation))
-
-    def export_arm(self, run: ArmRun) -> None:
-        """One iterator of a canary A/B (:mod:`shadow.core.calls.canary.arms`)."""
-        self._apply(contract.arm_samples(run.target, run.arm, run.workers_bound, run.first_batch_seconds))
+    def record(self, samples: Iterable[contract.Sample]) -> None:
+        """The contract's samples, each on its series (:meth:`_apply`)."""
+        self._apply(samples)
 
     # ------------------------------------------------------------------ getting metrics out
 

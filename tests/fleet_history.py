@@ -11,7 +11,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 
-from exporters import contract
+from shadow.core.model import contract
 
 #: The targets each simulated job calls (compared at its sample rate), and those installed that it never calls.
 CALLED = ("parallel_apply", "data_parallel", "tensor_type", "tensor_repr", "torch_save")

@@ -19,7 +19,8 @@ from torch_npu_wheels import wheel
 
 from shadow.analysis import arms as analysis
 from shadow.core.calls.canary import arms as core_arms
-from shadow.core.calls.canary.arms import IteratorArms
+from shadow.core.calls.canary.arms import ArmRun, IteratorArms
+from shadow.core.calls.record.record import Publisher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,11 +91,9 @@ class _Keep:
     def __init__(self) -> None:
         self.runs: list[Any] = []
 
-    def export(self, observation: Any) -> None:
-        pass
-
-    def export_arm(self, run: Any) -> None:
-        self.runs.append(run)
+    def export(self, record: Any) -> None:
+        if isinstance(record, ArmRun):
+            self.runs.append(record)
 
 
 def _arms(keep: _Keep, seed: int = 5) -> tuple[IteratorArms, list[str]]:
@@ -111,7 +110,7 @@ def _arms(keep: _Keep, seed: int = 5) -> tuple[IteratorArms, list[str]]:
         built.append("upstream")
         upstream(iterator, *args, **kwargs)
 
-    trial = IteratorArms(legacy, counted_upstream, [keep], seed)
+    trial = IteratorArms(legacy, counted_upstream, Publisher([keep]), seed)
     trial.install()
     return trial, built
 
@@ -164,7 +163,7 @@ def test_an_arm_that_raises_raises_to_the_caller_and_is_recorded() -> None:
     def failing(iterator: Any, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("no workers today")
 
-    trial = IteratorArms(failing, failing, [keep], seed=1)
+    trial = IteratorArms(failing, failing, Publisher([keep]), seed=1)
     trial.install()
     try:
         with pytest.raises(RuntimeError, match="no workers today"):

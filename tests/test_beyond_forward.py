@@ -402,3 +402,25 @@ def test_a_real_gradient_difference_beyond_the_jitter_is_still_a_mismatch_every_
     stats = _jittery_job(legacy_scale=1.01, calls=260)
     assert stats.compared == 260 and stats.mismatch == 260 and stats.by_reason.get("grad") == 260, stats
     assert stats.noise_checks.get("gradients/ab/beyond") == 260, stats.noise_checks
+
+
+def test_a_canarys_truth_runs_are_its_phase_s_alike_from_the_journal_and_the_metrics(tmp_path):
+    """The truth runs' series had no primary label: read from metrics, a canary's truth runs (upstream returned)
+    were counted in legacy's phase, where its journal counted them in upstream's."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from exporters import JsonlExporter, PrometheusExporter
+    from shadow.analysis import sources
+
+    registry, journal = CollectorRegistry(), tmp_path / "j.jsonl"
+    ops, target = _value_target(_cancelling)
+    exporters = [PrometheusExporter(registry=registry), JsonlExporter(str(journal))]
+    with shadow.install(
+        [target], sample_rate=1.0, truth_rate=1.0, budget=None, primary="upstream", exporters=exporters
+    ):
+        for _ in range(2):
+            ops.op(torch.rand(64) * 4)
+    exporters[1].close()
+    read = [sources.from_exposition(generate_latest(registry).decode()), sources.from_journal([str(journal)])]
+    phases = [{p: dict(phase.truth) for p, phase in counts["poly"].phases.items() if phase.truth} for counts in read]
+    assert phases[0] == phases[1] == {"upstream": {("call", "upstream"): 2}}, phases

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 import shadow
 from dashboards import grafana_dashboard, rule_cases, rules
-from exporters import PrometheusExporter, contract
-from shadow.core.calls.canary.arms import ArmRun
+from exporters import PrometheusExporter
+from shadow.core.model import contract
 from shadow.core.model.observation import Observation
 
 PROMETHEUS_DIR = rules.RULES_PATH.parent
@@ -148,15 +148,14 @@ def scraped_metric_names():
         for i in range(12):  # (legacy repeats itself: a difference is real once it did so 10 times)
             ops.op(torch.tensor([float(i)], requires_grad=True))
     # (a call judged against a noisy target's thresholds, as one is once its burn-in's 200 A/A runs are made)
-    exporter.export(Observation("op", "noise", noise_check="within", aa_check="within"))
-    exporter.export_arm(ArmRun("dataloader_init", "legacy", 0.0, ((0,),), (0, 1), (0,), (0, 1), 0.1, 0.2, 3, 10.0))
+    exporter.record(contract.observation_samples(Observation("op", "noise", noise_check="within", aa_check="within")))
+    exporter.record(contract.arm_samples("dataloader_init", "legacy", True, 0.2))
     # (what a healthy job does not do: each series appears at its first event)
-    exporter.export(Observation("op", "match", shared_divergence="value"))
-    exporter.record_skips("op", "budget", 1)
-    exporter.record_export_error("op")
-    exporter.record_rollback("op", "api")
-    exporter.record_reset("op", "api")
-    exporter.record_patch_calls("torch.load", 1)
+    exporter.record(contract.observation_samples(Observation("op", "match", shared_divergence="value")))
+    exporter.record(contract.skip_samples("op", "budget", 1, "legacy"))
+    exporter.record(contract.export_error_samples("op"))
+    exporter.record(contract.rollback_samples("op", "api") + contract.reset_samples("op"))
+    exporter.record(contract.patch_call_samples("torch.load", 1))
     text = generate_latest(exporter.registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 

@@ -9,6 +9,7 @@ from fakes import FailingExporter, Recorder
 
 import shadow
 from shadow import Target
+from shadow.core.model import contract
 
 
 def scale(x):
@@ -251,17 +252,17 @@ class HookedExporter(Recorder):
         super().__init__()
         self.registered, self.calls, self.export_errors = {}, 0, 0
 
-    def register(self, target, sample_rate):
-        self.registered[target] = sample_rate
+    def record(self, samples):
+        for metric, labels, value in samples:
+            if metric is contract.SAMPLE_RATE:
+                self.registered[labels[0]] = value
+            elif metric is contract.CALLS:
+                self.calls += value
+            elif metric is contract.EXPORT_ERRORS:
+                self.export_errors += value
 
-    def record_calls(self, target, calls, signature=""):
-        self.calls += calls
 
-    def record_export_error(self, target):
-        self.export_errors += 1
-
-
-def test_optional_exporter_hooks_see_registration_calls_and_failures():
+def test_the_record_hook_sees_registration_calls_and_failures_as_samples():
     ops = make_ops()
     hooked = HookedExporter()
     with shadow.install(

@@ -21,7 +21,7 @@ def test_the_protocol_declares_exactly_the_hooks():
 
 
 def test_every_hook_the_code_calls_is_declared():
-    """Hooks are named as string literals where they are called: through call_hook or the engine's guard."""
+    """Hooks are named as string literals where they are called: through call_hook or the publisher's each."""
     called = set()
     for directory, _, files in os.walk(os.path.join(ROOT, "shadow")):
         for name in files:
@@ -29,11 +29,11 @@ def test_every_hook_the_code_calls_is_declared():
                 with open(os.path.join(directory, name), encoding="utf-8") as file:
                     tree = ast.parse(file.read())
                 for node in ast.walk(tree):
-                    if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
-                        "call_hook",
-                        "_call_exporter",
-                    ):
-                        hook = node.args[1]
+                    if not isinstance(node, ast.Call):
+                        continue
+                    name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+                    if name in ("call_hook", "each") and node.args:
+                        hook = node.args[1 if name == "call_hook" else 0]
                         if isinstance(hook, ast.Constant):
                             called.add(hook.value)
     assert called and called <= set(HOOKS), called - set(HOOKS)
@@ -43,14 +43,14 @@ def test_every_hook_the_code_calls_is_declared():
 
 def test_a_hook_that_raises_anything_is_returned_not_raised():
     class Raising:
-        def set_drill(self, active):
+        def record(self, samples):
             raise SystemExit(4)
 
-    assert isinstance(call_hook(Raising(), "set_drill", True), SystemExit)
-    assert call_hook(object(), "set_drill", True) is None  # an exporter without the hook
+    assert isinstance(call_hook(Raising(), "record", []), SystemExit)
+    assert call_hook(object(), "record", []) is None  # an exporter without the hook
 
 
-def test_an_exporter_failing_in_set_drill_does_not_stop_the_install():
+def test_an_exporter_failing_to_record_does_not_stop_the_install_nor_its_records():
     class Raising:
         def __init__(self):
             self.observations = []
@@ -58,7 +58,7 @@ def test_an_exporter_failing_in_set_drill_does_not_stop_the_install():
         def export(self, observation):
             self.observations.append(observation)
 
-        def set_drill(self, active):
+        def record(self, samples):
             raise OSError("disk full")
 
     exporter = Raising()

@@ -14,9 +14,9 @@ from commands import npu_shadow
 from prometheus_client.parser import text_string_to_metric_families
 from torch_npu_wheels import wheel
 
-from exporters import contract
 from shadow.analysis import evidence, sooner, verdict
 from shadow.core.calls.record import clusters
+from shadow.core.model import contract
 from shadow.launcher import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -101,7 +101,7 @@ def test_installing_twice_over_the_same_attribute_is_an_error():
         ({"tolerance": {"tensor_type": 1e-3}}, r"tolerance\['tensor_type'\]: expected a shadow.Tolerance"),
         ({"tolerance": {torch.float32: 1e-3}}, "a tolerance table maps torch.dtype to shadow.Tolerance"),
         ({"tolerance": {"tensor_type": Tolerance(0, 0), torch.float32: Tolerance(0, 0)}}, "not both"),
-        ({"exporters": [object()]}, "has no export"),
+        ({"exporters": [object()]}, "has neither an export"),
         ({"seed": "x"}, "seed: expected an int or None"),
     ],
 )

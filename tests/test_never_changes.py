@@ -94,7 +94,7 @@ def test_an_exporter_that_raises_on_attribute_lookup_is_a_value_error():
             raise RuntimeError("no attributes here")
 
     _, target = op_target(twice)
-    with pytest.raises(ValueError, match="exporters: Hostile raised looking up export"):
+    with pytest.raises(ValueError, match="exporters: Hostile raised looking up its hooks"):
         shadow.install([target], exporters=[Hostile()])
 
 

@@ -13,8 +13,9 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import CollectorRegistry, generate_latest
 
 import shadow
-from exporters import OTelExporter, PrometheusExporter, contract
-from shadow.core.calls.canary.arms import ArmRun
+from exporters import OTelExporter, PrometheusExporter
+from shadow.core.calls.record.record import Publisher
+from shadow.core.model import contract
 from shadow.core.model.observation import Observation
 
 
@@ -42,18 +43,19 @@ def test_every_instrument_with_its_unit_and_attributes():
     provider = MeterProvider(metric_readers=[reader])
     exporter = OTelExporter(meter_provider=provider)
     stats = run_workload([exporter])
-    exporter.export_arm(ArmRun("dataloader_init", "legacy", 0.0, ((0,),), (0, 1), (0,), (0, 1), 0.1, 0.2, 3, 10.0))
+    exporter.record(contract.arm_samples("dataloader_init", "legacy", True, 0.2))
     # (a fire drill's comparison, of another target: the drill's own counters)
-    exporter.export(Observation("drilled", "error", reasons=("exception",), drill=True))
-    exporter.record_patch_calls("torch.serialization._save", 3)  # (a release's function patch the job called)
+    exporter.record(contract.observation_samples(Observation("drilled", "error", reasons=("exception",), drill=True)))
+    exporter.record(contract.patch_call_samples("torch.serialization._save", 3))  # (a release's patch the job called)
     # (a call of a noisy target's, judged against its noise thresholds: within them, its A/A run beyond)
-    exporter.export(Observation("noisy", "noise", noise_check="within", aa_check="beyond"))
+    exporter.record(
+        contract.observation_samples(Observation("noisy", "noise", noise_check="within", aa_check="beyond"))
+    )
     # (what no workload of a healthy job does: each series appears at its first event)
-    exporter.export(Observation("shared", "match", shared_divergence="value"))
-    exporter.record_skips("op", "budget", 2)
-    exporter.record_export_error("op")
-    exporter.record_rollback("op", "api")
-    exporter.record_reset("op", "api")
+    exporter.record(contract.observation_samples(Observation("shared", "match", shared_divergence="value")))
+    exporter.record(contract.skip_samples("op", "budget", 2, "legacy"))
+    exporter.record(contract.export_error_samples("op"))
+    exporter.record(contract.rollback_samples("op", "api") + contract.reset_samples("op"))
     data = reader.get_metrics_data()
     (scope_metrics,) = data.resource_metrics[0].scope_metrics
     assert scope_metrics.scope.name == "npu_shadow"
@@ -130,9 +132,11 @@ def test_histogram_values_that_find_the_queue_full_are_counted_not_lost_silently
     monkeypatch.setattr(otel, "MAX_PENDING", 300)
     reader = InMemoryMetricReader()
     exporter = OTelExporter(meter_provider=MeterProvider(metric_readers=[reader]))
-    exporter.register("op", 1.0)
+    exporter.record(contract.registered_samples("op", 1.0))
     for _ in range(1000):
-        exporter.export(Observation("op", "close", numel=4, max_abs_error=1e-6, shadow_seconds=0.001))
+        exporter.record(
+            contract.observation_samples(Observation("op", "close", numel=4, max_abs_error=1e-6, shadow_seconds=0.001))
+        )
     by_name = {m.name: m for m in reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics}
     recorded = sum(p.count for p in by_name["npu_shadow.shadow.duration"].data.data_points)
     export_errors = sum(p.value for p in by_name["npu_shadow.export_errors"].data.data_points)
@@ -143,11 +147,12 @@ def test_histogram_values_that_find_the_queue_full_are_counted_not_lost_silently
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_a_metric_added_in_the_vocabulary_reaches_prometheus_opentelemetry_and_the_journal(monkeypatch, tmp_path):
-    """Adding a metric is one Metric and one rule in exporters.contract: the comparator's time per comparison, say.
-    Both exporters then carry it with its value, and the journal line carries the field it is made from (the schema
-    is the Observation's fields), read back by the journal reader."""
-    from exporters import JsonlExporter, contract
+    """Adding a metric is one Metric and one rule in shadow.core.model.contract: the comparator's time per
+    comparison, say. Both exporters then carry it with its value, and the journal line carries the field it is made
+    from (the schema is the Observation's fields), read back by the journal reader."""
+    from exporters import JsonlExporter
     from shadow.analysis.sources import journal_records
+    from shadow.core.model import contract
 
     compare = contract.Metric("npu_shadow.compare", "s", "counter", ("target",), "The comparator's time.")
     rule = lambda o: [(compare, (o.target,), o.compare_seconds)] if o.outcome != "skipped" else []  # noqa: E731
@@ -158,8 +163,9 @@ def test_a_metric_added_in_the_vocabulary_reaches_prometheus_opentelemetry_and_t
     direct = PrometheusExporter(registry=CollectorRegistry())
     journal = JsonlExporter(str(tmp_path / "j.jsonl"), all_outcomes=True)
     observation = Observation("op", "close", numel=4, compare_seconds=0.125)
-    for exporter in (OTelExporter(meter_provider=provider), direct, journal):
-        exporter.export(observation)
+    Publisher([OTelExporter(meter_provider=provider), direct, journal]).export(
+        "op", observation, contract.observation_samples(observation)
+    )
     journal.close()
     for text in (generate_latest(registry).decode(), generate_latest(direct.registry).decode()):
         found = [value for (name, _), value in samples(text).items() if name == "npu_shadow_compare_seconds_total"]

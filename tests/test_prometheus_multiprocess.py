@@ -67,9 +67,10 @@ def test_a_multiprocess_directory_others_can_write_is_refused_by_the_library(tmp
 SIGNATURE_WRITER = """
 import os, sys
 from exporters import PrometheusExporter
+from shadow.core.model import contract
 exporter = PrometheusExporter()
 for index in range(60):
-    exporter.record_calls("op", 2, f"process{sys.argv[1]}-signature{index:02d}")
+    exporter.record(contract.call_samples("op", 2, f"process{sys.argv[1]}-signature{index:02d}", "legacy"))
 """
 
 
@@ -141,6 +142,7 @@ def test_ranks_exporting_on_their_own_show_at_most_the_cap_between_them(tmp_path
 
     from exporters import PrometheusExporter, signatures
     from shadow.core.calls.gate.coverage import MAX_SIGNATURES
+    from shadow.core.model import contract
     from shadow.launcher.bootstrap import npu_shadow_boot as boot
 
     assert signatures.SHARED_DIR_VARIABLE == boot.METRICS_DIR
@@ -151,7 +153,7 @@ def test_ranks_exporting_on_their_own_show_at_most_the_cap_between_them(tmp_path
     for rank in range(12):
         exporter = PrometheusExporter(registry=CollectorRegistry())
         for index in range(MAX_SIGNATURES):
-            exporter.record_calls("op", 1, f"rank{rank}-signature{index:03d}")
+            exporter.record(contract.call_samples("op", 1, f"rank{rank}-signature{index:03d}", "legacy"))
         parsed = samples(generate_latest(exporter.registry).decode())
         shown |= {dict(items)["signature"] for name, items in parsed if name == "npu_shadow_calls_total"}
         calls += total(parsed, "npu_shadow_calls_total", target="op")

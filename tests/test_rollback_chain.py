@@ -645,14 +645,16 @@ def test_one_collection_records_a_bounded_share_of_the_queue_and_none_is_lost():
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from exporters import OTelExporter, otel
+    from shadow.core.model import contract
     from shadow.core.model.observation import Observation
 
     reader = InMemoryMetricReader()
     exporter = OTelExporter(meter_provider=MeterProvider(metric_readers=[reader]))
-    exporter.register("op", 1.0)
+    exporter.record(contract.registered_samples("op", 1.0))
     observation = Observation("op", "close", numel=4, max_abs_error=1e-6, shadow_seconds=0.001)
+    samples = contract.observation_samples(observation)
     for _ in range(60_000):
-        exporter.export(observation)
+        exporter.record(samples)
     queued = 100_000 - 100_000 % 3  # (MAX_PENDING: whole observations of 3 values each)
     assert exporter.dropped == 60_000 - queued // 3
 

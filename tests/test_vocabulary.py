@@ -3,7 +3,7 @@
 import os
 import re
 
-from exporters import contract
+from shadow.core.model import contract
 from shadow.core.model.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, OUTCOMES, Observation, Outcome
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,14 +24,16 @@ def test_observations_hold_plain_strings_whatever_they_were_given():
 
 
 def test_metric_names_are_spelled_only_in_the_contract():
-    """Rules, dashboard, verdict sources, exporters and reports name metrics through exporters/contract.py
+    """Rules, dashboard, verdict sources, exporters and reports name metrics through shadow/core/model/contract.py
     (rule test inputs, which are data about series, may spell them)."""
     spelled = []
     for package in ("shadow", "exporters", "dashboards", "shadow_pytest"):
         for directory, _, files in os.walk(os.path.join(ROOT, package)):
             for name in files:
                 path = os.path.join(directory, name)
-                if not name.endswith(".py") or path.endswith(("exporters/contract.py", "dashboards/rule_cases.py")):
+                if not name.endswith(".py") or path.endswith(
+                    ("shadow/core/model/contract.py", "dashboards/rule_cases.py")
+                ):
                     continue
                 with open(path, encoding="utf-8") as file:
                     for number, line in enumerate(file, 1):

@@ -127,13 +127,15 @@ def test_the_canary_demos_watcher_sees_a_hard_mismatch_whatever_the_labels():
     spec = importlib.util.spec_from_file_location("demo_watcher", path)
     watcher = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(watcher)
-    exporter = PrometheusExporter()
-    exporter.register("tensor_type", 1.0)
-    assert watcher.hard_mismatch(generate_latest(exporter.registry).decode()) is None  # (zeros)
-    exporter.set_primary("tensor_type", "upstream")
+    from shadow.core.model import contract
     from shadow.core.model.observation import Observation
 
-    exporter.export(Observation("tensor_type", "mismatch", ("dtype",), signature="s", primary="upstream"))
+    exporter = PrometheusExporter()
+    exporter.record(contract.registered_samples("tensor_type", 1.0))
+    assert watcher.hard_mismatch(generate_latest(exporter.registry).decode()) is None  # (zeros)
+    exporter.record(contract.primary_samples("tensor_type", "upstream"))
+    mismatch = Observation("tensor_type", "mismatch", ("dtype",), signature="s", primary="upstream")
+    exporter.record(contract.observation_samples(mismatch))
     assert watcher.hard_mismatch(generate_latest(exporter.registry).decode()) == ("dtype", "tensor_type")
 
 

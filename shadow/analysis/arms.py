@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from statistics import median
 from typing import Any
 
-from exporters import contract
+from shadow.core.model import contract
 
 ARMS = ("legacy", "upstream")
 _Z = 1.959963984540054  # (the normal's 97.5% quantile: a two-sided 95% interval)

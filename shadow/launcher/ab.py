@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from exporters.journal import JsonlExporter
+from shadow.core.model import contract
 from shadow.core.model.observation import Observation, Outcome, bounded
 from shadow.core.model.run_ids import COMMAND_ID_VARIABLE, command_id, run_id
 from shadow_pytest.outcomes import STARTED, recorded_outcomes, session_exit_status
@@ -258,6 +259,7 @@ def main(pytest_args: Sequence[str], journal: str) -> int:
     try:
         for test, observation in compared:
             where["test"] = test
+            exporter.record(contract.observation_samples(observation))  # (its counts, then its line; errors raised)
             exporter.export(observation)
     finally:
         exporter.close()

@@ -463,7 +463,7 @@ def _job_totals(exporters: list[Any]) -> tuple[dict[str, JobTotals] | None, int]
 
     Read from the registry's own samples, importing nothing: this runs at exit, where an import could run code
     that clears the interpreter's note of a Ctrl-C (and the job would exit 1, not as SIGINT)."""
-    from exporters import contract
+    from shadow.core.model import contract
 
     shared = next((e for e in exporters if getattr(e, "multiprocess", False)), None)
     directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")

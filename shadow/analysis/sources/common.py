@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from exporters import contract
 from shadow.analysis.evidence import TargetCounts
 from shadow.core.judging import noise
+from shadow.core.model import contract
 from shadow.core.model.observation import (
     BACKWARD_OUTCOMES,
     COMPARED_OUTCOMES,

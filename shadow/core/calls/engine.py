@@ -30,12 +30,8 @@ from shadow.core.calls.sampled.plan import CallContext, Coins
 from shadow.core.calls.settings import Settings
 from shadow.core.judging import gradients
 from shadow.core.judging.noise import NoiseFloor
-from shadow.core.model.observation import (
-    LEGACY,
-    UNCLASSIFIED_SIGNATURE,
-    Observation,
-    TargetStats,
-)
+from shadow.core.model import contract
+from shadow.core.model.observation import LEGACY, UNCLASSIFIED_SIGNATURE, Observation, Switched, TargetStats
 from shadow.core.model.targets import Target, patch_origin
 from shadow.core.model.tolerance import ToleranceSpec
 from shadow.core.runs.sides import marks, shadow_side_of_this_thread
@@ -106,7 +102,7 @@ class Experiment:
         self.tolerance = tolerance if tolerance is not None else target.tolerance
         self._lock = threading.Lock()
         self.sampling = Sampling(target, sample_rate, settings.first_per_signature, settings.seed, self._lock)
-        self.record = Record(target.name, publisher, self._lock, self.sampling.counted)
+        self.record = Record(target.name, publisher, self._lock, self.sampling.counted, self.primary)
         self.classifier = Classifier(
             target, budget, self.cost.clock, self.record.log_limited, lambda: self.record.add("signatures_over_cap")
         )
@@ -116,8 +112,9 @@ class Experiment:
         self.wrapper.__npu_shadow__ = self  # type: ignore[attr-defined]
         self.sampling.attach(set_gate)
         self.context = self._context()
-        publisher.each("register", target.name, sample_rate)
-        publisher.each("set_primary", target.name, self.primary)
+        publisher.record(
+            contract.registered_samples(target.name, sample_rate) + contract.primary_samples(target.name, self.primary)
+        )
         # Compiled code traces the primary of the moment it compiles (a rollback re-routes graphs compiled later).
         self._traced = traced = [self.primary_fn]
         compiling.trace_as_legacy(self.wrapper, lambda *args, **kwargs: traced[0](*args, **kwargs))
@@ -196,21 +193,21 @@ class Experiment:
 
     def roll_back(self, by: str) -> bool:
         """Make legacy the primary from the next call on (upstream runs as the shadow): the rollback switch. Only
-        toward legacy; True when this changed anything. Exporters hear of it (``record_rollback``); the noise
-        floor starts again (the other phase's errors are not this one's)."""
-        return self._switch_primary(LEGACY, by, "record_rollback")
+        toward legacy; True when this changed anything. Exporters hear of it (a ``rollback``); the noise floor
+        starts again (the other phase's errors are not this one's)."""
+        return self._switch_primary(LEGACY, by, "rollback")
 
     def reset_primary(self, by: str) -> bool:
         """A person's reset after a rollback: the primary configured at install again. True when it changed."""
-        if not self._switch_primary(self.configured_primary, by, "record_reset"):
+        if not self._switch_primary(self.configured_primary, by, "reset"):
             return False
         log.warning("npu-shadow [%s]: primary reset to %s by %s", self.target.name, self.primary, by)
         return True
 
-    def _switch_primary(self, primary: str, by: str, hook: str) -> bool:
-        """Make ``primary`` the side whose result the caller gets; exporters hear of it (``set_primary`` and
-        ``hook``). The calls so far are the ending phase's, its held value differences released as skips, and the
-        noise floor starts again. True when this changed anything."""
+    def _switch_primary(self, primary: str, by: str, event: str) -> bool:
+        """Make ``primary`` the side whose result the caller gets; exporters hear of it (a :class:`Switched`
+        ``event``, and its samples). The calls so far are the ending phase's, its held value differences released
+        as skips, and the noise floor starts again. True when this changed anything."""
         self.report_calls(flush=True)
         if self.primary != primary:
             self.release_pending()
@@ -219,12 +216,16 @@ class Experiment:
                 return False
             self.noise, self.primary = NoiseFloor(), primary
             self.primary_fn, self.shadow_fn = self._sides(primary)
-            self.rolled_back_by = by if hook == "record_rollback" else None
+            self.rolled_back_by = by if event == "rollback" else None
+            self.record.primary = primary
             self._set_primary(self.primary_fn)
             self._traced[0] = self.primary_fn
             self.context = self._context()
-        self.record.publisher.each("set_primary", self.target.name, primary)
-        self.record.publisher.each(hook, self.target.name, by)
+        name = self.target.name
+        counted = contract.rollback_samples(name, by) if event == "rollback" else contract.reset_samples(name)
+        self.record.publisher.export(
+            name, Switched(name, event, by, primary), contract.primary_samples(name, primary) + counted
+        )
         return True
 
     # ------------------------------------------------------------------ what the shadow side reports

@@ -25,7 +25,7 @@ from shadow.core.calls.record import exporting
 from shadow.core.calls.record.record import Publisher
 from shadow.core.calls.record.reporter import REPORTER
 from shadow.core.calls.settings import Settings
-from shadow.core.model import live_targets
+from shadow.core.model import contract, live_targets
 from shadow.core.model import targets as builtin
 from shadow.core.model import tolerance as tol
 from shadow.core.model.observation import ARM_TARGETS, UPSTREAM, TargetStats
@@ -204,12 +204,12 @@ class Monitor:
 
     def _report_patch_calls(self) -> None:
         for patch, calls in (self.patch_calls.since_reported() if self.patch_calls is not None else {}).items():
-            self.publisher.each("record_patch_calls", patch, calls)
+            self.publisher.record(contract.patch_call_samples(patch, calls))
 
     def _report_time(self) -> None:
         now = time.monotonic()
         seconds, self._timed_at = now - self._timed_at, now
-        self.publisher.each("record_time", seconds)
+        self.publisher.record(contract.time_samples(seconds))
 
     def uninstall(self) -> None:
         """Flush, then put back exactly the objects that were there before install (safe to call twice)."""
@@ -359,14 +359,14 @@ def install(
     monitor._suspended = suspended
     try:
         monitor._patch()
-        monitor.arms = _arms(targets, settings.primary, exporters, settings.seed)
+        monitor.arms = _arms(targets, settings.primary, publisher, settings.seed)
         monitor.idle_canaries = _idle_canaries(targets, settings.primary)
         monitor.patch_calls = _patch_counters(settings.count_patches)
     except Exception:
         monitor.uninstall()
         raise
     if settings.drill is not None:
-        publisher.each("set_drill", True)
+        publisher.record(contract.drill_samples(True))
     if exporters:
         REPORTER.add(monitor)  # (the calls between sampled ones reach the exporters within a second)
     log.debug("npu-shadow installed %s with torch %s", monitor.targets, torch.__version__)
@@ -395,7 +395,7 @@ def _settings(settings: Settings | None, options: dict[str, Any]) -> Settings:
     return settings
 
 
-def _arms(targets: Any, primary: str, exporters: Sequence[Any], seed: int | None) -> IteratorArms | None:
+def _arms(targets: Any, primary: str, publisher: Publisher, seed: int | None) -> IteratorArms | None:
     """The DataLoader iterator's canary A/B, installed where the job is a canary (upstream is the primary), legacy's
     patch of the iterator's ``__init__`` is active, its upstream is known, and the targets (if named) include it."""
     name = ARM_TARGETS[0]
@@ -408,7 +408,7 @@ def _arms(targets: Any, primary: str, exporters: Sequence[Any], seed: int | None
     if builtin.patch_origin(legacy) is None or upstream is None or upstream is legacy:
         return None
     try:
-        arms = IteratorArms(legacy, upstream, exporters, seed)
+        arms = IteratorArms(legacy, upstream, publisher, seed)
         arms.install()
     except Exception as exc:  # (a host without CPU affinity calls, say: the A/B is ours to give up, never the job's)
         log.warning("npu-shadow: the DataLoader iterator's A/B could not start (%r); iterators stay legacy's", exc)

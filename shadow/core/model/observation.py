@@ -366,6 +366,22 @@ class Observation:
         )  # fmt: skip
 
 
+#: What switched a target's primary: the rollback switch (to legacy), or a person's reset (to the configured side).
+SWITCH_EVENTS = ("rollback", "reset")
+
+
+@dataclasses.dataclass(frozen=True)
+class Switched:
+    """The side whose result the caller of ``target`` gets was switched to ``primary``: a ``rollback`` (the rollback
+    switch made legacy the primary) or a person's ``reset``; ``by`` says who or what ("http:<requester>",
+    "file:<path>", "api:<caller>")."""
+
+    target: str
+    event: str
+    by: str
+    primary: str
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetStats:
     """Counts for one installed target since it was installed.

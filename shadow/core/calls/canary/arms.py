@@ -14,7 +14,7 @@ time from ``__init__`` to the first batch, the batches per second after it, and 
 the iterator's base seed (batches of the same seed must be equal in both arms). Legacy's binding of the caller's
 thread outlives its iterator: an upstream arm starts from the cores the process had when the trial began (what it
 would have in a job without the patch) and leaves the caller's thread as it found it. One :class:`ArmRun` per
-iterator goes to the exporters (``export_arm``) when the iterator is exhausted or collected, or at exit.
+iterator goes to the exporters (with its samples) when the iterator is exhausted or collected, or at exit.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_iter
 
-from shadow.core.calls.record.exporting import call_hook
+from shadow.core.calls.record.record import Publisher
+from shadow.core.model import contract
 from shadow.core.model.observation import ARM_TARGETS, LEGACY, UPSTREAM
 from shadow.core.support import memory
 
@@ -145,7 +146,7 @@ class IteratorArms:
         self,
         legacy: Callable,
         upstream: Callable,
-        exporters: Sequence[Any],
+        publisher: Publisher,
         seed: int | None,
         target: str = ARM_TARGETS[0],
     ) -> None:
@@ -153,7 +154,7 @@ class IteratorArms:
 
         self.target = target
         self.legacy, self.upstream = legacy, upstream
-        self.exporters = tuple(exporters)
+        self.publisher = publisher
         self._owner = dataloader._MultiProcessingDataLoaderIter
         self._random = random.Random(f"{seed}/{target}/arms" if seed is not None else None)
         self._block: list[str] = []
@@ -298,5 +299,5 @@ class IteratorArms:
         self._export(measure.finished())
 
     def _export(self, run: ArmRun) -> None:
-        for exporter in self.exporters:
-            call_hook(exporter, "export_arm", run)
+        samples = contract.arm_samples(run.target, run.arm, run.workers_bound, run.first_batch_seconds)
+        self.publisher.export(run.target, run, samples)

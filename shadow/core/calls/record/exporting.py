@@ -1,96 +1,47 @@
-"""The exporter protocol: every hook the core calls on an exporter, and the one place that calls them.
+"""The exporter protocol: the four hooks the core calls on an exporter, and the one place that calls them.
 
-An exporter is any object with ``export``; the other hooks are optional and looked up by name. Every call of
-a hook goes through :func:`call_hook`, which never lets an exporter's failure (any exception, SystemExit
-included; KeyboardInterrupt excepted) reach the job: it is returned for the caller to count and log.
+The core turns what it counts into the metric contract's samples once (:mod:`shadow.core.model.contract`), and
+hands them to every exporter's ``record``; what needs a line of its own (an observation, a rollback or reset, a
+canary A/B's iterator) goes to ``export`` as a record. A backend that only keeps counts (Prometheus, OpenTelemetry)
+has ``record`` alone; one that keeps lines (the journal) has both. Every call of a hook goes through
+:func:`call_hook`, which never lets an exporter's failure (any exception, SystemExit included; KeyboardInterrupt
+excepted) reach the job: it is returned for the caller to count and log.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
-from shadow.core.model.observation import Observation
+from shadow.core.model.contract import Sample
 
 
 class Exporter(Protocol):
-    """What the core calls on an exporter. Only ``export`` is required."""
-
-    def export(self, observation: Observation) -> None:
-        """One sampled call's observation."""
+    """What the core calls on an exporter: ``export`` or ``record`` (or both); the others are optional."""
 
     #: Optional: True where the exporter keeps a divergence's evidence (repro captures): a sampled call then reads
     #: its comparison at once, never deferred (the evidence is the call's tensors).
     captures: bool
 
-    # ------------------------------------------------------------------ optional hooks
+    def export(self, record: Any) -> None:
+        """A record: an :class:`~shadow.core.model.observation.Observation` (one sampled call's), a
+        :class:`~shadow.core.model.observation.Switched` (a rollback, or a person's reset), or a canary A/B's
+        iterator (``shadow.core.calls.canary.arms.ArmRun``). Its samples were recorded just before."""
 
-    def register(self, target: str, sample_rate: float) -> None:
-        """At install: show the target installed (its calls at zero) and record its sample rate."""
-
-    def record_calls(self, target: str, calls: int, signature: str = "") -> None:
-        """Calls of the target (sampled or not) since the last report; for a coverage-guided target, by
-        ``signature`` (passed only then: the calls of all signatures add up to the target's)."""
-
-    def record_call_blocks(self, target: str, primary: str, blocks: float) -> None:
-        """The target's calls (``primary`` the side the caller got) began a block of process time: ``blocks`` is
-        what it counts as (a rank's share; :meth:`shadow.core.calls.record.clusters.Clusters.called`)."""
-
-    def record_skips(self, target: str, reason: str, count: int) -> None:
-        """Sampled calls skipped in bulk, without an observation each (the overhead budget)."""
-
-    def set_primary(self, target: str, side: str) -> None:
-        """The side whose result the caller gets for ``target`` ('legacy' or 'upstream'): at install, and at a
-        rollback."""
-
-    def record_rollback(self, target: str, by: str) -> None:
-        """The rollback switch made legacy the primary of ``target``; ``by`` says who or what threw it
-        ("http:<requester>", "file:<path>", "api:<caller>")."""
-
-    def record_reset(self, target: str, by: str) -> None:
-        """A person reset ``target``'s primary after a rollback (the verdict sets evidence before it aside)."""
-
-    def record_time(self, seconds: float) -> None:
-        """Seconds of this process's time under the monitor since the last report (each second, and at flush):
-        what the verdict turns into "how much more running it takes"."""
-
-    def record_patch_calls(self, patch: str, calls: int) -> None:
-        """The job's calls of a release's function patch (by its dotted name) since the last report
-        (:mod:`shadow.core.calls.patch_calls`)."""
+    def record(self, samples: Sequence[Sample]) -> None:
+        """Samples of the contract's series (:data:`~shadow.core.model.contract.Sample`: a counter's increment, a
+        histogram's observation, a gauge's value): what a record, the calls since the last report, the process's
+        time or the target's installation and primary add up to."""
 
     def flush(self) -> None:
         """Write out what is buffered (the monitor's flush: at exit, at uninstall)."""
 
-    def record_export_error(self, target: str) -> None:
-        """Another exporter failed to export one of the target's observations."""
-
-    def set_drill(self, active: bool) -> None:
-        """A fire drill is (or is no longer) injecting synthetic divergence."""
-
     def close(self) -> None:
         """Release files, sockets and servers (the launcher calls it when its settings change)."""
 
-    def export_arm(self, run: Any) -> None:
-        """One iterator of a canary A/B, built by one arm (a ``shadow.core.calls.canary.arms.ArmRun``)."""
-
 
 #: Every hook, in the order of the protocol above.
-HOOKS = (
-    "export",
-    "register",
-    "record_calls",
-    "record_call_blocks",
-    "record_skips",
-    "set_primary",
-    "record_rollback",
-    "record_reset",
-    "record_time",
-    "record_patch_calls",
-    "flush",
-    "record_export_error",
-    "set_drill",
-    "close",
-    "export_arm",
-)
+HOOKS = ("export", "record", "flush", "close")
 
 
 def call_hook(exporter: Any, hook: str, *args: Any) -> BaseException | None:
@@ -109,10 +60,11 @@ def call_hook(exporter: Any, hook: str, *args: Any) -> BaseException | None:
 
 
 def check(exporter: Any, where: str) -> None:
-    """Raise ValueError unless ``exporter`` has a callable ``export`` (looking it up may not raise either)."""
+    """Raise ValueError unless ``exporter`` has a callable ``export`` or ``record`` (looking them up may not raise
+    either)."""
     try:
-        export = getattr(exporter, "export", None)
+        hooks = [getattr(exporter, hook, None) for hook in ("export", "record")]
     except Exception as exc:
-        raise ValueError(f"{where}: {type(exporter).__name__} raised looking up export: {exc!r}") from None
-    if not callable(export):
-        raise ValueError(f"{where}: {exporter!r} has no export(observation) method")
+        raise ValueError(f"{where}: {type(exporter).__name__} raised looking up its hooks: {exc!r}") from None
+    if not any(callable(hook) for hook in hooks):
+        raise ValueError(f"{where}: {exporter!r} has neither an export(record) nor a record(samples) method")

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Protocol
 
 from shadow.core.calls.gate.sampling import Sampling
@@ -16,6 +16,7 @@ from shadow.core.calls.record import clusters as clustering
 from shadow.core.calls.record.exporting import call_hook
 from shadow.core.calls.record.held import HeldDifferences
 from shadow.core.judging.noise import CHECKS, NOISE_CHECKS, NoiseFloor, evidence_of
+from shadow.core.model import contract
 from shadow.core.model.observation import (
     DIVERGENT_OUTCOMES,
     LEGACY,
@@ -40,7 +41,7 @@ class Publisher:
     the job's), each failure logged at most once a minute per exporter and hook.
 
     Args:
-        exporters: objects with ``export`` (checked by ``install``) and any of the optional hooks.
+        exporters: objects with ``export`` or ``record`` (checked by ``install``) and any of the optional hooks.
     """
 
     def __init__(self, exporters: Sequence[Any] = ()) -> None:
@@ -51,25 +52,44 @@ class Publisher:
 
     def each(self, hook: str, *args: Any) -> int:
         """Call ``hook`` on every exporter that has it. Returns how many failed."""
-        publishing = getattr(marks, "publishing", False)
-        failed = 0
-        try:
-            marks.publishing = True
-            for exporter in self.exporters:
-                failure = call_hook(exporter, hook, *args)
-                if failure is not None:
-                    failed += 1
-                    self._log(exporter, hook, failure)
-        finally:
-            marks.publishing = publishing
+        return sum(bool(self._calls(exporter, ((hook, args),))) for exporter in self._marked())
+
+    def record(self, samples: Sequence[contract.Sample]) -> int:
+        """Hand ``samples`` to every exporter's ``record`` (nothing where there are none). Returns how many
+        failed."""
+        return self.each("record", samples) if samples else 0
+
+    def export(self, target: str, record: Any, samples: Sequence[contract.Sample]) -> int:
+        """``record``'s ``samples`` to every exporter, then the record itself (so a journal's count record covers
+        every line before it). An exporter that failed at either is one export error of ``target``'s, recorded
+        by every exporter. Returns how many failed."""
+        calls = (("record", (samples,)), ("export", (record,))) if samples else (("export", (record,)),)
+        failed = sum(bool(self._calls(exporter, calls)) for exporter in self._marked())
+        if failed:
+            self.record(contract.export_error_samples(target, failed))
         return failed
 
-    def export(self, target: str, observation: Any) -> int:
-        """Export an observation; each exporter that failed is told to the others (``record_export_error``).
-        Returns how many failed."""
-        failed = self.each("export", observation)
-        for _ in range(failed):
-            self.each("record_export_error", target)
+    def export_observation(self, target: str, observation: Observation) -> int:
+        """:meth:`export` of an observation with its samples (none made where there is no exporter)."""
+        return self.export(target, observation, contract.observation_samples(observation)) if self.exporters else 0
+
+    def _marked(self) -> Iterator[Any]:
+        """The exporters, each called under the ``publishing`` mark (as it was, after)."""
+        publishing = getattr(marks, "publishing", False)
+        try:
+            marks.publishing = True
+            yield from self.exporters
+        finally:
+            marks.publishing = publishing
+
+    def _calls(self, exporter: Any, calls: Sequence[tuple[str, tuple]]) -> int:
+        """Each (hook, arguments) of ``calls`` on ``exporter``; how many failed (each logged)."""
+        failed = 0
+        for hook, args in calls:
+            failure = call_hook(exporter, hook, *args)
+            if failure is not None:
+                failed += 1
+                self._log(exporter, hook, failure)
         return failed
 
     def _log(self, exporter: Any, hook: str, failure: BaseException) -> None:
@@ -203,12 +223,20 @@ class Record:
         lock: the experiment's lock (the tally is read and written under it).
         counted: the calls to report, taken under the lock (:meth:`Sampling.counted`; ``flush``: the open gate's
             too).
+        primary: the side whose result the caller gets now (the experiment sets it at a switch, under the lock):
+            the phase the calls and the skips in bulk are counted in.
     """
 
     def __init__(
-        self, target: str, publisher: Publisher, lock: threading.Lock, counted: Callable[[bool], dict[str, Any]]
+        self,
+        target: str,
+        publisher: Publisher,
+        lock: threading.Lock,
+        counted: Callable[[bool], dict[str, Any]],
+        primary: str = LEGACY,
     ) -> None:
         self.target, self.publisher, self._lock, self._counted = target, publisher, lock, counted
+        self.primary = primary
         self.tally = Tally(clustering.cluster_share())
         self.held = HeldDifferences()
         #: Observations whose comparison the device had not finished when their call returned, oldest first.
@@ -264,7 +292,7 @@ class Record:
             observation = self.tally.count(observation)
         compared = observation.outcome != Outcome.SKIPPED.value and not observation.drill  # (its block marked)
         self.report_calls(primary=observation.primary, marked=compared)
-        failed = self.publisher.export(self.target, observation)
+        failed = self.publisher.export_observation(self.target, observation)
         if failed:
             self.add("export_errors", failed)
         if (observation.aa or observation.backward) and not judged and len(self.held):  # (a floor grew)
@@ -322,14 +350,17 @@ class Record:
             self.tally.calls_reported = dict(now)
             skipped = self.tally.take_unreported_skips()
             blocks = self.tally.take_call_blocks(primary, any(deltas.values()) and not marked)
+            phase = self.primary
+        if not self.publisher.exporters:
+            return
+        target, samples = self.target, []
         for signature, delta in deltas.items():
-            if delta:
-                self.publisher.each("record_calls", self.target, delta, signature)
+            samples += contract.call_samples(target, delta, signature, phase) if delta else ()
         for side, value in blocks.items():
-            if value:
-                self.publisher.each("record_call_blocks", self.target, side, value)
+            samples += contract.call_block_samples(target, side, value)
         for reason, count in skipped.items():
-            self.publisher.each("record_skips", self.target, reason, count)
+            samples += contract.skip_samples(target, reason, count, phase)
+        self.publisher.record(samples)
 
     def stats(self, sampling: Sampling, primary: str, rolled_back_by: str | None) -> TargetStats:
         """A consistent snapshot of the target's counts."""

@@ -1,16 +1,19 @@
-"""The metric contract shared by the Prometheus and OpenTelemetry paths, and the one place values become samples.
+"""The metric contract: the series every exporter and every source share, and the one place values become samples.
 
-One dashboard and one rule file serve both: the OpenTelemetry instruments below come out of the SDK's
+One dashboard and one rule file serve both metric paths: the OpenTelemetry instruments below come out of the SDK's
 Prometheus translation with exactly the Prometheus names (dots become underscores, ``_total`` is added to
 monotonic sums, ``_seconds`` for unit ``s``, and ``{annotation}`` units add nothing).
 Labels come only from bounded sets: target, outcome, reason, signature; and every series carries the run it
 belongs to (:data:`RUN_LABEL`, one value per process).
 
-What an :class:`Observation` (and each exporter hook) says is turned into samples here, once
-(:func:`observation_samples`, after prometheus/client_python's collectors: values become samples in one place,
-backends stay thin): a :data:`Sample` is (metric, its labels in the metric's order, value), a counter's increment,
-a histogram's observation or a gauge's value. Adding a metric is a :class:`Metric` in :data:`ALL` and, where an
-observation carries it, a rule in :data:`OBSERVATION_RULES`; both exporters then carry it.
+What an :class:`Observation` (and each event of the core's: calls, skips in bulk, process time, a switch of the
+primary) says is turned into samples here, once, by the core (:func:`observation_samples` and the ``*_samples``
+functions; after prometheus/client_python's collectors: values become samples in one place, backends stay thin): a
+:data:`Sample` is (metric, its labels in the metric's order, value), a counter's increment, a histogram's
+observation or a gauge's value. Every exporter's ``record`` gets them (:mod:`shadow.core.calls.record.exporting`):
+Prometheus and OpenTelemetry apply them, the journal sums a phase's into its count records. Adding a metric is a
+:class:`Metric` in :data:`ALL` and, where an observation carries it, a rule in :data:`OBSERVATION_RULES`; every
+exporter then carries it.
 """
 
 from __future__ import annotations
@@ -294,9 +297,9 @@ TRUTH_RUNS = Metric(
     "npu_shadow.truth_runs",
     "{run}",
     "counter",
-    ("target", "signature", "nearer"),
+    ("target", "signature", "primary", "nearer"),
     "Float64 CPU truth runs of calls whose two sides differ in value, by the side nearer the truth (legacy, upstream, "
-    "tie): a difference where upstream is nearer is not a regression.",
+    "tie) and the side whose result the caller got: a difference where upstream is nearer is not a regression.",
 )
 ARM_ITERATORS = Metric(
     "npu_shadow.arm_iterators",
@@ -461,7 +464,7 @@ def _extra_runs(o: Observation) -> Iterable[Sample]:
     if o.backward_skip:
         found.append((BACKWARD_SKIPS, (o.target, o.backward_skip), 1))
     if o.nearer:
-        found.append((TRUTH_RUNS, (o.target, o.signature, o.nearer), 1))
+        found.append((TRUTH_RUNS, (o.target, o.signature, o.primary, o.nearer), 1))
     return found
 
 
@@ -492,32 +495,33 @@ def observation_samples(observation: Observation) -> list[Sample]:
 
 
 def call_samples(target: str, calls: int, signature: str, primary: str) -> list[Sample]:
-    """Calls that passed since the last report (``record_calls``), by the side the caller got."""
+    """Calls that passed since the last report, by the side the caller got."""
     return [(CALLS, (target, signature, primary), calls)]
 
 
 def skip_samples(target: str, reason: str, count: int, primary: str) -> list[Sample]:
-    """Sampled calls skipped in bulk, without an observation each (``record_skips``: the overhead budget)."""
+    """Sampled calls skipped in bulk, without an observation each (the overhead budget, the deadline)."""
     return [(SKIPPED, (target, reason, "", primary), count)]
 
 
 def primary_samples(target: str, side: str) -> list[Sample]:
-    """The side whose result the caller of ``target`` gets from now on (``set_primary``)."""
+    """The side whose result the caller of ``target`` gets from now on (at install, and at a switch)."""
     return [(PRIMARY, (target, each), 1 if each == side else 0) for each in (LEGACY_SIDE, "upstream")]
 
 
 def rollback_samples(target: str, by: str) -> list[Sample]:
-    """A rollback (``record_rollback``), by what threw it."""
+    """A rollback, by what threw it."""
     return [(ROLLBACKS, (target, rollback_source(by)), 1)]
 
 
 def reset_samples(target: str) -> list[Sample]:
-    """A person's reset after a rollback (``record_reset``)."""
+    """A person's reset after a rollback."""
     return [(RESETS, (target,), 1)]
 
 
 def call_block_samples(target: str, primary: str, blocks: float) -> list[Sample]:
-    """The target's calls began a block of process time (``record_call_blocks``)."""
+    """The target's calls (``primary`` the side the caller got) began a block of process time: ``blocks`` is what
+    it counts as (a rank's share; :meth:`shadow.core.calls.record.clusters.Clusters.called`)."""
     return [(CALL_BLOCKS, (target, primary), blocks)] if blocks > 0 else []
 
 
@@ -527,22 +531,24 @@ def process_samples() -> list[Sample]:
 
 
 def time_samples(seconds: float) -> list[Sample]:
-    """Process time under the monitor (``record_time``)."""
+    """Seconds of this process's time under the monitor since the last report (each second, and at flush): what
+    the verdict turns into "how much more running it takes"."""
     return [(PROCESS_TIME, (), seconds)] if seconds > 0 else []
 
 
 def patch_call_samples(patch: str, calls: int) -> list[Sample]:
-    """The job's calls of one function patch since the last report (``record_patch_calls``)."""
+    """The job's calls of one function patch (by its dotted name) since the last report
+    (:mod:`shadow.core.calls.patch_calls`)."""
     return [(PATCH_CALLS, (patch,), calls)] if calls > 0 else []
 
 
-def export_error_samples(target: str) -> list[Sample]:
-    """An exporter that failed to export one of ``target``'s observations (``record_export_error``)."""
-    return [(EXPORT_ERRORS, (target,), 1)]
+def export_error_samples(target: str, exporters: int = 1) -> list[Sample]:
+    """``exporters`` that failed to export one of ``target``'s records."""
+    return [(EXPORT_ERRORS, (target,), exporters)]
 
 
 def registered_samples(target: str, sample_rate: float) -> list[Sample]:
-    """A target installed (``register``): every series of :func:`zero_series` at zero, and its sample rate."""
+    """A target installed: every series of :func:`zero_series` at zero, and its sample rate."""
     found: list[Sample] = [
         (metric, tuple(labels[name] for name in metric.labels), 0) for metric, labels in zero_series(target)
     ]
@@ -562,12 +568,12 @@ def start_samples(run: str) -> list[Sample]:
 
 
 def drill_samples(active: bool) -> list[Sample]:
-    """Whether a fire drill injects synthetic divergence (``set_drill``)."""
+    """Whether a fire drill injects synthetic divergence."""
     return [(DRILL_ACTIVE, (), 1 if active else 0)]
 
 
 def arm_samples(target: str, arm: str, workers_bound: bool, first_batch_seconds: float | None) -> list[Sample]:
-    """One iterator of a canary A/B (``export_arm``)."""
+    """One iterator of a canary A/B (:mod:`shadow.core.calls.canary.arms`)."""
     found: list[Sample] = [(ARM_ITERATORS, (target, arm, "bound" if workers_bound else "unbound"), 1)]
     if first_batch_seconds is not None:
         found += [(ARM_FIRST_BATCH, (target, arm), first_batch_seconds), (ARM_FIRST_BATCHES, (target, arm), 1)]
