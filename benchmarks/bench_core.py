@@ -109,11 +109,12 @@ def bench_comparator(trials: int, numel: int, label: str = "idle") -> float:
     target = shadow.Target("pair", ops, "op", lambda: upstream_out, isolate=False)
 
     ours, theirs = [], []
-    with shadow.install([target], sample_rate=1.0, exporters=[exporter]):
+    with shadow.install([target], sample_rate=1.0, exporters=[exporter]) as monitor:
         ops.op()  # warm up both
         torch.testing.assert_close(upstream_out, legacy_out)
         for _ in range(trials):
             ops.op()
+            monitor.deliver()
             ours.append(observations[-1].compare_seconds)
             start = time.perf_counter()
             torch.testing.assert_close(upstream_out, legacy_out)

@@ -51,10 +51,11 @@ def comparisons_until_covered(
     calls = 0
     with shadow.install(
         [target], sample_rate=rate, seed=seed, first_per_signature=first_per_signature, exporters=[compared]
-    ):
+    ) as monitor:
         while compared.by_signature["risky"] < needed:
             ops.op(x, "risky" if draw.random() < rare_share else "common")
             calls += 1
+            monitor.deliver()  # (the exporter counts each call's comparison before the next call)
     return sum(compared.by_signature.values()), calls
 
 

@@ -161,9 +161,9 @@ class JsonlExporter:
             for metric, labels, value in samples:
                 if not value:
                     continue
-                if metric in PHASE_SERIES:
-                    named = dict(zip(metric.labels, labels))
-                    self._phase(named["target"], named["primary"]).add(metric, named, value)
+                phase = PHASE_SERIES.get(metric)
+                if phase is not None:
+                    self._phase(labels[phase[0]], labels[phase[1]]).add(metric, labels, value)
                 elif metric is contract.PATCH_CALLS:
                     self._patch_calls[labels[0]] = self._patch_calls.get(labels[0], 0) + value
                     self._patch_calls_dirty = True

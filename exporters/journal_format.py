@@ -19,7 +19,7 @@ import dataclasses
 import datetime
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from json.encoder import encode_basestring_ascii
 
 from shadow.core.model import contract
@@ -145,14 +145,16 @@ TABLE_SERIES: dict[str, tuple[contract.Metric, tuple[str, ...]]] = {
 }
 #: The count record's plain counts, each one series of the contract summed whole.
 SCALAR_SERIES = {"clusters": contract.CLUSTERS, "call_blocks": contract.CALL_BLOCKS, "drilled": contract.DRILLED}
-#: The series a phase's counts hold, and the tables and plain counts each is summed into.
-_INTO: dict[contract.Metric, list[tuple[str, tuple[str, ...] | None]]] = {}
+#: The series a phase's counts hold: where their target and primary labels are, and the tables and plain counts each
+#: is summed into (with where the table's keys are among its labels; None: a plain count).
+PHASE_SERIES: dict[contract.Metric, tuple[int, int]] = {}
+_INTO: dict[contract.Metric, list[tuple[str, tuple[int, ...] | None]]] = {}
 for _name, (_metric, _keys) in TABLE_SERIES.items():
-    _INTO.setdefault(_metric, []).append((_name, _keys))
+    _INTO.setdefault(_metric, []).append((_name, tuple(_metric.labels.index(key) for key in _keys)))
 for _name, _metric in SCALAR_SERIES.items():
     _INTO.setdefault(_metric, []).append((_name, None))
-#: The series counted in a phase: each has the target and primary labels.
-PHASE_SERIES = frozenset(_INTO)
+for _metric in _INTO:
+    PHASE_SERIES[_metric] = (_metric.labels.index("target"), _metric.labels.index("primary"))
 
 
 class Counts:
@@ -170,18 +172,18 @@ class Counts:
         self.call_blocks = 0.0  # (the blocks its calls fell in, counted alike: what comparing every call could open)
         self.drilled = 0
 
-    def add(self, metric: contract.Metric, labels: Mapping[str, str], value: float) -> None:
-        """Add one sample of a series of :data:`PHASE_SERIES` (``labels`` by name)."""
+    def add(self, metric: contract.Metric, labels: tuple[str, ...], value: float) -> None:
+        """Add one sample of a series of :data:`PHASE_SERIES` (``labels`` in the metric's order)."""
         for name, keys in _INTO[metric]:
             if keys is None:
                 setattr(self, name, getattr(self, name) + value)
-            elif name == "noise":
-                _bump(self.noise, labels["evidence"], f"{labels['pair']}/{labels['check']}", value)
+            elif len(keys) == 3:  # (noise: {evidence: {"pair/check": count}})
+                _bump(self.noise, labels[keys[0]], f"{labels[keys[1]]}/{labels[keys[2]]}", value)
             elif len(keys) == 2:
                 _bump(getattr(self, name), labels[keys[0]], labels[keys[1]], value)
             else:
-                table = getattr(self, name)
-                table[labels[keys[0]]] = table.get(labels[keys[0]], 0) + value
+                table, key = getattr(self, name), labels[keys[0]]
+                table[key] = table.get(key, 0) + value
 
     def truth_decade(self, o: Observation) -> None:
         """The decade of a truth run's errors (their ratio's), where it has one."""

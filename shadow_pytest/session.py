@@ -175,6 +175,7 @@ class ShadowSession:
         try:
             yield
         finally:
+            self.monitor.deliver()  # (the phase's records, attributed to it: they reach the exporters now)
             self.where = ("", "between tests")
 
     @pytest.hookimpl(hookwrapper=True)

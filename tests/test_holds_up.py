@@ -493,14 +493,15 @@ def test_a_forked_child_reports_its_own_otel_totals():
     reader = InMemoryMetricReader()
     exporter = OTelExporter(meter_provider=MeterProvider(metric_readers=[reader]))
     ops = types.SimpleNamespace(op=lambda x: x * 2)
-    with shadow.install([Target("op", ops, "op", lambda x: x * 2)], sample_rate=1.0, exporters=[exporter]):
+    with shadow.install([Target("op", ops, "op", lambda x: x * 2)], sample_rate=1.0, exporters=[exporter]) as m:
         for _ in range(5):
             ops.op(torch.ones(1))
         read, write = os.pipe()
         pid = os.fork()
-        if pid == 0:  # the child: one call of its own
+        if pid == 0:  # the child: one call of its own (what the parent's exporters still had to take is the parent's)
             try:
                 ops.op(torch.ones(1))
+                m.deliver()
                 os.write(write, str(_otel_sum(reader, "npu_shadow.comparisons")).encode())
             finally:
                 os._exit(0)

@@ -17,6 +17,8 @@ from exporters import JsonlExporter, PrometheusExporter
 from exporters import capture as capture_format
 from shadow import Target
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def run(exporters, calls=8, upstream=faults.scale_wrong):
     ops = types.SimpleNamespace(op=faults.scale)
@@ -211,3 +213,31 @@ def test_the_line_carries_every_field_of_the_schema_and_the_reader_reads_old_lin
     old = {"outcome": "close", "primary": "upstream", "legacy_seconds": 2.0, "upstream_seconds": 1.0}
     assert readable(old)["primary_seconds"] == 1.0 and readable(old)["shadow_seconds"] == 2.0
     assert readable({**old, "primary": "legacy"})["primary_seconds"] == 2.0
+
+
+_NEVER_UNINSTALLED = """
+import sys, types
+import torch
+import shadow
+from exporters import JsonlExporter
+
+ops = types.SimpleNamespace(op=lambda x: x * 2)
+shadow.install([shadow.Target("op", ops, "op", lambda x: x * 3)], sample_rate=1.0,
+               exporters=[JsonlExporter(sys.argv[1])])
+ops.op(torch.ones(2))
+"""
+
+
+@pytest.mark.slow
+def test_a_job_that_never_uninstalls_still_journals_its_last_records_at_exit(tmp_path):
+    """The records wait for the exporters up to a second (the reporter's round): a library user's job that installs
+    and exits at once gets them at exit, from the reporter's last round."""
+    journal = tmp_path / "j.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-c", _NEVER_UNINSTALLED, str(journal)], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [r["outcome"] for r in records if "outcome" in r] == ["mismatch"]
+    (counts,) = [r for r in records if r.get("event") == "counts"]
+    assert [table for table in counts["outcomes"].values()] == [{"mismatch": 1}] and sum(counts["calls"].values()) == 1

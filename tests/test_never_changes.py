@@ -294,37 +294,40 @@ def test_a_slow_upstream_costs_one_call_then_the_budget_skips_until_the_job_catc
     assert len(recorder.observations) == 1  # skipped calls were not handed to exporters one by one
 
 
-def test_a_slow_exporter_cannot_hold_up_every_sampled_call(tmp_path):
-    import time
+def test_a_slow_exporter_never_holds_up_a_sampled_call():
+    """An exporter ran on the caller's thread: a slow one held every sampled call (the budget then refused the
+    rest). Now the records wait for the exporters, which take them on the reporter's thread: the job's 20 calls
+    return while the exporter is stuck in its first export, and every one is compared and exported after."""
+    import threading
 
-    from prometheus_client import CollectorRegistry
+    from prometheus_client import CollectorRegistry, generate_latest
 
     from exporters import PrometheusExporter
 
-    class Slow:
+    stuck, release = threading.Event(), threading.Event()
+
+    class Stuck:
         exported = 0
 
         def export(self, observation):
-            Slow.exported += 1
-            time.sleep(0.2)
+            stuck.set()
+            assert release.wait(60), "never released"
+            Stuck.exported += 1
 
     prometheus = PrometheusExporter(registry=CollectorRegistry())
     ops, target = op_target(twice)
-    with shadow.install([target], sample_rate=1.0, budget=0.1, exporters=[Slow(), prometheus]) as monitor:
-        for _ in range(20):
+    with shadow.install([target], sample_rate=1.0, budget=0.1, exporters=[Stuck(), prometheus]) as monitor:
+        ops.op(torch.ones(2))
+        assert stuck.wait(60)  # (the reporter took the first record: its export is stuck there)
+        for _ in range(19):
             ops.op(torch.ones(2))
-    assert Slow.exported <= 3  # one slow export (and what the budget allowed before it), not twenty
-    assert monitor.stats()["op"].by_reason["budget"] >= 17
-    from metrics_helpers import without_run
+        assert Stuck.exported == 0  # (every call returned while the export was stuck)
+        release.set()
+    stats = monitor.stats()["op"]
+    assert Stuck.exported == stats.compared == 20 and stats.skipped == 0
+    from metrics_helpers import samples, total
 
-    text = without_run(__import__("prometheus_client").generate_latest(prometheus.registry).decode())
-    assert 'npu_shadow_skipped_total{primary="legacy",reason="budget",signature="",target="op"}' in text
-    skipped = [
-        line
-        for line in text.splitlines()
-        if line.startswith('npu_shadow_skipped_total{primary="legacy",reason="budget",signature=""')
-    ]
-    assert float(skipped[0].split()[-1]) == monitor.stats()["op"].by_reason["budget"]  # reported in bulk at flush
+    assert total(samples(generate_latest(prometheus.registry).decode()), "npu_shadow_comparisons_total") == 20
 
 
 def test_calls_on_threads_that_upstream_starts_are_part_of_the_upstream_run():

@@ -163,9 +163,9 @@ def test_a_metric_added_in_the_vocabulary_reaches_prometheus_opentelemetry_and_t
     direct = PrometheusExporter(registry=CollectorRegistry())
     journal = JsonlExporter(str(tmp_path / "j.jsonl"), all_outcomes=True)
     observation = Observation("op", "close", numel=4, compare_seconds=0.125)
-    Publisher([OTelExporter(meter_provider=provider), direct, journal]).export(
-        "op", observation, contract.observation_samples(observation)
-    )
+    publisher = Publisher([OTelExporter(meter_provider=provider), direct, journal])
+    publisher.export_observation("op", observation, failed=print)
+    publisher.deliver()
     journal.close()
     for text in (generate_latest(registry).decode(), generate_latest(direct.registry).decode()):
         found = [value for (name, _), value in samples(text).items() if name == "npu_shadow_compare_seconds_total"]

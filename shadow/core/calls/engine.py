@@ -223,9 +223,9 @@ class Experiment:
             self.context = self._context()
         name = self.target.name
         counted = contract.rollback_samples(name, by) if event == "rollback" else contract.reset_samples(name)
-        self.record.publisher.export(
-            name, Switched(name, event, by, primary), contract.primary_samples(name, primary) + counted
-        )
+        samples = contract.primary_samples(name, primary) + counted
+        self.record.publisher.export(name, Switched(name, event, by, primary), samples)
+        self.record.publisher.deliver()  # (the switch on the exporters now, after everything before it)
         return True
 
     # ------------------------------------------------------------------ what the shadow side reports

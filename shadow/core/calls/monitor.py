@@ -190,6 +190,7 @@ class Monitor:
             s.report_calls(flush=True)
         self._report_time()
         self._report_patch_calls()
+        self.publisher.deliver()
         self.publisher.each("flush")
 
     def report(self) -> None:
@@ -201,6 +202,12 @@ class Monitor:
                 s.report_calls(flush=True)  # (a guided target's open gate too: the total is the job's calls)
             self._report_time()
             self._report_patch_calls()
+        self.publisher.deliver()
+
+    def deliver(self) -> None:
+        """Hand what waits for the exporters to them now (each second, the reporter does): the pytest plugin does
+        at the end of each test's phase, so that its exporters see the phase's records before the next one."""
+        self.publisher.deliver()
 
     def _report_patch_calls(self) -> None:
         for patch, calls in (self.patch_calls.since_reported() if self.patch_calls is not None else {}).items():
@@ -327,8 +334,7 @@ def install(
         targets: names of built-in targets and :class:`Target` s.
         sample_rate: the fraction of calls shadowed, one float or {target name: float} (absent names: 0.01).
         tolerance: one Tolerance, a {torch.dtype: Tolerance} table, or {target name: either}.
-        exporters: objects with ``export(observation)`` and any of the optional hooks
-            (:class:`shadow.core.calls.record.exporting.Exporter`).
+        exporters: objects with ``export`` or ``record`` (:class:`shadow.core.calls.record.exporting.Exporter`).
         yields: this monitor steps aside while a later monitor shadows the same target (instead of that one
             raising "already shadowed").
         settings: the monitor's :class:`~shadow.core.calls.settings.Settings`, whole (the launcher's).
@@ -367,6 +373,7 @@ def install(
         raise
     if settings.drill is not None:
         publisher.record(contract.drill_samples(True))
+    publisher.deliver()  # (the targets on the exporters, at zero, from the start)
     if exporters:
         REPORTER.add(monitor)  # (the calls between sampled ones reach the exporters within a second)
     log.debug("npu-shadow installed %s with torch %s", monitor.targets, torch.__version__)

@@ -199,13 +199,15 @@ class IteratorArms:
         owner.__next__ = __next__
 
     def uninstall(self) -> None:
-        """Put back ``__init__`` and ``__next__``; the iterators still alive are reported as they are."""
+        """Put back ``__init__`` and ``__next__``; the iterators still alive are reported as they are, and every
+        report handed to the exporters."""
         for name, value in self._saved.items():
             if value is not None:
                 setattr(self._owner, name, value)
         self._saved = {}
         for iterator in list(self._measures):
             self._finish(iterator)
+        self.publisher.deliver()
 
     def roll_back(self, by: str) -> bool:
         """Every iterator from now on is legacy's. True when this changed anything."""

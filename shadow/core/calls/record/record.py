@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from shadow.core.calls.gate.sampling import Sampling
 from shadow.core.calls.record import clusters as clustering
@@ -28,6 +29,7 @@ from shadow.core.model.observation import (
 )
 from shadow.core.runs.global_state import TorchGlobals
 from shadow.core.runs.sides import marks
+from shadow.core.support import forks
 
 log = logging.getLogger("shadow")
 
@@ -35,10 +37,32 @@ log = logging.getLogger("shadow")
 LOG_INTERVAL_SECONDS = 60.0
 
 
+#: Records waiting for the exporters at most (a record is an observation's few fields, or a report's counts): past
+#: it, the caller delivers them itself.
+MAX_WAITING = 4096
+
+
+class _Waiting(NamedTuple):
+    """A record (None: samples alone) and its samples (or what makes them), waiting for the exporters."""
+
+    target: str
+    record: Any
+    samples: Sequence[contract.Sample] | Callable[[], Sequence[contract.Sample]]
+    failed: Callable[[int], None] | None
+
+
 class Publisher:
-    """A monitor's exporters, called through :func:`shadow.core.calls.record.exporting.call_hook` (a failure is
-    returned, never raised), under the ``publishing`` mark (a patched function an exporter calls is not a call of
-    the job's), each failure logged at most once a minute per exporter and hook.
+    """A monitor's exporters, and what waits for them: the records and samples the core made, queued on the
+    caller's thread (no exporter runs there) and handed over by :meth:`deliver` (the reporter's thread each second,
+    a flush, a switch of the primary). Every hook is called through
+    :func:`shadow.core.calls.record.exporting.call_hook` (a failure is returned, never raised), under the
+    ``publishing`` mark (a patched function an exporter calls is not a call of the job's), each failure logged at
+    most once a minute per exporter and hook.
+
+    Where an exporter keeps a divergence's evidence (``captures``: the journal's repro captures) every record is
+    delivered at once, on the caller's thread: the evidence is the call's tensors, never held for a second. Past
+    :data:`MAX_WAITING` waiting records, the caller delivers them itself (exporters slower than the job hold it,
+    rather than lose its counts or grow without bound).
 
     Args:
         exporters: objects with ``export`` or ``record`` (checked by ``install``) and any of the optional hooks.
@@ -49,48 +73,88 @@ class Publisher:
         self._last_logged: dict[tuple[str, int], float] = {}
         #: Whether an exporter keeps a divergence's evidence (its ``captures``: the journal's repro captures).
         self.wants_evidence = any(getattr(exporter, "captures", False) for exporter in self.exporters)
+        self._after_fork_in_child()
+        forks.register(self)
+
+    def _after_fork_in_child(self) -> None:  # (what the parent queued is the parent's to deliver)
+        self._waiting: collections.deque[_Waiting] = collections.deque()
+        self._delivering = threading.Lock()
+
+    def record(self, samples: Sequence[contract.Sample] | Callable[[], Sequence[contract.Sample]]) -> None:
+        """Queue ``samples`` (or what makes them, called at delivery) for every exporter's ``record``."""
+        self._queue(_Waiting("", None, samples, None))
+
+    def export(
+        self,
+        target: str,
+        record: Any,
+        samples: Sequence[contract.Sample] | Callable[[], Sequence[contract.Sample]],
+        failed: Callable[[int], None] | None = None,
+    ) -> None:
+        """Queue ``record`` and its ``samples`` for every exporter: the samples first (so a journal's count record
+        covers every line before it). An exporter that fails at either is one export error of ``target``'s,
+        recorded by every exporter and told to ``failed`` (how many failed)."""
+        self._queue(_Waiting(target, record, samples, failed))
+
+    def export_observation(self, target: str, observation: Observation, failed: Callable[[int], None]) -> None:
+        """:meth:`export` of an observation with its samples (made at delivery; nothing where there is no
+        exporter)."""
+        if self.exporters:
+            self.export(target, observation, functools.partial(contract.observation_samples, observation), failed)
+
+    def _queue(self, waiting: _Waiting) -> None:
+        if not self.exporters:
+            return
+        self._waiting.append(waiting)
+        if self.wants_evidence or len(self._waiting) > MAX_WAITING:
+            self.deliver()
+
+    def deliver(self) -> None:
+        """Hand every waiting record and sample to the exporters, in the order they were queued (one delivery at a
+        time: the reporter's and a flush's never interleave)."""
+        with self._delivering:
+            if not self._waiting:
+                return
+            publishing = getattr(marks, "publishing", False)
+            try:
+                marks.publishing = True
+                while self._waiting:
+                    self._deliver(self._waiting.popleft())
+            finally:
+                marks.publishing = publishing
+
+    def _deliver(self, waiting: _Waiting) -> None:
+        samples = waiting.samples() if callable(waiting.samples) else waiting.samples
+        failed = 0
+        for exporter in self.exporters:
+            failures = self._call(exporter, "record", samples) if samples else 0
+            if waiting.record is not None:
+                failures += self._call(exporter, "export", waiting.record)
+            failed += bool(failures)
+        if failed and waiting.record is not None:
+            errors = contract.export_error_samples(waiting.target, failed)
+            for exporter in self.exporters:
+                self._call(exporter, "record", errors)
+            if waiting.failed is not None:
+                waiting.failed(failed)
 
     def each(self, hook: str, *args: Any) -> int:
-        """Call ``hook`` on every exporter that has it. Returns how many failed."""
-        return sum(bool(self._calls(exporter, ((hook, args),))) for exporter in self._marked())
-
-    def record(self, samples: Sequence[contract.Sample]) -> int:
-        """Hand ``samples`` to every exporter's ``record`` (nothing where there are none). Returns how many
-        failed."""
-        return self.each("record", samples) if samples else 0
-
-    def export(self, target: str, record: Any, samples: Sequence[contract.Sample]) -> int:
-        """``record``'s ``samples`` to every exporter, then the record itself (so a journal's count record covers
-        every line before it). An exporter that failed at either is one export error of ``target``'s, recorded
-        by every exporter. Returns how many failed."""
-        calls = (("record", (samples,)), ("export", (record,))) if samples else (("export", (record,)),)
-        failed = sum(bool(self._calls(exporter, calls)) for exporter in self._marked())
-        if failed:
-            self.record(contract.export_error_samples(target, failed))
-        return failed
-
-    def export_observation(self, target: str, observation: Observation) -> int:
-        """:meth:`export` of an observation with its samples (none made where there is no exporter)."""
-        return self.export(target, observation, contract.observation_samples(observation)) if self.exporters else 0
-
-    def _marked(self) -> Iterator[Any]:
-        """The exporters, each called under the ``publishing`` mark (as it was, after)."""
+        """Call ``hook`` on every exporter that has it, now (``flush``, ``close``: after :meth:`deliver`). Returns
+        how many failed."""
         publishing = getattr(marks, "publishing", False)
         try:
             marks.publishing = True
-            yield from self.exporters
+            return sum(self._call(exporter, hook, *args) for exporter in self.exporters)
         finally:
             marks.publishing = publishing
 
-    def _calls(self, exporter: Any, calls: Sequence[tuple[str, tuple]]) -> int:
-        """Each (hook, arguments) of ``calls`` on ``exporter``; how many failed (each logged)."""
-        failed = 0
-        for hook, args in calls:
-            failure = call_hook(exporter, hook, *args)
-            if failure is not None:
-                failed += 1
-                self._log(exporter, hook, failure)
-        return failed
+    def _call(self, exporter: Any, hook: str, *args: Any) -> int:
+        """``exporter.<hook>(*args)``: 1 where it failed (logged), else 0."""
+        failure = call_hook(exporter, hook, *args)
+        if failure is None:
+            return 0
+        self._log(exporter, hook, failure)
+        return 1
 
     def _log(self, exporter: Any, hook: str, failure: BaseException) -> None:
         now, key = time.monotonic(), (hook, id(exporter))
@@ -292,9 +356,7 @@ class Record:
             observation = self.tally.count(observation)
         compared = observation.outcome != Outcome.SKIPPED.value and not observation.drill  # (its block marked)
         self.report_calls(primary=observation.primary, marked=compared)
-        failed = self.publisher.export_observation(self.target, observation)
-        if failed:
-            self.add("export_errors", failed)
+        self.publisher.export_observation(self.target, observation, self._export_failed)
         if (observation.aa or observation.backward) and not judged and len(self.held):  # (a floor grew)
             for held, check, test in self.held.judged(observation.signature, noise):
                 found = within_noise_floor(held, test) if check in NOISE_CHECKS else held
@@ -304,6 +366,9 @@ class Record:
                     found, noise_pending=False, noise_test=test, leaf_errors=(), **{which: counted}
                 )
                 self.publish(found, noise, True)
+
+    def _export_failed(self, exporters: int) -> None:
+        self.add("export_errors", exporters)
 
     def defer(self, deferred: Deferred, noise: NoiseFloor) -> None:
         """Publish ``deferred``'s observation once its comparison is read: at a later sampled call, the reporter's
@@ -351,16 +416,8 @@ class Record:
             skipped = self.tally.take_unreported_skips()
             blocks = self.tally.take_call_blocks(primary, any(deltas.values()) and not marked)
             phase = self.primary
-        if not self.publisher.exporters:
-            return
-        target, samples = self.target, []
-        for signature, delta in deltas.items():
-            samples += contract.call_samples(target, delta, signature, phase) if delta else ()
-        for side, value in blocks.items():
-            samples += contract.call_block_samples(target, side, value)
-        for reason, count in skipped.items():
-            samples += contract.skip_samples(target, reason, count, phase)
-        self.publisher.record(samples)
+        if self.publisher.exporters:
+            self.publisher.record(functools.partial(_report_samples, self.target, deltas, blocks, skipped, phase))
 
     def stats(self, sampling: Sampling, primary: str, rolled_back_by: str | None) -> TargetStats:
         """A consistent snapshot of the target's counts."""
@@ -396,6 +453,21 @@ class Record:
         self.tally = self.tally.fresh()
         self.held = HeldDifferences()
         self.deferred = collections.deque()
+
+
+def _report_samples(
+    target: str, deltas: dict[str, int], blocks: dict[str, float], skipped: dict[str, int], phase: str
+) -> list[contract.Sample]:
+    """A report's samples: the calls since the last one (by signature, in ``phase``), the blocks they began (by
+    side) and the sampled calls skipped in bulk (by reason)."""
+    samples: list[contract.Sample] = []
+    for signature, delta in deltas.items():
+        samples += contract.call_samples(target, delta, signature, phase) if delta else ()
+    for side, value in blocks.items():
+        samples += contract.call_block_samples(target, side, value)
+    for reason, count in skipped.items():
+        samples += contract.skip_samples(target, reason, count, phase)
+    return samples
 
 
 def unjudged(observation: Observation) -> Observation:

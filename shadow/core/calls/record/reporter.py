@@ -1,11 +1,12 @@
-"""Counts as they happen: the calls of every installed monitor reach its exporters within a second.
+"""Counts as they happen: what every installed monitor counted reaches its exporters within a second.
 
-A sampled call reports the calls before it at once (``Experiment.report_calls``), but the calls between sampled
-calls are only counted (the unsampled path costs one Python call and does no more). Without a report of them a
-scrape shows fewer calls than sampled ones, and a job that makes calls but compares none looks like no job at all.
+The records a sampled call makes wait for the exporters (:class:`~shadow.core.calls.record.record.Publisher`: no
+exporter runs on the caller's thread), and the calls between sampled calls are only counted (the unsampled path
+costs one Python call and does no more): each round reports the calls and hands everything waiting over. Without
+it a scrape shows fewer calls than sampled ones, and a job that makes calls but compares none looks like no job.
 One daemon thread per process reports every monitor that has exporters once per :data:`INTERVAL_SECONDS`; it is
 started with the first such monitor, again in a forked child (a DataLoader worker), and sleeps while no monitor has
-exporters. Exporter failures are counted where every hook's are (``Experiment._call_exporter``).
+exporters. Exporter failures are counted where every hook's are (the publisher's delivery).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ INTERVAL_SECONDS = 1.0
 
 class Reported(Protocol):
     def report(self) -> None:
-        """Report the calls counted since the last report to the exporters."""
+        """Report the calls counted since the last report to the exporters, and hand over what waits for them."""
+
+    def flush(self) -> None:
+        """Report everything, and have the exporters write out what they buffer (at exit)."""
 
 
 class Reporter:
@@ -62,11 +66,17 @@ class Reporter:
     def close(self, wait: float = 2.0) -> None:
         """Stop the thread and wait (at most ``wait`` seconds) for it to end: at interpreter exit, while the
         interpreter is whole (a daemon thread still running when it finalizes can abort the process: see
-        :meth:`shadow.core.runs.deadline._Workers.close`). The exit's own last report is the launcher's."""
+        :meth:`shadow.core.runs.deadline._Workers.close`); then the monitors still installed are flushed (the
+        launcher's exit flushes its own before)."""
         self._closed.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(wait)
+        for monitor in list(self._monitors):  # (a job that never uninstalled: its last records, flushed)
+            try:
+                monitor.flush()
+            except Exception as exc:
+                log.warning("npu-shadow: flushing %r at exit failed: %r", monitor, exc)
 
     def _start(self) -> None:
         if self._closed.is_set():
