@@ -19,7 +19,7 @@ import dataclasses
 import datetime
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from json.encoder import encode_basestring_ascii
 
 from shadow.core.model import contract
@@ -36,21 +36,6 @@ PROCESS_KEY = re.compile(rb',"host":("(?:[^"\\]|\\.)*"|null),"pid":(\d+),"stream
 #: The records that are not observations, by their ``event``.
 EVENTS = ("journal", "counts", "rollback", "reset", "arm", "patch_calls")
 
-#: A count record's tables: name -> depth (2: {signature: {key: count}}, 1: {key: count}); and its plain counts.
-COUNT_TABLES = {
-    "outcomes": 2,
-    "skipped": 2,
-    "reasons": 1,
-    "shared": 1,
-    "calls": 1,
-    "truth": 2,
-    "truth_decades": 2,
-    "backward": 2,
-    "noise": 2,
-    "drilled_outcomes": 2,
-    "drilled_reasons": 1,
-}
-COUNT_SCALARS = ("clusters", "call_blocks", "drilled")
 
 #: Observation fields never journalled: the evidence (a capture's), what a held difference waits with, and the
 #: timestamp (written first, beside its ISO time).
@@ -145,6 +130,11 @@ TABLE_SERIES: dict[str, tuple[contract.Metric, tuple[str, ...]]] = {
 }
 #: The count record's plain counts, each one series of the contract summed whole.
 SCALAR_SERIES = {"clusters": contract.CLUSTERS, "call_blocks": contract.CALL_BLOCKS, "drilled": contract.DRILLED}
+#: A count record's tables: name -> depth (2: {signature: {key: count}}, 1: {key: count}): those of the series, and
+#: the truth runs' decades (the journal's own: of the observations' truth errors).
+COUNT_TABLES = {**{name: min(len(keys), 2) for name, (_, keys) in TABLE_SERIES.items()}, "truth_decades": 2}
+#: A count record's plain counts.
+COUNT_SCALARS = tuple(SCALAR_SERIES)
 #: The series a phase's counts hold: where their target and primary labels are, and the tables and plain counts each
 #: is summed into (with where the table's keys are among its labels; None: a plain count).
 PHASE_SERIES: dict[contract.Metric, tuple[int, int]] = {}
@@ -194,6 +184,31 @@ class Counts:
     def fields(self) -> dict:
         """The count record's fields."""
         return {name: getattr(self, name) for name in (*COUNT_TABLES, *COUNT_SCALARS)}
+
+
+#: The count record's tables that are evidence (what the readers add up; the drill's marks are set aside by them).
+EVIDENCE_TABLES = ("outcomes", "skipped", "reasons", "shared", "calls", "truth", "backward", "noise")
+
+
+def record_samples(fields: dict) -> Iterator[tuple[contract.Metric, dict[str, str], float]]:
+    """A count record's evidence (:data:`EVIDENCE_TABLES`, ``clusters`` and ``call_blocks``) as the samples of the
+    series its tables sum (each sample's labels less target and primary, the record's own): the inverse of
+    :meth:`Counts.add`, so that one reader turns every source's series into the verdict's counts."""
+    for name in EVIDENCE_TABLES:
+        metric, keys = TABLE_SERIES[name]
+        for outer, inner in fields.get(name, {}).items():
+            if len(keys) == 1:
+                yield metric, {keys[0]: outer}, inner
+            elif name == "noise":
+                for key, value in inner.items():
+                    pair, _, check = key.partition("/")
+                    yield metric, {"evidence": outer, "pair": pair, "check": check}, value
+            else:
+                for key, value in inner.items():
+                    yield metric, {keys[0]: outer, keys[1]: key}, value
+    for name in ("clusters", "call_blocks"):
+        if name in fields:
+            yield SCALAR_SERIES[name], {}, fields[name]
 
 
 def _bump(table: dict[str, dict[str, float]], signature: str, key: str, count: float = 1) -> None:

@@ -120,7 +120,7 @@ def _count(value: object, where: str, whole: bool = True) -> float:
     return float(value)
 
 
-def _add(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], value: float) -> None:
+def add_series(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], value: float) -> None:
     if name in (ROLLBACKS, RESETS) and value <= 0:
         return
     target = counts.setdefault(labels.get("target", ""), TargetCounts())

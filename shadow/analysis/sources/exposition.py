@@ -26,10 +26,10 @@ from shadow.analysis.sources.common import (
     RUN_STARTED,
     STARTED,
     SourceError,
-    _add,
     _count,
     _honour_resets,
     _set_aside_drilled,
+    add_series,
     mark_drilling,
     one_job_per_run,
     select_run,
@@ -79,7 +79,7 @@ def from_exposition(
             elif sample.name in _COUNTED:
                 where = f"{source}: {sample.name}{dict(sample.labels)}"
                 whole = sample.name not in (CLUSTERS, CALL_BLOCKS)
-                _add(counts, sample.name, sample.labels, _count(sample.value, where, whole=whole))
+                add_series(counts, sample.name, sample.labels, _count(sample.value, where, whole=whole))
             elif sample.name == DRILL_ACTIVE and sample.value > 0:
                 drill = True
             elif sample.name in (DRILLED, DRILLED_REASONS):

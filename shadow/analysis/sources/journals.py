@@ -18,6 +18,7 @@ from shadow.analysis.sources.common import (
     MAX_LINE_BYTES,
     SourceError,
     _count,
+    add_series,
     one_job_per_run,
     select_run,
 )
@@ -516,7 +517,7 @@ def _add_records(reader: JournalReader, counts: dict[str, TargetCounts], stream:
         evidence = _minus(phase.counts, baseline)
         if evidence["drilled"] > 0 and reader.drill_over(target):
             evidence = _without_drilled(evidence, entry, stream.where)
-        _add_counts(entry, primary, evidence)
+        _add_counts(counts, target, primary, evidence)
 
 
 def _without_drilled(evidence: dict, entry: TargetCounts, where: str) -> dict:
@@ -576,38 +577,18 @@ def _add_clusters(
                 entry.notes.append(jump)
 
 
-def _add_counts(entry: TargetCounts, primary: str, counts: dict) -> None:
-    for signature, by_outcome in counts["outcomes"].items():
-        for outcome, value in by_outcome.items():
-            entry.add_outcome(signature, outcome, value, primary)
-    for signature, by_reason in counts["skipped"].items():
-        for reason, value in by_reason.items():
-            entry.add_skip(reason, value, primary, signature)
-    for reason, value in counts["reasons"].items():
-        entry.add_reason(reason, value, primary)
-    for reason, value in counts["shared"].items():
-        entry.add_shared(reason, value, primary)
-    for signature, value in counts["calls"].items():
-        entry.add_calls(signature, value, primary)
-    entry.drilled += counts["drilled"]
-    if "clusters" in counts:
-        entry.add_clusters(counts["clusters"], primary)
-    elif _compared(counts)[0]:
+def _add_counts(counts: dict[str, TargetCounts], target: str, primary: str, record: dict) -> None:
+    """A count record's evidence (less its baseline), through the reader every source's series go through; the
+    drill's count and the truth runs' decades (the journal's own tables) beside it."""
+    for metric, labels, value in journal_format.record_samples(record):
+        add_series(counts, metric.series, {**labels, "target": target, "primary": primary}, value)
+    entry = counts[target]
+    entry.drilled += record["drilled"]
+    if "clusters" not in record and _compared(record)[0]:
         entry.clusters_not_counted(primary)  # (a process of a version before clusters were counted)
-    entry.add_call_blocks(counts.get("call_blocks", 0), primary)
-    for signature, by_side in counts.get("truth", {}).items():
-        for side, value in by_side.items():
-            entry.add_truth(signature, side, value, primary)
-    for signature, by_decade in counts.get("truth_decades", {}).items():
+    for signature, by_decade in record.get("truth_decades", {}).items():
         for decade, value in by_decade.items():
             entry.add_truth_decade(signature, int(decade), value, primary)
-    for signature, by_found in counts.get("backward", {}).items():
-        for found, value in by_found.items():
-            entry.add_backward(signature, found, value, primary)
-    for evidence, by_key in counts.get("noise", {}).items():
-        for key, value in by_key.items():
-            pair, check = key.split("/")
-            entry.add_noise(evidence, pair, check, value, primary)
 
 
 def _add_tail(entry: TargetCounts, primary: str, tail: _Tail, complete: bool) -> None:

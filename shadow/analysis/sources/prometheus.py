@@ -40,10 +40,10 @@ from shadow.analysis.sources.common import (
     SKIPPED,
     TRUTH_RUNS,
     SourceError,
-    _add,
     _count,
     _honour_resets,
     _set_aside_drilled,
+    add_series,
     mark_drilling,
     one_job_per_run,
     select_run,
@@ -278,7 +278,7 @@ def _counted(
             # increase() extrapolates to the window's edges: fractional there, never negative
             shares = metric in (CLUSTERS, CALL_BLOCKS)  # (a rank's share of a block each: fractions)
             value = _count(value, f"{url}: {metric}{labels}", whole=window is None and not shares)
-            _add(counts, metric, labels, value if shares else float(round(value)))
+            add_series(counts, metric, labels, value if shares else float(round(value)))
     return counts
 
 
