@@ -70,12 +70,12 @@ def test_the_verdict_says_what_is_sooner_under_an_inconclusive_phase() -> None:
 
 
 @pytest.mark.slow
-def test_gather_compares_every_dataparallel_call_of_the_example_job_within_its_budget(tmp_path):
+def test_gather_compares_every_dataparallel_call_of_the_example_job(tmp_path):
     """The example job over 4 epochs makes 48 parallel_apply calls, more than the first 30 of a signature that the
-    defaults compare whatever the rate (bench_gather: 30 of 96 over 8 epochs); with --gather every one is sampled and
-    compared, unless the budget refused it. How many the budget refuses depends on the machine's load (the shadow
-    side's wall time is what it charges; a busy CI machine refused 1 of 48), so the test asserts that nothing else
-    refused one, and that more were compared than the defaults' first 30."""
+    defaults compare whatever the rate (bench_gather: 30 of 96 over 8 epochs); with --gather every one is compared.
+    The preset's budget (half the job's wall time, checked above) charges the shadow side's wall time, so what it
+    refuses depends on the machine's load (CI refused 1 of 48; with both cores kept busy, 18): off here, so that the
+    count is exact on any machine."""
     textfile = tmp_path / "metrics.prom"
     done = npu_shadow(
         "run",
@@ -84,6 +84,8 @@ def test_gather_compares_every_dataparallel_call_of_the_example_job_within_its_b
         "--legacy-from",
         wheel("2.12.0"),
         "--gather",
+        "--budget",
+        "off",
         "--textfile",
         str(textfile),
         "--",
@@ -96,7 +98,7 @@ def test_gather_compares_every_dataparallel_call_of_the_example_job_within_its_b
     assert done.returncode == 0, done.stderr[-3000:]
     calls: dict[str, float] = {}
     compared: dict[str, float] = {}
-    skipped: dict[tuple[str, str], float] = {}
+    skipped = 0.0
     for family in text_string_to_metric_families(textfile.read_text()):
         for sample in family.samples:
             target = sample.labels.get("target")
@@ -104,15 +106,11 @@ def test_gather_compares_every_dataparallel_call_of_the_example_job_within_its_b
                 calls[target] = calls.get(target, 0) + sample.value
             elif sample.name == contract.COMPARISONS.series:
                 compared[target] = compared.get(target, 0) + sample.value
-            elif sample.name == contract.SKIPPED.series and sample.value:
-                key = (target, sample.labels["reason"])
-                skipped[key] = skipped.get(key, 0) + sample.value
-    for target, made in (("parallel_apply", 48), ("data_parallel", 16)):
-        refused = skipped.pop((target, "budget"), 0)
-        assert calls[target] == made, target
-        assert compared[target] + refused == made, target  # every call sampled: compared, or refused by the budget
-    assert compared["parallel_apply"] > 30  # beyond what the defaults compare of one signature
-    assert not [key for key in skipped if key[0] in ("parallel_apply", "data_parallel")]  # no other reason
+            elif sample.name == contract.SKIPPED.series and target in ("parallel_apply", "data_parallel"):
+                skipped += sample.value
+    assert calls["parallel_apply"] == compared["parallel_apply"] == 48
+    assert calls["data_parallel"] == compared["data_parallel"] == 16
+    assert skipped == 0
 
 
 # --------------------------------------------------------------------------- the gain, from the calls' own blocks
