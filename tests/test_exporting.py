@@ -67,3 +67,33 @@ def test_an_exporter_failing_to_record_does_not_stop_the_install_nor_its_records
                         drill=Drill("value", 0.0)) as monitor:  # fmt: skip
         ops.op(torch.ones(2))
     assert monitor.stats()["op"].match == 1 and len(exporter.observations) == 1
+
+
+def test_samples_that_cannot_be_made_are_every_exporters_failure_never_the_callers():
+    """The samples are made at delivery, outside any exporter's hook: a failure there (on the caller's thread at a
+    flush) is counted as each exporter's, and the record still goes to them."""
+    from shadow.core.calls.record.record import Publisher
+    from shadow.core.model.observation import Observation
+
+    class Keep:
+        def __init__(self):
+            self.records, self.samples = [], []
+
+        def export(self, record):
+            self.records.append(record)
+
+        def record(self, samples):
+            self.samples.extend(samples)
+
+    def unmakeable():
+        raise ValueError("no samples today")
+
+    kept, told = Keep(), []
+    publisher = Publisher([kept, Keep()])
+    observation = Observation("op", "match")
+    publisher.export("op", observation, unmakeable, told.append)
+    publisher.deliver()
+    assert kept.records == [observation] and told == [2]
+    assert [(metric.otel_name, labels, value) for metric, labels, value in kept.samples] == [
+        ("npu_shadow.export_errors", ("op",), 2)
+    ]

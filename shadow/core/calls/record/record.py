@@ -124,13 +124,18 @@ class Publisher:
                 marks.publishing = publishing
 
     def _deliver(self, waiting: _Waiting) -> None:
-        samples = waiting.samples() if callable(waiting.samples) else waiting.samples
+        unmade = False
+        try:
+            samples = waiting.samples() if callable(waiting.samples) else waiting.samples
+        except Exception as exc:  # (ours, on whichever thread delivers: counted as every exporter's failure)
+            samples, unmade = (), True
+            self._log(self, "record", exc)
         failed = 0
         for exporter in self.exporters:
             failures = self._call(exporter, "record", samples) if samples else 0
             if waiting.record is not None:
                 failures += self._call(exporter, "export", waiting.record)
-            failed += bool(failures)
+            failed += bool(failures) or unmade
         if failed and waiting.record is not None:
             errors = contract.export_error_samples(waiting.target, failed)
             for exporter in self.exporters:
