@@ -114,23 +114,41 @@ def readable(record: dict) -> dict:
     return {**record, **{new: record.get(old[was], 0.0) for new, old in RENAMED.items()}}
 
 
-#: The count record's tables, each one series of the contract summed by the labels it keeps (outer key, inner key
-#: for a table of depth 2): a phase's table of the series the metrics sources read (:mod:`shadow.analysis.sources`).
+#: The count record's names of the verdict's series named before the series were (kept: journals written then are
+#: read); a series added since is named by its metric (``npu_shadow.backward_skips``: ``backward_skips``).
+_NAMED_BEFORE = {
+    contract.COMPARISONS: "outcomes",
+    contract.MISMATCHES: "reasons",
+    contract.SHARED_DIVERGENCES: "shared",
+    contract.TRUTH_RUNS: "truth",
+    contract.BACKWARD_RUNS: "backward",
+    contract.NOISE_CHECKS: "noise",
+}
+
+
+def _table(metric: contract.Metric) -> str:
+    return _NAMED_BEFORE.get(metric) or metric.otel_name.rpartition(".")[2]
+
+
+#: The count record's tables, each one series of the contract summed by the labels it keeps (an outer key, and an
+#: inner key of the others joined by "/": ``{"forward": {"ab/beyond": count}}``): every series the verdict reads
+#: (:data:`shadow.core.model.contract.EVIDENCE`) that is kept by a label, and the fire drill's marks.
 TABLE_SERIES: dict[str, tuple[contract.Metric, tuple[str, ...]]] = {
-    "outcomes": (contract.COMPARISONS, ("signature", "outcome")),
-    "skipped": (contract.SKIPPED, ("signature", "reason")),
-    "reasons": (contract.MISMATCHES, ("reason",)),
-    "shared": (contract.SHARED_DIVERGENCES, ("reason",)),
-    "calls": (contract.CALLS, ("signature",)),
-    "truth": (contract.TRUTH_RUNS, ("signature", "nearer")),
-    "backward": (contract.BACKWARD_RUNS, ("signature", "outcome")),
-    "noise": (contract.NOISE_CHECKS, ("evidence", "pair", "check")),  # ({evidence: {"ab/beyond": count}})
+    **{_table(metric): (metric, keys) for metric, keys in contract.EVIDENCE.items() if keys},
     "drilled_outcomes": (contract.DRILLED, ("signature", "outcome")),
     "drilled_reasons": (contract.DRILLED_REASONS, ("reason",)),
 }
-#: The count record's plain counts, each one series of the contract summed whole.
-SCALAR_SERIES = {"clusters": contract.CLUSTERS, "call_blocks": contract.CALL_BLOCKS, "drilled": contract.DRILLED}
-#: A count record's tables: name -> depth (2: {signature: {key: count}}, 1: {key: count}): those of the series, and
+#: The count record's plain counts, each one series of the contract summed whole: the verdict's series kept by no
+#: label, and the drill's comparisons.
+SCALAR_SERIES = {
+    **{_table(metric): metric for metric, keys in contract.EVIDENCE.items() if not keys},
+    "drilled": contract.DRILLED,
+}
+#: The count record's tables and plain counts that are evidence (what the readers add up; the drill's marks are set
+#: aside by them).
+EVIDENCE_TABLES = tuple(name for name, (metric, _) in TABLE_SERIES.items() if metric in contract.EVIDENCE)
+EVIDENCE_SCALARS = tuple(name for name, metric in SCALAR_SERIES.items() if metric in contract.EVIDENCE)
+#: A count record's tables: name -> depth (2: {outer: {inner: count}}, 1: {key: count}): those of the series, and
 #: the truth runs' decades (the journal's own: of the observations' truth errors).
 COUNT_TABLES = {**{name: min(len(keys), 2) for name, (_, keys) in TABLE_SERIES.items()}, "truth_decades": 2}
 #: A count record's plain counts.
@@ -158,22 +176,19 @@ class Counts:
     def __init__(self) -> None:
         for name in COUNT_TABLES:
             setattr(self, name, {})
-        self.clusters = 0.0  # (shadow.core.calls.record.clusters: the clusters its comparisons opened)
-        self.call_blocks = 0.0  # (the blocks its calls fell in, counted alike: what comparing every call could open)
-        self.drilled = 0
+        for name in COUNT_SCALARS:
+            setattr(self, name, 0)
 
     def add(self, metric: contract.Metric, labels: tuple[str, ...], value: float) -> None:
         """Add one sample of a series of :data:`PHASE_SERIES` (``labels`` in the metric's order)."""
         for name, keys in _INTO[metric]:
             if keys is None:
                 setattr(self, name, getattr(self, name) + value)
-            elif len(keys) == 3:  # (noise: {evidence: {"pair/check": count}})
-                _bump(self.noise, labels[keys[0]], f"{labels[keys[1]]}/{labels[keys[2]]}", value)
-            elif len(keys) == 2:
-                _bump(getattr(self, name), labels[keys[0]], labels[keys[1]], value)
-            else:
+            elif len(keys) == 1:
                 table, key = getattr(self, name), labels[keys[0]]
                 table[key] = table.get(key, 0) + value
+            else:
+                _bump(getattr(self, name), labels[keys[0]], "/".join(labels[key] for key in keys[1:]), value)
 
     def truth_decade(self, o: Observation) -> None:
         """The decade of a truth run's errors (their ratio's), where it has one."""
@@ -186,29 +201,30 @@ class Counts:
         return {name: getattr(self, name) for name in (*COUNT_TABLES, *COUNT_SCALARS)}
 
 
-#: The count record's tables that are evidence (what the readers add up; the drill's marks are set aside by them).
-EVIDENCE_TABLES = ("outcomes", "skipped", "reasons", "shared", "calls", "truth", "backward", "noise")
-
-
 def record_samples(fields: dict) -> Iterator[tuple[contract.Metric, dict[str, str], float]]:
-    """A count record's evidence (:data:`EVIDENCE_TABLES`, ``clusters`` and ``call_blocks``) as the samples of the
-    series its tables sum (each sample's labels less target and primary, the record's own): the inverse of
+    """A count record's evidence (:data:`EVIDENCE_TABLES` and :data:`EVIDENCE_SCALARS`) as the samples of the
+    series it sums (each sample's labels less target and primary, the record's own): the inverse of
     :meth:`Counts.add`, so that one reader turns every source's series into the verdict's counts."""
     for name in EVIDENCE_TABLES:
         metric, keys = TABLE_SERIES[name]
-        for outer, inner in fields.get(name, {}).items():
-            if len(keys) == 1:
-                yield metric, {keys[0]: outer}, inner
-            elif name == "noise":
-                for key, value in inner.items():
-                    pair, _, check = key.partition("/")
-                    yield metric, {"evidence": outer, "pair": pair, "check": check}, value
-            else:
-                for key, value in inner.items():
-                    yield metric, {keys[0]: outer, keys[1]: key}, value
-    for name in ("clusters", "call_blocks"):
+        table = fields.get(name, {})
+        values = (v for inner in table.values() for v in (inner.values() if len(keys) > 1 else [inner]))
+        for labels, value in zip(table_labels(table, keys), values, strict=True):
+            yield metric, labels, value
+    for name in EVIDENCE_SCALARS:
         if name in fields:
             yield SCALAR_SERIES[name], {}, fields[name]
+
+
+def table_labels(table: dict, keys: tuple[str, ...]) -> Iterator[dict[str, str]]:
+    """The labels of each count of a count record's ``table`` (of a series kept by ``keys``: :data:`TABLE_SERIES`);
+    an inner key of too few parts lacks the labels it does not give."""
+    for outer, inner in table.items():
+        if len(keys) == 1:
+            yield {keys[0]: outer}
+            continue
+        for key in inner:
+            yield dict(zip(keys, (outer, *key.split("/", len(keys) - 2)), strict=False))
 
 
 def _bump(table: dict[str, dict[str, float]], signature: str, key: str, count: float = 1) -> None:

@@ -304,7 +304,7 @@ def test_a_truth_count_of_an_unknown_side_is_refused(tmp_path):
     text = journal.read_text()
     assert '"truth":{"call":{"upstream":1}}' in text
     journal.write_text(text.replace('"truth":{"call":{"upstream":1}}', '"truth":{"call":{"both":1}}'))
-    with pytest.raises(sources.SourceError, match="unknown side nearer"):
+    with pytest.raises(sources.SourceError, match="unknown nearer"):
         sources.from_journal([str(journal)])
 
 

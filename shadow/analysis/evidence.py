@@ -12,49 +12,96 @@ from collections.abc import Iterable
 from typing import Any
 
 from shadow.core.calls.record import clusters
+from shadow.core.model import contract
 from shadow.core.model.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, LEGACY, NONRESPONSE_REASONS
 
 #: How clusters counted by the processes are formed, for the output.
 COUNTED_CLUSTERS = "process x 60 s blocks, counted as compared"
 
 
+def _series(metric: contract.Metric, doc: str) -> property:
+    """A phase's counts of one of the verdict's series, as an attribute named for what it holds."""
+
+    def get(self: PhaseCounts) -> dict:
+        return self.of(metric)
+
+    def put(self: PhaseCounts, table: dict) -> None:
+        self.series[metric] = table
+
+    return property(get, put, doc=doc)
+
+
+def _scalar(metric: contract.Metric, doc: str) -> property:
+    """A phase's count of one of the verdict's series kept by no label."""
+
+    def get(self: PhaseCounts) -> float:
+        return sum(self.of(metric).values())
+
+    def put(self: PhaseCounts, value: float) -> None:
+        self.series[metric] = {(): value}
+
+    return property(get, put, doc=doc)
+
+
+def key_of(values: tuple[str, ...]) -> Any:
+    """A phase's key for a series' counts: the value of its one evidence label, else the tuple of them."""
+    return values[0] if len(values) == 1 else values
+
+
 @dataclasses.dataclass
 class PhaseCounts:
-    """The evidence of one phase (the side whose result the caller got): comparisons by signature and outcome,
-    mismatch reasons, shared divergences, sampled calls not compared by signature and reason, calls by signature,
-    clusters."""
+    """The evidence of one phase (the side whose result the caller got): its counts of the verdict's series
+    (:data:`shadow.core.model.contract.EVIDENCE`, each by its evidence labels), with what only some sources know
+    (clusters of comparisons, divergences whose matches are not known, the truth runs' decades)."""
 
-    outcomes: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, outcome)
-    reasons: dict[str, float] = dataclasses.field(default_factory=dict)
-    shared: dict[str, float] = dataclasses.field(default_factory=dict)
-    skipped: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (signature, reason)
-    calls: dict[str, float] = dataclasses.field(default_factory=dict)  # "" where calls are not by signature
+    #: {metric: {key: count}}: a key is the value of the metric's one evidence label, or the tuple of them in the
+    #: order of :attr:`~shadow.core.model.contract.Metric.evidence` (:func:`key_of`).
+    series: dict[contract.Metric, dict[Any, float]] = dataclasses.field(default_factory=dict)
     #: (compared, divergent) by cluster, where the source knows them (journals).
     clusters: dict[tuple, list[float]] = dataclasses.field(default_factory=dict)
     #: Divergent comparisons whose matches are not known (lines a process wrote after its last count record,
     #: without every outcome): they raise the upper bound (as comparisons that all diverged), never the lower.
     unmatched: dict[str, float] = dataclasses.field(default_factory=dict)
-    #: Clusters its processes counted where the comparisons happened (shadow.core.calls.record.clusters: metrics and
-    #: journal
-    #: count records carry them alike); ``clusters_missing`` where some comparisons came without them (an older
-    #: process, lines after a process's last count record), so that this count does not cover them all.
-    cluster_count: float = 0.0
+    #: Where some comparisons came without their clusters counted (an older process, lines after a process's last
+    #: count record), so that :attr:`cluster_count` does not cover them all.
     clusters_missing: bool = False
-    #: The blocks of process time its calls fell in, counted as clusters are (compared or not): the most clusters
-    #: comparing every call could have made (:mod:`shadow.analysis.sooner`); 0 where the source does not say.
-    call_blocks: float = 0.0
-    #: Float64 truth runs of value differences by (signature, side nearer the truth), and by (signature, decade
-    #: of upstream's error over legacy's) where both errors were known.
-    truth: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    #: Float64 truth runs of value differences by (signature, decade of upstream's error over legacy's) where both
+    #: errors were known (the journal's own).
     truth_decades: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
-    #: Backward comparisons by (signature, what they found: match or mismatch), and gradient mismatches whose
-    #: matches are not known (lines after a process's last count record, without every outcome).
-    backward: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    #: Gradient mismatches whose matches are not known (lines after a process's last count record, without every
+    #: outcome).
     backward_unmatched: dict[str, float] = dataclasses.field(default_factory=dict)
-    #: Runs judged against their signature's noise thresholds, by (evidence, pair, check): ``("forward", "ab",
-    #: "beyond")`` an A/B exceedance, ``("forward", "aa", "beyond")`` legacy beyond its own threshold
-    #: (:mod:`shadow.core.judging.noise`).
-    noise: dict[tuple[str, str, str], float] = dataclasses.field(default_factory=dict)
+
+    outcomes = _series(contract.COMPARISONS, "Comparisons by (signature, outcome).")
+    reasons = _series(contract.MISMATCHES, "Mismatch reasons.")
+    shared = _series(contract.SHARED_DIVERGENCES, "Shared divergences by reason.")
+    skipped = _series(contract.SKIPPED, "Sampled calls not compared by (signature, reason).")
+    calls = _series(contract.CALLS, 'Calls by signature ("" where calls are not by signature).')
+    truth = _series(contract.TRUTH_RUNS, "Float64 truth runs of value differences by (signature, side nearer).")
+    backward = _series(contract.BACKWARD_RUNS, "Backward comparisons by (signature, what they found).")
+    noise = _series(
+        contract.NOISE_CHECKS,
+        'Runs judged against their signature\'s noise thresholds, by (evidence, pair, check): ("forward", "ab", '
+        '"beyond") an A/B exceedance, ("forward", "aa", "beyond") legacy beyond its own threshold.',
+    )
+    cluster_count = _scalar(
+        contract.CLUSTERS,
+        "Clusters its processes counted where the comparisons happened (shadow.core.calls.record.clusters).",
+    )
+    call_blocks = _scalar(
+        contract.CALL_BLOCKS,
+        "The blocks of process time its calls fell in, counted as clusters are (compared or not): the most clusters "
+        "comparing every call could have made (shadow.analysis.sooner); 0 where the source does not say.",
+    )
+
+    def of(self, metric: contract.Metric) -> dict[Any, float]:
+        """The phase's counts of ``metric``, by key (:func:`key_of`)."""
+        return self.series.setdefault(metric, {})
+
+    def add(self, metric: contract.Metric, key: Any, count: float) -> None:
+        """Add ``count`` to the phase's count of ``metric`` at ``key``."""
+        table = self.of(metric)
+        table[key] = table.get(key, 0) + count
 
     def by_signature(self, outcomes: Iterable[str]) -> dict[str, float]:
         found: dict[str, float] = {}
@@ -130,25 +177,29 @@ class TargetCounts:
             return math.inf
         return self.process_seconds / clusters.WINDOW_SECONDS + max(1, self.processes)
 
+    def add(self, metric: contract.Metric, labels: dict[str, str], count: float, primary: str = LEGACY) -> None:
+        """One series of the verdict's (:data:`~shadow.core.model.contract.EVIDENCE`) as a source read it: its
+        ``count`` in ``primary``'s phase, at the key its evidence labels give (a missing label: "")."""
+        keys = contract.EVIDENCE[metric]
+        self.phase(primary).add(metric, key_of(tuple(labels.get(name, "") for name in keys)), count)
+        if metric is contract.CLUSTERS:
+            self.clustering = self.clustering or COUNTED_CLUSTERS
+
+    # (the series by what they hold, for the sources that count lines and the tests)
     def add_outcome(self, signature: str, outcome: str, count: float, primary: str = LEGACY) -> None:
-        phase = self.phase(primary)
-        phase.outcomes[(signature, outcome)] = phase.outcomes.get((signature, outcome), 0) + count
+        self.phase(primary).add(contract.COMPARISONS, (signature, outcome), count)
 
     def add_reason(self, reason: str, count: float, primary: str = LEGACY) -> None:
-        phase = self.phase(primary)
-        phase.reasons[reason] = phase.reasons.get(reason, 0) + count
+        self.phase(primary).add(contract.MISMATCHES, reason, count)
 
     def add_shared(self, reason: str, count: float, primary: str = LEGACY) -> None:
-        phase = self.phase(primary)
-        phase.shared[reason] = phase.shared.get(reason, 0) + count
+        self.phase(primary).add(contract.SHARED_DIVERGENCES, reason, count)
 
     def add_skip(self, reason: str, count: float, primary: str = LEGACY, signature: str = "") -> None:
-        phase = self.phase(primary)
-        phase.skipped[(signature, reason)] = phase.skipped.get((signature, reason), 0) + count
+        self.phase(primary).add(contract.SKIPPED, (signature, reason), count)
 
     def add_truth(self, signature: str, nearer: str, count: float, primary: str = LEGACY) -> None:
-        phase = self.phase(primary)
-        phase.truth[(signature, nearer)] = phase.truth.get((signature, nearer), 0) + count
+        self.phase(primary).add(contract.TRUTH_RUNS, (signature, nearer), count)
 
     def add_truth_decade(self, signature: str, decade: int, count: float, primary: str = LEGACY) -> None:
         phase = self.phase(primary)
@@ -156,28 +207,23 @@ class TargetCounts:
 
     def add_backward(self, signature: str, found: str, count: float, primary: str = LEGACY) -> None:
         """Backward comparisons of a signature that found ``found`` (match or mismatch)."""
-        phase = self.phase(primary)
-        phase.backward[(signature, found)] = phase.backward.get((signature, found), 0) + count
+        self.phase(primary).add(contract.BACKWARD_RUNS, (signature, found), count)
 
     def add_noise(self, evidence: str, pair: str, check: str, count: float, primary: str = LEGACY) -> None:
         """Runs of ``evidence`` (forward, gradients) judged against their noise thresholds: ``pair`` ab or aa,
         ``check`` within or beyond."""
-        phase = self.phase(primary)
-        key = (evidence, pair, check)
-        phase.noise[key] = phase.noise.get(key, 0) + count
+        self.phase(primary).add(contract.NOISE_CHECKS, (evidence, pair, check), count)
 
     def add_calls(self, signature: str, count: float, primary: str = LEGACY) -> None:
-        phase = self.phase(primary)
-        phase.calls[signature] = phase.calls.get(signature, 0) + count
+        self.phase(primary).add(contract.CALLS, signature, count)
 
     def add_clusters(self, count: float, primary: str = LEGACY) -> None:
         """Clusters counted where the comparisons happened (:mod:`shadow.core.calls.record.clusters`)."""
-        self.phase(primary).cluster_count += count
-        self.clustering = self.clustering or COUNTED_CLUSTERS
+        self.add(contract.CLUSTERS, {}, count, primary)
 
     def add_call_blocks(self, count: float, primary: str = LEGACY) -> None:
         """Blocks of process time the calls fell in (:meth:`shadow.core.calls.record.clusters.Clusters.called`)."""
-        self.phase(primary).call_blocks += count
+        self.phase(primary).add(contract.CALL_BLOCKS, (), count)
 
     def clusters_not_counted(self, primary: str = LEGACY) -> None:
         """Some of the phase's comparisons came without their clusters counted."""

@@ -57,6 +57,7 @@ from shadow.analysis.decisions import (
 from shadow.analysis.evidence import PhaseCounts, TargetCounts
 from shadow.analysis.sooner import sooner
 from shadow.core.calls.record import clusters
+from shadow.core.model import contract
 from shadow.core.model.observation import (
     CUSTOM_MEANING,
     HARD_REASONS,
@@ -366,7 +367,7 @@ def forward_evidence(phase: PhaseCounts) -> PhaseCounts:
             outcomes[(signature, "mismatch")] = outcomes.get((signature, "mismatch"), 0) - moved
             outcomes[(signature, "match")] = outcomes.get((signature, "match"), 0) + moved
     unmatched = {s: max(0.0, v - phase.backward_unmatched.get(s, 0)) for s, v in phase.unmatched.items()}
-    return dataclasses.replace(phase, outcomes=outcomes, unmatched=unmatched)
+    return dataclasses.replace(phase, series={**phase.series, contract.COMPARISONS: outcomes}, unmatched=unmatched)
 
 
 def gradient_evidence(phase: PhaseCounts) -> PhaseCounts:
@@ -377,13 +378,13 @@ def gradient_evidence(phase: PhaseCounts) -> PhaseCounts:
     for (_, outcome), value in phase.backward.items():
         found[("", outcome)] = found.get(("", outcome), 0) + value
     unmatched = sum(phase.backward_unmatched.values())
-    return PhaseCounts(
-        outcomes=found,
-        unmatched={"": unmatched} if unmatched else {},
-        cluster_count=phase.cluster_count,
-        clusters_missing=phase.clusters_missing,
-        noise={key: value for key, value in phase.noise.items() if key[0] == GRADIENTS},
-    )
+    series = {
+        contract.COMPARISONS: found,
+        contract.CLUSTERS: phase.of(contract.CLUSTERS),
+        contract.NOISE_CHECKS: {key: value for key, value in phase.noise.items() if key[0] == GRADIENTS},
+    }
+    unmatched_by = {"": unmatched} if unmatched else {}
+    return PhaseCounts(series=series, unmatched=unmatched_by, clusters_missing=phase.clusters_missing)
 
 
 def _decide_phases(

@@ -7,15 +7,8 @@ import math
 from collections.abc import Iterable
 
 from shadow.analysis.evidence import TargetCounts
-from shadow.core.judging import noise
 from shadow.core.model import contract
-from shadow.core.model.observation import (
-    BACKWARD_OUTCOMES,
-    COMPARED_OUTCOMES,
-    LEGACY,
-    NEARER,
-    bounded,
-)
+from shadow.core.model.observation import COMPARED_OUTCOMES, LEGACY, bounded
 
 COMPARISONS = contract.COMPARISONS.series
 MISMATCHES = contract.MISMATCHES.series
@@ -120,40 +113,27 @@ def _count(value: object, where: str, whole: bool = True) -> float:
     return float(value)
 
 
+#: The verdict's series by the name a source holds them under.
+EVIDENCE = {metric.series: metric for metric in contract.EVIDENCE}
+
+
 def add_series(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], value: float) -> None:
+    """One series as a source holds it (``name``, its ``labels``, its ``value``), into its target's counts: the
+    verdict's series (:data:`EVIDENCE`) into the phase its ``primary`` label names (legacy's where it has none: a
+    series from before the label), unless a closed label holds a value outside its set; the rollbacks and a
+    person's resets into the target's."""
     if name in (ROLLBACKS, RESETS) and value <= 0:
         return
     target = counts.setdefault(labels.get("target", ""), TargetCounts())
-    primary = labels.get("primary") or LEGACY  # (series from before the primary label: legacy's)
     if name == ROLLBACKS:
         target.rollbacks.append(f"{round(value)} by {labels.get('source', '?')} ({ROLLBACKS})")
         target.counted_rollbacks += value
     elif name == RESETS:
         target.counted_resets += value
-    elif name == COMPARISONS:
-        target.add_outcome(labels.get("signature", ""), labels.get("outcome", ""), value, primary)
-    elif name == MISMATCHES:
-        target.add_reason(labels.get("reason", ""), value, primary)
-    elif name == SKIPPED:
-        target.add_skip(labels.get("reason", ""), value, primary, labels.get("signature", ""))
-    elif name == CALLS:
-        target.add_calls(labels.get("signature", ""), value, primary)
-    elif name == CLUSTERS:
-        target.add_clusters(value, primary)
-    elif name == CALL_BLOCKS:
-        target.add_call_blocks(value, primary)
-    elif name == TRUTH_RUNS:
-        if labels.get("nearer") in NEARER:
-            target.add_truth(labels.get("signature", ""), labels["nearer"], value, primary)
-    elif name == BACKWARD_RUNS:
-        if labels.get("outcome") in BACKWARD_OUTCOMES:  # (series from before the outcome label: not evidence)
-            target.add_backward(labels.get("signature", ""), labels["outcome"], value, primary)
-    elif name == NOISE_CHECKS:
-        evidence, pair, check = (labels.get(name, "") for name in ("evidence", "pair", "check"))
-        if evidence in noise.EVIDENCE and pair in noise.PAIRS and check in noise.CHECKS:
-            target.add_noise(evidence, pair, check, value, primary)
-    else:
-        target.add_shared(labels.get("reason", ""), value, primary)
+    elif (metric := EVIDENCE.get(name)) is not None and all(
+        labels.get(label) in values for label, values in metric.closed.items()
+    ):
+        target.add(metric, labels, value, labels.get("primary") or LEGACY)
 
 
 def _set_aside_drilled(counts: dict[str, TargetCounts], name: str, labels: dict[str, str], value: float) -> None:
@@ -211,10 +191,8 @@ def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
         raise SourceError(f"{path} is not UTF-8 text: {exc}") from exc
 
 
-_COUNTED = (
-    COMPARISONS, MISMATCHES, SHARED, SKIPPED, CALLS, CLUSTERS, CALL_BLOCKS, ROLLBACKS, RESETS, TRUTH_RUNS,
-    BACKWARD_RUNS, NOISE_CHECKS,
-)  # fmt: skip
+#: The series a source counts: the verdict's, and the rollbacks and resets.
+_COUNTED = (*EVIDENCE, ROLLBACKS, RESETS)
 
 
 def _honour_resets(counts: dict[str, TargetCounts]) -> dict[str, TargetCounts]:

@@ -13,12 +13,9 @@ from collections.abc import Iterable, Iterator
 
 from exporters import journal_format
 from shadow.analysis.sources.common import MAX_LINE_BYTES, SourceError, _count, _shown
-from shadow.core.judging import noise
 from shadow.core.model.observation import (
-    BACKWARD_OUTCOMES,
     COMPARED_OUTCOMES,
     DECADE_LIMIT,
-    NEARER,
     OUTCOMES,
     PRIMARY_SIDES,
 )
@@ -111,26 +108,23 @@ def check_counts(record: dict, where: str) -> dict:
     for outcomes in tables["outcomes"].values():
         if any(o not in COMPARED_OUTCOMES for o in outcomes):
             raise SourceError(f"{where}: a count record with an unknown outcome")
-    truth, decades, backward = tables["truth"], tables["truth_decades"], tables["backward"]
-    if any(found not in BACKWARD_OUTCOMES for by_found in backward.values() for found in by_found):
-        raise SourceError(f"{where}: a count record with an unknown backward outcome")
-    judged = {f"{pair}/{check}" for pair in noise.PAIRS for check in noise.CHECKS}
-    if any(e not in noise.EVIDENCE or set(by_key) - judged for e, by_key in tables["noise"].items()):
-        raise SourceError(f"{where}: a count record with an unknown noise check")
-    if any(side not in NEARER for by_side in truth.values() for side in by_side):
-        raise SourceError(f"{where}: a count record with an unknown side nearer the truth")
+    for name, (metric, keys) in journal_format.TABLE_SERIES.items():
+        for labels in journal_format.table_labels(tables[name], keys) if metric.closed else ():
+            unknown = [label for label, values in metric.closed.items() if labels.get(label) not in values]
+            if unknown:
+                raise SourceError(f"{where}: a count record with an unknown {unknown[0]} in its {name}")
     known = {str(d) for d in range(-DECADE_LIMIT, DECADE_LIMIT + 1)}
-    if any(decade not in known for by_decade in decades.values() for decade in by_decade):
+    if any(decade not in known for by_decade in tables["truth_decades"].values() for decade in by_decade):
         raise SourceError(f"{where}: a count record with an unknown error decade")
     drilled = _count(record.get("drilled", 0), f"{where}: drilled")
     _check_totals(tables["outcomes"], drilled, where)
     _check_drilled(tables, drilled, where)
-    return {
-        **tables,
-        "drilled": drilled,
-        **({"clusters": _count(record["clusters"], f"{where}: clusters", whole=False)} if "clusters" in record else {}),
-        "call_blocks": _count(record.get("call_blocks", 0), f"{where}: call_blocks", whole=False),
+    scalars = {  # (those it holds: one without clusters is a process of a version before they were counted)
+        name: _count(record[name], f"{where}: {name}", whole=False)
+        for name in journal_format.EVIDENCE_SCALARS
+        if name in record
     }
+    return {**tables, "drilled": drilled, **scalars}
 
 
 def _check_totals(outcomes: dict, drilled: float, where: str) -> None:

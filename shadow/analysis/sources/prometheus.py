@@ -18,7 +18,6 @@ from shadow.analysis.sources import promql
 from shadow.analysis.sources.common import (
     _RUN_LABEL,
     ARM_SERIES,
-    BACKWARD_RUNS,
     BUILD_INFO,
     CALL_BLOCKS,
     CALLS,
@@ -29,16 +28,11 @@ from shadow.analysis.sources.common import (
     DRILLED_REASONS,
     LOOKBACK,
     MAX_FILE_BYTES,
-    MISMATCHES,
-    NOISE_CHECKS,
     PATCH_CALLS,
     PROCESS_TIME,
     PROCESSES,
     RESETS,
     ROLLBACKS,
-    SHARED,
-    SKIPPED,
-    TRUTH_RUNS,
     SourceError,
     _count,
     _honour_resets,
@@ -48,6 +42,7 @@ from shadow.analysis.sources.common import (
     one_job_per_run,
     select_run,
 )
+from shadow.core.model import contract
 from shadow.core.model.observation import label_text
 
 
@@ -131,19 +126,11 @@ def _selector(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
 
 
-_QUERIES = [
-    (COMPARISONS, "target, signature, outcome, primary"),
-    (MISMATCHES, "target, reason, primary"),
-    (SHARED, "target, reason, primary"),
-    (SKIPPED, "target, reason, signature, primary"),
-    (CALLS, "target, signature, primary"),
-    (CLUSTERS, "target, primary"),
-    (CALL_BLOCKS, "target, primary"),
+#: The series read, each summed by the labels its counts are kept by: the verdict's, with their target and primary
+#: (:data:`shadow.core.model.contract.EVIDENCE`), then the rollbacks and a person's resets.
+_QUERIES = [(metric.series, ", ".join(("target", *keys, "primary"))) for metric, keys in contract.EVIDENCE.items()] + [
     (ROLLBACKS, "target, source"),
     (RESETS, "target"),
-    (TRUTH_RUNS, "target, signature, nearer, primary"),
-    (BACKWARD_RUNS, "target, signature, outcome, primary"),
-    (NOISE_CHECKS, "target, primary, evidence, pair, check"),
 ]
 
 

@@ -41,6 +41,8 @@ import math
 import threading
 from collections.abc import Iterable
 
+from shadow.core.model.observation import CHECK_RESULTS, CHECKED_EVIDENCE, CHECKED_PAIRS
+
 #: A/A runs of a signature's leaf that fix its threshold (never counted after). A signature has an A/A run on every
 #: sampled call until they are made (:meth:`NoiseFloor.burning`), whatever the A/A rate.
 BURN_IN = 200
@@ -58,14 +60,14 @@ GRADIENT = "grad:"
 #: What a judgement against the levels found: a difference held until the burn-in ends, one below the typical
 #: error, within the thresholds or beyond them (counted: the verdict's noise evidence), one where legacy never varied
 #: (real at once), or nothing judged (no difference, no threshold).
-PENDING, BELOW, WITHIN, BEYOND, REAL = "pending", "below", "within", "beyond", "real"
+PENDING, REAL = "pending", "real"
 #: The checks the sources count: where a call stood against its levels.
-CHECKS = (BELOW, WITHIN, BEYOND)
+CHECKS = CHECK_RESULTS
+BELOW, WITHIN, BEYOND = CHECKS
 #: The checks of a call judged noise where its outcome is a value mismatch.
 NOISE_CHECKS = (BELOW, WITHIN)
 #: Which evidence a check is of, and which pair of runs it compares (legacy against upstream, legacy against itself).
-EVIDENCE = ("forward", "gradients")
-PAIRS = ("ab", "aa")
+EVIDENCE, PAIRS = CHECKED_EVIDENCE, CHECKED_PAIRS
 
 
 def evidence_of(leaves: Iterable[tuple[str, float]]) -> str:

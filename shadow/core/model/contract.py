@@ -19,10 +19,13 @@ exporter then carries it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from shadow.core.model.observation import (
     BACKWARD_OUTCOMES,
+    CHECK_RESULTS,
+    CHECKED_EVIDENCE,
+    CHECKED_PAIRS,
     COMPARED_OUTCOMES,
     DIVERGENT_OUTCOMES,
     HARD_REASONS,
@@ -80,6 +83,12 @@ class Metric:
     description: str
     #: A gauge that shows the greatest value its samples gave (else the last).
     greatest: bool = False
+    #: Where the verdict reads the metric (:data:`EVIDENCE`): the labels, besides target and primary, a phase's
+    #: counts of it are kept by, in the order of their keys (None: the verdict does not read it).
+    evidence: tuple[str, ...] | None = None
+    #: Labels whose values are a closed set: a source takes a series with another value for none of the evidence
+    #: (a series from before the label, a value a later version added).
+    closed: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def prometheus_name(self) -> str:
@@ -101,6 +110,7 @@ CALLS = Metric(
     ("target", "signature", "primary"),
     "Calls of the wrapped function, sampled or not; by call signature for a coverage-guided target (empty otherwise) "
     "and the side whose result the caller got.",
+    evidence=('signature',),
 )
 COMPARISONS = Metric(
     "npu_shadow.comparisons",
@@ -109,6 +119,7 @@ COMPARISONS = Metric(
     ("target", "outcome", "signature", "primary"),
     "Compared calls by outcome (match, close, noise, mismatch, error), call signature and the side whose result the "
     "caller got (primary: legacy, or upstream in a canary); sampled = compared + skipped.",
+    evidence=('signature', 'outcome'),
 )
 MISMATCHES = Metric(
     "npu_shadow.mismatches",
@@ -116,6 +127,7 @@ MISMATCHES = Metric(
     "counter",
     ("target", "reason", "primary"),
     "Reasons found in mismatching or erroring comparisons (one comparison can have several).",
+    evidence=('reason',),
 )
 SKIPPED = Metric(
     "npu_shadow.skipped",
@@ -124,6 +136,7 @@ SKIPPED = Metric(
     ("target", "reason", "signature", "primary"),
     "Sampled calls not compared, by reason and call signature (empty where it is not known: the budget's skips, a "
     "call whose signature could not be taken).",
+    evidence=('signature', 'reason'),
 )
 PATCH_CALLS = Metric(
     "npu_shadow.patch_calls",
@@ -161,6 +174,7 @@ SHARED_DIVERGENCES = Metric(
     "counter",
     ("target", "reason", "primary"),
     "Comparisons where legacy and upstream agree but both depart from the single-device oracle, by reason.",
+    evidence=('reason',),
 )
 ABS_ERROR = Metric("npu_shadow.abs_error", "1", "histogram", ("target",), "Greatest absolute error per comparison.")
 REL_ERROR = Metric("npu_shadow.rel_error", "1", "histogram", ("target",), "Greatest relative error per comparison.")
@@ -224,6 +238,8 @@ NOISE_CHECKS = Metric(
     "(below: at most the typical A/A error; within: above it, within the thresholds; beyond): the verdict bounds the "
     "rate of A/B exceedances beyond legacy's own A/A rate with them, and a shift inside the thresholds from how "
     "often each lands above the typical error. Absent until counted.",
+    evidence=('evidence', 'pair', 'check'),
+    closed={"evidence": CHECKED_EVIDENCE, "pair": CHECKED_PAIRS, "check": CHECK_RESULTS},
 )
 NOISE_FLOOR = Metric(
     "npu_shadow.noise_floor",
@@ -251,6 +267,8 @@ BACKWARD_RUNS = Metric(
     ("target", "signature", "primary", "outcome"),
     "Backward comparisons: seeded cotangents pulled back through both sides' graphs, by what they found (match, or "
     "mismatch: the call's outcome is then a mismatch with reason grad). The gradients' own evidence.",
+    evidence=('signature', 'outcome'),
+    closed={"outcome": BACKWARD_OUTCOMES},
 )
 BACKWARD_SKIPS = Metric(
     "npu_shadow.backward_skips",
@@ -284,6 +302,7 @@ CLUSTERS = Metric(
     "Clusters of comparisons (a process's 60 s blocks, an incident never cut, a distributed job's rank counting "
     "1/WORLD_SIZE of each: shadow.core.calls.record.clusters): the unit the verdict counts evidence in, by the "
     "side whose result the caller got.",
+    evidence=(),
 )
 CALL_BLOCKS = Metric(
     "npu_shadow.call_blocks",
@@ -292,6 +311,7 @@ CALL_BLOCKS = Metric(
     ("target", "primary"),
     "The 60 s blocks of process time in which the target was called, compared or not, counted as clusters are (a "
     "rank's share each): the most clusters comparing every call could make, what --gather can add to the evidence.",
+    evidence=(),
 )
 TRUTH_RUNS = Metric(
     "npu_shadow.truth_runs",
@@ -300,6 +320,8 @@ TRUTH_RUNS = Metric(
     ("target", "signature", "primary", "nearer"),
     "Float64 CPU truth runs of calls whose two sides differ in value, by the side nearer the truth (legacy, upstream, "
     "tie) and the side whose result the caller got: a difference where upstream is nearer is not a regression.",
+    evidence=('signature', 'nearer'),
+    closed={"nearer": NEARER},
 )
 ARM_ITERATORS = Metric(
     "npu_shadow.arm_iterators",
@@ -391,6 +413,9 @@ ALL = (
     RUN_STARTED,
 )
 
+
+#: The series the verdict reads, each with the labels a phase's counts of it are kept by (:attr:`Metric.evidence`).
+EVIDENCE = {metric: metric.evidence for metric in ALL if metric.evidence is not None}
 
 #: What can throw the rollback switch (the ``source`` label of npu_shadow_rollbacks_total).
 ROLLBACK_SOURCES = ("http", "file", "api")

@@ -100,6 +100,17 @@ BACKWARD_SKIP_REASONS = (
     "deadline", "reentrant", "sparse", "raised", "no_grad", "diverged", "failed", "hooks", "memory",
 )  # fmt: skip
 
+#: A gradient the job has that no backward comparison reached: the backward skips (BACKWARD_SKIP_REASONS) that are
+#: the gradient evidence's non-response. Not "no_grad" (no gradient to compare) nor "diverged" (the forward is the
+#: finding): the gradient evidence is rated over calls whose forward agreed with grad mode on.
+BACKWARD_NONRESPONSE = tuple(r for r in BACKWARD_SKIP_REASONS if r not in ("no_grad", "diverged"))
+
+#: A noise check (shadow.core.judging.noise): where a run stood against its signature's thresholds, which evidence
+#: it is of, and which pair of runs it compares (legacy against upstream, legacy against itself).
+CHECK_RESULTS = ("below", "within", "beyond")
+CHECKED_EVIDENCE = ("forward", "gradients")
+CHECKED_PAIRS = ("ab", "aa")
+
 #: What a backward comparison found: the gradients agree, or they differ (the call's outcome is then a mismatch
 #: with reason "grad", its forward having agreed: a backward comparison runs only after a forward that did not
 #: diverge). The gradients are evidence of their own, rated over the calls that had one (shadow.analysis.verdict).
