@@ -110,7 +110,7 @@ CALLS = Metric(
     ("target", "signature", "primary"),
     "Calls of the wrapped function, sampled or not; by call signature for a coverage-guided target (empty otherwise) "
     "and the side whose result the caller got.",
-    evidence=('signature',),
+    evidence=("signature",),
 )
 COMPARISONS = Metric(
     "npu_shadow.comparisons",
@@ -119,7 +119,7 @@ COMPARISONS = Metric(
     ("target", "outcome", "signature", "primary"),
     "Compared calls by outcome (match, close, noise, mismatch, error), call signature and the side whose result the "
     "caller got (primary: legacy, or upstream in a canary); sampled = compared + skipped.",
-    evidence=('signature', 'outcome'),
+    evidence=("signature", "outcome"),
 )
 MISMATCHES = Metric(
     "npu_shadow.mismatches",
@@ -127,7 +127,7 @@ MISMATCHES = Metric(
     "counter",
     ("target", "reason", "primary"),
     "Reasons found in mismatching or erroring comparisons (one comparison can have several).",
-    evidence=('reason',),
+    evidence=("reason",),
 )
 SKIPPED = Metric(
     "npu_shadow.skipped",
@@ -136,7 +136,7 @@ SKIPPED = Metric(
     ("target", "reason", "signature", "primary"),
     "Sampled calls not compared, by reason and call signature (empty where it is not known: the budget's skips, a "
     "call whose signature could not be taken).",
-    evidence=('signature', 'reason'),
+    evidence=("signature", "reason"),
 )
 PATCH_CALLS = Metric(
     "npu_shadow.patch_calls",
@@ -174,7 +174,7 @@ SHARED_DIVERGENCES = Metric(
     "counter",
     ("target", "reason", "primary"),
     "Comparisons where legacy and upstream agree but both depart from the single-device oracle, by reason.",
-    evidence=('reason',),
+    evidence=("reason",),
 )
 ABS_ERROR = Metric("npu_shadow.abs_error", "1", "histogram", ("target",), "Greatest absolute error per comparison.")
 REL_ERROR = Metric("npu_shadow.rel_error", "1", "histogram", ("target",), "Greatest relative error per comparison.")
@@ -238,7 +238,7 @@ NOISE_CHECKS = Metric(
     "(below: at most the typical A/A error; within: above it, within the thresholds; beyond): the verdict bounds the "
     "rate of A/B exceedances beyond legacy's own A/A rate with them, and a shift inside the thresholds from how "
     "often each lands above the typical error. Absent until counted.",
-    evidence=('evidence', 'pair', 'check'),
+    evidence=("evidence", "pair", "check"),
     closed={"evidence": CHECKED_EVIDENCE, "pair": CHECKED_PAIRS, "check": CHECK_RESULTS},
 )
 NOISE_FLOOR = Metric(
@@ -267,7 +267,7 @@ BACKWARD_RUNS = Metric(
     ("target", "signature", "primary", "outcome"),
     "Backward comparisons: seeded cotangents pulled back through both sides' graphs, by what they found (match, or "
     "mismatch: the call's outcome is then a mismatch with reason grad). The gradients' own evidence.",
-    evidence=('signature', 'outcome'),
+    evidence=("signature", "outcome"),
     closed={"outcome": BACKWARD_OUTCOMES},
 )
 BACKWARD_SKIPS = Metric(
@@ -320,7 +320,7 @@ TRUTH_RUNS = Metric(
     ("target", "signature", "primary", "nearer"),
     "Float64 CPU truth runs of calls whose two sides differ in value, by the side nearer the truth (legacy, upstream, "
     "tie) and the side whose result the caller got: a difference where upstream is nearer is not a regression.",
-    evidence=('signature', 'nearer'),
+    evidence=("signature", "nearer"),
     closed={"nearer": NEARER},
 )
 ARM_ITERATORS = Metric(
