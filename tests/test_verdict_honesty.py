@@ -473,6 +473,14 @@ def test_calls_skipped_for_reasons_tied_to_the_call_stop_a_promote():
     assert decide(budget).decision == PROMOTE
 
 
+def test_calls_skipped_for_a_reason_this_version_does_not_know_are_never_agreement():
+    """A later version's skip reason, read from its metrics: those calls were never compared either."""
+    counts = strata_counts({"": (10_000_000, 10_000, 0)})
+    counts.add_skip("a_later_reason", 990_000)
+    decision = decide(counts)
+    assert decision.decision == INCONCLUSIVE and decision.upper >= 0.99
+
+
 def test_a_signature_with_calls_and_no_comparison_is_unknown_evidence():
     """A signature with 30% of the calls was never compared: the old verdict dropped it from the weights."""
     counts = strata_counts({"common": (700_000, 50_000, 0), "rare": (300_000, 0, 0)})

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 
 from shadow.analysis.bounds import Stratum
 from shadow.analysis.evidence import PhaseCounts
-from shadow.core.model.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, NONRESPONSE_REASONS
+from shadow.core.model.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES, RANDOM_SKIP_REASONS
 
 
 def of(
@@ -72,10 +72,11 @@ def of(
 
 
 def _nonresponse(phase: PhaseCounts) -> dict[str, dict[str, float]]:
-    """A phase's skips tied to the call (non-response), by signature and reason."""
+    """A phase's skips tied to the call (non-response), by signature and reason: every skip but the budget's, one
+    for a reason this version does not know included (a call never compared is never agreement)."""
     found: dict[str, dict[str, float]] = {}
     for (signature, reason), value in phase.skipped.items():
-        if reason in NONRESPONSE_REASONS and value > 0:
+        if reason not in RANDOM_SKIP_REASONS and value > 0:
             by_reason = found.setdefault(signature, {})
             by_reason[reason] = by_reason.get(reason, 0) + value
     return found

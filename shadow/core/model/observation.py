@@ -166,8 +166,10 @@ UNCOVERED_REASONS = ("compiling", "mode", "hooks", "inplace", "ineligible")
 #: Skip reasons tied to the call itself (its size, its hooks, its modes, a fault of ours on it): the calls skipped
 #: for them are non-response, and nothing says how they would have compared, so the verdict counts their share of
 #: calls as unknown (Manski's worst case). Only the budget skips calls whatever they hold (by time spent): the calls
-#: compared are then still a random sample of the sampled ones.
-NONRESPONSE_REASONS = tuple(r for r in SKIP_REASONS if r != "budget")
+#: compared are then still a random sample of the sampled ones (RANDOM_SKIP_REASONS; the verdict takes every other
+#: reason, one it does not know included, for non-response).
+RANDOM_SKIP_REASONS = ("budget",)
+NONRESPONSE_REASONS = tuple(r for r in SKIP_REASONS if r not in RANDOM_SKIP_REASONS)
 
 #: Reasons a DataParallel call's result (legacy and upstream agreeing) departs from the single-device oracle's.
 SHARED_DIVERGENCE_REASONS = ("structure", "type", "dtype", "shape", "device", "nan", "value")
