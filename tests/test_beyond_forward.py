@@ -131,6 +131,43 @@ def test_hooks_a_forward_registers_run_only_in_the_jobs_backward():
     assert seen == ["logged"]
 
 
+def _half_logged_job(tmp_path, calls: int = 40):
+    """``calls`` forward calls with a backward comparison planned on each, every second one's forward registering a
+    hook on its graph (skipped: hooks); decided from its journal and from its metrics."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from exporters import PrometheusExporter
+    from shadow.analysis import sources, verdict
+
+    plain, logged = nn.Linear(4, 3), _LoggingNet([])
+    ops = types.SimpleNamespace(op=_forward)
+    journal, metrics = JsonlExporter(str(tmp_path / "j.jsonl")), PrometheusExporter(registry=CollectorRegistry())
+    target = shadow.Target("forward", ops, "op", _forward)
+    with shadow.install([target], sample_rate=1.0, backward_rate=1.0, budget=None, exporters=[journal, metrics]):
+        for i in range(calls):
+            ops.op(logged if i % 2 else plain, torch.randn(5, 4)).sum().backward()
+    journal.close()
+    read = [
+        sources.from_journal([str(tmp_path / "j.jsonl")]),
+        sources.from_exposition(generate_latest(metrics.registry).decode()),
+    ]
+    return [
+        next(p for p in verdict.decide("forward", counts["forward"], 0.01).phases if p.primary.endswith("gradients"))
+        for counts in read
+    ]
+
+
+def test_backward_comparisons_not_made_are_the_gradient_evidences_non_response_from_every_source(tmp_path):
+    """Half the planned backward comparisons were not made (hooks): the gradient evidence was rated on the other
+    half as if it were all of them. Those calls' gradients are now a non-response share of 1/2 in the journal's and
+    the metrics' verdict alike, and its upper bound holds them (never agreement)."""
+    from_journal, from_metrics = _half_logged_job(tmp_path)
+    for phase in (from_journal, from_metrics):
+        assert phase.compared == 20 and phase.uncovered_by == pytest.approx({"hooks": 0.5})
+        assert phase.upper >= 0.5
+    assert (from_journal.lower, from_journal.upper) == pytest.approx((from_metrics.lower, from_metrics.upper))
+
+
 def test_no_backward_comparison_without_grad_mode():
     ops = types.SimpleNamespace(op=_legacy_linear)
     target = shadow.Target("linear", ops, "op", _upstream_linear)

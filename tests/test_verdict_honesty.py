@@ -27,6 +27,7 @@ from shadow.analysis import bounds, evidence, sources, verdict
 from shadow.analysis.bounds import Prior, Stratum
 from shadow.analysis.evidence import TargetCounts
 from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, ROLLBACK
+from shadow.core.model import contract
 from shadow.core.model import targets as builtin
 from shadow.core.model.observation import COMPARED_OUTCOMES, DIVERGENT_OUTCOMES
 
@@ -479,6 +480,26 @@ def test_calls_skipped_for_a_reason_this_version_does_not_know_are_never_agreeme
     counts.add_skip("a_later_reason", 990_000)
     decision = decide(counts)
     assert decision.decision == INCONCLUSIVE and decision.upper >= 0.99
+
+
+def test_gradients_no_comparison_reached_are_non_response_but_for_no_grad_and_a_diverged_forward():
+    """The gradient evidence of 1,000 backward comparisons, all agreeing, beside 1,000 planned and not made."""
+
+    def gradients(reason: str | None) -> verdict.PhaseDecision:
+        counts = TargetCounts()
+        counts.add_outcome("", "match", 100_000)
+        counts.add_backward("", "match", 1_000)
+        counts.add_clusters(100_000)
+        if reason:
+            counts.add(contract.BACKWARD_SKIPS, {"reason": reason}, 1_000)
+        return next(p for p in decide(counts).phases if p.primary.endswith(verdict.GRADIENTS))
+
+    unskipped = gradients(None)
+    for reason in ("memory", "deadline", "a_later_reason"):  # (calls the job backpropagates through, never compared)
+        assert gradients(reason).upper >= 0.5 > unskipped.upper
+        assert gradients(reason).uncovered_by == pytest.approx({reason: 0.5})
+    for reason in verdict.NO_GRADIENT_SKIPS:  # (no gradient to compare; a forward that diverged is the finding)
+        assert gradients(reason).upper == unskipped.upper
 
 
 def test_a_signature_with_calls_and_no_comparison_is_unknown_evidence():

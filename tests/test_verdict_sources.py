@@ -91,7 +91,8 @@ class FakePrometheus:
                 elif "timestamp" in self.path or "drilled" in self.path:  # (no last sample, no drill marks)
                     self.wfile.write(none)
                 else:
-                    self.wfile.write(none if "rollbacks" in self.path or "resets" in self.path else body)
+                    absent = ("rollbacks", "resets", "skip")  # (no rollback, no call skipped)
+                    self.wfile.write(none if any(name in self.path for name in absent) else body)
 
             def log_message(self, *args):
                 pass

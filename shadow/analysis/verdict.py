@@ -370,10 +370,16 @@ def forward_evidence(phase: PhaseCounts) -> PhaseCounts:
     return dataclasses.replace(phase, series={**phase.series, contract.COMPARISONS: outcomes}, unmatched=unmatched)
 
 
+#: The backward skips that are not the gradient evidence's non-response: "no_grad" (no gradient to compare) and
+#: "diverged" (the forward is the finding). Every other one is a gradient the job has that no comparison reached.
+NO_GRADIENT_SKIPS = ("no_grad", "diverged")
+
+
 def gradient_evidence(phase: PhaseCounts) -> PhaseCounts:
     """The phase's gradient evidence, rated over the calls that had a backward comparison (one stratum: backward
-    runs are drawn among compared calls at the backward rate), its clusters the phase's (a gradient comparison
-    falls in one of the clusters its forward did)."""
+    runs are drawn among compared calls at the backward rate), those whose comparison was not made non-response
+    (all but :data:`NO_GRADIENT_SKIPS`), its clusters the phase's (a gradient comparison falls in one of the
+    clusters its forward did)."""
     found: dict[tuple[str, str], float] = {}
     for (_, outcome), value in phase.backward.items():
         found[("", outcome)] = found.get(("", outcome), 0) + value
@@ -383,6 +389,9 @@ def gradient_evidence(phase: PhaseCounts) -> PhaseCounts:
         contract.CLUSTERS: phase.of(contract.CLUSTERS),
         contract.NOISE_CHECKS: {key: value for key, value in phase.noise.items() if key[0] == GRADIENTS},
     }
+    if found:  # (calls whose gradients no comparison reached: non-response; none made, no gradient evidence at all)
+        skips = phase.of(contract.BACKWARD_SKIPS).items()
+        series[contract.SKIPPED] = {("", r): value for r, value in skips if r not in NO_GRADIENT_SKIPS}
     unmatched_by = {"": unmatched} if unmatched else {}
     return PhaseCounts(series=series, unmatched=unmatched_by, clusters_missing=phase.clusters_missing)
 

@@ -274,9 +274,11 @@ BACKWARD_SKIPS = Metric(
     "npu_shadow.backward_skips",
     "{call}",
     "counter",
-    ("target", "reason"),
+    ("target", "reason", "primary"),
     "Backward comparisons planned for a compared call but not made, by reason (deadline, reentrant, sparse, raised, "
-    "no_grad, failed): what the gradient evidence is missing.",
+    "no_grad, diverged, failed, hooks, memory) and the side whose result the caller got: what the gradient evidence "
+    "is missing (the verdict's non-response of the gradients, but for no_grad and diverged).",
+    evidence=("reason",),
 )
 PROCESS_TIME = Metric(
     "npu_shadow.process",
@@ -487,7 +489,7 @@ def _extra_runs(o: Observation) -> Iterable[Sample]:
     if o.backward:
         found.append((BACKWARD_RUNS, (o.target, o.signature, o.primary, o.backward_outcome), 1))
     if o.backward_skip:
-        found.append((BACKWARD_SKIPS, (o.target, o.backward_skip), 1))
+        found.append((BACKWARD_SKIPS, (o.target, o.backward_skip, o.primary), 1))
     if o.nearer:
         found.append((TRUTH_RUNS, (o.target, o.signature, o.primary, o.nearer), 1))
     return found

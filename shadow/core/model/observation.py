@@ -100,11 +100,6 @@ BACKWARD_SKIP_REASONS = (
     "deadline", "reentrant", "sparse", "raised", "no_grad", "diverged", "failed", "hooks", "memory",
 )  # fmt: skip
 
-#: A gradient the job has that no backward comparison reached: the backward skips (BACKWARD_SKIP_REASONS) that are
-#: the gradient evidence's non-response. Not "no_grad" (no gradient to compare) nor "diverged" (the forward is the
-#: finding): the gradient evidence is rated over calls whose forward agreed with grad mode on.
-BACKWARD_NONRESPONSE = tuple(r for r in BACKWARD_SKIP_REASONS if r not in ("no_grad", "diverged"))
-
 #: A noise check (shadow.core.judging.noise): where a run stood against its signature's thresholds, which evidence
 #: it is of, and which pair of runs it compares (legacy against upstream, legacy against itself).
 CHECK_RESULTS = ("below", "within", "beyond")
