@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import socket
+import struct
 import subprocess
 import sys
 
@@ -361,6 +363,24 @@ def test_idle_connections_are_bounded_and_the_token_is_checked_before_any_body(t
         token = b"Authorization: Bearer " + b"t" * 24 + b"\r\n"
         answer = _raw(switch.port, b"POST /rollback HTTP/1.1\r\nHost: x\r\n" + token + b"Content-Length: -1\r\n\r\n")
         assert b" 400 " in answer.split(b"\r\n")[0] and not thrown.is_set()
+    finally:
+        switch.close()
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_INFO"), reason="the listen queue is read through Linux's TCP_INFO")
+def test_a_flood_of_idle_connections_leaves_room_in_the_listen_queue_for_an_authorised_one():
+    """While the accept loop makes room for a new connection (closing the oldest idle one, waiting up to a second
+    for its slot), the ones after it wait in the kernel's listen queue: at socketserver's default of 5, twice
+    MAX_CONNECTIONS idle clients filled it, and an authorised client's handshake was dropped and retried a second
+    later (the attack round's connections took 8 s a trial). The queue, as the kernel holds it, takes that flood
+    and the authorised client."""
+    from shadow.launcher.switch import MAX_CONNECTIONS
+
+    switch, _, _ = _switch(port=0, token="t" * 24)
+    try:
+        info = switch.server.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        state, *_, backlog = struct.unpack_from("8B6I", info)  # (a listener: tcpi_sacked holds its queue's size)
+        assert state == 10 and backlog >= 2 * MAX_CONNECTIONS + 1  # (TCP_LISTEN)
     finally:
         switch.close()
 

@@ -71,6 +71,10 @@ class _BoundedServer(http.server.ThreadingHTTPServer):
     ``on_error``, never printed on the job's stderr."""
 
     daemon_threads = True
+    #: The kernel's listen queue: connections wait there while the accept loop makes room (up to a second each).
+    #: socketserver's 5 filled under a flood of idle clients, and an authorised client's handshake was dropped and
+    #: retried a second later, again and again.
+    request_queue_size = 4 * MAX_CONNECTIONS
 
     def __init__(self, *args: Any, on_error: Callable[[], None] | None = None, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
