@@ -79,6 +79,21 @@ def test_the_mixture_martingale_is_the_integral_it_claims(k, n, p):
     assert closed == pytest.approx(_mixture_by_integration(p, k, n, PRIOR), rel=1e-6)
 
 
+@pytest.mark.parametrize("k, n", [(0, 3000), (0, 8_000_000), (1, 50), (3, 1000), (40, 5000), (20, 30), (30, 30)])
+def test_the_one_stratum_upper_bound_is_the_greatest_rate_the_martingale_allows(k, n):
+    """The greatest p whose mixture martingale, integrated numerically, stays under 1/alpha: found by a root
+    finder on that integral (independent of the bound's Newton steps and of its closed form)."""
+    if k == n:  # (every comparison diverged: no rate up to 1 is ruled out)
+        assert bounds.upper_bound(k, n, PRIOR) == 1.0
+        return
+    excess = lambda p: math.log(_mixture_by_integration(p, k, n, PRIOR)) - math.log(1 / bounds.ALPHA)  # noqa: E731
+    low = max(k / n, 1e-6 / n)  # (the least likely-hood's rate: the martingale is below 1/alpha there)
+    high = min((k + 1) / n, (1 + k / n) / 2)
+    while excess(high) < 0:
+        high = min(2 * high, (1 + high) / 2)
+    assert bounds.upper_bound(k, n, PRIOR) == pytest.approx(brentq(excess, low, high, xtol=1e-300), rel=1e-6)
+
+
 def _log_evidence_by_integration(s1: Stratum, s2: Stratum) -> float:
     """log C of the mixture (3/4 on one shared rate, 1/4 on independent rates), by numerical integration."""
     from scipy.integrate import quad

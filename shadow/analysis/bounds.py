@@ -149,6 +149,28 @@ def _slope_root(t: float, k: float, n: float) -> float:
     return min(max(root, 0.0), 1.0)
 
 
+def _one_greatest(k: float, n: float, budget: float) -> float:
+    """The greatest p with nll(p) <= ``budget`` for one stratum (k divergences in n > 0 comparisons, the budget
+    above its least nll): Newton's method on q = -log(1 - p), where nll is increasing and convex beyond the
+    maximum likelihood, started at budget / (n - k), which is beyond the root; its steps come down to the root
+    without crossing it (the p returned is the exact one, or above it by what a float cannot hold)."""
+    failures = n - k
+    if failures <= 0:
+        return 1.0  # (every comparison diverged: nll falls as p grows)
+    if k <= 0:
+        return -math.expm1(-budget / failures)  # (nll = (n - k) q: the root itself)
+    q = budget / failures
+    for _ in range(100):
+        p = -math.expm1(-q)
+        if p >= 1.0:
+            return 1.0
+        step = (failures * q - k * math.log(p) - budget) / (failures - k * (1.0 - p) / p)
+        if not step > 1e-15 * q:  # (at the root, to the precision a float holds)
+            break
+        q -= step
+    return -math.expm1(-q)
+
+
 def _greatest(strata: Sequence[Stratum], budget: float) -> float:
     """The greatest sum_s W_s p_s over {p : sum_s nll_s(p_s) <= budget} (module docstring), strata never compared
     at 1.
@@ -162,6 +184,9 @@ def _greatest(strata: Sequence[Stratum], budget: float) -> float:
     at_mle = sum(_nll(s.k / s.n, s.k, s.n) for s in compared)
     if at_mle >= budget:  # (cannot happen: the budget is at least the mixture's, never below the maximum likelihood)
         return min(1.0, free + sum(s.weight * s.k / s.n for s in compared))
+    if len(compared) == 1:
+        (only,) = compared
+        return min(max(free + only.weight * _one_greatest(only.k, only.n, budget), 0.0), 1.0)
 
     def point(lam_log: float) -> list[float]:
         return [_slope_root(s.weight / math.exp(lam_log), s.k, s.n) for s in compared]
