@@ -63,10 +63,11 @@ def _differentiable(output: Any) -> list[tuple[int, torch.Tensor]]:
 
 def vjp(output: Any, wrt: dict[int, torch.Tensor], seed: int) -> dict[int, torch.Tensor | None] | None:
     """The products of one seeded random cotangent per differentiable output leaf (the same for the same
-    ``seed`` and output shapes, whichever side) with the Jacobian with respect to each of ``wrt``'s tensors (None
-    where the output does not depend on it). None where no output leaf requires grad (nothing to pull back)."""
+    ``seed`` and output shapes, whichever side) with the Jacobian with respect to each of ``wrt``'s tensors that
+    requires grad (None where the output does not depend on it). None where no output leaf requires grad, or no
+    tensor of ``wrt`` does (nothing to pull back)."""
     leaves = _differentiable(output)
-    keys = list(wrt)
+    keys = [key for key, tensor in wrt.items() if tensor.requires_grad]
     if not leaves or not keys:
         return None
     generator = torch.Generator()

@@ -504,15 +504,15 @@ class Isolation:
         return self._arguments[run]
 
     def stand_ins(self, run: int = 0) -> dict[int, torch.Tensor]:
-        """What stands for each tensor of the call that requires grad in one run (after :meth:`take_arguments`),
-        by the id of the tensor it stands for: the parameters' new leaves, the replicas' parameters, the argument
-        copies. The gradients a backward comparison asks for are with respect to these."""
+        """What stands for each tensor of the call in one run (after :meth:`take_arguments`), by the id of the tensor
+        it stands for: the parameters' new leaves, the replicas' parameters, the argument copies. The gradients a
+        backward comparison asks for are with respect to those that require grad."""
         swaps, originals = self._worlds[run]
         found = {id(original): value for (_, _, value), original in zip(swaps, originals)}
         for original, copy in zip(tree_iter(self._given), tree_iter(self._arguments[run])):
             if isinstance(original, torch.Tensor) and isinstance(copy, torch.Tensor):
                 found.setdefault(id(original), copy)
-        return {key: value for key, value in found.items() if value.requires_grad}
+        return found
 
     @contextlib.contextmanager
     def shadow_run(self, run: int = 0) -> Iterator[None]:

@@ -119,12 +119,15 @@ class ExtraRuns:
         context, plan = self.context, self.plan
         seed = context.coins.backward.bits(40)  # type: ignore[union-attr]  # (drawn: it flipped)
 
+        # (the stand-ins are looked up before each run: the run's own watch sees the run's calls alone)
         def legacy_products(slot: str) -> Callable[[tuple[tuple, dict]], Any]:
+            wrt = plan.stand_ins(slot)
+
             def products(on: tuple[tuple, dict]) -> Any:
                 outputs = context.legacy(*on[0], **on[1])
                 if hook_watch.registered() != plan.hooks_seen:
                     raise _HooksRegistered  # (its backward would run the job's hooks again)
-                return vjp(outputs, plan.stand_ins(slot), seed)
+                return vjp(outputs, wrt, seed)
 
             return products
 
@@ -136,8 +139,9 @@ class ExtraRuns:
                 return {"compared": (None, "hooks")}
             theirs = again = Finished(False)
             if ran is not None and ran.finished:
+                wrt = plan.stand_ins(SHADOW)
                 theirs = self._run(context.experiment, lambda: contextlib.nullcontext(True),
-                    lambda _: vjp(upstream.value, plan.stand_ins(SHADOW), seed), backward=True,
+                    lambda _: vjp(upstream.value, wrt, seed), backward=True,
                 )  # fmt: skip
             if ran is not None and ran.finished and BACKWARD_AA in plan.slots:
                 again = self._run(

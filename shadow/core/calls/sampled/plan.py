@@ -111,17 +111,17 @@ class CallContext:
         runs_as: object,
         before: TorchGlobals,
         body: Callable[[], Any],
-        checks_its_settings: bool = False,
         written: set[str] | None = None,
+        left: Callable[[TorchGlobals], None] | None = None,
     ) -> Finished:
         """``body()`` (a run of the shadow side, ``run``, marked as ``runs_as``'s: an experiment's shadow run, or a role
         such as the A/A run's; :func:`~shadow.core.runs.sides.shadow_run`),
         from the settings ``before``, which this thread has written already): on a daemon thread of the shadow
         side's, waited for at most the deadline (:mod:`shadow.core.runs.deadline`; without one, until it ends). Past the
         deadline the run is abandoned and the target stops shadowing (``deadline_missed``). An interrupt the body raised
-        is raised here, as it would be on the caller's thread. A run that leaves a setting of its thread changed ends
-        its worker (the body says so itself where ``checks_its_settings``). The process-wide settings the body wrote
-        are added to ``written``."""
+        is raised here, as it would be on the caller's thread. The settings the body left are taken on its thread
+        once it ended, and given to ``left`` where there is one; a run that left a setting of its thread changed ends
+        its worker. The process-wide settings the body wrote are added to ``written``."""
         record, writes = self.record, Writes()
 
         def start() -> None:
@@ -135,16 +135,16 @@ class CallContext:
             else:
                 leave_worker()
 
-        def checked() -> Any:
-            try:
-                return body()
-            finally:
-                if not TorchGlobals().as_written_by(writes.names, before).same_as(before):
-                    leave_worker()
-
         def watched() -> Any:
-            with writes:
-                return (body if checks_its_settings else checked)()
+            try:
+                with writes:
+                    return body()
+            finally:  # (outside the watch: reading the settings is no call of the body's)
+                settings = TorchGlobals()
+                if left is not None:
+                    left(settings)
+                if not settings.as_written_by(writes.names, before).same_as(before):
+                    leave_worker()
 
         found = run_within(self.deadline, watched, start=start)
         if written is not None:
@@ -225,7 +225,7 @@ class Plan:
         return self.isolation.arguments(0) if self.isolation is not None else (self.args, self.kwargs)
 
     def stand_ins(self, slot: str) -> dict[int, torch.Tensor]:
-        """The isolation's stand-ins of the tensors that require grad, in the run of ``slot``."""
+        """The isolation's stand-ins of the call's tensors, in the run of ``slot``."""
         assert self.isolation is not None
         return self.isolation.stand_ins(self.slots.index(slot))
 

@@ -24,7 +24,7 @@ from shadow.core.calls.sampled.guards import IsolationFailed
 from shadow.core.calls.sampled.plan import CallContext, Plan, Run, autocast_state
 from shadow.core.model.observation import DIVERGENT_OUTCOMES, UPSTREAM, Observation, Outcome, bounded
 from shadow.core.model.target import CannotCompare, CannotReplay
-from shadow.core.runs.deadline import Finished, leave_worker, run_here
+from shadow.core.runs.deadline import Finished, run_here
 from shadow.core.runs.global_state import TorchGlobals, Writes
 from shadow.core.runs.isolation import ArgumentsChanged, holds_hooked_subclass
 from shadow.core.runs.sides import Lean, keeping_no_activations, shadow_run
@@ -237,7 +237,7 @@ class ShadowSide:
         # (compared forward only: its activations are not kept, and the job's memory holds one forward's, not two)
         if not plan.backward and torch.is_grad_enabled() and plan.signature not in record.keeps_activations:
             self.lean = Lean()
-        shadow = _ShadowRun(plan, context.shadow_fn, context.target.snapshot, drill, self.run_arguments, self.lean)
+        shadow = _ShadowRun(context.shadow_fn, context.target.snapshot, drill, self.run_arguments, self.lean)
         start = time.perf_counter()
         finished = Finished(False)
         # (a consumed argument, a stream: where the primary left it, put back once the shadow read it from the start)
@@ -249,10 +249,11 @@ class ShadowSide:
                 if plan.here:
                     with Writes() as writes:
                         finished = run_here(shadow.run)
+                    shadow.left = TorchGlobals()
                     plan.written.update(writes.names)
                 else:
                     finished = context.within_deadline(
-                        run, context.experiment, plan.before, shadow.run, True, plan.written
+                        run, context.experiment, plan.before, shadow.run, plan.written, shadow.settled
                     )
         except KeyboardInterrupt:
             raise
@@ -284,7 +285,6 @@ class _ShadowRun:
     """The body of one shadow run (the shadow function on ``arguments``, its snapshot taken, a drill's fault
     injected), on whichever thread runs it: what it ran under and left behind."""
 
-    plan: Plan
     shadow_fn: Callable
     snapshot: Callable | None
     drill: Any
@@ -295,29 +295,27 @@ class _ShadowRun:
     left: TorchGlobals | None = None
 
     def run(self) -> Any:
-        """The shadow function on the plan's arguments (a fire drill's fault injected where it fires); the settings
-        it left are taken on its thread (thread-local ones too), and a worker whose run changed one ends with it."""
-        plan, drill = self.plan, self.drill
-        try:
-            self.autocast = autocast_state()
-            if drill is not None and drill.kind == "exception":
-                self.drilled = True
-                drill.before_upstream()
-            args, kwargs = self.arguments
-            with keeping_no_activations(self.lean):
-                value = self.shadow_fn(*args, **kwargs)
-            if self.snapshot is not None:  # (taken on the isolation's stand-ins, before they are put back)
-                try:
-                    value = self.snapshot(value, args, kwargs)
-                except Exception as exc:  # (the target's own code, never the shadow side's outcome)
-                    raise IsolationFailed(f"the target's snapshot failed: {exc!r}") from exc
-            if drill is not None and drill.kind != "exception":
-                value, self.drilled = drill.corrupt(value, (args, kwargs))
-            return value
-        finally:
-            self.left = TorchGlobals()
-            if not (plan.here or self.left.as_written_by(plan.written, plan.before).same_as(plan.before)):
-                leave_worker()
+        """The shadow function on the plan's arguments (a fire drill's fault injected where it fires)."""
+        drill = self.drill
+        self.autocast = autocast_state()
+        if drill is not None and drill.kind == "exception":
+            self.drilled = True
+            drill.before_upstream()
+        args, kwargs = self.arguments
+        with keeping_no_activations(self.lean):
+            value = self.shadow_fn(*args, **kwargs)
+        if self.snapshot is not None:  # (taken on the isolation's stand-ins, before they are put back)
+            try:
+                value = self.snapshot(value, args, kwargs)
+            except Exception as exc:  # (the target's own code, never the shadow side's outcome)
+                raise IsolationFailed(f"the target's snapshot failed: {exc!r}") from exc
+        if drill is not None and drill.kind != "exception":
+            value, self.drilled = drill.corrupt(value, (args, kwargs))
+        return value
+
+    def settled(self, left: TorchGlobals) -> None:
+        """The settings the run left, taken on its thread (thread-local ones too) once it ended."""
+        self.left = left
 
 
 @dataclasses.dataclass
