@@ -767,6 +767,23 @@ def test_a_called_patch_no_evidence_speaks_for_is_named_with_what_could_give_it(
 
 
 @pytest.mark.slow
+def test_what_covers_a_called_patch_is_the_same_first_or_last(tmp_path):
+    """The verdict's first patch without evidence, torch.Tensor.type, was said to have no target ("--shadow-patch"):
+    its owner was looked up among the modules loaded, and the catalog's owners (torch) were imported only after.
+    The most called patch said first and the other after, in a process of its own as a user runs it, each names
+    what this process names for it."""
+    from shadow.analysis import census
+
+    record = journals.counts({"call": {"match": 40}}, target="data_parallel", calls={"call": 40}, timestamp=36_000.0)
+    called = {"event": "patch_calls", "timestamp": 36_000.0, **journals.process(),
+              "calls": {"torch.Tensor.type": 2_000_000, "torch.nn.functional.pad": 40_000}}  # fmt: skip
+    path = journals.write(tmp_path / "j.jsonl", [record, called])
+    silent = {p["patch"]: p["covered_by"] for p in _json("--journal", str(path))["patches_without_evidence"]}
+    assert silent == {name: census.covered_by(name) for name in called["calls"]}
+    assert silent["torch.Tensor.type"] == "target tensor_type", silent
+
+
+@pytest.mark.slow
 def test_a_patch_name_from_the_evidence_is_data_never_imported(tmp_path):
     """A name in a journal is looked up among the modules already loaded: naming a module imports nothing."""
     probe = tmp_path / "planted_by_a_journal.py"

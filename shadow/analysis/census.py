@@ -614,8 +614,9 @@ def covered_by(name: str) -> str:
     """What gives evidence about deleting the function patch ``name`` (:func:`coverage`), from its name alone: the
     target that shadows its place in this torch, else why nothing can, else :data:`NO_TARGET` with the setting that
     could (``--shadow-patch``)."""
+    shadowing = _shadowing()  # (first: the catalog's owners imported, every process looks among the same modules)
     owner, attribute = _loaded_owner(name)
-    shadowed = next((t for o, a, t in _shadowing() if owner is not None and o is owner and a == attribute), None)
+    shadowed = next((t for o, a, t in shadowing if owner is not None and o is owner and a == attribute), None)
     missing = owner is not None and inspect.getattr_static(owner, attribute, _MISSING) is _MISSING
     found = coverage(Patch(name, "", 0, "", "", kind=ADDITION if missing else FUNCTION, shadowed_by=shadowed))
     return f"{found} (npu-shadow run --shadow-patch {name})" if found == NO_TARGET else found
