@@ -38,6 +38,26 @@ def test_sampled_calls_run_upstream_on_a_room_kept_between_runs():
     assert len(rooms) == 1 and threading.current_thread() not in rooms and all(marked for _, marked in seen)
 
 
+def test_a_run_that_leaves_a_setting_of_its_thread_changed_ends_its_room():
+    """The settings a run left are read on its thread once it ended: upstream leaving autocast on there (a
+    thread-local setting: a difference of the call's) ends its room, and each next run gets another; the caller's
+    settings are untouched."""
+    seen = []
+
+    def upstream(x):
+        seen.append(threading.current_thread())
+        torch.set_autocast_enabled("cpu", True)  # (left so, on the shadow side's thread)
+        return x * 2
+
+    ops, target = fakes.op_target(upstream)
+    with shadow.install([target], sample_rate=1.0, budget=None) as monitor:
+        for _ in range(3):
+            ops.op(torch.ones(2))
+        assert monitor.stats()["op"].mismatch == 3
+    assert len(set(seen)) == 3 and threading.current_thread() not in seen
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_a_room_whose_run_raised_or_was_abandoned_is_not_used_again():
     """A run that raised may have left state of its own on its thread, an abandoned one is still busy: the next
     run gets another room, and never waits behind the abandoned one."""
