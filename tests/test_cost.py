@@ -20,6 +20,15 @@ from shadow.core.runs import deadline, sides
 from shadow.core.support import trees
 
 
+def _three_sampled_calls(upstream):
+    """The stats of three sampled calls, one after the other, of a target whose upstream is ``upstream``."""
+    ops, target = fakes.op_target(upstream)
+    with shadow.install([target], sample_rate=1.0, budget=None) as monitor:
+        for _ in range(3):
+            ops.op(torch.ones(2))
+        return monitor.stats()["op"]
+
+
 def test_sampled_calls_run_upstream_on_a_room_kept_between_runs():
     """Two sampled calls one after the other run upstream on the same thread (not the caller's), and it keeps no
     mark of the first run's between them."""
@@ -29,11 +38,7 @@ def test_sampled_calls_run_upstream_on_a_room_kept_between_runs():
         seen.append((threading.current_thread(), getattr(sides.marks, "shadow_side", None) is not None))
         return x * 2
 
-    ops, target = fakes.op_target(upstream)
-    with shadow.install([target], sample_rate=1.0, budget=None) as monitor:
-        for _ in range(3):
-            ops.op(torch.ones(2))
-        assert monitor.stats()["op"].match == 3
+    assert _three_sampled_calls(upstream).match == 3
     rooms = {thread for thread, _ in seen}  # (threads, not rooms: an ident is used again once its thread ended)
     assert len(rooms) == 1 and threading.current_thread() not in rooms and all(marked for _, marked in seen)
 
@@ -49,11 +54,7 @@ def test_a_run_that_leaves_a_setting_of_its_thread_changed_ends_its_room():
         torch.set_autocast_enabled("cpu", True)  # (left so, on the shadow side's thread)
         return x * 2
 
-    ops, target = fakes.op_target(upstream)
-    with shadow.install([target], sample_rate=1.0, budget=None) as monitor:
-        for _ in range(3):
-            ops.op(torch.ones(2))
-        assert monitor.stats()["op"].mismatch == 3
+    assert _three_sampled_calls(upstream).mismatch == 3
     assert len(set(seen)) == 3 and threading.current_thread() not in seen
     assert not torch.is_autocast_enabled("cpu")
 
