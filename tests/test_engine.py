@@ -247,6 +247,43 @@ def test_upstream_drawing_more_random_numbers_leaves_every_generator_where_legac
     assert monitor.stats()["op"].match == 1  # upstream's torch.rand(1) drew the same number as legacy's
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["no-cached-normal", "a-cached-normal"])
+def test_numpys_whole_state_is_where_legacy_left_it_its_cached_normal_too(cached):
+    """NumPy's legacy generator keeps the second of each pair of normals it draws (``has_gauss``, ``gauss``): an
+    upstream that takes that cached normal, or leaves one, moves no word of the key. Every run of the shadow side
+    ends with the state legacy left, the cache as it was, for as many runs as a call makes (A/A and backward runs
+    restore the same snapshot again)."""
+    import numpy as np
+
+    def legacy(x):
+        return x * 2
+
+    def upstream(x):
+        np.random.standard_normal()  # (the cache taken where there is one, else a pair drawn and one kept)
+        return x * 2
+
+    def state():
+        name, key, pos, has_gauss, gauss = np.random.get_state()
+        return name, key.tolist(), pos, has_gauss, gauss
+
+    def start():
+        np.random.seed(7)
+        if cached:
+            np.random.standard_normal()
+
+    start()
+    legacy(torch.ones(3, requires_grad=True)).sum().backward()
+    expected = state()
+    assert expected[3] == int(cached)
+    ops = make_ops(legacy)
+    start()
+    with shadow.install([Target("op", ops, "op", upstream)], sample_rate=1.0, aa_rate=1.0, backward_rate=1.0,
+                        seed=1) as monitor:  # fmt: skip
+        ops.op(torch.ones(3, requires_grad=True)).sum().backward()
+    assert state() == expected
+    assert monitor.stats()["op"].match == 1 and monitor.stats()["op"].backward_runs == 1
+
+
 class HookedExporter(Recorder):
     def __init__(self):
         super().__init__()

@@ -53,11 +53,12 @@ def _accelerator_rng_module() -> Any | None:
 class RngSnapshot:
     """The state of every generator a forward can draw from: Python, NumPy, torch CPU, accelerators."""
 
-    __slots__ = ("_accelerator", "_cpu", "_devices", "_numpy", "_python")
+    __slots__ = ("_accelerator", "_cpu", "_devices", "_numpy", "_numpy_written", "_python")
 
     def __init__(self) -> None:
         self._python = random.getstate()
         self._numpy = np.random.get_state()
+        self._numpy_written: tuple | None = None
         self._cpu = torch.get_rng_state()
         self._accelerator = _accelerator_rng_module()
         self._devices = None
@@ -82,7 +83,12 @@ class RngSnapshot:
 
     def restore(self) -> None:
         random.setstate(self._python)
-        np.random.set_state(self._numpy)
+        if self._numpy_written is None:
+            # (the same state with its key as a list of ints: NumPy's setter reads the key one element at a time,
+            # and a list's element costs it a twentieth of an array's; a snapshot is restored up to four times)
+            name, key, *rest = self._numpy
+            self._numpy_written = (name, key.tolist(), *rest)
+        np.random.set_state(self._numpy_written)
         torch.set_rng_state(self._cpu)
         if self._accelerator is None:
             return
