@@ -160,6 +160,39 @@ def test_global_torch_state_set_by_upstream_never_reaches_the_job(setting):
     assert monitor.stats()["op"].mismatch == 1 and monitor.stats()["op"].by_reason == {"state": 1}
 
 
+@pytest.mark.parametrize("setting", ["anomaly", "autocast_enabled", "default_dtype", "deterministic",
+                                     "matmul_precision", "printoptions"])  # fmt: skip
+def test_a_setting_upstreams_backward_changes_reaches_neither_legacys_next_run_nor_the_job(setting):
+    """The backward comparison's runs come one after another (legacy's own graph, upstream's products, legacy's
+    second graph for the gradients' floor, then the job's own backward): each run of legacy's backward sees the
+    settings legacy started from, whatever upstream's backward wrote before it, and so does the job's."""
+    change, read = GLOBAL_SETTERS[setting]
+    seen = []
+
+    class Doubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, writes):
+            ctx.writes = writes
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            if ctx.writes:
+                change()
+            else:
+                seen.append(read())
+            return grad * 2, None
+
+    ops = types.SimpleNamespace(op=lambda x: Doubled.apply(x, False))
+    target = Target("op", ops, "op", lambda x: Doubled.apply(x, True))
+    before = read()
+    with shadow.install([target], sample_rate=1.0, aa_rate=1.0, backward_rate=1.0, seed=1) as monitor:
+        ops.op(torch.ones(2, requires_grad=True)).sum().backward()
+        assert read() == before
+    assert seen == [before] * 3  # (legacy's two graphs, then the job's)
+    assert monitor.stats()["op"].backward_runs == 1
+
+
 MODULE_CHANGES = {
     "eval": lambda m: m.eval(),
     "register_buffer": lambda m: m[0].register_buffer("planted", torch.zeros(1)),

@@ -41,6 +41,7 @@ class ExtraRuns:
 
     def __init__(self, context: CallContext, plan: Plan, left_by_legacy: TorchGlobals) -> None:
         self.context, self.plan, self.left_by_legacy = context, plan, left_by_legacy
+        self._legacy_changed = not left_by_legacy.same_as(plan.before)
 
     def _run(
         self,
@@ -52,16 +53,24 @@ class ExtraRuns:
         """One run after the shadow run, the way every extra run is made: from the settings legacy started from,
         within ``on()`` (a context giving what the run is made on: an isolation slot's arguments, float64 copies;
         None: nothing to run, and None is returned), as one of ``side``'s runs (``backward``: a backward
-        comparison's), within the deadline; the settings legacy left are put back after, whatever happens."""
+        comparison's), within the deadline; the settings legacy left are put back after, whatever happens.
+
+        The run is on a worker: this thread's settings are legacy's before and after it, and a process-wide one the
+        run wrote is in ``plan.written``. So they are written here only where legacy changed one, a run of the call
+        wrote one, or this run did not end as planned."""
         context, plan, left_by_legacy = self.context, self.plan, self.left_by_legacy
-        context.record.put_back(plan.before)
+        if self._legacy_changed:
+            context.record.put_back(plan.before)
+        ran = None
         try:
             with on() as bound, shadow_run(side, backward=backward) as key:
                 if bound is None:
                     return None
-                return context.within_deadline(key, side, plan.before, lambda: run(bound), written=plan.written)
+                ran = context.within_deadline(key, side, plan.before, lambda: run(bound), written=plan.written)
+                return ran
         finally:
-            context.record.put_back(left_by_legacy, plan.written)
+            if self._legacy_changed or plan.written or ran is None or not ran.finished:
+                context.record.put_back(left_by_legacy, plan.written)
 
     def _guarded(
         self, kind: str, work: Callable[[], dict[str, Any] | None], **failed: Callable[[BaseException], Any]
