@@ -37,11 +37,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shadow.analysis import evidence, verdict
+from shadow.analysis import decisions, evidence, verdict
 from shadow.core.calls.record.held import MAX_PENDING
 from shadow.core.judging import noise
 
-MAX_RATE = verdict.DEFAULT_MAX_RATE
+MAX_RATE = decisions.DEFAULT_MAX_RATE
 SIGMAS = (0.5, 1.0, 1.5)
 AA_RATES = (0.05, 1.0)
 RATES = (0.001, 0.01, 0.05)

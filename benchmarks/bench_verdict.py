@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from exporters import JsonlExporter
-from shadow.analysis import sources, verdict
+from shadow.analysis import decisions, sources, verdict
 from shadow.core.model.observation import Observation
 
 GOAL_SECONDS = 30.0
@@ -52,7 +52,7 @@ def main() -> None:
         size = os.path.getsize(path)
         start = time.perf_counter()
         counts = sources.from_journal([path])
-        decision = verdict.decide("op", counts["op"], verdict.DEFAULT_MAX_RATE)
+        decision = verdict.decide("op", counts["op"], decisions.DEFAULT_MAX_RATE)
         seconds = time.perf_counter() - start
     assert decision.compared == args.comparisons // args.processes * args.processes
     print(

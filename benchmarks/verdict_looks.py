@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from shadow.analysis import evidence, verdict
+from shadow.analysis import decisions, evidence, verdict
 
 
 def _counts(k: int, n: int, clusters: float) -> evidence.TargetCounts:
@@ -38,7 +38,7 @@ def _counts(k: int, n: int, clusters: float) -> evidence.TargetCounts:
 
 def _windows() -> list[int]:
     """The recent windows, in minutes, of ``--recent`` as the verdict takes it by default."""
-    return [round(seconds / 60) for seconds in verdict.recent_windows(verdict.RECENT_SECONDS)]
+    return [round(seconds / 60) for seconds in verdict.recent_windows(decisions.RECENT_SECONDS)]
 
 
 def false_promotes(sequences: int, rate_of_max: float = 1.0, seed: int = 39) -> float:

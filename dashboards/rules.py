@@ -48,14 +48,14 @@ from dashboards.series import (
     SHADOW_TIME,
     SKIPPED,
 )
-from shadow.analysis import bounds, verdict
+from shadow.analysis import bounds, decisions, verdict
 from shadow.analysis.sources import promql
 from shadow.core.model.observation import DIVERGENT_OUTCOMES, NONRESPONSE_REASONS
 
 #: Every threshold, in one place.
 PARAMS: dict[str, Any] = {
     # the divergence rate the rollout tolerates (the error budget); `npu-shadow verdict --max-rate` default
-    "max_divergence": verdict.DEFAULT_MAX_RATE,
+    "max_divergence": decisions.DEFAULT_MAX_RATE,
     # comparisons a window must hold before a ratio alert may fire
     "min_samples": 100,
     "fast_burn": {"factor": verdict.BURN_RATE_FACTORS["fast burn"], "long": "30m", "short": "5m", "for": "1m"},
@@ -79,7 +79,7 @@ PARAMS: dict[str, Any] = {
 WINDOWS = ("5m", "15m", "30m", "1h", "2h", "6h")
 #: The verdict's recent windows (``verdict.recent_windows`` of its default ``--recent``), as rule windows.
 RECENT_WINDOWS = tuple(f"{round(seconds / 60)}m" if seconds < 3600 else f"{round(seconds / 3600)}h"
-                       for seconds in verdict.recent_windows(verdict.RECENT_SECONDS))  # fmt: skip
+                       for seconds in verdict.recent_windows(decisions.RECENT_SECONDS))  # fmt: skip
 Z95 = 1.6448536269514722  # one-sided 95%
 
 PHASE = "job, run, target, primary"
@@ -324,7 +324,7 @@ def _risky_uncovered() -> str:
     verdict counts them: another matching the same pattern covers none of its calls)."""
     from shadow.core.model.observation import BUILTIN_RISKY
 
-    needed = verdict.DEFAULT_MIN_PER_SIGNATURE
+    needed = decisions.DEFAULT_MIN_PER_SIGNATURE
     by, on = "group by (job, run, target)", "on (job, run, target)"
     by_signature, on_signature = "group by (job, run, target, signature)", "on (job, run, target, signature)"
     parts = []

@@ -2,10 +2,16 @@
 argparse meets another error first, no command at all, a Prometheus address without its scheme, an ambiguous
 variable, help that says a default twice."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from shadow.launcher import cli, config
 from shadow.launcher.commands import options
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _fails(capsys, *argv: str) -> str:
@@ -76,3 +82,16 @@ def test_the_linger_help_says_what_a_textfile_job_does() -> None:
     help_text = " ".join(config.SETTINGS["linger"].accepts.split())
     assert "0 with a Pushgateway" not in help_text
     assert "with a Pushgateway or textfile, which hold the final counts too, only where something scraped" in help_text
+
+
+@pytest.mark.slow
+def test_the_command_line_is_read_without_the_verdicts_statistics() -> None:
+    """Every command's options are known before the job starts, and reading them loads no statistics library: the
+    launcher of each ``npu-shadow run`` imported SciPy (a quarter of a second) for two defaults of the verdict's."""
+    probe = (
+        "import sys; from shadow.launcher import cli; cli.build_parser(); "
+        "print(sorted(m for m in ('scipy', 'torch', 'shadow.analysis.verdict') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

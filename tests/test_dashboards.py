@@ -213,7 +213,7 @@ def test_the_promotion_alert_decides_as_the_verdict_does_on_the_same_counts():
     same counts: the alert fires where the verdict promotes (clean, or a few value divergences in ample evidence)
     and nowhere else (pooled, under-sampled, skipped, never compared, rolled back, risky, a hard mismatch, a
     signature diverging on every call, too few clusters or gradient comparisons for the divergences seen)."""
-    from shadow.analysis import verdict
+    from shadow.analysis import decisions, verdict
     from shadow.core.model.targets import BUILTINS
 
     for spec in rule_cases.PROMOTION_CASES:
@@ -221,12 +221,12 @@ def test_the_promotion_alert_decides_as_the_verdict_does_on_the_same_counts():
         risky = BUILTINS[target]().risky_signatures if target in BUILTINS else ()
         windows = {
             verdict.recent_slice(seconds): _counts_at_eval(spec, round(seconds / 60))
-            for seconds in verdict.recent_windows(verdict.RECENT_SECONDS)
+            for seconds in verdict.recent_windows(decisions.RECENT_SECONDS)
         }
-        decision = verdict.decide(target, _counts_at_eval(spec), verdict.DEFAULT_MAX_RATE, risky, slices=windows)
+        decision = verdict.decide(target, _counts_at_eval(spec), decisions.DEFAULT_MAX_RATE, risky, slices=windows)
         assert (decision.decision == verdict.PROMOTE) == bool(spec.get("fires")), (spec["name"], decision.why)
         if spec.get("burst"):  # (the case is the recent windows': the whole history alone would promote)
-            alone = verdict.decide(target, _counts_at_eval(spec), verdict.DEFAULT_MAX_RATE, risky)
+            alone = verdict.decide(target, _counts_at_eval(spec), decisions.DEFAULT_MAX_RATE, risky)
             assert alone.decision == verdict.PROMOTE and decision.slices[0].decision == verdict.PROMOTE, alone.why
 
 

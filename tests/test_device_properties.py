@@ -192,7 +192,7 @@ def test_an_honest_job_under_nondeterministic_reductions_is_never_rolled_back(pr
     gradient floor every backward comparison was a ``grad`` mismatch)."""
     from fakes import counts_of
 
-    from shadow.analysis import verdict
+    from shadow.analysis import decisions, verdict
 
     properties("nondeterministic=1e-5")
     torch.manual_seed(0)
@@ -214,7 +214,7 @@ def test_an_honest_job_under_nondeterministic_reductions_is_never_rolled_back(pr
     assert stats.error == 0 and stats.noise >= 20 and stats.backward_runs >= 100, stats
     for evidence in ("forward", "gradients"):  # (judged, below the typical error or above it within the thresholds)
         assert checks.get(f"{evidence}/ab/below", 0) + checks.get(f"{evidence}/ab/within", 0) >= 20, checks
-    decided = verdict.decide("parallel_apply", counts_of(stats), verdict.DEFAULT_MAX_RATE)
+    decided = verdict.decide("parallel_apply", counts_of(stats), decisions.DEFAULT_MAX_RATE)
     assert decided.decision != verdict.ROLLBACK, decided.why
 
 

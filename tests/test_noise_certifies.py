@@ -20,7 +20,7 @@ from fakes import counts_of
 
 import shadow
 from exporters import JsonlExporter, PrometheusExporter
-from shadow.analysis import verdict
+from shadow.analysis import decisions, verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALLS, LOOK_EVERY, SIGMA, WRONG, SIZE = 20_000, 2_000, 1.5, 0.05, 20.0
@@ -93,7 +93,8 @@ def _run(target: shadow.Target, aa_rate: float, gradients: bool, exporters=(), l
                 out.sum().backward()
             if looks is not None and (call + 1) % LOOK_EVERY == 0:
                 monitor.flush()
-                looks.append(verdict.decide("jittery", counts_of(monitor.stats()["jittery"]), verdict.DEFAULT_MAX_RATE))
+                counts = counts_of(monitor.stats()["jittery"])
+                looks.append(verdict.decide("jittery", counts, decisions.DEFAULT_MAX_RATE))
         return monitor.stats()["jittery"]
 
 
@@ -163,7 +164,7 @@ def test_the_detection_limit_is_in_the_verdicts_text_and_json(tmp_path):
     decision = _verdict("--journal", str(journal))
     (phase,) = decision["phases"]
     assert decision["decision"] == verdict.INCONCLUSIVE and decision["detection_limit"] == phase["detection_limit"]
-    assert verdict.DEFAULT_MAX_RATE <= phase["detection_limit"] < 1 and "noise threshold" in decision["size_limit"]
+    assert decisions.DEFAULT_MAX_RATE <= phase["detection_limit"] < 1 and "noise threshold" in decision["size_limit"]
     assert "the noise hides what the max rate needs" in decision["why"]
     assert phase["sooner"].startswith("sooner: --aa-rate x")
     done = npu_shadow("verdict", "--journal", str(journal), timeout=300)

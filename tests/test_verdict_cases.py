@@ -617,7 +617,7 @@ def test_an_honest_job_whose_sides_jitter_alike_with_a_varying_spread_lands_beyo
     never called noise), as rare as legacy's own A/A runs beyond, and the verdict does not roll the job back."""
     import numpy as np
 
-    from shadow.analysis import evidence, verdict
+    from shadow.analysis import decisions, evidence, verdict
 
     jitter = _noise(np.random.default_rng(11), 1e-4, varying=True)
     stats = _shadowed_1500_calls(jitter, jitter, aa_rate=1.0)
@@ -632,7 +632,7 @@ def test_an_honest_job_whose_sides_jitter_alike_with_a_varying_spread_lands_beyo
     counts.add_reason("value", stats.mismatch)
     for key, value in checks.items():
         counts.add_noise(*key.split("/"), value)
-    decided = verdict.decide("op", counts, verdict.DEFAULT_MAX_RATE)
+    decided = verdict.decide("op", counts, decisions.DEFAULT_MAX_RATE)
     assert decided.decision != verdict.ROLLBACK and decided.detection_limit > 0, decided.why
 
 

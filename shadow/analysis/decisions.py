@@ -15,6 +15,10 @@ PROMOTE, ROLLBACK, INCONCLUSIVE = "promote", "rollback", "inconclusive"
 EXIT_CODES = {PROMOTE: 0, ROLLBACK: 1, INCONCLUSIVE: 3}
 #: How bad each decision is: the worst of several decides.
 SEVERITY = {PROMOTE: 0, INCONCLUSIVE: 1, ROLLBACK: 2}
+DEFAULT_MAX_RATE = 0.001  # the divergence rate a rollout tolerates; the alert rules' budget too
+DEFAULT_MIN_PER_SIGNATURE = 30  # comparisons each risky signature needs (--min-per-signature)
+#: The recent window every verdict also decides on (``--recent``; the sustained-burn alert's long window too).
+RECENT_SECONDS = 3600.0
 
 
 @dataclasses.dataclass(frozen=True)

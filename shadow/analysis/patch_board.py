@@ -44,9 +44,9 @@ def board(taken: census.Census, calls: Mapping[str, float], decisions: Mapping[s
 def decisions_of(counts: Mapping[str, TargetCounts], max_rate: float) -> dict[str, str]:
     """Each target's decision on ``counts`` (every run pooled) at ``max_rate``, with the built-in risky signatures
     and the verdict's defaults; a target that compared nothing has no evidence, never a decision."""
-    from shadow.analysis import verdict
+    from shadow.analysis import decisions, verdict
     from shadow.core.model.observation import BUILTIN_RISKY
 
     compared = {target: entry for target, entry in counts.items() if entry.compared > 0}
-    decided = verdict.decide_all(compared, max_rate, BUILTIN_RISKY, verdict.DEFAULT_MIN_PER_SIGNATURE)
+    decided = verdict.decide_all(compared, max_rate, BUILTIN_RISKY, decisions.DEFAULT_MIN_PER_SIGNATURE)
     return {d.target: d.decision for d in decided}

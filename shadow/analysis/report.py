@@ -16,7 +16,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from shadow.analysis import arms, charts, verdict
+from shadow.analysis import arms, charts, decisions, verdict
 from shadow.analysis.decisions import IDLE_CANARY, drill_note, idle_canaries, overall
 from shadow.analysis.evidence import TargetCounts
 from shadow.analysis.patch_evidence import Unspoken, unspoken
@@ -215,7 +215,7 @@ class Section:
 def build(
     evidence: Evidence,
     sources: Sequence[str],
-    max_rate: float = verdict.DEFAULT_MAX_RATE,
+    max_rate: float = decisions.DEFAULT_MAX_RATE,
     risky: Mapping[str, Iterable[str]] | None = None,
     min_per_signature: int = 30,
 ) -> tuple[str, list[Section]]:

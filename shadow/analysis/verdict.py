@@ -27,13 +27,12 @@ Decisions:
 - inconclusive otherwise, saying what more is needed.
 
 **Recent evidence and runs apart.** The whole pooled history is not the only witness: the last hour
-(:data:`RECENT_SECONDS`, ``--recent``) and, where several runs are pooled (``--all-runs``), each run are
-*slices* of the evidence, each decided on its own. Both the whole and every slice must allow promote (the worst
-decides): a slice that rolls back rolls the target back; one whose divergence rate is above the max rate, however
-little evidence it holds, holds promote as inconclusive. A slice never promotes on its own (an hour rarely holds
-the evidence to), so a clean history is not outvoted by a quiet hour, and ten clean hours do not hide a diverging
-one.
-"""
+(:data:`~shadow.analysis.decisions.RECENT_SECONDS`, ``--recent``) and, where several runs are pooled
+(``--all-runs``), each run are *slices* of the evidence, each decided on its own. Both the whole and every slice
+must allow promote (the worst decides): a slice that rolls back rolls the target back; one whose divergence rate is
+above the max rate, however little evidence it holds, holds promote as inconclusive. A slice never promotes on its
+own (an hour rarely holds the evidence to), so a clean history is not outvoted by a quiet hour, and ten clean hours
+do not hide a diverging one."""
 
 from __future__ import annotations
 
@@ -45,6 +44,7 @@ from typing import Any
 from shadow.analysis import bounds, eta, noise_verdict, strata
 from shadow.analysis.bounds import Prior, Stratum
 from shadow.analysis.decisions import (
+    DEFAULT_MIN_PER_SIGNATURE,
     INCONCLUSIVE,
     PROMOTE,
     ROLLBACK,
@@ -76,10 +76,6 @@ _UNCOVERED_WHY = {
     "ineligible": "the call cannot be run twice as the same call (a stream that cannot seek back; a forward that reads "
     "its own graph, the first time its signature is met)",
 }
-DEFAULT_MAX_RATE = 0.001  # the divergence rate a rollout tolerates; the alert rules' budget too
-DEFAULT_MIN_PER_SIGNATURE = 30  # comparisons each risky signature needs (--min-per-signature)
-#: The recent window every verdict also decides on (``--recent``; the sustained-burn alert's long window too).
-RECENT_SECONDS = 3600.0
 #: The recent windows decided, as fractions of ``--recent`` (an hour: its last hour, 15 and 5 minutes). A burst of
 #: a few minutes is diluted in an hour (ten minutes at 5x the max rate are 0.83x of it over the hour); each window
 #: sees the bursts of about its own length.

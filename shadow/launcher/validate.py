@@ -278,7 +278,7 @@ def check_noise(device: Device, sizes: Sizes) -> dict[str, Any]:
     import random
     import types
 
-    from shadow.analysis import evidence, verdict
+    from shadow.analysis import decisions, evidence, verdict
     from shadow.core.judging import noise
     from shadow.core.model.target import Target
 
@@ -305,7 +305,7 @@ def check_noise(device: Device, sizes: Sizes) -> dict[str, Any]:
                 for _ in range(calls):
                     owner.op(x, weight, grad)
                 stats = monitor.stats()["weight_gradient"]
-            decided = verdict.decide("weight_gradient", evidence.from_stats(stats), verdict.DEFAULT_MAX_RATE)
+            decided = verdict.decide("weight_gradient", evidence.from_stats(stats), decisions.DEFAULT_MAX_RATE)
             found[name] = {
                 "calls": calls, "decision": decided.decision, "detection_limit": decided.detection_limit,
                 "lower": decided.lower, "upper": decided.upper, "noise_checks": dict(stats.noise_checks),

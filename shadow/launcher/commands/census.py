@@ -11,7 +11,7 @@ from shadow.launcher.commands.options import EXIT_OK, EXIT_USAGE, Defaults, add_
 
 def add(commands: Any) -> None:
     """``npu-shadow census``."""
-    from shadow.analysis.verdict import DEFAULT_MAX_RATE
+    from shadow.analysis.decisions import DEFAULT_MAX_RATE
 
     count = commands.add_parser(
         "census",

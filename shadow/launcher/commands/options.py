@@ -100,7 +100,7 @@ def add_emulate_npu(parser: argparse.ArgumentParser, what: str) -> None:
 
 def add_evidence_options(parser: argparse.ArgumentParser, source: argparse._MutuallyExclusiveGroup) -> None:
     """The metrics sources and the decision's parameters, shared by verdict and report."""
-    from shadow.analysis.verdict import DEFAULT_MAX_RATE, RECENT_SECONDS
+    from shadow.analysis.decisions import DEFAULT_MAX_RATE, RECENT_SECONDS
 
     source.add_argument(
         "--prometheus", metavar="URL", type=prometheus_url,
