@@ -15,7 +15,7 @@ import fakes
 import numpy as np
 import pytest
 import torch
-from commands import npu_shadow
+from commands import npu_shadow_here
 from fakes import counts_of
 
 import shadow
@@ -99,7 +99,7 @@ def _run(target: shadow.Target, aa_rate: float, gradients: bool, exporters=(), l
 
 
 def _verdict(*source: str) -> dict:
-    done = npu_shadow("verdict", *source, "--format", "json", timeout=300)
+    done = npu_shadow_here("verdict", *source, "--format", "json")
     assert done.returncode in (0, 1, 3), done.stderr
     (decision,) = [d for d in json.loads(done.stdout)["targets"] if d["target"] == "jittery"]
     return decision
@@ -167,6 +167,6 @@ def test_the_detection_limit_is_in_the_verdicts_text_and_json(tmp_path):
     assert decisions.DEFAULT_MAX_RATE <= phase["detection_limit"] < 1 and "noise threshold" in decision["size_limit"]
     assert "the noise hides what the max rate needs" in decision["why"]
     assert phase["sooner"].startswith("sooner: --aa-rate x")
-    done = npu_shadow("verdict", "--journal", str(journal), timeout=300)
+    done = npu_shadow_here("verdict", "--journal", str(journal))
     assert f"legacy phase: detection limit {phase['detection_limit']:.3g}" in done.stdout, done.stdout
     assert "sooner: --aa-rate x" in done.stdout

@@ -8,7 +8,7 @@ import types
 
 import pytest
 import torch
-from commands import npu_shadow
+from commands import npu_shadow, npu_shadow_here
 from fakes import Recorder
 from metrics_helpers import samples, total
 from prometheus_client import CollectorRegistry, generate_latest
@@ -214,7 +214,8 @@ def test_the_launcher_says_the_run_first_and_every_process_of_the_job_shares_it(
 
 
 def _run_verdict(*args):
-    return npu_shadow("verdict", "--format", "json", *args, timeout=120)
+    """``npu-shadow verdict --format json ARGS``, in this process (what it decides is the subject here)."""
+    return npu_shadow_here("verdict", "--format", "json", *args)
 
 
 def _compared(done):

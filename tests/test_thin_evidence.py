@@ -11,17 +11,17 @@ import time
 
 import journals
 import pytest
-from commands import npu_shadow
+from commands import npu_shadow_here
 from fakes import Recorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def verdict_cli(*args: str) -> subprocess.CompletedProcess:
-    return npu_shadow("verdict", *args, timeout=120)
+    """``npu-shadow verdict ARGS``, in this process: these tests are of what it decides and says."""
+    return npu_shadow_here("verdict", *args)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("timestamp", [None, "yesterday", float("nan"), float("inf")])
 def test_a_count_record_whose_timestamp_is_not_a_finite_number_is_a_source_error_naming_it(tmp_path, timestamp):
     """It ended in a TypeError (or ValueError) traceback with exit 1, the rollback code."""
@@ -78,7 +78,6 @@ def _verdict_json(*args: str) -> dict:
     return json.loads(done.stdout)
 
 
-@pytest.mark.slow
 def test_gradient_mismatches_are_rated_over_the_calls_that_had_a_backward_run(tmp_path):
     """100,000 comparisons, 5,000 of them with a backward run (the launcher's 0.05), 50 of those gradients
     differing: 1% of the gradients, read as 0.05% of all comparisons and promoted at max rate 0.001."""
@@ -98,7 +97,6 @@ def test_gradient_mismatches_are_rated_over_the_calls_that_had_a_backward_run(tm
     assert gradients["lower"] > 0.001
 
 
-@pytest.mark.slow
 def test_the_real_engines_gradient_evidence_reaches_the_verdict_alike_from_journals_and_metrics(tmp_path):
     """A legacy whose weight gradient is scaled (the forward bitwise equal), compared backward on a tenth of the
     calls: the gradients' own phase holds those calls, all divergent, from either source."""
@@ -232,7 +230,6 @@ def _jitter(x):
     return x + 1e-3 * torch.as_tensor(signs, dtype=x.dtype)
 
 
-@pytest.mark.slow
 def test_an_honest_jittering_job_at_the_launchers_defaults_never_counts_a_mismatch(tmp_path):
     """Before the noise floor had its A/A runs, every value difference was a mismatch: an honest job whose two
     sides jitter alike rolled back from its metrics and paged at start, at every process start."""
@@ -290,7 +287,6 @@ def test_a_value_difference_the_floor_never_could_judge_is_a_skip_never_agreemen
 # --------------------------------------------------------------------------- proxies replaced by the real thing
 
 
-@pytest.mark.slow
 def test_each_risky_signature_taken_needs_its_own_comparisons_not_its_patterns(tmp_path):
     """A risky signature with calls never compared (every sampled call skipped for memory) was passed because
     another signature matching the same pattern had been compared often enough."""
@@ -313,7 +309,6 @@ def test_each_risky_signature_taken_needs_its_own_comparisons_not_its_patterns(t
     assert "risky signature torch_npu_name/noncurrent/blocking compared 0 times, needs 30" in decided["why"]
 
 
-@pytest.mark.slow
 def test_a_rollback_in_metrics_stands_until_a_person_resets_it(tmp_path):
     """From a metrics file: a rollback stands (the verdict says rollback) until the resets counted match it."""
     import types
@@ -392,7 +387,6 @@ def _ranks_in_lockstep(tmp_path, monkeypatch, world_size: int, variable: str = "
     return from_journals, from_metrics
 
 
-@pytest.mark.slow
 def test_eight_ranks_in_lockstep_are_the_evidence_of_one_not_eight(tmp_path, monkeypatch):
     """Eight torchrun ranks that saw the same inputs counted as eight times one rank's evidence and promoted where
     one rank was inconclusive: a block of the job is one cluster however many ranks compare in it."""
@@ -442,7 +436,6 @@ def _minutes(
     return journals.write(path, records)
 
 
-@pytest.mark.slow
 def test_ten_clean_hours_do_not_hide_an_hour_at_five_times_the_max_rate(tmp_path):
     """Ten clean hours then an hour at 5x the max rate promoted on the pooled history (its rate 0.45x the max):
     the last hour is decided too, and it rolls back."""
@@ -464,7 +457,6 @@ def test_ten_clean_hours_do_not_hide_an_hour_at_five_times_the_max_rate(tmp_path
     assert whole_only["decision"] == "promote" and whole_only["targets"][0]["slices"] == []
 
 
-@pytest.mark.slow
 def test_a_quiet_recent_hour_never_outvotes_a_clean_history(tmp_path):
     """The last hour alone holds too little evidence to promote: it allows promote, it does not hold it back."""
     path = _minutes(tmp_path / "j.jsonl", 660, 660, 0.0, pids=range(2))
@@ -475,7 +467,6 @@ def test_a_quiet_recent_hour_never_outvotes_a_clean_history(tmp_path):
     assert target["decision"] == "promote"
 
 
-@pytest.mark.slow
 def test_a_divergent_hour_held_back_below_significance_waits(tmp_path):
     """A recent hour whose rate is above the max rate without evidence to roll back holds promote as
     inconclusive."""
@@ -488,7 +479,6 @@ def test_a_divergent_hour_held_back_below_significance_waits(tmp_path):
     assert target["decision"] == "inconclusive" and "promote waits until it is not" in target["why"]
 
 
-@pytest.mark.slow
 def test_two_runs_pooled_are_each_decided_and_the_worst_decides(tmp_path):
     """Two jobs pooled (--all-runs), one of them 5% divergent, promoted on the pooled rate: each run is a slice,
     and the divergent one rolls the target back."""
@@ -502,7 +492,6 @@ def test_two_runs_pooled_are_each_decided_and_the_worst_decides(tmp_path):
     assert decided["decision"] == "rollback" and target["why"].startswith("run bad, legacy phase")
 
 
-@pytest.mark.slow
 def test_two_runs_pooled_from_a_metrics_file_are_each_decided(tmp_path):
     lines = ["# TYPE npu_shadow_comparisons_total counter", "# TYPE npu_shadow_clusters_total counter"]
     for run, (matched, diverged, clusters) in {"clean": (600_000, 0, 6_000), "bad": (28_500, 1_500, 300)}.items():
@@ -521,7 +510,6 @@ def test_two_runs_pooled_from_a_metrics_file_are_each_decided(tmp_path):
     assert decided["decision"] == "rollback"
 
 
-@pytest.mark.slow
 def test_a_signature_that_always_diverges_rolls_back_on_its_own_whatever_its_share(tmp_path):
     """One signature at 1e-5 of the calls, diverging on each of its 30 comparisons: it widened every signature's
     joint bound (promote needed some 144,000 comparisons) and the verdict stayed inconclusive; its own bound decides
@@ -542,7 +530,6 @@ def test_a_signature_that_always_diverges_rolls_back_on_its_own_whatever_its_sha
     assert bounds.lower_bound(30, 30, bounds.ALPHA / 2) > 0.001  # (the independent check of its own bound)
 
 
-@pytest.mark.slow
 def test_a_signature_with_a_few_divergences_among_many_is_left_to_the_joint_bound(tmp_path):
     record = journals.counts(
         {"common": {"match": 20_000}, "rare": {"match": 9_999, "mismatch": 1}},
@@ -574,7 +561,6 @@ def _drill_then_clean(path, drill_minutes: int, clean_minutes: int) -> pathlib.P
     return journals.write(path, records)
 
 
-@pytest.mark.slow
 def test_a_fire_drill_followed_by_clean_evidence_is_set_aside_and_the_clean_evidence_decides(tmp_path):
     """A ten-minute fire drill followed by clean evidence stayed inconclusive (or rolled back) for good."""
     path = _drill_then_clean(tmp_path / "j.jsonl", 10, 60)
@@ -586,7 +572,6 @@ def test_a_fire_drill_followed_by_clean_evidence_is_set_aside_and_the_clean_evid
     assert (target["compared"], target["divergent"], target["drill_set_aside"]) == (120_000, 0, 1_000)
 
 
-@pytest.mark.slow
 def test_a_fire_drill_still_drilling_is_rehearsed_not_set_aside(tmp_path):
     path = _drill_then_clean(tmp_path / "j.jsonl", 10, 0)
     done = verdict_cli("--journal", str(path), "--max-rate", "0.01")

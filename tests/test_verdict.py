@@ -1,21 +1,18 @@
 """The verdict at its edges, and the command on saved expositions and journals."""
 
-import contextlib
-import io
 import json
 import subprocess
 import sys
 
 import journals
 import pytest
-from commands import npu_shadow
+from commands import npu_shadow, npu_shadow_here
 from scipy.stats import beta
 
 from shadow.analysis import bounds, verdict
 from shadow.analysis.decisions import overall
 from shadow.analysis.evidence import TargetCounts
 from shadow.analysis.verdict import INCONCLUSIVE, PROMOTE, ROLLBACK, decide
-from shadow.launcher import cli
 
 MAX = 0.001
 
@@ -105,13 +102,7 @@ npu_shadow_mismatches_total{target="op",reason="dtype"} 0
 
 def run_verdict(*args):
     """The command in this process (one test below runs it as a real process)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main(["verdict", *args])
-        except SystemExit as exc:  # argparse's usage errors
-            code = exc.code
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    return npu_shadow_here("verdict", *args)
 
 
 @pytest.mark.slow

@@ -34,7 +34,6 @@ def _source_error(done, *words: str) -> None:
 # --------------------------------------------------------------------------- 7: count records that cannot be
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("field", ["timestamp", "mono"])
 def test_a_time_of_ten_to_the_400_is_a_source_error_naming_it_not_a_traceback(tmp_path, field):
     """An integer too large for a float ended in OverflowError with exit 1, the rollback code."""
@@ -44,7 +43,6 @@ def test_a_time_of_ten_to_the_400_is_a_source_error_naming_it_not_a_traceback(tm
     _source_error(verdict_cli("--journal", str(path)), f"whose {field} is an integer of 1329 bits")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -59,7 +57,6 @@ def test_a_span_a_journal_cannot_have_is_refused_never_silently_ignored(tmp_path
     _source_error(verdict_cli("--journal", str(path), *args), *words)
 
 
-@pytest.mark.slow
 def test_a_span_that_ends_before_it_starts_is_refused():
     done = verdict_cli("--prometheus", "http://127.0.0.1:9", "--start", "200", "--end", "100")
     _source_error(done, "--start (200) is after --end (100)")
@@ -132,7 +129,6 @@ def test_a_run_that_ended_hours_ago_is_judged_on_its_own_last_hour(tmp_path):
 # --------------------------------------------------------------------------- 3: a burst younger than an hour
 
 
-@pytest.mark.slow
 def test_a_ten_minute_burst_after_ten_clean_hours_is_not_promoted(tmp_path):
     """64 processes x 10 clean hours, their last 10 minutes at 5x the max rate: the last hour diluted the burst to
     0.87x the max rate, and the run promoted. The last 15 and 5 minutes are decided too."""
@@ -259,7 +255,6 @@ def test_clusters_come_at_most_sixty_per_process_hour_however_short_the_process(
     assert "at this evidence's rate, 60 clusters per process-hour" in decided.why, decided.why
 
 
-@pytest.mark.slow
 def test_one_run_gives_one_evidence_rate_from_its_journal_and_its_metrics(tmp_path):
     """The journal's process time was its first count record to its last, the metrics' the time under the monitor:
     one short run said 152 clusters per process-hour from one source and 249 from the other. Count records now carry
@@ -408,7 +403,6 @@ def _build(command: str = "0123456789ab", restart: str = "0", run: str = "job-1"
             "restart": restart}  # fmt: skip
 
 
-@pytest.mark.slow
 def test_a_metrics_file_scraped_after_a_restart_never_promotes(tmp_path):
     """A canary rolled back, its process restarted (counters back at 0), then 10,000 clean clusters: the scrape
     after the restart promoted. A moment of a restarted job cannot see the rollback before it."""
@@ -443,7 +437,6 @@ def _began(run_start: float, started: float) -> str:
     )
 
 
-@pytest.mark.slow
 def test_a_metrics_file_of_processes_begun_after_their_run_never_promotes_alone(tmp_path):
     """A pod restarted (no launcher counted it: restart="0") after a rollback, then 10,000 clean clusters: the file
     promoted over the rollback it cannot see. It says when its processes began and when their run did."""
@@ -502,7 +495,6 @@ def test_a_command_id_is_the_same_for_every_rank_and_differs_between_jobs():
 # --------------------------------------------------------------------------- 7: two jobs under one run id
 
 
-@pytest.mark.slow
 def test_two_jobs_under_one_run_id_are_refused_from_a_metrics_file_never_pooled(tmp_path):
     """Two jobs sharing a run id were pooled: a job diverging at 5% beside a clean one was promoted with it."""
     path = tmp_path / "m.prom"
@@ -512,7 +504,6 @@ def test_two_jobs_under_one_run_id_are_refused_from_a_metrics_file_never_pooled(
     )
 
 
-@pytest.mark.slow
 def test_two_jobs_under_one_run_id_are_refused_from_journals(tmp_path):
     records = []
     for pid, command in ((1, "aaaaaaaaaaaa"), (2, "bbbbbbbbbbbb")):
@@ -527,7 +518,6 @@ def test_two_jobs_under_one_run_id_are_refused_from_journals(tmp_path):
 # --------------------------------------------------------------------------- 2: ranks from every launcher
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variable", ["SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
 def test_ranks_started_by_srun_or_mpirun_are_the_evidence_of_one_rank(tmp_path, monkeypatch, variable):
     """The rank share read only WORLD_SIZE, which srun and mpirun do not set: 8 ranks that saw the same inputs
@@ -671,7 +661,6 @@ def test_a_rollback_never_reset_holds_over_any_window_a_reader_picks(tmp_path, w
         assert decided["decision"] == "rollback" and "rolled back in a running job" in target["why"], target["why"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "clusters, seconds, words",
     [(500_000, 480 * 60, "more than its comparisons"), (4_800, 480 * 60, "blocks its processes' 28,800 s allow")],
@@ -740,7 +729,6 @@ def test_prometheus_with_impossible_clusters_is_capped_as_journals_are(tmp_path)
 # --------------------------------------------------------------------------- 5: called patches without evidence
 
 
-@pytest.mark.slow
 def test_a_called_patch_no_evidence_speaks_for_is_named_with_what_could_give_it(tmp_path):
     """Journals counted 2,000,000 calls of a patch no target shadows: the verdict promoted the one shadowed target
     and said nothing of the patch. The verdict (text and JSON) and the report name it, with --shadow-patch."""
@@ -778,7 +766,9 @@ def test_what_covers_a_called_patch_is_the_same_first_or_last(tmp_path):
     called = {"event": "patch_calls", "timestamp": 36_000.0, **journals.process(),
               "calls": {"torch.Tensor.type": 2_000_000, "torch.nn.functional.pad": 40_000}}  # fmt: skip
     path = journals.write(tmp_path / "j.jsonl", [record, called])
-    silent = {p["patch"]: p["covered_by"] for p in _json("--journal", str(path))["patches_without_evidence"]}
+    done = npu_shadow("verdict", "--journal", str(path), "--format", "json", timeout=120)
+    assert done.returncode in (0, 1, 3), done.stderr
+    silent = {p["patch"]: p["covered_by"] for p in json.loads(done.stdout)["patches_without_evidence"]}
     assert silent == {name: census.covered_by(name) for name in called["calls"]}
     assert silent["torch.Tensor.type"] == "target tensor_type", silent
 

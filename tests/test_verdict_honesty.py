@@ -17,7 +17,7 @@ import journals
 import numpy as np
 import pytest
 import torch
-from commands import npu_shadow
+from commands import npu_shadow, npu_shadow_here
 from scipy.optimize import brentq
 from scipy.stats import beta, mannwhitneyu
 
@@ -54,7 +54,8 @@ def strata_counts(strata: dict[str, tuple[int, int, int]], primary: str = "legac
 
 
 def verdict_cli(*args: str) -> subprocess.CompletedProcess:
-    return npu_shadow("verdict", *args, timeout=300)
+    """``npu-shadow verdict ARGS``, in this process: these tests are of what it decides and says."""
+    return npu_shadow_here("verdict", *args)
 
 
 # --------------------------------------------------------------------------- the statistic itself
@@ -647,7 +648,6 @@ def test_looking_every_1000_comparisons_promotes_at_most_5_percent_at_the_max_ra
     assert promoted_ours <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / sequences)
 
 
-@pytest.mark.slow
 def test_the_verdict_says_its_bounds_are_anytime_valid(tmp_path):
     path = journals.write(tmp_path / "j.jsonl", _processes(3, 100), all_outcomes=False)
     assert "anytime-valid 95%" in verdict_cli("--journal", str(path)).stdout
@@ -656,7 +656,6 @@ def test_the_verdict_says_its_bounds_are_anytime_valid(tmp_path):
 # --------------------------------------------------------------------------- 8 and 10. clusters
 
 
-@pytest.mark.slow
 def test_a_record_without_its_process_is_refused(tmp_path):
     """5,000 comparisons in one process (inconclusive), plus one record without pid: the old verdict dropped
     clustering for the whole target and promoted."""
@@ -725,7 +724,6 @@ def test_a_journal_without_every_outcome_counts_every_comparison_and_weights_as_
     assert j.rate == pytest.approx(m.rate) == pytest.approx(10 / 4000) and j.weighted and m.weighted
 
 
-@pytest.mark.slow
 def test_a_journal_that_cannot_count_every_comparison_is_refused(tmp_path):
     """Mismatch lines only (no count record, no header saying every outcome is there): the old verdict read 10 of 10
     divergent and said rollback."""
