@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from commands import npu_shadow
+from commands import npu_shadow, npu_shadow_here
 from scipy.stats import mannwhitneyu
 from torch.utils.data import DataLoader, TensorDataset
 from torch_npu_wheels import wheel
@@ -224,11 +224,11 @@ def test_a_dataloader_canary_runs_both_arms_and_the_verdict_reports_legacys_affi
     assert sorted(r["arm"] for r in arms) == ["legacy"] * 3 + ["upstream"] * 3
     assert all(r["workers_bound"] for r in arms if r["arm"] == "legacy")
     assert not any(r["workers_bound"] for r in arms if r["arm"] == "upstream")
-    verdict = npu_shadow("verdict", "--journal", str(journal), timeout=120)
+    verdict = npu_shadow_here("verdict", "--journal", str(journal))
     line = next(line for line in verdict.stdout.splitlines() if line.startswith("dataloader_init"))
     assert "canary A/B" in line and "affinity differs: legacy's workers run on cores" in line, verdict.stdout
     assert "throughput" in line and "batches equal for 3 seed(s)" in line
-    from_metrics = npu_shadow("verdict", "--metrics-file", str(tmp_path / "metrics.prom"), timeout=120)
+    from_metrics = npu_shadow_here("verdict", "--metrics-file", str(tmp_path / "metrics.prom"))
     line = next(line for line in from_metrics.stdout.splitlines() if line.startswith("dataloader_init"))
     assert (
         "affinity differs: workers bound to fewer cores than the process had in 3 of 3 legacy iterators, 0 of 3 "

@@ -9,7 +9,7 @@ import types
 import faults
 import pytest
 import torch
-from commands import npu_shadow
+from commands import npu_shadow_here
 from fakes import Recorder
 from torch import nn
 
@@ -207,7 +207,6 @@ def _scaled_in_half(x):
     return (x.half() * 3.14159).to(x.dtype)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("dtype", "legacy", "upstream", "expected"),
     [
@@ -242,7 +241,7 @@ def test_a_truth_run_tells_which_side_is_nearer_float64(tmp_path, dtype, legacy,
             assert (errors[0] < errors[1]) == (expected == "legacy"), errors
     lines = [json.loads(line) for line in journal.read_text().splitlines()]
     assert [line["nearer"] for line in lines if line.get("nearer")] == [expected] * 4
-    said = npu_shadow("verdict", "--journal", str(journal), "--min-per-signature", "1", timeout=120)
+    said = npu_shadow_here("verdict", "--journal", str(journal), "--min-per-signature", "1")
     assert said.returncode in (0, 1, 3), said.stderr
     if expected == "differs-in-float64":
         assert "the two code paths differ in float64 too in 4" in said.stdout, said.stdout
@@ -304,7 +303,6 @@ def _truth_journal(tmp_path, calls=4):
     return journal
 
 
-@pytest.mark.slow
 def test_the_verdict_shows_per_signature_which_side_is_nearer_and_by_how_much(tmp_path):
     """From the journal's count records (every truth run) and, with the CLI, as a line under the decision."""
 
@@ -316,7 +314,7 @@ def test_the_verdict_shows_per_signature_which_side_is_nearer_and_by_how_much(tm
     assert (summary.signature, summary.upstream, summary.legacy, summary.tie) == ("call", 4, 0, 0)
     assert summary.decade is not None and summary.decade <= -2  # (float32 against its digits lost: decades apart)
     assert decision.divergent == 4  # (shown beside the decision, never folded into it)
-    printed = npu_shadow("verdict", "--journal", str(journal)).stdout
+    printed = npu_shadow_here("verdict", "--journal", str(journal)).stdout
     assert "float64 truth, call: upstream nearer in 4 of 4, legacy nearer in 0, tie 0 (upstream's error ~10^" in (
         printed
     ), printed

@@ -10,7 +10,7 @@ import types
 
 import pytest
 import torch
-from commands import npu_shadow
+from commands import npu_shadow_here
 
 import shadow
 from shadow.core.model import targets as builtin
@@ -317,14 +317,13 @@ def test_the_cluster_window_can_only_widen_the_bound(tmp_path):
     assert decided[0.5].decision == decided[60].decision == verdict.INCONCLUSIVE
 
 
-@pytest.mark.slow
 def test_the_verdict_names_its_statistic_and_effective_sample_size(tmp_path):
 
     path = _journal(tmp_path / "j.jsonl", 40, 10)
-    done = npu_shadow("verdict", "--journal", str(path), "--cluster-window", "120", timeout=120)
+    done = npu_shadow_here("verdict", "--journal", str(path), "--cluster-window", "120")
     assert "legacy phase: rate 0 over 20.0 effective comparisons (one stratum)" in done.stdout
     assert "20 clusters (process x 120 s blocks from its start), each counted as one comparison" in done.stdout
-    bad = npu_shadow("verdict", "--journal", str(path), "--cluster-window", "-1", timeout=120)
+    bad = npu_shadow_here("verdict", "--journal", str(path), "--cluster-window", "-1")
     assert bad.returncode == 2 and "--cluster-window" in bad.stderr
 
 
@@ -489,7 +488,7 @@ def test_a_suite_ab_finds_the_difference_compiled_code_hides_from_call_level_sha
         "test/passed->failed",
     )
     assert "assert device(type='npu', index=1) == device(type='npu', index=0)" in changed["detail"]
-    verdict = npu_shadow("verdict", "--journal", str(journal), timeout=120)
+    verdict = npu_shadow_here("verdict", "--journal", str(journal))
     assert verdict.returncode == 1 and "suite_ab" in verdict.stdout and "hard mismatches: 1 exception" in verdict.stdout
 
 
@@ -507,7 +506,6 @@ def test_an_exception_divergence_shows_both_sides_however_long_legacys_text():
     assert found.detail.endswith("; upstream raised TypeError: upstream: 'torch_npu.npu.HalfTensor' is not a type")
 
 
-@pytest.mark.slow
 def test_a_fire_drill_is_named_in_the_verdict_and_the_report(tmp_path):
 
     import journals
@@ -516,18 +514,11 @@ def test_a_fire_drill_is_named_in_the_verdict_and_the_report(tmp_path):
         journals.line("mismatch", drill=True, detail="(drill) value 1 of 4 differs " + "x" * 400) for _ in range(3)
     ] + [journals.line("match", drill=False)] * 10
     journal = journals.write(tmp_path / "j.jsonl", lines)
-    verdict = npu_shadow("verdict", "--journal", str(journal), timeout=120)
+    verdict = npu_shadow_here("verdict", "--journal", str(journal))
     assert "FIRE DRILL: 3 comparisons carry synthetic divergence injected by a fire drill (op)" in verdict.stdout
     assert verdict.stdout.rstrip().endswith("- a FIRE DRILL")
-    report = npu_shadow(
-        "report",
-        "--journal",
-        str(journal),
-        "--html",
-        str(tmp_path / "r.html"),
-        "--markdown",
-        str(tmp_path / "r.md"),
-        timeout=120,
+    report = npu_shadow_here(
+        "report", "--journal", str(journal), "--html", str(tmp_path / "r.html"), "--markdown", str(tmp_path / "r.md")
     )
     assert report.returncode == 0, report.stderr
     markdown = (tmp_path / "r.md").read_text()

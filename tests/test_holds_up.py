@@ -10,7 +10,7 @@ import types
 
 import pytest
 import torch
-from commands import npu_shadow
+from commands import npu_shadow, npu_shadow_here
 from fakes import Recorder
 
 import shadow
@@ -136,16 +136,15 @@ def test_a_rate_beyond_any_float_is_a_value_error_naming_the_setting(make, setti
     assert len(str(caught.value)) < 200  # the number is not printed whole
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("max_rate", ["1e-310", "5e-324"])
 def test_the_verdict_takes_a_tiny_max_rate(tmp_path, max_rate):
     import journals
 
     journal = journals.write(tmp_path / "j.jsonl", [journals.line()])
-    done = npu_shadow("verdict", "--journal", str(journal), "--max-rate", max_rate)
+    done = npu_shadow_here("verdict", "--journal", str(journal), "--max-rate", max_rate)
     assert done.returncode == 3, done.stderr  # inconclusive, with a number of comparisons still needed
     assert "more than any job makes: more clusters" in done.stdout
-    assert npu_shadow("verdict", "--journal", str(journal), "--max-rate", "1e400").returncode == 2
+    assert npu_shadow_here("verdict", "--journal", str(journal), "--max-rate", "1e400").returncode == 2
 
 
 # --------------------------------------------------------------------------- 3. restore failures
@@ -325,7 +324,6 @@ def test_a_full_disk_loses_whole_lines_counted_and_the_journal_stays_readable(tm
     assert counts["op"].compared == (40 if final_counts else written)
 
 
-@pytest.mark.slow
 def test_readers_skip_and_count_a_torn_final_line(tmp_path):
     import journals
 
@@ -337,7 +335,7 @@ def test_readers_skip_and_count_a_torn_final_line(tmp_path):
     torn = []
     assert sources.from_journal([str(journal)], torn)["op"].compared == 3
     assert torn == [f"{journal}:5"]
-    done = npu_shadow("verdict", "--journal", str(journal))
+    done = npu_shadow_here("verdict", "--journal", str(journal))
     assert done.returncode == 3 and "skipped 1 torn line" in done.stderr
     journal.write_text("a line that never was a record\n" + whole)  # not a journal
     with pytest.raises(sources.SourceError, match=r"j\.jsonl:1"):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from commands import npu_shadow
+from commands import npu_shadow, npu_shadow_here
 from metrics_helpers import samples, total
 from prometheus_server import consecutive_free_ports, free_port, prometheus
 from torch_npu_wheels import wheel
@@ -273,7 +273,7 @@ def test_fire_drill_gives_rollback_and_leaves_the_job_alone(plain_run, tmp_path)
     assert_same_weights(out, weights)
     parsed = samples(textfile.read_text())
     assert total(parsed, "npu_shadow_drill_active") == 1
-    verdict = npu_shadow("verdict", "--metrics-file", str(textfile))
+    verdict = npu_shadow_here("verdict", "--metrics-file", str(textfile))
     # (a dtype drill: hard mismatches, a rollback however few clusters a short job's comparisons fall in)
     assert verdict.returncode == 1 and "rollback" in verdict.stdout and "FIRE DRILL" in verdict.stdout, verdict.stdout
     # (the summary says how many comparisons the drill reached: a cast to its own dtype returns its input)
@@ -370,7 +370,7 @@ def test_example_job_on_two_emulated_npus_shadows_all_three_targets_and_is_uncha
     for kind in ("npu_name", "npu_class"):
         assert compared("tensor_type", lambda s, kind=kind: s.startswith(kind + "/")) == EMULATED_STEPS, kind
     assert total(parsed, "npu_shadow_comparisons_total", target="tensor_type", outcome="mismatch") == 0
-    verdict = npu_shadow("verdict", "--metrics-file", str(textfile))
+    verdict = npu_shadow_here("verdict", "--metrics-file", str(textfile))
     assert verdict.returncode == 3  # honest: far too few comparisons to promote
     # every risky signature is named with its coverage: the job casts on the current npu only, one replica never
     # (those it called with their coverage; those it never called, as not exercised by this job)

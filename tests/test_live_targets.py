@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from commands import npu_shadow
+from commands import npu_shadow, npu_shadow_here
 from conftest import installed
 from torch_npu_wheels import wheel
 
@@ -420,7 +420,7 @@ def test_under_the_launcher_the_job_gets_legacys_results_and_the_evidence_names_
         ("torch_load", "match", ()),
         ("torch_save", "match", ()),
     }
-    verdict = npu_shadow("verdict", "--journal", str(journal), "--format", "json")
+    verdict = npu_shadow_here("verdict", "--journal", str(journal), "--format", "json")
     decided = {t["target"]: (t["decision"], t["divergent"]) for t in json.loads(verdict.stdout)["targets"]}
     assert decided["module_npu"] == ("rollback", 1) and decided["module_to"] == ("rollback", 1)
     assert decided["torch_load"] == ("inconclusive", 0)
@@ -478,7 +478,7 @@ def test_an_optimizer_on_an_older_soc_shows_what_deleting_the_foreach_patch_turn
         line["reasons"] == ["custom"]
         and "turns the foreach (multi-tensor) optimizer kernels on for npu" in (line["detail"])
     )
-    verdict = npu_shadow("verdict", "--journal", str(journal))
+    verdict = npu_shadow_here("verdict", "--journal", str(journal))
     row = next(r for r in verdict.stdout.splitlines() if r.startswith("foreach_devices"))
     assert "rollback" in row and "hard mismatches: 1 custom (deleting the patch changes whether the optimizers" in row
 
