@@ -235,7 +235,6 @@ def _two_runs_journal(tmp_path, monkeypatch):
     return path
 
 
-@pytest.mark.slow
 def test_two_runs_in_one_journal_are_named_never_mixed_and_each_is_decided_alone(tmp_path, monkeypatch):
     """Two successive runs with one job label were mixed: a report said 29,164 compared beside a 14,643 run."""
     path = _two_runs_journal(tmp_path, monkeypatch)
@@ -246,7 +245,7 @@ def test_two_runs_in_one_journal_are_named_never_mixed_and_each_is_decided_alone
     assert _compared(_run_verdict("--journal", str(path), "--all-runs")) == {"op": 100}
     missing = _run_verdict("--journal", str(path), "--run", "third")
     assert missing.returncode == 2 and "no evidence of run 'third'" in missing.stderr
-    report = npu_shadow("report", "--journal", str(path), "--run", "bravo-9", timeout=120)
+    report = npu_shadow_here("report", "--journal", str(path), "--run", "bravo-9")
     assert report.returncode == 0, report.stderr
     assert "| run | bravo-9 |" in report.stdout and "alpha-7" not in report.stdout
 
