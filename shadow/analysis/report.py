@@ -217,7 +217,7 @@ def build(
     sources: Sequence[str],
     max_rate: float = decisions.DEFAULT_MAX_RATE,
     risky: Mapping[str, Iterable[str]] | None = None,
-    min_per_signature: int = 30,
+    min_per_signature: int = decisions.DEFAULT_MIN_PER_SIGNATURE,
 ) -> tuple[str, list[Section]]:
     """(overall decision, sections) for the evidence."""
     decisions = verdict.decide_all(evidence.counts, max_rate, risky or {}, min_per_signature, evidence.slices)

@@ -85,7 +85,7 @@ class RngSnapshot:
         random.setstate(self._python)
         if self._numpy_written is None:
             # (the same state with its key as a list of ints: NumPy's setter reads the key one element at a time,
-            # and a list's element costs it a twentieth of an array's; a snapshot is restored up to four times)
+            # and a list's element costs it a twentieth of an array's; a call restores one snapshot once per run)
             name, key, *rest = self._numpy
             self._numpy_written = (name, key.tolist(), *rest)
         np.random.set_state(self._numpy_written)

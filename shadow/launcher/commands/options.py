@@ -100,7 +100,7 @@ def add_emulate_npu(parser: argparse.ArgumentParser, what: str) -> None:
 
 def add_evidence_options(parser: argparse.ArgumentParser, source: argparse._MutuallyExclusiveGroup) -> None:
     """The metrics sources and the decision's parameters, shared by verdict and report."""
-    from shadow.analysis.decisions import DEFAULT_MAX_RATE, RECENT_SECONDS
+    from shadow.analysis.decisions import DEFAULT_MAX_RATE, DEFAULT_MIN_PER_SIGNATURE, RECENT_SECONDS
 
     source.add_argument(
         "--prometheus", metavar="URL", type=prometheus_url,
@@ -129,7 +129,10 @@ def add_evidence_options(parser: argparse.ArgumentParser, source: argparse._Mutu
         help="journals and --prometheus: the last this many seconds are decided too, and must allow promote as the "
         "whole history must (0: the whole history only)",
     )
-    parser.add_argument("--min-per-signature", type=count, default=30, help="comparisons each risky signature needs")
+    parser.add_argument(
+        "--min-per-signature", type=count, default=DEFAULT_MIN_PER_SIGNATURE,
+        help="comparisons each risky signature needs",
+    )  # fmt: skip
     parser.add_argument(
         "--cluster-window",
         type=seconds,
